@@ -1,0 +1,68 @@
+"""Server settings: one frozen dataclass, and every ZMQ address derived from it."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def default_profile_dir() -> str:
+    """Env SGLANG_TORCH_PROFILER_DIR, else a fixed directory under the system temp dir."""
+    return os.environ.get("SGLANG_TORCH_PROFILER_DIR") or os.path.join(
+        tempfile.gettempdir(), "sglang_admin_profiles"
+    )
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    """Every resolved setting of one server instance."""
+
+    model_path: str | None = None  # None: the embedded default model
+    served_model_name: str | None = None
+    tokenizer_path: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 30000
+    dp_size: int = 1
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # auto | float32 | float16 | bfloat16
+    max_total_tokens: int | None = None  # KV pool size per rank; None: derived
+    max_running_requests: int = 64
+    max_prefill_tokens: int = 4096  # prompt tokens prefilled in one step (chunked beyond)
+    context_length: int | None = None  # None: the model's
+    log_level: str = "info"
+    log_requests: bool = False
+    load_balance_method: str = "least_loaded"  # least_loaded | round_robin
+    api_key: str | None = None
+    admin_api_key: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+    profile_dir: str = field(default_factory=default_profile_dir)
+    profile_max_bytes: int = 1 << 30
+    otlp_traces_endpoint: str | None = None
+    grace_period_s: float = 10.0
+    coalesce_reads: bool = True
+    seed: int = 0
+    ipc_dir: str = ""  # set by launch: a fresh private directory per instance
+
+    def scheduler_addr(self, rank: int) -> str:
+        """Where rank `rank` receives requests (it binds, the server connects)."""
+        return f"ipc://{self.ipc_dir}/scheduler-{rank}"
+
+    @property
+    def server_addr(self) -> str:
+        """Where the server receives every rank's outputs (it binds, ranks connect)."""
+        return f"ipc://{self.ipc_dir}/server"
+
+    def replace(self, **changes: Any) -> ServerArgs:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every setting, secrets masked (for GetServerInfo)."""
+        out = dataclasses.asdict(self)
+        for key in ("api_key", "admin_api_key"):
+            out[key] = "***" if out[key] else None
+        return out

@@ -1,0 +1,263 @@
+"""Typed messages that cross the server <-> scheduler process boundary.
+
+Every message is a slotted dataclass. The codec packs a message as a msgpack extension
+whose code is the message's index in a closed registry, so only the types listed in
+``_REGISTRY`` can be decoded (no pickle, no arbitrary classes). Nested messages (a
+``SamplingParams`` inside a ``GenerateReq``) travel the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+TraceCarrier = dict[str, str]
+
+
+# ---------------------------------------------------------------- server -> scheduler
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Normalized sampling parameters (proto zeros already mapped to SGLang defaults)."""
+
+    temperature: float = 0.0  # 0 is greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1: no limit
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logit_bias: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature <= 0.0 or self.top_k == 1
+
+
+@dataclass(slots=True)
+class GenerateReq:
+    """A tokenized generation request for one rank."""
+
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    stream: bool = False
+    deadline: float | None = None  # absolute time.time(); None: no deadline
+    trace: TraceCarrier = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class AbortReq:
+    """Abort a request; its KV slots are freed at the next step."""
+
+    rid: str
+    reason: str = "aborted"
+
+
+@dataclass(slots=True)
+class FlushCacheReq:
+    rid: str
+    timeout_s: float = 0.0
+    deadline: float | None = None
+    trace: TraceCarrier = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class StartProfileReq:
+    rid: str
+    output_dir: str
+    profile_id: str
+    start_step: int | None = None
+    num_steps: int | None = None
+    activities: list[str] = field(default_factory=list)
+    with_stack: bool = True
+    record_shapes: bool = True
+    profile_by_stage: bool = False
+    profile_stages: list[str] = field(default_factory=list)
+    merge_profiles: bool = False
+    max_bytes: int = 0  # 0: no cap
+    deadline: float | None = None
+    trace: TraceCarrier = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class StopProfileReq:
+    rid: str
+    deadline: float | None = None
+    trace: TraceCarrier = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class StateReq:
+    """Ask a rank for its live state (health round trip, server info)."""
+
+    rid: str
+    deadline: float | None = None
+    trace: TraceCarrier = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class ShutdownReq:
+    rid: str = ""
+
+
+# ---------------------------------------------------------------- scheduler -> server
+
+
+@dataclass(slots=True)
+class RankState:
+    """What a rank reports about itself: memory, queues, cache, throughput, profiler."""
+
+    dp_rank: int
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    token_capacity: int = 0
+    num_used_tokens: int = 0
+    num_evictable_tokens: int = 0
+    cache_hit_rate: float = 0.0
+    gen_throughput: float = 0.0
+    profiler_state: str = "idle"
+    last_step_time_s: float = 0.0
+    forward_steps: int = 0
+    device: str = "cpu"
+    pid: int = 0
+    flush_pending: bool = False
+    num_waiting_uncached_tokens: int = 0
+    num_retracted_reqs: int = 0
+    max_running_requests: int = 0
+    weight_gb: float = 0.0
+    kv_cache_gb: float = 0.0
+    timestamp: float = 0.0
+
+
+@dataclass(slots=True)
+class ReadyMsg:
+    """A rank has loaded its model and is serving."""
+
+    dp_rank: int
+    pid: int
+    model_info: dict[str, Any]
+    state: RankState
+
+
+@dataclass(slots=True)
+class FailedMsg:
+    """A rank could not start (e.g. the model did not load)."""
+
+    dp_rank: int
+    error: str
+
+
+@dataclass(slots=True)
+class ReqOutput:
+    """One request's progress in one step: new tokens, and the finish when it finished."""
+
+    rid: str
+    new_token_ids: list[int]
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    matched_token_id: int | None = None
+    error: str | None = None  # set when the scheduler refused or dropped the request
+    error_code: str | None = None  # grpc StatusCode name for error
+
+
+@dataclass(slots=True)
+class BatchOutput:
+    """Every request update a rank produced in one step, in one message."""
+
+    dp_rank: int
+    outputs: list[ReqOutput]
+
+
+@dataclass(slots=True)
+class AdminReply:
+    """A rank's answer to an admin or state request, matched by rid."""
+
+    rid: str
+    dp_rank: int
+    success: bool
+    message: str = ""
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class StateUpdate:
+    """Published by a rank after steps that changed its state (drives GetLoads)."""
+
+    state: RankState
+
+
+@dataclass(slots=True)
+class KvEvents:
+    """Radix cache events of one step: ("stored", tokens, parent_hash, hash) etc."""
+
+    dp_rank: int
+    events: list[list[Any]]
+
+
+_REGISTRY: tuple[type, ...] = (
+    SamplingParams,
+    GenerateReq,
+    AbortReq,
+    FlushCacheReq,
+    StartProfileReq,
+    StopProfileReq,
+    StateReq,
+    ShutdownReq,
+    RankState,
+    ReadyMsg,
+    FailedMsg,
+    ReqOutput,
+    BatchOutput,
+    AdminReply,
+    StateUpdate,
+    KvEvents,
+)
+_CODES: dict[type, int] = {cls: code for code, cls in enumerate(_REGISTRY)}
+_FIELDS: tuple[tuple[str, ...], ...] = tuple(
+    tuple(f.name for f in dataclasses.fields(cls)) for cls in _REGISTRY
+)
+
+Message = Any  # one of the registered dataclasses
+
+
+def _default(obj: Any) -> msgpack.ExtType:
+    code = _CODES.get(type(obj))
+    if code is None:
+        raise TypeError(f"type {type(obj).__name__} is not a registered message")
+    values = [getattr(obj, name) for name in _FIELDS[code]]
+    return msgpack.ExtType(code, msgpack.packb(values, default=_default, use_bin_type=True))
+
+
+def _ext_hook(code: int, data: bytes) -> Any:
+    if not 0 <= code < len(_REGISTRY):
+        raise ValueError(f"unknown message code {code}")
+    values = msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False)
+    return _REGISTRY[code](*values)
+
+
+def encode(msg: Message) -> bytes:
+    """Serialize a registered message."""
+    return msgpack.packb(msg, default=_default, use_bin_type=True)
+
+
+def decode(data: bytes) -> Message:
+    """Deserialize bytes made by :func:`encode`; raises on anything not registered."""
+    msg = msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False)
+    if type(msg) not in _CODES:
+        raise ValueError("payload is not a registered message")
+    return msg

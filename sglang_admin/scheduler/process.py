@@ -1,0 +1,349 @@
+"""One scheduler rank as a process: the event loop around Scheduler and ModelRunner.
+
+Loop: drain the inbox without blocking -> handle control messages -> schedule a batch ->
+forward + sample -> send outputs. It blocks on the inbox only when there is no work.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import zmq
+
+from sglang_admin.config import ServerArgs
+from sglang_admin.logging_utils import setup_logging
+from sglang_admin.messages import (
+    AbortReq,
+    AdminReply,
+    BatchOutput,
+    FailedMsg,
+    FlushCacheReq,
+    GenerateReq,
+    KvEvents,
+    RankState,
+    ReadyMsg,
+    ShutdownReq,
+    StartProfileReq,
+    StateReq,
+    StateUpdate,
+    StopProfileReq,
+    decode,
+    encode,
+)
+from sglang_admin.scheduler.scheduler import Batch, Scheduler, SchedulerConfig
+from sglang_admin.tracing import trace_id_of
+
+logger = logging.getLogger(__name__)
+
+STATE_PUBLISH_INTERVAL_S = 0.05
+IDLE_POLL_MS = 500
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when the server process dies (no orphans)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def run_scheduler(args: ServerArgs, rank: int, parent_pid: int) -> None:
+    """Entry point of a scheduler process (spawned by the server)."""
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server decides when we stop
+    setup_logging(args.log_level, prefix=f"rank{rank}")
+    ctx = zmq.Context(1)
+    inbox = ctx.socket(zmq.PULL)
+    inbox.bind(args.scheduler_addr(rank))
+    outbox = ctx.socket(zmq.PUSH)
+    outbox.setsockopt(zmq.LINGER, 2000)
+    outbox.connect(args.server_addr)
+    try:
+        loop = RankLoop(args, rank, inbox, outbox, parent_pid)
+    except Exception as exc:  # report a one-line reason to the server, then exit
+        logger.exception("rank %d failed to start", rank)
+        outbox.send(encode(FailedMsg(rank, f"{type(exc).__name__}: {exc}")))
+        outbox.close(linger=2000)
+        sys.exit(1)
+    loop.run()
+    outbox.close(linger=2000)
+    inbox.close(linger=0)
+    ctx.term()
+
+
+class RankLoop:
+    """State and event loop of one rank."""
+
+    def __init__(
+        self,
+        args: ServerArgs,
+        rank: int,
+        inbox: zmq.Socket,
+        outbox: zmq.Socket,
+        parent_pid: int,
+    ) -> None:
+        import torch
+
+        from sglang_admin.model.runner import ModelRunner
+        from sglang_admin.scheduler.profiler import Profiler
+
+        self.args, self.rank, self.inbox, self.outbox = args, rank, inbox, outbox
+        self.parent_pid = parent_pid
+        threads = max(1, (os.cpu_count() or 1) // args.dp_size)
+        torch.set_num_threads(threads)
+        torch.manual_seed(args.seed + rank)
+        self.runner = ModelRunner(
+            args.model_path,
+            device=args.device,
+            dtype=args.dtype,
+            max_total_tokens=args.max_total_tokens,
+            max_running_requests=args.max_running_requests,
+            context_length=args.context_length,
+            seed=args.seed,
+        )
+        info = self.runner.info
+        self.kv_events: list[list[Any]] = []
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                token_capacity=self.runner.token_capacity,
+                max_running_requests=args.max_running_requests,
+                max_prefill_tokens=args.max_prefill_tokens,
+                context_length=info.context_length,
+                eos_token_ids=tuple(info.eos_token_ids),
+            ),
+            on_kv_event=self.kv_events.append,
+        )
+        self.profiler = Profiler(rank, str(self.runner.device))
+        self.forward_steps = 0
+        self.last_step_time = 0.0
+        self.last_state_sent = 0.0
+        self.last_state_key: tuple = ()
+        self.pending_flush: FlushCacheReq | None = None
+        self.flush_deadline = 0.0
+        self.running = True
+        model_info = info.to_dict()
+        model_info["token_capacity"] = self.runner.token_capacity
+        model_info["kv_cache_bytes"] = self.runner.kv_cache_bytes
+        model_info["device"] = str(self.runner.device)
+        self.send(ReadyMsg(rank, os.getpid(), model_info, self.state()))
+        logger.info(
+            "rank %d ready: %s on %s, %d KV tokens",
+            rank, info.model_path, self.runner.device, self.runner.token_capacity,
+        )
+
+    # ------------------------------------------------------------------ io
+
+    def send(self, msg: Any) -> None:
+        self.outbox.send(encode(msg), copy=False)
+
+    def state(self) -> RankState:
+        s = self.scheduler
+        return RankState(
+            dp_rank=self.rank,
+            num_running_reqs=len(s.running),
+            num_waiting_reqs=len(s.waiting),
+            token_capacity=s.allocator.capacity,
+            num_used_tokens=s.num_used_tokens,
+            num_evictable_tokens=s.cache.evictable_size,
+            cache_hit_rate=s.cache_hit_rate,
+            gen_throughput=s.gen_throughput(),
+            profiler_state=self.profiler.state,
+            last_step_time_s=self.last_step_time,
+            forward_steps=self.forward_steps,
+            device=str(self.runner.device),
+            pid=os.getpid(),
+            flush_pending=self.pending_flush is not None,
+            num_waiting_uncached_tokens=s.waiting_uncached_tokens(),
+            num_retracted_reqs=s.num_retracted,
+            max_running_requests=s.config.max_running_requests,
+            weight_gb=self.runner.weight_bytes / 2**30,
+            kv_cache_gb=self.runner.kv_cache_bytes / 2**30,
+            timestamp=time.time(),
+        )
+
+    def publish_state(self, force: bool = False) -> None:
+        s = self.scheduler
+        key = (len(s.running), len(s.waiting), s.num_used_tokens, self.profiler.state,
+               self.pending_flush is not None)
+        now = time.monotonic()
+        if force or (key != self.last_state_key and now - self.last_state_sent
+                     >= STATE_PUBLISH_INTERVAL_S) or now - self.last_state_sent >= 1.0:
+            self.last_state_key = key
+            self.last_state_sent = now
+            self.send(StateUpdate(self.state()))
+
+    # ------------------------------------------------------------------ loop
+
+    def run(self) -> None:
+        while self.running:
+            busy = not self.scheduler.is_idle or self.pending_flush is not None
+            self.drain_inbox(block=not busy and not self.profiler.needs_ticks)
+            if not self.running:
+                break
+            self.check_flush()
+            batch = self.scheduler.schedule()
+            if batch is not None:
+                self.step(batch)
+            outputs = self.scheduler.take_outputs()
+            if outputs:
+                self.send(BatchOutput(self.rank, outputs))
+            self.flush_kv_events()
+            self.publish_state(force=batch is None and bool(outputs))
+            if os.getppid() != self.parent_pid:
+                logger.error("server process is gone; rank %d exits", self.rank)
+                break
+
+    def drain_inbox(self, block: bool) -> None:
+        timeout = IDLE_POLL_MS if block else 0
+        if block and self.pending_flush is not None:
+            timeout = 10
+        while True:
+            if timeout and not self.inbox.poll(timeout):
+                self.publish_state()
+                return
+            try:
+                data = self.inbox.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            timeout = 0
+            self.handle(decode(data.bytes))
+
+    def step(self, batch: Batch) -> None:
+        from sglang_admin.model.runner import SeqInput
+
+        seqs = [
+            SeqInput(
+                req_idx=sp.req.req_idx,
+                prefix_len=sp.start,
+                token_ids=sp.req.fill_ids[sp.start : sp.end],
+                table_start=sp.table_start,
+                table_slots=sp.req.slots[sp.table_start : sp.end],
+                sampling=sp.req.sampling,
+                prompt_ids=sp.req.prompt_ids,
+                output_ids=sp.req.output_ids,
+                sample=sp.sample,
+                return_logprob=sp.req.return_logprob,
+                top_logprobs_num=sp.req.top_logprobs_num,
+            )
+            for sp in batch.spans
+        ]
+        stage = "decode" if batch.is_decode else "prefill"
+        self.profiler.before_step(stage)
+        t0 = time.perf_counter()
+        results = self.runner.forward_step(seqs)
+        self.last_step_time = time.perf_counter() - t0
+        self.forward_steps += 1
+        finished_profile = self.profiler.after_step(stage)
+        tokens = [r.token_id if r is not None else None for r in results]
+        logprobs = [r.logprob if r is not None else None for r in results]
+        tops = [r.top_logprobs if r is not None else None for r in results]
+        outputs = self.scheduler.postprocess(batch, tokens, logprobs, tops)
+        if outputs:
+            self.send(BatchOutput(self.rank, outputs))
+        if finished_profile is not None:
+            logger.info("profile finished by itself: %s", finished_profile)
+
+    def flush_kv_events(self) -> None:
+        if self.kv_events:
+            events, self.kv_events[:] = list(self.kv_events), []
+            self.send(KvEvents(self.rank, events))
+
+    # ------------------------------------------------------------------ messages
+
+    def handle(self, msg: Any) -> None:
+        if isinstance(msg, GenerateReq):
+            trace_id = trace_id_of(msg.trace)
+            if self.args.log_requests:
+                logger.info(
+                    "generate rid=%s prompt_tokens=%d max_new_tokens=%d%s",
+                    msg.rid, len(msg.input_ids), msg.sampling.max_new_tokens,
+                    f" trace_id={trace_id}" if trace_id else "",
+                )
+            self.scheduler.add_request(msg, trace_id)
+        elif isinstance(msg, AbortReq):
+            self.scheduler.abort(msg.rid, msg.reason)
+        elif isinstance(msg, StateReq):
+            self.reply(msg.rid, True, "", {"state": self.state()}, msg.trace, "state")
+        elif isinstance(msg, FlushCacheReq):
+            self.on_flush(msg)
+        elif isinstance(msg, StartProfileReq):
+            ok, text = self.profiler.start(msg)
+            self.reply(msg.rid, ok, text, {}, msg.trace, "start_profile")
+        elif isinstance(msg, StopProfileReq):
+            ok, text, files = self.profiler.stop()
+            self.reply(msg.rid, ok, text, {"files": files}, msg.trace, "stop_profile")
+        elif isinstance(msg, ShutdownReq):
+            self.running = False
+        else:
+            logger.warning("rank %d ignores unexpected message %s", self.rank, type(msg).__name__)
+
+    def reply(
+        self, rid: str, ok: bool, text: str, data: dict[str, Any], trace: dict[str, str], op: str
+    ) -> None:
+        if self.args.log_requests:
+            trace_id = trace_id_of(trace)
+            logger.info(
+                "%s rid=%s success=%s%s%s", op, rid, ok,
+                f" message={text!r}" if text else "",
+                f" trace_id={trace_id}" if trace_id else "",
+            )
+        self.send(AdminReply(rid, self.rank, ok, text, data))
+
+    # ------------------------------------------------------------------ flush
+
+    def on_flush(self, msg: FlushCacheReq) -> None:
+        if self.pending_flush is not None:
+            self.reply(msg.rid, False, "Another flush_cache is already in progress.", {},
+                       msg.trace, "flush_cache")
+            return
+        if self.scheduler.is_idle:
+            self.do_flush(msg)
+            return
+        if msg.timeout_s <= 0:
+            s = self.scheduler
+            self.reply(
+                msg.rid, False,
+                "Cache not flushed because there are pending requests. "
+                f"#queue-req: {len(s.waiting)}, #running-req: {len(s.running)}",
+                {"num_waiting_reqs": len(s.waiting), "num_running_reqs": len(s.running)},
+                msg.trace, "flush_cache",
+            )
+            return
+        self.pending_flush = msg
+        self.flush_deadline = time.monotonic() + msg.timeout_s
+        self.scheduler.admission_paused = True
+        self.publish_state(force=True)
+
+    def check_flush(self) -> None:
+        msg = self.pending_flush
+        if msg is None:
+            return
+        if not self.scheduler.running:
+            # Idle apart from requests that arrived while we waited: they wait for the flush.
+            waiting = list(self.scheduler.waiting)
+            self.scheduler.waiting.clear()
+            try:
+                self.do_flush(msg)
+            finally:
+                self.scheduler.waiting.extend(waiting)
+        elif time.monotonic() > self.flush_deadline:
+            self.reply(msg.rid, False, "Timed out waiting for idle state.", {}, msg.trace,
+                       "flush_cache")
+        else:
+            return
+        self.pending_flush = None
+        self.scheduler.admission_paused = False
+
+    def do_flush(self, msg: FlushCacheReq) -> None:
+        freed = self.scheduler.flush()
+        self.runner.reset()
+        self.reply(msg.rid, True, "Cache flushed successfully", {"tokens_freed": freed},
+                   msg.trace, "flush_cache")
+        self.publish_state(force=True)

@@ -1,0 +1,431 @@
+"""The batching policy of one rank: continuous batching over a radix-cached KV pool.
+
+No torch here. Two calls drive it, as in nano-vllm: :meth:`Scheduler.schedule` picks the
+work of the next forward step (a :class:`Batch` of per-request token spans) and
+:meth:`Scheduler.postprocess` takes the sampled tokens back, finishes requests and
+returns what to send to the server. Everything about memory (slot allocation, prefix
+reuse, eviction, retraction) happens here, so it can be tested with a fake model.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from sglang_admin.messages import GenerateReq, ReqOutput, SamplingParams
+from sglang_admin.scheduler.kv_pool import TokenAllocator
+from sglang_admin.scheduler.radix_cache import RadixCache, TreeNode
+
+logger = logging.getLogger(__name__)
+
+THROUGHPUT_WINDOW_S = 5.0
+
+
+@dataclass(eq=False)
+class Req:
+    """A request's life inside one rank."""
+
+    rid: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    deadline: float | None = None
+    trace_id: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)  # KV slots of the first kv_len tokens
+    kv_len: int = 0  # tokens whose KV is in the pool
+    cached_len: int = 0  # of `slots`, the prefix owned by the radix tree (locked)
+    cached_tokens: int = -1  # reported prompt tokens served from cache (first admission)
+    last_node: TreeNode | None = None
+    req_idx: int = -1  # row in the model's request-to-token table
+    table_synced: int = 0  # entries of `slots` already written into that row
+    aborted: str | None = None  # reason, once an abort arrived
+    retractions: int = 0
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    sent_tokens: int = 0  # output tokens already reported
+    sent_logprobs: int = 0
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """Every token of the sequence so far: prompt then output."""
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+
+@dataclass
+class Span:
+    """The work of one request in one step: run tokens [start, end) of its sequence."""
+
+    req: Req
+    start: int
+    end: int
+    table_start: int
+    sample: bool
+
+
+@dataclass
+class Batch:
+    spans: list[Span]
+
+    @property
+    def is_decode(self) -> bool:
+        return all(s.end - s.start == 1 for s in self.spans)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.end - s.start for s in self.spans)
+
+
+@dataclass
+class SchedulerConfig:
+    token_capacity: int
+    max_running_requests: int
+    max_prefill_tokens: int
+    context_length: int
+    eos_token_ids: tuple[int, ...]
+    disable_radix_cache: bool = False
+
+
+class Scheduler:
+    """Waiting queue, running set, radix cache and allocator of one rank."""
+
+    def __init__(self, config: SchedulerConfig, on_kv_event=None) -> None:
+        self.config = config
+        self.allocator = TokenAllocator(config.token_capacity)
+        self.cache = RadixCache(
+            self.allocator, on_event=on_kv_event, disable=config.disable_radix_cache
+        )
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.by_rid: dict[str, Req] = {}
+        self.free_rows: list[int] = list(range(config.max_running_requests - 1, -1, -1))
+        self.eos = frozenset(config.eos_token_ids)
+        self.admission_paused = False  # set while a flush waits for idle
+        self.pending_outputs: list[ReqOutput] = []  # made outside postprocess (abort, expiry)
+        self.num_retracted = 0
+        self.reset_counters()
+
+    # ------------------------------------------------------------------ state
+
+    def reset_counters(self) -> None:
+        self.prompt_tokens_total = 0
+        self.cached_tokens_total = 0
+        self.generated: deque[tuple[float, int]] = deque()
+
+    @property
+    def is_idle(self) -> bool:
+        return not self.running and not self.waiting
+
+    @property
+    def num_used_tokens(self) -> int:
+        return self.allocator.capacity - self.allocator.available
+
+    @property
+    def cache_hit_rate(self) -> float:
+        if not self.prompt_tokens_total:
+            return 0.0
+        return self.cached_tokens_total / self.prompt_tokens_total
+
+    def gen_throughput(self, now: float | None = None) -> float:
+        """Generated tokens per second over the recent window."""
+        now = time.monotonic() if now is None else now
+        while self.generated and self.generated[0][0] < now - THROUGHPUT_WINDOW_S:
+            self.generated.popleft()
+        if not self.generated:
+            return 0.0
+        span = max(now - self.generated[0][0], 1e-3)
+        return sum(n for _, n in self.generated) / max(span, 1.0)
+
+    def waiting_uncached_tokens(self) -> int:
+        return sum(r.seq_len - r.kv_len for r in self.waiting)
+
+    # ------------------------------------------------------------------ inputs
+
+    def add_request(self, msg: GenerateReq, trace_id: str = "") -> None:
+        """Queue a request (the server validated it); duplicates are refused."""
+        if msg.rid in self.by_rid:
+            self.pending_outputs.append(
+                _error(msg.rid, "ALREADY_EXISTS", f"request_id {msg.rid!r} is already in flight")
+            )
+            return
+        if len(msg.input_ids) >= self.config.token_capacity:
+            self.pending_outputs.append(
+                _error(
+                    msg.rid,
+                    "INVALID_ARGUMENT",
+                    f"prompt of {len(msg.input_ids)} tokens does not fit the KV pool "
+                    f"of {self.config.token_capacity} tokens",
+                )
+            )
+            return
+        req = Req(
+            rid=msg.rid,
+            prompt_ids=list(msg.input_ids),
+            sampling=msg.sampling,
+            return_logprob=msg.return_logprob,
+            top_logprobs_num=msg.top_logprobs_num,
+            deadline=msg.deadline,
+            trace_id=trace_id,
+        )
+        self.by_rid[req.rid] = req
+        self.waiting.append(req)
+
+    def abort(self, rid: str, reason: str = "aborted") -> None:
+        """Abort a request; running ones release their KV at the next schedule()."""
+        req = self.by_rid.get(rid)
+        if req is None:
+            return
+        if req in self.waiting:
+            self.waiting.remove(req)
+            self._finish(req, "abort", error=None)
+        else:
+            req.aborted = reason
+
+    # ------------------------------------------------------------------ schedule
+
+    def schedule(self) -> Batch | None:
+        """Pick the next step's work: every running request, then new admissions."""
+        now = time.time()
+        self._drop_aborted_and_expired(now)
+        budget = self.config.max_prefill_tokens
+        spans: list[Span] = []
+
+        # Running requests first: decode (1 token) or the next chunk of their prefill.
+        i = 0
+        while i < len(self.running):
+            req = self.running[i]
+            n = min(req.seq_len - req.kv_len, max(budget, 1))
+            if not self._reserve(req, n):
+                # Out of memory even after eviction: retract the newest running request.
+                victim = self.running[-1]
+                self._retract(victim)
+                spans = [s for s in spans if s.req is not victim]
+                if victim is req:
+                    continue
+                continue  # retry req with the freed memory
+            spans.append(self._span(req, n))
+            budget -= n if n > 1 else 0
+            i += 1
+
+        # Admissions, in arrival order, while the step has room.
+        while (
+            self.waiting
+            and not self.admission_paused
+            and budget > 0
+            and len(self.running) < self.config.max_running_requests
+        ):
+            req = self.waiting[0]
+            if not self._admit(req):
+                break
+            self.waiting.popleft()
+            n = min(req.seq_len - req.kv_len, budget)
+            if not self._reserve(req, n):
+                self._release(req)
+                self.waiting.appendleft(req)
+                break
+            self.running.append(req)
+            spans.append(self._span(req, n))
+            budget -= n
+        return Batch(spans) if spans else None
+
+    def _admit(self, req: Req) -> bool:
+        """Match the cached prefix, lock it and give the request a table row."""
+        seq = req.fill_ids
+        match = self.cache.match_prefix(seq[:-1])
+        need = len(seq) - len(match.slots)
+        # Keep one token of headroom per running request for their next decode step.
+        headroom = len(self.running) + 1
+        if self.allocator.available + self.cache.evictable_size - headroom < need:
+            if self.running:  # wait for running requests to finish and free memory
+                return False
+        if not self.free_rows:
+            return False
+        self.cache.inc_lock_ref(match.node)
+        req.last_node = match.node
+        req.slots = list(match.slots)
+        req.kv_len = req.cached_len = len(match.slots)
+        req.req_idx = self.free_rows.pop()
+        req.table_synced = 0
+        if req.cached_tokens < 0:  # first admission: account the prompt
+            req.cached_tokens = min(len(match.slots), len(req.prompt_ids))
+            self.prompt_tokens_total += len(req.prompt_ids)
+            self.cached_tokens_total += req.cached_tokens
+        return True
+
+    def _reserve(self, req: Req, n: int) -> bool:
+        """Allocate KV slots for the request's next n tokens, evicting cache if needed."""
+        slots = self.allocator.alloc(n)
+        if slots is None:
+            self.cache.evict(n - self.allocator.available)
+            slots = self.allocator.alloc(n)
+            if slots is None:
+                return False
+        req.slots.extend(slots)
+        return True
+
+    def _span(self, req: Req, n: int) -> Span:
+        start, end = req.kv_len, req.kv_len + n
+        table_start = req.table_synced
+        req.table_synced = end
+        return Span(req, start, end, table_start, sample=end == req.seq_len)
+
+    # ------------------------------------------------------------------ postprocess
+
+    def postprocess(
+        self,
+        batch: Batch,
+        tokens: list[int | None],
+        logprobs: list[float | None] | None = None,
+        top_logprobs: list[list[tuple[int, float]] | None] | None = None,
+    ) -> list[ReqOutput]:
+        """Take the sampled tokens of a step; finish requests; return the outputs to send."""
+        now = time.monotonic()
+        new_tokens = 0
+        for i, span in enumerate(batch.spans):
+            req = span.req
+            req.kv_len = span.end
+            token = tokens[i]
+            if token is None or req.aborted:
+                continue
+            req.output_ids.append(token)
+            new_tokens += 1
+            if req.return_logprob and logprobs is not None:
+                req.logprobs.append(float(logprobs[i] or 0.0))
+                if req.top_logprobs_num and top_logprobs is not None:
+                    req.top_logprobs.append(list(top_logprobs[i] or []))
+            self._check_finished(req, token)
+        if new_tokens:
+            self.generated.append((now, new_tokens))
+        outputs = self.pending_outputs
+        self.pending_outputs = []
+        for span in batch.spans:
+            req = span.req
+            if req.rid in self.by_rid and len(req.output_ids) > req.sent_tokens:
+                outputs.append(self._progress(req))
+        return outputs
+
+    def _check_finished(self, req: Req, token: int) -> None:
+        sp = req.sampling
+        n_out = len(req.output_ids)
+        if n_out >= sp.min_new_tokens:
+            if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos):
+                self._finish(req, "stop", matched=token)
+                return
+        if (
+            n_out >= sp.max_new_tokens
+            or req.seq_len >= self.config.context_length
+            or req.seq_len >= self.config.token_capacity
+        ):
+            self._finish(req, "length")
+
+    def _progress(self, req: Req) -> ReqOutput:
+        new = req.output_ids[req.sent_tokens :]
+        req.sent_tokens = len(req.output_ids)
+        lps = req.logprobs[req.sent_logprobs :]
+        tops = req.top_logprobs[req.sent_logprobs :]
+        req.sent_logprobs = len(req.logprobs)
+        return ReqOutput(
+            rid=req.rid,
+            new_token_ids=new,
+            prompt_tokens=len(req.prompt_ids),
+            completion_tokens=len(req.output_ids),
+            cached_tokens=max(req.cached_tokens, 0),
+            logprobs=lps,
+            top_logprobs=tops,
+        )
+
+    # ------------------------------------------------------------------ releasing
+
+    def _finish(
+        self, req: Req, reason: str, matched: int | None = None, error: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        """Release the request's memory and queue its final output."""
+        if req.req_idx >= 0:
+            self._release(req)
+            if req in self.running:
+                self.running.remove(req)
+        self.by_rid.pop(req.rid, None)
+        out = self._progress(req)
+        out.finish_reason = reason
+        out.matched_token_id = matched
+        out.error = error
+        out.error_code = code
+        self.pending_outputs.append(out)
+
+    def _release(self, req: Req) -> None:
+        """Hand the computed KV to the radix cache, free the rest, unlock, free the row."""
+        kv = req.kv_len
+        seq = req.fill_ids[:kv]
+        computed = req.slots[:kv]
+        if self.cache.disable:
+            self.allocator.free(req.slots[req.cached_len :])
+        else:
+            already = self.cache.insert(seq, computed)
+            if already > req.cached_len:
+                self.allocator.free(computed[req.cached_len : already])
+            self.allocator.free(req.slots[kv:])  # reserved but never computed
+        if req.last_node is not None:
+            self.cache.dec_lock_ref(req.last_node)
+            req.last_node = None
+        self.free_rows.append(req.req_idx)
+        req.req_idx = -1
+        req.slots = []
+        req.cached_len = req.kv_len = req.table_synced = 0
+
+    def _retract(self, req: Req) -> None:
+        """Put a running request back at the head of the queue; its KV stays cached."""
+        logger.info("retracting %s to free KV memory", req.rid)
+        self._release(req)
+        self.running.remove(req)
+        req.retractions += 1
+        self.num_retracted += 1
+        self.waiting.appendleft(req)
+
+    def _drop_aborted_and_expired(self, now: float) -> None:
+        for req in [r for r in self.running if r.aborted]:
+            self._finish(req, "abort")
+        for req in [r for r in self.running if r.deadline is not None and r.deadline < now]:
+            self._finish(req, "abort", error="deadline exceeded", code="DEADLINE_EXCEEDED")
+        expired = [r for r in self.waiting if r.deadline is not None and r.deadline < now]
+        for req in expired:
+            self.waiting.remove(req)
+            self._finish(
+                req, "abort", error="deadline exceeded while queued", code="DEADLINE_EXCEEDED"
+            )
+
+    def take_outputs(self) -> list[ReqOutput]:
+        """Outputs produced outside a step (aborts, refusals, expiries)."""
+        out, self.pending_outputs = self.pending_outputs, []
+        return out
+
+    # ------------------------------------------------------------------ flush
+
+    def flush(self) -> int:
+        """Reset the radix cache and the pool (only when idle). Returns tokens freed."""
+        assert self.is_idle, "flush needs an idle scheduler"
+        freed = self.cache.reset()
+        self.allocator.reset()
+        self.free_rows = list(range(self.config.max_running_requests - 1, -1, -1))
+        self.reset_counters()
+        return freed
+
+
+def _error(rid: str, code: str, message: str) -> ReqOutput:
+    return ReqOutput(
+        rid=rid,
+        new_token_ids=[],
+        prompt_tokens=0,
+        completion_tokens=0,
+        cached_tokens=0,
+        finish_reason="abort",
+        error=message,
+        error_code=code,
+    )

@@ -1,0 +1,285 @@
+"""The server's side of the ZMQ link to the scheduler ranks (zmq.asyncio).
+
+- Generate: a request goes to one rank; its outputs come back on a per-request queue
+  matched by request id.
+- Admin ops: one message to every rank under a fresh request id; the call waits for exactly
+  one reply per rank, matched by that id. A reply for a call that already gave up finds no
+  waiter and is dropped (and logged), so it can never be taken by the next call.
+- Ranks publish their state after steps; GetLoads reads it without a round trip.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from sglang_admin.config import ServerArgs
+from sglang_admin.messages import (
+    AbortReq,
+    AdminReply,
+    BatchOutput,
+    FailedMsg,
+    GenerateReq,
+    KvEvents,
+    RankState,
+    ReadyMsg,
+    ReqOutput,
+    ShutdownReq,
+    StateUpdate,
+    decode,
+    encode,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class RankUnavailable(Exception):
+    """The rank serving a call died or the server is shutting down."""
+
+
+@dataclass
+class _AdminCall:
+    ranks: tuple[int, ...]
+    replies: dict[int, AdminReply] = field(default_factory=dict)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass
+class _Stream:
+    rank: int
+    queue: asyncio.Queue
+
+
+class Communicator:
+    """Routes requests to ranks and results back to the calls waiting for them."""
+
+    def __init__(self, args: ServerArgs) -> None:
+        self.args = args
+        self.ctx = zmq.asyncio.Context()
+        self.inbox = self.ctx.socket(zmq.PULL)
+        self.inbox.bind(args.server_addr)
+        self.outboxes = []
+        for rank in range(args.dp_size):
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(args.scheduler_addr(rank))
+            self.outboxes.append(sock)
+        self.streams: dict[str, _Stream] = {}
+        self.calls: dict[str, _AdminCall] = {}
+        self.inflight = [0] * args.dp_size
+        self.rank_states: list[RankState | None] = [None] * args.dp_size
+        self.model_info: dict[str, Any] = {}
+        self.ready_ranks: set[int] = set()
+        self.ready = asyncio.Event()
+        self.startup_error: str | None = None
+        self.dead_ranks: dict[int, str] = {}
+        self.kv_subscribers: set[asyncio.Queue] = set()
+        self.last_receive_time = 0.0
+        self._rr = itertools.cycle(range(args.dp_size))
+        self._shared_reads: dict[str, asyncio.Future] = {}
+        self._reader: asyncio.Task | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+
+    async def close(self) -> None:
+        for rank, sock in enumerate(self.outboxes):
+            if rank not in self.dead_ranks:
+                try:
+                    await sock.send(encode(ShutdownReq()), flags=zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+        if self._reader is not None:
+            self._reader.cancel()
+        self.inbox.close(linger=0)
+        for sock in self.outboxes:
+            sock.close(linger=0)
+        self.ctx.term()
+
+    @property
+    def healthy(self) -> bool:
+        return self.ready.is_set() and not self.dead_ranks
+
+    def rank_failed(self, rank: int, reason: str) -> None:
+        """A rank is gone: every call waiting on it ends now with UNAVAILABLE."""
+        if rank in self.dead_ranks:
+            return
+        self.dead_ranks[rank] = reason
+        logger.error("rank %d failed: %s", rank, reason)
+        for stream in self.streams.values():
+            if stream.rank == rank:
+                stream.queue.put_nowait(RankUnavailable(f"scheduler rank {rank} {reason}"))
+        for call in self.calls.values():
+            if rank in call.ranks:
+                call.done.set()
+        if not self.ready.is_set() and self.startup_error is None:
+            self.startup_error = f"scheduler rank {rank} {reason}"
+            self.ready.set()
+
+    # ------------------------------------------------------------------ inbound
+
+    async def _read_loop(self) -> None:
+        while True:
+            data = await self.inbox.recv(copy=False)
+            try:
+                msg = decode(data.bytes)
+            except Exception:  # noqa: BLE001 - a corrupt frame must not stop the server
+                logger.exception("undecodable message from a rank")
+                continue
+            try:
+                self._dispatch(msg)
+            except Exception:  # noqa: BLE001
+                logger.exception("failed to dispatch %s", type(msg).__name__)
+
+    def _dispatch(self, msg: Any) -> None:
+        if isinstance(msg, BatchOutput):
+            self.last_receive_time = time.time()
+            for out in msg.outputs:
+                stream = self.streams.get(out.rid)
+                if stream is not None:
+                    stream.queue.put_nowait(out)
+        elif isinstance(msg, StateUpdate):
+            self.rank_states[msg.state.dp_rank] = msg.state
+        elif isinstance(msg, AdminReply):
+            call = self.calls.get(msg.rid)
+            if call is None or msg.dp_rank not in call.ranks:
+                logger.warning(
+                    "dropping late reply from rank %d for %s (its call already ended)",
+                    msg.dp_rank, msg.rid,
+                )
+                return
+            call.replies[msg.dp_rank] = msg
+            if len(call.replies) == len(call.ranks):
+                call.done.set()
+        elif isinstance(msg, KvEvents):
+            for queue in list(self.kv_subscribers):
+                queue.put_nowait(msg)
+        elif isinstance(msg, ReadyMsg):
+            self.ready_ranks.add(msg.dp_rank)
+            self.rank_states[msg.dp_rank] = msg.state
+            if msg.dp_rank == 0 or not self.model_info:
+                self.model_info = msg.model_info
+            if len(self.ready_ranks) == self.args.dp_size:
+                self.ready.set()
+        elif isinstance(msg, FailedMsg):
+            self.rank_failed(msg.dp_rank, f"failed to start: {msg.error}")
+
+    # ------------------------------------------------------------------ generate
+
+    def pick_rank(self, pinned: int | None = None) -> int:
+        if pinned is not None:
+            return pinned
+        if self.args.load_balance_method == "round_robin":
+            return next(self._rr)
+        live = [r for r in range(self.args.dp_size) if r not in self.dead_ranks] or [0]
+        return min(live, key=lambda r: self.inflight[r])
+
+    def is_inflight(self, rid: str) -> bool:
+        return rid in self.streams
+
+    async def generate(self, req: GenerateReq, rank: int) -> AsyncIterator[ReqOutput]:
+        """Send a request to `rank` and yield its outputs until it finishes.
+
+        When the consumer stops early (cancelled call, deadline), the rank gets an Abort so
+        the request's KV is freed at the next step.
+        """
+        if rank in self.dead_ranks:
+            raise RankUnavailable(f"scheduler rank {rank} {self.dead_ranks[rank]}")
+        queue: asyncio.Queue = asyncio.Queue()
+        self.streams[req.rid] = _Stream(rank, queue)
+        self.inflight[rank] += 1
+        finished = False
+        try:
+            await self.outboxes[rank].send(encode(req))
+            while True:
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    finished = True
+                    raise item
+                if item.finish_reason is not None:
+                    finished = True
+                yield item
+                if finished:
+                    return
+        finally:
+            self.inflight[rank] -= 1
+            self.streams.pop(req.rid, None)
+            if not finished and rank not in self.dead_ranks:
+                self._send_nowait(rank, AbortReq(req.rid, "client gone"))
+
+    def abort(self, rid: str, reason: str = "aborted by client") -> bool:
+        """Abort an in-flight request by id; False when no such request is in flight."""
+        stream = self.streams.get(rid)
+        if stream is None:
+            return False
+        self._send_nowait(stream.rank, AbortReq(rid, reason))
+        return True
+
+    def _send_nowait(self, rank: int, msg: Any) -> None:
+        try:
+            self.outboxes[rank].send(encode(msg), flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            logger.warning("could not send %s to rank %d: %s", type(msg).__name__, rank, exc)
+
+    # ------------------------------------------------------------------ admin
+
+    async def call_ranks(
+        self,
+        make: Callable[[str], Any],
+        timeout: float,
+        ranks: tuple[int, ...] | None = None,
+    ) -> tuple[dict[int, AdminReply], dict[int, str]]:
+        """Send make(rid) to every rank and wait for one reply each, at most `timeout` s.
+
+        Returns (replies by rank, failures by rank): a rank that died or did not answer in
+        time is a failure with its reason.
+        """
+        ranks = tuple(range(self.args.dp_size)) if ranks is None else ranks
+        rid = uuid.uuid4().hex
+        call = _AdminCall(ranks)
+        self.calls[rid] = call
+        failures: dict[int, str] = {}
+        try:
+            msg = make(rid)
+            for rank in ranks:
+                if rank in self.dead_ranks:
+                    failures[rank] = f"rank {rank} is unavailable ({self.dead_ranks[rank]})"
+                else:
+                    await self.outboxes[rank].send(encode(msg))
+            if len(failures) < len(ranks):
+                try:
+                    await asyncio.wait_for(call.done.wait(), timeout)
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            self.calls.pop(rid, None)
+        for rank in ranks:
+            if rank in call.replies or rank in failures:
+                continue
+            if rank in self.dead_ranks:
+                failures[rank] = f"rank {rank} is unavailable ({self.dead_ranks[rank]})"
+            else:
+                failures[rank] = f"rank {rank} did not answer within {timeout:.1f}s"
+        return call.replies, failures
+
+    async def shared(self, key: str, make_call: Callable[[], Any]) -> Any:
+        """Coalesce concurrent identical read-only calls onto one in-flight request."""
+        if not self.args.coalesce_reads:
+            return await make_call()
+        fut = self._shared_reads.get(key)
+        if fut is None:
+            fut = asyncio.ensure_future(make_call())
+            self._shared_reads[key] = fut
+            fut.add_done_callback(lambda _f: self._shared_reads.pop(key, None))
+        return await asyncio.shield(fut)

@@ -1,0 +1,232 @@
+"""Proto <-> message conversion at the edge, with the input validation it implies.
+
+Every refusal raises :class:`ServiceError` with the gRPC status and a message that names
+the offending field; the interceptor turns it into the call's status.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import grpc
+
+from sglang_admin.messages import GenerateReq, ReqOutput, SamplingParams
+from sglang_admin.pb import common_pb2 as pb
+
+DEFAULT_MAX_NEW_TOKENS = 128
+MAX_TOP_LOGPROBS = 20
+
+
+class ServiceError(Exception):
+    """A refusal with a gRPC status code and a message for the caller."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def invalid(message: str) -> ServiceError:
+    return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a request is checked against (from the model the ranks loaded)."""
+
+    vocab_size: int
+    context_length: int
+    token_capacity: int
+    dp_size: int
+
+
+def _finite(name: str, value: float) -> float:
+    if math.isnan(value) or math.isinf(value):
+        raise invalid(f"sampling_params.{name} must be a finite number, got {value}")
+    return value
+
+
+def sampling_from_proto(sp: pb.SamplingParams, limits: Limits, prompt_len: int) -> SamplingParams:
+    """Map proto zeros to SGLang defaults and check every range."""
+    constraint = sp.WhichOneof("constraint")
+    if constraint:
+        raise invalid(f"sampling_params.{constraint} is not supported: no constrained decoding")
+    if sp.stop:
+        raise invalid(
+            "sampling_params.stop (stop strings) is not supported: this worker does not "
+            "detokenize; use stop_token_ids"
+        )
+    if sp.n > 1:
+        raise invalid(f"sampling_params.n = {sp.n} is not supported; only n = 1")
+    temperature = _finite("temperature", sp.temperature)
+    if temperature < 0:
+        raise invalid(f"sampling_params.temperature must be >= 0, got {temperature}")
+    top_p = _finite("top_p", sp.top_p) or 1.0
+    if not 0.0 < top_p <= 1.0:
+        raise invalid(f"sampling_params.top_p must be in (0, 1], got {top_p}")
+    top_k = sp.top_k or -1
+    if top_k < -1:
+        raise invalid(f"sampling_params.top_k must be -1 (no limit) or >= 1, got {top_k}")
+    min_p = _finite("min_p", sp.min_p)
+    if not 0.0 <= min_p <= 1.0:
+        raise invalid(f"sampling_params.min_p must be in [0, 1], got {min_p}")
+    for name in ("frequency_penalty", "presence_penalty"):
+        value = _finite(name, getattr(sp, name))
+        if not -2.0 <= value <= 2.0:
+            raise invalid(f"sampling_params.{name} must be in [-2, 2], got {value}")
+    repetition_penalty = _finite("repetition_penalty", sp.repetition_penalty) or 1.0
+    if not 0.0 < repetition_penalty <= 2.0:
+        raise invalid(
+            f"sampling_params.repetition_penalty must be in (0, 2], got {repetition_penalty}"
+        )
+    room = limits.context_length - prompt_len
+    if sp.HasField("max_new_tokens"):
+        max_new = sp.max_new_tokens
+        if max_new > room:
+            raise invalid(
+                f"sampling_params.max_new_tokens = {max_new} with a prompt of {prompt_len} "
+                f"tokens exceeds the context length {limits.context_length}"
+            )
+    else:
+        max_new = min(DEFAULT_MAX_NEW_TOKENS, room)
+    if sp.min_new_tokens > max_new:
+        raise invalid(
+            f"sampling_params.min_new_tokens = {sp.min_new_tokens} exceeds max_new_tokens = "
+            f"{max_new}"
+        )
+    for tid in sp.stop_token_ids:
+        if tid >= limits.vocab_size:
+            raise invalid(
+                f"sampling_params.stop_token_ids has {tid}, outside the vocabulary of "
+                f"{limits.vocab_size}"
+            )
+    logit_bias: dict[int, float] = {}
+    for key, bias in sp.logit_bias.items():
+        try:
+            tid = int(key)
+        except ValueError:
+            raise invalid(
+                f"sampling_params.logit_bias key {key!r} is not a token id"
+            ) from None
+        if not 0 <= tid < limits.vocab_size:
+            raise invalid(
+                f"sampling_params.logit_bias key {tid} is outside the vocabulary of "
+                f"{limits.vocab_size}"
+            )
+        if math.isnan(bias):
+            raise invalid(f"sampling_params.logit_bias[{key}] is NaN")
+        logit_bias[tid] = bias
+    return SamplingParams(
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+        frequency_penalty=sp.frequency_penalty,
+        presence_penalty=sp.presence_penalty,
+        repetition_penalty=repetition_penalty,
+        max_new_tokens=max_new,
+        min_new_tokens=sp.min_new_tokens,
+        stop_token_ids=list(sp.stop_token_ids),
+        ignore_eos=sp.ignore_eos,
+        logit_bias=logit_bias,
+    )
+
+
+def generate_from_proto(request: pb.GenerateRequest, rid: str, limits: Limits) -> GenerateReq:
+    """Validate a GenerateRequest and build the scheduler's message."""
+    for field_name in ("mm_inputs", "disaggregated_params"):
+        if request.HasField(field_name):
+            raise invalid(f"{field_name} is not supported by this worker")
+    if request.input_embeds:
+        raise invalid("input_embeds is not supported by this worker; send tokenized.input_ids")
+    if request.lora_id:
+        raise invalid("lora_id is not supported: this worker serves no LoRA adapters")
+    if request.return_hidden_states:
+        raise invalid("return_hidden_states is not supported by this worker")
+    if request.custom_logit_processor:
+        raise invalid("custom_logit_processor is not supported by this worker")
+    if request.token_ids_logprob:
+        raise invalid("token_ids_logprob is not supported by this worker")
+    ids = list(request.tokenized.input_ids)
+    if not ids:
+        raise invalid("tokenized.input_ids must not be empty")
+    bad = next((i for i, t in enumerate(ids) if t >= limits.vocab_size), None)
+    if bad is not None:
+        raise invalid(
+            f"tokenized.input_ids[{bad}] = {ids[bad]} is outside the vocabulary of "
+            f"{limits.vocab_size} tokens"
+        )
+    if len(ids) >= limits.context_length:
+        raise invalid(
+            f"prompt of {len(ids)} tokens exceeds the context length "
+            f"{limits.context_length} (at most {limits.context_length - 1} input tokens)"
+        )
+    if len(ids) >= limits.token_capacity:
+        raise invalid(
+            f"prompt of {len(ids)} tokens exceeds the KV pool of {limits.token_capacity} tokens"
+        )
+    if request.HasField("data_parallel_rank") and not (
+        0 <= request.data_parallel_rank < limits.dp_size
+    ):
+        raise invalid(
+            f"data_parallel_rank = {request.data_parallel_rank} is out of range "
+            f"[0, {limits.dp_size - 1}]"
+        )
+    if not 0 <= request.top_logprobs_num <= MAX_TOP_LOGPROBS:
+        raise invalid(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}]")
+    return GenerateReq(
+        rid=rid,
+        input_ids=ids,
+        sampling=sampling_from_proto(request.sampling_params, limits, len(ids)),
+        return_logprob=request.return_logprob,
+        top_logprobs_num=request.top_logprobs_num if request.return_logprob else 0,
+        stream=request.stream,
+    )
+
+
+def _logprobs(out_lps: list[float], out_ids: list[int], tops: list) -> pb.OutputLogProbs:
+    return pb.OutputLogProbs(
+        token_logprobs=out_lps,
+        token_ids=out_ids,
+        top_logprobs=[
+            pb.TopLogProbs(values=[v for _, v in row], token_ids=[t for t, _ in row])
+            for row in tops
+        ],
+    )
+
+
+def chunk_to_proto(rid: str, out: ReqOutput, with_logprobs: bool) -> pb.GenerateResponse:
+    chunk = pb.GenerateStreamChunk(
+        token_ids=out.new_token_ids,
+        prompt_tokens=out.prompt_tokens,
+        completion_tokens=out.completion_tokens,
+        cached_tokens=out.cached_tokens,
+    )
+    if with_logprobs:
+        chunk.output_logprobs.CopyFrom(
+            _logprobs(out.logprobs, out.new_token_ids, out.top_logprobs)
+        )
+    return pb.GenerateResponse(request_id=rid, chunk=chunk)
+
+
+def complete_to_proto(
+    rid: str,
+    out: ReqOutput,
+    output_ids: list[int],
+    logprobs: list[float],
+    top_logprobs: list,
+    with_logprobs: bool,
+) -> pb.GenerateResponse:
+    complete = pb.GenerateComplete(
+        output_ids=output_ids,
+        finish_reason=out.finish_reason or "stop",
+        prompt_tokens=out.prompt_tokens,
+        completion_tokens=out.completion_tokens,
+        cached_tokens=out.cached_tokens,
+    )
+    if out.matched_token_id is not None:
+        complete.matched_token_id = out.matched_token_id
+    if with_logprobs:
+        complete.output_logprobs.CopyFrom(_logprobs(logprobs, output_ids, top_logprobs))
+    return pb.GenerateResponse(request_id=rid, complete=complete)

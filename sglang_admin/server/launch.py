@@ -1,0 +1,209 @@
+"""Start the scheduler ranks and the grpc.aio server; stop both cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import tempfile
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection, reflection_pb2
+
+from sglang_admin.config import ServerArgs
+from sglang_admin.pb import common_pb2, common_pb2_grpc
+from sglang_admin.scheduler.process import run_scheduler
+from sglang_admin.server.communicator import Communicator
+from sglang_admin.server.interceptors import (
+    AccessLogInterceptor,
+    AuthInterceptor,
+    ErrorInterceptor,
+)
+from sglang_admin.server.servicer import SglangSchedulerServicer
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = common_pb2.DESCRIPTOR.services_by_name["SglangScheduler"].full_name
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+RANK_POLL_S = 0.2
+
+
+class StartupError(Exception):
+    """The server could not start; the message is one line for the operator."""
+
+
+def _add_reflection_v1(server: grpc.aio.Server, names: list[str]) -> None:
+    """Serve reflection under the v1 name too (its messages are v1alpha's, byte for byte)."""
+    servicer = reflection.aio.ReflectionServicer(names)
+    handler = grpc.method_handlers_generic_handler(
+        REFLECTION_V1,
+        {
+            "ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
+                servicer.ServerReflectionInfo,
+                request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+                response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+            )
+        },
+    )
+    server.add_generic_rpc_handlers((handler,))
+
+
+def _read(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise StartupError(f"cannot read {path}: {exc.strerror}") from None
+
+
+def _credentials(args: ServerArgs) -> grpc.ServerCredentials | None:
+    if not (args.tls_cert or args.tls_key):
+        return None
+    if not (args.tls_cert and args.tls_key):
+        raise StartupError("--tls-cert and --tls-key must be given together")
+    ca = _read(args.tls_client_ca) if args.tls_client_ca else None
+    return grpc.ssl_server_credentials(
+        [(_read(args.tls_key), _read(args.tls_cert))],
+        root_certificates=ca,
+        require_client_auth=ca is not None,
+    )
+
+
+def max_message_bytes(args: ServerArgs) -> int:
+    """Receive limit: room for a full-context prompt (varints of <= 5 bytes) and options."""
+    return (1 << 20) + 8 * (args.context_length or 131072)
+
+
+class Server:
+    """One server instance: rank processes, communicator, grpc.aio server, health."""
+
+    def __init__(self, args: ServerArgs) -> None:
+        self.args = args
+        self.procs: list[mp.process.BaseProcess] = []
+        self.exit_code = 0
+        self.stop_event = asyncio.Event()
+        self.health = health.aio.HealthServicer()
+        self.comm: Communicator | None = None
+        self.server: grpc.aio.Server | None = None
+
+    async def _set_health(self, status: int) -> None:
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+
+    def _start_ranks(self) -> None:
+        ctx = mp.get_context("spawn")
+        for rank in range(self.args.dp_size):
+            proc = ctx.Process(
+                target=run_scheduler,
+                args=(self.args, rank, os.getpid()),
+                name=f"sglang-admin-rank{rank}",
+                daemon=True,
+            )
+            proc.start()
+            self.procs.append(proc)
+
+    async def _watch_ranks(self) -> None:
+        """A rank that exits while serving fails its calls and stops the server (exit 1)."""
+        assert self.comm is not None
+        while not self.stop_event.is_set():
+            for rank, proc in enumerate(self.procs):
+                if not proc.is_alive() and rank not in self.comm.dead_ranks:
+                    self.comm.rank_failed(rank, f"exited with code {proc.exitcode}")
+                    await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+                    self.exit_code = 1
+                    self.stop_event.set()
+            await asyncio.sleep(RANK_POLL_S)
+
+    async def run(self) -> int:
+        args = self.args
+        self.comm = Communicator(args)
+        self.comm.start()
+        interceptors: list[grpc.aio.ServerInterceptor] = []
+        if args.api_key or args.admin_api_key:
+            interceptors.append(AuthInterceptor(args.api_key, args.admin_api_key))
+        if args.log_requests:
+            interceptors.append(AccessLogInterceptor())
+        interceptors.append(ErrorInterceptor())
+        limit = max_message_bytes(args)
+        self.server = grpc.aio.server(
+            interceptors=interceptors,
+            options=[
+                ("grpc.max_receive_message_length", limit),
+                ("grpc.max_send_message_length", 64 << 20),
+                ("grpc.so_reuseport", 0),
+            ],
+        )
+        common_pb2_grpc.add_SglangSchedulerServicer_to_server(
+            SglangSchedulerServicer(args, self.comm), self.server
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        names = [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME, REFLECTION_V1]
+        reflection.enable_server_reflection(names, self.server)
+        _add_reflection_v1(self.server, names)
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        address = f"{args.host}:{args.port}"
+        creds = _credentials(args)
+        try:
+            if creds is None:
+                port = self.server.add_insecure_port(address)
+            else:
+                port = self.server.add_secure_port(address, creds)
+        except RuntimeError:
+            port = 0
+        if not port:
+            raise StartupError(f"cannot listen on {address} (in use or not allowed)")
+        await self.server.start()
+        logger.info("listening on %s:%d (%s)", args.host, port, "TLS" if creds else "plaintext")
+        self._start_ranks()
+
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stop_event.set)
+        watcher = asyncio.create_task(self._watch_ranks())
+        ready = asyncio.create_task(self.comm.ready.wait())
+        stopped = asyncio.create_task(self.stop_event.wait())
+        await asyncio.wait({ready, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if self.comm.startup_error:
+            logger.error("startup failed: %s", self.comm.startup_error)
+            self.exit_code = 1
+            self.stop_event.set()
+        elif self.comm.ready.is_set() and not self.stop_event.is_set():
+            await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+            logger.info("all %d scheduler rank(s) ready; serving", args.dp_size)
+        await stopped
+        ready.cancel()
+        await self.shutdown()
+        watcher.cancel()
+        return self.exit_code
+
+    async def shutdown(self) -> None:
+        """NOT_SERVING, refuse new calls, give in-flight calls the grace period, stop ranks."""
+        logger.info("shutting down (grace %.1fs)", self.args.grace_period_s)
+        await self.health.enter_graceful_shutdown()
+        if self.server is not None:
+            await self.server.stop(self.args.grace_period_s)
+        if self.comm is not None:
+            await self.comm.close()
+        for proc in self.procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        logger.info("stopped")
+
+
+def serve(args: ServerArgs) -> int:
+    """Run a server until SIGTERM/SIGINT or a rank failure; returns the exit code."""
+    ipc_dir = tempfile.mkdtemp(prefix="sglang-admin-")
+    args = args.replace(ipc_dir=ipc_dir)
+    try:
+        return asyncio.run(Server(args).run())
+    except StartupError as exc:
+        logger.error("%s", exc)
+        return 2
+    finally:
+        shutil.rmtree(ipc_dir, ignore_errors=True)

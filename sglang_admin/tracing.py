@@ -1,0 +1,63 @@
+"""W3C trace-context helpers on top of the OpenTelemetry API (a no-op without an SDK)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from opentelemetry import context as otel_context
+from opentelemetry import propagate, trace
+
+TRACER_NAME = "sglang_admin"
+_TRACE_KEYS = ("traceparent", "tracestate")
+
+
+def carrier_from_metadata(metadata: Iterable[tuple[str, Any]] | None) -> dict[str, str]:
+    """The W3C trace headers found in gRPC invocation metadata."""
+    out: dict[str, str] = {}
+    for key, value in metadata or ():
+        if key in _TRACE_KEYS and isinstance(value, str):
+            out[key] = value
+    return out
+
+
+def trace_id_of(carrier: dict[str, str] | None) -> str:
+    """The 32-hex trace id of a carrier's traceparent, or "" when it has none (or it is bad)."""
+    parent = (carrier or {}).get("traceparent", "")
+    parts = parent.split("-")
+    if len(parts) >= 4 and len(parts[1]) == 32 and parts[1] != "0" * 32:
+        try:
+            int(parts[1], 16)
+        except ValueError:
+            return ""
+        return parts[1].lower()
+    return ""
+
+
+@contextmanager
+def server_span(name: str, carrier: dict[str, str], **attributes: Any) -> Iterator[dict[str, str]]:
+    """Open a server span as a child of the caller's context; yield the carrier to forward.
+
+    The forwarded carrier holds the span's own context when an SDK records it, else the
+    caller's headers unchanged, so the scheduler always sees the caller's trace id.
+    """
+    parent_ctx = propagate.extract(carrier)
+    tracer = trace.get_tracer(TRACER_NAME)
+    with tracer.start_as_current_span(
+        name, context=parent_ctx, kind=trace.SpanKind.SERVER, attributes=attributes
+    ) as span:
+        forward: dict[str, str] = {}
+        if span.get_span_context().is_valid:
+            propagate.inject(forward)
+        else:
+            forward = dict(carrier)
+        yield forward
+
+
+@contextmanager
+def child_span(name: str, carrier: dict[str, str], **attributes: Any) -> Iterator[None]:
+    """A span in the scheduler process, child of the context the server forwarded."""
+    ctx = propagate.extract(carrier) if carrier else otel_context.get_current()
+    with trace.get_tracer(TRACER_NAME).start_as_current_span(name, context=ctx, attributes=attributes):
+        yield
