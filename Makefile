@@ -24,10 +24,16 @@ serve: install
 test: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+# The file registers as "sglang_admin/common.proto" in the descriptor pool, so these stubs
+# load beside smg-grpc-proto's (whose file is "common.proto") in one process.
 proto: install
-	$(PY) -m grpc_tools.protoc -Iprotos --python_out=sglang_admin/pb --pyi_out=sglang_admin/pb \
-	  --grpc_python_out=sglang_admin/pb protos/common.proto
-	sed -i 's/^import common_pb2 as common__pb2/from sglang_admin.pb import common_pb2 as common__pb2/' \
+	rm -rf build/proto && mkdir -p build/proto/sglang_admin
+	cp protos/common.proto build/proto/sglang_admin/common.proto
+	$(PY) -m grpc_tools.protoc -Ibuild/proto --python_out=build/proto --pyi_out=build/proto \
+	  --grpc_python_out=build/proto build/proto/sglang_admin/common.proto
+	cp build/proto/sglang_admin/common_pb2.py build/proto/sglang_admin/common_pb2.pyi \
+	  build/proto/sglang_admin/common_pb2_grpc.py sglang_admin/pb/
+	sed -i 's/^from sglang_admin import common_pb2 as/from sglang_admin.pb import common_pb2 as/' \
 	  sglang_admin/pb/common_pb2_grpc.py
 
 lint: install

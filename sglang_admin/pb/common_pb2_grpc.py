@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from sglang_admin.pb import common_pb2 as common__pb2
+from sglang_admin.pb import common_pb2 as sglang__admin_dot_common__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in common_pb2_grpc.py depends on'
+        + ' but the generated code in sglang_admin/common_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -37,83 +37,83 @@ class SglangSchedulerStub:
         """
         self.Generate = channel.unary_stream(
                 '/sglang.grpc.scheduler.SglangScheduler/Generate',
-                request_serializer=common__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=common__pb2.GenerateResponse.FromString,
+                request_serializer=sglang__admin_dot_common__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=sglang__admin_dot_common__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.Embed = channel.unary_unary(
                 '/sglang.grpc.scheduler.SglangScheduler/Embed',
-                request_serializer=common__pb2.EmbedRequest.SerializeToString,
-                response_deserializer=common__pb2.EmbedResponse.FromString,
+                request_serializer=sglang__admin_dot_common__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=sglang__admin_dot_common__pb2.EmbedResponse.FromString,
                 _registered_method=True)
         self.HealthCheck = channel.unary_unary(
                 '/sglang.grpc.scheduler.SglangScheduler/HealthCheck',
-                request_serializer=common__pb2.HealthCheckRequest.SerializeToString,
-                response_deserializer=common__pb2.HealthCheckResponse.FromString,
+                request_serializer=sglang__admin_dot_common__pb2.HealthCheckRequest.SerializeToString,
+                response_deserializer=sglang__admin_dot_common__pb2.HealthCheckResponse.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/sglang.grpc.scheduler.SglangScheduler/Abort',
-                request_serializer=common__pb2.AbortRequest.SerializeToString,
-                response_deserializer=common__pb2.AbortResponse.FromString,
+                request_serializer=sglang__admin_dot_common__pb2.AbortRequest.SerializeToString,
+                response_deserializer=sglang__admin_dot_common__pb2.AbortResponse.FromString,
                 _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/sglang.grpc.scheduler.SglangScheduler/GetModelInfo',
-                request_serializer=common__pb2.GetModelInfoRequest.SerializeToString,
-                response_deserializer=common__pb2.GetModelInfoResponse.FromString,
+                request_serializer=sglang__admin_dot_common__pb2.GetModelInfoRequest.SerializeToString,
+                response_deserializer=sglang__admin_dot_common__pb2.GetModelInfoResponse.FromString,
                 _registered_method=True)
         self.GetServerInfo = channel.unary_unary(
                 '/sglang.grpc.scheduler.SglangScheduler/GetServerInfo',
-                request_serializer=common__pb2.GetServerInfoRequest.SerializeToString,
-                response_deserializer=common__pb2.GetServerInfoResponse.FromString,
+                request_serializer=sglang__admin_dot_common__pb2.GetServerInfoRequest.SerializeToString,
+                response_deserializer=sglang__admin_dot_common__pb2.GetServerInfoResponse.FromString,
                 _registered_method=True)
         self.GetLoads = channel.unary_unary(
                 '/sglang.grpc.scheduler.SglangScheduler/GetLoads',
-                request_serializer=common__pb2.GetLoadsRequest.SerializeToString,
-                response_deserializer=common__pb2.GetLoadsResponse.FromString,
+                request_serializer=sglang__admin_dot_common__pb2.GetLoadsRequest.SerializeToString,
+                response_deserializer=sglang__admin_dot_common__pb2.GetLoadsResponse.FromString,
                 _registered_method=True)
         self.FlushCache = channel.unary_unary(
                 '/sglang.grpc.scheduler.SglangScheduler/FlushCache',
-                request_serializer=common__pb2.FlushCacheRequest.SerializeToString,
-                response_deserializer=common__pb2.FlushCacheResponse.FromString,
+                request_serializer=sglang__admin_dot_common__pb2.FlushCacheRequest.SerializeToString,
+                response_deserializer=sglang__admin_dot_common__pb2.FlushCacheResponse.FromString,
                 _registered_method=True)
         self.StartProfile = channel.unary_unary(
                 '/sglang.grpc.scheduler.SglangScheduler/StartProfile',
-                request_serializer=common__pb2.StartProfileRequest.SerializeToString,
-                response_deserializer=common__pb2.ProfileResponse.FromString,
+                request_serializer=sglang__admin_dot_common__pb2.StartProfileRequest.SerializeToString,
+                response_deserializer=sglang__admin_dot_common__pb2.ProfileResponse.FromString,
                 _registered_method=True)
         self.StopProfile = channel.unary_unary(
                 '/sglang.grpc.scheduler.SglangScheduler/StopProfile',
-                request_serializer=common__pb2.StopProfileRequest.SerializeToString,
-                response_deserializer=common__pb2.ProfileResponse.FromString,
+                request_serializer=sglang__admin_dot_common__pb2.StopProfileRequest.SerializeToString,
+                response_deserializer=sglang__admin_dot_common__pb2.ProfileResponse.FromString,
                 _registered_method=True)
         self.GetTokenizer = channel.unary_stream(
                 '/sglang.grpc.scheduler.SglangScheduler/GetTokenizer',
-                request_serializer=common__pb2.GetTokenizerRequest.SerializeToString,
-                response_deserializer=common__pb2.GetTokenizerChunk.FromString,
+                request_serializer=sglang__admin_dot_common__pb2.GetTokenizerRequest.SerializeToString,
+                response_deserializer=sglang__admin_dot_common__pb2.GetTokenizerChunk.FromString,
                 _registered_method=True)
         self.SubscribeKvEvents = channel.unary_stream(
                 '/sglang.grpc.scheduler.SglangScheduler/SubscribeKvEvents',
-                request_serializer=common__pb2.SubscribeKvEventsRequest.SerializeToString,
-                response_deserializer=common__pb2.KvEventBatch.FromString,
+                request_serializer=sglang__admin_dot_common__pb2.SubscribeKvEventsRequest.SerializeToString,
+                response_deserializer=sglang__admin_dot_common__pb2.KvEventBatch.FromString,
                 _registered_method=True)
         self.LoadLoRAAdapter = channel.unary_unary(
                 '/sglang.grpc.scheduler.SglangScheduler/LoadLoRAAdapter',
-                request_serializer=common__pb2.LoadLoRAAdapterRequest.SerializeToString,
-                response_deserializer=common__pb2.LoadLoRAAdapterResponse.FromString,
+                request_serializer=sglang__admin_dot_common__pb2.LoadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=sglang__admin_dot_common__pb2.LoadLoRAAdapterResponse.FromString,
                 _registered_method=True)
         self.UnloadLoRAAdapter = channel.unary_unary(
                 '/sglang.grpc.scheduler.SglangScheduler/UnloadLoRAAdapter',
-                request_serializer=common__pb2.UnloadLoRAAdapterRequest.SerializeToString,
-                response_deserializer=common__pb2.UnloadLoRAAdapterResponse.FromString,
+                request_serializer=sglang__admin_dot_common__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=sglang__admin_dot_common__pb2.UnloadLoRAAdapterResponse.FromString,
                 _registered_method=True)
         self.ListLoadedLoRAAdapters = channel.unary_unary(
                 '/sglang.grpc.scheduler.SglangScheduler/ListLoadedLoRAAdapters',
-                request_serializer=common__pb2.ListLoadedLoRAAdaptersRequest.SerializeToString,
-                response_deserializer=common__pb2.ListLoadedLoRAAdaptersResponse.FromString,
+                request_serializer=sglang__admin_dot_common__pb2.ListLoadedLoRAAdaptersRequest.SerializeToString,
+                response_deserializer=sglang__admin_dot_common__pb2.ListLoadedLoRAAdaptersResponse.FromString,
                 _registered_method=True)
         self.DownloadProfile = channel.unary_stream(
                 '/sglang.grpc.scheduler.SglangScheduler/DownloadProfile',
-                request_serializer=common__pb2.DownloadProfileRequest.SerializeToString,
-                response_deserializer=common__pb2.ProfileFileChunk.FromString,
+                request_serializer=sglang__admin_dot_common__pb2.DownloadProfileRequest.SerializeToString,
+                response_deserializer=sglang__admin_dot_common__pb2.ProfileFileChunk.FromString,
                 _registered_method=True)
 
 
@@ -239,83 +239,83 @@ def add_SglangSchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=common__pb2.GenerateRequest.FromString,
-                    response_serializer=common__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=sglang__admin_dot_common__pb2.GenerateRequest.FromString,
+                    response_serializer=sglang__admin_dot_common__pb2.GenerateResponse.SerializeToString,
             ),
             'Embed': grpc.unary_unary_rpc_method_handler(
                     servicer.Embed,
-                    request_deserializer=common__pb2.EmbedRequest.FromString,
-                    response_serializer=common__pb2.EmbedResponse.SerializeToString,
+                    request_deserializer=sglang__admin_dot_common__pb2.EmbedRequest.FromString,
+                    response_serializer=sglang__admin_dot_common__pb2.EmbedResponse.SerializeToString,
             ),
             'HealthCheck': grpc.unary_unary_rpc_method_handler(
                     servicer.HealthCheck,
-                    request_deserializer=common__pb2.HealthCheckRequest.FromString,
-                    response_serializer=common__pb2.HealthCheckResponse.SerializeToString,
+                    request_deserializer=sglang__admin_dot_common__pb2.HealthCheckRequest.FromString,
+                    response_serializer=sglang__admin_dot_common__pb2.HealthCheckResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=common__pb2.AbortRequest.FromString,
-                    response_serializer=common__pb2.AbortResponse.SerializeToString,
+                    request_deserializer=sglang__admin_dot_common__pb2.AbortRequest.FromString,
+                    response_serializer=sglang__admin_dot_common__pb2.AbortResponse.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
-                    request_deserializer=common__pb2.GetModelInfoRequest.FromString,
-                    response_serializer=common__pb2.GetModelInfoResponse.SerializeToString,
+                    request_deserializer=sglang__admin_dot_common__pb2.GetModelInfoRequest.FromString,
+                    response_serializer=sglang__admin_dot_common__pb2.GetModelInfoResponse.SerializeToString,
             ),
             'GetServerInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetServerInfo,
-                    request_deserializer=common__pb2.GetServerInfoRequest.FromString,
-                    response_serializer=common__pb2.GetServerInfoResponse.SerializeToString,
+                    request_deserializer=sglang__admin_dot_common__pb2.GetServerInfoRequest.FromString,
+                    response_serializer=sglang__admin_dot_common__pb2.GetServerInfoResponse.SerializeToString,
             ),
             'GetLoads': grpc.unary_unary_rpc_method_handler(
                     servicer.GetLoads,
-                    request_deserializer=common__pb2.GetLoadsRequest.FromString,
-                    response_serializer=common__pb2.GetLoadsResponse.SerializeToString,
+                    request_deserializer=sglang__admin_dot_common__pb2.GetLoadsRequest.FromString,
+                    response_serializer=sglang__admin_dot_common__pb2.GetLoadsResponse.SerializeToString,
             ),
             'FlushCache': grpc.unary_unary_rpc_method_handler(
                     servicer.FlushCache,
-                    request_deserializer=common__pb2.FlushCacheRequest.FromString,
-                    response_serializer=common__pb2.FlushCacheResponse.SerializeToString,
+                    request_deserializer=sglang__admin_dot_common__pb2.FlushCacheRequest.FromString,
+                    response_serializer=sglang__admin_dot_common__pb2.FlushCacheResponse.SerializeToString,
             ),
             'StartProfile': grpc.unary_unary_rpc_method_handler(
                     servicer.StartProfile,
-                    request_deserializer=common__pb2.StartProfileRequest.FromString,
-                    response_serializer=common__pb2.ProfileResponse.SerializeToString,
+                    request_deserializer=sglang__admin_dot_common__pb2.StartProfileRequest.FromString,
+                    response_serializer=sglang__admin_dot_common__pb2.ProfileResponse.SerializeToString,
             ),
             'StopProfile': grpc.unary_unary_rpc_method_handler(
                     servicer.StopProfile,
-                    request_deserializer=common__pb2.StopProfileRequest.FromString,
-                    response_serializer=common__pb2.ProfileResponse.SerializeToString,
+                    request_deserializer=sglang__admin_dot_common__pb2.StopProfileRequest.FromString,
+                    response_serializer=sglang__admin_dot_common__pb2.ProfileResponse.SerializeToString,
             ),
             'GetTokenizer': grpc.unary_stream_rpc_method_handler(
                     servicer.GetTokenizer,
-                    request_deserializer=common__pb2.GetTokenizerRequest.FromString,
-                    response_serializer=common__pb2.GetTokenizerChunk.SerializeToString,
+                    request_deserializer=sglang__admin_dot_common__pb2.GetTokenizerRequest.FromString,
+                    response_serializer=sglang__admin_dot_common__pb2.GetTokenizerChunk.SerializeToString,
             ),
             'SubscribeKvEvents': grpc.unary_stream_rpc_method_handler(
                     servicer.SubscribeKvEvents,
-                    request_deserializer=common__pb2.SubscribeKvEventsRequest.FromString,
-                    response_serializer=common__pb2.KvEventBatch.SerializeToString,
+                    request_deserializer=sglang__admin_dot_common__pb2.SubscribeKvEventsRequest.FromString,
+                    response_serializer=sglang__admin_dot_common__pb2.KvEventBatch.SerializeToString,
             ),
             'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
                     servicer.LoadLoRAAdapter,
-                    request_deserializer=common__pb2.LoadLoRAAdapterRequest.FromString,
-                    response_serializer=common__pb2.LoadLoRAAdapterResponse.SerializeToString,
+                    request_deserializer=sglang__admin_dot_common__pb2.LoadLoRAAdapterRequest.FromString,
+                    response_serializer=sglang__admin_dot_common__pb2.LoadLoRAAdapterResponse.SerializeToString,
             ),
             'UnloadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
                     servicer.UnloadLoRAAdapter,
-                    request_deserializer=common__pb2.UnloadLoRAAdapterRequest.FromString,
-                    response_serializer=common__pb2.UnloadLoRAAdapterResponse.SerializeToString,
+                    request_deserializer=sglang__admin_dot_common__pb2.UnloadLoRAAdapterRequest.FromString,
+                    response_serializer=sglang__admin_dot_common__pb2.UnloadLoRAAdapterResponse.SerializeToString,
             ),
             'ListLoadedLoRAAdapters': grpc.unary_unary_rpc_method_handler(
                     servicer.ListLoadedLoRAAdapters,
-                    request_deserializer=common__pb2.ListLoadedLoRAAdaptersRequest.FromString,
-                    response_serializer=common__pb2.ListLoadedLoRAAdaptersResponse.SerializeToString,
+                    request_deserializer=sglang__admin_dot_common__pb2.ListLoadedLoRAAdaptersRequest.FromString,
+                    response_serializer=sglang__admin_dot_common__pb2.ListLoadedLoRAAdaptersResponse.SerializeToString,
             ),
             'DownloadProfile': grpc.unary_stream_rpc_method_handler(
                     servicer.DownloadProfile,
-                    request_deserializer=common__pb2.DownloadProfileRequest.FromString,
-                    response_serializer=common__pb2.ProfileFileChunk.SerializeToString,
+                    request_deserializer=sglang__admin_dot_common__pb2.DownloadProfileRequest.FromString,
+                    response_serializer=sglang__admin_dot_common__pb2.ProfileFileChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -344,8 +344,8 @@ class SglangScheduler:
             request,
             target,
             '/sglang.grpc.scheduler.SglangScheduler/Generate',
-            common__pb2.GenerateRequest.SerializeToString,
-            common__pb2.GenerateResponse.FromString,
+            sglang__admin_dot_common__pb2.GenerateRequest.SerializeToString,
+            sglang__admin_dot_common__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -371,8 +371,8 @@ class SglangScheduler:
             request,
             target,
             '/sglang.grpc.scheduler.SglangScheduler/Embed',
-            common__pb2.EmbedRequest.SerializeToString,
-            common__pb2.EmbedResponse.FromString,
+            sglang__admin_dot_common__pb2.EmbedRequest.SerializeToString,
+            sglang__admin_dot_common__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -398,8 +398,8 @@ class SglangScheduler:
             request,
             target,
             '/sglang.grpc.scheduler.SglangScheduler/HealthCheck',
-            common__pb2.HealthCheckRequest.SerializeToString,
-            common__pb2.HealthCheckResponse.FromString,
+            sglang__admin_dot_common__pb2.HealthCheckRequest.SerializeToString,
+            sglang__admin_dot_common__pb2.HealthCheckResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -425,8 +425,8 @@ class SglangScheduler:
             request,
             target,
             '/sglang.grpc.scheduler.SglangScheduler/Abort',
-            common__pb2.AbortRequest.SerializeToString,
-            common__pb2.AbortResponse.FromString,
+            sglang__admin_dot_common__pb2.AbortRequest.SerializeToString,
+            sglang__admin_dot_common__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -452,8 +452,8 @@ class SglangScheduler:
             request,
             target,
             '/sglang.grpc.scheduler.SglangScheduler/GetModelInfo',
-            common__pb2.GetModelInfoRequest.SerializeToString,
-            common__pb2.GetModelInfoResponse.FromString,
+            sglang__admin_dot_common__pb2.GetModelInfoRequest.SerializeToString,
+            sglang__admin_dot_common__pb2.GetModelInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -479,8 +479,8 @@ class SglangScheduler:
             request,
             target,
             '/sglang.grpc.scheduler.SglangScheduler/GetServerInfo',
-            common__pb2.GetServerInfoRequest.SerializeToString,
-            common__pb2.GetServerInfoResponse.FromString,
+            sglang__admin_dot_common__pb2.GetServerInfoRequest.SerializeToString,
+            sglang__admin_dot_common__pb2.GetServerInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -506,8 +506,8 @@ class SglangScheduler:
             request,
             target,
             '/sglang.grpc.scheduler.SglangScheduler/GetLoads',
-            common__pb2.GetLoadsRequest.SerializeToString,
-            common__pb2.GetLoadsResponse.FromString,
+            sglang__admin_dot_common__pb2.GetLoadsRequest.SerializeToString,
+            sglang__admin_dot_common__pb2.GetLoadsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -533,8 +533,8 @@ class SglangScheduler:
             request,
             target,
             '/sglang.grpc.scheduler.SglangScheduler/FlushCache',
-            common__pb2.FlushCacheRequest.SerializeToString,
-            common__pb2.FlushCacheResponse.FromString,
+            sglang__admin_dot_common__pb2.FlushCacheRequest.SerializeToString,
+            sglang__admin_dot_common__pb2.FlushCacheResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -560,8 +560,8 @@ class SglangScheduler:
             request,
             target,
             '/sglang.grpc.scheduler.SglangScheduler/StartProfile',
-            common__pb2.StartProfileRequest.SerializeToString,
-            common__pb2.ProfileResponse.FromString,
+            sglang__admin_dot_common__pb2.StartProfileRequest.SerializeToString,
+            sglang__admin_dot_common__pb2.ProfileResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -587,8 +587,8 @@ class SglangScheduler:
             request,
             target,
             '/sglang.grpc.scheduler.SglangScheduler/StopProfile',
-            common__pb2.StopProfileRequest.SerializeToString,
-            common__pb2.ProfileResponse.FromString,
+            sglang__admin_dot_common__pb2.StopProfileRequest.SerializeToString,
+            sglang__admin_dot_common__pb2.ProfileResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -614,8 +614,8 @@ class SglangScheduler:
             request,
             target,
             '/sglang.grpc.scheduler.SglangScheduler/GetTokenizer',
-            common__pb2.GetTokenizerRequest.SerializeToString,
-            common__pb2.GetTokenizerChunk.FromString,
+            sglang__admin_dot_common__pb2.GetTokenizerRequest.SerializeToString,
+            sglang__admin_dot_common__pb2.GetTokenizerChunk.FromString,
             options,
             channel_credentials,
             insecure,
@@ -641,8 +641,8 @@ class SglangScheduler:
             request,
             target,
             '/sglang.grpc.scheduler.SglangScheduler/SubscribeKvEvents',
-            common__pb2.SubscribeKvEventsRequest.SerializeToString,
-            common__pb2.KvEventBatch.FromString,
+            sglang__admin_dot_common__pb2.SubscribeKvEventsRequest.SerializeToString,
+            sglang__admin_dot_common__pb2.KvEventBatch.FromString,
             options,
             channel_credentials,
             insecure,
@@ -668,8 +668,8 @@ class SglangScheduler:
             request,
             target,
             '/sglang.grpc.scheduler.SglangScheduler/LoadLoRAAdapter',
-            common__pb2.LoadLoRAAdapterRequest.SerializeToString,
-            common__pb2.LoadLoRAAdapterResponse.FromString,
+            sglang__admin_dot_common__pb2.LoadLoRAAdapterRequest.SerializeToString,
+            sglang__admin_dot_common__pb2.LoadLoRAAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -695,8 +695,8 @@ class SglangScheduler:
             request,
             target,
             '/sglang.grpc.scheduler.SglangScheduler/UnloadLoRAAdapter',
-            common__pb2.UnloadLoRAAdapterRequest.SerializeToString,
-            common__pb2.UnloadLoRAAdapterResponse.FromString,
+            sglang__admin_dot_common__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+            sglang__admin_dot_common__pb2.UnloadLoRAAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -722,8 +722,8 @@ class SglangScheduler:
             request,
             target,
             '/sglang.grpc.scheduler.SglangScheduler/ListLoadedLoRAAdapters',
-            common__pb2.ListLoadedLoRAAdaptersRequest.SerializeToString,
-            common__pb2.ListLoadedLoRAAdaptersResponse.FromString,
+            sglang__admin_dot_common__pb2.ListLoadedLoRAAdaptersRequest.SerializeToString,
+            sglang__admin_dot_common__pb2.ListLoadedLoRAAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -749,8 +749,8 @@ class SglangScheduler:
             request,
             target,
             '/sglang.grpc.scheduler.SglangScheduler/DownloadProfile',
-            common__pb2.DownloadProfileRequest.SerializeToString,
-            common__pb2.ProfileFileChunk.FromString,
+            sglang__admin_dot_common__pb2.DownloadProfileRequest.SerializeToString,
+            sglang__admin_dot_common__pb2.ProfileFileChunk.FromString,
             options,
             channel_credentials,
             insecure,
