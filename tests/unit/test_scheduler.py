@@ -1,0 +1,238 @@
+"""The batching policy against a fake model that reads its context from a fake KV pool.
+
+The fake model writes each token into the KV slot the scheduler gave it and computes the
+next token from what it reads back through the request's table row. Any slot mistake
+(a freed slot reused while still cached, a prefix matched to the wrong slots, a leaked
+or double-owned slot) changes the tokens read back and so the outputs.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from sglang_admin.messages import GenerateReq, SamplingParams
+from sglang_admin.scheduler.scheduler import Batch, Scheduler, SchedulerConfig
+
+VOCAB = 97
+EOS = 0
+
+
+def next_token(seq: list[int]) -> int:
+    """A deterministic 'model': depends on the whole sequence (order included)."""
+    h = 7
+    for i, t in enumerate(seq):
+        h = (h * 31 + t * (i % 5 + 1)) % 1_000_003
+    return 1 + h % (VOCAB - 1)  # never EOS
+
+
+def solo(prompt: list[int], n: int) -> list[int]:
+    seq = list(prompt)
+    out = []
+    for _ in range(n):
+        t = next_token(seq)
+        out.append(t)
+        seq.append(t)
+    return out
+
+
+class FakeRunner:
+    def __init__(self, capacity: int, rows: int, context: int) -> None:
+        self.kv: list[tuple[int, int] | None] = [None] * (capacity + 1)
+        self.table = [[0] * context for _ in range(rows)]
+        self.steps = 0
+
+    def run(self, batch: Batch) -> list[int | None]:
+        self.steps += 1
+        out: list[int | None] = []
+        for sp in batch.spans:
+            req = sp.req
+            row = self.table[req.req_idx]
+            row[sp.table_start : sp.end] = req.slots[sp.table_start : sp.end]
+            fill = req.fill_ids
+            for pos in range(sp.start, sp.end):
+                slot = row[pos]
+                assert 1 <= slot < len(self.kv), f"bad slot {slot}"
+                self.kv[slot] = (fill[pos], pos)
+            seen = [self.kv[row[p]] for p in range(sp.end)]
+            assert all(s is not None for s in seen), "read an empty KV slot"
+            # The KV read back must be exactly this sequence's tokens at their positions.
+            assert [s[0] for s in seen] == fill[: sp.end], f"corrupt KV for {req.rid}"
+            assert [s[1] for s in seen] == list(range(sp.end))
+            out.append(next_token(fill[: sp.end]) if sp.sample else None)
+        return out
+
+
+def make(capacity: int = 4096, rows: int = 64, prefill: int = 512, context: int = 2048):
+    sched = Scheduler(
+        SchedulerConfig(
+            token_capacity=capacity,
+            max_running_requests=rows,
+            max_prefill_tokens=prefill,
+            context_length=context,
+            eos_token_ids=(EOS,),
+        )
+    )
+    return sched, FakeRunner(capacity, rows, context)
+
+
+def drive(sched: Scheduler, runner: FakeRunner, max_steps: int = 100_000) -> dict[str, list]:
+    """Run until idle; collect each request's tokens and final output."""
+    tokens: dict[str, list[int]] = {}
+    finals: dict[str, object] = {}
+    for _ in range(max_steps):
+        batch = sched.schedule()
+        outs = sched.take_outputs()
+        if batch is not None:
+            outs += sched.postprocess(batch, runner.run(batch))
+        for o in outs:
+            tokens.setdefault(o.rid, []).extend(o.new_token_ids)
+            if o.finish_reason is not None:
+                finals[o.rid] = o
+        if batch is None and sched.is_idle:
+            break
+    return {"tokens": tokens, "finals": finals}
+
+
+def req(rid: str, prompt: list[int], n: int, **kw) -> GenerateReq:
+    return GenerateReq(rid, prompt, SamplingParams(max_new_tokens=n, ignore_eos=True), **kw)
+
+
+def assert_no_leak(sched: Scheduler) -> None:
+    assert sched.is_idle
+    assert sched.cache.protected_size == 0
+    assert sched.allocator.available + sched.cache.total_size() == sched.allocator.capacity
+    assert sched.num_used_tokens == sched.cache.evictable_size
+
+
+def test_single_request_matches_solo() -> None:
+    sched, runner = make()
+    prompt = [5, 9, 13, 2, 44]
+    sched.add_request(req("a", prompt, 20))
+    res = drive(sched, runner)
+    assert res["tokens"]["a"] == solo(prompt, 20)
+    final = res["finals"]["a"]
+    assert final.finish_reason == "length" and final.completion_tokens == 20
+    assert_no_leak(sched)
+
+
+def test_concurrent_requests_equal_solo_and_prefix_is_reused() -> None:
+    sched, runner = make(prefill=256)
+    rng = random.Random(0)
+    shared = [rng.randrange(1, VOCAB) for _ in range(300)]
+    prompts = {}
+    for i in range(16):
+        tail = [rng.randrange(1, VOCAB) for _ in range(rng.randrange(1, 50))]
+        prompts[f"r{i}"] = (shared if i % 2 else []) + tail
+        sched.add_request(req(f"r{i}", prompts[f"r{i}"], rng.randrange(1, 40)))
+    res = drive(sched, runner)
+    for rid, prompt in prompts.items():
+        final = res["finals"][rid]
+        assert res["tokens"][rid] == solo(prompt, final.completion_tokens), rid
+    assert_no_leak(sched)
+    # A later request with the shared prefix finds it cached.
+    sched.add_request(req("again", shared + [3, 4], 3))
+    res = drive(sched, runner)
+    assert res["finals"]["again"].cached_tokens >= len(shared)
+    assert res["tokens"]["again"] == solo(shared + [3, 4], 3)
+
+
+def test_tiny_pool_evicts_and_retracts_without_wrong_tokens_or_leaks() -> None:
+    sched, runner = make(capacity=512, rows=32, prefill=128)
+    rng = random.Random(1)
+    prefix = [rng.randrange(1, VOCAB) for _ in range(40)]
+    prompts = {}
+    for i in range(32):
+        prompts[f"r{i}"] = prefix[: rng.randrange(0, 40)] + [
+            rng.randrange(1, VOCAB) for _ in range(rng.randrange(4, 60))
+        ]
+        sched.add_request(req(f"r{i}", prompts[f"r{i}"], rng.randrange(10, 80)))
+    res = drive(sched, runner)
+    assert len(res["finals"]) == 32
+    for rid, prompt in prompts.items():
+        final = res["finals"][rid]
+        assert final.finish_reason == "length", rid
+        assert res["tokens"][rid] == solo(prompt, final.completion_tokens), rid
+    assert sched.num_retracted > 0, "the pool was meant to be too small for all at once"
+    assert_no_leak(sched)
+
+
+def test_abort_and_expiry_free_everything() -> None:
+    sched, runner = make()
+    sched.add_request(req("keep", [1, 2, 3], 30))
+    sched.add_request(req("abort", [4, 5, 6], 1000))
+    sched.add_request(req("late", [7, 8], 10, deadline=0.0))  # already expired
+    early = []
+    for _ in range(3):
+        batch = sched.schedule()
+        early += sched.postprocess(batch, runner.run(batch))
+    sched.abort("abort")
+    res = drive(sched, runner)
+    assert res["finals"]["abort"].finish_reason == "abort"
+    late = [o for o in early if o.rid == "late"]
+    assert late and late[0].error_code == "DEADLINE_EXCEEDED"
+    keep = [t for o in early if o.rid == "keep" for t in o.new_token_ids]
+    assert keep + res["tokens"]["keep"] == solo([1, 2, 3], 30)
+    assert_no_leak(sched)
+
+
+def test_stop_tokens_min_new_tokens_and_duplicates() -> None:
+    sched, runner = make()
+    prompt = [3, 1, 4, 1, 5]
+    expected = solo(prompt, 10)
+    stop = expected[4]
+    sp = SamplingParams(max_new_tokens=10, stop_token_ids=[stop])
+    sched.add_request(GenerateReq("s", prompt, sp))
+    sched.add_request(GenerateReq("s", prompt, sp))  # duplicate id while in flight
+    res = drive(sched, runner)
+    final = res["finals"]["s"]
+    # The duplicate is refused; the first finishes at the stop token.
+    assert any(o for o in [final] if o.finish_reason == "stop" or o.error_code)
+    first_stop = expected.index(stop) + 1
+    assert res["tokens"]["s"] == expected[:first_stop]
+
+
+def test_chunked_prefill_of_a_long_prompt() -> None:
+    sched, runner = make(prefill=64)
+    prompt = [random.Random(3).randrange(1, VOCAB) for _ in range(500)]
+    sched.add_request(req("long", prompt, 5))
+    res = drive(sched, runner)
+    assert res["tokens"]["long"] == solo(prompt, 5)
+    assert runner.steps >= 500 // 64 + 4
+    assert_no_leak(sched)
+
+
+def test_flush_resets_to_startup_state() -> None:
+    sched, runner = make()
+    sched.add_request(req("a", list(range(1, 60)), 5))
+    drive(sched, runner)
+    assert sched.cache.total_size() > 0
+    freed = sched.flush()
+    assert freed > 0
+    assert sched.allocator.available == sched.allocator.capacity
+    assert sched.cache.total_size() == 0
+    assert sched.cache_hit_rate == 0.0
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_mix_never_leaks(seed: int) -> None:
+    sched, runner = make(capacity=700, rows=16, prefill=100)
+    rng = random.Random(seed)
+    pending = 0
+    expected = {}
+    for step in range(400):
+        if rng.random() < 0.3 and pending < 40:
+            rid = f"q{step}"
+            prompt = [rng.randrange(1, 10) for _ in range(rng.randrange(1, 80))]
+            expected[rid] = prompt
+            sched.add_request(req(rid, prompt, rng.randrange(1, 30)))
+            pending += 1
+        if rng.random() < 0.05 and expected:
+            sched.abort(rng.choice(list(expected)))
+        batch = sched.schedule()
+        if batch is not None:
+            sched.postprocess(batch, runner.run(batch))
+        sched.take_outputs()
+    drive(sched, runner)
+    assert_no_leak(sched)
