@@ -28,6 +28,7 @@ from sglang_admin.messages import (
     KvEvents,
     RankState,
     ReadyMsg,
+    ReqOutput,
     ShutdownReq,
     StartProfileReq,
     StateReq,
@@ -37,7 +38,7 @@ from sglang_admin.messages import (
     encode,
 )
 from sglang_admin.scheduler.scheduler import Batch, Scheduler, SchedulerConfig
-from sglang_admin.tracing import trace_id_of
+from sglang_admin.tracing import child_span, trace_id_of
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +97,10 @@ class RankLoop:
 
         self.args, self.rank, self.inbox, self.outbox = args, rank, inbox, outbox
         self.parent_pid = parent_pid
+        if args.otlp_traces_endpoint:
+            from sglang_admin.otel import configure_otlp
+
+            configure_otlp(args.otlp_traces_endpoint)
         threads = max(1, (os.cpu_count() or 1) // args.dp_size)
         torch.set_num_threads(threads)
         torch.manual_seed(args.seed + rank)
@@ -110,6 +115,7 @@ class RankLoop:
         )
         info = self.runner.info
         self.kv_events: list[list[Any]] = []
+        self.trace_ids: dict[str, str] = {}  # rid -> caller's trace id (for --log-requests)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 token_capacity=self.runner.token_capacity,
@@ -191,9 +197,7 @@ class RankLoop:
             batch = self.scheduler.schedule()
             if batch is not None:
                 self.step(batch)
-            outputs = self.scheduler.take_outputs()
-            if outputs:
-                self.send(BatchOutput(self.rank, outputs))
+            self.send_outputs(self.scheduler.take_outputs())
             self.flush_kv_events()
             self.publish_state(force=batch is None and bool(outputs))
             if os.getppid() != self.parent_pid:
@@ -244,11 +248,25 @@ class RankLoop:
         tokens = [r.token_id if r is not None else None for r in results]
         logprobs = [r.logprob if r is not None else None for r in results]
         tops = [r.top_logprobs if r is not None else None for r in results]
-        outputs = self.scheduler.postprocess(batch, tokens, logprobs, tops)
-        if outputs:
-            self.send(BatchOutput(self.rank, outputs))
+        self.send_outputs(self.scheduler.postprocess(batch, tokens, logprobs, tops))
         if finished_profile is not None:
             logger.info("profile finished by itself: %s", finished_profile)
+
+    def send_outputs(self, outputs: list[ReqOutput]) -> None:
+        """One message for every request update of a step; log finishes when asked."""
+        if not outputs:
+            return
+        self.send(BatchOutput(self.rank, outputs))
+        if self.args.log_requests:
+            for out in outputs:
+                if out.finish_reason is not None:
+                    trace_id = self.trace_ids.pop(out.rid, "")
+                    logger.info(
+                        "finished rid=%s reason=%s completion_tokens=%d cached_tokens=%d%s%s",
+                        out.rid, out.finish_reason, out.completion_tokens, out.cached_tokens,
+                        f" error={out.error!r}" if out.error else "",
+                        f" trace_id={trace_id}" if trace_id else "",
+                    )
 
     def flush_kv_events(self) -> None:
         if self.kv_events:
@@ -266,6 +284,8 @@ class RankLoop:
                     msg.rid, len(msg.input_ids), msg.sampling.max_new_tokens,
                     f" trace_id={trace_id}" if trace_id else "",
                 )
+            if trace_id:
+                self.trace_ids[msg.rid] = trace_id
             self.scheduler.add_request(msg, trace_id)
         elif isinstance(msg, AbortReq):
             self.scheduler.abort(msg.rid, msg.reason)
@@ -294,7 +314,8 @@ class RankLoop:
                 f" message={text!r}" if text else "",
                 f" trace_id={trace_id}" if trace_id else "",
             )
-        self.send(AdminReply(rid, self.rank, ok, text, data))
+        with child_span(f"scheduler.{op}", trace, dp_rank=self.rank, success=ok):
+            self.send(AdminReply(rid, self.rank, ok, text, data))
 
     # ------------------------------------------------------------------ flush
 
