@@ -197,7 +197,8 @@ class RankLoop:
             batch = self.scheduler.schedule()
             if batch is not None:
                 self.step(batch)
-            self.send_outputs(self.scheduler.take_outputs())
+            outputs = self.scheduler.take_outputs()
+            self.send_outputs(outputs)
             self.flush_kv_events()
             self.publish_state(force=batch is None and bool(outputs))
             if os.getppid() != self.parent_pid:
@@ -244,11 +245,12 @@ class RankLoop:
         results = self.runner.forward_step(seqs)
         self.last_step_time = time.perf_counter() - t0
         self.forward_steps += 1
-        finished_profile = self.profiler.after_step(stage)
         tokens = [r.token_id if r is not None else None for r in results]
         logprobs = [r.logprob if r is not None else None for r in results]
         tops = [r.top_logprobs if r is not None else None for r in results]
         self.send_outputs(self.scheduler.postprocess(batch, tokens, logprobs, tops))
+        # After the outputs went out: an auto-stop's trace export does not delay them.
+        finished_profile = self.profiler.after_step(stage)
         if finished_profile is not None:
             logger.info("profile finished by itself: %s", finished_profile)
 
@@ -297,8 +299,8 @@ class RankLoop:
             ok, text = self.profiler.start(msg)
             self.reply(msg.rid, ok, text, {}, msg.trace, "start_profile")
         elif isinstance(msg, StopProfileReq):
-            ok, text, files = self.profiler.stop()
-            self.reply(msg.rid, ok, text, {"files": files}, msg.trace, "stop_profile")
+            ok, text, data = self.profiler.stop()
+            self.reply(msg.rid, ok, text, data, msg.trace, "stop_profile")
         elif isinstance(msg, ShutdownReq):
             self.running = False
         else:
