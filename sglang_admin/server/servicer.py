@@ -26,6 +26,8 @@ from sglang_admin.server.convert import (
     invalid,
 )
 from sglang_admin.tracing import carrier_from_metadata, server_span, trace_id_of
+from sglang_admin.messages import StopProfileReq
+from sglang_admin.server import profiles
 
 logger = logging.getLogger(__name__)
 
@@ -34,15 +36,19 @@ INFO_TIMEOUT_S = 5.0
 HEALTH_TIMEOUT_S = 3.0
 FLUSH_MARGIN_S = 30.0
 PROFILE_TIMEOUT_S = 600.0
+DEADLINE_MARGIN_S = 0.25
 LOAD_SECTIONS = ("core", "memory", "spec", "lora", "disagg", "queues", "all")
 
 
 def effective_timeout(context: grpc.aio.ServicerContext, server_default: float) -> float:
-    """The smaller of the caller's remaining deadline and the op's server default."""
+    """The smaller of the op's server default and the caller's remaining deadline, less a
+    margin so that the server's answer (naming the ranks that did not answer) reaches the
+    caller before its own deadline fires."""
     remaining = context.time_remaining()
     if remaining is None:
         return server_default
-    return max(0.0, min(remaining, server_default))
+    margin = min(DEADLINE_MARGIN_S, remaining * 0.1)
+    return max(0.0, min(remaining - margin, server_default))
 
 
 class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
@@ -335,12 +341,71 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
     async def StartProfile(
         self, request: pb.StartProfileRequest, context: grpc.aio.ServicerContext
     ) -> pb.ProfileResponse:
-        raise ServiceError(grpc.StatusCode.UNIMPLEMENTED, "StartProfile is not implemented yet")
+        """Start (or arm, with start_step) a torch.profiler session on every rank."""
+        self._require_ready()
+        registry = profiles.registry_for(self)
+        plan = profiles.plan_start(
+            request, self.args, str(self.comm.model_info.get("device") or "cpu"),
+            registry.new_id(),
+        )
+        carrier = carrier_from_metadata(context.invocation_metadata())
+        wait = effective_timeout(context, PROFILE_TIMEOUT_S)
+        with server_span("StartProfile", carrier, profile_id=plan.profile_id) as forward:
+            self._log("start_profile", plan.profile_id, carrier, output_dir=plan.output_dir)
+            replies, failures = await self.comm.call_ranks(
+                lambda rid: plan.message(rid, time.time() + wait, forward), wait
+            )
+        results = _rank_results(replies, failures, self.args.dp_size)
+        if any(r.success for r in results):
+            registry.add(plan.record())
+        _raise_if_no_answer(failures, replies)
+        ok = all(r.success for r in results)
+        message = plan.started_message() if ok else profiles.failure_message(results)
+        return pb.ProfileResponse(
+            success=ok, message=message, rank_results=results, profile_id=plan.profile_id
+        )
 
     async def StopProfile(
         self, request: pb.StopProfileRequest, context: grpc.aio.ServicerContext
     ) -> pb.ProfileResponse:
-        raise ServiceError(grpc.StatusCode.UNIMPLEMENTED, "StopProfile is not implemented yet")
+        """Stop every rank's profiler; answers once every rank has written its files."""
+        self._require_ready()
+        carrier = carrier_from_metadata(context.invocation_metadata())
+        wait = effective_timeout(context, PROFILE_TIMEOUT_S)
+        with server_span("StopProfile", carrier) as forward:
+            self._log("stop_profile", "-", carrier)
+            replies, failures = await self.comm.call_ranks(
+                lambda rid: StopProfileReq(rid, time.time() + wait, forward), wait
+            )
+        results = _rank_results(replies, failures, self.args.dp_size)
+        files: list[str] = []
+        profile_id = ""
+        for res in results:
+            reply = replies.get(res.dp_rank)
+            if reply is not None:
+                res.files.extend(reply.data.get("files") or [])
+                files.extend(res.files)
+                profile_id = profile_id or reply.data.get("profile_id") or ""
+        record = profiles.registry_for(self).get(profile_id)
+        notes = []
+        if record is not None:
+            record.finished = True
+            record.files = list(files)
+            if record.merge and files:
+                merged, note = await profiles.merge_traces_async(record, files)
+                files.extend(merged)
+                notes += [note] if note else []
+        _raise_if_no_answer(failures, replies)
+        ok = all(r.success for r in results)
+        if ok:
+            where = f" to {record.output_dir}" if record is not None else ""
+            message = f"Stop profiling. {len(files)} file(s) written{where}"
+        else:
+            message = profiles.failure_message(results)
+        message += "".join(f"; {n}" for n in notes)
+        return pb.ProfileResponse(
+            success=ok, message=message, rank_results=results, files=files, profile_id=profile_id
+        )
 
     # ------------------------------------------------------------------ not served
 
@@ -362,8 +427,26 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
     async def SubscribeKvEvents(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         raise ServiceError(grpc.StatusCode.UNIMPLEMENTED, "KV cache events are not published by this worker")
 
-    async def DownloadProfile(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        raise ServiceError(grpc.StatusCode.UNIMPLEMENTED, "DownloadProfile is not implemented yet")
+    async def DownloadProfile(
+        self, request: pb.DownloadProfileRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ProfileFileChunk]:
+        """Stream the files of a finished profile (empty id: the newest finished one)."""
+        registry = profiles.registry_for(self)
+        record = await profiles.find_finished(
+            registry, request.profile_id, self.comm, effective_timeout(context, INFO_TIMEOUT_S)
+        )
+        files = profiles.profile_files(record, self.args.profile_dir)
+        if record.merge and files and not any("-merged" in f for f in files):
+            await profiles.merge_traces_async(record, files)
+            files = profiles.profile_files(record, self.args.profile_dir)
+        if not files:
+            raise ServiceError(
+                grpc.StatusCode.NOT_FOUND,
+                f"profile {record.profile_id} has no files in {record.output_dir}",
+            )
+        for path in files:
+            async for chunk in profiles.file_chunks(path):
+                yield chunk
 
 
 # ---------------------------------------------------------------------- helpers
