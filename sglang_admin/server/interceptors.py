@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hmac
+import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -38,6 +39,17 @@ def _wrap(handler: grpc.RpcMethodHandler, wrap_unary: Callable, wrap_stream: Cal
             response_serializer=handler.response_serializer,
         )
     return handler  # streaming requests: none in this service
+
+
+async def _stream(fn: Callable, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    """Iterate a server-streaming behaviour, whether an async generator or a coroutine
+    (one that only raises or aborts, or writes with context.write)."""
+    result = fn(request, context)
+    if inspect.isawaitable(result):
+        result = await result
+    if result is not None:
+        async for item in result:
+            yield item
 
 
 def _abort_handler(code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
@@ -116,7 +128,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         def wrap_stream(fn: Callable) -> Callable:
             async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 try:
-                    async for item in fn(request, context):
+                    async for item in _stream(fn, request, context):
                         yield item
                 except ServiceError as exc:
                     await context.abort(exc.code, exc.message)
@@ -167,7 +179,7 @@ class AccessLogInterceptor(grpc.aio.ServerInterceptor):
             async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 t0 = time.perf_counter()
                 try:
-                    async for item in fn(request, context):
+                    async for item in _stream(fn, request, context):
                         yield item
                 finally:
                     done(t0, context)

@@ -141,7 +141,9 @@ class Server:
             SglangSchedulerServicer(args, self.comm), self.server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        names = [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME, REFLECTION_V1]
+        # v1 is served too (grpcurl tries it first) but not listed: grpcio-reflection ships
+        # only v1alpha's descriptors, and every listed service must be describable.
+        names = [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME]
         reflection.enable_server_reflection(names, self.server)
         _add_reflection_v1(self.server, names)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
