@@ -1,0 +1,1 @@
+"""Runnable tools of sglang_admin (benchmarks and helpers); run them as scripts."""
