@@ -88,6 +88,9 @@ class StartProfileReq:
     max_bytes: int = 0  # 0: no cap
     deadline: float | None = None
     trace: TraceCarrier = field(default_factory=dict)
+    profile_prefix: str = ""  # file names start with "{prefix}-{profile_id}" when set
+    dp_size: int = 1  # file names carry "-DP-{rank}" when > 1
+    profile_root: str = ""  # output_dir must resolve inside it (checked again by the rank)
 
 
 @dataclass(slots=True)

@@ -76,7 +76,7 @@ class Batch:
 
     @property
     def is_decode(self) -> bool:
-        return all(s.end - s.start == 1 for s in self.spans)
+        return all(s.end - s.start == 1 and s.start > 0 for s in self.spans)
 
     @property
     def num_tokens(self) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -13,9 +14,10 @@ from google.protobuf import struct_pb2, timestamp_pb2
 
 from sglang_admin import __version__
 from sglang_admin.config import ServerArgs
-from sglang_admin.messages import FlushCacheReq, RankState, StateReq
+from sglang_admin.messages import FlushCacheReq, RankState, StateReq, StopProfileReq
 from sglang_admin.pb import common_pb2 as pb
 from sglang_admin.pb import common_pb2_grpc as pb_grpc
+from sglang_admin.server import profiles
 from sglang_admin.server.communicator import Communicator, RankUnavailable
 from sglang_admin.server.convert import (
     Limits,
@@ -25,9 +27,8 @@ from sglang_admin.server.convert import (
     generate_from_proto,
     invalid,
 )
+from sglang_admin.server.tokenizer_bundle import NoTokenizerFiles, bundle_for, iter_chunks
 from sglang_admin.tracing import carrier_from_metadata, server_span, trace_id_of
-from sglang_admin.messages import StopProfileReq
-from sglang_admin.server import profiles
 
 logger = logging.getLogger(__name__)
 
@@ -320,7 +321,7 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
     ) -> pb.FlushCacheResponse:
         self._require_ready()
         timeout_s = float(request.timeout_s)
-        if timeout_s != timeout_s or timeout_s in (float("inf"), float("-inf")):
+        if not math.isfinite(timeout_s):
             raise invalid(f"timeout_s must be a finite number, got {timeout_s}")
         carrier = carrier_from_metadata(context.invocation_metadata())
         wait = effective_timeout(context, max(timeout_s, 0.0) + FLUSH_MARGIN_S)
@@ -349,12 +350,13 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
             registry.new_id(),
         )
         carrier = carrier_from_metadata(context.invocation_metadata())
-        wait = effective_timeout(context, PROFILE_TIMEOUT_S)
         with server_span("StartProfile", carrier, profile_id=plan.profile_id) as forward:
             self._log("start_profile", plan.profile_id, carrier, output_dir=plan.output_dir)
-            replies, failures = await self.comm.call_ranks(
-                lambda rid: plan.message(rid, time.time() + wait, forward), wait
-            )
+            async with registry.lock:
+                wait = effective_timeout(context, PROFILE_TIMEOUT_S)
+                replies, failures = await self.comm.call_ranks(
+                    lambda rid: plan.message(rid, time.time() + wait, forward), wait
+                )
         results = _rank_results(replies, failures, self.args.dp_size)
         if any(r.success for r in results):
             registry.add(plan.record())
@@ -371,12 +373,14 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
         """Stop every rank's profiler; answers once every rank has written its files."""
         self._require_ready()
         carrier = carrier_from_metadata(context.invocation_metadata())
-        wait = effective_timeout(context, PROFILE_TIMEOUT_S)
+        registry = profiles.registry_for(self)
         with server_span("StopProfile", carrier) as forward:
             self._log("stop_profile", "-", carrier)
-            replies, failures = await self.comm.call_ranks(
-                lambda rid: StopProfileReq(rid, time.time() + wait, forward), wait
-            )
+            async with registry.lock:
+                wait = effective_timeout(context, PROFILE_TIMEOUT_S)
+                replies, failures = await self.comm.call_ranks(
+                    lambda rid: StopProfileReq(rid, time.time() + wait, forward), wait
+                )
         results = _rank_results(replies, failures, self.args.dp_size)
         files: list[str] = []
         profile_id = ""
@@ -386,8 +390,8 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
                 res.files.extend(reply.data.get("files") or [])
                 files.extend(res.files)
                 profile_id = profile_id or reply.data.get("profile_id") or ""
-        record = profiles.registry_for(self).get(profile_id)
-        notes = []
+        record = registry.get(profile_id)
+        notes: list[str] = []
         if record is not None:
             record.finished = True
             record.files = list(files)
@@ -397,7 +401,11 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
                 notes += [note] if note else []
         _raise_if_no_answer(failures, replies)
         ok = all(r.success for r in results)
-        if ok:
+        if ok and not files:
+            message = "Stop profiling. No file written: " + " | ".join(
+                f"rank {r.dp_rank}: {r.message}" for r in results
+            )
+        elif ok:
             where = f" to {record.output_dir}" if record is not None else ""
             message = f"Stop profiling. {len(files)} file(s) written{where}"
         else:
@@ -421,11 +429,72 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
     async def ListLoadedLoRAAdapters(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         raise ServiceError(grpc.StatusCode.UNIMPLEMENTED, "LoRA adapters are not supported by this worker")
 
-    async def GetTokenizer(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        raise ServiceError(grpc.StatusCode.UNIMPLEMENTED, "GetTokenizer is not implemented yet")
+    async def GetTokenizer(
+        self, request: pb.GetTokenizerRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GetTokenizerChunk]:
+        """Stream a zip of the model's tokenizer files (server/tokenizer_bundle.py).
 
-    async def SubscribeKvEvents(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        raise ServiceError(grpc.StatusCode.UNIMPLEMENTED, "KV cache events are not published by this worker")
+        Files at the zip root, at most 50 entries, built once in a thread and cached;
+        chunks of at most 512 KiB, the last one carrying the hex SHA-256 of the whole zip
+        (earlier ones an empty sha256). The directory is --tokenizer-path, else the
+        model's tokenizer directory, else the model directory. FAILED_PRECONDITION when it
+        holds no tokenizer files.
+        """
+        self._require_ready()
+        info = self.comm.model_info
+        directory = (
+            self.args.tokenizer_path or info.get("tokenizer_path") or info.get("model_path")
+        )
+        if not directory:
+            raise ServiceError(
+                grpc.StatusCode.FAILED_PRECONDITION, "this worker has no tokenizer directory"
+            )
+        try:
+            bundle = await bundle_for(directory).get()
+        except NoTokenizerFiles as exc:
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
+        carrier = carrier_from_metadata(context.invocation_metadata())
+        self._log("get_tokenizer", "-", carrier, files=len(bundle.names), bytes=len(bundle.data))
+        for data, digest in iter_chunks(bundle):
+            yield pb.GetTokenizerChunk(data=data, sha256=digest)
+
+    async def SubscribeKvEvents(
+        self, request: pb.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.KvEventBatch]:
+        """Stream the ranks' radix cache events as fixed-size KV blocks (server/kv_events.py).
+
+        Decision: the SMG gateway's event index is positional over fixed-size blocks (it
+        cuts request tokens into block_size chunks from position 0 and learns block_size
+        from the first stored block), while the radix cache is token-granular with
+        variable-length nodes. The server maps node events onto aligned blocks of
+        KV_BLOCK_SIZE tokens (16, the gateway's default; env SGLANG_ADMIN_KV_BLOCK_SIZE):
+        a block belongs to the node it ends in and its hash chains the previous block's
+        hash with its tokens, so a node split changes nothing and an eviction removes the
+        blocks of the evicted leaves. A FlushCache resets the cache, which is forwarded as
+        KvCacheCleared.
+
+        Sequence numbers are per dp_rank (every batch carries dp_rank), one more per batch,
+        from a clock-based base, as the gateway keeps one cursor per rank. Start 0: the
+        stream opens with a snapshot of every live block (a KvCacheCleared, then the stored
+        runs), numbered to end at each rank's current sequence, then goes live. A non-zero
+        start resumes from the kept history (one rank only); otherwise OUT_OF_RANGE, which
+        the gateway answers by clearing the worker and resubscribing from zero. A subscriber
+        that falls far behind ends with DATA_LOSS. Response headers go out before the first
+        wait, so the gateway's 2 s subscribe deadline never vetoes the worker.
+        """
+        hub = self.comm.kv_hub
+        sub = hub.subscribe(int(request.start_sequence_number))
+        try:
+            carrier = carrier_from_metadata(context.invocation_metadata())
+            self._log(
+                "subscribe_kv_events", "-", carrier,
+                start=request.start_sequence_number, initial_batches=len(sub.initial),
+            )
+            await context.send_initial_metadata(())
+            async for batch in sub.batches():
+                yield batch
+        finally:
+            hub.unsubscribe(sub)
 
     async def DownloadProfile(
         self, request: pb.DownloadProfileRequest, context: grpc.aio.ServicerContext

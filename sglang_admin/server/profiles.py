@@ -1,0 +1,404 @@
+"""The server's side of profiling: request checks, output confinement, the profiles it
+started, merged traces and the file chunks of DownloadProfile.
+
+- ``output_dir`` (relative: under the profile root; absolute: must lie inside it) is
+  resolved with symlinks and must stay inside ``args.profile_dir`` (PERMISSION_DENIED
+  otherwise); nothing is created before that check passes. The ranks check it again.
+- Size cap: ``args.profile_max_bytes`` per profile, split evenly over the ranks; each rank
+  checks its share after every file it writes (see ``scheduler/profiler.py``). A merged
+  trace is written only while the profile's files stay under the whole cap.
+- The registry remembers the profiles this server started (the newest
+  ``MAX_PROFILES``); a profile is finished once StopProfile answered for it or, for one that
+  stopped by itself after num_steps, once no rank reports a running profiler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import hashlib
+import json
+import os
+import re
+import time
+import weakref
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from sglang_admin.config import ServerArgs
+from sglang_admin.messages import StartProfileReq, StateReq
+from sglang_admin.pb import common_pb2 as pb
+from sglang_admin.server.convert import ServiceError, invalid
+
+ACTIVITIES = ("CPU", "GPU", "CUDA", "MEM")
+DEFAULT_ACTIVITIES = ("CPU", "GPU")
+STAGES = {"prefill": "prefill", "extend": "prefill", "decode": "decode"}
+CHUNK_BYTES = 1 << 20
+MAX_PROFILES = 64
+_PREFIX_RE = re.compile(r"^[A-Za-z0-9._-]{1,100}$")
+_FALSE = ("0", "false", "no", "off")
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """A boolean environment setting: false/0/no/off turn it off, anything else on."""
+    value = os.environ.get(name)
+    if value is None or value.strip() == "":
+        return default
+    return value.strip().lower() not in _FALSE
+
+
+def is_inside(path: str, root: str) -> bool:
+    """True when ``path`` resolved with symlinks lies inside ``root`` resolved the same way."""
+    real, real_root = os.path.realpath(path), os.path.realpath(root)
+    return os.path.commonpath([real, real_root]) == real_root
+
+
+def resolve_output_dir(requested: str, root: str) -> str:
+    """The real path of a requested output_dir, or PERMISSION_DENIED naming the root."""
+    if "\x00" in requested:
+        raise invalid("output_dir must not contain NUL characters")
+    real_root = os.path.realpath(root)
+    path = requested or real_root
+    if not os.path.isabs(path):
+        path = os.path.join(real_root, path)
+    real = os.path.realpath(path)
+    if os.path.commonpath([real, real_root]) != real_root:
+        raise ServiceError(
+            grpc.StatusCode.PERMISSION_DENIED,
+            f"output_dir {requested!r} resolves to {real}, outside the profile root {root} "
+            "(set with --profile-dir)",
+        )
+    return real
+
+
+def file_stem(profile_id: str, prefix: str) -> str:
+    """What every file of a profile starts with: ``[{prefix}-]{profile_id}``."""
+    return f"{prefix}-{profile_id}" if prefix else profile_id
+
+
+@dataclass
+class ProfileRecord:
+    """A profile this server started."""
+
+    profile_id: str
+    stem: str
+    output_dir: str
+    merge: bool
+    max_bytes: int
+    started_at: float = field(default_factory=time.time)
+    finished: bool = False
+    files: list[str] = field(default_factory=list)  # reported by StopProfile
+
+
+@dataclass
+class StartPlan:
+    """A checked StartProfile request, ready to be sent to every rank."""
+
+    profile_id: str
+    output_dir: str
+    prefix: str
+    start_step: int | None
+    num_steps: int | None
+    activities: list[str]
+    with_stack: bool
+    record_shapes: bool
+    profile_by_stage: bool
+    profile_stages: list[str]
+    merge: bool
+    max_bytes: int
+    dp_size: int
+    root: str
+    notes: list[str]
+
+    def message(self, rid: str, deadline: float, trace: dict[str, str]) -> StartProfileReq:
+        return StartProfileReq(
+            rid=rid,
+            output_dir=self.output_dir,
+            profile_id=self.profile_id,
+            start_step=self.start_step,
+            num_steps=self.num_steps,
+            activities=self.activities,
+            with_stack=self.with_stack,
+            record_shapes=self.record_shapes,
+            profile_by_stage=self.profile_by_stage,
+            profile_stages=self.profile_stages,
+            merge_profiles=self.merge,
+            max_bytes=self.max_bytes,
+            deadline=deadline,
+            trace=trace,
+            profile_prefix=self.prefix,
+            dp_size=self.dp_size,
+            profile_root=self.root,
+        )
+
+    def record(self) -> ProfileRecord:
+        return ProfileRecord(
+            self.profile_id, file_stem(self.profile_id, self.prefix), self.output_dir,
+            self.merge, self.max_bytes * self.dp_size,
+        )
+
+    def started_message(self) -> str:
+        if self.start_step:
+            text = f"Profiling armed for forward step {self.start_step}"
+        else:
+            text = "Start profiling."
+        text += f" Traces will be saved to {self.output_dir} (profile id {self.profile_id})"
+        return text + "".join(f"; {n}" for n in self.notes)
+
+
+def plan_start(
+    request: pb.StartProfileRequest, args: ServerArgs, device: str, profile_id: str
+) -> StartPlan:
+    """Check a StartProfileRequest; INVALID_ARGUMENT or PERMISSION_DENIED on refusal."""
+    for name in ("start_step", "num_steps"):
+        if request.HasField(name) and getattr(request, name) < 0:
+            raise invalid(f"{name} must be >= 0, got {getattr(request, name)}")
+    names: list[str] = []
+    for raw in request.activities or DEFAULT_ACTIVITIES:
+        name = raw.strip().upper()
+        if name not in ACTIVITIES:
+            raise invalid(f"unknown profiler activity {raw!r}; valid: CPU, GPU (or CUDA), MEM")
+        name = "GPU" if name == "CUDA" else name
+        if name not in names:
+            names.append(name)
+    notes: list[str] = []
+    if "GPU" in names and not device.startswith("cuda"):
+        names.remove("GPU")
+        notes.append("GPU activity left out: this server has no CUDA device")
+        if not names:
+            names.append("CPU")
+            notes.append("profiling CPU activity instead")
+    if "MEM" in names and not device.startswith("cuda"):
+        notes.append("MEM without CUDA: memory events go into the trace, no memory snapshot")
+    stages: list[str] = []
+    for raw in request.profile_stages:
+        if raw.strip().lower() not in STAGES:
+            raise invalid(f"unknown profile stage {raw!r}; valid: prefill (or extend), decode")
+        stages.append(STAGES[raw.strip().lower()])
+    prefix = request.profile_prefix if request.HasField("profile_prefix") else ""
+    if prefix and not _PREFIX_RE.match(prefix):
+        raise invalid(
+            f"profile_prefix {prefix!r} must be 1-100 characters of letters, digits, '.', "
+            "'_' or '-'"
+        )
+    requested = request.output_dir if request.HasField("output_dir") else ""
+    output_dir = resolve_output_dir(requested, args.profile_dir)
+    with_stack = (
+        request.with_stack if request.HasField("with_stack")
+        else env_flag("SGLANG_PROFILE_WITH_STACK", True)
+    )
+    record_shapes = (
+        request.record_shapes if request.HasField("record_shapes")
+        else env_flag("SGLANG_PROFILE_RECORD_SHAPES", True)
+    )
+    return StartPlan(
+        profile_id=profile_id,
+        output_dir=output_dir,
+        prefix=prefix,
+        start_step=request.start_step or None,
+        num_steps=request.num_steps or None,
+        activities=names,
+        with_stack=with_stack,
+        record_shapes=record_shapes,
+        profile_by_stage=request.profile_by_stage or bool(stages),
+        profile_stages=stages,
+        merge=request.merge_profiles,
+        max_bytes=max(1, args.profile_max_bytes // max(args.dp_size, 1)),
+        dp_size=args.dp_size,
+        root=os.path.realpath(args.profile_dir),
+        notes=notes,
+    )
+
+
+class ProfileRegistry:
+    """The profiles one server started, newest last."""
+
+    def __init__(self) -> None:
+        self.records: OrderedDict[str, ProfileRecord] = OrderedDict()
+        # One start/stop at a time, so every rank sees the same order of profile ops.
+        self.lock = asyncio.Lock()
+
+    def new_id(self) -> str:
+        """SGLang's profile id: the start time in seconds, made unique here."""
+        profile_id = str(time.time())
+        while profile_id in self.records:
+            profile_id = str(time.time())
+        return profile_id
+
+    def add(self, record: ProfileRecord) -> None:
+        self.records[record.profile_id] = record
+        while len(self.records) > MAX_PROFILES:
+            self.records.popitem(last=False)
+
+    def get(self, profile_id: str) -> ProfileRecord | None:
+        return self.records.get(profile_id)
+
+    def newest_first(self) -> list[ProfileRecord]:
+        return list(reversed(self.records.values()))
+
+
+_REGISTRIES: weakref.WeakKeyDictionary[Any, ProfileRegistry] = weakref.WeakKeyDictionary()
+
+
+def registry_for(owner: Any) -> ProfileRegistry:
+    """The registry of one servicer (created on first use)."""
+    registry = _REGISTRIES.get(owner)
+    if registry is None:
+        registry = _REGISTRIES[owner] = ProfileRegistry()
+    return registry
+
+
+async def busy_ranks(comm: Any, timeout: float) -> list[int]:
+    """Ranks whose profiler is armed or running (a rank that does not answer counts)."""
+    replies, failures = await comm.call_ranks(lambda rid: StateReq(rid), timeout)
+    busy = [r for r, reply in replies.items() if reply.data["state"].profiler_state != "idle"]
+    return sorted(busy + list(failures))
+
+
+async def find_finished(
+    registry: ProfileRegistry, profile_id: str, comm: Any, timeout: float
+) -> ProfileRecord:
+    """The finished profile asked for (empty id: the newest finished one), or a refusal."""
+    if profile_id:
+        record = registry.get(profile_id)
+        if record is None:
+            raise ServiceError(
+                grpc.StatusCode.NOT_FOUND,
+                f"no profile {profile_id!r} on this server (it knows the last {MAX_PROFILES})",
+            )
+        candidates = [record]
+    else:
+        candidates = registry.newest_first()
+    newest = registry.newest_first()[:1]
+    for record in candidates:
+        if not record.finished and record in newest:
+            busy = await busy_ranks(comm, timeout)
+            if busy:
+                if profile_id:
+                    raise ServiceError(
+                        grpc.StatusCode.FAILED_PRECONDITION,
+                        f"profile {profile_id} is still running on rank(s) "
+                        f"{', '.join(map(str, busy))}: call StopProfile first (or wait for "
+                        "its num_steps)",
+                    )
+                continue
+            record.finished = True
+        return record
+    raise ServiceError(grpc.StatusCode.NOT_FOUND, "no finished profile on this server yet")
+
+
+def profile_files(record: ProfileRecord, root: str) -> list[str]:
+    """The files of a profile on disk: plain files (no symlinks) inside the root."""
+    out: list[str] = []
+    try:
+        names = sorted(os.listdir(record.output_dir))
+    except OSError:
+        return out
+    for name in names:
+        if not name.startswith(record.stem + "-"):
+            continue
+        if not name.endswith((".trace.json.gz", ".pickle")):
+            continue
+        path = os.path.join(record.output_dir, name)
+        if os.path.islink(path) or not os.path.isfile(path) or not is_inside(path, root):
+            continue
+        out.append(path)
+    return out
+
+
+def _stage_of(path: str) -> str:
+    name = os.path.basename(path)[: -len(".trace.json.gz")]
+    for stage in ("EXTEND", "DECODE"):
+        if name.endswith(f"-{stage}"):
+            return stage
+    return ""
+
+
+def merge_traces(record: ProfileRecord, files: list[str]) -> tuple[list[str], str]:
+    """Write one trace per stage holding every rank's events; (files written, note).
+
+    Timestamps are moved onto a common base; each rank's processes are labelled with its
+    DP rank. Skipped (with a note) when it would take the profile over its byte cap.
+    """
+    traces = [f for f in files if f.endswith(".trace.json.gz") and "-merged" not in f]
+    total = sum(os.path.getsize(f) for f in files)
+    written: list[str] = []
+    by_stage: dict[str, list[str]] = {}
+    for path in traces:
+        by_stage.setdefault(_stage_of(path), []).append(path)
+    for stage, paths in sorted(by_stage.items()):
+        loaded = []
+        for path in paths:
+            with gzip.open(path, "rt") as f:
+                loaded.append((path, json.load(f)))
+        base = min(int(d.get("baseTimeNanoseconds", 0)) for _, d in loaded)
+        events: list[dict[str, Any]] = []
+        for path, data in loaded:
+            match = re.search(r"-DP-(\d+)", os.path.basename(path))
+            label = f"DP-{match.group(1)}" if match else "DP-0"
+            shift_us = (int(data.get("baseTimeNanoseconds", 0)) - base) / 1000.0
+            for ev in data.get("traceEvents", []):
+                if shift_us and isinstance(ev.get("ts"), (int, float)):
+                    ev["ts"] = ev["ts"] + shift_us
+                if ev.get("ph") == "M" and ev.get("name") == "process_labels":
+                    ev["args"] = {"labels": label}
+                events.append(ev)
+        merged = {"traceEvents": events, "baseTimeNanoseconds": base, "displayTimeUnit": "ms"}
+        suffix = f"-{stage}" if stage else ""
+        out = os.path.join(record.output_dir, f"{record.stem}-merged{suffix}.trace.json.gz")
+        tmp = out + ".tmp"
+        with gzip.open(tmp, "wt") as f:
+            json.dump(merged, f)
+        size = os.path.getsize(tmp)
+        if total + size > record.max_bytes:
+            os.remove(tmp)
+            return written, (
+                f"merged trace not written: it would take the profile over its cap of "
+                f"{record.max_bytes} bytes"
+            )
+        os.replace(tmp, out)
+        total += size
+        written.append(out)
+    return written, ""
+
+
+async def merge_traces_async(record: ProfileRecord, files: list[str]) -> tuple[list[str], str]:
+    """:func:`merge_traces` in a worker thread (it reads and writes whole traces)."""
+    return await asyncio.to_thread(merge_traces, record, files)
+
+
+def _read_at(path: str, offset: int, size: int) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read(size)
+
+
+async def file_chunks(path: str, chunk_bytes: int = CHUNK_BYTES) -> AsyncIterator[pb.ProfileFileChunk]:
+    """One file as ProfileFileChunks; the last one carries the sha256 of the whole file."""
+    name = os.path.basename(path)
+    size = os.path.getsize(path)
+    digest = hashlib.sha256()
+    offset = 0
+    while True:
+        data = await asyncio.to_thread(_read_at, path, offset, chunk_bytes)
+        digest.update(data)
+        last = offset + len(data) >= size or len(data) < chunk_bytes
+        yield pb.ProfileFileChunk(
+            file_name=name, data=data, offset=offset, last=last,
+            sha256=digest.hexdigest() if last else "",
+        )
+        offset += len(data)
+        if last:
+            return
+
+
+def failure_message(results: list[pb.RankResult]) -> str:
+    """Every failing rank and its reason; one reason alone when all ranks share it."""
+    failed = [r for r in results if not r.success]
+    if failed and len(failed) == len(results) and len({r.message for r in failed}) == 1:
+        return failed[0].message
+    return " | ".join(f"rank {r.dp_rank}: {r.message}" for r in failed)

@@ -1,0 +1,201 @@
+"""Profiling end to end: StartProfile / StopProfile / DownloadProfile on a dp-size 2 server."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from sglang_admin.pb import common_pb2 as pb
+from tests.conftest import ServerProc, greedy, run_generate, start_server
+
+ALREADY_RUNNING = "Profiling is already in progress. Call /stop_profile first."
+NOT_RUNNING = "Profiling is not in progress. Call /start_profile first."
+TIMEOUT = 120
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("profiles") / "root"
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory: pytest.TempPathFactory, root: Path) -> Iterator[ServerProc]:
+    server = start_server(
+        tmp_path_factory.mktemp("profile-server"), "--dp-size", "2", "--profile-dir", str(root)
+    )
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def stub(srv: ServerProc) -> Iterator:
+    stub = srv.stub()
+    yield stub
+    stub.StopProfile(pb.StopProfileRequest(), timeout=TIMEOUT)  # leave every rank idle
+
+
+def generate_on_both_ranks(stub, first: int, n: int = 4) -> None:
+    """One greedy request per rank; `first` keeps prompts apart (no prefix-cache hits)."""
+    for rank in (0, 1):
+        prompt = [first + 10 * rank + i for i in range(6)]
+        tokens, _ = run_generate(stub, greedy(prompt, n, data_parallel_rank=rank), timeout=60)
+        assert len(tokens) == n
+
+
+def wait_idle(stub, timeout: float = 60) -> None:
+    """Until no rank reports a running profiler (a rank answers after its export)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
+        if all(s.profiler_state == "idle" for s in info.rank_states):
+            return
+        time.sleep(0.2)
+    raise AssertionError("profilers still running")
+
+
+def events(path: Path) -> list[str]:
+    """The forward-step events of a gzipped Chrome trace."""
+    with gzip.open(path, "rt") as f:
+        data = json.load(f)
+    assert data["traceEvents"]
+    return [e["name"] for e in data["traceEvents"] if e.get("name", "").startswith("forward_")]
+
+
+def test_start_generate_stop_writes_a_trace_per_rank(stub, root: Path) -> None:
+    start = stub.StartProfile(pb.StartProfileRequest(output_dir="run1"), timeout=TIMEOUT)
+    assert start.success, start.message
+    assert start.profile_id
+    assert "GPU activity left out" in start.message  # CPU-only test machine
+    generate_on_both_ranks(stub, 40)
+    stop = stub.StopProfile(pb.StopProfileRequest(), timeout=TIMEOUT)
+    assert stop.success, stop.message
+    assert stop.profile_id == start.profile_id
+    out = (root / "run1").resolve()
+    expected = [str(out / f"{start.profile_id}-TP-0-DP-{r}.trace.json.gz") for r in (0, 1)]
+    assert list(stop.files) == expected
+    assert [list(r.files) for r in stop.rank_results] == [[f] for f in expected]
+    assert all(r.success for r in stop.rank_results)
+    for path in expected:
+        names = events(Path(path))
+        assert any(n.startswith("forward_extend_bs") for n in names), names
+        assert any(n.startswith("forward_decode_bs") for n in names), names
+
+
+def test_error_strings(stub) -> None:
+    stop = stub.StopProfile(pb.StopProfileRequest(), timeout=TIMEOUT)
+    assert not stop.success and stop.message == NOT_RUNNING
+    assert [r.message for r in stop.rank_results] == [NOT_RUNNING, NOT_RUNNING]
+    assert stub.StartProfile(pb.StartProfileRequest(output_dir="errs"), timeout=TIMEOUT).success
+    again = stub.StartProfile(pb.StartProfileRequest(output_dir="errs"), timeout=TIMEOUT)
+    assert not again.success and again.message == ALREADY_RUNNING
+
+
+def test_num_steps_stops_by_itself_and_download_matches(stub, root: Path) -> None:
+    start = stub.StartProfile(
+        pb.StartProfileRequest(output_dir="auto", num_steps=2, merge_profiles=False),
+        timeout=TIMEOUT,
+    )
+    assert start.success, start.message
+    generate_on_both_ranks(stub, 80, n=3)
+    wait_idle(stub)  # no StopProfile: each rank stopped after 2 forward steps
+    files = sorted((root / "auto").glob(f"{start.profile_id}-TP-0-DP-*.trace.json.gz"))
+    assert len(files) == 2
+    for path in files:
+        assert len(events(path)) == 2
+    stop = stub.StopProfile(pb.StopProfileRequest(), timeout=TIMEOUT)
+    assert not stop.success and stop.message == NOT_RUNNING
+
+    for profile_id in (start.profile_id, ""):  # by id, and the newest finished one
+        got: dict[str, bytearray] = {}
+        sums: dict[str, str] = {}
+        for chunk in stub.DownloadProfile(
+            pb.DownloadProfileRequest(profile_id=profile_id), timeout=TIMEOUT
+        ):
+            buf = got.setdefault(chunk.file_name, bytearray())
+            assert chunk.offset == len(buf)
+            buf.extend(chunk.data)
+            if chunk.last:
+                sums[chunk.file_name] = chunk.sha256
+        assert sorted(got) == [p.name for p in files]
+        for path in files:
+            digest = hashlib.sha256(path.read_bytes()).hexdigest()
+            assert sums[path.name] == digest == hashlib.sha256(got[path.name]).hexdigest()
+
+    with pytest.raises(grpc.RpcError) as exc:
+        list(stub.DownloadProfile(pb.DownloadProfileRequest(profile_id="nope"), timeout=30))
+    assert exc.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_by_stage_traces(stub, root: Path) -> None:
+    start = stub.StartProfile(
+        pb.StartProfileRequest(output_dir="stages", num_steps=1, profile_by_stage=True),
+        timeout=TIMEOUT,
+    )
+    assert start.success, start.message
+    generate_on_both_ranks(stub, 120, n=3)
+    wait_idle(stub)
+    files = sorted((root / "stages").glob(f"{start.profile_id}-*.trace.json.gz"))
+    names = sorted(p.name for p in files)
+    assert names == sorted(
+        f"{start.profile_id}-TP-0-DP-{r}-{s}.trace.json.gz"
+        for r in (0, 1) for s in ("EXTEND", "DECODE")
+    )
+    for path in files:
+        kind = "extend" if path.name.endswith("EXTEND.trace.json.gz") else "decode"
+        assert [n.split("_bs")[0] for n in events(path)] == [f"forward_{kind}"]
+
+
+def test_output_dir_escapes_are_refused(stub, root: Path, tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "sneaky").symlink_to(outside, target_is_directory=True)
+    before = sorted(p.name for p in root.iterdir())
+    for bad in ("..", "../escaped", str(tmp_path / "abs"), "sneaky", "sneaky/sub"):
+        with pytest.raises(grpc.RpcError) as exc:
+            stub.StartProfile(pb.StartProfileRequest(output_dir=bad), timeout=TIMEOUT)
+        assert exc.value.code() == grpc.StatusCode.PERMISSION_DENIED, bad
+        assert str(root) in exc.value.details()
+    assert sorted(p.name for p in root.iterdir()) == before
+    assert not list(outside.iterdir())
+    assert not (tmp_path / "abs").exists() and not (root.parent / "escaped").exists()
+
+
+def test_invalid_arguments(stub) -> None:
+    for request, word in (
+        (pb.StartProfileRequest(activities=["CPU", "TPU"]), "TPU"),
+        (pb.StartProfileRequest(num_steps=-1), "num_steps"),
+        (pb.StartProfileRequest(start_step=-1), "start_step"),
+    ):
+        with pytest.raises(grpc.RpcError) as exc:
+            stub.StartProfile(request, timeout=TIMEOUT)
+        assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert word in exc.value.details()
+
+
+def test_merge_profiles_and_start_step(stub, root: Path) -> None:
+    start = stub.StartProfile(
+        pb.StartProfileRequest(output_dir="merge", merge_profiles=True, profile_prefix="m"),
+        timeout=TIMEOUT,
+    )
+    assert start.success, start.message
+    generate_on_both_ranks(stub, 160, n=2)
+    stop = stub.StopProfile(pb.StopProfileRequest(), timeout=TIMEOUT)
+    assert stop.success, stop.message
+    merged = Path(stop.files[-1])
+    assert merged.name == f"m-{start.profile_id}-merged.trace.json.gz"
+    assert len(events(merged)) == sum(len(events(Path(f))) for f in stop.files[:-1])
+
+    armed = stub.StartProfile(pb.StartProfileRequest(start_step=10**9), timeout=TIMEOUT)
+    assert armed.success and "armed" in armed.message
+    info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
+    assert [s.profiler_state for s in info.rank_states] == ["armed", "armed"]
+    stop = stub.StopProfile(pb.StopProfileRequest(), timeout=TIMEOUT)
+    assert stop.success and not stop.files and "before it started" in stop.message
