@@ -1,0 +1,1 @@
+"""The torch model side of a scheduler rank: Llama-family model, loader, sampler, runner."""

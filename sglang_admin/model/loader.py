@@ -1,0 +1,214 @@
+"""Load a Hugging Face model directory (config.json + *.safetensors) into LlamaForCausalLM."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from sglang_admin.model.llama import LlamaConfig, LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+class ModelLoadError(ValueError):
+    """A model directory cannot be loaded; the message says why in one line."""
+
+
+@dataclass
+class ModelInfo:
+    """What the rest of the server needs to know about a loaded model."""
+
+    model_path: str
+    tokenizer_path: str | None
+    architectures: list[str]
+    model_type: str
+    vocab_size: int
+    context_length: int
+    eos_token_ids: list[int]
+    bos_token_id: int | None
+    pad_token_id: int | None
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    dtype: str
+    weight_bytes: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain dict (JSON and msgpack friendly)."""
+        return dataclasses.asdict(self)
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """torch dtype for "float32" | "float16" | "bfloat16" (also "fp32", "fp16", "bf16")."""
+    aliases = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16",
+               "bf16": "bfloat16"}
+    key = aliases.get(name, name)
+    if key not in _DTYPES:
+        raise ModelLoadError(f"unsupported dtype {name!r} (float32, float16 or bfloat16)")
+    return _DTYPES[key]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The short name of a torch floating dtype ("float32" ...)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"cannot read {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path} is not a JSON object")
+    return data
+
+
+def read_hf_config(model_path: str) -> dict[str, Any]:
+    """The parsed config.json of a model directory."""
+    if not os.path.isdir(model_path):
+        raise ModelLoadError(f"model path {model_path!r} is not a directory")
+    config_path = os.path.join(model_path, "config.json")
+    if not os.path.isfile(config_path):
+        raise ModelLoadError(f"no config.json in model directory {model_path!r}")
+    return _read_json(config_path)
+
+
+def _id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list):
+        return [int(v) for v in value if isinstance(v, int)]
+    return []
+
+
+def _checkpoint_dtype(cfg: dict[str, Any]) -> str:
+    name = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
+    return name if name in _DTYPES else "float32"
+
+
+def parse_config(model_path: str, cfg: dict[str, Any]) -> LlamaConfig:
+    """LlamaConfig from config.json, with errors as ModelLoadError."""
+    try:
+        return LlamaConfig.from_hf(cfg)
+    except ValueError as exc:
+        raise ModelLoadError(f"{model_path}: {exc}") from None
+
+
+def load_model_info(model_path: str, context_length: int | None = None) -> ModelInfo:
+    """ModelInfo from config.json and generation_config.json, without loading weights."""
+    cfg = read_hf_config(model_path)
+    lcfg = parse_config(model_path, cfg)
+    gen_path = os.path.join(model_path, "generation_config.json")
+    gen = _read_json(gen_path) if os.path.isfile(gen_path) else {}
+    eos: list[int] = []
+    for tok in _id_list(cfg.get("eos_token_id")) + _id_list(gen.get("eos_token_id")):
+        if tok not in eos:
+            eos.append(tok)
+    bos = cfg.get("bos_token_id", gen.get("bos_token_id"))
+    pad = cfg.get("pad_token_id", gen.get("pad_token_id"))
+    has_tokenizer = any(
+        os.path.isfile(os.path.join(model_path, name))
+        for name in ("tokenizer.json", "tokenizer_config.json")
+    )
+    if context_length is not None and context_length <= 0:
+        raise ModelLoadError(f"context_length must be positive, got {context_length}")
+    return ModelInfo(
+        model_path=os.path.abspath(model_path),
+        tokenizer_path=os.path.abspath(model_path) if has_tokenizer else None,
+        architectures=list(cfg.get("architectures") or []),
+        model_type=lcfg.model_type,
+        vocab_size=lcfg.vocab_size,
+        context_length=context_length or lcfg.max_position_embeddings,
+        eos_token_ids=eos,
+        bos_token_id=bos if isinstance(bos, int) else None,
+        pad_token_id=pad if isinstance(pad, int) else None,
+        num_layers=lcfg.num_layers,
+        num_attention_heads=lcfg.num_heads,
+        num_kv_heads=lcfg.num_kv_heads,
+        head_dim=lcfg.head_dim,
+        hidden_size=lcfg.hidden_size,
+        dtype=_checkpoint_dtype(cfg),
+    )
+
+
+def _weight_files(model_path: str) -> list[str]:
+    """The safetensors files of a checkpoint (sharded via the index, or all *.safetensors)."""
+    index_path = os.path.join(model_path, "model.safetensors.index.json")
+    if os.path.isfile(index_path):
+        weight_map = _read_json(index_path).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ModelLoadError(f"{index_path} has no weight_map")
+        files = sorted(set(weight_map.values()))
+        for name in files:
+            if not os.path.isfile(os.path.join(model_path, name)):
+                raise ModelLoadError(f"shard {name} listed in {index_path} is missing")
+        return [os.path.join(model_path, name) for name in files]
+    files = sorted(f for f in os.listdir(model_path) if f.endswith(".safetensors"))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors weights in model directory {model_path!r}")
+    return [os.path.join(model_path, name) for name in files]
+
+
+def load_model(
+    model_path: str,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    context_length: int | None = None,
+) -> tuple[LlamaForCausalLM, ModelInfo]:
+    """Build the model from a Hugging Face directory, weights cast to dtype on device."""
+    info = load_model_info(model_path, context_length)
+    lcfg = parse_config(model_path, read_hf_config(model_path))
+    with torch.device("meta"):
+        model = LlamaForCausalLM(lcfg)
+    expected = set(model.state_dict().keys())
+    state: dict[str, torch.Tensor] = {}
+    for path in _weight_files(model_path):
+        try:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    if name not in expected:
+                        continue  # lm_head.weight of a tied model, rotary buffers, ...
+                    tensor = f.get_tensor(name)
+                    if tensor.is_floating_point():
+                        tensor = tensor.to(dtype)
+                    state[name] = tensor.to(device)
+        except (OSError, RuntimeError, ValueError) as exc:
+            raise ModelLoadError(f"cannot read weights {path}: {exc}") from None
+    missing = sorted(expected - state.keys())
+    if missing:
+        more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
+        raise ModelLoadError(f"{model_path}: weights missing from checkpoint: "
+                             f"{', '.join(missing[:3])}{more}")
+    try:
+        model.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as exc:
+        first = str(exc).strip().splitlines()
+        raise ModelLoadError(f"{model_path}: weights do not fit the config: "
+                             f"{' '.join(first[:2])}") from None
+    model.materialize_buffers(device)
+    model.fuse_projections()
+    model.eval()
+    model.requires_grad_(False)
+    info.dtype = dtype_name(dtype)
+    info.weight_bytes = sum(t.numel() * t.element_size() for t in state.values())
+    return model, info

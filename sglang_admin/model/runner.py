@@ -1,0 +1,318 @@
+"""ModelRunner: owns the model, the paged KV pool and the request-to-token table.
+
+One ``forward_step`` runs one forward pass for a whole continuous batch (decode sequences
+and prefill chunks together) and samples one token for every sequence that asks for one.
+
+The KV pool holds, per layer, a K and a V tensor of shape
+``[max_total_tokens + 1, num_kv_heads, head_dim]``. Slot 0 is a scratch slot that the
+scheduler never hands out. ``req_to_token[req_idx, pos]`` is the pool slot of position
+``pos`` of the sequence living in row ``req_idx``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from sglang_admin.messages import SamplingParams
+from sglang_admin.model.llama import AttentionMetadata, LlamaForCausalLM
+from sglang_admin.model.loader import (
+    ModelInfo,
+    ModelLoadError,
+    dtype_from_name,
+    load_model,
+    load_model_info,
+)
+from sglang_admin.model.sampling import SampleRequest, sample
+
+logger = logging.getLogger(__name__)
+
+_CPU_KV_BUDGET_BYTES = 1 << 30
+_CPU_MAX_TOKENS = 65536
+
+
+@dataclass
+class SeqInput:
+    """One sequence of a batch: its new tokens and where their K/V live."""
+
+    req_idx: int  # row in the request-to-token table, 0 <= req_idx < max_running_requests
+    prefix_len: int  # tokens of this sequence whose K/V already sit in the pool
+    token_ids: list[int]  # new tokens, at positions prefix_len .. prefix_len+len-1
+    table_start: int  # table_slots go to req_to_token[req_idx, table_start:...]
+    table_slots: list[int]  # after the write, row[:prefix_len+len(token_ids)] is the sequence
+    sampling: SamplingParams
+    prompt_ids: list[int]  # the prompt (repetition penalty); not copied
+    output_ids: list[int]  # generated so far (penalties, min_new_tokens)
+    sample: bool = True  # False: a non-final prefill chunk, produce no token
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+
+
+@dataclass
+class SeqOutput:
+    """The token sampled for one sequence, with its logprobs when asked for."""
+
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+def resolve_device(device: str) -> torch.device:
+    """"auto" -> cuda when available, else cpu; anything else as torch understands it."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("device cuda requested but CUDA is not available")
+    return dev
+
+
+def resolve_dtype(dtype: str, device: torch.device, checkpoint_dtype: str) -> torch.dtype:
+    """"auto" -> float32 on CPU; on CUDA the checkpoint's half dtype, else bfloat16."""
+    if dtype != "auto":
+        return dtype_from_name(dtype)
+    if device.type != "cuda":
+        return torch.float32
+    if checkpoint_dtype in ("float16", "bfloat16"):
+        return dtype_from_name(checkpoint_dtype)
+    return torch.bfloat16
+
+
+class ModelRunner:
+    """Forward + sampling for a continuous batch over a paged KV pool."""
+
+    def __init__(
+        self,
+        model_path: str | None,
+        *,
+        device: str = "auto",
+        dtype: str = "auto",
+        max_total_tokens: int | None = None,
+        max_running_requests: int = 64,
+        context_length: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        if model_path is None:
+            from sglang_admin.model.default_model import ensure_default_model
+
+            model_path = ensure_default_model()
+        self.device = resolve_device(device)
+        probe = load_model_info(model_path, context_length)
+        self.dtype = resolve_dtype(dtype, self.device, probe.dtype)
+        self.model: LlamaForCausalLM
+        self.model, self.info = load_model(
+            model_path, dtype=self.dtype, device=self.device, context_length=context_length
+        )
+        self.weight_bytes = self.info.weight_bytes
+        self.context_length = self.info.context_length
+        self.max_running_requests = max_running_requests
+        cfg = self.model.config
+        windows = {w for w in cfg.sliding_windows if w is not None}
+        if len(windows) > 1:
+            raise ModelLoadError(f"{model_path}: several different sliding windows {windows}")
+        self.sliding_window: int | None = windows.pop() if windows else None
+
+        elem = torch.empty(0, dtype=self.dtype).element_size()
+        per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * elem
+        if max_total_tokens is None:
+            max_total_tokens = self._default_token_capacity(per_token)
+        if max_total_tokens <= 0:
+            raise ValueError(f"max_total_tokens must be positive, got {max_total_tokens}")
+        self.token_capacity = max_total_tokens
+        # one allocation; per-layer K and V are contiguous views of it
+        self._kv = torch.zeros(
+            cfg.num_layers, 2, max_total_tokens + 1, cfg.num_kv_heads, cfg.head_dim,
+            dtype=self.dtype, device=self.device,
+        )
+        self.k_caches = [self._kv[i, 0] for i in range(cfg.num_layers)]
+        self.v_caches = [self._kv[i, 1] for i in range(cfg.num_layers)]
+        self.kv_cache_bytes = self._kv.numel() * elem
+        self.req_to_token = torch.zeros(
+            max_running_requests, self.context_length, dtype=torch.int64, device=self.device
+        )
+        self._arange = torch.arange(self.context_length, device=self.device)
+        # CPU only: persistent scratch for gathered K/V rows (CUDA's caching allocator
+        # already reuses memory; on CPU fresh multi-megabyte buffers cost page faults)
+        self._scratch_k: torch.Tensor | None = None
+        self._scratch_v: torch.Tensor | None = None
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+        logger.info(
+            "model %s loaded: %s on %s, %.1f MiB weights, KV pool %d tokens (%.1f MiB)",
+            self.info.architectures, self.info.dtype, self.device, self.weight_bytes / 2**20,
+            self.token_capacity, self.kv_cache_bytes / 2**20,
+        )
+
+    def _default_token_capacity(self, per_token: int) -> int:
+        if self.device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(self.device)
+            budget = int(free * 0.85) - (1 << 30)  # keep 1 GiB for activations
+            tokens = budget // per_token
+            if tokens <= 0:
+                raise ModelLoadError("not enough free GPU memory for a KV cache")
+            return int(tokens)
+        return int(min(_CPU_MAX_TOKENS, _CPU_KV_BUDGET_BYTES // per_token))
+
+    def _gather_scratch(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scratch buffers of at least `rows` rows for gathered K and V (grown, never shrunk)."""
+        if self._scratch_k is None or self._scratch_k.shape[0] < rows:
+            cfg = self.model.config
+            cap = max(rows, 2 * self._scratch_k.shape[0] if self._scratch_k is not None else 0)
+            shape = (cap, cfg.num_kv_heads * cfg.head_dim)
+            self._scratch_k = torch.empty(shape, dtype=self.dtype, device=self.device)
+            self._scratch_v = torch.empty(shape, dtype=self.dtype, device=self.device)
+        assert self._scratch_v is not None
+        return self._scratch_k, self._scratch_v
+
+    def reset(self) -> None:
+        """Forget every sequence's slots (cache flush); the KV tensors are left as they are."""
+        self.req_to_token.zero_()
+
+    # ------------------------------------------------------------ one step
+
+    def forward_step(self, seqs: list[SeqInput]) -> list[SeqOutput | None]:
+        """One forward pass over the batch, then sampling; None where ``sample`` is False."""
+        if not seqs:
+            return []
+        is_decode = all(len(s.token_ids) == 1 and s.prefix_len > 0 for s in seqs)
+        label = f"forward_{'decode' if is_decode else 'extend'}_bs{len(seqs)}"
+        with torch.inference_mode(), torch.profiler.record_function(label):
+            return self._forward_step(seqs)
+
+    def _validate(self, s: SeqInput) -> None:
+        n = len(s.token_ids)
+        if n == 0:
+            raise ValueError("a sequence with no new tokens")
+        if not 0 <= s.req_idx < self.max_running_requests:
+            raise ValueError(f"req_idx {s.req_idx} out of range [0, {self.max_running_requests})")
+        if s.prefix_len < 0 or s.prefix_len + n > self.context_length:
+            raise ValueError(
+                f"sequence length {s.prefix_len + n} exceeds context length {self.context_length}"
+            )
+        if s.table_slots:
+            if s.table_start < 0 or s.table_start + len(s.table_slots) > self.context_length:
+                raise ValueError("table_slots do not fit the request-to-token row")
+            if min(s.table_slots) < 0 or max(s.table_slots) > self.token_capacity:
+                raise ValueError(f"a KV slot outside [0, {self.token_capacity}]")
+
+    def _forward_step(self, seqs: list[SeqInput]) -> list[SeqOutput | None]:
+        ctx = self.context_length
+        for s in seqs:
+            self._validate(s)
+        decode = [s for s in seqs if len(s.token_ids) == 1]
+        extend = [s for s in seqs if len(s.token_ids) != 1]
+        ordered = decode + extend
+        nd, ne = len(decode), len(extend)
+
+        # ---- host-side index lists, shipped to the device in one tensor
+        input_ids: list[int] = []
+        positions: list[int] = []
+        token_cells: list[int] = []  # req_idx * ctx + position of every new token
+        table_cells: list[int] = []
+        table_vals: list[int] = []
+        select: list[int] = []  # flat index of the token whose logits are sampled
+        sampled: list[SeqInput] = []
+        offset = 0
+        for s in ordered:
+            n = len(s.token_ids)
+            p = s.prefix_len
+            base = s.req_idx * ctx
+            input_ids.extend(s.token_ids)
+            if n == 1:
+                positions.append(p)
+                token_cells.append(base + p)
+            else:
+                positions.extend(range(p, p + n))
+                token_cells.extend(range(base + p, base + p + n))
+            if s.table_slots:
+                start = base + s.table_start
+                table_cells.extend(range(start, start + len(s.table_slots)))
+                table_vals.extend(s.table_slots)
+            offset += n
+            if s.sample:
+                select.append(offset - 1)
+                sampled.append(s)
+        dec_rows = [s.req_idx for s in decode]
+        dec_lens = [s.prefix_len + 1 for s in decode]
+        ext_rows = [s.req_idx for s in extend]
+        ext_prefix = [s.prefix_len for s in extend]
+        ext_n = [len(s.token_ids) for s in extend]
+        qmax = max(ext_n, default=0)
+        ext_len = max((p + n for p, n in zip(ext_prefix, ext_n)), default=0)
+        causal_only = ne == 1 and ext_prefix[0] == 0 and self.sliding_window is None
+        ext_start: list[int] = []
+        ext_out: list[int] = []
+        if ne > 1:
+            start = 0
+            for b, n in enumerate(ext_n):
+                ext_start.append(start)
+                ext_out.extend(range(b * qmax, b * qmax + n))
+                start += n
+        parts = [input_ids, positions, token_cells, table_cells, table_vals, select,
+                 dec_rows, dec_lens, ext_rows, ext_prefix, ext_n, ext_start, ext_out]
+        flat: list[int] = []
+        for part in parts:
+            flat.extend(part)
+        packed = torch.tensor(flat, dtype=torch.int64).to(self.device, non_blocking=True)
+        (t_ids, t_pos, t_cells, t_tcells, t_tvals, t_select, t_dec_rows, t_dec_lens,
+         t_ext_rows, t_ext_prefix, t_ext_n, t_ext_start, t_ext_out) = packed.split(
+            [len(part) for part in parts])
+
+        # ---- attention metadata, once for all layers
+        table = self.req_to_token
+        if table_cells:
+            table.view(-1).index_copy_(0, t_tcells, t_tvals)
+        meta = AttentionMetadata(out_slots=table.view(-1).index_select(0, t_cells))
+        meta.num_decode = nd
+        if nd:
+            dlen = max(dec_lens)
+            meta.decode_len = dlen
+            meta.decode_kv_index = table[:, :dlen].index_select(0, t_dec_rows).reshape(-1)
+            keys = self._arange[:dlen].unsqueeze(0)
+            if min(dec_lens) != dlen:
+                meta.decode_mask = (keys < t_dec_lens.unsqueeze(1)).view(nd, 1, 1, dlen)
+            if self.sliding_window is not None:
+                qpos = (t_dec_lens - 1).unsqueeze(1)
+                swa = (keys <= qpos) & (keys > qpos - self.sliding_window)
+                meta.decode_swa_mask = swa.view(nd, 1, 1, dlen)
+        if ne:
+            meta.num_extend_seqs = ne
+            meta.extend_qmax = qmax
+            meta.extend_causal_only = causal_only
+            if not causal_only:
+                meta.extend_len = ext_len
+                meta.extend_kv_index = table[:, :ext_len].index_select(0, t_ext_rows).reshape(-1)
+                # padded query j of sequence b is its token min(j, n_b - 1)
+                j = torch.minimum(self._arange[:qmax].unsqueeze(0), (t_ext_n - 1).unsqueeze(1))
+                qpos = (t_ext_prefix.unsqueeze(1) + j).unsqueeze(2)  # [Be, qmax, 1]
+                keys = self._arange[:ext_len].view(1, 1, ext_len)
+                meta.extend_mask = (keys <= qpos).unsqueeze(1)
+                if self.sliding_window is not None:
+                    swa = (keys <= qpos) & (keys > qpos - self.sliding_window)
+                    meta.extend_swa_mask = swa.unsqueeze(1)
+                if ne > 1:
+                    meta.extend_q_index = (t_ext_start.unsqueeze(1) + j).reshape(-1)
+                    meta.extend_out_index = t_ext_out
+
+        if self.device.type == "cpu":
+            rows = max(nd * meta.decode_len, ne * meta.extend_len)
+            if rows:
+                meta.gather_k, meta.gather_v = self._gather_scratch(rows)
+
+        hidden = self.model(t_ids, t_pos, meta, self.k_caches, self.v_caches)
+        if not sampled:
+            return [None] * len(seqs)
+        logits = self.model.compute_logits(hidden.index_select(0, t_select))
+        reqs = [
+            SampleRequest(s.sampling, s.prompt_ids, s.output_ids, s.return_logprob,
+                          s.top_logprobs_num)
+            for s in sampled
+        ]
+        result = sample(logits, reqs, self.info.eos_token_ids, self.generator)
+        by_seq: dict[int, SeqOutput] = {}
+        for i, s in enumerate(sampled):
+            by_seq[id(s)] = SeqOutput(result.token_ids[i], result.logprobs[i],
+                                      result.top_logprobs[i])
+        return [by_seq.get(id(s)) for s in seqs]

@@ -1,0 +1,243 @@
+"""Batched next-token selection over the logits of a continuous batch.
+
+Order of processing for each row (only rows that need a step pay for it):
+
+1. repetition penalty over prompt + output tokens (transformers semantics: a positive logit
+   is divided by the penalty, a negative one multiplied);
+2. frequency and presence penalties over output tokens (OpenAI semantics:
+   ``logit -= frequency * count + presence * (count > 0)``);
+3. ``logit_bias`` added;
+4. while fewer than ``min_new_tokens`` tokens were generated, EOS and stop tokens are masked;
+5. greedy rows (temperature 0 or top_k 1) take the argmax; the others divide by the
+   temperature, keep the top_k, then the top_p nucleus, then drop tokens under
+   ``min_p * max_prob``, and draw from what is left.
+
+Logprobs: for greedy rows, the log-softmax of the raw model logits (equal to what
+transformers reports); for sampled rows, the log-softmax of the processed logits divided by
+the temperature (before top-k/top-p/min-p truncation), as SGLang does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sglang_admin.messages import SamplingParams
+
+
+@dataclass
+class SampleRequest:
+    """What the sampler needs to know about one row of the logits."""
+
+    params: SamplingParams
+    prompt_ids: list[int]
+    output_ids: list[int]
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+
+
+@dataclass
+class SampleResult:
+    """The chosen tokens and, where asked for, their logprobs (one entry per row)."""
+
+    token_ids: list[int]
+    logprobs: list[float | None]
+    top_logprobs: list[list[tuple[int, float]] | None]
+
+
+def _needs_repetition(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0
+
+
+def _needs_freq_presence(p: SamplingParams) -> bool:
+    return p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+
+def apply_penalties(
+    logits: torch.Tensor, reqs: list[SampleRequest], eos_token_ids: list[int]
+) -> None:
+    """Apply penalties, logit_bias and the min_new_tokens mask to logits [N, V] in place."""
+    device = logits.device
+    vocab = logits.shape[1]
+
+    rep_rows = [i for i, r in enumerate(reqs) if _needs_repetition(r.params)]
+    if rep_rows:
+        seen = torch.zeros(len(rep_rows), vocab, dtype=torch.bool, device=device)
+        rows: list[int] = []
+        cols: list[int] = []
+        for j, i in enumerate(rep_rows):
+            ids = set(reqs[i].prompt_ids)
+            ids.update(reqs[i].output_ids)
+            ids = {t for t in ids if 0 <= t < vocab}
+            rows.extend([j] * len(ids))
+            cols.extend(ids)
+        if cols:
+            seen[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = True
+        penalty = torch.tensor(
+            [reqs[i].params.repetition_penalty for i in rep_rows],
+            dtype=logits.dtype,
+            device=device,
+        ).unsqueeze(1)
+        index = torch.tensor(rep_rows, device=device)
+        sub = logits.index_select(0, index)
+        adjusted = torch.where(sub > 0, sub / penalty, sub * penalty)
+        logits.index_copy_(0, index, torch.where(seen, adjusted, sub))
+
+    fp_rows = [i for i, r in enumerate(reqs) if _needs_freq_presence(r.params)]
+    if fp_rows:
+        counts = torch.zeros(len(fp_rows), vocab, dtype=logits.dtype, device=device)
+        rows = []
+        cols = []
+        for j, i in enumerate(fp_rows):
+            out = [t for t in reqs[i].output_ids if 0 <= t < vocab]
+            rows.extend([j] * len(out))
+            cols.extend(out)
+        if cols:
+            counts.index_put_(
+                (torch.tensor(rows, device=device), torch.tensor(cols, device=device)),
+                torch.ones(len(cols), dtype=logits.dtype, device=device),
+                accumulate=True,
+            )
+        freq = torch.tensor(
+            [reqs[i].params.frequency_penalty for i in fp_rows], dtype=logits.dtype, device=device
+        ).unsqueeze(1)
+        pres = torch.tensor(
+            [reqs[i].params.presence_penalty for i in fp_rows], dtype=logits.dtype, device=device
+        ).unsqueeze(1)
+        index = torch.tensor(fp_rows, device=device)
+        delta = counts * freq + (counts > 0).to(logits.dtype) * pres
+        logits.index_copy_(0, index, logits.index_select(0, index) - delta)
+
+    rows = []
+    cols = []
+    vals: list[float] = []
+    for i, r in enumerate(reqs):
+        for tok, bias in r.params.logit_bias.items():
+            tok = int(tok)
+            if 0 <= tok < vocab:
+                rows.append(i)
+                cols.append(tok)
+                vals.append(float(bias))
+    if rows:
+        logits.index_put_(
+            (torch.tensor(rows, device=device), torch.tensor(cols, device=device)),
+            torch.tensor(vals, dtype=logits.dtype, device=device),
+            accumulate=True,
+        )
+
+    rows = []
+    cols = []
+    for i, r in enumerate(reqs):
+        if len(r.output_ids) < r.params.min_new_tokens:
+            stops = {t for t in [*eos_token_ids, *r.params.stop_token_ids] if 0 <= t < vocab}
+            rows.extend([i] * len(stops))
+            cols.extend(stops)
+    if rows:
+        logits[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = float("-inf")
+
+
+def _needs_processing(r: SampleRequest) -> bool:
+    p = r.params
+    return (
+        _needs_repetition(p)
+        or _needs_freq_presence(p)
+        or bool(p.logit_bias)
+        or len(r.output_ids) < p.min_new_tokens
+    )
+
+
+def _filter_sorted(
+    sorted_logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
+    """Mask (-inf) the tokens that top_k, top_p and min_p drop, in descending-sorted logits."""
+    vocab = sorted_logits.shape[1]
+    ranks = torch.arange(vocab, device=sorted_logits.device).unsqueeze(0)
+    sorted_logits = sorted_logits.masked_fill(ranks >= top_k.unsqueeze(1), float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass of the strictly better tokens
+    drop = before > top_p.unsqueeze(1)
+    drop |= probs < min_p.unsqueeze(1) * probs[:, :1]
+    drop[:, 0] = False  # always keep the best token
+    return sorted_logits.masked_fill(drop, float("-inf"))
+
+
+def sample(
+    logits: torch.Tensor,
+    reqs: list[SampleRequest],
+    eos_token_ids: list[int],
+    generator: torch.Generator | None = None,
+) -> SampleResult:
+    """Pick one token per row of logits [N, V] (any float dtype) following each row's params."""
+    n, vocab = logits.shape
+    if len(reqs) != n:
+        raise ValueError(f"{len(reqs)} sampling requests for {n} rows of logits")
+    device = logits.device
+    raw = logits.float()
+    want_logprob = [r.return_logprob or r.top_logprobs_num > 0 for r in reqs]
+    any_processing = any(_needs_processing(r) for r in reqs)
+    greedy = [r.params.is_greedy for r in reqs]
+
+    if all(greedy) and not any_processing and not any(want_logprob):
+        return SampleResult(raw.argmax(dim=-1).tolist(), [None] * n, [None] * n)
+
+    proc = raw.clone() if any_processing else raw
+    if any_processing:
+        apply_penalties(proc, reqs, eos_token_ids)
+
+    tokens = torch.empty(n, dtype=torch.long, device=device)
+    greedy_rows = [i for i in range(n) if greedy[i]]
+    sample_rows = [i for i in range(n) if not greedy[i]]
+    scaled: torch.Tensor | None = None
+    if greedy_rows:
+        index = torch.tensor(greedy_rows, device=device)
+        tokens.index_copy_(0, index, proc.index_select(0, index).argmax(dim=-1))
+    if sample_rows:
+        index = torch.tensor(sample_rows, device=device)
+        temps = torch.tensor(
+            [reqs[i].params.temperature for i in sample_rows], dtype=torch.float32, device=device
+        ).unsqueeze(1)
+        scaled = proc.index_select(0, index) / temps
+        params = [reqs[i].params for i in sample_rows]
+        if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
+            top_k = torch.tensor(
+                [p.top_k if p.top_k > 0 else vocab for p in params], device=device
+            )
+            top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+            min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
+            sorted_logits, order = scaled.sort(dim=-1, descending=True)
+            kept = _filter_sorted(sorted_logits, top_k, top_p, min_p)
+            choice = torch.multinomial(kept.softmax(dim=-1), 1, generator=generator)
+            chosen = order.gather(1, choice).squeeze(1)
+        else:
+            chosen = torch.multinomial(scaled.softmax(dim=-1), 1, generator=generator).squeeze(1)
+        tokens.index_copy_(0, index, chosen)
+
+    token_list = tokens.tolist()
+    logprobs: list[float | None] = [None] * n
+    tops: list[list[tuple[int, float]] | None] = [None] * n
+    lp_rows = [i for i in range(n) if want_logprob[i]]
+    if lp_rows:
+        sample_pos = {row: j for j, row in enumerate(sample_rows)}
+        parts = []
+        for i in lp_rows:
+            if greedy[i]:
+                parts.append(raw[i])
+            else:
+                assert scaled is not None
+                parts.append(scaled[sample_pos[i]])
+        lp_source = torch.stack(parts).log_softmax(dim=-1)
+        chosen_idx = torch.tensor([token_list[i] for i in lp_rows], device=device).unsqueeze(1)
+        chosen_lp = lp_source.gather(1, chosen_idx).squeeze(1).tolist()
+        max_top = max(reqs[i].top_logprobs_num for i in lp_rows)
+        top_vals: list[list[float]] = []
+        top_ids: list[list[int]] = []
+        if max_top > 0:
+            values, ids = lp_source.topk(min(max_top, vocab), dim=-1)
+            top_vals, top_ids = values.tolist(), ids.tolist()
+        for j, i in enumerate(lp_rows):
+            logprobs[i] = chosen_lp[j]
+            k = reqs[i].top_logprobs_num
+            if k > 0:
+                tops[i] = list(zip(top_ids[j][:k], top_vals[j][:k]))
+    return SampleResult(token_list, logprobs, tops)

@@ -1,0 +1,332 @@
+"""ModelRunner against transformers: same greedy tokens, same logprobs, batching-invariant.
+
+Tiny random checkpoints of every supported architecture are written with transformers in
+float32; a small scheduler simulation drives the runner (batched prefill, chunked prefill,
+decode mixed with prefill, a prefix shared between two requests) and the tokens must equal
+``generate(do_sample=False)`` token for token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from sglang_admin.messages import SamplingParams  # noqa: E402
+from sglang_admin.model.default_model import ensure_default_model  # noqa: E402
+from sglang_admin.model.runner import ModelRunner, SeqInput, SeqOutput  # noqa: E402
+
+MAX_NEW = 10
+SMALL = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=112,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    initializer_range=0.2,
+)
+
+
+def _build(kind: str, path: str) -> None:
+    torch.manual_seed(1234)
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(**SMALL)
+        model = transformers.LlamaForCausalLM(cfg)
+    elif kind == "llama_tied_llama3":
+        cfg = transformers.LlamaConfig(
+            **SMALL,
+            tie_word_embeddings=True,
+            rope_scaling={
+                "rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0,
+                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+        )
+        model = transformers.LlamaForCausalLM(cfg)
+    elif kind == "qwen2":
+        cfg = transformers.Qwen2Config(**SMALL)
+        model = transformers.Qwen2ForCausalLM(cfg)
+        with torch.no_grad():  # make the q/k/v biases matter
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj,
+                             layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    elif kind == "qwen3":
+        cfg = transformers.Qwen3Config(**SMALL, head_dim=24)
+        model = transformers.Qwen3ForCausalLM(cfg)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+                layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    elif kind == "qwen3_yarn":
+        cfg = transformers.Qwen3Config(
+            **SMALL, head_dim=16,
+            rope_scaling={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                          "original_max_position_embeddings": 32},
+        )
+        model = transformers.Qwen3ForCausalLM(cfg)
+    elif kind == "mistral_swa_linear":
+        cfg = transformers.MistralConfig(
+            **SMALL, sliding_window=7,
+            rope_scaling={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+        )
+        model = transformers.MistralForCausalLM(cfg)
+    else:
+        raise ValueError(kind)
+    model.to(torch.float32).save_pretrained(path, safe_serialization=True)
+
+
+KINDS = ["llama", "llama_tied_llama3", "qwen2", "qwen3", "qwen3_yarn", "mistral_swa_linear"]
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("models")
+    dirs = {}
+    for kind in KINDS:
+        path = str(root / kind)
+        _build(kind, path)
+        dirs[kind] = path
+    dirs["default"] = ensure_default_model(str(root / "cache"))
+    return dirs
+
+
+_HF_CACHE: dict[str, Any] = {}
+
+
+def hf_model(path: str) -> Any:
+    if path not in _HF_CACHE:
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model.generation_config.eos_token_id = None  # the runner test driver never stops early
+        model.generation_config.pad_token_id = 0
+        _HF_CACHE[path] = model.eval()
+    return _HF_CACHE[path]
+
+
+def hf_greedy(path: str, prompt: list[int], max_new: int) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy tokens and the log-softmax of its raw logits at each step."""
+    model = hf_model(path)
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=False, max_new_tokens=max_new, output_logits=True,
+            return_dict_in_generate=True,
+        )
+    tokens = out.sequences[0, len(prompt):].tolist()
+    logprobs = torch.stack(out.logits).squeeze(1).float().log_softmax(-1)
+    assert len(tokens) == max_new
+    return tokens, logprobs
+
+
+# ---------------------------------------------------------------- scheduler simulation
+
+
+@dataclass
+class Req:
+    """One simulated request."""
+
+    prompt: list[int]
+    arrive: int = 0  # step at which it is admitted
+    chunk: int = 0  # prefill chunk size (0: whole prompt at once)
+    share_from: int | None = None  # reuse the first share_len slots of that request
+    share_len: int = 0
+    params: SamplingParams = field(default_factory=SamplingParams)
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    # state
+    row: int = -1
+    slots: list[int] = field(default_factory=list)
+    done: int = 0  # tokens whose K/V are in the pool
+    out: list[int] = field(default_factory=list)
+    outputs: list[SeqOutput] = field(default_factory=list)
+
+
+def simulate(runner: ModelRunner, reqs: list[Req], max_new: int = MAX_NEW) -> list[Req]:
+    """Drive the runner like a scheduler until every request has max_new tokens."""
+    free_slots = list(range(1, runner.token_capacity + 1))
+    free_rows = list(range(runner.max_running_requests))
+    step = 0
+    while any(len(r.out) < max_new for r in reqs):
+        batch: list[tuple[Req, SeqInput]] = []
+        for r in reqs:
+            if r.arrive > step or len(r.out) >= max_new:
+                continue
+            if r.row < 0:
+                r.row = free_rows.pop(0)
+                if r.share_from is not None:
+                    src = reqs[r.share_from]
+                    assert src.done >= r.share_len
+                    r.slots = src.slots[: r.share_len]
+                    r.done = r.share_len
+            if r.done < len(r.prompt):
+                n = len(r.prompt) - r.done
+                if r.chunk:
+                    n = min(n, r.chunk)
+                new = [free_slots.pop(0) for _ in range(n)]
+                table_start = 0 if r.done == r.share_len and r.share_from is not None else r.done
+                r.slots = r.slots + new
+                seq = SeqInput(
+                    req_idx=r.row, prefix_len=r.done, token_ids=r.prompt[r.done : r.done + n],
+                    table_start=table_start, table_slots=r.slots[table_start:],
+                    sampling=r.params, prompt_ids=r.prompt, output_ids=r.out,
+                    sample=r.done + n == len(r.prompt), return_logprob=r.return_logprob,
+                    top_logprobs_num=r.top_logprobs_num,
+                )
+                r.done += n
+            else:
+                slot = free_slots.pop(0)
+                r.slots.append(slot)
+                seq = SeqInput(
+                    req_idx=r.row, prefix_len=r.done, token_ids=[r.out[-1]],
+                    table_start=r.done, table_slots=[slot], sampling=r.params,
+                    prompt_ids=r.prompt, output_ids=r.out, return_logprob=r.return_logprob,
+                    top_logprobs_num=r.top_logprobs_num,
+                )
+                r.done += 1
+            batch.append((r, seq))
+        results = runner.forward_step([seq for _, seq in batch]) if batch else []
+        for (r, seq), res in zip(batch, results):
+            if seq.sample:
+                assert res is not None
+                r.out.append(res.token_id)
+                r.outputs.append(res)
+            else:
+                assert res is None
+        step += 1
+    return reqs
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    lengths = [3, 17, 30, 9, 1]
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def mixed_workload(vocab: int) -> list[Req]:
+    """Batched prefill, a chunked prefill, late arrivals mixed with decodes, a shared prefix."""
+    p = _prompts(vocab)
+    return [
+        Req(p[0]),
+        Req(p[1]),
+        Req(p[2], chunk=8),  # 4 chunks, batched with the others' decodes
+        Req(p[3], arrive=2),
+        Req(p[1][:12] + p[3][:5], arrive=3, share_from=1, share_len=12),
+        Req(p[4], arrive=1),
+    ]
+
+
+def _runner(path: str, **kwargs: Any) -> ModelRunner:
+    return ModelRunner(path, device="cpu", dtype="float32", max_total_tokens=1024,
+                       max_running_requests=8, **kwargs)
+
+
+@pytest.mark.parametrize("kind", KINDS + ["default"])
+def test_greedy_matches_transformers(model_dirs: dict[str, str], kind: str) -> None:
+    path = model_dirs[kind]
+    runner = _runner(path)
+    reqs = simulate(runner, mixed_workload(runner.info.vocab_size))
+    for r in reqs:
+        expected, _ = hf_greedy(path, r.prompt, MAX_NEW)
+        assert r.out == expected, f"{kind}: prompt of {len(r.prompt)} tokens"
+
+
+def test_logprobs_match_transformers(model_dirs: dict[str, str]) -> None:
+    path = model_dirs["qwen2"]
+    runner = _runner(path)
+    reqs = mixed_workload(runner.info.vocab_size)
+    for r in reqs:
+        r.return_logprob = True
+        r.top_logprobs_num = 5
+    simulate(runner, reqs)
+    for r in reqs:
+        tokens, logprobs = hf_greedy(path, r.prompt, MAX_NEW)
+        assert r.out == tokens
+        for i, res in enumerate(r.outputs):
+            assert res.logprob == pytest.approx(logprobs[i, tokens[i]].item(), abs=1e-4)
+            assert res.top_logprobs is not None and len(res.top_logprobs) == 5
+            top_vals, top_ids = logprobs[i].topk(5)
+            assert [t for t, _ in res.top_logprobs] == top_ids.tolist()
+            for (_, got), want in zip(res.top_logprobs, top_vals.tolist()):
+                assert got == pytest.approx(want, abs=1e-4)
+
+
+def test_batching_changes_nothing(model_dirs: dict[str, str]) -> None:
+    path = model_dirs["llama"]
+    runner = _runner(path)
+    batched = mixed_workload(runner.info.vocab_size)
+    for r in batched:
+        r.return_logprob = True
+    simulate(runner, batched)
+    for r in mixed_workload(runner.info.vocab_size):
+        r.arrive, r.share_from, r.share_len, r.chunk = 0, None, 0, 0
+        r.return_logprob = True
+        runner.reset()
+        (solo,) = simulate(runner, [r])
+        match = next(b for b in batched if b.prompt == solo.prompt)
+        assert solo.out == match.out
+        for a, b in zip(solo.outputs, match.outputs):
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
+
+
+def test_sampled_generation_is_seeded(model_dirs: dict[str, str]) -> None:
+    path = model_dirs["qwen3"]
+    params = SamplingParams(temperature=1.0, top_p=0.9, top_k=20)
+
+    def run(seed: int) -> list[list[int]]:
+        runner = _runner(path, seed=seed)
+        reqs = mixed_workload(runner.info.vocab_size)
+        for r in reqs:
+            r.params = params
+        return [r.out for r in simulate(runner, reqs)]
+
+    first = run(1)
+    assert run(1) == first
+    assert run(2) != first
+
+
+def test_runner_attributes_and_reset(model_dirs: dict[str, str]) -> None:
+    runner = _runner(model_dirs["qwen3"], context_length=64)
+    cfg = json.load(open(os.path.join(model_dirs["qwen3"], "config.json")))
+    assert runner.token_capacity == 1024
+    assert runner.info.context_length == 64
+    assert runner.req_to_token.shape == (8, 64)
+    assert len(runner.k_caches) == cfg["num_hidden_layers"]
+    assert runner.k_caches[0].shape == (1025, 2, 24)
+    assert runner.kv_cache_bytes == 2 * 2 * 1025 * 2 * 24 * 4
+    assert runner.weight_bytes > 0
+    assert runner.forward_step([]) == []
+    simulate(runner, [Req([5, 6, 7])], max_new=2)
+    assert runner.req_to_token.abs().sum() > 0
+    runner.reset()
+    assert runner.req_to_token.abs().sum() == 0
+
+
+def test_runner_rejects_bad_input(model_dirs: dict[str, str]) -> None:
+    runner = _runner(model_dirs["llama"], context_length=32)
+    params = SamplingParams()
+    too_long = list(range(3, 40))
+    with pytest.raises(ValueError, match="context length"):
+        runner.forward_step([SeqInput(0, 0, too_long, 0, list(range(1, 38)), params,
+                                      too_long, [])])
+    with pytest.raises(ValueError, match="req_idx"):
+        runner.forward_step([SeqInput(8, 0, [3], 0, [1], params, [3], [])])
+    with pytest.raises(ValueError, match="slot"):
+        runner.forward_step([SeqInput(0, 0, [3], 0, [5000], params, [3], [])])
+
+
+def test_default_device_and_capacity(model_dirs: dict[str, str]) -> None:
+    runner = ModelRunner(model_dirs["default"], max_running_requests=4)
+    assert runner.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+    if runner.device.type == "cpu":
+        assert runner.info.dtype == "float32"
+        assert 0 < runner.token_capacity <= 65536
+        assert runner.kv_cache_bytes <= (1 << 30) + 4096
+    assert runner.info.context_length >= 4096

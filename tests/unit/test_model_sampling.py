@@ -1,0 +1,144 @@
+"""The batched sampler on synthetic logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_admin.messages import SamplingParams
+from sglang_admin.model.sampling import SampleRequest, apply_penalties, sample
+
+V = 16
+EOS = [15]
+
+
+def req(prompt: list[int] | None = None, output: list[int] | None = None,
+        **params: object) -> SampleRequest:
+    return SampleRequest(SamplingParams(**params), prompt or [], output or [])
+
+
+def logits_rows(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, V, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_greedy_fast_path_is_argmax() -> None:
+    logits = logits_rows(5)
+    result = sample(logits, [req() for _ in range(5)], EOS)
+    assert result.token_ids == logits.argmax(-1).tolist()
+    assert result.logprobs == [None] * 5 and result.top_logprobs == [None] * 5
+
+
+def test_top_k_one_equals_greedy() -> None:
+    logits = logits_rows(8)
+    gen = torch.Generator().manual_seed(0)
+    reqs = [req(temperature=1.3, top_k=1) for _ in range(8)]
+    assert sample(logits, reqs, EOS, gen).token_ids == logits.argmax(-1).tolist()
+
+
+def test_logit_bias_forces_a_token() -> None:
+    logits = logits_rows(6)
+    gen = torch.Generator().manual_seed(0)
+    reqs = [req(logit_bias={7: 100.0}), req(temperature=1.0, logit_bias={7: 100.0})] * 3
+    assert sample(logits, reqs, EOS, gen).token_ids == [7] * 6
+    banned = sample(logits[:1], [req(logit_bias={t: -1e9 for t in range(V) if t != 3})], EOS)
+    assert banned.token_ids == [3]
+
+
+def test_min_new_tokens_suppresses_eos_and_stop_tokens() -> None:
+    logits = torch.zeros(1, V)
+    logits[0, 15] = 10.0  # EOS
+    logits[0, 4] = 9.0  # a stop token
+    logits[0, 2] = 8.0
+    params = dict(min_new_tokens=3, stop_token_ids=[4])
+    assert sample(logits, [req(output=[1], **params)], EOS).token_ids == [2]
+    assert sample(logits, [req(output=[1, 1, 1], **params)], EOS).token_ids == [15]
+    # ignore_eos does not lift the min_new_tokens mask (SGLang semantics)
+    assert sample(logits, [req(output=[], ignore_eos=True, **params)], EOS).token_ids == [2]
+
+
+def test_repetition_penalty_matches_transformers() -> None:
+    transformers = pytest.importorskip("transformers")
+    logits = logits_rows(2)
+    prompt, output = [1, 2, 3, 2], [5, 9]
+    ours = logits.clone()
+    apply_penalties(ours, [req(prompt, output, repetition_penalty=1.7),
+                           req(prompt, output, repetition_penalty=0.6)], EOS)
+    ids = torch.tensor([prompt + output])
+    for row, penalty in enumerate([1.7, 0.6]):
+        proc = transformers.RepetitionPenaltyLogitsProcessor(penalty)
+        want = proc(ids, logits[row : row + 1].clone())
+        torch.testing.assert_close(ours[row : row + 1], want)
+
+
+def test_frequency_and_presence_penalties() -> None:
+    logits = logits_rows(2)
+    ours = logits.clone()
+    output = [3, 3, 3, 8]
+    apply_penalties(ours, [req([5], output, frequency_penalty=0.5, presence_penalty=0.25),
+                           req([5], output)], EOS)
+    want = logits[0].clone()
+    want[3] -= 0.5 * 3 + 0.25
+    want[8] -= 0.5 * 1 + 0.25
+    torch.testing.assert_close(ours[0], want)
+    torch.testing.assert_close(ours[1], logits[1])  # defaults: untouched
+
+
+def test_penalties_change_the_greedy_choice() -> None:
+    logits = torch.zeros(1, V)
+    logits[0, 6] = 2.0
+    logits[0, 9] = 1.5
+    assert sample(logits, [req(output=[6])], EOS).token_ids == [6]
+    assert sample(logits, [req(output=[6], presence_penalty=1.0)], EOS).token_ids == [9]
+    assert sample(logits, [req(output=[6, 6], frequency_penalty=0.3)], EOS).token_ids == [9]
+    assert sample(logits, [req(prompt=[6], repetition_penalty=1.5)], EOS).token_ids == [9]
+
+
+def test_top_p_and_min_p_truncate() -> None:
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05] + [0.0] * (V - 4))
+    logits = probs.clamp_min(1e-12).log().expand(400, V).clone()
+    gen = torch.Generator().manual_seed(0)
+    got = set(sample(logits, [req(temperature=1.0, top_p=0.6)] * 400, EOS, gen).token_ids)
+    assert got == {0, 1}
+    got = set(sample(logits, [req(temperature=1.0, min_p=0.25)] * 400, EOS, gen).token_ids)
+    assert got == {0, 1, 2}
+    got = set(sample(logits, [req(temperature=1.0, top_k=3)] * 400, EOS, gen).token_ids)
+    assert got == {0, 1, 2}
+
+
+def test_temperature_sampling_follows_the_distribution() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.0] + [-30.0] * (V - 3)]).expand(4000, V).clone()
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.tensor(sample(logits, [req(temperature=2.0)] * 4000, EOS, gen).token_ids)
+    freq = torch.bincount(tokens, minlength=V)[:3].float() / 4000
+    want = (logits[0, :3] / 2.0).softmax(-1)
+    assert torch.allclose(freq, want, atol=0.03)
+
+
+def test_sampling_is_reproducible_with_a_seed() -> None:
+    logits = logits_rows(32)
+    reqs = [req(temperature=1.0, top_p=0.95)] * 32
+    a = sample(logits, reqs, EOS, torch.Generator().manual_seed(5)).token_ids
+    b = sample(logits, reqs, EOS, torch.Generator().manual_seed(5)).token_ids
+    c = sample(logits, reqs, EOS, torch.Generator().manual_seed(6)).token_ids
+    assert a == b and a != c
+
+
+def test_logprobs() -> None:
+    logits = logits_rows(3)
+    reqs = [
+        SampleRequest(SamplingParams(repetition_penalty=2.0), [1, 2], [], True, 3),
+        SampleRequest(SamplingParams(temperature=0.5), [], [], True, 0),
+        SampleRequest(SamplingParams(), [], [], False, 0),
+    ]
+    result = sample(logits, reqs, EOS, torch.Generator().manual_seed(0))
+    # greedy: raw log-softmax (penalties do not change the reported logprobs)
+    raw = logits[0].log_softmax(-1)
+    assert result.logprobs[0] == pytest.approx(raw[result.token_ids[0]].item(), abs=1e-6)
+    top = result.top_logprobs[0]
+    assert top is not None and len(top) == 3
+    assert [t for t, _ in top] == raw.topk(3).indices.tolist()
+    # sampled: log-softmax of logits / temperature
+    scaled = (logits[1] / 0.5).log_softmax(-1)
+    assert result.logprobs[1] == pytest.approx(scaled[result.token_ids[1]].item(), abs=1e-6)
+    assert result.top_logprobs[1] is None
+    assert result.logprobs[2] is None and result.top_logprobs[2] is None
