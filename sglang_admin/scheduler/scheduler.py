@@ -291,6 +291,8 @@ class Scheduler:
         for i, span in enumerate(batch.spans):
             req = span.req
             req.kv_len = span.end
+            if span.end - span.start > 1 and not req.aborted:
+                self._cache_unfinished(req)
             token = tokens[i]
             if token is None or req.aborted:
                 continue
@@ -379,6 +381,29 @@ class Scheduler:
         req.req_idx = -1
         req.slots = []
         req.cached_len = req.kv_len = req.table_synced = 0
+
+    def _cache_unfinished(self, req: Req) -> None:
+        """Share a prefilled prefix at once (as SGLang's cache_unfinished_req): insert the
+        computed KV into the tree, adopt the tree's slots and move the lock down to it, so
+        requests admitted in later steps reuse it while this one still runs."""
+        if self.cache.disable:
+            return
+        kv = req.kv_len
+        seq = req.fill_ids[:kv]
+        already = self.cache.insert(seq, req.slots[:kv])
+        if already > req.cached_len:
+            # Someone inserted part of this prefix meanwhile: free our duplicate slots and
+            # use the tree's (same tokens at the same positions, so the same KV).
+            self.allocator.free(req.slots[req.cached_len : already])
+        match = self.cache.match_prefix(seq)
+        self.cache.inc_lock_ref(match.node)
+        if req.last_node is not None:
+            self.cache.dec_lock_ref(req.last_node)
+        req.last_node = match.node
+        if already > req.cached_len:
+            req.table_synced = min(req.table_synced, req.cached_len)
+        req.slots[:kv] = match.slots
+        req.cached_len = kv
 
     def _retract(self, req: Req) -> None:
         """Put a running request back at the head of the queue; its KV stays cached."""
