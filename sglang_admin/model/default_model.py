@@ -17,7 +17,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-DEFAULT_MODEL_DIRNAME = "default-model-v1"
+# bump the version whenever the recipe below changes: caches of older builds are not reused
+DEFAULT_MODEL_DIRNAME = "default-model-v2"
 SEED = 20240601
 
 SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
@@ -211,7 +212,7 @@ def write_default_model(out_dir: str) -> None:
 def ensure_default_model(cache_dir: str | None = None) -> str:
     """The directory of the default model, building it on first use.
 
-    It lives in ``<cache_dir>/default-model-v1`` (cache_dir defaults to
+    It lives in ``<cache_dir>/default-model-v2`` (cache_dir defaults to
     :func:`default_cache_dir`). The build happens in a temporary sibling directory that is
     renamed into place, so a reader never sees a half-written model; when another process
     wins the race, its copy (identical, the build is deterministic) is used.

@@ -257,7 +257,7 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE of x [T, heads, D] with tables from RotaryTable.lookup."""
+    """Rotate-half RoPE of x [T, heads, D], with cos/sin from RotaryEmbedding."""
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
@@ -278,13 +278,16 @@ class AttentionMetadata:
     decode_kv_index: torch.Tensor | None = None
     decode_len: int = 0
     decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, decode_len] bool; None: no padding
-    decode_swa_mask: torch.Tensor | None = None  # same, with the sliding window applied
+    # same, with the sliding window applied; None when no query reaches the window
+    decode_swa_mask: torch.Tensor | None = None
     # extend group
     num_extend_seqs: int = 0
     extend_qmax: int = 0
-    # a single sequence without prefix (and no sliding window): attend to its own new tokens
-    extend_causal_only: bool = False
-    extend_q_index: torch.Tensor | None = None  # [Be * qmax] extend-token index per padded row
+    # no extend sequence has a cached prefix (and no sliding window in reach): causal
+    # attention over the new tokens only, no gather from the pool, no mask
+    extend_fresh: bool = False
+    # [Be * qmax] extend-token index of each padded row; None when Be == 1 (no padding)
+    extend_q_index: torch.Tensor | None = None
     extend_out_index: torch.Tensor | None = None  # [Te] padded row of each extend token
     extend_kv_index: torch.Tensor | None = None  # [Be * extend_len] flattened slot matrix
     extend_len: int = 0
@@ -374,17 +377,16 @@ class Attention(nn.Module):
         n_tok = x.shape[0]
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv_weight is not None:
-            qkv = F.linear(x, self.qkv_weight, self.qkv_bias).view(n_tok, h + 2 * kv, d)
-            q, k, v = qkv.split([h, kv, kv], dim=1)
+            qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
         else:
-            q = self.q_proj(x).view(n_tok, h, d)
-            k = self.k_proj(x).view(n_tok, kv, d)
-            v = self.v_proj(x).view(n_tok, kv, d)
+            qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        qkv = qkv.view(n_tok, h + 2 * kv, d)
+        v = qkv[:, h + kv :]
         if self.qk_norm:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
+            q = apply_rope(self.q_norm(qkv[:, :h]), cos, sin)
+            k = apply_rope(self.k_norm(qkv[:, h : h + kv]), cos, sin)
+        else:  # rotate q and k heads in one go
+            q, k = apply_rope(qkv[:, : h + kv], cos, sin).split([h, kv], dim=1)
         k_cache.index_copy_(0, meta.out_slots, k)
         v_cache.index_copy_(0, meta.out_slots, v)
         out = self._attend(q, k, v, meta, k_cache, v_cache)
@@ -400,7 +402,6 @@ class Attention(nn.Module):
         v_cache: torch.Tensor,
     ) -> torch.Tensor:
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        swa = self.sliding_window is not None
         k_flat = k_cache.view(k_cache.shape[0], kv * d)
         v_flat = v_cache.view(v_cache.shape[0], kv * d)
         parts = []
@@ -408,46 +409,64 @@ class Attention(nn.Module):
         if nd:
             # queries of one kv head form the "query length" axis: no K/V repeat needed
             qd = q[:nd].reshape(nd, kv, self.group, d)
-            L = meta.decode_len
+            length = meta.decode_len
             kd = gather_rows(k_flat, meta.decode_kv_index, meta.gather_k)
             vd = gather_rows(v_flat, meta.decode_kv_index, meta.gather_v)
-            kd = kd.view(nd, L, kv, d).transpose(1, 2)
-            vd = vd.view(nd, L, kv, d).transpose(1, 2)
-            mask = meta.decode_swa_mask if swa else meta.decode_mask
+            kd = kd.view(nd, length, kv, d).transpose(1, 2)
+            vd = vd.view(nd, length, kv, d).transpose(1, 2)
+            mask = meta.decode_mask
+            if self.sliding_window is not None and meta.decode_swa_mask is not None:
+                mask = meta.decode_swa_mask
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=self.scale)
             parts.append(od.reshape(nd, h * d))
         if meta.num_extend_seqs:
-            qe = q[nd:]
-            te = qe.shape[0]
-            if meta.extend_causal_only:
-                oe = F.scaled_dot_product_attention(
-                    qe.transpose(0, 1).unsqueeze(0),
-                    k[nd:].transpose(0, 1).unsqueeze(0),
-                    v[nd:].transpose(0, 1).unsqueeze(0),
-                    is_causal=True,
-                    scale=self.scale,
-                    enable_gqa=True,
-                )
-                parts.append(oe[0].transpose(0, 1).reshape(te, h * d))
-            else:
-                be, qmax, L = meta.num_extend_seqs, meta.extend_qmax, meta.extend_len
-                if meta.extend_q_index is not None:
-                    qe = qe.index_select(0, meta.extend_q_index)
-                qp = qe.view(be, qmax, h, d).transpose(1, 2)
-                # the decode group above is done with the scratch buffers
-                kp = gather_rows(k_flat, meta.extend_kv_index, meta.gather_k)
-                vp = gather_rows(v_flat, meta.extend_kv_index, meta.gather_v)
-                kp = kp.view(be, L, kv, d).transpose(1, 2)
-                vp = vp.view(be, L, kv, d).transpose(1, 2)
-                mask = meta.extend_swa_mask if swa else meta.extend_mask
-                oe = F.scaled_dot_product_attention(
-                    qp, kp, vp, attn_mask=mask, scale=self.scale, enable_gqa=True
-                )
-                oe = oe.transpose(1, 2).reshape(be * qmax, h * d)
-                if meta.extend_out_index is not None:
-                    oe = oe.index_select(0, meta.extend_out_index)
-                parts.append(oe)
+            parts.append(self._attend_extend(q[nd:], k[nd:], v[nd:], meta, k_flat, v_flat))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _attend_extend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        k_flat: torch.Tensor,
+        v_flat: torch.Tensor,
+    ) -> torch.Tensor:
+        """Attention of the extend tokens q [Te, H, D] (k, v: their new keys and values)."""
+        h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        be, qmax = meta.num_extend_seqs, meta.extend_qmax
+        padded = meta.extend_q_index is not None
+        if padded:
+            q = q.index_select(0, meta.extend_q_index)
+        q = q.view(be, qmax, h, d).transpose(1, 2)
+        if meta.extend_fresh:
+            # no cached prefix: the new keys are all there is, and a plain causal mask is
+            # exact for every real query (padded rows, past each sequence's end, are dropped)
+            if padded:
+                k = k.index_select(0, meta.extend_q_index)
+                v = v.index_select(0, meta.extend_q_index)
+            k = k.view(be, qmax, kv, d).transpose(1, 2)
+            v = v.view(be, qmax, kv, d).transpose(1, 2)
+            out = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=self.scale, enable_gqa=True
+            )
+        else:
+            length = meta.extend_len
+            # the decode group is done with the scratch buffers
+            k = gather_rows(k_flat, meta.extend_kv_index, meta.gather_k)
+            v = gather_rows(v_flat, meta.extend_kv_index, meta.gather_v)
+            k = k.view(be, length, kv, d).transpose(1, 2)
+            v = v.view(be, length, kv, d).transpose(1, 2)
+            mask = meta.extend_mask
+            if self.sliding_window is not None and meta.extend_swa_mask is not None:
+                mask = meta.extend_swa_mask
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True
+            )
+        out = out.transpose(1, 2).reshape(be * qmax, h * d)
+        if padded:
+            out = out.index_select(0, meta.extend_out_index)
+        return out
 
 
 class MLP(nn.Module):

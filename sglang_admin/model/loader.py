@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -14,7 +13,6 @@ from safetensors import safe_open
 
 from sglang_admin.model.llama import LlamaConfig, LlamaForCausalLM
 
-logger = logging.getLogger(__name__)
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -47,7 +45,6 @@ class ModelInfo:
     hidden_size: int
     dtype: str
     weight_bytes: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """A plain dict (JSON and msgpack friendly)."""

@@ -241,7 +241,11 @@ class ModelRunner:
         ext_n = [len(s.token_ids) for s in extend]
         qmax = max(ext_n, default=0)
         ext_len = max((p + n for p, n in zip(ext_prefix, ext_n)), default=0)
-        causal_only = ne == 1 and ext_prefix[0] == 0 and self.sliding_window is None
+        # the sliding window only matters once some query sits at or past it
+        window = self.sliding_window
+        if window is not None and max(ext_len, max(dec_lens, default=0)) <= window:
+            window = None
+        fresh = not any(ext_prefix) and window is None
         ext_start: list[int] = []
         ext_out: list[int] = []
         if ne > 1:
@@ -273,28 +277,28 @@ class ModelRunner:
             keys = self._arange[:dlen].unsqueeze(0)
             if min(dec_lens) != dlen:
                 meta.decode_mask = (keys < t_dec_lens.unsqueeze(1)).view(nd, 1, 1, dlen)
-            if self.sliding_window is not None:
+            if window is not None:
                 qpos = (t_dec_lens - 1).unsqueeze(1)
-                swa = (keys <= qpos) & (keys > qpos - self.sliding_window)
+                swa = (keys <= qpos) & (keys > qpos - window)
                 meta.decode_swa_mask = swa.view(nd, 1, 1, dlen)
         if ne:
             meta.num_extend_seqs = ne
             meta.extend_qmax = qmax
-            meta.extend_causal_only = causal_only
-            if not causal_only:
+            meta.extend_fresh = fresh
+            # padded query j of sequence b is its token min(j, n_b - 1)
+            j = torch.minimum(self._arange[:qmax].unsqueeze(0), (t_ext_n - 1).unsqueeze(1))
+            if ne > 1:
+                meta.extend_q_index = (t_ext_start.unsqueeze(1) + j).reshape(-1)
+                meta.extend_out_index = t_ext_out
+            if not fresh:
                 meta.extend_len = ext_len
                 meta.extend_kv_index = table[:, :ext_len].index_select(0, t_ext_rows).reshape(-1)
-                # padded query j of sequence b is its token min(j, n_b - 1)
-                j = torch.minimum(self._arange[:qmax].unsqueeze(0), (t_ext_n - 1).unsqueeze(1))
                 qpos = (t_ext_prefix.unsqueeze(1) + j).unsqueeze(2)  # [Be, qmax, 1]
                 keys = self._arange[:ext_len].view(1, 1, ext_len)
                 meta.extend_mask = (keys <= qpos).unsqueeze(1)
-                if self.sliding_window is not None:
-                    swa = (keys <= qpos) & (keys > qpos - self.sliding_window)
+                if window is not None:
+                    swa = (keys <= qpos) & (keys > qpos - window)
                     meta.extend_swa_mask = swa.unsqueeze(1)
-                if ne > 1:
-                    meta.extend_q_index = (t_ext_start.unsqueeze(1) + j).reshape(-1)
-                    meta.extend_out_index = t_ext_out
 
         if self.device.type == "cpu":
             rows = max(nd * meta.decode_len, ne * meta.extend_len)

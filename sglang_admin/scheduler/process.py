@@ -58,7 +58,12 @@ def _die_with_parent() -> None:
 def run_scheduler(args: ServerArgs, rank: int, parent_pid: int) -> None:
     """Entry point of a scheduler process (spawned by the server)."""
     _die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server decides when we stop
+    # The server decides when we stop: a terminal's Ctrl-C (SIGINT to the process group) or
+    # a supervisor that signals the whole group (systemd's KillMode=control-group sends
+    # SIGTERM to every process) must not cut the streams the server is draining. The server
+    # sends ShutdownReq; PR_SET_PDEATHSIG covers a server that dies.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     setup_logging(args.log_level, prefix=f"rank{rank}")
     ctx = zmq.Context(1)
     inbox = ctx.socket(zmq.PULL)
@@ -101,7 +106,9 @@ class RankLoop:
             from sglang_admin.otel import configure_otlp
 
             configure_otlp(args.otlp_traces_endpoint)
-        threads = max(1, (os.cpu_count() or 1) // args.dp_size)
+        # Leave a core to the server process: torch threads that share cores with it (or
+        # with each other) spin-wait on one another and make every step many times slower.
+        threads = max(1, ((os.cpu_count() or 1) - 1) // args.dp_size)
         torch.set_num_threads(threads)
         torch.manual_seed(args.seed + rank)
         self.runner = ModelRunner(
