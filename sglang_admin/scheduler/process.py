@@ -79,7 +79,9 @@ def run_scheduler(args: ServerArgs, rank: int, parent_pid: int) -> None:
         outbox.close(linger=2000)
         sys.exit(1)
     loop.run()
-    outbox.close(linger=2000)
+    # The loop ends on ShutdownReq (sent as the server closes its inbox) or when the server
+    # is gone: nobody is left to read pending outputs, so do not linger on them.
+    outbox.close(linger=0)
     inbox.close(linger=0)
     ctx.term()
 
@@ -255,7 +257,9 @@ class RankLoop:
         tokens = [r.token_id if r is not None else None for r in results]
         logprobs = [r.logprob if r is not None else None for r in results]
         tops = [r.top_logprobs if r is not None else None for r in results]
-        self.send_outputs(self.scheduler.postprocess(batch, tokens, logprobs, tops))
+        outputs = self.scheduler.postprocess(batch, tokens, logprobs, tops)
+        self.flush_kv_events()  # the router's index learns the blocks before the answer
+        self.send_outputs(outputs)
         # After the outputs went out: an auto-stop's trace export does not delay them.
         finished_profile = self.profiler.after_step(stage)
         if finished_profile is not None:
@@ -374,6 +378,7 @@ class RankLoop:
     def do_flush(self, msg: FlushCacheReq) -> None:
         freed = self.scheduler.flush()
         self.runner.reset()
+        self.flush_kv_events()  # "cleared" reaches subscribers before the flush's answer
         self.reply(msg.rid, True, "Cache flushed successfully", {"tokens_freed": freed},
                    msg.trace, "flush_cache")
         self.publish_state(force=True)

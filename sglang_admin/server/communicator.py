@@ -38,6 +38,7 @@ from sglang_admin.messages import (
     decode,
     encode,
 )
+from sglang_admin.server.kv_events import KvEventHub
 
 logger = logging.getLogger(__name__)
 
@@ -82,11 +83,14 @@ class Communicator:
         self.ready = asyncio.Event()
         self.startup_error: str | None = None
         self.dead_ranks: dict[int, str] = {}
-        self.kv_subscribers: set[asyncio.Queue] = set()
+        self.kv_subscribers: set[asyncio.Queue] = set()  # raw KvEvents messages
+        self.kv_hub = KvEventHub(args.dp_size)  # block events for SubscribeKvEvents
         self.last_receive_time = 0.0
         self._rr = itertools.cycle(range(args.dp_size))
         self._shared_reads: dict[str, asyncio.Future] = {}
         self._reader: asyncio.Task | None = None
+        self.closed = False
+        self.down_reason: str | None = None  # set by fail_all: the server is going down
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -94,6 +98,8 @@ class Communicator:
         self._reader = asyncio.get_running_loop().create_task(self._read_loop())
 
     async def close(self) -> None:
+        self.kv_hub.close()
+        self.closed = True
         for rank, sock in enumerate(self.outboxes):
             if rank not in self.dead_ranks:
                 try:
@@ -126,6 +132,14 @@ class Communicator:
         if not self.ready.is_set() and self.startup_error is None:
             self.startup_error = f"scheduler rank {rank} {reason}"
             self.ready.set()
+
+    def fail_all(self, reason: str) -> None:
+        """The server is going down: every waiting call, on any rank, ends now."""
+        self.down_reason = reason
+        for stream in self.streams.values():
+            stream.queue.put_nowait(RankUnavailable(reason))
+        for call in self.calls.values():
+            call.done.set()
 
     # ------------------------------------------------------------------ inbound
 
@@ -163,6 +177,7 @@ class Communicator:
             if len(call.replies) == len(call.ranks):
                 call.done.set()
         elif isinstance(msg, KvEvents):
+            self.kv_hub.publish(msg)
             for queue in list(self.kv_subscribers):
                 queue.put_nowait(msg)
         elif isinstance(msg, ReadyMsg):
@@ -196,6 +211,8 @@ class Communicator:
         """
         if rank in self.dead_ranks:
             raise RankUnavailable(f"scheduler rank {rank} {self.dead_ranks[rank]}")
+        if self.down_reason is not None:
+            raise RankUnavailable(self.down_reason)
         queue: asyncio.Queue = asyncio.Queue()
         self.streams[req.rid] = _Stream(rank, queue)
         self.inflight[rank] += 1
@@ -227,10 +244,22 @@ class Communicator:
         return True
 
     def _send_nowait(self, rank: int, msg: Any) -> None:
+        if self.closed:  # shutting down: the rank is being stopped anyway
+            return
+        name = type(msg).__name__
+
+        def check(fut: asyncio.Future) -> None:
+            # zmq.asyncio reports a failed send through the future, not by raising.
+            if not fut.cancelled() and fut.exception() is not None:
+                logger.warning("could not send %s to rank %d: %s", name, rank, fut.exception())
+
         try:
-            self.outboxes[rank].send(encode(msg), flags=zmq.NOBLOCK)
+            fut = self.outboxes[rank].send(encode(msg), flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:
-            logger.warning("could not send %s to rank %d: %s", type(msg).__name__, rank, exc)
+            logger.warning("could not send %s to rank %d: %s", name, rank, exc)
+            return
+        if isinstance(fut, asyncio.Future):
+            fut.add_done_callback(check)
 
     # ------------------------------------------------------------------ admin
 
@@ -255,6 +284,8 @@ class Communicator:
             for rank in ranks:
                 if rank in self.dead_ranks:
                     failures[rank] = f"rank {rank} is unavailable ({self.dead_ranks[rank]})"
+                elif self.down_reason is not None:
+                    failures[rank] = f"rank {rank} is unavailable ({self.down_reason})"
                 else:
                     await self.outboxes[rank].send(encode(msg))
             if len(failures) < len(ranks):
@@ -269,6 +300,8 @@ class Communicator:
                 continue
             if rank in self.dead_ranks:
                 failures[rank] = f"rank {rank} is unavailable ({self.dead_ranks[rank]})"
+            elif self.down_reason is not None:
+                failures[rank] = f"rank {rank} is unavailable ({self.down_reason})"
             else:
                 failures[rank] = f"rank {rank} did not answer within {timeout:.1f}s"
         return call.replies, failures

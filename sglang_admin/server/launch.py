@@ -62,6 +62,8 @@ def _read(path: str) -> bytes:
 
 def _credentials(args: ServerArgs) -> grpc.ServerCredentials | None:
     if not (args.tls_cert or args.tls_key):
+        if args.tls_client_ca:  # never fall back to plaintext when mutual TLS was asked for
+            raise StartupError("--tls-client-ca needs --tls-cert and --tls-key")
         return None
     if not (args.tls_cert and args.tls_key):
         raise StartupError("--tls-cert and --tls-key must be given together")
@@ -112,7 +114,11 @@ class Server:
         while not self.stop_event.is_set():
             for rank, proc in enumerate(self.procs):
                 if not proc.is_alive() and rank not in self.comm.dead_ranks:
-                    self.comm.rank_failed(rank, f"exited with code {proc.exitcode}")
+                    why = f"exited with code {proc.exitcode}"
+                    self.comm.rank_failed(rank, why)
+                    # The server exits so a supervisor restarts it whole: calls on the other
+                    # ranks end now too (UNAVAILABLE: retry elsewhere), not at the grace's end.
+                    self.comm.fail_all(f"server restarting: scheduler rank {rank} {why}")
                     await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
                     self.exit_code = 1
                     self.stop_event.set()
@@ -184,10 +190,17 @@ class Server:
 
     async def shutdown(self) -> None:
         """NOT_SERVING, refuse new calls, give in-flight calls the grace period, stop ranks."""
-        logger.info("shutting down (grace %.1fs)", self.args.grace_period_s)
+        grace = self.args.grace_period_s
+        if self.exit_code != 0:
+            # A rank failed and every call was already ended: what is left is long-lived
+            # (health Watch streams), not work to drain; the supervisor is waiting.
+            grace = min(grace, 1.0)
+        logger.info("shutting down (grace %.1fs)", grace)
         await self.health.enter_graceful_shutdown()
+        if self.comm is not None:
+            self.comm.kv_hub.close()  # KV event streams never end by themselves: end them now
         if self.server is not None:
-            await self.server.stop(self.args.grace_period_s)
+            await self.server.stop(grace)
         if self.comm is not None:
             await self.comm.close()
         for proc in self.procs:

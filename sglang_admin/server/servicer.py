@@ -27,7 +27,12 @@ from sglang_admin.server.convert import (
     generate_from_proto,
     invalid,
 )
-from sglang_admin.server.tokenizer_bundle import NoTokenizerFiles, bundle_for, iter_chunks
+from sglang_admin.server.tokenizer_bundle import (
+    NoTokenizerFiles,
+    bundle_for,
+    iter_chunks,
+    tokenizer_dir,
+)
 from sglang_admin.tracing import carrier_from_metadata, server_span, trace_id_of
 
 logger = logging.getLogger(__name__)
@@ -187,7 +192,7 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
         info = self.comm.model_info
         return pb.GetModelInfoResponse(
             model_path=info["model_path"],
-            tokenizer_path=info.get("tokenizer_path") or "",
+            tokenizer_path=tokenizer_dir(self.args.tokenizer_path, info) or "",
             is_generation=True,
             weight_version="default",
             served_model_name=self.served_model_name,
@@ -212,7 +217,7 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
         out.update(
             model_path=info.get("model_path") or self.args.model_path,
             served_model_name=self.served_model_name,
-            tokenizer_path=info.get("tokenizer_path") or "",
+            tokenizer_path=tokenizer_dir(self.args.tokenizer_path, info) or "",
             tp_size=1,
             pp_size=1,
             context_length=int(info.get("context_length") or 0),
@@ -442,9 +447,7 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
         """
         self._require_ready()
         info = self.comm.model_info
-        directory = (
-            self.args.tokenizer_path or info.get("tokenizer_path") or info.get("model_path")
-        )
+        directory = tokenizer_dir(self.args.tokenizer_path, info) or info.get("model_path")
         if not directory:
             raise ServiceError(
                 grpc.StatusCode.FAILED_PRECONDITION, "this worker has no tokenizer directory"

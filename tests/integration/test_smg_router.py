@@ -1,0 +1,397 @@
+"""Two workers behind the real SMG gateway (`smg` on PyPI), driven over its HTTP API.
+
+The workers serve a copy of the default model that is moved away once they have loaded
+it, so the gateway cannot read the tokenizer from the path the workers report and must
+fetch it with GetTokenizer. The gateway runs its default cache_aware policy (it subscribes
+to the workers' KV events) with --enable-trace (it sends traceparent to the workers).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import zipfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("smg", reason="the SMG gateway (pip package `smg`) is not installed")
+
+from sglang_admin.pb import common_pb2 as pb
+from tests.conftest import ROOT, ServerProc, free_port, start_server, wait_serving
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+TRACE_ID = re.compile(r"trace_id=([0-9a-f]{32})")
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+@dataclass
+class Cluster:
+    workers: list[ServerProc]
+    router: subprocess.Popen
+    router_log: Path
+    base: str  # the gateway's HTTP address
+    metrics: str  # its Prometheus address
+    model: str  # the model id the gateway serves
+    profile_dirs: list[Path]
+
+    @property
+    def urls(self) -> list[str]:
+        return [f"grpc://127.0.0.1:{w.port}" for w in self.workers]
+
+    def log(self) -> str:
+        return ANSI.sub("", self.router_log.read_text(errors="replace"))
+
+
+def http(
+    method: str, url: str, body: dict | None = None, timeout: float = 60,
+    headers: dict[str, str] | None = None,
+) -> tuple[int, Any]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(
+        url, data=data, method=method,
+        headers={"content-type": "application/json", **(headers or {})},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            raw = resp.read()
+            status = resp.status
+    except urllib.error.HTTPError as exc:
+        raw, status = exc.read(), exc.code
+    text = raw.decode(errors="replace")
+    try:
+        return status, json.loads(text)
+    except json.JSONDecodeError:
+        return status, text
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.25) -> Any:
+    deadline = time.time() + timeout
+    last = None
+    while time.time() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
+
+
+def healthy_workers(cluster: Cluster) -> set[str]:
+    try:
+        status, body = http("GET", f"{cluster.base}/workers", timeout=5)
+    except OSError:
+        return set()
+    if status != 200 or not isinstance(body, dict):
+        return set()
+    return {w["url"] for w in body.get("workers", []) if w.get("is_healthy")}
+
+
+def metric(cluster: Cluster, name: str) -> dict[str, float]:
+    """Values of one Prometheus metric, by its `worker` label."""
+    with urllib.request.urlopen(f"{cluster.metrics}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = re.match(rf'{name}\{{([^}}]*)\}} (\S+)$', line)
+        if m:
+            worker = re.search(r'worker="([^"]*)"', m.group(1))
+            key = worker.group(1) if worker else m.group(1)
+            out[key] = out.get(key, 0.0) + float(m.group(2))
+    return out
+
+
+def trace_files(directory: Path) -> list[Path]:
+    return sorted(directory.rglob("*.trace.json*"))
+
+
+def generate(cluster: Cluster, ids: list[int], n: int) -> dict:
+    status, body = http(
+        "POST",
+        f"{cluster.base}/generate",
+        {
+            "model": cluster.model,
+            "input_ids": ids,
+            "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
+        },
+    )
+    assert status == 200, body
+    return body[0] if isinstance(body, list) else body
+
+
+def stop_router(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()  # its own shutdown waits up to 180 s for in-flight requests
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+# ---------------------------------------------------------------------- fixture
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    from sglang_admin.model.default_model import ensure_default_model
+
+    tmp = tmp_path_factory.mktemp("smg")
+    model = tmp / "model"
+    shutil.copytree(ensure_default_model(), model)
+    profile_dirs = [tmp / "prof0", tmp / "prof1"]
+    workers: list[ServerProc] = []
+    router: subprocess.Popen | None = None
+    try:
+        for prof in profile_dirs:
+            prof.mkdir()
+            workers.append(start_server(
+                tmp, "--log-requests", "--model-path", str(model), "--profile-dir", str(prof),
+                wait=False,
+            ))
+        for w in workers:
+            try:
+                wait_serving(w.target, w.proc)
+            except (RuntimeError, TimeoutError):
+                raise RuntimeError(f"worker failed to start:\n{w.log()[-4000:]}") from None
+        # Warm every worker's tokenizer bundle, then take the directory away: the gateway
+        # can only get the tokenizer through GetTokenizer.
+        digests = set()
+        for w in workers:
+            chunks = list(w.stub().GetTokenizer(pb.GetTokenizerRequest(), timeout=30))
+            data = b"".join(c.data for c in chunks)
+            assert chunks[-1].sha256 == hashlib.sha256(data).hexdigest()
+            assert all(c.sha256 == "" for c in chunks[:-1])
+            names = zipfile.ZipFile(io.BytesIO(data)).namelist()
+            assert {"tokenizer.json", "tokenizer_config.json", "config.json"} <= set(names)
+            digests.add(chunks[-1].sha256)
+        assert len(digests) == 1  # the same files give the same archive
+        model.rename(tmp / "model-moved")
+
+        port, metrics_port = free_port(), free_port()
+        router_log = tmp / "router.log"
+        cmd = [
+            sys.executable, "-m", "smg.launch_router",
+            "--worker-urls", *[f"grpc://127.0.0.1:{w.port}" for w in workers],
+            "--host", "127.0.0.1", "--port", str(port),
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
+            "--worker-startup-check-interval", "1", "--health-check-interval-secs", "2",
+            "--load-monitor-interval", "2",  # GetLoads every 2 s instead of 10
+            "--log-level", "info",
+            # No warm-up diversions: one cache hit in 8 would go to the "thin" worker.
+            "--worker-warmup-secs", "0", "--worker-warmup-divert-every", "0",
+            "--enable-trace", "--otlp-traces-endpoint", f"127.0.0.1:{free_port()}",
+        ]
+        with open(router_log, "w") as log:
+            router = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                env={**os.environ, "NO_COLOR": "1"},
+            )
+        c = Cluster(
+            workers=workers, router=router, router_log=router_log,
+            base=f"http://127.0.0.1:{port}", metrics=f"http://127.0.0.1:{metrics_port}",
+            model=str(model), profile_dirs=profile_dirs,
+        )
+
+        def both_healthy() -> bool:
+            if router.poll() is not None:
+                raise RuntimeError(f"router exited {router.returncode}:\n{c.log()[-4000:]}")
+            return healthy_workers(c) == set(c.urls)
+
+        wait_for(both_healthy, 60, "both workers healthy in GET /workers")
+        yield c
+    finally:
+        if router is not None:
+            stop_router(router)
+        for w in workers:
+            w.stop(signal.SIGTERM, timeout=30)
+
+
+# ---------------------------------------------------------------------- tests
+
+
+def test_workers_register_and_the_tokenizer_comes_from_a_worker(cluster: Cluster) -> None:
+    status, body = http("GET", f"{cluster.base}/workers")
+    assert status == 200
+    by_url = {w["url"]: w for w in body["workers"]}
+    assert set(by_url) == set(cluster.urls)
+    info = cluster.workers[0].stub().GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+    for w in by_url.values():
+        assert w["runtime_type"] == "sglang" and w["connection_mode"] == "grpc"
+        assert w["model_id"] == cluster.model
+        # What the gateway took from GetModelInfo / GetServerInfo.
+        labels = w["labels"]
+        assert labels["dp_size"] == "1" and labels["tp_size"] == "1"
+        assert labels["is_embedding"] == "false" and labels["is_generation"] == "true"
+        assert int(labels["context_length"]) == info.max_context_length
+        assert int(labels["vocab_size"]) == info.vocab_size
+        assert int(labels["max_total_tokens"]) > 0
+    for worker in cluster.workers:  # the gateway's load polls and health probes succeed
+        wait_for(lambda w=worker: "SglangScheduler/GetLoads status=OK" in w.log(), 10,
+                 f"a GetLoads poll of {worker.target}")
+        log = worker.log()
+        assert "SglangScheduler/HealthCheck status=OK" in log
+        assert not re.search(r"SglangScheduler/(GetLoads|HealthCheck) status=(?!OK)", log)
+    status, models = http("GET", f"{cluster.base}/v1/models")
+    assert status == 200 and [m["id"] for m in models["data"]] == [cluster.model]
+    wait_for(lambda: "Fetching tokenizer from worker" in cluster.log(), 15,
+             "the gateway to fetch the tokenizer with GetTokenizer")
+    assert "Successfully loaded tokenizer" in cluster.log()
+    assert any("get_tokenizer" in w.log() for w in cluster.workers)
+
+
+def test_generate_with_input_ids_matches_the_worker(cluster: Cluster) -> None:
+    ids = [5, 17, 99, 3, 250, 64, 7, 42]
+    out = generate(cluster, ids, 6)
+    assert len(out["output_ids"]) == 6
+    assert out["meta_info"]["prompt_tokens"] == len(ids)
+    direct = list(cluster.workers[0].stub().Generate(pb.GenerateRequest(
+        tokenized=pb.TokenizedInput(input_ids=ids),
+        sampling_params=pb.SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True),
+    ), timeout=60))[-1].complete.output_ids
+    assert out["output_ids"] == list(direct)
+
+
+def test_completions_and_chat_completions_with_text(cluster: Cluster) -> None:
+    status, body = http("POST", f"{cluster.base}/v1/completions", {
+        "model": cluster.model, "prompt": "The router tokenizes this prompt.",
+        "max_tokens": 5, "temperature": 0,
+    })
+    assert status == 200, body
+    assert isinstance(body["choices"][0]["text"], str)
+    assert 1 <= body["usage"]["completion_tokens"] <= 5
+    assert body["usage"]["prompt_tokens"] > 5
+    status, body = http("POST", f"{cluster.base}/v1/chat/completions", {
+        "model": cluster.model, "messages": [{"role": "user", "content": "Hello there"}],
+        "max_tokens": 5, "temperature": 0,
+    })
+    assert status == 200, body
+    assert body["choices"][0]["message"]["role"] == "assistant"
+    assert 1 <= body["usage"]["completion_tokens"] <= 5
+
+
+def test_repeated_prompts_hit_the_cache_of_the_worker_that_served_them(
+    cluster: Cluster,
+) -> None:
+    for seed in range(3):
+        ids = [(seed * 37 + i * 11) % 250 + 1 for i in range(64)]
+        before = metric(cluster, "smg_kv_index_blocks")
+        first = generate(cluster, ids, 2)
+        assert first["meta_info"]["cached_tokens"] == 0
+        # The rank sends its KV events after the step's outputs (as SGLang does), so the
+        # gateway may answer before its index has the blocks: wait until it does. 64
+        # prompt + 2 output tokens are 4 full blocks of 16.
+        wait_for(
+            lambda before=before: any(
+                metric(cluster, "smg_kv_index_blocks").get(u, 0) >= before.get(u, 0) + 4
+                for u in cluster.urls
+            ),
+            10, "the first request's blocks in the gateway's index",
+        )
+        second = generate(cluster, ids, 2)
+        assert second["meta_info"]["cached_tokens"] >= 48, second["meta_info"]
+
+
+def test_kv_events_feed_the_router_index_and_flush_clears_it(cluster: Cluster) -> None:
+    generate(cluster, list(range(1, 41)), 4)
+    wait_for(
+        lambda: sum(metric(cluster, "smg_kv_index_blocks").get(u, 0) for u in cluster.urls) > 0,
+        10, "blocks in the gateway's KV index",
+    )
+    assert "Learned block_size from KV event" in cluster.log()
+    assert re.search(r"Learned block_size from KV event.*block_size=16", cluster.log())
+
+    status, body = http("POST", f"{cluster.base}/flush_cache", {})
+    assert status == 200, body
+    assert body["status"] == "success"
+    assert body["workers_flushed"] == 2 and body["total_grpc_workers"] == 2
+    wait_for(
+        lambda: all(metric(cluster, "smg_kv_index_blocks").get(u, 0) == 0 for u in cluster.urls),
+        10, "the flush's KvCacheCleared to empty the gateway's index",
+    )
+    for name in ("smg_kv_event_gaps_total", "smg_kv_event_parentless_stores_total"):
+        values = metric(cluster, name)
+        assert all(values.get(u, 0) == 0 for u in cluster.urls), (name, values)
+
+
+def test_profiles_through_the_router(cluster: Cluster) -> None:
+    before = [len(trace_files(d)) for d in cluster.profile_dirs]
+    status, body = http("POST", f"{cluster.base}/start_profile", {"activities": ["CPU"]})
+    assert status == 200 and body["status"] == "success", body
+    assert body["workers_profiled"] == 2
+    generate(cluster, [1, 2, 3, 4, 5], 3)
+    status, body = http("POST", f"{cluster.base}/stop_profile", {})
+    assert status == 200 and body["status"] == "success", body
+    after = [len(trace_files(d)) for d in cluster.profile_dirs]
+    assert all(a > b for a, b in zip(after, before)), (before, after)
+
+    target = cluster.urls[0]
+    status, body = http(
+        "POST", f"{cluster.base}/start_profile", {"activities": ["CPU"], "url": target}
+    )
+    assert status == 200 and body["status"] == "success", body
+    assert body["workers_profiled"] == 1
+    generate(cluster, [9, 8, 7, 6], 3)
+    status, body = http("POST", f"{cluster.base}/stop_profile", {"url": target})
+    assert status == 200 and body["status"] == "success", body
+    assert body["workers_profiled"] == 1
+    final = [len(trace_files(d)) for d in cluster.profile_dirs]
+    assert final[0] > after[0] and final[1] == after[1], (after, final)
+
+
+def test_router_trace_ids_reach_the_worker_logs(cluster: Cluster) -> None:
+    # A caller's trace continues through the gateway into the worker's request log.
+    trace_id = os.urandom(16).hex()
+    status, body = http(
+        "POST", f"{cluster.base}/generate",
+        {"model": cluster.model, "input_ids": [11, 12, 13, 14],
+         "sampling_params": {"max_new_tokens": 2, "temperature": 0}},
+        headers={"traceparent": f"00-{trace_id}-{os.urandom(8).hex()}-01"},
+    )
+    assert status == 200, body
+    assert any(
+        "servicer: generate rid=" in line and f"trace_id={trace_id}" in line
+        for w in cluster.workers for line in w.log().splitlines()
+    )
+    # Every request the gateway sent carries its trace context (its ids start gnt-,
+    # cmpl-, chatcmpl-; the test's own direct Generate call has neither).
+    gateway_lines = [
+        line for w in cluster.workers for line in w.log().splitlines()
+        if re.search(r"servicer: generate rid=(gnt|cmpl|chatcmpl)-", line)
+    ]
+    assert gateway_lines
+    assert all(TRACE_ID.search(line) for line in gateway_lines), gateway_lines
+    # One FlushCache through the gateway is one trace: both workers log its trace id.
+    status, body = http("POST", f"{cluster.base}/flush_cache", {})
+    assert status == 200, body
+    flush_ids = [
+        {m.group(1) for line in w.log().splitlines()
+         if "servicer: flush_cache" in line and (m := TRACE_ID.search(line))}
+        for w in cluster.workers
+    ]
+    assert flush_ids[0] & flush_ids[1]
+
+
+def test_workers_stayed_healthy_without_flapping(cluster: Cluster) -> None:
+    assert healthy_workers(cluster) == set(cluster.urls)
+    log = cluster.log()
+    for url in cluster.urls:
+        lines = [line for line in log.splitlines() if url in line]
+        assert not [line for line in lines if "Health probe failed" in line or "veto" in line]
+        assert not [line for line in lines if "Failed to subscribe to KV events" in line]
+        connected = [line for line in lines if "KV event stream connected" in line]
+        assert len(connected) == 1, connected  # subscribed once, never reconnected
+    assert "does not implement SubscribeKvEvents" not in log
