@@ -35,8 +35,8 @@ class ServerArgs:
     log_level: str = "info"
     log_requests: bool = False
     load_balance_method: str = "least_loaded"  # least_loaded | round_robin
-    api_key: str | None = None
-    admin_api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)  # secrets: kept out of repr/logs
+    admin_api_key: str | None = field(default=None, repr=False)
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_client_ca: str | None = None

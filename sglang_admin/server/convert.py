@@ -16,6 +16,7 @@ from sglang_admin.pb import common_pb2 as pb
 
 DEFAULT_MAX_NEW_TOKENS = 128
 MAX_TOP_LOGPROBS = 20
+MAX_REQUEST_ID_CHARS = 512  # echoed in every response and log line
 
 
 class ServiceError(Exception):
@@ -83,6 +84,11 @@ def sampling_from_proto(sp: pb.SamplingParams, limits: Limits, prompt_len: int) 
     room = limits.context_length - prompt_len
     if sp.HasField("max_new_tokens"):
         max_new = sp.max_new_tokens
+        if max_new < 1:
+            raise invalid(
+                "sampling_params.max_new_tokens must be >= 1 (unset: "
+                f"min({DEFAULT_MAX_NEW_TOKENS}, room left in the context))"
+            )
         if max_new > room:
             raise invalid(
                 f"sampling_params.max_new_tokens = {max_new} with a prompt of {prompt_len} "
@@ -103,19 +109,23 @@ def sampling_from_proto(sp: pb.SamplingParams, limits: Limits, prompt_len: int) 
             )
     logit_bias: dict[int, float] = {}
     for key, bias in sp.logit_bias.items():
-        try:
-            tid = int(key)
-        except ValueError:
+        # Decimal token ids only: int() would also take " 5", "+5", "5_0" and non-ASCII
+        # digits, which no tokenizer emits as a key.
+        if not (key.isascii() and key.isdigit() and len(key) <= 10):
             raise invalid(
-                f"sampling_params.logit_bias key {key!r} is not a token id"
-            ) from None
-        if not 0 <= tid < limits.vocab_size:
+                f"sampling_params.logit_bias key {key[:32]!r} is not a token id "
+                "(keys are decimal token ids)"
+            )
+        tid = int(key)
+        if tid >= limits.vocab_size:
             raise invalid(
                 f"sampling_params.logit_bias key {tid} is outside the vocabulary of "
                 f"{limits.vocab_size}"
             )
-        if math.isnan(bias):
-            raise invalid(f"sampling_params.logit_bias[{key}] is NaN")
+        if not math.isfinite(bias):
+            raise invalid(
+                f"sampling_params.logit_bias[{key}] must be a finite number, got {bias}"
+            )
         logit_bias[tid] = bias
     return SamplingParams(
         temperature=temperature,
@@ -148,8 +158,15 @@ def generate_from_proto(request: pb.GenerateRequest, rid: str, limits: Limits) -
         raise invalid("custom_logit_processor is not supported by this worker")
     if request.token_ids_logprob:
         raise invalid("token_ids_logprob is not supported by this worker")
+    if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+        raise invalid(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
     ids = list(request.tokenized.input_ids)
     if not ids:
+        if request.tokenized.original_text:
+            raise invalid(
+                "tokenized.input_ids must not be empty: this worker does not tokenize "
+                "tokenized.original_text"
+            )
         raise invalid("tokenized.input_ids must not be empty")
     bad = next((i for i, t in enumerate(ids) if t >= limits.vocab_size), None)
     if bad is not None:
@@ -174,7 +191,9 @@ def generate_from_proto(request: pb.GenerateRequest, rid: str, limits: Limits) -
             f"[0, {limits.dp_size - 1}]"
         )
     if not 0 <= request.top_logprobs_num <= MAX_TOP_LOGPROBS:
-        raise invalid(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}]")
+        raise invalid(
+            f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {request.top_logprobs_num}"
+        )
     return GenerateReq(
         rid=rid,
         input_ids=ids,

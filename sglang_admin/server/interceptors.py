@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import inspect
 import logging
@@ -17,9 +18,20 @@ from sglang_admin.tracing import carrier_from_metadata, trace_id_of
 logger = logging.getLogger(__name__)
 
 SERVICE = "sglang.grpc.scheduler.SglangScheduler"
+# RPCs that change the server's state for everyone: with --admin-api-key set, only that key
+# opens them (SGLang's ADMIN_OPTIONAL level); with only --api-key, that key does.
 ADMIN_METHODS = frozenset(
-    f"/{SERVICE}/{m}" for m in ("FlushCache", "StartProfile", "StopProfile", "DownloadProfile")
+    f"/{SERVICE}/{m}"
+    for m in (
+        "FlushCache",
+        "StartProfile",
+        "StopProfile",
+        "DownloadProfile",
+        "LoadLoRAAdapter",
+        "UnloadLoRAAdapter",
+    )
 )
+# Health and reflection stay open (probes and tools must not need a secret).
 OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 OPEN_METHODS = frozenset({f"/{SERVICE}/HealthCheck"})
 
@@ -53,49 +65,82 @@ async def _stream(fn: Callable, request: Any, context: grpc.aio.ServicerContext)
 
 
 def _abort_handler(code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+    """A handler that refuses the call without reading its request (no deserializer)."""
+
     async def abort(request: Any, context: grpc.aio.ServicerContext) -> Any:
         await context.abort(code, message)
 
     return grpc.unary_unary_rpc_method_handler(abort)
 
 
+def _digest(key: bytes) -> bytes:
+    return hashlib.sha256(key).digest()
+
+
 class AuthInterceptor(grpc.aio.ServerInterceptor):
-    """SGLang's rules: --api-key guards every RPC but health and reflection; when
-    --admin-api-key is set, only it opens the admin RPCs. Keys compared in constant time."""
+    """SGLang's rules for gRPC.
+
+    - ``--api-key``: every RPC but health and reflection needs
+      ``authorization: Bearer KEY``.
+    - ``--admin-api-key``: the admin RPCs (:data:`ADMIN_METHODS`) need that key, and only
+      it; with only ``--api-key`` set, the API key opens them too. With only
+      ``--admin-api-key`` set, the other RPCs are open.
+
+    A missing or wrong key ends the call with UNAUTHENTICATED before the servicer runs or
+    the request is even deserialized. Keys are compared in constant time (as SHA-256
+    digests, so not even their length leaks) and never logged.
+    """
 
     def __init__(self, api_key: str | None, admin_api_key: str | None) -> None:
-        self.api_key = api_key.encode() if api_key else None
-        self.admin_api_key = admin_api_key.encode() if admin_api_key else None
+        self._api = _digest(api_key.encode()) if api_key else None
+        self._admin = _digest(admin_api_key.encode()) if admin_api_key else None
 
-    def _expected(self, method: str) -> bytes | None:
+    def required(self, method: str) -> tuple[bytes | None, str]:
+        """The digest of the key `method` needs (None: open) and that key's name."""
         if method in OPEN_METHODS or method.startswith(OPEN_PREFIXES):
+            return None, ""
+        if method in ADMIN_METHODS and self._admin is not None:
+            return self._admin, "admin API key"
+        return self._api, "API key"
+
+    @staticmethod
+    def bearer_token(metadata: Any) -> str | None:
+        """The token of the call's ``authorization: Bearer <token>`` (None: absent)."""
+        value = None
+        for key, item in metadata or ():
+            if key == "authorization":
+                value = item.decode("latin-1") if isinstance(item, bytes) else str(item)
+        if value is None:
             return None
-        if method in ADMIN_METHODS and self.admin_api_key:
-            return self.admin_api_key
-        return self.api_key
+        scheme, _, token = value.partition(" ")
+        return token if scheme.lower() == "bearer" and token else ""
+
+    def check(self, method: str, metadata: Any) -> str | None:
+        """None when the call may proceed, else the reason it may not."""
+        expected, name = self.required(method)
+        if expected is None:
+            return None
+        token = self.bearer_token(metadata)
+        if token is None:
+            return f"missing 'authorization: Bearer <{name}>' metadata"
+        if not hmac.compare_digest(_digest(token.encode("utf-8", "surrogateescape")), expected):
+            return f"invalid {name}" + (
+                " (this admin RPC accepts only the admin API key)"
+                if name == "admin API key"
+                else ""
+            )
+        return None
 
     async def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
-        expected = self._expected(details.method)
-        if expected is None:
+        reason = self.check(details.method, details.invocation_metadata)
+        if reason is None:
             return await continuation(details)
-        given = ""
-        for key, value in details.invocation_metadata or ():
-            if key == "authorization" and isinstance(value, str):
-                given = value
-        if not given:
-            return _abort_handler(
-                grpc.StatusCode.UNAUTHENTICATED,
-                "missing 'authorization: Bearer <key>' metadata",
-            )
-        token = given[7:] if given[:7].lower() == "bearer " else ""
-        if not hmac.compare_digest(token.encode(), expected):
-            kind = "admin API key" if expected is self.admin_api_key else "API key"
-            return _abort_handler(grpc.StatusCode.UNAUTHENTICATED, f"invalid {kind}")
-        return await continuation(details)
+        logger.info("refused %s: %s", details.method, reason)
+        return _abort_handler(grpc.StatusCode.UNAUTHENTICATED, reason)
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):

@@ -60,6 +60,13 @@ def _read(path: str) -> bytes:
         raise StartupError(f"cannot read {path}: {exc.strerror}") from None
 
 
+def _read_pem(path: str, flag: str) -> bytes:
+    data = _read(path)
+    if b"-----BEGIN " not in data:
+        raise StartupError(f"{flag} {path}: not a PEM file")
+    return data
+
+
 def _credentials(args: ServerArgs) -> grpc.ServerCredentials | None:
     if not (args.tls_cert or args.tls_key):
         if args.tls_client_ca:  # never fall back to plaintext when mutual TLS was asked for
@@ -67,9 +74,9 @@ def _credentials(args: ServerArgs) -> grpc.ServerCredentials | None:
         return None
     if not (args.tls_cert and args.tls_key):
         raise StartupError("--tls-cert and --tls-key must be given together")
-    ca = _read(args.tls_client_ca) if args.tls_client_ca else None
+    ca = _read_pem(args.tls_client_ca, "--tls-client-ca") if args.tls_client_ca else None
     return grpc.ssl_server_credentials(
-        [(_read(args.tls_key), _read(args.tls_cert))],
+        [(_read_pem(args.tls_key, "--tls-key"), _read_pem(args.tls_cert, "--tls-cert"))],
         root_certificates=ca,
         require_client_auth=ca is not None,
     )
@@ -163,7 +170,10 @@ class Server:
         except RuntimeError:
             port = 0
         if not port:
-            raise StartupError(f"cannot listen on {address} (in use or not allowed)")
+            why = "in use or not allowed"
+            if creds is not None:
+                why += ", or --tls-cert/--tls-key are not a certificate chain and its key"
+            raise StartupError(f"cannot listen on {address} ({why})")
         await self.server.start()
         logger.info("listening on %s:%d (%s)", args.host, port, "TLS" if creds else "plaintext")
         self._start_ranks()

@@ -1,0 +1,160 @@
+"""Validation at the edge: every bad GenerateRequest is refused with the field's name.
+
+These run without a server: ``generate_from_proto`` against fixed :class:`Limits`
+(the embedded default model's: vocab 261, context 8192).
+"""
+
+from __future__ import annotations
+
+import math
+
+import grpc
+import pytest
+
+from sglang_admin.config import ServerArgs
+from sglang_admin.pb import common_pb2 as pb
+from sglang_admin.server.convert import (
+    DEFAULT_MAX_NEW_TOKENS,
+    MAX_REQUEST_ID_CHARS,
+    Limits,
+    ServiceError,
+    generate_from_proto,
+)
+from sglang_admin.server.launch import max_message_bytes
+
+LIMITS = Limits(vocab_size=261, context_length=8192, token_capacity=65536, dp_size=2)
+NAN = float("nan")
+INF = float("inf")
+
+
+def req(ids: list[int] | None = None, **sampling) -> pb.GenerateRequest:
+    r = pb.GenerateRequest(sampling_params=pb.SamplingParams(**sampling))
+    if ids is not None:
+        r.tokenized.input_ids.extend(ids)
+    return r
+
+
+def bias(mapping: dict[str, float], **kw) -> pb.GenerateRequest:
+    r = req([1, 2, 3], **kw)
+    for k, v in mapping.items():
+        r.sampling_params.logit_bias[k] = v
+    return r
+
+
+def with_(r: pb.GenerateRequest, **fields) -> pb.GenerateRequest:
+    for k, v in fields.items():
+        setattr(r, k, v)
+    return r
+
+
+# (id, request, substring the message must contain). Every one is INVALID_ARGUMENT.
+BAD = [
+    ("missing-tokenized", pb.GenerateRequest(), "tokenized.input_ids"),
+    ("empty-input-ids", req([]), "tokenized.input_ids must not be empty"),
+    ("text-only", pb.GenerateRequest(tokenized=pb.TokenizedInput(original_text="hi")),
+     "does not tokenize"),
+    ("token-eq-vocab", req([1, 261]), "tokenized.input_ids[1] = 261"),
+    ("token-max-uint32", req([2**32 - 1]), "tokenized.input_ids[0]"),
+    ("prompt-eq-context", req([1] * 8192), "context length 8192"),
+    ("max-new-overflow", req([1] * 100, max_new_tokens=8093), "sampling_params.max_new_tokens"),
+    ("max-new-huge", req([1], max_new_tokens=2**32 - 1), "sampling_params.max_new_tokens"),
+    ("max-new-zero", req([1], max_new_tokens=0), "sampling_params.max_new_tokens"),
+    ("min-new-gt-max", req([1], max_new_tokens=4, min_new_tokens=5),
+     "sampling_params.min_new_tokens"),
+    ("temperature-neg", req([1], temperature=-0.5), "sampling_params.temperature"),
+    ("temperature-nan", req([1], temperature=NAN), "sampling_params.temperature"),
+    ("temperature-inf", req([1], temperature=INF), "sampling_params.temperature"),
+    ("top-p-neg", req([1], top_p=-0.1), "sampling_params.top_p"),
+    ("top-p-gt-1", req([1], top_p=1.5), "sampling_params.top_p"),
+    ("top-p-nan", req([1], top_p=NAN), "sampling_params.top_p"),
+    ("top-k-lt-minus-1", req([1], top_k=-2), "sampling_params.top_k"),
+    ("min-p-neg", req([1], min_p=-0.1), "sampling_params.min_p"),
+    ("min-p-gt-1", req([1], min_p=1.5), "sampling_params.min_p"),
+    ("min-p-inf", req([1], min_p=-INF), "sampling_params.min_p"),
+    ("frequency-penalty-high", req([1], frequency_penalty=2.5),
+     "sampling_params.frequency_penalty"),
+    ("frequency-penalty-nan", req([1], frequency_penalty=NAN),
+     "sampling_params.frequency_penalty"),
+    ("presence-penalty-low", req([1], presence_penalty=-3.0), "sampling_params.presence_penalty"),
+    ("presence-penalty-inf", req([1], presence_penalty=INF), "sampling_params.presence_penalty"),
+    ("repetition-penalty-neg", req([1], repetition_penalty=-1.0),
+     "sampling_params.repetition_penalty"),
+    ("repetition-penalty-high", req([1], repetition_penalty=2.5),
+     "sampling_params.repetition_penalty"),
+    ("repetition-penalty-nan", req([1], repetition_penalty=NAN),
+     "sampling_params.repetition_penalty"),
+    ("logit-bias-word", bias({"abc": 1.0}), "sampling_params.logit_bias key 'abc'"),
+    ("logit-bias-negative", bias({"-1": 1.0}), "sampling_params.logit_bias key '-1'"),
+    ("logit-bias-float-key", bias({"5.0": 1.0}), "sampling_params.logit_bias key '5.0'"),
+    ("logit-bias-spaced", bias({" 5": 1.0}), "sampling_params.logit_bias key"),
+    ("logit-bias-unicode-digit", bias({"\u0665": 1.0}), "sampling_params.logit_bias key"),
+    ("logit-bias-out-of-vocab", bias({"261": 1.0}), "sampling_params.logit_bias key 261"),
+    ("logit-bias-nan", bias({"5": NAN}), "sampling_params.logit_bias[5]"),
+    ("logit-bias-inf", bias({"5": -INF}), "sampling_params.logit_bias[5]"),
+    ("stop-token-out-of-vocab", req([1], stop_token_ids=[300]), "sampling_params.stop_token_ids"),
+    ("dp-rank-high", with_(req([1]), data_parallel_rank=2), "data_parallel_rank = 2"),
+    ("dp-rank-negative", with_(req([1]), data_parallel_rank=-1), "data_parallel_rank = -1"),
+    ("top-logprobs-high", with_(req([1]), return_logprob=True, top_logprobs_num=21),
+     "top_logprobs_num"),
+    ("top-logprobs-negative", with_(req([1]), top_logprobs_num=-1), "top_logprobs_num"),
+    ("request-id-long", with_(req([1]), request_id="r" * (MAX_REQUEST_ID_CHARS + 1)),
+     "request_id"),
+    ("n-two", req([1], n=2), "sampling_params.n"),
+    ("regex", req([1], regex="a+"), "sampling_params.regex"),
+    ("stop-strings", req([1], stop=["x"]), "sampling_params.stop"),
+    ("lora", with_(req([1]), lora_id="x"), "lora_id"),
+]
+
+
+@pytest.mark.parametrize("request_, needle", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_request_is_refused_naming_the_field(request_: pb.GenerateRequest, needle: str) -> None:
+    with pytest.raises(ServiceError) as err:
+        generate_from_proto(request_, request_.request_id or "rid", LIMITS)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert needle in err.value.message, err.value.message
+
+
+def test_prompt_over_kv_pool_is_refused() -> None:
+    small = Limits(vocab_size=261, context_length=8192, token_capacity=100, dp_size=1)
+    with pytest.raises(ServiceError, match="KV pool"):
+        generate_from_proto(req([1] * 100), "rid", small)
+
+
+def test_proto_zeros_map_to_sglang_defaults() -> None:
+    out = generate_from_proto(req([1, 2, 3]), "rid", LIMITS)
+    sp = out.sampling
+    assert (sp.temperature, sp.top_p, sp.top_k, sp.min_p) == (0.0, 1.0, -1, 0.0)
+    assert sp.repetition_penalty == 1.0
+    assert sp.max_new_tokens == DEFAULT_MAX_NEW_TOKENS
+    assert out.input_ids == [1, 2, 3] and out.rid == "rid"
+
+
+def test_edges_that_are_valid() -> None:
+    # The longest prompt, with the one token of room it leaves.
+    out = generate_from_proto(req([260] * 8191, max_new_tokens=1), "rid", LIMITS)
+    assert out.sampling.max_new_tokens == 1
+    # Default max_new_tokens shrinks to the room left.
+    out = generate_from_proto(req([1] * 8150), "rid", LIMITS)
+    assert out.sampling.max_new_tokens == 8192 - 8150
+    r = bias({"0": -100.0, "260": 5.5}, temperature=0.7, top_p=1.0, top_k=-1, min_p=1.0,
+             frequency_penalty=-2.0, presence_penalty=2.0, repetition_penalty=2.0,
+             stop_token_ids=[260])
+    r.data_parallel_rank = 1
+    out = generate_from_proto(r, "rid", LIMITS)
+    assert out.sampling.logit_bias == {0: -100.0, 260: 5.5}
+    assert math.isclose(out.sampling.temperature, 0.7, rel_tol=1e-6)
+    generate_from_proto(with_(req([1]), request_id="r" * MAX_REQUEST_ID_CHARS), "x", LIMITS)
+
+
+def test_receive_limit_fits_a_full_context_prompt() -> None:
+    for context in (8192, 131072, 1 << 20):
+        args = ServerArgs(context_length=context)
+        full = pb.GenerateRequest(
+            request_id="r" * MAX_REQUEST_ID_CHARS,
+            tokenized=pb.TokenizedInput(input_ids=[2**32 - 1] * (context - 1)),
+            sampling_params=pb.SamplingParams(max_new_tokens=1),
+        )
+        assert full.ByteSize() < max_message_bytes(args)
+    # Without an override (the model's context is not known before the ranks load) the
+    # limit still fits 131072 tokens of the largest ids.
+    assert 5 * 131072 < max_message_bytes(ServerArgs())
