@@ -74,7 +74,8 @@ def run_scheduler(args: ServerArgs, rank: int, parent_pid: int) -> None:
     try:
         loop = RankLoop(args, rank, inbox, outbox, parent_pid)
     except Exception as exc:  # report a one-line reason to the server, then exit
-        logger.exception("rank %d failed to start", rank)
+        logger.error("rank %d failed to start: %s: %s", rank, type(exc).__name__, exc)
+        logger.debug("rank %d start-up traceback", rank, exc_info=True)
         outbox.send(encode(FailedMsg(rank, f"{type(exc).__name__}: {exc}")))
         outbox.close(linger=2000)
         sys.exit(1)
