@@ -51,13 +51,22 @@ class RankUnavailable(Exception):
 class _AdminCall:
     ranks: tuple[int, ...]
     replies: dict[int, AdminReply] = field(default_factory=dict)
-    done: asyncio.Event = field(default_factory=asyncio.Event)
+    # resolved by the last reply (or a failure, or the timeout); the waiting call awaits it
+    # directly: an Event under wait_for took an extra task and two more loop iterations
+    done: asyncio.Future = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+
+    def finish(self) -> None:
+        if not self.done.done():
+            self.done.set_result(None)
 
 
 @dataclass
 class _Stream:
     rank: int
     queue: asyncio.Queue
+    wire_id: str
 
 
 class Communicator:
@@ -74,7 +83,9 @@ class Communicator:
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(args.scheduler_addr(rank))
             self.outboxes.append(sock)
-        self.streams: dict[str, _Stream] = {}
+        self.streams: dict[str, _Stream] = {}  # by the client's request id
+        self.by_wire_id: dict[str, _Stream] = {}  # by the id the rank sees
+        self._wire_seq = itertools.count()
         self.calls: dict[str, _AdminCall] = {}
         self.inflight = [0] * args.dp_size
         self.rank_states: list[RankState | None] = [None] * args.dp_size
@@ -128,7 +139,7 @@ class Communicator:
                 stream.queue.put_nowait(RankUnavailable(f"scheduler rank {rank} {reason}"))
         for call in self.calls.values():
             if rank in call.ranks:
-                call.done.set()
+                call.finish()
         if not self.ready.is_set() and self.startup_error is None:
             self.startup_error = f"scheduler rank {rank} {reason}"
             self.ready.set()
@@ -139,7 +150,7 @@ class Communicator:
         for stream in self.streams.values():
             stream.queue.put_nowait(RankUnavailable(reason))
         for call in self.calls.values():
-            call.done.set()
+            call.finish()
 
     # ------------------------------------------------------------------ inbound
 
@@ -160,7 +171,7 @@ class Communicator:
         if isinstance(msg, BatchOutput):
             self.last_receive_time = time.time()
             for out in msg.outputs:
-                stream = self.streams.get(out.rid)
+                stream = self.by_wire_id.get(out.rid)
                 if stream is not None:
                     stream.queue.put_nowait(out)
         elif isinstance(msg, StateUpdate):
@@ -175,7 +186,7 @@ class Communicator:
                 return
             call.replies[msg.dp_rank] = msg
             if len(call.replies) == len(call.ranks):
-                call.done.set()
+                call.finish()
         elif isinstance(msg, KvEvents):
             self.kv_hub.publish(msg)
             for queue in list(self.kv_subscribers):
@@ -213,8 +224,14 @@ class Communicator:
             raise RankUnavailable(f"scheduler rank {rank} {self.dead_ranks[rank]}")
         if self.down_reason is not None:
             raise RankUnavailable(self.down_reason)
-        queue: asyncio.Queue = asyncio.Queue()
-        self.streams[req.rid] = _Stream(rank, queue)
+        # The rank sees a wire id unique to this call: a request id the client reuses right
+        # after cancelling can never be confused with the old request still leaving the rank.
+        rid = req.rid
+        req.rid = f"{rid}~{next(self._wire_seq)}"
+        stream = _Stream(rank, asyncio.Queue(), req.rid)
+        queue = stream.queue
+        self.streams[rid] = stream
+        self.by_wire_id[req.rid] = stream
         self.inflight[rank] += 1
         finished = False
         try:
@@ -231,7 +248,8 @@ class Communicator:
                     return
         finally:
             self.inflight[rank] -= 1
-            self.streams.pop(req.rid, None)
+            self.streams.pop(rid, None)
+            self.by_wire_id.pop(req.rid, None)
             if not finished and rank not in self.dead_ranks:
                 self._send_nowait(rank, AbortReq(req.rid, "client gone"))
 
@@ -240,7 +258,7 @@ class Communicator:
         stream = self.streams.get(rid)
         if stream is None:
             return False
-        self._send_nowait(stream.rank, AbortReq(rid, reason))
+        self._send_nowait(stream.rank, AbortReq(stream.wire_id, reason))
         return True
 
     def _send_nowait(self, rank: int, msg: Any) -> None:
@@ -280,19 +298,20 @@ class Communicator:
         self.calls[rid] = call
         failures: dict[int, str] = {}
         try:
-            msg = make(rid)
+            data = encode(make(rid))
             for rank in ranks:
                 if rank in self.dead_ranks:
                     failures[rank] = f"rank {rank} is unavailable ({self.dead_ranks[rank]})"
                 elif self.down_reason is not None:
                     failures[rank] = f"rank {rank} is unavailable ({self.down_reason})"
                 else:
-                    await self.outboxes[rank].send(encode(msg))
+                    await self.outboxes[rank].send(data)
             if len(failures) < len(ranks):
+                timer = asyncio.get_running_loop().call_later(timeout, call.finish)
                 try:
-                    await asyncio.wait_for(call.done.wait(), timeout)
-                except asyncio.TimeoutError:
-                    pass
+                    await call.done
+                finally:
+                    timer.cancel()
         finally:
             self.calls.pop(rid, None)
         for rank in ranks:
