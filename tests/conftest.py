@@ -92,8 +92,10 @@ def start_server(
     log_path = tmp_path / f"server-{port}.log"
     cmd = [sys.executable, "-m", "sglang_admin", "serve", "--port", str(port), *args]
     full_env = {**os.environ, **(env or {})}
-    log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=ROOT)
+    with open(log_path, "w") as log:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=ROOT
+        )
     server = ServerProc(proc, port, log_path, list(args))
     if wait:
         try:

@@ -203,7 +203,7 @@ class _ProfileWriter:
             path = self._path(chunk.file_name)
             path.parent.mkdir(parents=True, exist_ok=True)
             self._name = chunk.file_name
-            self._file = open(f"{path}.part", "wb")
+            self._file = open(f"{path}.part", "wb")  # noqa: SIM115 - closed at the last chunk
             self._hash = hashlib.sha256()
             self._size = 0
         if chunk.offset != self._size:

@@ -151,7 +151,8 @@ def render_files(files: list[Path]) -> Outcome:
 
 def render_server_info(resp: pb.GetServerInfoResponse) -> Outcome:
     args = resp.server_args
-    model = args["served_model_name"] if "served_model_name" in args else "?"
+    # a protobuf Struct: no .get()
+    model = args["served_model_name"] if "served_model_name" in args else "?"  # noqa: SIM401
     text = (
         f"version={resp.sglang_version} model={model} ranks={len(resp.rank_states)} "
         f"active_requests={resp.active_requests} uptime={resp.uptime_seconds:.0f}s"
@@ -266,7 +267,9 @@ def _token_ids(text: str) -> list[int]:
     try:
         ids = [int(x) for x in text.replace(" ", "").split(",") if x]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated token ids, got {text!r}"
+        ) from None
     if not ids or any(i < 0 for i in ids):
         raise argparse.ArgumentTypeError(f"expected non-negative token ids, got {text!r}")
     return ids

@@ -13,7 +13,6 @@ from safetensors import safe_open
 
 from sglang_admin.model.llama import LlamaConfig, LlamaForCausalLM
 
-
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -182,7 +181,7 @@ def load_model(
     for path in _weight_files(model_path):
         try:
             with safe_open(path, framework="pt", device="cpu") as f:
-                for name in f.keys():
+                for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
                     if name not in expected:
                         continue  # lm_head.weight of a tied model, rotary buffers, ...
                     tensor = f.get_tensor(name)

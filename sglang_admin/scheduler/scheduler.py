@@ -242,9 +242,9 @@ class Scheduler:
         need = len(seq) - len(match.slots)
         # Keep one token of headroom per running request for their next decode step.
         headroom = len(self.running) + 1
-        if self.allocator.available + self.cache.evictable_size - headroom < need:
-            if self.running:  # wait for running requests to finish and free memory
-                return False
+        fits = self.allocator.available + self.cache.evictable_size - headroom >= need
+        if not fits and self.running:  # wait for running requests to finish and free memory
+            return False
         if not self.free_rows:
             return False
         self.cache.inc_lock_ref(match.node)
@@ -316,10 +316,10 @@ class Scheduler:
     def _check_finished(self, req: Req, token: int) -> None:
         sp = req.sampling
         n_out = len(req.output_ids)
-        if n_out >= sp.min_new_tokens:
-            if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos):
-                self._finish(req, "stop", matched=token)
-                return
+        is_stop = token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos)
+        if is_stop and n_out >= sp.min_new_tokens:
+            self._finish(req, "stop", matched=token)
+            return
         if (
             n_out >= sp.max_new_tokens
             or req.seq_len >= self.config.context_length

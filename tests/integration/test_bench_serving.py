@@ -68,7 +68,7 @@ def test_random_and_shared_prefix_runs_print_the_table_and_append_json(
         assert label in out.stdout
     assert "8/8" in out.stderr  # the progress bar reached the end
     (record,) = read_lines(out_file)
-    assert EXPECTED_KEYS <= set(record)
+    assert set(record) >= EXPECTED_KEYS
     assert record["completed"] == 8 and record["failed"] == 0 and record["errors"] == []
     assert record["targets"] == [srv.target] and record["dataset"] == "random"
     assert record["request_rate"] is None  # inf: all at once

@@ -294,7 +294,8 @@ def test_sampled_generation_is_seeded(model_dirs: dict[str, str]) -> None:
 
 def test_runner_attributes_and_reset(model_dirs: dict[str, str]) -> None:
     runner = _runner(model_dirs["qwen3"], context_length=64)
-    cfg = json.load(open(os.path.join(model_dirs["qwen3"], "config.json")))
+    with open(os.path.join(model_dirs["qwen3"], "config.json")) as f:
+        cfg = json.load(f)
     assert runner.token_capacity == 1024
     assert runner.info.context_length == 64
     assert runner.req_to_token.shape == (8, 64)
