@@ -237,13 +237,20 @@ _FIELDS: tuple[tuple[str, ...], ...] = tuple(
 
 Message = Any  # one of the registered dataclasses
 
+# Initial buffer of each Packer (it grows as needed). msgpack's default, 256 KiB, is above
+# glibc's mmap threshold: every packb, nested ones included, paid an mmap and a munmap
+# (about 8 us per message part; 4 KiB makes a small message 8x cheaper to encode).
+_BUF_SIZE = 4096
+
 
 def _default(obj: Any) -> msgpack.ExtType:
     code = _CODES.get(type(obj))
     if code is None:
         raise TypeError(f"type {type(obj).__name__} is not a registered message")
     values = [getattr(obj, name) for name in _FIELDS[code]]
-    return msgpack.ExtType(code, msgpack.packb(values, default=_default, use_bin_type=True))
+    return msgpack.ExtType(
+        code, msgpack.packb(values, default=_default, use_bin_type=True, buf_size=_BUF_SIZE)
+    )
 
 
 def _ext_hook(code: int, data: bytes) -> Any:
@@ -255,7 +262,7 @@ def _ext_hook(code: int, data: bytes) -> Any:
 
 def encode(msg: Message) -> bytes:
     """Serialize a registered message."""
-    return msgpack.packb(msg, default=_default, use_bin_type=True)
+    return msgpack.packb(msg, default=_default, use_bin_type=True, buf_size=_BUF_SIZE)
 
 
 def decode(data: bytes) -> Message:

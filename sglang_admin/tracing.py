@@ -11,6 +11,28 @@ from opentelemetry import propagate, trace
 
 TRACER_NAME = "sglang_admin"
 _TRACE_KEYS = ("traceparent", "tracestate")
+_tracer: trace.Tracer | None = None
+
+
+def _get_tracer() -> trace.Tracer:
+    """The tracer, made once: looking it up per span reads the environment every time. Made
+    before an SDK is installed, it is a proxy that follows the provider installed later."""
+    global _tracer
+    if _tracer is None:
+        _tracer = trace.get_tracer(TRACER_NAME)
+    return _tracer
+
+
+_sdk_installed = False
+
+
+def _recording() -> bool:
+    """Whether an SDK tracer provider is installed (once installed, it stays). Without one,
+    a span under no caller's context does nothing, so it is not made at all."""
+    global _sdk_installed
+    if not _sdk_installed:
+        _sdk_installed = not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
+    return _sdk_installed
 
 
 def carrier_from_metadata(metadata: Iterable[tuple[str, Any]] | None) -> dict[str, str]:
@@ -42,9 +64,11 @@ def server_span(name: str, carrier: dict[str, str], **attributes: Any) -> Iterat
     The forwarded carrier holds the span's own context when an SDK records it, else the
     caller's headers unchanged, so the scheduler always sees the caller's trace id.
     """
+    if not carrier and not _recording():
+        yield {}
+        return
     parent_ctx = propagate.extract(carrier)
-    tracer = trace.get_tracer(TRACER_NAME)
-    with tracer.start_as_current_span(
+    with _get_tracer().start_as_current_span(
         name, context=parent_ctx, kind=trace.SpanKind.SERVER, attributes=attributes
     ) as span:
         forward: dict[str, str] = {}
@@ -58,6 +82,9 @@ def server_span(name: str, carrier: dict[str, str], **attributes: Any) -> Iterat
 @contextmanager
 def child_span(name: str, carrier: dict[str, str], **attributes: Any) -> Iterator[None]:
     """A span in the scheduler process, child of the context the server forwarded."""
+    if not carrier and not _recording():
+        yield
+        return
     ctx = propagate.extract(carrier) if carrier else otel_context.get_current()
-    with trace.get_tracer(TRACER_NAME).start_as_current_span(name, context=ctx, attributes=attributes):
+    with _get_tracer().start_as_current_span(name, context=ctx, attributes=attributes):
         yield

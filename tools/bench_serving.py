@@ -659,8 +659,7 @@ async def bench(args: argparse.Namespace) -> int:
             print(f"failed request: {error}", file=sys.stderr)
         if args.output_file:
             record = json_record(args, metrics, profile_ids, profile_files, failures[:10])
-            with open(args.output_file, "a", encoding="utf-8") as f:
-                f.write(json.dumps(record) + "\n")
+            await asyncio.to_thread(_append_line, args.output_file, json.dumps(record))
         return 0 if metrics["failed"] == 0 and not profile_failed else 1
     finally:
         for ch in channels.values():
@@ -746,6 +745,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="key for FlushCache/StartProfile/StopProfile (default --api-key)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return p
+
+
+def _append_line(path: str, line: str) -> None:
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(line + "\n")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

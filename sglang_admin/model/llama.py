@@ -265,6 +265,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 @dataclass
+class ExtendSeq:
+    """One extend sequence (a prefill chunk): its new tokens attend on their own, so a batch
+    of prompts costs the sum of their squared lengths, not count x longest squared."""
+
+    start: int  # its first token in the extend group
+    n: int  # its new tokens
+    # pool slots of positions [0, prefix + n); None: no cached prefix, the keys are the new
+    # tokens alone and the attention is plainly causal
+    kv_index: torch.Tensor | None = None
+    mask: torch.Tensor | None = None  # [1, 1, n, prefix + n] bool, with kv_index
+    # the same with the sliding window; None when the window is out of reach
+    swa_mask: torch.Tensor | None = None
+
+
+@dataclass
 class AttentionMetadata:
     """Where every new token's K/V goes and which pool slots each query attends to.
 
@@ -280,19 +295,8 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, decode_len] bool; None: no padding
     # same, with the sliding window applied; None when no query reaches the window
     decode_swa_mask: torch.Tensor | None = None
-    # extend group
-    num_extend_seqs: int = 0
-    extend_qmax: int = 0
-    # no extend sequence has a cached prefix (and no sliding window in reach): causal
-    # attention over the new tokens only, no gather from the pool, no mask
-    extend_fresh: bool = False
-    # [Be * qmax] extend-token index of each padded row; None when Be == 1 (no padding)
-    extend_q_index: torch.Tensor | None = None
-    extend_out_index: torch.Tensor | None = None  # [Te] padded row of each extend token
-    extend_kv_index: torch.Tensor | None = None  # [Be * extend_len] flattened slot matrix
-    extend_len: int = 0
-    extend_mask: torch.Tensor | None = None  # [Be, 1, qmax, extend_len] bool
-    extend_swa_mask: torch.Tensor | None = None
+    # extend group, one entry per sequence, in token order
+    extend_seqs: list[ExtendSeq] = field(default_factory=list)
     # scratch for gathered K and V rows ([rows, kv_heads * head_dim] each), reused by every
     # layer: allocating megabytes per layer costs page faults on CPU
     gather_k: torch.Tensor | None = None
@@ -419,7 +423,7 @@ class Attention(nn.Module):
                 mask = meta.decode_swa_mask
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=self.scale)
             parts.append(od.reshape(nd, h * d))
-        if meta.num_extend_seqs:
+        if meta.extend_seqs:
             parts.append(self._attend_extend(q[nd:], k[nd:], v[nd:], meta, k_flat, v_flat))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
@@ -432,41 +436,32 @@ class Attention(nn.Module):
         k_flat: torch.Tensor,
         v_flat: torch.Tensor,
     ) -> torch.Tensor:
-        """Attention of the extend tokens q [Te, H, D] (k, v: their new keys and values)."""
+        """Attention of the extend tokens q [Te, H, D] (k, v: their new keys and values), one
+        sequence at a time (no padding to the longest one)."""
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        be, qmax = meta.num_extend_seqs, meta.extend_qmax
-        padded = meta.extend_q_index is not None
-        if padded:
-            q = q.index_select(0, meta.extend_q_index)
-        q = q.view(be, qmax, h, d).transpose(1, 2)
-        if meta.extend_fresh:
-            # no cached prefix: the new keys are all there is, and a plain causal mask is
-            # exact for every real query (padded rows, past each sequence's end, are dropped)
-            if padded:
-                k = k.index_select(0, meta.extend_q_index)
-                v = v.index_select(0, meta.extend_q_index)
-            k = k.view(be, qmax, kv, d).transpose(1, 2)
-            v = v.view(be, qmax, kv, d).transpose(1, 2)
-            out = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=self.scale, enable_gqa=True
-            )
-        else:
-            length = meta.extend_len
-            # the decode group is done with the scratch buffers
-            k = gather_rows(k_flat, meta.extend_kv_index, meta.gather_k)
-            v = gather_rows(v_flat, meta.extend_kv_index, meta.gather_v)
-            k = k.view(be, length, kv, d).transpose(1, 2)
-            v = v.view(be, length, kv, d).transpose(1, 2)
-            mask = meta.extend_mask
-            if self.sliding_window is not None and meta.extend_swa_mask is not None:
-                mask = meta.extend_swa_mask
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True
-            )
-        out = out.transpose(1, 2).reshape(be * qmax, h * d)
-        if padded:
-            out = out.index_select(0, meta.extend_out_index)
-        return out
+        windowed = self.sliding_window is not None
+        outs = []
+        for seq in meta.extend_seqs:
+            end = seq.start + seq.n
+            qs = q[seq.start : end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+            if seq.kv_index is None:  # no cached prefix: the new keys are all there is
+                ks, vs = k[seq.start : end], v[seq.start : end]
+            else:  # the decode group is done with the scratch buffers
+                ks = gather_rows(k_flat, seq.kv_index, meta.gather_k).view(-1, kv, d)
+                vs = gather_rows(v_flat, seq.kv_index, meta.gather_v).view(-1, kv, d)
+            ks = ks.transpose(0, 1).unsqueeze(0)
+            vs = vs.transpose(0, 1).unsqueeze(0)
+            mask = seq.swa_mask if windowed and seq.swa_mask is not None else seq.mask
+            if mask is None:
+                out = F.scaled_dot_product_attention(
+                    qs, ks, vs, is_causal=True, scale=self.scale, enable_gqa=True
+                )
+            else:
+                out = F.scaled_dot_product_attention(
+                    qs, ks, vs, attn_mask=mask, scale=self.scale, enable_gqa=True
+                )
+            outs.append(out[0].transpose(0, 1).reshape(seq.n, h * d))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 class MLP(nn.Module):

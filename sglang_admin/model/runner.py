@@ -17,9 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from sglang_admin.messages import SamplingParams
-from sglang_admin.model.llama import AttentionMetadata, LlamaForCausalLM
+from sglang_admin.model.llama import AttentionMetadata, ExtendSeq, LlamaForCausalLM
 from sglang_admin.model.loader import (
-    ModelInfo,
     ModelLoadError,
     dtype_from_name,
     load_model,
@@ -133,6 +132,7 @@ class ModelRunner:
             max_running_requests, self.context_length, dtype=torch.int64, device=self.device
         )
         self._arange = torch.arange(self.context_length, device=self.device)
+        self._table_dirty = False  # written since the last reset (a flush of an idle pool skips it)
         # CPU only: persistent scratch for gathered K/V rows (CUDA's caching allocator
         # already reuses memory; on CPU fresh multi-megabyte buffers cost page faults)
         self._scratch_k: torch.Tensor | None = None
@@ -168,7 +168,9 @@ class ModelRunner:
 
     def reset(self) -> None:
         """Forget every sequence's slots (cache flush); the KV tensors are left as they are."""
-        self.req_to_token.zero_()
+        if self._table_dirty:
+            self.req_to_token.zero_()
+            self._table_dirty = False
 
     # ------------------------------------------------------------ one step
 
@@ -204,7 +206,7 @@ class ModelRunner:
         decode = [s for s in seqs if len(s.token_ids) == 1]
         extend = [s for s in seqs if len(s.token_ids) != 1]
         ordered = decode + extend
-        nd, ne = len(decode), len(extend)
+        nd = len(decode)
 
         # ---- host-side index lists, shipped to the device in one tensor
         input_ids: list[int] = []
@@ -236,38 +238,25 @@ class ModelRunner:
                 sampled.append(s)
         dec_rows = [s.req_idx for s in decode]
         dec_lens = [s.prefix_len + 1 for s in decode]
-        ext_rows = [s.req_idx for s in extend]
-        ext_prefix = [s.prefix_len for s in extend]
-        ext_n = [len(s.token_ids) for s in extend]
-        qmax = max(ext_n, default=0)
-        ext_len = max((p + n for p, n in zip(ext_prefix, ext_n)), default=0)
+        ext_len = max((s.prefix_len + len(s.token_ids) for s in extend), default=0)
         # the sliding window only matters once some query sits at or past it
         window = self.sliding_window
         if window is not None and max(ext_len, max(dec_lens, default=0)) <= window:
             window = None
-        fresh = not any(ext_prefix) and window is None
-        ext_start: list[int] = []
-        ext_out: list[int] = []
-        if ne > 1:
-            start = 0
-            for b, n in enumerate(ext_n):
-                ext_start.append(start)
-                ext_out.extend(range(b * qmax, b * qmax + n))
-                start += n
         parts = [input_ids, positions, token_cells, table_cells, table_vals, select,
-                 dec_rows, dec_lens, ext_rows, ext_prefix, ext_n, ext_start, ext_out]
+                 dec_rows, dec_lens]
         flat: list[int] = []
         for part in parts:
             flat.extend(part)
         packed = torch.tensor(flat, dtype=torch.int64).to(self.device, non_blocking=True)
-        (t_ids, t_pos, t_cells, t_tcells, t_tvals, t_select, t_dec_rows, t_dec_lens,
-         t_ext_rows, t_ext_prefix, t_ext_n, t_ext_start, t_ext_out) = packed.split(
-            [len(part) for part in parts])
+        (t_ids, t_pos, t_cells, t_tcells, t_tvals, t_select, t_dec_rows,
+         t_dec_lens) = packed.split([len(part) for part in parts])
 
         # ---- attention metadata, once for all layers
         table = self.req_to_token
         if table_cells:
             table.view(-1).index_copy_(0, t_tcells, t_tvals)
+            self._table_dirty = True
         meta = AttentionMetadata(out_slots=table.view(-1).index_select(0, t_cells))
         meta.num_decode = nd
         if nd:
@@ -281,27 +270,28 @@ class ModelRunner:
                 qpos = (t_dec_lens - 1).unsqueeze(1)
                 swa = (keys <= qpos) & (keys > qpos - window)
                 meta.decode_swa_mask = swa.view(nd, 1, 1, dlen)
-        if ne:
-            meta.num_extend_seqs = ne
-            meta.extend_qmax = qmax
-            meta.extend_fresh = fresh
-            # padded query j of sequence b is its token min(j, n_b - 1)
-            j = torch.minimum(self._arange[:qmax].unsqueeze(0), (t_ext_n - 1).unsqueeze(1))
-            if ne > 1:
-                meta.extend_q_index = (t_ext_start.unsqueeze(1) + j).reshape(-1)
-                meta.extend_out_index = t_ext_out
-            if not fresh:
-                meta.extend_len = ext_len
-                meta.extend_kv_index = table[:, :ext_len].index_select(0, t_ext_rows).reshape(-1)
-                qpos = (t_ext_prefix.unsqueeze(1) + j).unsqueeze(2)  # [Be, qmax, 1]
-                keys = self._arange[:ext_len].view(1, 1, ext_len)
-                meta.extend_mask = (keys <= qpos).unsqueeze(1)
-                if window is not None:
-                    swa = (keys <= qpos) & (keys > qpos - window)
-                    meta.extend_swa_mask = swa.unsqueeze(1)
+        # each extend sequence attends on its own, unpadded (see ExtendSeq)
+        start = 0
+        gathered = 0  # the most pool rows one extend sequence gathers
+        for s in extend:
+            p, n = s.prefix_len, len(s.token_ids)
+            seq = ExtendSeq(start, n)
+            in_window = window is not None and p + n > window
+            if p or in_window:
+                qpos = self._arange[p : p + n].unsqueeze(1)  # [n, 1]
+                keys = self._arange[: p + n].unsqueeze(0)
+                causal = keys <= qpos
+                if p:
+                    seq.kv_index = table[s.req_idx, : p + n]
+                    seq.mask = causal.view(1, 1, n, p + n)
+                    gathered = max(gathered, p + n)
+                if in_window:
+                    seq.swa_mask = (causal & (keys > qpos - window)).view(1, 1, n, p + n)
+            meta.extend_seqs.append(seq)
+            start += n
 
         if self.device.type == "cpu":
-            rows = max(nd * meta.decode_len, ne * meta.extend_len)
+            rows = max(nd * meta.decode_len, gathered)
             if rows:
                 meta.gather_k, meta.gather_v = self._gather_scratch(rows)
 

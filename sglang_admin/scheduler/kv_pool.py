@@ -25,6 +25,11 @@ class TokenAllocator:
         self._debug = debug
         self._free: list[int] = []
         self._is_free = bytearray()  # only maintained when debug is on
+        # The start-up free list. Entries below the free list's low-water mark since the last
+        # reset were never taken, so reset() restores only the ones above it: a FlushCache
+        # costs O(slots used), not a millisecond to list 64K slots.
+        self._initial: list[int] = list(range(capacity, 0, -1))
+        self._low = 0
         self.reset()
 
     @property
@@ -43,6 +48,8 @@ class TokenAllocator:
             return []
         out = free[-n:]
         del free[-n:]
+        if len(free) < self._low:
+            self._low = len(free)
         out.reverse()  # a fresh pool hands out 1, 2, 3, ...
         if self._debug:
             for slot in out:
@@ -72,7 +79,10 @@ class TokenAllocator:
 
     def reset(self) -> None:
         """Free every slot: the allocator is exactly as it was at start-up."""
-        self._free = list(range(self.capacity, 0, -1))
+        low = self._low
+        del self._free[low:]
+        self._free.extend(self._initial[low:])
+        self._low = self.capacity
         if self._debug:
             self._is_free = bytearray(b"\x00" + b"\x01" * self.capacity)
 

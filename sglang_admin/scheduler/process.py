@@ -141,6 +141,7 @@ class RankLoop:
         self.last_step_time = 0.0
         self.last_state_sent = 0.0
         self.last_state_key: tuple = ()
+        self.last_state: RankState | None = None  # the last state the server was sent
         self.pending_flush: FlushCacheReq | None = None
         self.flush_deadline = 0.0
         self.running = True
@@ -148,7 +149,8 @@ class RankLoop:
         model_info["token_capacity"] = self.runner.token_capacity
         model_info["kv_cache_bytes"] = self.runner.kv_cache_bytes
         model_info["device"] = str(self.runner.device)
-        self.send(ReadyMsg(rank, os.getpid(), model_info, self.state()))
+        self.last_state = self.state()
+        self.send(ReadyMsg(rank, os.getpid(), model_info, self.last_state))
         logger.info(
             "rank %d ready: %s on %s, %d KV tokens",
             rank, info.model_path, self.runner.device, self.runner.token_capacity,
@@ -193,7 +195,16 @@ class RankLoop:
                      >= STATE_PUBLISH_INTERVAL_S) or now - self.last_state_sent >= 1.0:
             self.last_state_key = key
             self.last_state_sent = now
-            self.send(StateUpdate(self.state()))
+            state = self.state()
+            last = self.last_state
+            if last is not None:
+                taken, state.timestamp = state.timestamp, last.timestamp
+                if state == last:
+                    return  # the server has this state already (an idle rank's refresh, a
+                    # flush of an empty cache): one message less for both processes
+                state.timestamp = taken
+            self.last_state = state
+            self.send(StateUpdate(state))
 
     # ------------------------------------------------------------------ loop
 
@@ -224,11 +235,23 @@ class RankLoop:
                 self.publish_state()
                 return
             try:
-                data = self.inbox.recv(zmq.NOBLOCK, copy=False)
+                data = self.inbox.recv(zmq.NOBLOCK)
             except zmq.Again:
+                if block and self._nothing_to_do():
+                    # e.g. an admin call on an idle rank: wait for the next message right
+                    # here, not after a round of the loop that has nothing to do
+                    self.publish_state()
+                    timeout = IDLE_POLL_MS
+                    continue
                 return
             timeout = 0
-            self.handle(decode(data.bytes))
+            self.handle(decode(data))
+
+    def _nothing_to_do(self) -> bool:
+        """Idle, and the messages handled left nothing for the loop to send or run."""
+        s = self.scheduler
+        return (self.running and s.is_idle and self.pending_flush is None
+                and not self.kv_events and not s.pending_outputs)
 
     def step(self, batch: Batch) -> None:
         from sglang_admin.model.runner import SeqInput
@@ -380,6 +403,8 @@ class RankLoop:
         freed = self.scheduler.flush()
         self.runner.reset()
         self.flush_kv_events()  # "cleared" reaches subscribers before the flush's answer
+        # the freed state too (GetLoads shows it once FlushCache returned); the answer goes
+        # last, so that the rank's I/O thread, not more of its own work, runs right after it
+        self.publish_state(force=True)
         self.reply(msg.rid, True, "Cache flushed successfully", {"tokens_freed": freed},
                    msg.trace, "flush_cache")
-        self.publish_state(force=True)

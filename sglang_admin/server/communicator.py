@@ -42,6 +42,8 @@ from sglang_admin.server.kv_events import KvEventHub
 
 logger = logging.getLogger(__name__)
 
+READ_BATCH = 64  # messages dispatched per inbox wake-up before other callbacks get a turn
+
 
 class RankUnavailable(Exception):
     """The rank serving a call died or the server is shutting down."""
@@ -75,7 +77,9 @@ class Communicator:
     def __init__(self, args: ServerArgs) -> None:
         self.args = args
         self.ctx = zmq.asyncio.Context()
-        self.inbox = self.ctx.socket(zmq.PULL)
+        # A plain socket, drained by a loop reader callback (_on_readable): no task and no
+        # future per message, and a reply wakes its call one loop iteration sooner.
+        self.inbox = zmq.Socket(self.ctx, zmq.PULL)
         self.inbox.bind(args.server_addr)
         self.outboxes = []
         for rank in range(args.dp_size):
@@ -99,14 +103,16 @@ class Communicator:
         self.last_receive_time = 0.0
         self._rr = itertools.cycle(range(args.dp_size))
         self._shared_reads: dict[str, asyncio.Future] = {}
-        self._reader: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # set while reading the inbox
         self.closed = False
         self.down_reason: str | None = None  # set by fail_all: the server is going down
 
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self.inbox.FD, self._on_readable)
+        self._loop.call_soon(self._on_readable)  # what arrived before the reader was added
 
     async def close(self) -> None:
         self.kv_hub.close()
@@ -117,8 +123,9 @@ class Communicator:
                     await sock.send(encode(ShutdownReq()), flags=zmq.NOBLOCK)
                 except zmq.ZMQError:
                     pass
-        if self._reader is not None:
-            self._reader.cancel()
+        if self._loop is not None:
+            self._loop.remove_reader(self.inbox.FD)
+            self._loop = None
         self.inbox.close(linger=0)
         for sock in self.outboxes:
             sock.close(linger=0)
@@ -154,11 +161,19 @@ class Communicator:
 
     # ------------------------------------------------------------------ inbound
 
-    async def _read_loop(self) -> None:
-        while True:
-            data = await self.inbox.recv(copy=False)
+    def _on_readable(self) -> None:
+        """Dispatch what the inbox holds. ZMQ's FD only signals a change, so read until the
+        inbox is empty, or, after a batch, come back at the next loop iteration (the other
+        callbacks, gRPC writes among them, run in between)."""
+        if self._loop is None:  # closed
+            return
+        for _ in range(READ_BATCH):
             try:
-                msg = decode(data.bytes)
+                data = self.inbox.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = decode(data)
             except Exception:  # noqa: BLE001 - a corrupt frame must not stop the server
                 logger.exception("undecodable message from a rank")
                 continue
@@ -166,6 +181,7 @@ class Communicator:
                 self._dispatch(msg)
             except Exception:  # noqa: BLE001
                 logger.exception("failed to dispatch %s", type(msg).__name__)
+        self._loop.call_soon(self._on_readable)
 
     def _dispatch(self, msg: Any) -> None:
         if isinstance(msg, BatchOutput):
@@ -326,12 +342,32 @@ class Communicator:
         return call.replies, failures
 
     async def shared(self, key: str, make_call: Callable[[], Any]) -> Any:
-        """Coalesce concurrent identical read-only calls onto one in-flight request."""
+        """Coalesce concurrent identical read-only calls onto one in-flight request.
+
+        The first caller makes the request in its own task (a task per request cost two
+        loop iterations on every call); callers that arrive meanwhile share its outcome, and
+        make the request themselves should that first caller be cancelled.
+        """
         if not self.args.coalesce_reads:
             return await make_call()
-        fut = self._shared_reads.get(key)
-        if fut is None:
-            fut = asyncio.ensure_future(make_call())
-            self._shared_reads[key] = fut
-            fut.add_done_callback(lambda _f: self._shared_reads.pop(key, None))
-        return await asyncio.shield(fut)
+        while (fut := self._shared_reads.get(key)) is not None:
+            ok, value = await asyncio.shield(fut)
+            if ok:
+                return value
+            if value is not None:
+                raise value
+        fut = asyncio.get_running_loop().create_future()
+        self._shared_reads[key] = fut
+        try:
+            result = await make_call()
+        except Exception as exc:
+            fut.set_result((False, exc))
+            raise
+        except BaseException:  # cancelled: the callers sharing it retry by themselves
+            fut.set_result((False, None))
+            raise
+        finally:
+            if self._shared_reads.get(key) is fut:
+                del self._shared_reads[key]
+        fut.set_result((True, result))
+        return result

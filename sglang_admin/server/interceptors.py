@@ -146,6 +146,10 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Turns ServiceError into its status and any other exception into INTERNAL."""
 
+    def __init__(self) -> None:
+        # method -> (its handler, the wrapped handler): wrapped once, not on every call
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+
     async def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
@@ -155,6 +159,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return handler
         method = details.method
+        cached = self._wrapped.get(method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
 
         def wrap_unary(fn: Callable) -> Callable:
             async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -185,7 +192,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
             return call
 
-        return _wrap(handler, wrap_unary, wrap_stream)
+        wrapped = _wrap(handler, wrap_unary, wrap_stream)
+        self._wrapped[method] = (handler, wrapped)
+        return wrapped
 
 
 class AccessLogInterceptor(grpc.aio.ServerInterceptor):
