@@ -14,7 +14,6 @@ import asyncio
 import itertools
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -90,6 +89,7 @@ class Communicator:
         self.streams: dict[str, _Stream] = {}  # by the client's request id
         self.by_wire_id: dict[str, _Stream] = {}  # by the id the rank sees
         self._wire_seq = itertools.count()
+        self._admin_seq = itertools.count()
         self.calls: dict[str, _AdminCall] = {}
         self.inflight = [0] * args.dp_size
         self.rank_states: list[RankState | None] = [None] * args.dp_size
@@ -309,7 +309,7 @@ class Communicator:
         time is a failure with its reason.
         """
         ranks = tuple(range(self.args.dp_size)) if ranks is None else ranks
-        rid = uuid.uuid4().hex
+        rid = f"admin-{next(self._admin_seq)}"  # unique for this server's lifetime
         call = _AdminCall(ranks)
         self.calls[rid] = call
         failures: dict[int, str] = {}
