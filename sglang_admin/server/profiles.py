@@ -21,7 +21,6 @@ import json
 import os
 import re
 import time
-import weakref
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -239,17 +238,6 @@ class ProfileRegistry:
 
     def newest_first(self) -> list[ProfileRecord]:
         return list(reversed(self.records.values()))
-
-
-_REGISTRIES: weakref.WeakKeyDictionary[Any, ProfileRegistry] = weakref.WeakKeyDictionary()
-
-
-def registry_for(owner: Any) -> ProfileRegistry:
-    """The registry of one servicer (created on first use)."""
-    registry = _REGISTRIES.get(owner)
-    if registry is None:
-        registry = _REGISTRIES[owner] = ProfileRegistry()
-    return registry
 
 
 async def busy_ranks(comm: Any, timeout: float) -> list[int]:

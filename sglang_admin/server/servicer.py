@@ -65,6 +65,7 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
         self.comm = comm
         self.start_time = time.time()
         self._static: tuple[dict, tuple] | None = None  # see _static_info
+        self.profiles = profiles.ProfileRegistry()  # the profiles this server started
 
     # ------------------------------------------------------------------ helpers
 
@@ -363,7 +364,7 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
     ) -> pb.ProfileResponse:
         """Start (or arm, with start_step) a torch.profiler session on every rank."""
         self._require_ready()
-        registry = profiles.registry_for(self)
+        registry = self.profiles
         plan = profiles.plan_start(
             request, self.args, str(self.comm.model_info.get("device") or "cpu"),
             registry.new_id(),
@@ -392,7 +393,7 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
         """Stop every rank's profiler; answers once every rank has written its files."""
         self._require_ready()
         carrier = carrier_from_metadata(context.invocation_metadata())
-        registry = profiles.registry_for(self)
+        registry = self.profiles
         with server_span("StopProfile", carrier) as forward:
             self._log("stop_profile", "-", carrier)
             async with registry.lock:
@@ -517,7 +518,7 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
         self, request: pb.DownloadProfileRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ProfileFileChunk]:
         """Stream the files of a finished profile (empty id: the newest finished one)."""
-        registry = profiles.registry_for(self)
+        registry = self.profiles
         record = await profiles.find_finished(
             registry, request.profile_id, self.comm, effective_timeout(context, INFO_TIMEOUT_S)
         )
