@@ -297,19 +297,25 @@ class Communicator:
 
     # ------------------------------------------------------------------ admin
 
+    def new_admin_id(self) -> str:
+        """A request id for an admin call, unique for this server's lifetime."""
+        return f"admin-{next(self._admin_seq)}"
+
     async def call_ranks(
         self,
         make: Callable[[str], Any],
         timeout: float,
         ranks: tuple[int, ...] | None = None,
+        rid: str | None = None,
     ) -> tuple[dict[int, AdminReply], dict[int, str]]:
         """Send make(rid) to every rank and wait for one reply each, at most `timeout` s.
 
+        `rid` (from :meth:`new_admin_id`) lets the caller log the id before the call.
         Returns (replies by rank, failures by rank): a rank that died or did not answer in
         time is a failure with its reason.
         """
         ranks = tuple(range(self.args.dp_size)) if ranks is None else ranks
-        rid = f"admin-{next(self._admin_seq)}"  # unique for this server's lifetime
+        rid = rid or self.new_admin_id()
         call = _AdminCall(ranks)
         self.calls[rid] = call
         failures: dict[int, str] = {}

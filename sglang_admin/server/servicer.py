@@ -346,9 +346,11 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
         carrier = carrier_from_metadata(context.invocation_metadata())
         wait = effective_timeout(context, max(timeout_s, 0.0) + FLUSH_MARGIN_S)
         with server_span("FlushCache", carrier, timeout_s=timeout_s) as forward:
-            self._log("flush_cache", "-", carrier, timeout_s=timeout_s)
+            admin_id = self.comm.new_admin_id()
+            self._log("flush_cache", admin_id, carrier, timeout_s=timeout_s)
             replies, failures = await self.comm.call_ranks(
-                lambda rid: FlushCacheReq(rid, timeout_s, time.time() + wait, forward), wait
+                lambda rid: FlushCacheReq(rid, timeout_s, time.time() + wait, forward), wait,
+                rid=admin_id,
             )
         results = _rank_results(replies, failures, self.args.dp_size)
         for res in results:
@@ -371,11 +373,14 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
         )
         carrier = carrier_from_metadata(context.invocation_metadata())
         with server_span("StartProfile", carrier, profile_id=plan.profile_id) as forward:
-            self._log("start_profile", plan.profile_id, carrier, output_dir=plan.output_dir)
+            admin_id = self.comm.new_admin_id()
+            self._log("start_profile", admin_id, carrier, profile_id=plan.profile_id,
+                      output_dir=plan.output_dir)
             async with registry.lock:
                 wait = effective_timeout(context, PROFILE_TIMEOUT_S)
                 replies, failures = await self.comm.call_ranks(
-                    lambda rid: plan.message(rid, time.time() + wait, forward), wait
+                    lambda rid: plan.message(rid, time.time() + wait, forward), wait,
+                    rid=admin_id,
                 )
         results = _rank_results(replies, failures, self.args.dp_size)
         if any(r.success for r in results):
@@ -395,11 +400,13 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
         carrier = carrier_from_metadata(context.invocation_metadata())
         registry = self.profiles
         with server_span("StopProfile", carrier) as forward:
-            self._log("stop_profile", "-", carrier)
+            admin_id = self.comm.new_admin_id()
+            self._log("stop_profile", admin_id, carrier)
             async with registry.lock:
                 wait = effective_timeout(context, PROFILE_TIMEOUT_S)
                 replies, failures = await self.comm.call_ranks(
-                    lambda rid: StopProfileReq(rid, time.time() + wait, forward), wait
+                    lambda rid: StopProfileReq(rid, time.time() + wait, forward), wait,
+                    rid=admin_id,
                 )
         results = _rank_results(replies, failures, self.args.dp_size)
         files: list[str] = []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -88,7 +89,12 @@ def test_traceparent_reaches_server_span_and_scheduler_log() -> None:
     ]
     assert rank_lines, proc.stderr[-4000:]
     assert any(f"trace_id={TRACE_ID}" in ln for ln in rank_lines), rank_lines
-    # The server logs it too.
-    assert any(
-        "[server]" in ln and f"trace_id={TRACE_ID}" in ln for ln in proc.stderr.splitlines()
-    )
+    # The server logs it too, and both processes name the op by the same request id.
+    server_lines = [
+        ln for ln in proc.stderr.splitlines()
+        if "[server]" in ln and "flush_cache rid=" in ln and f"trace_id={TRACE_ID}" in ln
+    ]
+    assert server_lines, proc.stderr[-4000:]
+    rid = re.search(r"rid=(\S+)", server_lines[0]).group(1)
+    assert rid.startswith("admin-")
+    assert any(f"rid={rid}" in ln for ln in rank_lines), (rid, rank_lines)
