@@ -301,10 +301,13 @@ class FakeComm:
         self.timeouts: list[float] = []
         self.sent: list[Any] = []
 
-    async def call_ranks(self, make: Any, timeout: float) -> tuple[dict, dict]:
+    def new_admin_id(self) -> str:
+        return "rid"
+
+    async def call_ranks(self, make: Any, timeout: float, rid: str = "rid") -> tuple[dict, dict]:
         from sglang_admin.messages import AdminReply
 
-        msg = make("rid")
+        msg = make(rid)
         self.sent.append(msg)
         self.timeouts.append(timeout)
         replies = {
