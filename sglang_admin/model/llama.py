@@ -545,6 +545,10 @@ class LlamaForCausalLM(nn.Module):
             return self.model.embed_tokens.weight
         return self.lm_head.weight
 
+    def weight_bytes(self) -> int:
+        """Bytes held by the parameters (a fused matrix counted once, through its views)."""
+        return sum(p.numel() * p.element_size() for p in self.parameters())
+
     def materialize_buffers(self, device: torch.device) -> None:
         """Recompute non-persistent buffers (RoPE frequencies, float32) on device.
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -164,6 +166,74 @@ def _weight_files(model_path: str) -> list[str]:
     return [os.path.join(model_path, name) for name in files]
 
 
+class WeightMismatch(ModelLoadError):
+    """A tensor offered to :func:`load_weights` does not fit the served model."""
+
+
+# Checkpoint tensors the model computes itself or never reads.
+_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$|(^|\.)rotary\.inv_freq$")
+
+
+def iter_checkpoint(model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of a checkpoint's safetensors files, one at a time, as (name, tensor).
+
+    Tensors are read lazily (one in memory at a time); an unreadable or truncated file is a
+    :class:`ModelLoadError` naming it.
+    """
+    for path in _weight_files(model_path):
+        try:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                    yield name, f.get_tensor(name)
+        except (OSError, RuntimeError, ValueError) as exc:
+            raise ModelLoadError(f"cannot read weights {path}: {exc}") from None
+
+
+def load_weights(
+    model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Tensor]]
+) -> set[str]:
+    """Copy named tensors into the model's live parameters, in place; the names loaded.
+
+    The one weight-loading path: start-up feeds it a checkpoint, weight updates feed it a
+    checkpoint, a process group's broadcasts or a trainer's tensors. Names are the Hugging
+    Face ones. Copies go into the existing storage, so the fused q/k/v and gate/up matrices,
+    whose per-projection parameters are views of them, see every change, and nothing is
+    reallocated. A name the model does not have (``lm_head.weight`` of a tied model aside)
+    or a shape that differs raises :class:`WeightMismatch` naming it; tensors are cast to
+    the parameter's dtype and device.
+    """
+    params = dict(model.named_parameters(remove_duplicate=False))
+    tied = model.config.tie_word_embeddings
+    loaded: set[str] = set()
+    with torch.no_grad():
+        for name, tensor in weights:
+            if _IGNORED.search(name) or (tied and name == "lm_head.weight"):
+                continue
+            param = params.get(name)
+            if param is None:
+                raise WeightMismatch(f"weight {name!r} is not a parameter of this model")
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise WeightMismatch(
+                    f"weight {name!r} has shape {list(tensor.shape)}, the model's is "
+                    f"{list(param.shape)}"
+                )
+            param.copy_(tensor)
+            loaded.add(name)
+    return loaded
+
+
+def expected_weights(model: LlamaForCausalLM) -> set[str]:
+    """The names a full checkpoint of this model must provide."""
+    return set(dict(model.named_parameters(remove_duplicate=False)))
+
+
+def missing_message(missing: set[str]) -> str:
+    """One line naming the first missing weights."""
+    names = sorted(missing)
+    more = f" (and {len(names) - 3} more)" if len(names) > 3 else ""
+    return f"weights missing from checkpoint: {', '.join(names[:3])}{more}"
+
+
 def load_model(
     model_path: str,
     *,
@@ -171,40 +241,28 @@ def load_model(
     device: torch.device,
     context_length: int | None = None,
 ) -> tuple[LlamaForCausalLM, ModelInfo]:
-    """Build the model from a Hugging Face directory, weights cast to dtype on device."""
+    """Build the model from a Hugging Face directory, weights cast to dtype on device.
+
+    The parameters are allocated once (uninitialised), the projections fused, and the
+    checkpoint copied in through :func:`load_weights`, the path weight updates take too.
+    """
     info = load_model_info(model_path, context_length)
     lcfg = parse_config(model_path, read_hf_config(model_path))
     with torch.device("meta"):
         model = LlamaForCausalLM(lcfg)
-    expected = set(model.state_dict().keys())
-    state: dict[str, torch.Tensor] = {}
-    for path in _weight_files(model_path):
-        try:
-            with safe_open(path, framework="pt", device="cpu") as f:
-                for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
-                    if name not in expected:
-                        continue  # lm_head.weight of a tied model, rotary buffers, ...
-                    tensor = f.get_tensor(name)
-                    if tensor.is_floating_point():
-                        tensor = tensor.to(dtype)
-                    state[name] = tensor.to(device)
-        except (OSError, RuntimeError, ValueError) as exc:
-            raise ModelLoadError(f"cannot read weights {path}: {exc}") from None
-    missing = sorted(expected - state.keys())
-    if missing:
-        more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
-        raise ModelLoadError(f"{model_path}: weights missing from checkpoint: "
-                             f"{', '.join(missing[:3])}{more}")
-    try:
-        model.load_state_dict(state, strict=True, assign=True)
-    except RuntimeError as exc:
-        first = str(exc).strip().splitlines()
-        raise ModelLoadError(f"{model_path}: weights do not fit the config: "
-                             f"{' '.join(first[:2])}") from None
+    model.to_empty(device=device)
+    model.to(dtype)
     model.materialize_buffers(device)
     model.fuse_projections()
     model.eval()
     model.requires_grad_(False)
+    try:
+        loaded = load_weights(model, iter_checkpoint(model_path))
+    except WeightMismatch as exc:
+        raise ModelLoadError(f"{model_path}: weights do not fit the config: {exc}") from None
+    missing = expected_weights(model) - loaded
+    if missing:
+        raise ModelLoadError(f"{model_path}: {missing_message(missing)}")
     info.dtype = dtype_name(dtype)
-    info.weight_bytes = sum(t.numel() * t.element_size() for t in state.values())
+    info.weight_bytes = model.weight_bytes()
     return model, info

@@ -20,6 +20,11 @@ transformers = pytest.importorskip("transformers")
 
 from sglang_admin.messages import SamplingParams  # noqa: E402
 from sglang_admin.model.default_model import ensure_default_model  # noqa: E402
+from sglang_admin.model.loader import (  # noqa: E402
+    WeightMismatch,
+    iter_checkpoint,
+    load_weights,
+)
 from sglang_admin.model.runner import ModelRunner, SeqInput, SeqOutput  # noqa: E402
 
 MAX_NEW = 10
@@ -35,8 +40,8 @@ SMALL = dict(
 )
 
 
-def _build(kind: str, path: str) -> None:
-    torch.manual_seed(1234)
+def _build(kind: str, path: str, seed: int = 1234) -> None:
+    torch.manual_seed(seed)
     if kind == "llama":
         cfg = transformers.LlamaConfig(**SMALL)
         model = transformers.LlamaForCausalLM(cfg)
@@ -331,3 +336,34 @@ def test_default_device_and_capacity(model_dirs: dict[str, str]) -> None:
         assert 0 < runner.token_capacity <= 65536
         assert runner.kv_cache_bytes <= (1 << 30) + 4096
     assert runner.info.context_length >= 4096
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama_tied_llama3", "qwen3"])
+def test_load_weights_replaces_a_checkpoint_in_place(
+    model_dirs: dict[str, str], kind: str, tmp_path: Any
+) -> None:
+    """A runner on checkpoint A, then B copied in through load_weights: transformers' greedy
+    tokens on B, with the fused q/k/v and gate/up matrices updated where they live."""
+    other = str(tmp_path / f"{kind}-b")
+    _build(kind, other, seed=99)
+    runner = _runner(model_dirs[kind])
+    attn, mlp = runner.model.model.layers[0].self_attn, runner.model.model.layers[0].mlp
+    fused = (attn.qkv_weight.data_ptr(), mlp.gate_up_weight.data_ptr())
+    loaded = load_weights(runner.model, iter_checkpoint(other))
+    assert loaded == set(dict(runner.model.named_parameters(remove_duplicate=False)))
+    assert (attn.qkv_weight.data_ptr(), mlp.gate_up_weight.data_ptr()) == fused
+    reqs = simulate(runner, mixed_workload(runner.info.vocab_size))
+    for r in reqs:
+        expected, _ = hf_greedy(other, r.prompt, MAX_NEW)
+        assert r.out == expected, f"{kind}: prompt of {len(r.prompt)} tokens"
+    # B is not A: the same prompts give other tokens on A
+    assert any(r.out != hf_greedy(model_dirs[kind], r.prompt, MAX_NEW)[0] for r in reqs)
+
+
+def test_load_weights_names_the_mismatch(model_dirs: dict[str, str]) -> None:
+    runner = _runner(model_dirs["qwen2"])
+    name = "model.layers.1.self_attn.k_proj.weight"
+    with pytest.raises(WeightMismatch, match=r"k_proj.weight.*shape \[3, 3\]"):
+        load_weights(runner.model, [(name, torch.zeros(3, 3))])
+    with pytest.raises(WeightMismatch, match="'model.layers.9.mlp.up_proj.weight' is not a"):
+        load_weights(runner.model, [("model.layers.9.mlp.up_proj.weight", torch.zeros(1))])
