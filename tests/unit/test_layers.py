@@ -1,0 +1,81 @@
+"""The package keeps its layers: read from the source's import statements (any depth)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "sglang_admin"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the sglang_admin modules it imports, top-level or inside functions."""
+    graph: dict[str, set[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        name = _module_name(path)
+        if name.startswith("sglang_admin.pb"):
+            continue  # generated
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                if node.module.startswith("sglang_admin"):
+                    deps.add(node.module)
+                    deps.update(f"{node.module}.{a.name}" for a in node.names)
+            elif isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names if a.name.startswith("sglang_admin"))
+        graph[name] = deps
+    known = set(graph) | {"sglang_admin.pb.common_pb2", "sglang_admin.pb.common_pb2_grpc"}
+    return {m: {d for d in deps if d in known and d != m} for m, deps in graph.items()}
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 else parts[-1]
+
+
+def test_lower_layers_never_import_the_server_or_the_client() -> None:
+    for module, deps in import_graph().items():
+        if _layer(module) in ("model", "scheduler", "messages", "config", "tracing"):
+            bad = sorted(d for d in deps if _layer(d) in ("server", "client", "cli"))
+            assert not bad, f"{module} imports {bad}"
+
+
+def test_only_server_and_client_import_the_generated_stubs() -> None:
+    for module, deps in import_graph().items():
+        if any(d.startswith("sglang_admin.pb") for d in deps):
+            assert _layer(module) in ("server", "client"), module
+
+
+def test_no_import_cycles() -> None:
+    graph = import_graph()
+    # a package __init__ that re-exports its modules is not a cycle with them
+    edges = {m: {d for d in deps if not m.startswith(d + ".")} for m, deps in graph.items()}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for dep in sorted(edges.get(node, ())):
+            if state.get(dep) == 1:
+                cycle = stack[stack.index(dep):] + [dep]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if dep not in state:
+                visit(dep)
+        stack.pop()
+        state[node] = 2
+
+    for module in sorted(edges):
+        if module not in state:
+            visit(module)
+
+
+def test_the_graph_sees_the_known_edges() -> None:
+    graph = import_graph()
+    assert "sglang_admin.scheduler.scheduler" in graph["sglang_admin.scheduler.process"]
+    assert "sglang_admin.pb.common_pb2" in graph["sglang_admin.server.servicer"]
