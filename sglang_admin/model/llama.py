@@ -556,6 +556,22 @@ class LlamaForCausalLM(nn.Module):
         """
         self.rotary.inv_freq = rope_inv_freq(self.config)[0].to(device)
 
+    def release_parameters(self) -> None:
+        """Free every weight; shapes and dtypes stay (on the meta device).
+
+        :meth:`allocate_parameters` gives the model storage again; weights are loaded next.
+        """
+        for layer in self.model.layers:
+            layer.self_attn.qkv_weight = layer.self_attn.qkv_bias = None
+            layer.mlp.gate_up_weight = layer.mlp.gate_up_bias = None
+        self.to_empty(device="meta")
+
+    def allocate_parameters(self, device: torch.device) -> None:
+        """Fresh, uninitialised parameters on device, fused as the forward wants them."""
+        self.to_empty(device=device)
+        self.materialize_buffers(device)
+        self.fuse_projections()
+
     def fuse_projections(self) -> None:
         """Fuse q/k/v and gate/up matmuls (call after loading weights; names keep working)."""
         with torch.no_grad():

@@ -148,7 +148,7 @@ def load_model_info(model_path: str, context_length: int | None = None) -> Model
     )
 
 
-def _weight_files(model_path: str) -> list[str]:
+def weight_files(model_path: str) -> list[str]:
     """The safetensors files of a checkpoint (sharded via the index, or all *.safetensors)."""
     index_path = os.path.join(model_path, "model.safetensors.index.json")
     if os.path.isfile(index_path):
@@ -180,12 +180,12 @@ def iter_checkpoint(model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
     Tensors are read lazily (one in memory at a time); an unreadable or truncated file is a
     :class:`ModelLoadError` naming it.
     """
-    for path in _weight_files(model_path):
+    for path in weight_files(model_path):
         try:
             with safe_open(path, framework="pt", device="cpu") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
                     yield name, f.get_tensor(name)
-        except (OSError, RuntimeError, ValueError) as exc:
+        except Exception as exc:  # noqa: BLE001 - safetensors' errors are their own type
             raise ModelLoadError(f"cannot read weights {path}: {exc}") from None
 
 
@@ -249,11 +249,8 @@ def load_model(
     info = load_model_info(model_path, context_length)
     lcfg = parse_config(model_path, read_hf_config(model_path))
     with torch.device("meta"):
-        model = LlamaForCausalLM(lcfg)
-    model.to_empty(device=device)
-    model.to(dtype)
-    model.materialize_buffers(device)
-    model.fuse_projections()
+        model = LlamaForCausalLM(lcfg).to(dtype)
+    model.allocate_parameters(device)
     model.eval()
     model.requires_grad_(False)
     try:

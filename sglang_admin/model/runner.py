@@ -11,6 +11,8 @@ scheduler never hands out. ``req_to_token[req_idx, pos]`` is the pool slot of po
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import logging
 from dataclasses import dataclass
 
@@ -120,14 +122,11 @@ class ModelRunner:
         if max_total_tokens <= 0:
             raise ValueError(f"max_total_tokens must be positive, got {max_total_tokens}")
         self.token_capacity = max_total_tokens
-        # one allocation; per-layer K and V are contiguous views of it
-        self._kv = torch.zeros(
-            cfg.num_layers, 2, max_total_tokens + 1, cfg.num_kv_heads, cfg.head_dim,
-            dtype=self.dtype, device=self.device,
-        )
-        self.k_caches = [self._kv[i, 0] for i in range(cfg.num_layers)]
-        self.v_caches = [self._kv[i, 1] for i in range(cfg.num_layers)]
-        self.kv_cache_bytes = self._kv.numel() * elem
+        self.kv_cache_bytes = (max_total_tokens + 1) * per_token
+        self._kv: torch.Tensor | None = None
+        self.k_caches: list[torch.Tensor] = []
+        self.v_caches: list[torch.Tensor] = []
+        self._allocate_kv()
         self.req_to_token = torch.zeros(
             max_running_requests, self.context_length, dtype=torch.int64, device=self.device
         )
@@ -165,6 +164,55 @@ class ModelRunner:
             self._scratch_v = torch.empty(shape, dtype=self.dtype, device=self.device)
         assert self._scratch_v is not None
         return self._scratch_k, self._scratch_v
+
+    def _allocate_kv(self) -> None:
+        """The KV pool: one allocation; per-layer K and V are contiguous views of it."""
+        cfg = self.model.config
+        self._kv = torch.zeros(
+            cfg.num_layers, 2, self.token_capacity + 1, cfg.num_kv_heads, cfg.head_dim,
+            dtype=self.dtype, device=self.device,
+        )
+        self.k_caches = [self._kv[i, 0] for i in range(cfg.num_layers)]
+        self.v_caches = [self._kv[i, 1] for i in range(cfg.num_layers)]
+
+    # ------------------------------------------------------------ memory occupation
+
+    @property
+    def kv_cache_released(self) -> bool:
+        return self._kv is None
+
+    @property
+    def weights_released(self) -> bool:
+        return self.model.model.embed_tokens.weight.is_meta
+
+    def release_kv_cache(self) -> int:
+        """Free the KV pool (the scheduler must hold no slot); bytes released."""
+        if self._kv is None:
+            return 0
+        self._kv = None
+        self.k_caches, self.v_caches = [], []
+        self._scratch_k = self._scratch_v = None
+        self.reset()
+        _return_memory(self.device)
+        return self.kv_cache_bytes
+
+    def resume_kv_cache(self) -> None:
+        """Allocate the KV pool again (zeros); no-op when it is there."""
+        if self._kv is None:
+            self._allocate_kv()
+
+    def release_weights(self) -> int:
+        """Free every parameter (shapes kept); bytes released. Load weights after resuming."""
+        if self.weights_released:
+            return 0
+        self.model.release_parameters()
+        _return_memory(self.device)
+        return self.weight_bytes
+
+    def resume_weights(self) -> None:
+        """Storage for the weights again, uninitialised: the caller loads weights next."""
+        if self.weights_released:
+            self.model.allocate_parameters(self.device)
 
     def reset(self) -> None:
         """Forget every sequence's slots (cache flush); the KV tensors are left as they are."""
@@ -310,3 +358,15 @@ class ModelRunner:
             by_seq[id(s)] = SeqOutput(result.token_ids[i], result.logprobs[i],
                                       result.top_logprobs[i])
         return [by_seq.get(id(s)) for s in seqs]
+
+
+def _return_memory(device: torch.device) -> None:
+    """Hand freed memory back: CUDA's cached blocks, or glibc's arenas on CPU."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        return
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

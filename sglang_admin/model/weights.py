@@ -1,0 +1,141 @@
+"""Weight operations on a loaded model: refit from a checkpoint, read back, digest.
+
+Everything goes through :func:`~sglang_admin.model.loader.load_weights`, which copies into
+the live parameters in place (the fused q/k/v and gate/up matrices included), so a refit
+reallocates nothing.
+
+A refit from disk is checked before a byte is copied: the checkpoint's config must
+describe the served architecture with the same shapes, and its safetensors headers must
+name every parameter with the right shape. A read that still fails part-way (a file
+truncated after its header) restores the weights the model had, by reloading them from
+where they came from; :class:`RefitError` says which of the two happened.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+
+import torch
+from safetensors import safe_open
+
+from sglang_admin.model.llama import LlamaForCausalLM
+from sglang_admin.model.loader import (
+    ModelLoadError,
+    expected_weights,
+    iter_checkpoint,
+    load_weights,
+    missing_message,
+    parse_config,
+    read_hf_config,
+    weight_files,
+)
+
+# LlamaConfig fields that may differ between two checkpoints of one served model.
+_FREE_FIELDS = frozenset({"max_position_embeddings"})
+
+
+class RefitError(Exception):
+    """A refit did not happen; ``restored`` says whether the old weights are back intact."""
+
+    def __init__(self, message: str, restored: bool = True) -> None:
+        super().__init__(message)
+        self.restored = restored
+
+
+def check_checkpoint(model: LlamaForCausalLM, model_path: str) -> None:
+    """Refuse a checkpoint that cannot replace the served weights; reads headers only.
+
+    Raises :class:`ModelLoadError` naming the first problem: no such directory, another
+    architecture or shape in config.json, a missing parameter, a tensor of another shape
+    or one the model does not have.
+    """
+    new = parse_config(model_path, read_hf_config(model_path))
+    served = dataclasses.asdict(model.config)
+    for key, value in dataclasses.asdict(new).items():
+        if key not in _FREE_FIELDS and served[key] != value:
+            raise ModelLoadError(
+                f"{model_path}: config.json has {key} = {value!r}, the served model "
+                f"{served[key]!r}"
+            )
+    params = dict(model.named_parameters(remove_duplicate=False))
+    seen: set[str] = set()
+    for path in weight_files(model_path):
+        try:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                    param = params.get(name)
+                    if param is None:
+                        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+                            continue
+                        if name.endswith("inv_freq"):
+                            continue
+                        raise ModelLoadError(
+                            f"{os.path.basename(path)}: tensor {name!r} is not a parameter "
+                            "of the served model"
+                        )
+                    shape = list(f.get_slice(name).get_shape())
+                    if shape != list(param.shape):
+                        raise ModelLoadError(
+                            f"{os.path.basename(path)}: {name} has shape {shape}, the served "
+                            f"model's is {list(param.shape)}"
+                        )
+                    seen.add(name)
+        except ModelLoadError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - safetensors' errors are their own type
+            raise ModelLoadError(f"cannot read weights {path}: {exc}") from None
+    missing = expected_weights(model) - seen
+    if missing:
+        raise ModelLoadError(f"{model_path}: {missing_message(missing)}")
+
+
+def refit_from_disk(model: LlamaForCausalLM, model_path: str, restore_from: str | None) -> None:
+    """Replace every weight with a checkpoint's, in place; on failure put the old ones back.
+
+    ``restore_from`` is the checkpoint the served weights came from (None: they came from
+    no checkpoint, e.g. a trainer's tensors, so a failed copy cannot be undone).
+    """
+    try:
+        check_checkpoint(model, model_path)
+    except ModelLoadError as exc:
+        raise RefitError(str(exc)) from None
+    try:
+        load_weights(model, iter_checkpoint(model_path))
+    except Exception as exc:  # noqa: BLE001 - whatever broke, the old weights go back
+        reason = f"{type(exc).__name__}: {exc}" if not isinstance(exc, ModelLoadError) else str(exc)
+        if restore_from is None:
+            raise RefitError(f"{reason}; the weights are partially updated", False) from None
+        try:
+            load_weights(model, iter_checkpoint(restore_from))
+        except Exception as again:  # noqa: BLE001
+            raise RefitError(
+                f"{reason}; restoring {restore_from} failed too ({again}): the weights are "
+                "partially updated",
+                False,
+            ) from None
+        raise RefitError(f"{reason}; the previous weights were restored") from None
+
+
+def weights_digest(model: LlamaForCausalLM) -> str:
+    """SHA-256 over every parameter's name, dtype, shape and bytes, in name order."""
+    digest = hashlib.sha256()
+    for name, param in sorted(model.named_parameters(remove_duplicate=False)):
+        data = param.detach().to("cpu").contiguous()
+        digest.update(f"{name}|{data.dtype}|{list(data.shape)}\n".encode())
+        digest.update(data.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def weight_values(model: LlamaForCausalLM, name: str, truncate_size: int) -> tuple[list[int], list[float]]:
+    """(shape, first ``truncate_size`` values of the flattened parameter) as floats.
+
+    KeyError when the model has no parameter of that name.
+    """
+    params = dict(model.named_parameters(remove_duplicate=False))
+    if name not in params:
+        raise KeyError(name)
+    param = params[name].detach()
+    flat = param.reshape(-1)[: max(truncate_size, 0)]
+    return list(param.shape), flat.to("cpu", torch.float32).tolist()
