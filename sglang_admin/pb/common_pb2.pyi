@@ -329,12 +329,14 @@ class HealthCheckResponse(_message.Message):
     def __init__(self, healthy: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
-    __slots__ = ("request_id", "reason")
+    __slots__ = ("request_id", "reason", "abort_all")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    ABORT_ALL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     reason: str
-    def __init__(self, request_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    abort_all: bool
+    def __init__(self, request_id: _Optional[str] = ..., reason: _Optional[str] = ..., abort_all: _Optional[bool] = ...) -> None: ...
 
 class AbortResponse(_message.Message):
     __slots__ = ("success", "message")
@@ -667,18 +669,152 @@ class FlushCacheResponse(_message.Message):
     def __init__(self, success: _Optional[bool] = ..., message: _Optional[str] = ..., rank_results: _Optional[_Iterable[_Union[RankResult, _Mapping]]] = ...) -> None: ...
 
 class RankResult(_message.Message):
-    __slots__ = ("dp_rank", "success", "message", "tokens_freed", "files")
+    __slots__ = ("dp_rank", "success", "message", "tokens_freed", "files", "num_paused_requests", "digest", "bytes_released")
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
     SUCCESS_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FREED_FIELD_NUMBER: _ClassVar[int]
     FILES_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAUSED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RELEASED_FIELD_NUMBER: _ClassVar[int]
     dp_rank: int
     success: bool
     message: str
     tokens_freed: int
     files: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, dp_rank: _Optional[int] = ..., success: _Optional[bool] = ..., message: _Optional[str] = ..., tokens_freed: _Optional[int] = ..., files: _Optional[_Iterable[str]] = ...) -> None: ...
+    num_paused_requests: int
+    digest: str
+    bytes_released: int
+    def __init__(self, dp_rank: _Optional[int] = ..., success: _Optional[bool] = ..., message: _Optional[str] = ..., tokens_freed: _Optional[int] = ..., files: _Optional[_Iterable[str]] = ..., num_paused_requests: _Optional[int] = ..., digest: _Optional[str] = ..., bytes_released: _Optional[int] = ...) -> None: ...
+
+class AdminResponse(_message.Message):
+    __slots__ = ("success", "message", "rank_results")
+    SUCCESS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RANK_RESULTS_FIELD_NUMBER: _ClassVar[int]
+    success: bool
+    message: str
+    rank_results: _containers.RepeatedCompositeFieldContainer[RankResult]
+    def __init__(self, success: _Optional[bool] = ..., message: _Optional[str] = ..., rank_results: _Optional[_Iterable[_Union[RankResult, _Mapping]]] = ...) -> None: ...
+
+class PauseGenerationRequest(_message.Message):
+    __slots__ = ("mode",)
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    mode: str
+    def __init__(self, mode: _Optional[str] = ...) -> None: ...
+
+class PauseGenerationResponse(_message.Message):
+    __slots__ = ("success", "message", "rank_results", "num_paused_requests")
+    SUCCESS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RANK_RESULTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAUSED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    success: bool
+    message: str
+    rank_results: _containers.RepeatedCompositeFieldContainer[RankResult]
+    num_paused_requests: int
+    def __init__(self, success: _Optional[bool] = ..., message: _Optional[str] = ..., rank_results: _Optional[_Iterable[_Union[RankResult, _Mapping]]] = ..., num_paused_requests: _Optional[int] = ...) -> None: ...
+
+class ContinueGenerationRequest(_message.Message):
+    __slots__ = ("torch_empty_cache",)
+    TORCH_EMPTY_CACHE_FIELD_NUMBER: _ClassVar[int]
+    torch_empty_cache: bool
+    def __init__(self, torch_empty_cache: _Optional[bool] = ...) -> None: ...
+
+class UpdateWeightsFromDiskRequest(_message.Message):
+    __slots__ = ("model_path", "load_format", "abort_all_requests", "weight_version", "flush_cache", "torch_empty_cache", "recapture_cuda_graph")
+    MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    ABORT_ALL_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    FLUSH_CACHE_FIELD_NUMBER: _ClassVar[int]
+    TORCH_EMPTY_CACHE_FIELD_NUMBER: _ClassVar[int]
+    RECAPTURE_CUDA_GRAPH_FIELD_NUMBER: _ClassVar[int]
+    model_path: str
+    load_format: str
+    abort_all_requests: bool
+    weight_version: str
+    flush_cache: bool
+    torch_empty_cache: bool
+    recapture_cuda_graph: bool
+    def __init__(self, model_path: _Optional[str] = ..., load_format: _Optional[str] = ..., abort_all_requests: _Optional[bool] = ..., weight_version: _Optional[str] = ..., flush_cache: _Optional[bool] = ..., torch_empty_cache: _Optional[bool] = ..., recapture_cuda_graph: _Optional[bool] = ...) -> None: ...
+
+class UpdateWeightsResponse(_message.Message):
+    __slots__ = ("success", "message", "rank_results", "num_paused_requests", "model_path", "weight_version")
+    SUCCESS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RANK_RESULTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAUSED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    success: bool
+    message: str
+    rank_results: _containers.RepeatedCompositeFieldContainer[RankResult]
+    num_paused_requests: int
+    model_path: str
+    weight_version: str
+    def __init__(self, success: _Optional[bool] = ..., message: _Optional[str] = ..., rank_results: _Optional[_Iterable[_Union[RankResult, _Mapping]]] = ..., num_paused_requests: _Optional[int] = ..., model_path: _Optional[str] = ..., weight_version: _Optional[str] = ...) -> None: ...
+
+class UpdateWeightVersionRequest(_message.Message):
+    __slots__ = ("new_version", "abort_all_requests")
+    NEW_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ABORT_ALL_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    new_version: str
+    abort_all_requests: bool
+    def __init__(self, new_version: _Optional[str] = ..., abort_all_requests: _Optional[bool] = ...) -> None: ...
+
+class GetWeightsByNameRequest(_message.Message):
+    __slots__ = ("name", "truncate_size")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    truncate_size: int
+    def __init__(self, name: _Optional[str] = ..., truncate_size: _Optional[int] = ...) -> None: ...
+
+class GetWeightsByNameResponse(_message.Message):
+    __slots__ = ("success", "message", "rank_results", "shape", "values")
+    SUCCESS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RANK_RESULTS_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    success: bool
+    message: str
+    rank_results: _containers.RepeatedCompositeFieldContainer[RankResult]
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    values: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, success: _Optional[bool] = ..., message: _Optional[str] = ..., rank_results: _Optional[_Iterable[_Union[RankResult, _Mapping]]] = ..., shape: _Optional[_Iterable[int]] = ..., values: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class CheckWeightsRequest(_message.Message):
+    __slots__ = ("action",)
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    action: str
+    def __init__(self, action: _Optional[str] = ...) -> None: ...
+
+class CheckWeightsResponse(_message.Message):
+    __slots__ = ("success", "message", "rank_results", "digest")
+    SUCCESS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RANK_RESULTS_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    success: bool
+    message: str
+    rank_results: _containers.RepeatedCompositeFieldContainer[RankResult]
+    digest: str
+    def __init__(self, success: _Optional[bool] = ..., message: _Optional[str] = ..., rank_results: _Optional[_Iterable[_Union[RankResult, _Mapping]]] = ..., digest: _Optional[str] = ...) -> None: ...
+
+class ReleaseMemoryOccupationRequest(_message.Message):
+    __slots__ = ("tags",)
+    TAGS_FIELD_NUMBER: _ClassVar[int]
+    tags: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, tags: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ResumeMemoryOccupationRequest(_message.Message):
+    __slots__ = ("tags",)
+    TAGS_FIELD_NUMBER: _ClassVar[int]
+    tags: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, tags: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StartProfileRequest(_message.Message):
     __slots__ = ("output_dir", "start_step", "num_steps", "activities", "with_stack", "record_shapes", "profile_by_stage", "merge_profiles", "profile_prefix", "profile_stages")

@@ -115,6 +115,46 @@ class SglangSchedulerStub:
                 request_serializer=sglang__admin_dot_common__pb2.DownloadProfileRequest.SerializeToString,
                 response_deserializer=sglang__admin_dot_common__pb2.ProfileFileChunk.FromString,
                 _registered_method=True)
+        self.PauseGeneration = channel.unary_unary(
+                '/sglang.grpc.scheduler.SglangScheduler/PauseGeneration',
+                request_serializer=sglang__admin_dot_common__pb2.PauseGenerationRequest.SerializeToString,
+                response_deserializer=sglang__admin_dot_common__pb2.PauseGenerationResponse.FromString,
+                _registered_method=True)
+        self.ContinueGeneration = channel.unary_unary(
+                '/sglang.grpc.scheduler.SglangScheduler/ContinueGeneration',
+                request_serializer=sglang__admin_dot_common__pb2.ContinueGenerationRequest.SerializeToString,
+                response_deserializer=sglang__admin_dot_common__pb2.AdminResponse.FromString,
+                _registered_method=True)
+        self.UpdateWeightsFromDisk = channel.unary_unary(
+                '/sglang.grpc.scheduler.SglangScheduler/UpdateWeightsFromDisk',
+                request_serializer=sglang__admin_dot_common__pb2.UpdateWeightsFromDiskRequest.SerializeToString,
+                response_deserializer=sglang__admin_dot_common__pb2.UpdateWeightsResponse.FromString,
+                _registered_method=True)
+        self.UpdateWeightVersion = channel.unary_unary(
+                '/sglang.grpc.scheduler.SglangScheduler/UpdateWeightVersion',
+                request_serializer=sglang__admin_dot_common__pb2.UpdateWeightVersionRequest.SerializeToString,
+                response_deserializer=sglang__admin_dot_common__pb2.AdminResponse.FromString,
+                _registered_method=True)
+        self.GetWeightsByName = channel.unary_unary(
+                '/sglang.grpc.scheduler.SglangScheduler/GetWeightsByName',
+                request_serializer=sglang__admin_dot_common__pb2.GetWeightsByNameRequest.SerializeToString,
+                response_deserializer=sglang__admin_dot_common__pb2.GetWeightsByNameResponse.FromString,
+                _registered_method=True)
+        self.CheckWeights = channel.unary_unary(
+                '/sglang.grpc.scheduler.SglangScheduler/CheckWeights',
+                request_serializer=sglang__admin_dot_common__pb2.CheckWeightsRequest.SerializeToString,
+                response_deserializer=sglang__admin_dot_common__pb2.CheckWeightsResponse.FromString,
+                _registered_method=True)
+        self.ReleaseMemoryOccupation = channel.unary_unary(
+                '/sglang.grpc.scheduler.SglangScheduler/ReleaseMemoryOccupation',
+                request_serializer=sglang__admin_dot_common__pb2.ReleaseMemoryOccupationRequest.SerializeToString,
+                response_deserializer=sglang__admin_dot_common__pb2.AdminResponse.FromString,
+                _registered_method=True)
+        self.ResumeMemoryOccupation = channel.unary_unary(
+                '/sglang.grpc.scheduler.SglangScheduler/ResumeMemoryOccupation',
+                request_serializer=sglang__admin_dot_common__pb2.ResumeMemoryOccupationRequest.SerializeToString,
+                response_deserializer=sglang__admin_dot_common__pb2.AdminResponse.FromString,
+                _registered_method=True)
 
 
 class SglangSchedulerServicer:
@@ -234,6 +274,70 @@ class SglangSchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PauseGeneration(self, request, context):
+        """---- Extensions: the RL refit surface (SGLang serves these over HTTP only). Every op
+        fans out to every data-parallel rank; success only when every rank succeeded, with
+        one RankResult per rank.
+
+        Pause generation. mode "abort" (default) aborts every request in flight; "retract"
+        moves running requests back to the queue and frees their KV (a flush then succeeds);
+        "in_place" keeps them with their KV. New Generate calls wait (their deadline holds).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ContinueGeneration(self, request, context):
+        """Clear the pause; every waiting and held request goes on.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateWeightsFromDisk(self, request, context):
+        """Load a checkpoint directory of the served architecture into the live model. Unpaused,
+        it waits for in-flight requests and holds new ones behind it; a failed load restores
+        the previous weights; model_path and weight_version change only on success.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateWeightVersion(self, request, context):
+        """Set the weight version label reported by GetModelInfo and GetServerInfo.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetWeightsByName(self, request, context):
+        """The first values of one parameter (to check a refit).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CheckWeights(self, request, context):
+        """A per-rank digest over every parameter ("checksum").
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseMemoryOccupation(self, request, context):
+        """Free the KV pool and/or the weights of an idle worker; Generate waits meanwhile.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResumeMemoryOccupation(self, request, context):
+        """Allocate what was released again (weights: reloaded from the checkpoint they came from).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SglangSchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -316,6 +420,46 @@ def add_SglangSchedulerServicer_to_server(servicer, server):
                     servicer.DownloadProfile,
                     request_deserializer=sglang__admin_dot_common__pb2.DownloadProfileRequest.FromString,
                     response_serializer=sglang__admin_dot_common__pb2.ProfileFileChunk.SerializeToString,
+            ),
+            'PauseGeneration': grpc.unary_unary_rpc_method_handler(
+                    servicer.PauseGeneration,
+                    request_deserializer=sglang__admin_dot_common__pb2.PauseGenerationRequest.FromString,
+                    response_serializer=sglang__admin_dot_common__pb2.PauseGenerationResponse.SerializeToString,
+            ),
+            'ContinueGeneration': grpc.unary_unary_rpc_method_handler(
+                    servicer.ContinueGeneration,
+                    request_deserializer=sglang__admin_dot_common__pb2.ContinueGenerationRequest.FromString,
+                    response_serializer=sglang__admin_dot_common__pb2.AdminResponse.SerializeToString,
+            ),
+            'UpdateWeightsFromDisk': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateWeightsFromDisk,
+                    request_deserializer=sglang__admin_dot_common__pb2.UpdateWeightsFromDiskRequest.FromString,
+                    response_serializer=sglang__admin_dot_common__pb2.UpdateWeightsResponse.SerializeToString,
+            ),
+            'UpdateWeightVersion': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateWeightVersion,
+                    request_deserializer=sglang__admin_dot_common__pb2.UpdateWeightVersionRequest.FromString,
+                    response_serializer=sglang__admin_dot_common__pb2.AdminResponse.SerializeToString,
+            ),
+            'GetWeightsByName': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetWeightsByName,
+                    request_deserializer=sglang__admin_dot_common__pb2.GetWeightsByNameRequest.FromString,
+                    response_serializer=sglang__admin_dot_common__pb2.GetWeightsByNameResponse.SerializeToString,
+            ),
+            'CheckWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.CheckWeights,
+                    request_deserializer=sglang__admin_dot_common__pb2.CheckWeightsRequest.FromString,
+                    response_serializer=sglang__admin_dot_common__pb2.CheckWeightsResponse.SerializeToString,
+            ),
+            'ReleaseMemoryOccupation': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseMemoryOccupation,
+                    request_deserializer=sglang__admin_dot_common__pb2.ReleaseMemoryOccupationRequest.FromString,
+                    response_serializer=sglang__admin_dot_common__pb2.AdminResponse.SerializeToString,
+            ),
+            'ResumeMemoryOccupation': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResumeMemoryOccupation,
+                    request_deserializer=sglang__admin_dot_common__pb2.ResumeMemoryOccupationRequest.FromString,
+                    response_serializer=sglang__admin_dot_common__pb2.AdminResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -751,6 +895,222 @@ class SglangScheduler:
             '/sglang.grpc.scheduler.SglangScheduler/DownloadProfile',
             sglang__admin_dot_common__pb2.DownloadProfileRequest.SerializeToString,
             sglang__admin_dot_common__pb2.ProfileFileChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PauseGeneration(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sglang.grpc.scheduler.SglangScheduler/PauseGeneration',
+            sglang__admin_dot_common__pb2.PauseGenerationRequest.SerializeToString,
+            sglang__admin_dot_common__pb2.PauseGenerationResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ContinueGeneration(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sglang.grpc.scheduler.SglangScheduler/ContinueGeneration',
+            sglang__admin_dot_common__pb2.ContinueGenerationRequest.SerializeToString,
+            sglang__admin_dot_common__pb2.AdminResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeightsFromDisk(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sglang.grpc.scheduler.SglangScheduler/UpdateWeightsFromDisk',
+            sglang__admin_dot_common__pb2.UpdateWeightsFromDiskRequest.SerializeToString,
+            sglang__admin_dot_common__pb2.UpdateWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeightVersion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sglang.grpc.scheduler.SglangScheduler/UpdateWeightVersion',
+            sglang__admin_dot_common__pb2.UpdateWeightVersionRequest.SerializeToString,
+            sglang__admin_dot_common__pb2.AdminResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetWeightsByName(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sglang.grpc.scheduler.SglangScheduler/GetWeightsByName',
+            sglang__admin_dot_common__pb2.GetWeightsByNameRequest.SerializeToString,
+            sglang__admin_dot_common__pb2.GetWeightsByNameResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CheckWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sglang.grpc.scheduler.SglangScheduler/CheckWeights',
+            sglang__admin_dot_common__pb2.CheckWeightsRequest.SerializeToString,
+            sglang__admin_dot_common__pb2.CheckWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseMemoryOccupation(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sglang.grpc.scheduler.SglangScheduler/ReleaseMemoryOccupation',
+            sglang__admin_dot_common__pb2.ReleaseMemoryOccupationRequest.SerializeToString,
+            sglang__admin_dot_common__pb2.AdminResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResumeMemoryOccupation(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sglang.grpc.scheduler.SglangScheduler/ResumeMemoryOccupation',
+            sglang__admin_dot_common__pb2.ResumeMemoryOccupationRequest.SerializeToString,
+            sglang__admin_dot_common__pb2.AdminResponse.FromString,
             options,
             channel_credentials,
             insecure,
