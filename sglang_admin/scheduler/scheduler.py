@@ -21,6 +21,7 @@ from sglang_admin.scheduler.radix_cache import RadixCache, TreeNode
 logger = logging.getLogger(__name__)
 
 THROUGHPUT_WINDOW_S = 5.0
+PAUSE_MODES = ("abort", "retract", "in_place")
 
 
 @dataclass(eq=False)
@@ -108,6 +109,7 @@ class Scheduler:
         self.free_rows: list[int] = list(range(config.max_running_requests - 1, -1, -1))
         self.eos = frozenset(config.eos_token_ids)
         self.admission_paused = False  # set while a flush waits for idle
+        self.paused: str | None = None  # the PauseGeneration mode while paused
         self.pending_outputs: list[ReqOutput] = []  # made outside postprocess (abort, expiry)
         self.num_retracted = 0
         self.reset_counters()
@@ -188,12 +190,50 @@ class Scheduler:
         else:
             req.aborted = reason
 
+    def abort_all(self, reason: str = "aborted") -> int:
+        """Finish every running and waiting request with "abort" now; how many there were."""
+        reqs = [*self.running, *self.waiting]
+        self.waiting.clear()
+        for req in reqs:
+            self._finish(req, "abort", error=None)
+        return len(reqs)
+
+    # ------------------------------------------------------------------ pause
+
+    def pause(self, mode: str) -> int:
+        """Stop generation as SGLang's pause_generation; the requests it touched.
+
+        ``abort``: every request in flight ends with "abort". ``retract``: running
+        requests go back to the head of the queue, their KV handed to the prefix cache (so
+        a flush can run; they recompute after :meth:`resume`). ``in_place``: running
+        requests stay, KV and all, and simply take no step. In every mode nothing is
+        admitted or stepped until :meth:`resume`; deadlines and aborts still apply.
+        """
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"unknown pause mode {mode!r}; valid: {', '.join(PAUSE_MODES)}")
+        if mode == "abort":
+            touched = self.abort_all("paused")
+        elif mode == "retract":
+            touched = len(self.running)
+            for req in reversed(list(self.running)):
+                self._retract(req)
+        else:
+            touched = len(self.running)
+        self.paused = mode
+        return touched
+
+    def resume(self) -> None:
+        """End a pause: held and waiting requests go on at the next schedule()."""
+        self.paused = None
+
     # ------------------------------------------------------------------ schedule
 
     def schedule(self) -> Batch | None:
         """Pick the next step's work: every running request, then new admissions."""
         now = time.time()
         self._drop_aborted_and_expired(now)
+        if self.paused is not None:
+            return None
         budget = self.config.max_prefill_tokens
         spans: list[Span] = []
 

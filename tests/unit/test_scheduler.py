@@ -236,3 +236,66 @@ def test_random_mix_never_leaks(seed: int) -> None:
         sched.take_outputs()
     drive(sched, runner)
     assert_no_leak(sched)
+
+
+def _steps(sched: Scheduler, runner: FakeRunner, n: int, tokens: dict[str, list[int]]) -> None:
+    for _ in range(n):
+        batch = sched.schedule()
+        outs = sched.take_outputs()
+        if batch is not None:
+            outs += sched.postprocess(batch, runner.run(batch))
+        for o in outs:
+            tokens.setdefault(o.rid, []).extend(o.new_token_ids)
+
+
+@pytest.mark.parametrize("mode", ["retract", "in_place"])
+def test_pause_holds_every_request_and_continue_finishes_them_unchanged(mode: str) -> None:
+    sched, runner = make()
+    prompts = {f"r{i}": [i + 1] * (5 + i) for i in range(4)}
+    for rid, prompt in prompts.items():
+        sched.add_request(req(rid, prompt, 12))
+    tokens: dict[str, list[int]] = {}
+    _steps(sched, runner, 4, tokens)
+    assert sched.pause(mode) == 4
+    if mode == "retract":
+        assert not sched.running and len(sched.waiting) == 4
+        assert sched.cache.protected_size == 0  # no request holds KV: a flush may run
+    else:
+        assert len(sched.running) == 4
+    sched.add_request(req("late", [9, 9, 9], 5))  # arrives while paused: waits
+    steps = runner.steps
+    _steps(sched, runner, 5, tokens)
+    assert runner.steps == steps and "late" not in tokens
+    sched.resume()
+    result = drive(sched, runner)
+    for rid, prompt in prompts.items():
+        assert tokens[rid] + result["tokens"].get(rid, []) == solo(prompt, 12)
+    assert result["tokens"]["late"] == solo([9, 9, 9], 5)
+    assert_no_leak(sched)
+
+
+def test_pause_abort_ends_every_request_and_new_ones_wait() -> None:
+    sched, runner = make()
+    for i in range(3):
+        sched.add_request(req(f"r{i}", [i + 1] * 6, 20))
+    _steps(sched, runner, 3, {})
+    sched.add_request(req("queued", [5] * 4, 3))
+    assert sched.pause("abort") == 4
+    finals = {o.rid: o.finish_reason for o in sched.take_outputs() if o.finish_reason}
+    assert finals == {"r0": "abort", "r1": "abort", "r2": "abort", "queued": "abort"}
+    sched.add_request(req("new", [7] * 4, 3))
+    assert sched.schedule() is None
+    sched.resume()
+    assert drive(sched, runner)["tokens"]["new"] == solo([7] * 4, 3)
+    assert_no_leak(sched)
+    with pytest.raises(ValueError, match="unknown pause mode 'later'"):
+        sched.pause("later")
+
+
+def test_paused_requests_still_expire() -> None:
+    sched, runner = make()
+    sched.add_request(req("r", [3] * 5, 10, deadline=1.0))  # long past
+    sched.pause("in_place")
+    assert sched.schedule() is None
+    out = sched.take_outputs()
+    assert [(o.rid, o.error_code) for o in out] == [("r", "DEADLINE_EXCEEDED")]
