@@ -1,0 +1,181 @@
+"""Admin RPCs declared once: the fan-out to every rank and the policy around it.
+
+An admin RPC is a servicer method marked :func:`admin_rpc` (the auth interceptor reads the
+mark: with ``--admin-api-key`` only that key opens it) whose body checks its request, calls
+:meth:`AdminCalls.fan_out` with the message every rank gets, and turns the
+:class:`FanOut` into its response. ``fan_out`` owns what every admin op does the same way:
+the readiness check, the server span with the caller's trace context, an ``admin-N`` id
+logged in the server and the ranks, the effective deadline, one reply per rank matched by
+that id, and the status policy (a rank that did not answer: DEADLINE_EXCEEDED; no rank
+could be reached: UNAVAILABLE). Everything else is a per-rank result in the response.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+
+from sglang_admin.config import ServerArgs
+from sglang_admin.messages import AdminReply, TraceCarrier
+from sglang_admin.pb import common_pb2 as pb
+from sglang_admin.server.communicator import Communicator, RankFailure
+from sglang_admin.server.convert import ServiceError
+from sglang_admin.tracing import carrier_from_metadata, server_span, trace_id_of
+
+logger = logging.getLogger(__name__)
+
+DEADLINE_MARGIN_S = 0.25
+_ADMIN_MARK = "_sglang_admin_rpc"
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def admin_rpc(method: F) -> F:
+    """Mark a servicer method as an admin RPC (it changes the server for everyone)."""
+    setattr(method, _ADMIN_MARK, True)
+    return method
+
+
+def admin_methods(servicer: type, service_name: str) -> frozenset[str]:
+    """The full method paths (``/package.Service/Method``) of a servicer's admin RPCs."""
+    return frozenset(
+        f"/{service_name}/{name}"
+        for name, member in inspect.getmembers(servicer, inspect.isfunction)
+        if getattr(member, _ADMIN_MARK, False)
+    )
+
+
+def effective_timeout(context: grpc.aio.ServicerContext, server_default: float) -> float:
+    """The smaller of the op's server default and the caller's remaining deadline, less a
+    margin so that the server's answer (naming the ranks that did not answer) reaches the
+    caller before its own deadline fires."""
+    remaining = context.time_remaining()
+    if remaining is None:
+        return server_default
+    margin = min(DEADLINE_MARGIN_S, remaining * 0.1)
+    return max(0.0, min(remaining - margin, server_default))
+
+
+def rank_failure_text(failures: dict[int, str]) -> str:
+    """The one wording of several ranks' failures: ``rank 0: why | rank 1: why``."""
+    return " | ".join(f"rank {rank}: {failures[rank]}" for rank in sorted(failures))
+
+
+@dataclass
+class FanOut:
+    """What every rank answered to one admin op (or why it did not)."""
+
+    dp_size: int
+    replies: dict[int, AdminReply]
+    failures: dict[int, RankFailure]
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures and all(r.success for r in self.replies.values())
+
+    def result(self, rank: int) -> Any:
+        """The typed result a rank sent with its reply (None when it sent none)."""
+        reply = self.replies.get(rank)
+        return reply.result if reply is not None else None
+
+    def rank_results(self) -> list[pb.RankResult]:
+        """One RankResult per rank, in rank order; the response fills in op specifics."""
+        out = []
+        for rank in range(self.dp_size):
+            reply = self.replies.get(rank)
+            if reply is not None:
+                out.append(pb.RankResult(dp_rank=rank, success=reply.success,
+                                         message=reply.message))
+            else:
+                failure = self.failures.get(rank)
+                out.append(pb.RankResult(dp_rank=rank, success=False,
+                                         message=failure.message if failure else "no answer"))
+        return out
+
+    def failure_message(self) -> str:
+        """Every failed rank and why, in the one wording of :func:`rank_failure_text`."""
+        failed = {r: reply.message for r, reply in self.replies.items() if not reply.success}
+        failed.update({r: f.message for r, f in self.failures.items()})
+        return rank_failure_text(failed)
+
+    def message(self, success: str) -> str:
+        return success if self.ok else self.failure_message()
+
+    def raise_if_unanswered(self) -> None:
+        """A rank that did not answer in time fails the call with DEADLINE_EXCEEDED; no rank
+        reachable at all, with UNAVAILABLE. Other failures stay per-rank results."""
+        late = {r: f.message for r, f in self.failures.items() if f.kind == "timeout"}
+        if late:
+            raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, rank_failure_text(late))
+        if self.failures and not self.replies:
+            raise ServiceError(
+                grpc.StatusCode.UNAVAILABLE,
+                rank_failure_text({r: f.message for r, f in self.failures.items()}),
+            )
+
+
+MakeMessage = Callable[[str, float, TraceCarrier], Any]
+
+
+class AdminCalls:
+    """Runs admin ops over every rank for the servicer."""
+
+    def __init__(self, args: ServerArgs, comm: Communicator) -> None:
+        self.args = args
+        self.comm = comm
+
+    def require_ready(self) -> None:
+        """UNAVAILABLE while the model loads or once a rank is gone."""
+        if self.comm.dead_ranks:
+            raise ServiceError(
+                grpc.StatusCode.UNAVAILABLE,
+                "scheduler unavailable: "
+                + "; ".join(f"rank {r} {why}" for r, why in self.comm.dead_ranks.items()),
+            )
+        if not self.comm.ready.is_set():
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "server is starting: model loading")
+
+    def log(self, op: str, rid: str, carrier: TraceCarrier, **fields: Any) -> None:
+        """One line per op with --log-requests, carrying the caller's trace id."""
+        if not self.args.log_requests:
+            return
+        trace_id = trace_id_of(carrier)
+        extra = " ".join(f"{k}={v}" for k, v in fields.items())
+        logger.info(
+            "%s rid=%s%s%s", op, rid, f" {extra}" if extra else "",
+            f" trace_id={trace_id}" if trace_id else "",
+        )
+
+    async def fan_out(
+        self,
+        context: grpc.aio.ServicerContext,
+        op: str,
+        make: MakeMessage,
+        server_default: float,
+        **log_fields: Any,
+    ) -> FanOut:
+        """Send ``make(rid, deadline, trace)`` to every rank; wait for every reply.
+
+        ``server_default`` is the op's own time limit in seconds; the caller's deadline
+        wins when it is nearer. Raises DEADLINE_EXCEEDED / UNAVAILABLE as
+        :meth:`FanOut.raise_if_unanswered` says; every other outcome is in the FanOut.
+        """
+        self.require_ready()
+        carrier = carrier_from_metadata(context.invocation_metadata())
+        span_name = "".join(part.title() for part in op.split("_"))
+        with server_span(span_name, carrier, **log_fields) as forward:
+            rid = self.comm.new_admin_id()
+            self.log(op, rid, carrier, **log_fields)
+            wait = effective_timeout(context, server_default)
+            deadline = time.time() + wait
+            replies, failures = await self.comm.call_ranks(
+                lambda admin_id: make(admin_id, deadline, forward), wait, rid=rid
+            )
+        out = FanOut(self.args.dp_size, replies, failures)
+        out.raise_if_unanswered()
+        return out
