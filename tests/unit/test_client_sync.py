@@ -22,7 +22,7 @@ from sglang_admin.pb import common_pb2 as pb
 from sglang_admin.pb import common_pb2_grpc as pb_grpc
 
 KEY = "unit-key"
-HANG = "hang"  # a Generate request id the server never answers
+HANG = "hang"  # Generate request ids starting with this are never answered
 ENDLESS = "endless"  # a Generate request id whose stream never completes by itself
 
 
@@ -32,7 +32,7 @@ class Worker(pb_grpc.SglangSchedulerServicer):
     def __init__(self) -> None:
         self.stream_ended = threading.Event()
         self.release = threading.Event()  # set at teardown: held calls return
-        self.holding = threading.Event()  # set while a HANG call is held
+        self.held: dict[str, threading.Event] = {}  # request id -> set once it is held
 
     def _check_key(self, context: grpc.ServicerContext) -> None:
         if dict(context.invocation_metadata()).get("authorization") != f"Bearer {KEY}":
@@ -51,11 +51,11 @@ class Worker(pb_grpc.SglangSchedulerServicer):
         ids = list(request.tokenized.input_ids)
         if not ids:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "input_ids is empty")
-        if request.request_id == HANG:
-            self.holding.set()
+        if request.request_id.startswith(HANG):
+            if request.request_id in self.held:
+                self.held[request.request_id].set()
             while context.is_active() and not self.release.wait(0.05):
                 pass
-            self.holding.clear()
             return
         if request.request_id == ENDLESS:
             try:
@@ -195,16 +195,17 @@ def test_close_cancels_a_call_in_flight(worker: tuple[str, Worker]) -> None:
     target, servicer = worker
     client = Client(target, api_key=KEY)  # no deadline: only close() ends the call
     outcome: list[BaseException] = []
+    servicer.held["hang-until-close"] = threading.Event()
 
     def held() -> None:
         try:
-            client.generate_tokens([1], 1, request_id=HANG)
+            client.generate_tokens([1], 1, request_id="hang-until-close")
         except BaseException as exc:  # noqa: BLE001 - the test inspects it
             outcome.append(exc)
 
     thread = threading.Thread(target=held)
     thread.start()
-    assert servicer.holding.wait(10)
+    assert servicer.held["hang-until-close"].wait(10)
     client.close()
     thread.join(10)
     assert not thread.is_alive()
