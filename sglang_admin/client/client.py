@@ -30,11 +30,15 @@ Worked example, a hypothetical ``PauseGeneration(mode)`` admin RPC::
         req = pb.PauseGenerationRequest(mode=mode)
         return await self.stub.PauseGeneration(req, **self._call_options())
 
-    # commands.py, in COMMANDS
+    # commands.py, a renderer (how one target's answer reads) ...
+    def render_pause(resp: pb.PauseGenerationResponse) -> Outcome:
+        return Outcome(resp.success, resp.message or "paused", to_dict(resp))
+
+    # ... and one entry in COMMANDS
     Command(
         "pause", "pause generation on every rank", "SglangScheduler/PauseGeneration",
         call=lambda client, ns: client.pause_generation(ns.mode),
-        render=render_success,
+        render=render_pause,
         arguments=lambda p: p.add_argument("--mode", default="abort"),
     ),
 
