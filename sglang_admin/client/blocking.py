@@ -16,6 +16,7 @@ import asyncio
 import functools
 import inspect
 import threading
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from types import TracebackType
 from typing import Any, TypeVar
@@ -59,8 +60,14 @@ class _LoopThread:
             raise
 
     def stop(self, last: Callable[[], Coroutine[Any, Any, None]]) -> None:
-        """Run ``last()``, cancel what is still running, then stop and close the loop."""
+        """Run ``last()``, cancel what is still running, then stop and close the loop. On
+        the loop's own thread (a client collected there) it only schedules all that."""
         if self.closed:
+            return
+        if threading.current_thread() is self._thread:
+            self.closed = True
+            task = self.loop.create_task(_finish(last))
+            task.add_done_callback(lambda _: self.loop.stop())
             return
         try:
             self.run(_finish(last))
@@ -173,6 +180,8 @@ class Client:
         except BaseException:
             self._loop.stop(_nothing)
             raise
+        # close() at the latest when the client is garbage-collected or the process exits
+        self._finalizer = weakref.finalize(self, self._loop.stop, self._client.close)
 
     @property
     def target(self) -> str:
@@ -217,8 +226,8 @@ class Client:
 
     def close(self) -> None:
         """Close the channel (in-flight calls are cancelled) and stop the loop thread;
-        calling it again does nothing."""
-        self._loop.stop(self._client.close)
+        calling it again does nothing. A client never closed is closed when collected."""
+        self._finalizer()
 
     def __enter__(self) -> Client:
         return self

@@ -9,6 +9,7 @@ when a stream it serves ends.
 from __future__ import annotations
 
 import asyncio
+import gc
 import inspect
 import threading
 from collections.abc import Iterator
@@ -189,6 +190,17 @@ def test_close_stops_the_loop_and_refuses_later_calls(worker: tuple[str, Worker]
         client.health()
     with pytest.raises(ClientClosedError):
         next(stream)
+
+
+def test_a_client_never_closed_stops_its_thread_when_collected(worker: tuple[str, Worker]) -> None:
+    target, _ = worker
+    before = len(client_threads())
+    client = Client(target, api_key=KEY, timeout=30)
+    assert client.health().healthy
+    assert len(client_threads()) == before + 1
+    del client
+    gc.collect()
+    assert len(client_threads()) == before
 
 
 def test_close_cancels_a_call_in_flight(worker: tuple[str, Worker]) -> None:
