@@ -14,6 +14,7 @@ import inspect
 import threading
 from collections.abc import Iterator
 from concurrent import futures
+from pathlib import Path
 
 import grpc
 import pytest
@@ -21,6 +22,7 @@ import pytest
 from sglang_admin.client import AsyncClient, Client, ClientClosedError
 from sglang_admin.pb import common_pb2 as pb
 from sglang_admin.pb import common_pb2_grpc as pb_grpc
+from tests.integration.test_security import make_pki
 
 KEY = "unit-key"
 HANG = "hang"  # Generate request ids starting with this are never answered
@@ -234,3 +236,28 @@ def test_bad_tls_arguments_fail_without_leaking_a_thread(worker: tuple[str, Work
     with pytest.raises(ValueError, match="tls_cert and tls_key must be given together"):
         Client(target, tls_cert="cert.pem")
     assert len(client_threads()) == before
+
+
+def test_mutual_tls(tmp_path: Path) -> None:
+    pki = make_pki(tmp_path)
+    (tmp_path / "client.pem").write_bytes(pki.client_cert)
+    (tmp_path / "client.key").write_bytes(pki.client_key)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    pb_grpc.add_SglangSchedulerServicer_to_server(Worker(), server)
+    creds = grpc.ssl_server_credentials(
+        [(pki.server_key.read_bytes(), pki.server_cert.read_bytes())],
+        root_certificates=pki.ca_pem, require_client_auth=True,
+    )
+    target = f"127.0.0.1:{server.add_secure_port('127.0.0.1:0', creds)}"
+    server.start()
+    try:
+        with Client(target, api_key=KEY, timeout=30, tls_ca=str(pki.ca),
+                    tls_cert=str(tmp_path / "client.pem"),
+                    tls_key=str(tmp_path / "client.key")) as client:
+            assert client.health().healthy
+        with Client(target, api_key=KEY, timeout=30, tls_ca=str(pki.ca)) as no_cert:
+            with pytest.raises(grpc.RpcError) as err:
+                no_cert.health()
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        server.stop(grace=None)
