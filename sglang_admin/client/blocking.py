@@ -13,6 +13,7 @@ Deadlines, metadata, TLS and errors are the ``AsyncClient``'s: a failed call rai
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import threading
@@ -40,19 +41,23 @@ class _LoopThread:
     def __init__(self, name: str) -> None:
         self.loop = asyncio.new_event_loop()
         self.closed = False
+        # Held while checking `closed` and handing a coroutine to the loop, so nothing is
+        # handed over after stop() took its snapshot of the loop's tasks.
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
         self._thread.start()
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` on the loop and wait for its result; an interrupt of the waiting
         thread (KeyboardInterrupt, ...) cancels it."""
-        if self.closed:
-            coro.close()
-            raise ClientClosedError("the client is closed")
         if threading.current_thread() is self._thread:
             coro.close()
             raise RuntimeError("a blocking Client method was called on the client's own loop")
-        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        with self._lock:
+            if self.closed:
+                coro.close()
+                raise ClientClosedError("the client is closed")
+            future = asyncio.run_coroutine_threadsafe(coro, self.loop)
         try:
             return future.result()
         except BaseException:
@@ -60,19 +65,21 @@ class _LoopThread:
             raise
 
     def stop(self, last: Callable[[], Coroutine[Any, Any, None]]) -> None:
-        """Run ``last()``, cancel what is still running, then stop and close the loop. On
-        the loop's own thread (a client collected there) it only schedules all that."""
-        if self.closed:
-            return
-        if threading.current_thread() is self._thread:
+        """Refuse new work, run ``last()``, cancel what is still running, then stop and
+        close the loop. On the loop's own thread (a client collected there) it only
+        schedules all that."""
+        with self._lock:
+            if self.closed:
+                return
             self.closed = True
-            task = self.loop.create_task(_finish(last))
-            task.add_done_callback(lambda _: self.loop.stop())
-            return
+            if threading.current_thread() is self._thread:
+                task = self.loop.create_task(_finish(last))
+                task.add_done_callback(lambda _: self.loop.stop())
+                return
+            future = asyncio.run_coroutine_threadsafe(_finish(last), self.loop)
         try:
-            self.run(_finish(last))
+            future.result()
         finally:
-            self.closed = True
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join()
             self.loop.close()
@@ -221,7 +228,7 @@ class Client:
                     return
                 yield item  # type: ignore[misc]
         finally:
-            if not self._loop.closed:
+            with contextlib.suppress(ClientClosedError):  # close() already ended the call
                 self._loop.run(_aclose(stream))
 
     def close(self) -> None:
