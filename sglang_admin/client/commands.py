@@ -1,6 +1,6 @@
 """The client subcommands of ``sglang-admin``: each runs one call on every ``--target`` at
 once and prints one result line per target (or, with ``--json``, one JSON object per
-target per line).
+target per line). Each subcommand is one :class:`Command` entry in :data:`COMMANDS`.
 
 Exit status: 0 only when every target succeeded. A call that failed (any gRPC status, a
 bad download), a response that reports ``success: false`` or ``healthy: false``, and a
@@ -28,10 +28,9 @@ from sglang_admin.client.client import (
     DEFAULT_TARGET,
     AsyncClient,
     GenerateResult,
-    TargetResult,
     channel_credentials,
-    fan_out,
 )
+from sglang_admin.client.fanout import TargetResult, fan_out
 from sglang_admin.pb import common_pb2 as pb
 
 Call = Callable[[AsyncClient, argparse.Namespace], Awaitable[Any]]
@@ -61,17 +60,6 @@ def to_dict(message: Message) -> dict[str, Any]:
 # ---------------------------------------------------------------------- running
 
 
-def client_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
-    """The AsyncClient keyword arguments from the common options."""
-    return {
-        "api_key": ns.api_key,
-        "tls_ca": ns.tls_ca,
-        "tls_cert": ns.tls_cert,
-        "tls_key": ns.tls_key,
-        "timeout": ns.timeout,
-    }
-
-
 def targets_of(ns: argparse.Namespace) -> list[str]:
     """The ``--target`` values, deduplicated, or the default target."""
     return list(dict.fromkeys(ns.target or [DEFAULT_TARGET]))
@@ -89,7 +77,11 @@ def run_command(ns: argparse.Namespace, *, rpc: str | None, call: Call, render: 
             targets_of(ns),
             lambda client: call(client, ns),
             rpc if ns.check_rpc else None,
-            **client_kwargs(ns),
+            api_key=ns.api_key,
+            tls_ca=ns.tls_ca,
+            tls_cert=ns.tls_cert,
+            tls_key=ns.tls_key,
+            timeout=ns.timeout,
         )
     )
     return report(results, render, as_json=ns.json)
@@ -295,26 +287,16 @@ def common_options() -> argparse.ArgumentParser:
     return p
 
 
-def _add(
-    sub: argparse._SubParsersAction, common: argparse.ArgumentParser, name: str, help: str,
-    rpc: str | None, call: Call, render: Render,
-) -> argparse.ArgumentParser:
-    p = sub.add_parser(name, help=help, description=help, parents=[common])
-    p.set_defaults(func=partial(run_command, rpc=rpc, call=call, render=render))
-    return p
+def _no_arguments(parser: argparse.ArgumentParser) -> None:
+    """A subcommand with only the common options."""
 
 
-def add_client_parsers(sub: argparse._SubParsersAction) -> None:
-    """Add the client subcommands to ``sglang-admin``'s subparsers."""
-    common = common_options()
-
-    p = _add(sub, common, "flush-cache", "flush the radix cache on every rank",
-             "SglangScheduler/FlushCache", call_flush, render_flush)
+def _flush_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout-s", type=float, default=0.0,
                    help="seconds to wait for the ranks to go idle (0: fail when busy)")
 
-    p = _add(sub, common, "start-profile", "start the torch profiler on every rank",
-             "SglangScheduler/StartProfile", call_start_profile, render_profile)
+
+def _start_profile_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-dir", help="inside the server's profile root")
     p.add_argument("--start-step", type=int, help="forward step to start at (default: now)")
     p.add_argument("--num-steps", type=int, help="stop after this many steps")
@@ -327,35 +309,71 @@ def add_client_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--profile-prefix")
     p.add_argument("--merge-profiles", action=argparse.BooleanOptionalAction, default=None)
 
-    _add(sub, common, "stop-profile", "stop the profiler; answers once traces are written",
-         "SglangScheduler/StopProfile", call_stop_profile, render_profile)
 
-    p = _add(sub, common, "download-profile",
-             "download a finished profile's trace files (sha256-verified)",
-             "SglangScheduler/DownloadProfile", call_download, render_files)
+def _download_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile-id", default="", help="default: the last finished profile")
     p.add_argument("--dest", required=True, metavar="DIR",
                    help="folder for the files (a subfolder per target when several)")
 
-    _add(sub, common, "server-info", "settings and live per-rank state",
-         "SglangScheduler/GetServerInfo", call_server_info, render_server_info)
 
-    p = _add(sub, common, "loads", "load metrics per rank and in aggregate",
-             "SglangScheduler/GetLoads", call_loads, render_loads)
+def _loads_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--include", nargs="+", metavar="SECTION",
                    help="core, memory, spec, lora, disagg, queues, all")
     p.add_argument("--dp-rank", type=int)
 
-    _add(sub, common, "health", "round trip to every scheduler rank",
-         "SglangScheduler/HealthCheck", call_health, render_health)
 
-    p = _add(sub, common, "generate", "generate tokens for a tokenized prompt",
-             "SglangScheduler/Generate", call_generate, render_generate)
+def _generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-ids", type=_token_ids, required=True, metavar="1,2,3")
     p.add_argument("--max-new-tokens", type=int, help="default: the server's (128)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--stream", action="store_true", help="use the streaming form of the call")
 
-    _add(sub, common, "services", "list services and methods (server reflection)",
-         None, call_services, render_services)
+
+@dataclass(frozen=True)
+class Command:
+    """One client subcommand: its name and help, the ``"Service/Method"`` a target's
+    reflection must list (``None``: no check), the call, how its value reads, and the
+    subcommand's own arguments (beside the common options)."""
+
+    name: str
+    help: str
+    rpc: str | None
+    call: Call
+    render: Render
+    arguments: Callable[[argparse.ArgumentParser], None] = _no_arguments
+
+
+COMMANDS: list[Command] = [
+    Command("flush-cache", "flush the radix cache on every rank",
+            "SglangScheduler/FlushCache", call_flush, render_flush, _flush_arguments),
+    Command("start-profile", "start the torch profiler on every rank",
+            "SglangScheduler/StartProfile", call_start_profile, render_profile,
+            _start_profile_arguments),
+    Command("stop-profile", "stop the profiler; answers once traces are written",
+            "SglangScheduler/StopProfile", call_stop_profile, render_profile),
+    Command("download-profile", "download a finished profile's trace files (sha256-verified)",
+            "SglangScheduler/DownloadProfile", call_download, render_files,
+            _download_arguments),
+    Command("server-info", "settings and live per-rank state",
+            "SglangScheduler/GetServerInfo", call_server_info, render_server_info),
+    Command("loads", "load metrics per rank and in aggregate",
+            "SglangScheduler/GetLoads", call_loads, render_loads, _loads_arguments),
+    Command("health", "round trip to every scheduler rank",
+            "SglangScheduler/HealthCheck", call_health, render_health),
+    Command("generate", "generate tokens for a tokenized prompt",
+            "SglangScheduler/Generate", call_generate, render_generate, _generate_arguments),
+    Command("services", "list services and methods (server reflection)",
+            None, call_services, render_services),
+]
+
+
+def add_client_parsers(sub: argparse._SubParsersAction) -> None:
+    """Add the client subcommands (:data:`COMMANDS`) to ``sglang-admin``'s subparsers."""
+    common = common_options()
+    for command in COMMANDS:
+        p = sub.add_parser(command.name, help=command.help, description=command.help,
+                           parents=[common])
+        command.arguments(p)
+        p.set_defaults(func=partial(run_command, rpc=command.rpc, call=command.call,
+                                    render=command.render))

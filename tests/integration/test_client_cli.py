@@ -18,7 +18,7 @@ import grpc
 import pytest
 
 from sglang_admin.client import SKIPPED, AsyncClient, Client, DownloadError, FanOut, fan_out
-from sglang_admin.client.client import _ProfileWriter
+from sglang_admin.client.download import ProfileWriter
 from sglang_admin.pb import common_pb2 as pb
 from tests.conftest import ROOT, ServerProc, free_port, start_server, wait_serving
 
@@ -253,18 +253,18 @@ def _chunks(name: str, data: bytes, size: int, digest: str | None = None) -> lis
 
 
 def test_profile_writer_verifies_sha256(tmp_path: Path) -> None:
-    writer = _ProfileWriter(tmp_path)
+    writer = ProfileWriter(tmp_path)
     for chunk in _chunks("rank0/trace.json", b"x" * 1000, 300) + _chunks("b.txt", b"", 10):
         writer.add(chunk)
     files = writer.close()
     assert files == [tmp_path / "rank0" / "trace.json", tmp_path / "b.txt"]
     assert files[0].read_bytes() == b"x" * 1000
 
-    bad = _ProfileWriter(tmp_path / "bad")
+    bad = ProfileWriter(tmp_path / "bad")
     with pytest.raises(DownloadError, match="sha256"):
         for chunk in _chunks("t.json", b"abc", 2, digest="0" * 64):
             bad.add(chunk)
     assert not (tmp_path / "bad" / "t.json").exists()
 
     with pytest.raises(DownloadError, match="unsafe"):
-        _ProfileWriter(tmp_path).add(_chunks("../escape", b"a", 1)[0])
+        ProfileWriter(tmp_path).add(_chunks("../escape", b"a", 1)[0])
