@@ -16,6 +16,10 @@ import msgpack
 
 TraceCarrier = dict[str, str]
 
+# A temperature below this samples greedily (SGLang's epsilon): dividing logits by a smaller
+# one overflows float32 and makes no practical difference to the choice.
+GREEDY_TEMPERATURE_EPS = 1e-6
+
 
 # ---------------------------------------------------------------- server -> scheduler
 
@@ -24,7 +28,7 @@ TraceCarrier = dict[str, str]
 class SamplingParams:
     """Normalized sampling parameters (proto zeros already mapped to SGLang defaults)."""
 
-    temperature: float = 0.0  # 0 is greedy
+    temperature: float = 0.0  # 0 (anything below GREEDY_TEMPERATURE_EPS) is greedy
     top_p: float = 1.0
     top_k: int = -1  # -1: no limit
     min_p: float = 0.0
@@ -39,7 +43,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature <= 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE_EPS or self.top_k == 1
 
 
 @dataclass(slots=True)
