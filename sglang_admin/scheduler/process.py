@@ -254,7 +254,13 @@ class RankLoop:
                 and not self.kv_events and not s.pending_outputs)
 
     def step(self, batch: Batch) -> None:
-        from sglang_admin.model.runner import SeqInput
+        """Run one forward step of the batch and send what it produced.
+
+        A request that fails on its own (its sequence is invalid, its sampling raised or
+        left no token, its post-processing raised) ends with its reason and frees its KV;
+        the others go on. An exception of the forward pass itself ends the rank.
+        """
+        from sglang_admin.model.runner import InvalidSequence, SeqInput
 
         seqs = [
             SeqInput(
@@ -275,13 +281,29 @@ class RankLoop:
         stage = "decode" if batch.is_decode else "prefill"
         self.profiler.before_step(stage)
         t0 = time.perf_counter()
-        results = self.runner.forward_step(seqs)
+        while True:
+            try:
+                results = self.runner.forward_step(seqs)
+                break
+            except InvalidSequence as exc:  # checked before any device work: drop, rerun
+                span = batch.spans.pop(exc.index)
+                seqs.pop(exc.index)
+                logger.error("rank %d: request %s has an invalid sequence: %s",
+                             self.rank, span.req.rid, exc)
+                self.scheduler.fail(span.req, f"invalid sequence: {exc}", "INTERNAL")
         self.last_step_time = time.perf_counter() - t0
         self.forward_steps += 1
         tokens = [r.token_id if r is not None else None for r in results]
         logprobs = [r.logprob if r is not None else None for r in results]
         tops = [r.top_logprobs if r is not None else None for r in results]
-        outputs = self.scheduler.postprocess(batch, tokens, logprobs, tops)
+        errors = None
+        if any(r is not None and r.error is not None for r in results):
+            errors = [
+                (r.error, r.error_code or "INTERNAL")
+                if r is not None and r.error is not None else None
+                for r in results
+            ]
+        outputs = self.scheduler.postprocess(batch, tokens, logprobs, tops, errors)
         self.flush_kv_events()  # the router's index learns the blocks before the answer
         self.send_outputs(outputs)
         # After the outputs went out: an auto-stop's trace export does not delay them.
