@@ -114,6 +114,14 @@ class StateReq:
 
 
 @dataclass(slots=True)
+class CancelAdminReq:
+    """The admin call ``rid`` ended on the server (deadline, cancel, timeout) before this
+    rank answered: drop what is still pending for it (a FlushCache waiting for idle)."""
+
+    rid: str
+
+
+@dataclass(slots=True)
 class ShutdownReq:
     rid: str = ""
 
@@ -233,6 +241,7 @@ _REGISTRY: tuple[type, ...] = (
     AdminReply,
     StateUpdate,
     KvEvents,
+    CancelAdminReq,
 )
 _CODES: dict[type, int] = {cls: code for code, cls in enumerate(_REGISTRY)}
 _FIELDS: tuple[tuple[str, ...], ...] = tuple(

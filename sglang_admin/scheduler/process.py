@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import time
+from concurrent.futures import Future
 from typing import Any
 
 import zmq
@@ -22,6 +23,7 @@ from sglang_admin.messages import (
     AbortReq,
     AdminReply,
     BatchOutput,
+    CancelAdminReq,
     FailedMsg,
     FlushCacheReq,
     GenerateReq,
@@ -136,7 +138,9 @@ class RankLoop:
             ),
             on_kv_event=self.kv_events.append,
         )
-        self.profiler = Profiler(rank, str(self.runner.device))
+        self.profiler = Profiler(rank, str(self.runner.device), args.profile_max_steps)
+        # StopProfile calls whose traces the export thread is still writing
+        self.pending_stops: list[tuple[StopProfileReq, Future]] = []
         self.forward_steps = 0
         self.last_step_time = 0.0
         self.last_state_sent = 0.0
@@ -215,6 +219,7 @@ class RankLoop:
             if not self.running:
                 break
             self.check_flush()
+            self.check_profile_stops()
             batch = self.scheduler.schedule()
             if batch is not None:
                 self.step(batch)
@@ -228,8 +233,8 @@ class RankLoop:
 
     def drain_inbox(self, block: bool) -> None:
         timeout = IDLE_POLL_MS if block else 0
-        if block and self.pending_flush is not None:
-            timeout = 10
+        if block and (self.pending_flush is not None or self.pending_stops):
+            timeout = 10  # come back soon to answer what is pending
         while True:
             if timeout and not self.inbox.poll(timeout):
                 self.publish_state()
@@ -251,7 +256,7 @@ class RankLoop:
         """Idle, and the messages handled left nothing for the loop to send or run."""
         s = self.scheduler
         return (self.running and s.is_idle and self.pending_flush is None
-                and not self.kv_events and not s.pending_outputs)
+                and not self.pending_stops and not self.kv_events and not s.pending_outputs)
 
     def step(self, batch: Batch) -> None:
         """Run one forward step of the batch and send what it produced.
@@ -309,7 +314,9 @@ class RankLoop:
         # After the outputs went out: an auto-stop's trace export does not delay them.
         finished_profile = self.profiler.after_step(stage)
         if finished_profile is not None:
-            logger.info("profile finished by itself: %s", finished_profile)
+            finished_profile.add_done_callback(
+                lambda fut: logger.info("profile finished by itself: %s", fut.result())
+            )
 
     def send_outputs(self, outputs: list[ReqOutput]) -> None:
         """One message for every request update of a step; log finishes when asked."""
@@ -356,8 +363,12 @@ class RankLoop:
             ok, text = self.profiler.start(msg)
             self.reply(msg.rid, ok, text, {}, msg.trace, "start_profile")
         elif isinstance(msg, StopProfileReq):
-            ok, text, data = self.profiler.stop()
-            self.reply(msg.rid, ok, text, data, msg.trace, "stop_profile")
+            # the traces are written by the profiler's export thread; the loop keeps
+            # serving and answers once they are on disk (check_profile_stops)
+            self.pending_stops.append((msg, self.profiler.request_stop()))
+            self.check_profile_stops()
+        elif isinstance(msg, CancelAdminReq):
+            self.on_cancel_admin(msg.rid)
         elif isinstance(msg, ShutdownReq):
             self.running = False
         else:
@@ -397,9 +408,41 @@ class RankLoop:
             )
             return
         self.pending_flush = msg
-        self.flush_deadline = time.monotonic() + msg.timeout_s
+        # Wait no longer than the caller does: its deadline (absolute, time.time()) ends
+        # the flush too, so an abandoned flush does not hold admission for timeout_s.
+        wait = msg.timeout_s
+        if msg.deadline is not None:
+            wait = min(wait, msg.deadline - time.time())
+        self.flush_deadline = time.monotonic() + wait
         self.scheduler.admission_paused = True
         self.publish_state(force=True)
+
+    def on_cancel_admin(self, rid: str) -> None:
+        """The server ended admin call ``rid`` without this rank's answer: a flush still
+        pending for it is dropped and admission resumes (nobody waits for its answer)."""
+        msg = self.pending_flush
+        if msg is None or msg.rid != rid:
+            return
+        logger.info("rank %d: flush %s abandoned by its caller; admission resumes", self.rank, rid)
+        self.pending_flush = None
+        self.scheduler.admission_paused = False
+        self.publish_state(force=True)
+
+    def check_profile_stops(self) -> None:
+        """Answer the StopProfile calls whose files are written."""
+        if not self.pending_stops:
+            return
+        still: list[tuple[StopProfileReq, Future]] = []
+        for msg, fut in self.pending_stops:
+            if not fut.done():
+                still.append((msg, fut))
+                continue
+            try:
+                ok, text, data = fut.result()
+            except Exception as exc:  # noqa: BLE001 - the export thread's failure, reported
+                ok, text, data = False, f"export failed: {type(exc).__name__}: {exc}", {}
+            self.reply(msg.rid, ok, text, data, msg.trace, "stop_profile")
+        self.pending_stops = still
 
     def check_flush(self) -> None:
         msg = self.pending_flush
