@@ -31,8 +31,11 @@ StopProfile arrives or when it stops by itself after ``num_steps`` forward steps
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
+import gzip
+import json
 import logging
 import os
 import threading
@@ -53,6 +56,11 @@ DEFAULT_ACTIVITIES = ("CPU", "GPU")
 STAGE_NAMES = {"prefill": "EXTEND", "decode": "DECODE"}
 STAGE_ALIASES = {"prefill": "prefill", "extend": "prefill", "decode": "decode"}
 MEM_HISTORY_MAX_ENTRIES = 100_000
+# A session's torch.profiler is stopped and restarted every this many forward steps: stopping
+# costs the loop thread time in proportion to what was recorded (torch post-processes the
+# events there, about twice the recorded steps' own time), so a segment bounds that pause.
+# The segments' traces are written as they end and joined into the session's one file.
+SEGMENT_STEPS = 32
 
 
 def _release_memory() -> None:
@@ -64,6 +72,39 @@ def _release_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+def _part_path(final: str, index: int) -> str:
+    """A hidden plain-JSON file for segment ``index`` of the trace ``final``."""
+    head, name = os.path.split(final)
+    return os.path.join(head, f".{name.removesuffix('.gz')}.part{index}")
+
+
+def _join_traces(parts: list[str], out: str) -> None:
+    """Join Chrome traces of consecutive segments into one gzipped trace, written
+    atomically: events moved onto the first segment's time base."""
+    merged: dict[str, Any] | None = None
+    base = 0
+    for part in parts:
+        with open(part) as f:
+            data = json.load(f)
+        part_base = int(data.get("baseTimeNanoseconds", 0))
+        if merged is None:
+            merged, base = data, part_base
+            continue
+        shift_us = (part_base - base) / 1000.0
+        events = merged.setdefault("traceEvents", [])
+        for ev in data.get("traceEvents", []):
+            if ev.get("ph") == "M":  # process/thread names: the first segment has them
+                continue
+            if shift_us and isinstance(ev.get("ts"), (int, float)):
+                ev["ts"] = ev["ts"] + shift_us
+            events.append(ev)
+        del data
+    tmp = out + ".tmp"
+    with gzip.open(tmp, "wt") as f:
+        json.dump(merged, f)
+    os.replace(tmp, out)
 
 
 def is_inside(path: str, root: str) -> bool:
@@ -80,12 +121,14 @@ def file_base(profile_id: str, prefix: str, rank: int, dp_size: int) -> str:
 
 @dataclass
 class _Session:
-    """One running torch.profiler session (one trace file)."""
+    """One running torch.profiler session (one trace file, recorded in segments)."""
 
     stage: str | None  # None: the whole profile; else "prefill" | "decode"
-    prof: Any  # torch.profiler.profile or None (MEM only)
+    prof: Any  # torch.profiler.profile of the current segment, or None (MEM only)
     mem_history: bool
-    steps: int = 0
+    steps: int = 0  # counted steps (num_steps)
+    segment_steps: int = 0  # steps recorded by the current segment
+    parts: list[str] = field(default_factory=list)  # earlier segments' trace files
 
 
 @dataclass
@@ -135,10 +178,13 @@ class Profiler:
     profile by itself, with a message that is logged and returned by the next StopProfile.
     """
 
-    def __init__(self, rank: int, device: str, max_steps: int = 0) -> None:
+    def __init__(
+        self, rank: int, device: str, max_steps: int = 0, segment_steps: int = SEGMENT_STEPS
+    ) -> None:
         self.rank = rank
         self.device = device
         self.max_steps = max_steps
+        self.segment_steps = segment_steps
         self.state = "idle"  # idle | armed | running
         self.forward_ct = 0
         self.start_at = 0
@@ -253,10 +299,10 @@ class Profiler:
                 self._finish_session()  # the other stage's session ends here
             if self.state == "running" and self.session is None:
                 self.session = self._open(stage)
-        if self.session is not None and (
-            self.session.stage is None or self.session.stage == stage
-        ):
-            self.session.steps += 1
+        if self.session is not None:
+            self.session.segment_steps += 1
+            if self.session.stage is None or self.session.stage == stage:
+                self.session.steps += 1
 
     def after_step(self, stage: str) -> Future | None:
         """End a session that reached num_steps, or the profile at the max_steps cap.
@@ -277,6 +323,9 @@ class Profiler:
             self.auto_stopped = (run, why)
             return self._exporter.submit(lambda: self._result(run, why)[2]["files"])
         if session is None or not config.num_steps or session.steps < config.num_steps:
+            if (session is not None and session.prof is not None
+                    and session.segment_steps >= self.segment_steps):
+                self._next_segment(session)
             return None
         self._finish_session()
         if self.state == "idle":
@@ -365,18 +414,56 @@ class Profiler:
     def _open(self, stage: str | None) -> _Session:
         assert self.config is not None
         c = self.config
-        prof = None
-        if c.torch_activities:
-            prof = torch.profiler.profile(
-                activities=c.torch_activities,
-                with_stack=c.with_stack,
-                record_shapes=c.record_shapes,
-                profile_memory=c.profile_memory,
-            )
-            prof.start()
+        prof = self._start_torch_profiler() if c.torch_activities else None
         if c.mem_history:
             torch.cuda.memory._record_memory_history(max_entries=MEM_HISTORY_MAX_ENTRIES)
         return _Session(stage, prof, c.mem_history)
+
+    def _start_torch_profiler(self) -> Any:
+        assert self.config is not None
+        c = self.config
+        prof = torch.profiler.profile(
+            activities=c.torch_activities,
+            with_stack=c.with_stack,
+            record_shapes=c.record_shapes,
+            profile_memory=c.profile_memory,
+        )
+        prof.start()
+        return prof
+
+    def _trace_path(self, stage: str | None) -> str:
+        assert self.config is not None
+        suffix = f"-{STAGE_NAMES[stage]}" if stage else ""
+        return os.path.join(self.config.output_dir, f"{self.config.base}{suffix}.trace.json.gz")
+
+    def _next_segment(self, session: _Session) -> None:
+        """End the session's current segment (its export queued) and record a new one."""
+        assert self.run is not None
+        final = self._trace_path(session.stage)
+        part = _part_path(final, len(session.parts))
+        try:
+            session.prof.stop()
+            self._exporter.submit(self._export_part, self.run, session.prof, part)
+            session.parts.append(part)
+            session.prof = self._start_torch_profiler()
+        except Exception as exc:  # noqa: BLE001 - a failed restart must not kill the rank
+            logger.exception("profile %s: starting a new segment failed", self.profile_id)
+            with self._lock:
+                self.run.errors.append(f"profiling failed: {type(exc).__name__}: {exc}")
+            session.prof = None
+        session.segment_steps = 0
+
+    def _export_part(self, run: _Run, prof: Any, part: str) -> None:
+        """(Export thread) write one finished segment's trace (plain JSON)."""
+        try:
+            prof.export_chrome_trace(part)
+        except Exception as exc:  # noqa: BLE001
+            logger.exception("profile %s: export failed", run.config.profile_id)
+            with self._lock:
+                run.errors.append(f"export failed: {type(exc).__name__}: {exc}")
+        finally:
+            del prof
+            _release_memory()
 
     def _finish_session(self) -> None:
         """Stop the running session (on this thread, as torch requires) and queue the export
@@ -401,23 +488,31 @@ class Profiler:
         logger.info("profile %s%s: %d step(s) stopped in %.2fs; exporting in the background",
                     c.profile_id, suffix, session.steps, time.perf_counter() - t0)
         prof, session.prof = session.prof, None
-        self._exporter.submit(self._export, run, prof, suffix, snapshot)
+        self._exporter.submit(self._export, run, prof, self._trace_path(session.stage),
+                              list(session.parts), snapshot)
         if session.stage is not None:
             self.stages_done.add(session.stage)
         if session.stage is None or self.stages_done >= set(c.stages):
             self._end()
 
-    def _export(self, run: _Run, prof: Any, suffix: str, snapshot: str | None) -> None:
-        """(Export thread) write a stopped session's trace and account its files."""
+    def _export(
+        self, run: _Run, prof: Any, path: str, parts: list[str], snapshot: str | None
+    ) -> None:
+        """(Export thread) write a stopped session's trace, joining its earlier segments,
+        and account its files."""
         c = run.config
         t0 = time.perf_counter()
         try:
-            if prof is not None:
-                with self._lock:
-                    if run.errors:  # the profile already stopped on an error: skip
-                        return
-                path = os.path.join(c.output_dir, f"{c.base}{suffix}.trace.json.gz")
-                prof.export_chrome_trace(path)
+            with self._lock:
+                failed = bool(run.errors)
+            if prof is not None and not failed:
+                if parts:
+                    last = _part_path(path, len(parts))
+                    prof.export_chrome_trace(last)
+                    del prof
+                    _join_traces([*parts, last], path)
+                else:
+                    prof.export_chrome_trace(path)
                 self._account(run, path)
             if snapshot is not None:
                 self._account(run, snapshot)
@@ -426,9 +521,11 @@ class Profiler:
             with self._lock:
                 run.errors.append(f"export failed: {type(exc).__name__}: {exc}")
         finally:
-            del prof
+            for part in [*parts, _part_path(path, len(parts))]:
+                with contextlib.suppress(OSError):
+                    os.remove(part)
             _release_memory()
-        logger.info("profile %s%s: exported in %.2fs", c.profile_id, suffix,
+        logger.info("profile %s: %s written in %.2fs", c.profile_id, os.path.basename(path),
                     time.perf_counter() - t0)
 
     def _account(self, run: _Run, path: str) -> None:

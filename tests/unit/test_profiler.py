@@ -208,6 +208,23 @@ def test_max_steps_cap_stops_the_profile_and_the_next_stop_says_so(tmp_path: Pat
     assert prof.stop()[1] == NOT_RUNNING  # said once
 
 
+@pytest.mark.parametrize("by_stage", [False, True])
+def test_segments_are_joined_into_one_trace(tmp_path: Path, by_stage: bool) -> None:
+    """The torch session restarts every segment_steps steps (bounding the pause a stop
+    costs the loop); the file still holds every step, and no part file stays behind."""
+    prof = Profiler(0, "cpu", segment_steps=2)
+    assert prof.start(req(tmp_path, profile_by_stage=by_stage, profile_stages=["prefill"]
+                          if by_stage else []))[0]
+    for _ in range(5):
+        assert step(prof) is None
+    ok, text, data = prof.stop()
+    assert ok, text
+    name = "p1-TP-0-EXTEND.trace.json.gz" if by_stage else "p1-TP-0.trace.json.gz"
+    assert data["files"] == [str(tmp_path / name)]
+    assert labels(data["files"][0]) == [f"forward_extend_bs{i}" for i in range(1, 6)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name]
+
+
 def test_export_runs_in_the_background_while_steps_go_on(tmp_path: Path) -> None:
     """StopProfile's answer waits for the files; the loop does not."""
     prof = Profiler(0, "cpu")
