@@ -176,7 +176,7 @@ class RankLoop:
             num_evictable_tokens=s.cache.evictable_size,
             cache_hit_rate=s.cache_hit_rate,
             gen_throughput=s.gen_throughput(),
-            profiler_state=self.profiler.state,
+            profiler_state=self.profiler.reported_state,
             last_step_time_s=self.last_step_time,
             forward_steps=self.forward_steps,
             device=str(self.runner.device),
@@ -192,7 +192,7 @@ class RankLoop:
 
     def publish_state(self, force: bool = False) -> None:
         s = self.scheduler
-        key = (len(s.running), len(s.waiting), s.num_used_tokens, self.profiler.state,
+        key = (len(s.running), len(s.waiting), s.num_used_tokens, self.profiler.reported_state,
                self.pending_flush is not None)
         now = time.monotonic()
         if force or (key != self.last_state_key and now - self.last_state_sent

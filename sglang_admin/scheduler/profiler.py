@@ -194,6 +194,7 @@ class Profiler:
         self.run: _Run | None = None
         self.auto_stopped: tuple[_Run, str] | None = None  # for the next StopProfile
         self._lock = threading.Lock()
+        self._pending_jobs = 0  # export-thread jobs queued or running
         self._exporter = ThreadPoolExecutor(1, thread_name_prefix=f"profile-export-{rank}")
 
     @property
@@ -208,6 +209,28 @@ class Profiler:
     @property
     def profile_id(self) -> str:
         return self.config.profile_id if self.config else ""
+
+    @property
+    def reported_state(self) -> str:
+        """The state a rank reports: ``exporting`` while traces are still being written
+        after the profile ended (its files are not all on disk yet)."""
+        if self.state == "idle" and self._pending_jobs:
+            return "exporting"
+        return self.state
+
+    def _submit(self, fn: Any, *args: Any) -> Future:
+        """Run fn(*args) on the export thread, counted in ``reported_state``."""
+        with self._lock:
+            self._pending_jobs += 1
+
+        def job() -> Any:
+            try:
+                return fn(*args)
+            finally:
+                with self._lock:
+                    self._pending_jobs -= 1
+
+        return self._exporter.submit(job)
 
     @property
     def files(self) -> list[str]:
@@ -254,7 +277,7 @@ class Profiler:
             if self.auto_stopped is not None:  # stopped by itself: say why, once
                 run, why = self.auto_stopped
                 self.auto_stopped = None
-                return self._exporter.submit(self._result, run, why)
+                return self._submit(self._result, run, why)
             return _done((False, NOT_RUNNING, {"files": [], "profile_id": ""}))
         run = self.run
         if self.state == "armed":
@@ -267,7 +290,7 @@ class Profiler:
         if self.session is not None:
             self._finish_session()
         self._end()
-        return self._exporter.submit(self._result, run, "Profiling stopped")
+        return self._submit(self._result, run, "Profiling stopped")
 
     def _result(self, run: _Run, what: str) -> tuple[bool, str, dict[str, Any]]:
         """(Export thread, after the run's exports) the answer to a StopProfile."""
@@ -321,7 +344,7 @@ class Profiler:
                 self._finish_session()
             self._end()
             self.auto_stopped = (run, why)
-            return self._exporter.submit(lambda: self._result(run, why)[2]["files"])
+            return self._submit(lambda: self._result(run, why)[2]["files"])
         if session is None or not config.num_steps or session.steps < config.num_steps:
             if (session is not None and session.prof is not None
                     and session.segment_steps >= self.segment_steps):
@@ -329,7 +352,7 @@ class Profiler:
             return None
         self._finish_session()
         if self.state == "idle":
-            return self._exporter.submit(self._files_when_done, run)
+            return self._submit(self._files_when_done, run)
         return None
 
     def _files_when_done(self, run: _Run) -> list[str]:
@@ -443,7 +466,7 @@ class Profiler:
         part = _part_path(final, len(session.parts))
         try:
             session.prof.stop()
-            self._exporter.submit(self._export_part, self.run, session.prof, part)
+            self._submit(self._export_part, self.run, session.prof, part)
             session.parts.append(part)
             session.prof = self._start_torch_profiler()
         except Exception as exc:  # noqa: BLE001 - a failed restart must not kill the rank
@@ -488,7 +511,7 @@ class Profiler:
         logger.info("profile %s%s: %d step(s) stopped in %.2fs; exporting in the background",
                     c.profile_id, suffix, session.steps, time.perf_counter() - t0)
         prof, session.prof = session.prof, None
-        self._exporter.submit(self._export, run, prof, self._trace_path(session.stage),
+        self._submit(self._export, run, prof, self._trace_path(session.stage),
                               list(session.parts), snapshot)
         if session.stage is not None:
             self.stages_done.add(session.stage)

@@ -234,6 +234,7 @@ def test_export_runs_in_the_background_while_steps_go_on(tmp_path: Path) -> None
     prof._exporter.submit(gate.wait)  # hold the export thread
     pending = prof.request_stop()
     assert not pending.done() and prof.state == "idle"
+    assert prof.reported_state == "exporting"  # the rank tells its files are not all written
     for _ in range(3):  # the rank keeps stepping meanwhile
         assert step(prof) is None
     assert prof.start(req(tmp_path / "next"))[0]  # and may even start the next profile
@@ -243,6 +244,7 @@ def test_export_runs_in_the_background_while_steps_go_on(tmp_path: Path) -> None
     assert data["files"] == [str(tmp_path / "p1-TP-0.trace.json.gz")]
     assert labels(data["files"][0]) == ["forward_extend_bs1"]
     assert prof.stop()[0]
+    assert prof.reported_state == "idle"
 
 
 # ---------------------------------------------------------------- server helpers
