@@ -222,7 +222,6 @@ def sample(
     # A row is possible when some token is left (its best value is above -inf).
     row_max = proc.amax(dim=-1, keepdim=True)
     possible = row_max.squeeze(1) > float("-inf")
-    possible_list = possible.tolist()
 
     tokens = torch.empty(n, dtype=torch.long, device=device)
     greedy_rows = [i for i in range(n) if greedy[i]]
@@ -241,9 +240,9 @@ def sample(
         # Impossible rows (max -inf) are shifted by 0 and replaced below.
         shift = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
         scaled = _sanitize((proc.index_select(0, index) - shift.index_select(0, index)) / temps)
-        dead = ~possible.index_select(0, index)
-        if not all(possible_list[i] for i in sample_rows):
-            scaled = scaled.masked_fill(dead.unsqueeze(1), 0.0)
+        # rows with no token left: uniform, so that multinomial has a valid distribution
+        # (their placeholder token is replaced below); no host sync needed to know which
+        scaled = scaled.masked_fill(~possible.index_select(0, index).unsqueeze(1), 0.0)
         params = [reqs[i].params for i in sample_rows]
         if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
             top_k = torch.tensor(
@@ -259,13 +258,14 @@ def sample(
             chosen = torch.multinomial(scaled.softmax(dim=-1), 1, generator=generator).squeeze(1)
         tokens.index_copy_(0, index, chosen)
 
+    token_list = tokens.tolist()
+    possible_list = possible.tolist()  # the device is done by now: no extra stall
     errors: list[str | None] = [None] * n
     if not all(possible_list):
         for i in range(n):
             if not possible_list[i]:
                 errors[i] = _no_token_error(reqs[i])
-                tokens[i] = 0
-    token_list = tokens.tolist()
+                token_list[i] = 0
     logprobs: list[float | None] = [None] * n
     tops: list[list[tuple[int, float]] | None] = [None] * n
     lp_rows = [i for i in range(n) if want_logprob[i] and errors[i] is None]

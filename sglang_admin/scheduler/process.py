@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 
 STATE_PUBLISH_INTERVAL_S = 0.05
 IDLE_POLL_MS = 500
+FLUSH_DEADLINE_GRACE_S = 0.5
 
 
 def _die_with_parent() -> None:
@@ -409,10 +410,12 @@ class RankLoop:
             return
         self.pending_flush = msg
         # Wait no longer than the caller does: its deadline (absolute, time.time()) ends
-        # the flush too, so an abandoned flush does not hold admission for timeout_s.
+        # the flush too, so an abandoned flush does not hold admission for timeout_s. The
+        # server cancels it at that deadline (CancelAdminReq); the grace only covers a
+        # cancel that never came, and lets the server's own answer go first.
         wait = msg.timeout_s
         if msg.deadline is not None:
-            wait = min(wait, msg.deadline - time.time())
+            wait = min(wait, msg.deadline - time.time() + FLUSH_DEADLINE_GRACE_S)
         self.flush_deadline = time.monotonic() + wait
         self.scheduler.admission_paused = True
         self.publish_state(force=True)

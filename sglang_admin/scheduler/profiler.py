@@ -80,6 +80,12 @@ def _part_path(final: str, index: int) -> str:
     return os.path.join(head, f".{name.removesuffix('.gz')}.part{index}")
 
 
+def _remove_files(paths: list[str]) -> None:
+    for path in paths:
+        with contextlib.suppress(OSError):
+            os.remove(path)
+
+
 def _join_traces(parts: list[str], out: str) -> None:
     """Join Chrome traces of consecutive segments into one gzipped trace, written
     atomically: events moved onto the first segment's time base."""
@@ -544,9 +550,7 @@ class Profiler:
             with self._lock:
                 run.errors.append(f"export failed: {type(exc).__name__}: {exc}")
         finally:
-            for part in [*parts, _part_path(path, len(parts))]:
-                with contextlib.suppress(OSError):
-                    os.remove(part)
+            _remove_files([*parts, _part_path(path, len(parts))])
             _release_memory()
         logger.info("profile %s: %s written in %.2fs", c.profile_id, os.path.basename(path),
                     time.perf_counter() - t0)
@@ -575,6 +579,8 @@ class Profiler:
                 session.prof.stop()
             if session.mem_history:
                 torch.cuda.memory._record_memory_history(enabled=None)
+            if session.parts:  # segments written so far: removed once written
+                self._submit(_remove_files, list(session.parts))
         if self.state != "idle":
             logger.info("profile %s ended after %d step(s)", self.profile_id,
                         self.run.steps if self.run else 0)
