@@ -8,7 +8,6 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
-
 # Forward steps after which a running profile stops by itself: a forgotten profile's
 # events grow the rank's memory and the time its export takes without bound.
 DEFAULT_PROFILE_MAX_STEPS = 5000

@@ -297,11 +297,10 @@ class Scheduler:
             req = span.req
             try:
                 req.kv_len = span.end
-                if errors is not None and errors[i] is not None:
-                    if not req.aborted:
-                        message, code = errors[i]
-                        self.fail(req, message, code)
-                        continue
+                error = errors[i] if errors is not None else None
+                if error is not None and not req.aborted:
+                    self.fail(req, *error)
+                    continue
                 if span.end - span.start > 1 and not req.aborted:
                     self._cache_unfinished(req)
                 token = tokens[i]

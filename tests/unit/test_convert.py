@@ -15,9 +15,9 @@ from sglang_admin.config import ServerArgs
 from sglang_admin.pb import common_pb2 as pb
 from sglang_admin.server.convert import (
     DEFAULT_MAX_NEW_TOKENS,
+    MAX_FLUSH_TIMEOUT_S,
     MAX_REQUEST_ID_CHARS,
     Limits,
-    MAX_FLUSH_TIMEOUT_S,
     ServiceError,
     flush_timeout_from_proto,
     generate_from_proto,
