@@ -88,28 +88,32 @@ def _remove_files(paths: list[str]) -> None:
 
 def _join_traces(parts: list[str], out: str) -> None:
     """Join Chrome traces of consecutive segments into one gzipped trace, written
-    atomically: events moved onto the first segment's time base."""
-    merged: dict[str, Any] | None = None
-    base = 0
-    for part in parts:
-        with open(part) as f:
-            data = json.load(f)
-        part_base = int(data.get("baseTimeNanoseconds", 0))
-        if merged is None:
-            merged, base = data, part_base
-            continue
-        shift_us = (part_base - base) / 1000.0
-        events = merged.setdefault("traceEvents", [])
-        for ev in data.get("traceEvents", []):
-            if ev.get("ph") == "M":  # process/thread names: the first segment has them
-                continue
-            if shift_us and isinstance(ev.get("ts"), (int, float)):
-                ev["ts"] = ev["ts"] + shift_us
-            events.append(ev)
-        del data
+    atomically, one segment in memory at a time: events moved onto the first segment's
+    time base; the first segment's other fields (metadata, device properties) kept."""
     tmp = out + ".tmp"
+    header: dict[str, Any] = {}
+    base = 0
+    first_event = True
     with gzip.open(tmp, "wt") as f:
-        json.dump(merged, f)
+        f.write('{"traceEvents": [')
+        for index, part in enumerate(parts):
+            with open(part) as src:
+                data = json.load(src)
+            part_base = int(data.get("baseTimeNanoseconds", 0))
+            if index == 0:
+                header = {k: v for k, v in data.items() if k != "traceEvents"}
+                base = part_base
+            shift_us = (part_base - base) / 1000.0
+            for ev in data.get("traceEvents", []):
+                if index and ev.get("ph") == "M":  # process/thread names: from the first
+                    continue
+                if shift_us and isinstance(ev.get("ts"), (int, float)):
+                    ev["ts"] = ev["ts"] + shift_us
+                f.write(("" if first_event else ",") + json.dumps(ev))
+                first_event = False
+            del data
+        rest = json.dumps(header)[1:]  # '"key": value, ...}' or '}'
+        f.write("]" + (", " + rest if rest != "}" else "}"))
     os.replace(tmp, out)
 
 
