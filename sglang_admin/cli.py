@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from sglang_admin.config import ServerArgs, default_profile_dir
+from sglang_admin.config import DEFAULT_PROFILE_MAX_STEPS, ServerArgs, default_profile_dir
 from sglang_admin.logging_utils import setup_logging
 
 
@@ -46,6 +46,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help=f"root for profiler output (default: {default_profile_dir()})")
     p.add_argument("--profile-max-bytes", type=_positive_int, default=1 << 30,
                    help="trace bytes per profile after which it stops")
+    p.add_argument("--profile-max-steps", type=_positive_int, default=DEFAULT_PROFILE_MAX_STEPS,
+                   help="forward steps after which a running profile stops by itself "
+                        "(its traces are kept; the next StopProfile says so)")
     p.add_argument("--otlp-traces-endpoint", help="export OpenTelemetry spans over OTLP")
     p.add_argument("--grace-period", type=float, default=10.0, dest="grace_period_s",
                    help="seconds in-flight calls get at shutdown")

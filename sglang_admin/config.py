@@ -8,6 +8,10 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
+# Forward steps after which a running profile stops by itself: a forgotten profile's
+# events grow the rank's memory and the time its export takes without bound.
+DEFAULT_PROFILE_MAX_STEPS = 5000
+
 
 def default_profile_dir() -> str:
     """Env SGLANG_TORCH_PROFILER_DIR, else a fixed directory under the system temp dir."""
@@ -42,6 +46,7 @@ class ServerArgs:
     tls_client_ca: str | None = None
     profile_dir: str = field(default_factory=default_profile_dir)
     profile_max_bytes: int = 1 << 30
+    profile_max_steps: int = DEFAULT_PROFILE_MAX_STEPS
     otlp_traces_endpoint: str | None = None
     grace_period_s: float = 10.0
     coalesce_reads: bool = True

@@ -16,6 +16,10 @@ import msgpack
 
 TraceCarrier = dict[str, str]
 
+# A temperature below this samples greedily (SGLang's epsilon): dividing logits by a smaller
+# one overflows float32 and makes no practical difference to the choice.
+GREEDY_TEMPERATURE_EPS = 1e-6
+
 
 # ---------------------------------------------------------------- server -> scheduler
 
@@ -24,7 +28,7 @@ TraceCarrier = dict[str, str]
 class SamplingParams:
     """Normalized sampling parameters (proto zeros already mapped to SGLang defaults)."""
 
-    temperature: float = 0.0  # 0 is greedy
+    temperature: float = 0.0  # 0 (anything below GREEDY_TEMPERATURE_EPS) is greedy
     top_p: float = 1.0
     top_k: int = -1  # -1: no limit
     min_p: float = 0.0
@@ -39,7 +43,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature <= 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE_EPS or self.top_k == 1
 
 
 @dataclass(slots=True)
@@ -107,6 +111,14 @@ class StateReq:
     rid: str
     deadline: float | None = None
     trace: TraceCarrier = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class CancelAdminReq:
+    """The admin call ``rid`` ended on the server (deadline, cancel, timeout) before this
+    rank answered: drop what is still pending for it (a FlushCache waiting for idle)."""
+
+    rid: str
 
 
 @dataclass(slots=True)
@@ -229,6 +241,7 @@ _REGISTRY: tuple[type, ...] = (
     AdminReply,
     StateUpdate,
     KvEvents,
+    CancelAdminReq,
 )
 _CODES: dict[type, int] = {cls: code for code, cls in enumerate(_REGISTRY)}
 _FIELDS: tuple[tuple[str, ...], ...] = tuple(

@@ -26,7 +26,7 @@ from sglang_admin.model.loader import (
     load_model,
     load_model_info,
 )
-from sglang_admin.model.sampling import SampleRequest, sample
+from sglang_admin.model.sampling import SampleRequest, SampleResult, sample
 
 logger = logging.getLogger(__name__)
 
@@ -53,11 +53,26 @@ class SeqInput:
 
 @dataclass
 class SeqOutput:
-    """The token sampled for one sequence, with its logprobs when asked for."""
+    """The token sampled for one sequence, with its logprobs when asked for.
+
+    ``error`` set: this sequence failed on its own (its sampling parameters left no token:
+    ``error_code`` INVALID_ARGUMENT; sampling raised: INTERNAL); ``token_id`` is then
+    meaningless and the request must end with that error.
+    """
 
     token_id: int
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
+    error: str | None = None
+    error_code: str | None = None
+
+
+class InvalidSequence(ValueError):
+    """A sequence of a batch is invalid; ``index`` says which (nothing was run)."""
+
+    def __init__(self, index: int, message: str) -> None:
+        super().__init__(message)
+        self.index = index
 
 
 def resolve_device(device: str) -> torch.device:
@@ -223,9 +238,20 @@ class ModelRunner:
     # ------------------------------------------------------------ one step
 
     def forward_step(self, seqs: list[SeqInput]) -> list[SeqOutput | None]:
-        """One forward pass over the batch, then sampling; None where ``sample`` is False."""
+        """One forward pass over the batch, then sampling; None where ``sample`` is False.
+
+        Raises :class:`InvalidSequence` (before any device work) when a sequence is
+        invalid; a sequence whose sampling raised or left no token gets a
+        :class:`SeqOutput` with ``error`` and the others are unaffected. An exception of the
+        forward pass itself propagates: it may have poisoned the device.
+        """
         if not seqs:
             return []
+        for i, s in enumerate(seqs):
+            try:
+                self._validate(s)
+            except ValueError as exc:
+                raise InvalidSequence(i, str(exc)) from None
         is_decode = all(len(s.token_ids) == 1 and s.prefix_len > 0 for s in seqs)
         label = f"forward_{'decode' if is_decode else 'extend'}_bs{len(seqs)}"
         with torch.inference_mode(), torch.profiler.record_function(label):
@@ -249,8 +275,6 @@ class ModelRunner:
 
     def _forward_step(self, seqs: list[SeqInput]) -> list[SeqOutput | None]:
         ctx = self.context_length
-        for s in seqs:
-            self._validate(s)
         decode = [s for s in seqs if len(s.token_ids) == 1]
         extend = [s for s in seqs if len(s.token_ids) != 1]
         ordered = decode + extend
@@ -352,13 +376,39 @@ class ModelRunner:
                           s.top_logprobs_num)
             for s in sampled
         ]
-        result = sample(logits, reqs, self.info.eos_token_ids, self.generator)
         by_seq: dict[int, SeqOutput] = {}
-        for i, s in enumerate(sampled):
-            by_seq[id(s)] = SeqOutput(result.token_ids[i], result.logprobs[i],
-                                      result.top_logprobs[i])
+        for s, out in zip(sampled, self._sample(logits, reqs)):
+            by_seq[id(s)] = out
         return [by_seq.get(id(s)) for s in seqs]
 
+    def _sample(self, logits: torch.Tensor, reqs: list[SampleRequest]) -> list[SeqOutput]:
+        """Sample the whole batch at once; when that raises, row by row, so that only the
+        rows that raise on their own fail (with the reason)."""
+        eos = self.info.eos_token_ids
+        try:
+            result = sample(logits, reqs, eos, self.generator)
+        except Exception as exc:  # noqa: BLE001 - isolate the request(s) that caused it
+            logger.warning("batch sampling failed (%s: %s); sampling row by row",
+                           type(exc).__name__, exc)
+            outputs: list[SeqOutput] = []
+            for i, r in enumerate(reqs):
+                try:
+                    one = sample(logits[i : i + 1], [r], eos, self.generator)
+                except Exception as row_exc:  # noqa: BLE001
+                    outputs.append(SeqOutput(
+                        0, error=f"sampling failed: {type(row_exc).__name__}: {row_exc}",
+                        error_code="INTERNAL",
+                    ))
+                    continue
+                outputs.append(_seq_output(one, 0))
+            return outputs
+        return [_seq_output(result, i) for i in range(len(reqs))]
+
+
+def _seq_output(result: SampleResult, i: int) -> SeqOutput:
+    error = result.errors[i]
+    return SeqOutput(result.token_ids[i], result.logprobs[i], result.top_logprobs[i], error,
+                     "INVALID_ARGUMENT" if error is not None else None)
 
 def _return_memory(device: torch.device) -> None:
     """Hand freed memory back: CUDA's cached blocks, or glibc's arenas on CPU."""

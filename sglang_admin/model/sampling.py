@@ -8,9 +8,11 @@ Order of processing for each row (only rows that need a step pay for it):
    ``logit -= frequency * count + presence * (count > 0)``);
 3. ``logit_bias`` added;
 4. while fewer than ``min_new_tokens`` tokens were generated, EOS and stop tokens are masked;
-5. greedy rows (temperature 0 or top_k 1) take the argmax; the others divide by the
-   temperature, keep the top_k, then the top_p nucleus, then drop tokens under
-   ``min_p * max_prob``, and draw from what is left.
+5. values that overflowed are sanitized (NaN -> -inf, +inf -> the largest float);
+6. greedy rows (temperature below ``GREEDY_TEMPERATURE_EPS`` or top_k 1) take the argmax;
+   the others shift their best logit to 0, divide by the temperature, keep the top_k, then
+   the top_p nucleus, then drop tokens under ``min_p * max_prob``, and draw from what is
+   left. A row with no token left (every logit -inf) is reported in ``errors``.
 
 Logprobs: for greedy rows, the log-softmax of the raw model logits (equal to what
 transformers reports); for sampled rows, the log-softmax of the processed logits divided by
@@ -19,11 +21,13 @@ the temperature (before top-k/top-p/min-p truncation), as SGLang does.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from sglang_admin.messages import SamplingParams
+
+_FLOAT_MAX = torch.finfo(torch.float32).max
 
 
 @dataclass
@@ -39,11 +43,16 @@ class SampleRequest:
 
 @dataclass
 class SampleResult:
-    """The chosen tokens and, where asked for, their logprobs (one entry per row)."""
+    """The chosen tokens and, where asked for, their logprobs (one entry per row).
+
+    ``errors[i]`` is set when row i's constraints left no token at all: its token is a
+    placeholder and the request must end with that error.
+    """
 
     token_ids: list[int]
     logprobs: list[float | None]
     top_logprobs: list[list[tuple[int, float]] | None]
+    errors: list[str | None] = field(default_factory=list)
 
 
 def _needs_repetition(p: SamplingParams) -> bool:
@@ -162,13 +171,38 @@ def _filter_sorted(
     return sorted_logits.masked_fill(drop, float("-inf"))
 
 
+def _sanitize(logits: torch.Tensor) -> torch.Tensor:
+    """NaN -> -inf (never chosen), +inf -> the largest finite value, in place; returns it.
+
+    Penalties, biases and temperature scaling of finite inputs can overflow float32 (a
+    repetition penalty of 1e-40 divides a positive logit into +inf; inf - inf is NaN);
+    afterwards every row holds finite values or -inf (masked) only.
+    """
+    return torch.nan_to_num_(logits, nan=float("-inf"), posinf=_FLOAT_MAX, neginf=float("-inf"))
+
+
+def _no_token_error(req: SampleRequest) -> str:
+    p = req.params
+    return (
+        f"sampling_params leave no token to choose at output position {len(req.output_ids)}: "
+        f"every token is masked (stop_token_ids and EOS are banned while fewer than "
+        f"min_new_tokens = {p.min_new_tokens} tokens were generated; logit_bias and "
+        "penalties may have removed the rest)"
+    )
+
+
 def sample(
     logits: torch.Tensor,
     reqs: list[SampleRequest],
     eos_token_ids: list[int],
     generator: torch.Generator | None = None,
 ) -> SampleResult:
-    """Pick one token per row of logits [N, V] (any float dtype) following each row's params."""
+    """Pick one token per row of logits [N, V] (any float dtype) following each row's params.
+
+    Never produces an invalid distribution from finite parameters: overflowing values are
+    sanitized (see :func:`_sanitize`). A row whose constraints leave no token at all gets
+    token 0 and an entry in ``SampleResult.errors``; the other rows are unaffected.
+    """
     n, vocab = logits.shape
     if len(reqs) != n:
         raise ValueError(f"{len(reqs)} sampling requests for {n} rows of logits")
@@ -179,11 +213,15 @@ def sample(
     greedy = [r.params.is_greedy for r in reqs]
 
     if all(greedy) and not any_processing and not any(want_logprob):
-        return SampleResult(raw.argmax(dim=-1).tolist(), [None] * n, [None] * n)
+        return SampleResult(raw.argmax(dim=-1).tolist(), [None] * n, [None] * n, [None] * n)
 
     proc = raw.clone() if any_processing else raw
     if any_processing:
         apply_penalties(proc, reqs, eos_token_ids)
+        _sanitize(proc)
+    # A row is possible when some token is left (its best value is above -inf).
+    row_max = proc.amax(dim=-1, keepdim=True)
+    possible = row_max.squeeze(1) > float("-inf")
 
     tokens = torch.empty(n, dtype=torch.long, device=device)
     greedy_rows = [i for i in range(n) if greedy[i]]
@@ -197,7 +235,14 @@ def sample(
         temps = torch.tensor(
             [reqs[i].params.temperature for i in sample_rows], dtype=torch.float32, device=device
         ).unsqueeze(1)
-        scaled = proc.index_select(0, index) / temps
+        # Shift each row so its best token is 0 before dividing by the temperature: the
+        # best stays 0 (finite) whatever the temperature, so softmax always has mass.
+        # Impossible rows (max -inf) are shifted by 0 and replaced below.
+        shift = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+        scaled = _sanitize((proc.index_select(0, index) - shift.index_select(0, index)) / temps)
+        # rows with no token left: uniform, so that multinomial has a valid distribution
+        # (their placeholder token is replaced below); no host sync needed to know which
+        scaled = scaled.masked_fill(~possible.index_select(0, index).unsqueeze(1), 0.0)
         params = [reqs[i].params for i in sample_rows]
         if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
             top_k = torch.tensor(
@@ -214,9 +259,16 @@ def sample(
         tokens.index_copy_(0, index, chosen)
 
     token_list = tokens.tolist()
+    possible_list = possible.tolist()  # the device is done by now: no extra stall
+    errors: list[str | None] = [None] * n
+    if not all(possible_list):
+        for i in range(n):
+            if not possible_list[i]:
+                errors[i] = _no_token_error(reqs[i])
+                token_list[i] = 0
     logprobs: list[float | None] = [None] * n
     tops: list[list[tuple[int, float]] | None] = [None] * n
-    lp_rows = [i for i in range(n) if want_logprob[i]]
+    lp_rows = [i for i in range(n) if want_logprob[i] and errors[i] is None]
     if lp_rows:
         sample_pos = {row: j for j, row in enumerate(sample_rows)}
         parts = []
@@ -240,4 +292,4 @@ def sample(
             k = reqs[i].top_logprobs_num
             if k > 0:
                 tops[i] = list(zip(top_ids[j][:k], top_vals[j][:k]))
-    return SampleResult(token_list, logprobs, tops)
+    return SampleResult(token_list, logprobs, tops, errors)

@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import time
+from concurrent.futures import Future
 from typing import Any
 
 import zmq
@@ -22,6 +23,7 @@ from sglang_admin.messages import (
     AbortReq,
     AdminReply,
     BatchOutput,
+    CancelAdminReq,
     FailedMsg,
     FlushCacheReq,
     GenerateReq,
@@ -44,6 +46,7 @@ logger = logging.getLogger(__name__)
 
 STATE_PUBLISH_INTERVAL_S = 0.05
 IDLE_POLL_MS = 500
+FLUSH_DEADLINE_GRACE_S = 0.5
 
 
 def _die_with_parent() -> None:
@@ -136,7 +139,9 @@ class RankLoop:
             ),
             on_kv_event=self.kv_events.append,
         )
-        self.profiler = Profiler(rank, str(self.runner.device))
+        self.profiler = Profiler(rank, str(self.runner.device), args.profile_max_steps)
+        # StopProfile calls whose traces the export thread is still writing
+        self.pending_stops: list[tuple[StopProfileReq, Future]] = []
         self.forward_steps = 0
         self.last_step_time = 0.0
         self.last_state_sent = 0.0
@@ -172,7 +177,7 @@ class RankLoop:
             num_evictable_tokens=s.cache.evictable_size,
             cache_hit_rate=s.cache_hit_rate,
             gen_throughput=s.gen_throughput(),
-            profiler_state=self.profiler.state,
+            profiler_state=self.profiler.reported_state,
             last_step_time_s=self.last_step_time,
             forward_steps=self.forward_steps,
             device=str(self.runner.device),
@@ -188,7 +193,7 @@ class RankLoop:
 
     def publish_state(self, force: bool = False) -> None:
         s = self.scheduler
-        key = (len(s.running), len(s.waiting), s.num_used_tokens, self.profiler.state,
+        key = (len(s.running), len(s.waiting), s.num_used_tokens, self.profiler.reported_state,
                self.pending_flush is not None)
         now = time.monotonic()
         if force or (key != self.last_state_key and now - self.last_state_sent
@@ -215,6 +220,7 @@ class RankLoop:
             if not self.running:
                 break
             self.check_flush()
+            self.check_profile_stops()
             batch = self.scheduler.schedule()
             if batch is not None:
                 self.step(batch)
@@ -228,8 +234,8 @@ class RankLoop:
 
     def drain_inbox(self, block: bool) -> None:
         timeout = IDLE_POLL_MS if block else 0
-        if block and self.pending_flush is not None:
-            timeout = 10
+        if block and (self.pending_flush is not None or self.pending_stops):
+            timeout = 10  # come back soon to answer what is pending
         while True:
             if timeout and not self.inbox.poll(timeout):
                 self.publish_state()
@@ -251,10 +257,16 @@ class RankLoop:
         """Idle, and the messages handled left nothing for the loop to send or run."""
         s = self.scheduler
         return (self.running and s.is_idle and self.pending_flush is None
-                and not self.kv_events and not s.pending_outputs)
+                and not self.pending_stops and not self.kv_events and not s.pending_outputs)
 
     def step(self, batch: Batch) -> None:
-        from sglang_admin.model.runner import SeqInput
+        """Run one forward step of the batch and send what it produced.
+
+        A request that fails on its own (its sequence is invalid, its sampling raised or
+        left no token, its post-processing raised) ends with its reason and frees its KV;
+        the others go on. An exception of the forward pass itself ends the rank.
+        """
+        from sglang_admin.model.runner import InvalidSequence, SeqInput
 
         seqs = [
             SeqInput(
@@ -275,19 +287,37 @@ class RankLoop:
         stage = "decode" if batch.is_decode else "prefill"
         self.profiler.before_step(stage)
         t0 = time.perf_counter()
-        results = self.runner.forward_step(seqs)
+        while True:
+            try:
+                results = self.runner.forward_step(seqs)
+                break
+            except InvalidSequence as exc:  # checked before any device work: drop, rerun
+                span = batch.spans.pop(exc.index)
+                seqs.pop(exc.index)
+                logger.error("rank %d: request %s has an invalid sequence: %s",
+                             self.rank, span.req.rid, exc)
+                self.scheduler.fail(span.req, f"invalid sequence: {exc}", "INTERNAL")
         self.last_step_time = time.perf_counter() - t0
         self.forward_steps += 1
         tokens = [r.token_id if r is not None else None for r in results]
         logprobs = [r.logprob if r is not None else None for r in results]
         tops = [r.top_logprobs if r is not None else None for r in results]
-        outputs = self.scheduler.postprocess(batch, tokens, logprobs, tops)
+        errors = None
+        if any(r is not None and r.error is not None for r in results):
+            errors = [
+                (r.error, r.error_code or "INTERNAL")
+                if r is not None and r.error is not None else None
+                for r in results
+            ]
+        outputs = self.scheduler.postprocess(batch, tokens, logprobs, tops, errors)
         self.flush_kv_events()  # the router's index learns the blocks before the answer
         self.send_outputs(outputs)
         # After the outputs went out: an auto-stop's trace export does not delay them.
         finished_profile = self.profiler.after_step(stage)
         if finished_profile is not None:
-            logger.info("profile finished by itself: %s", finished_profile)
+            finished_profile.add_done_callback(
+                lambda fut: logger.info("profile finished by itself: %s", fut.result())
+            )
 
     def send_outputs(self, outputs: list[ReqOutput]) -> None:
         """One message for every request update of a step; log finishes when asked."""
@@ -334,8 +364,12 @@ class RankLoop:
             ok, text = self.profiler.start(msg)
             self.reply(msg.rid, ok, text, {}, msg.trace, "start_profile")
         elif isinstance(msg, StopProfileReq):
-            ok, text, data = self.profiler.stop()
-            self.reply(msg.rid, ok, text, data, msg.trace, "stop_profile")
+            # the traces are written by the profiler's export thread; the loop keeps
+            # serving and answers once they are on disk (check_profile_stops)
+            self.pending_stops.append((msg, self.profiler.request_stop()))
+            self.check_profile_stops()
+        elif isinstance(msg, CancelAdminReq):
+            self.on_cancel_admin(msg.rid)
         elif isinstance(msg, ShutdownReq):
             self.running = False
         else:
@@ -375,9 +409,43 @@ class RankLoop:
             )
             return
         self.pending_flush = msg
-        self.flush_deadline = time.monotonic() + msg.timeout_s
+        # Wait no longer than the caller does: its deadline (absolute, time.time()) ends
+        # the flush too, so an abandoned flush does not hold admission for timeout_s. The
+        # server cancels it at that deadline (CancelAdminReq); the grace only covers a
+        # cancel that never came, and lets the server's own answer go first.
+        wait = msg.timeout_s
+        if msg.deadline is not None:
+            wait = min(wait, msg.deadline - time.time() + FLUSH_DEADLINE_GRACE_S)
+        self.flush_deadline = time.monotonic() + wait
         self.scheduler.admission_paused = True
         self.publish_state(force=True)
+
+    def on_cancel_admin(self, rid: str) -> None:
+        """The server ended admin call ``rid`` without this rank's answer: a flush still
+        pending for it is dropped and admission resumes (nobody waits for its answer)."""
+        msg = self.pending_flush
+        if msg is None or msg.rid != rid:
+            return
+        logger.info("rank %d: flush %s abandoned by its caller; admission resumes", self.rank, rid)
+        self.pending_flush = None
+        self.scheduler.admission_paused = False
+        self.publish_state(force=True)
+
+    def check_profile_stops(self) -> None:
+        """Answer the StopProfile calls whose files are written."""
+        if not self.pending_stops:
+            return
+        still: list[tuple[StopProfileReq, Future]] = []
+        for msg, fut in self.pending_stops:
+            if not fut.done():
+                still.append((msg, fut))
+                continue
+            try:
+                ok, text, data = fut.result()
+            except Exception as exc:  # noqa: BLE001 - the export thread's failure, reported
+                ok, text, data = False, f"export failed: {type(exc).__name__}: {exc}", {}
+            self.reply(msg.rid, ok, text, data, msg.trace, "stop_profile")
+        self.pending_stops = still
 
     def check_flush(self) -> None:
         msg = self.pending_flush

@@ -21,15 +21,26 @@ StopProfile arrives or when it stops by itself after ``num_steps`` forward steps
 - Size cap (``max_bytes``, this rank's share of the profile's cap): checked after each file
   is written. A file that takes the rank's total over the cap is deleted, the profile stops
   there, and the reason is returned by StopProfile (or logged when it stopped by itself).
+- Step cap (``max_steps``, the server's ``--profile-max-steps``): a running profile that
+  has recorded that many forward steps stops by itself; the reason is logged and returned
+  by the next StopProfile, with the files.
+- Export off the loop: a session is stopped on the loop's thread (torch requires it), and
+  its trace is written by the profiler's export thread; StopProfile's answer is a Future
+  that resolves once the files are on disk, so the rank keeps serving meanwhile.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
+import gzip
+import json
 import logging
 import os
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +56,11 @@ DEFAULT_ACTIVITIES = ("CPU", "GPU")
 STAGE_NAMES = {"prefill": "EXTEND", "decode": "DECODE"}
 STAGE_ALIASES = {"prefill": "prefill", "extend": "prefill", "decode": "decode"}
 MEM_HISTORY_MAX_ENTRIES = 100_000
+# A session's torch.profiler is stopped and restarted every this many forward steps: stopping
+# costs the loop thread time in proportion to what was recorded (torch post-processes the
+# events there, about twice the recorded steps' own time), so a segment bounds that pause.
+# The segments' traces are written as they end and joined into the session's one file.
+SEGMENT_STEPS = 32
 
 
 def _release_memory() -> None:
@@ -56,6 +72,49 @@ def _release_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+def _part_path(final: str, index: int) -> str:
+    """A hidden plain-JSON file for segment ``index`` of the trace ``final``."""
+    head, name = os.path.split(final)
+    return os.path.join(head, f".{name.removesuffix('.gz')}.part{index}")
+
+
+def _remove_files(paths: list[str]) -> None:
+    for path in paths:
+        with contextlib.suppress(OSError):
+            os.remove(path)
+
+
+def _join_traces(parts: list[str], out: str) -> None:
+    """Join Chrome traces of consecutive segments into one gzipped trace, written
+    atomically, one segment in memory at a time: events moved onto the first segment's
+    time base; the first segment's other fields (metadata, device properties) kept."""
+    tmp = out + ".tmp"
+    header: dict[str, Any] = {}
+    base = 0
+    first_event = True
+    with gzip.open(tmp, "wt") as f:
+        f.write('{"traceEvents": [')
+        for index, part in enumerate(parts):
+            with open(part) as src:
+                data = json.load(src)
+            part_base = int(data.get("baseTimeNanoseconds", 0))
+            if index == 0:
+                header = {k: v for k, v in data.items() if k != "traceEvents"}
+                base = part_base
+            shift_us = (part_base - base) / 1000.0
+            for ev in data.get("traceEvents", []):
+                if index and ev.get("ph") == "M":  # process/thread names: from the first
+                    continue
+                if shift_us and isinstance(ev.get("ts"), (int, float)):
+                    ev["ts"] = ev["ts"] + shift_us
+                f.write(("" if first_event else ",") + json.dumps(ev))
+                first_event = False
+            del data
+        rest = json.dumps(header)[1:]  # '"key": value, ...}' or '}'
+        f.write("]" + (", " + rest if rest != "}" else "}"))
+    os.replace(tmp, out)
 
 
 def is_inside(path: str, root: str) -> bool:
@@ -72,12 +131,14 @@ def file_base(profile_id: str, prefix: str, rank: int, dp_size: int) -> str:
 
 @dataclass
 class _Session:
-    """One running torch.profiler session (one trace file)."""
+    """One running torch.profiler session (one trace file, recorded in segments)."""
 
     stage: str | None  # None: the whole profile; else "prefill" | "decode"
-    prof: Any  # torch.profiler.profile or None (MEM only)
+    prof: Any  # torch.profiler.profile of the current segment, or None (MEM only)
     mem_history: bool
-    steps: int = 0
+    steps: int = 0  # counted steps (num_steps)
+    segment_steps: int = 0  # steps recorded by the current segment
+    parts: list[str] = field(default_factory=list)  # earlier segments' trace files
 
 
 @dataclass
@@ -99,21 +160,52 @@ class _Config:
     notes: list[str] = field(default_factory=list)
 
 
-class Profiler:
-    """The profiler of one rank: start/stop requests and the per-step hooks."""
+@dataclass
+class _Run:
+    """What one profile produced; written by the export thread (under the profiler's lock)."""
 
-    def __init__(self, rank: int, device: str) -> None:
+    config: _Config
+    files: list[str] = field(default_factory=list)
+    bytes_written: int = 0
+    errors: list[str] = field(default_factory=list)
+    steps: int = 0  # forward steps recorded while running (the --profile-max-steps cap)
+
+
+def _done(value: Any) -> Future:
+    fut: Future = Future()
+    fut.set_result(value)
+    return fut
+
+
+class Profiler:
+    """The profiler of one rank: start/stop requests and the per-step hooks.
+
+    Traces are exported by a background thread of the rank, so the rank keeps serving
+    while a large trace is written: :meth:`request_stop` and :meth:`after_step` stop the
+    torch.profiler session on the loop's thread (torch requires it) and return a
+    :class:`~concurrent.futures.Future` that resolves once the files are on disk.
+    ``max_steps`` (0: none) caps a running profile's forward steps: reaching it stops the
+    profile by itself, with a message that is logged and returned by the next StopProfile.
+    """
+
+    def __init__(
+        self, rank: int, device: str, max_steps: int = 0, segment_steps: int = SEGMENT_STEPS
+    ) -> None:
         self.rank = rank
         self.device = device
+        self.max_steps = max_steps
+        self.segment_steps = segment_steps
         self.state = "idle"  # idle | armed | running
         self.forward_ct = 0
         self.start_at = 0
         self.config: _Config | None = None
         self.session: _Session | None = None
         self.stages_done: set[str] = set()
-        self.files: list[str] = []
-        self.bytes_written = 0
-        self.errors: list[str] = []
+        self.run: _Run | None = None
+        self.auto_stopped: tuple[_Run, str] | None = None  # for the next StopProfile
+        self._lock = threading.Lock()
+        self._pending_jobs = 0  # export-thread jobs queued or running
+        self._exporter = ThreadPoolExecutor(1, thread_name_prefix=f"profile-export-{rank}")
 
     @property
     def has_cuda(self) -> bool:
@@ -128,6 +220,33 @@ class Profiler:
     def profile_id(self) -> str:
         return self.config.profile_id if self.config else ""
 
+    @property
+    def reported_state(self) -> str:
+        """The state a rank reports: ``exporting`` while traces are still being written
+        after the profile ended (its files are not all on disk yet)."""
+        if self.state == "idle" and self._pending_jobs:
+            return "exporting"
+        return self.state
+
+    def _submit(self, fn: Any, *args: Any) -> Future:
+        """Run fn(*args) on the export thread, counted in ``reported_state``."""
+        with self._lock:
+            self._pending_jobs += 1
+
+        def job() -> Any:
+            try:
+                return fn(*args)
+            finally:
+                with self._lock:
+                    self._pending_jobs -= 1
+
+        return self._exporter.submit(job)
+
+    @property
+    def files(self) -> list[str]:
+        """Files of the current (or last) profile written so far."""
+        return list(self.run.files) if self.run else []
+
     # ------------------------------------------------------------------ requests
 
     def start(self, req: Any) -> tuple[bool, str]:
@@ -141,9 +260,8 @@ class Profiler:
         self.config = config
         self.session = None
         self.stages_done = set()
-        self.files = []
-        self.bytes_written = 0
-        self.errors = []
+        self.run = _Run(config)
+        self.auto_stopped = None
         notes = "; ".join(config.notes)
         suffix = f" ({notes})" if notes else ""
         start_step = req.start_step or 0
@@ -159,24 +277,39 @@ class Profiler:
         return True, f"Profiling started{suffix}"
 
     def stop(self) -> tuple[bool, str, dict[str, Any]]:
-        """Stop the profile, writing its files; (success, message, {files, profile_id})."""
-        if self.state == "idle" or self.config is None:
-            return False, NOT_RUNNING, {"files": [], "profile_id": ""}
-        config = self.config
+        """Stop the profile and wait for its files; (success, message, {files, profile_id})."""
+        return self.request_stop().result()
+
+    def request_stop(self) -> Future:
+        """Stop the profile now; the Future resolves to (success, message, {files,
+        profile_id}) once its files are written (by the export thread)."""
+        if self.state == "idle" or self.config is None or self.run is None:
+            if self.auto_stopped is not None:  # stopped by itself: say why, once
+                run, why = self.auto_stopped
+                self.auto_stopped = None
+                return self._submit(self._result, run, why)
+            return _done((False, NOT_RUNNING, {"files": [], "profile_id": ""}))
+        run = self.run
         if self.state == "armed":
             text = (
                 f"Profiling stopped before it started (armed for forward step "
                 f"{self.start_at}, rank at step {self.forward_ct}): no trace written"
             )
-        else:
-            if self.session is not None:
-                self._finish_session()
-            text = f"Profiling stopped: {len(self.files)} file(s) written to {config.output_dir}"
+            self._end()
+            return _done((True, text, {"files": [], "profile_id": run.config.profile_id}))
+        if self.session is not None:
+            self._finish_session()
         self._end()
-        data = {"files": list(self.files), "profile_id": config.profile_id}
-        if self.errors:
-            return False, "; ".join(self.errors), data
-        return True, text, data
+        return self._submit(self._result, run, "Profiling stopped")
+
+    def _result(self, run: _Run, what: str) -> tuple[bool, str, dict[str, Any]]:
+        """(Export thread, after the run's exports) the answer to a StopProfile."""
+        with self._lock:
+            files, errors = list(run.files), list(run.errors)
+        data = {"files": files, "profile_id": run.config.profile_id}
+        if errors:
+            return False, "; ".join(errors), data
+        return True, f"{what}: {len(files)} file(s) written to {run.config.output_dir}", data
 
     # ------------------------------------------------------------------ step hooks
 
@@ -185,31 +318,58 @@ class Profiler:
         self.forward_ct += 1
         if self.state == "armed" and self.forward_ct >= self.start_at:
             self._begin()
-        if self.state != "running" or self.config is None:
+        if self.state != "running" or self.config is None or self.run is None:
             return
+        with self._lock:
+            failed = bool(self.run.errors)
+        if failed:  # an export hit the size cap (or failed): the profile stops here
+            logger.warning("profile %s: %s", self.profile_id, "; ".join(self.run.errors))
+            self._end()
+            return
+        self.run.steps += 1
         if self.config.by_stage and stage in self.config.stages and stage not in self.stages_done:
             if self.session is not None and self.session.stage != stage:
                 self._finish_session()  # the other stage's session ends here
             if self.state == "running" and self.session is None:
                 self.session = self._open(stage)
-        if self.session is not None and (
-            self.session.stage is None or self.session.stage == stage
-        ):
-            self.session.steps += 1
+        if self.session is not None:
+            self.session.segment_steps += 1
+            if self.session.stage is None or self.session.stage == stage:
+                self.session.steps += 1
 
-    def after_step(self, stage: str) -> list[str] | None:
-        """End a session that reached num_steps; the profile's files when it has ended."""
-        session, config = self.session, self.config
-        if self.state != "running" or session is None or config is None:
+    def after_step(self, stage: str) -> Future | None:
+        """End a session that reached num_steps, or the profile at the max_steps cap.
+
+        Returns a Future of the profile's files when the profile ended by itself here."""
+        session, config, run = self.session, self.config, self.run
+        if self.state != "running" or config is None or run is None:
             return None
-        if not config.num_steps or session.steps < config.num_steps:
+        if self.max_steps and run.steps >= self.max_steps:
+            why = (
+                f"Profiling stopped by itself: it reached the cap of {self.max_steps} forward "
+                "steps (--profile-max-steps)"
+            )
+            logger.warning("profile %s: %s", config.profile_id, why)
+            if session is not None:
+                self._finish_session()
+            self._end()
+            self.auto_stopped = (run, why)
+            return self._submit(lambda: self._result(run, why)[2]["files"])
+        if session is None or not config.num_steps or session.steps < config.num_steps:
+            if (session is not None and session.prof is not None
+                    and session.segment_steps >= self.segment_steps):
+                self._next_segment(session)
             return None
         self._finish_session()
         if self.state == "idle":
-            if self.errors:
-                logger.warning("profile %s: %s", config.profile_id, "; ".join(self.errors))
-            return list(self.files)
+            return self._submit(self._files_when_done, run)
         return None
+
+    def _files_when_done(self, run: _Run) -> list[str]:
+        with self._lock:
+            if run.errors:
+                logger.warning("profile %s: %s", run.config.profile_id, "; ".join(run.errors))
+            return list(run.files)
 
     # ------------------------------------------------------------------ internals
 
@@ -287,66 +447,133 @@ class Profiler:
     def _open(self, stage: str | None) -> _Session:
         assert self.config is not None
         c = self.config
-        prof = None
-        if c.torch_activities:
-            prof = torch.profiler.profile(
-                activities=c.torch_activities,
-                with_stack=c.with_stack,
-                record_shapes=c.record_shapes,
-                profile_memory=c.profile_memory,
-            )
-            prof.start()
+        prof = self._start_torch_profiler() if c.torch_activities else None
         if c.mem_history:
             torch.cuda.memory._record_memory_history(max_entries=MEM_HISTORY_MAX_ENTRIES)
         return _Session(stage, prof, c.mem_history)
 
+    def _start_torch_profiler(self) -> Any:
+        assert self.config is not None
+        c = self.config
+        prof = torch.profiler.profile(
+            activities=c.torch_activities,
+            with_stack=c.with_stack,
+            record_shapes=c.record_shapes,
+            profile_memory=c.profile_memory,
+        )
+        prof.start()
+        return prof
+
+    def _trace_path(self, stage: str | None) -> str:
+        assert self.config is not None
+        suffix = f"-{STAGE_NAMES[stage]}" if stage else ""
+        return os.path.join(self.config.output_dir, f"{self.config.base}{suffix}.trace.json.gz")
+
+    def _next_segment(self, session: _Session) -> None:
+        """End the session's current segment (its export queued) and record a new one."""
+        assert self.run is not None
+        final = self._trace_path(session.stage)
+        part = _part_path(final, len(session.parts))
+        try:
+            session.prof.stop()
+            self._submit(self._export_part, self.run, session.prof, part)
+            session.parts.append(part)
+            session.prof = self._start_torch_profiler()
+        except Exception as exc:  # noqa: BLE001 - a failed restart must not kill the rank
+            logger.exception("profile %s: starting a new segment failed", self.profile_id)
+            with self._lock:
+                self.run.errors.append(f"profiling failed: {type(exc).__name__}: {exc}")
+            session.prof = None
+        session.segment_steps = 0
+
+    def _export_part(self, run: _Run, prof: Any, part: str) -> None:
+        """(Export thread) write one finished segment's trace (plain JSON)."""
+        try:
+            prof.export_chrome_trace(part)
+        except Exception as exc:  # noqa: BLE001
+            logger.exception("profile %s: export failed", run.config.profile_id)
+            with self._lock:
+                run.errors.append(f"export failed: {type(exc).__name__}: {exc}")
+        finally:
+            del prof
+            _release_memory()
+
     def _finish_session(self) -> None:
-        """Stop the running session and write its files; ends the profile when done."""
-        assert self.config is not None and self.session is not None
-        c, session = self.config, self.session
+        """Stop the running session (on this thread, as torch requires) and queue the export
+        of its files; ends the profile when it was the last session."""
+        assert self.config is not None and self.session is not None and self.run is not None
+        c, session, run = self.config, self.session, self.run
         self.session = None
         suffix = f"-{STAGE_NAMES[session.stage]}" if session.stage else ""
         t0 = time.perf_counter()
+        snapshot: str | None = None
         try:
             if session.prof is not None:
                 session.prof.stop()
-                path = os.path.join(c.output_dir, f"{c.base}{suffix}.trace.json.gz")
-                session.prof.export_chrome_trace(path)
-                self._account(path)
-            if session.mem_history:
-                path = os.path.join(c.output_dir, f"{c.base}-memory{suffix}.pickle")
-                torch.cuda.memory._dump_snapshot(path)
+            if session.mem_history:  # the allocator's history as of now, so not deferred
+                snapshot = os.path.join(c.output_dir, f"{c.base}-memory{suffix}.pickle")
+                torch.cuda.memory._dump_snapshot(snapshot)
                 torch.cuda.memory._record_memory_history(enabled=None)
-                self._account(path)
-        except Exception as exc:  # a failed export must not kill the rank
-            logger.exception("profile %s: export failed", c.profile_id)
-            self.errors.append(f"export failed: {type(exc).__name__}: {exc}")
-        session.prof = None
-        _release_memory()
-        logger.info(
-            "profile %s%s: %d step(s) exported in %.2fs",
-            c.profile_id, suffix, session.steps, time.perf_counter() - t0,
-        )
+        except Exception as exc:  # a failed stop must not kill the rank
+            logger.exception("profile %s: stopping the session failed", c.profile_id)
+            with self._lock:
+                run.errors.append(f"export failed: {type(exc).__name__}: {exc}")
+        logger.info("profile %s%s: %d step(s) stopped in %.2fs; exporting in the background",
+                    c.profile_id, suffix, session.steps, time.perf_counter() - t0)
+        prof, session.prof = session.prof, None
+        self._submit(self._export, run, prof, self._trace_path(session.stage),
+                              list(session.parts), snapshot)
         if session.stage is not None:
             self.stages_done.add(session.stage)
-        if self.errors or session.stage is None or self.stages_done >= set(c.stages):
+        if session.stage is None or self.stages_done >= set(c.stages):
             self._end()
 
-    def _account(self, path: str) -> None:
+    def _export(
+        self, run: _Run, prof: Any, path: str, parts: list[str], snapshot: str | None
+    ) -> None:
+        """(Export thread) write a stopped session's trace, joining its earlier segments,
+        and account its files."""
+        c = run.config
+        t0 = time.perf_counter()
+        try:
+            with self._lock:
+                failed = bool(run.errors)
+            if prof is not None and not failed:
+                if parts:
+                    last = _part_path(path, len(parts))
+                    prof.export_chrome_trace(last)
+                    del prof
+                    _join_traces([*parts, last], path)
+                else:
+                    prof.export_chrome_trace(path)
+                self._account(run, path)
+            if snapshot is not None:
+                self._account(run, snapshot)
+        except Exception as exc:  # a failed export must not kill the rank
+            logger.exception("profile %s: export failed", c.profile_id)
+            with self._lock:
+                run.errors.append(f"export failed: {type(exc).__name__}: {exc}")
+        finally:
+            _remove_files([*parts, _part_path(path, len(parts))])
+            _release_memory()
+        logger.info("profile %s: %s written in %.2fs", c.profile_id, os.path.basename(path),
+                    time.perf_counter() - t0)
+
+    def _account(self, run: _Run, path: str) -> None:
         """Count a written file against the cap; over it: remove the file, record why."""
-        assert self.config is not None
         size = os.path.getsize(path)
-        cap = self.config.max_bytes
-        if cap and self.bytes_written + size > cap:
-            os.remove(path)
-            self.errors.append(
-                f"profile size cap reached: {os.path.basename(path)} ({size} bytes) would "
-                f"take this rank to {self.bytes_written + size} bytes, over its cap of {cap} "
-                "bytes; the file was removed and profiling stopped"
-            )
-            return
-        self.bytes_written += size
-        self.files.append(path)
+        cap = run.config.max_bytes
+        with self._lock:
+            if cap and run.bytes_written + size > cap:
+                os.remove(path)
+                run.errors.append(
+                    f"profile size cap reached: {os.path.basename(path)} ({size} bytes) would "
+                    f"take this rank to {run.bytes_written + size} bytes, over its cap of {cap} "
+                    "bytes; the file was removed and profiling stopped"
+                )
+                return
+            run.bytes_written += size
+            run.files.append(path)
 
     def _end(self) -> None:
         """Back to idle; a session still open (a cap stop) is closed without export."""
@@ -356,6 +583,9 @@ class Profiler:
                 session.prof.stop()
             if session.mem_history:
                 torch.cuda.memory._record_memory_history(enabled=None)
+            if session.parts:  # segments written so far: removed once written
+                self._submit(_remove_files, list(session.parts))
         if self.state != "idle":
-            logger.info("profile %s ended: %d file(s)", self.profile_id, len(self.files))
+            logger.info("profile %s ended after %d step(s)", self.profile_id,
+                        self.run.steps if self.run else 0)
         self.state = "idle"

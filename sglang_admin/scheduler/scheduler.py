@@ -324,25 +324,39 @@ class Scheduler:
         tokens: list[int | None],
         logprobs: list[float | None] | None = None,
         top_logprobs: list[list[tuple[int, float]] | None] | None = None,
+        errors: list[tuple[str, str] | None] | None = None,
     ) -> list[ReqOutput]:
-        """Take the sampled tokens of a step; finish requests; return the outputs to send."""
+        """Take the sampled tokens of a step; finish requests; return the outputs to send.
+
+        ``errors[i]``, (message, gRPC code name), fails span i's request alone; so does an
+        exception while post-processing one request (INTERNAL, with its reason).
+        """
         now = time.monotonic()
         new_tokens = 0
         for i, span in enumerate(batch.spans):
             req = span.req
-            req.kv_len = span.end
-            if span.end - span.start > 1 and not req.aborted:
-                self._cache_unfinished(req)
-            token = tokens[i]
-            if token is None or req.aborted:
-                continue
-            req.output_ids.append(token)
-            new_tokens += 1
-            if req.return_logprob and logprobs is not None:
-                req.logprobs.append(float(logprobs[i] or 0.0))
-                if req.top_logprobs_num and top_logprobs is not None:
-                    req.top_logprobs.append(list(top_logprobs[i] or []))
-            self._check_finished(req, token)
+            try:
+                req.kv_len = span.end
+                error = errors[i] if errors is not None else None
+                if error is not None and not req.aborted:
+                    self.fail(req, *error)
+                    continue
+                if span.end - span.start > 1 and not req.aborted:
+                    self._cache_unfinished(req)
+                token = tokens[i]
+                if token is None or req.aborted:
+                    continue
+                req.output_ids.append(token)
+                new_tokens += 1
+                if req.return_logprob and logprobs is not None:
+                    req.logprobs.append(float(logprobs[i] or 0.0))
+                    if req.top_logprobs_num and top_logprobs is not None:
+                        req.top_logprobs.append(list(top_logprobs[i] or []))
+                self._check_finished(req, token)
+            except Exception as exc:  # noqa: BLE001 - one request's fault ends that request
+                logger.exception("post-processing %s failed", req.rid)
+                self.fail(req, f"post-processing failed: {type(exc).__name__}: {exc}",
+                          "INTERNAL")
         if new_tokens:
             self.generated.append((now, new_tokens))
         outputs = self.pending_outputs
@@ -352,6 +366,24 @@ class Scheduler:
             if req.rid in self.by_rid and len(req.output_ids) > req.sent_tokens:
                 outputs.append(self._progress(req))
         return outputs
+
+    def fail(self, req: Req, message: str, code: str) -> None:
+        """End one request with an error (finish_reason abort) and free its KV.
+
+        Should releasing its memory itself fail, the request is still dropped and its
+        caller told (its slots may then stay allocated: logged)."""
+        if req.rid not in self.by_rid:
+            return
+        try:
+            self._finish(req, "abort", error=message, code=code)
+        except Exception:  # noqa: BLE001
+            logger.exception("releasing %s failed; dropping it (its KV may leak)", req.rid)
+            if req in self.running:
+                self.running.remove(req)
+            if req in self.waiting:
+                self.waiting.remove(req)
+            self.by_rid.pop(req.rid, None)
+            self.pending_outputs.append(_error(req.rid, code, message))
 
     def _check_finished(self, req: Req, token: int) -> None:
         sp = req.sampling

@@ -26,6 +26,7 @@ from sglang_admin.messages import (
     AbortReq,
     AdminReply,
     BatchOutput,
+    CancelAdminReq,
     FailedMsg,
     GenerateReq,
     KvEvents,
@@ -312,13 +313,16 @@ class Communicator:
 
         `rid` (from :meth:`new_admin_id`) lets the caller log the id before the call.
         Returns (replies by rank, failures by rank): a rank that died or did not answer in
-        time is a failure with its reason.
+        time is a failure with its reason. Every rank that was sent the request and has not
+        answered when the wait ends (timeout, or the calling task cancelled) is sent a
+        :class:`CancelAdminReq`, so that nothing stays pending there for a caller that left.
         """
         ranks = tuple(range(self.args.dp_size)) if ranks is None else ranks
         rid = rid or self.new_admin_id()
         call = _AdminCall(ranks)
         self.calls[rid] = call
         failures: dict[int, str] = {}
+        sent: list[int] = []
         try:
             data = encode(make(rid))
             for rank in ranks:
@@ -328,6 +332,7 @@ class Communicator:
                     failures[rank] = f"rank {rank} is unavailable ({self.down_reason})"
                 else:
                     await self.outboxes[rank].send(data)
+                    sent.append(rank)
             if len(failures) < len(ranks):
                 timer = asyncio.get_running_loop().call_later(timeout, call.finish)
                 try:
@@ -336,6 +341,9 @@ class Communicator:
                     timer.cancel()
         finally:
             self.calls.pop(rid, None)
+            for rank in sent:
+                if rank not in call.replies and rank not in self.dead_ranks:
+                    self._send_nowait(rank, CancelAdminReq(rid))
         for rank in ranks:
             if rank in call.replies or rank in failures:
                 continue

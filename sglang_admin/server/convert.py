@@ -17,6 +17,11 @@ from sglang_admin.pb import common_pb2 as pb
 DEFAULT_MAX_NEW_TOKENS = 128
 MAX_TOP_LOGPROBS = 20
 MAX_REQUEST_ID_CHARS = 512  # echoed in every response and log line
+MAX_ABS_LOGIT_BIAS = 100.0  # as OpenAI: a bias of +-100 already forces or bans a token
+MIN_REPETITION_PENALTY = 0.01  # below it a positive logit is multiplied past any useful range
+MAX_REPETITION_PENALTY = 2.0
+_F32_SLACK = 1 - 1e-6
+MAX_FLUSH_TIMEOUT_S = 3600.0  # FlushCache.timeout_s; a flush waits at most an hour for idle
 
 
 class ServiceError(Exception):
@@ -77,9 +82,11 @@ def sampling_from_proto(sp: pb.SamplingParams, limits: Limits, prompt_len: int) 
         if not -2.0 <= value <= 2.0:
             raise invalid(f"sampling_params.{name} must be in [-2, 2], got {value}")
     repetition_penalty = _finite("repetition_penalty", sp.repetition_penalty) or 1.0
-    if not 0.0 < repetition_penalty <= 2.0:
+    # proto floats are float32: 0.01 arrives as 0.0099999998, still the bound
+    if not MIN_REPETITION_PENALTY * _F32_SLACK <= repetition_penalty <= MAX_REPETITION_PENALTY:
         raise invalid(
-            f"sampling_params.repetition_penalty must be in (0, 2], got {repetition_penalty}"
+            f"sampling_params.repetition_penalty must be in [{MIN_REPETITION_PENALTY}, "
+            f"{MAX_REPETITION_PENALTY:g}] (0 or unset: 1), got {repetition_penalty}"
         )
     room = limits.context_length - prompt_len
     if sp.HasField("max_new_tokens"):
@@ -126,6 +133,11 @@ def sampling_from_proto(sp: pb.SamplingParams, limits: Limits, prompt_len: int) 
             raise invalid(
                 f"sampling_params.logit_bias[{key}] must be a finite number, got {bias}"
             )
+        if abs(bias) > MAX_ABS_LOGIT_BIAS:
+            raise invalid(
+                f"sampling_params.logit_bias[{key}] must be in [-{MAX_ABS_LOGIT_BIAS:g}, "
+                f"{MAX_ABS_LOGIT_BIAS:g}], got {bias}"
+            )
         logit_bias[tid] = bias
     return SamplingParams(
         temperature=temperature,
@@ -141,6 +153,16 @@ def sampling_from_proto(sp: pb.SamplingParams, limits: Limits, prompt_len: int) 
         ignore_eos=sp.ignore_eos,
         logit_bias=logit_bias,
     )
+
+
+def flush_timeout_from_proto(timeout_s: float) -> float:
+    """FlushCacheRequest.timeout_s checked: finite and at most MAX_FLUSH_TIMEOUT_S (<= 0:
+    fail at once when the ranks are busy)."""
+    if not math.isfinite(timeout_s):
+        raise invalid(f"timeout_s must be a finite number, got {timeout_s}")
+    if timeout_s > MAX_FLUSH_TIMEOUT_S:
+        raise invalid(f"timeout_s must be at most {MAX_FLUSH_TIMEOUT_S:g} seconds, got {timeout_s}")
+    return timeout_s
 
 
 def generate_from_proto(request: pb.GenerateRequest, rid: str, limits: Limits) -> GenerateReq:

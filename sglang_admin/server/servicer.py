@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -24,6 +23,7 @@ from sglang_admin.server.convert import (
     ServiceError,
     chunk_to_proto,
     complete_to_proto,
+    flush_timeout_from_proto,
     generate_from_proto,
     invalid,
 )
@@ -340,9 +340,7 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
         self, request: pb.FlushCacheRequest, context: grpc.aio.ServicerContext
     ) -> pb.FlushCacheResponse:
         self._require_ready()
-        timeout_s = float(request.timeout_s)
-        if not math.isfinite(timeout_s):
-            raise invalid(f"timeout_s must be a finite number, got {timeout_s}")
+        timeout_s = flush_timeout_from_proto(float(request.timeout_s))
         carrier = carrier_from_metadata(context.invocation_metadata())
         wait = effective_timeout(context, max(timeout_s, 0.0) + FLUSH_MARGIN_S)
         with server_span("FlushCache", carrier, timeout_s=timeout_s) as forward:

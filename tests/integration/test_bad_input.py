@@ -128,6 +128,8 @@ CASES = [
      "dp_rank = 2 is out of range"),
     ("flush-timeout-nan", call("FlushCache", pb.FlushCacheRequest(timeout_s=NAN)), INVALID,
      "timeout_s must be a finite number"),
+    ("flush-timeout-huge", call("FlushCache", pb.FlushCacheRequest(timeout_s=3e38)), INVALID,
+     "timeout_s must be at most 3600 seconds"),
     ("abort-empty-request-id", call("Abort", pb.AbortRequest()), INVALID,
      "request_id must not be empty"),
 ]

@@ -15,9 +15,11 @@ from sglang_admin.config import ServerArgs
 from sglang_admin.pb import common_pb2 as pb
 from sglang_admin.server.convert import (
     DEFAULT_MAX_NEW_TOKENS,
+    MAX_FLUSH_TIMEOUT_S,
     MAX_REQUEST_ID_CHARS,
     Limits,
     ServiceError,
+    flush_timeout_from_proto,
     generate_from_proto,
 )
 from sglang_admin.server.launch import max_message_bytes
@@ -91,6 +93,10 @@ BAD = [
     ("logit-bias-out-of-vocab", bias({"261": 1.0}), "sampling_params.logit_bias key 261"),
     ("logit-bias-nan", bias({"5": NAN}), "sampling_params.logit_bias[5]"),
     ("logit-bias-inf", bias({"5": -INF}), "sampling_params.logit_bias[5]"),
+    ("logit-bias-huge", bias({"5": 3e38}), "sampling_params.logit_bias[5] must be in [-100, 100]"),
+    ("logit-bias-below-bound", bias({"5": -100.5}), "logit_bias[5] must be in [-100, 100]"),
+    ("repetition-penalty-tiny", req([1], repetition_penalty=1e-40),
+     "sampling_params.repetition_penalty must be in [0.01, 2]"),
     ("stop-token-out-of-vocab", req([1], stop_token_ids=[300]), "sampling_params.stop_token_ids"),
     ("dp-rank-high", with_(req([1]), data_parallel_rank=2), "data_parallel_rank = 2"),
     ("dp-rank-negative", with_(req([1]), data_parallel_rank=-1), "data_parallel_rank = -1"),
@@ -158,3 +164,24 @@ def test_receive_limit_fits_a_full_context_prompt() -> None:
     # Without an override (the model's context is not known before the ranks load) the
     # limit still fits 131072 tokens of the largest ids.
     assert max_message_bytes(ServerArgs()) > 5 * 131072
+
+
+def test_sampling_bounds_are_inclusive() -> None:
+    out = generate_from_proto(
+        bias({"5": 100.0, "6": -100.0}, repetition_penalty=0.01), "rid", LIMITS
+    )
+    assert out.sampling.logit_bias == {5: 100.0, 6: -100.0}
+    assert out.sampling.repetition_penalty == pytest.approx(0.01)
+
+
+@pytest.mark.parametrize("value", [3e38, MAX_FLUSH_TIMEOUT_S + 1, INF, NAN])
+def test_flush_timeout_over_the_cap_is_refused(value: float) -> None:
+    with pytest.raises(ServiceError) as err:
+        flush_timeout_from_proto(value)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "timeout_s must be" in err.value.message
+
+
+def test_flush_timeout_within_the_cap_is_kept() -> None:
+    assert flush_timeout_from_proto(MAX_FLUSH_TIMEOUT_S) == MAX_FLUSH_TIMEOUT_S
+    assert flush_timeout_from_proto(0.0) == 0.0

@@ -25,7 +25,12 @@ from sglang_admin.model.loader import (  # noqa: E402
     iter_checkpoint,
     load_weights,
 )
-from sglang_admin.model.runner import ModelRunner, SeqInput, SeqOutput  # noqa: E402
+from sglang_admin.model.runner import (  # noqa: E402
+    InvalidSequence,
+    ModelRunner,
+    SeqInput,
+    SeqOutput,
+)
 
 MAX_NEW = 10
 SMALL = dict(
@@ -367,3 +372,44 @@ def test_load_weights_names_the_mismatch(model_dirs: dict[str, str]) -> None:
         load_weights(runner.model, [(name, torch.zeros(3, 3))])
     with pytest.raises(WeightMismatch, match="'model.layers.9.mlp.up_proj.weight' is not a"):
         load_weights(runner.model, [("model.layers.9.mlp.up_proj.weight", torch.zeros(1))])
+def test_one_rows_sampling_fault_fails_that_row_alone(model_dirs: dict[str, str]) -> None:
+    """A row whose sampling raises (here a logit_bias key that is no token id) or leaves no
+    token (stop_token_ids covering the vocabulary before min_new_tokens) gets an error; the
+    other rows of the same batch get the tokens they get alone."""
+    runner = _runner(model_dirs["llama"])
+    vocab = runner.info.vocab_size
+    prompts = _prompts(vocab)[:4]
+    params = [
+        SamplingParams(),
+        SamplingParams(logit_bias={"not-a-token": 1.0}),  # type: ignore[dict-item]
+        SamplingParams(),
+        SamplingParams(min_new_tokens=2, stop_token_ids=list(range(vocab))),
+    ]
+
+    def seq(row: int, prompt: list[int], p: SamplingParams, first_slot: int) -> SeqInput:
+        slots = list(range(first_slot, first_slot + len(prompt)))
+        return SeqInput(row, 0, prompt, 0, slots, p, prompt, [])
+
+    batch, slot = [], 1
+    for row, (prompt, p) in enumerate(zip(prompts, params)):
+        batch.append(seq(row, prompt, p, slot))
+        slot += len(prompt)
+    results = runner.forward_step(batch)
+    assert results[1] is not None and results[1].error_code == "INTERNAL"
+    assert "sampling failed: ValueError" in (results[1].error or "")
+    assert results[3] is not None and results[3].error_code == "INVALID_ARGUMENT"
+    assert "min_new_tokens = 2" in (results[3].error or "")
+    for row in (0, 2):
+        alone = _runner(model_dirs["llama"]).forward_step([seq(0, prompts[row], params[0], 1)])
+        assert results[row] is not None and results[row].error is None
+        assert results[row].token_id == alone[0].token_id
+
+
+def test_invalid_sequence_names_its_index(model_dirs: dict[str, str]) -> None:
+    runner = _runner(model_dirs["llama"], context_length=32)
+    params = SamplingParams()
+    good = SeqInput(0, 0, [3, 4], 0, [1, 2], params, [3, 4], [])
+    bad = SeqInput(9, 0, [3], 0, [3], params, [3], [])
+    with pytest.raises(InvalidSequence, match="req_idx") as err:
+        runner.forward_step([good, bad])
+    assert err.value.index == 1

@@ -142,3 +142,99 @@ def test_logprobs() -> None:
     assert result.logprobs[1] == pytest.approx(scaled[result.token_ids[1]].item(), abs=1e-6)
     assert result.top_logprobs[1] is None
     assert result.logprobs[2] is None and result.top_logprobs[2] is None
+
+
+# ---------------------------------------------------------------- extreme values (issue 17)
+
+FLOAT_MAX = torch.finfo(torch.float32).max
+
+
+def _valid(result_tokens: list[int]) -> bool:
+    return all(0 <= t < V for t in result_tokens)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        dict(temperature=1e-40),
+        dict(temperature=1e-38),
+        dict(temperature=1e-45, top_k=5),
+        dict(temperature=1e-7, top_p=0.5),
+        dict(temperature=3e38, top_k=5, min_p=1.0),
+        dict(temperature=1.0, logit_bias={3: 3e38}),
+        dict(temperature=0.5, logit_bias={t: -3e38 for t in range(V)}),
+        dict(logit_bias={t: -3e38 for t in range(V)}),
+        dict(temperature=1.0, repetition_penalty=1e-40),
+        dict(repetition_penalty=1e-40),
+        dict(temperature=1e-6, repetition_penalty=2.0, frequency_penalty=2.0,
+             presence_penalty=-2.0, logit_bias={1: 100.0, 2: -100.0}),
+    ],
+    ids=lambda p: ",".join(f"{k}={v if not isinstance(v, dict) else len(v)}"
+                           for k, v in p.items()),
+)
+def test_extreme_finite_values_give_valid_tokens(params: dict) -> None:
+    """Each of these once made torch.multinomial raise (or argmax pick garbage)."""
+    logits = logits_rows(4, seed=3)
+    gen = torch.Generator().manual_seed(0)
+    reqs = [req(prompt=[1, 2, 3], output=[4], **params), req(), req(temperature=0.8), req()]
+    result = sample(logits, reqs, EOS, gen)
+    assert _valid(result.token_ids)
+    assert result.errors == [None] * 4
+    assert [result.token_ids[1], result.token_ids[3]] == [int(logits[1].argmax()),
+                                                          int(logits[3].argmax())]
+
+
+def test_extreme_temperature_below_epsilon_is_greedy() -> None:
+    logits = logits_rows(3, seed=5)
+    reqs = [req(temperature=1e-40), req(temperature=1e-38), req(temperature=1e-45, top_k=5)]
+    result = sample(logits, reqs, EOS, torch.Generator().manual_seed(0))
+    assert result.token_ids == logits.argmax(-1).tolist()
+
+
+def test_overflowing_bias_on_one_token_picks_that_token() -> None:
+    logits = logits_rows(2, seed=6)
+    reqs = [req(temperature=1.0, logit_bias={9: 3e38}), req(logit_bias={9: 3e38})]
+    result = sample(logits, reqs, EOS, torch.Generator().manual_seed(0))
+    assert result.token_ids == [9, 9]
+
+
+def test_repetition_penalty_tiny_never_raises_and_logprobs_are_finite() -> None:
+    logits = logits_rows(2, seed=7)
+    reqs = [
+        SampleRequest(SamplingParams(temperature=1.0, repetition_penalty=1e-40), [1, 2], [3],
+                      return_logprob=True, top_logprobs_num=3),
+        SampleRequest(SamplingParams(repetition_penalty=1e-40), [1, 2], [3],
+                      return_logprob=True, top_logprobs_num=3),
+    ]
+    result = sample(logits, reqs, EOS, torch.Generator().manual_seed(0))
+    assert _valid(result.token_ids) and result.errors == [None, None]
+    assert all(lp is not None and lp == lp for lp in result.logprobs)  # not NaN
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_row_with_no_token_left_is_reported_and_others_proceed(temperature: float) -> None:
+    """stop_token_ids covering the vocabulary with min_new_tokens 2: greedy used to return
+    token 0 (garbage); now that row is marked and the rest of the batch is unaffected."""
+    logits = logits_rows(3, seed=8)
+    impossible = req(temperature=temperature, min_new_tokens=2, stop_token_ids=list(range(V)))
+    reqs = [req(), impossible, req(temperature=0.7, top_k=3)]
+    result = sample(logits, reqs, EOS, torch.Generator().manual_seed(0))
+    assert result.errors[0] is None and result.errors[2] is None
+    assert result.errors[1] is not None and "min_new_tokens = 2" in result.errors[1]
+    assert result.token_ids[0] == int(logits[0].argmax())
+    assert _valid(result.token_ids)
+    # once min_new_tokens is reached the mask lifts and the row samples normally again
+    done = req(temperature=temperature, min_new_tokens=2, stop_token_ids=list(range(V)))
+    done.output_ids = [1, 2]
+    assert sample(logits[:1], [done], EOS, torch.Generator().manual_seed(0)).errors == [None]
+
+
+def test_nan_and_inf_logits_are_sanitized() -> None:
+    logits = logits_rows(2, seed=9)
+    logits[0, 0] = float("nan")
+    logits[0, 5] = float("inf")
+    logits[1, :] = float("-inf")
+    reqs = [req(temperature=1.0, logit_bias={1: 0.0}), req(temperature=1.0, logit_bias={1: 0.0})]
+    result = sample(logits, reqs, EOS, torch.Generator().manual_seed(0))
+    assert result.token_ids[0] == 5 and result.errors[0] is None
+    assert result.errors[1] is not None

@@ -8,6 +8,7 @@ import gzip
 import hashlib
 import json
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,8 @@ def step(prof: Profiler, stage: str = "prefill") -> list[str] | None:
     kind = "decode" if stage == "decode" else "extend"
     with torch.profiler.record_function(f"forward_{kind}_bs{prof.forward_ct}"):
         X @ X
-    return prof.after_step(stage)
+    done = prof.after_step(stage)  # a Future of the files, written in the background
+    return done.result() if done is not None else None
 
 
 def labels(path: str) -> list[str]:
@@ -192,6 +194,59 @@ def test_mem_on_cpu_records_memory_events(tmp_path: Path) -> None:
     assert files and files[0].endswith(".trace.json.gz")
 
 
+def test_max_steps_cap_stops_the_profile_and_the_next_stop_says_so(tmp_path: Path) -> None:
+    prof = Profiler(0, "cpu", max_steps=3)
+    assert prof.start(req(tmp_path))[0]
+    assert step(prof) is None and step(prof) is None
+    files = step(prof)  # the third step reaches the cap
+    assert files == [str(tmp_path / "p1-TP-0.trace.json.gz")]
+    assert prof.state == "idle"
+    assert labels(files[0]) == ["forward_extend_bs1", "forward_extend_bs2", "forward_extend_bs3"]
+    ok, text, data = prof.stop()
+    assert ok and "cap of 3 forward steps" in text and "--profile-max-steps" in text
+    assert data == {"files": files, "profile_id": "p1"}
+    assert prof.stop()[1] == NOT_RUNNING  # said once
+
+
+@pytest.mark.parametrize("by_stage", [False, True])
+def test_segments_are_joined_into_one_trace(tmp_path: Path, by_stage: bool) -> None:
+    """The torch session restarts every segment_steps steps (bounding the pause a stop
+    costs the loop); the file still holds every step, and no part file stays behind."""
+    prof = Profiler(0, "cpu", segment_steps=2)
+    assert prof.start(req(tmp_path, profile_by_stage=by_stage, profile_stages=["prefill"]
+                          if by_stage else []))[0]
+    for _ in range(5):
+        assert step(prof) is None
+    ok, text, data = prof.stop()
+    assert ok, text
+    name = "p1-TP-0-EXTEND.trace.json.gz" if by_stage else "p1-TP-0.trace.json.gz"
+    assert data["files"] == [str(tmp_path / name)]
+    assert labels(data["files"][0]) == [f"forward_extend_bs{i}" for i in range(1, 6)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name]
+
+
+def test_export_runs_in_the_background_while_steps_go_on(tmp_path: Path) -> None:
+    """StopProfile's answer waits for the files; the loop does not."""
+    prof = Profiler(0, "cpu")
+    assert prof.start(req(tmp_path))[0]
+    step(prof)
+    gate = threading.Event()
+    prof._exporter.submit(gate.wait)  # hold the export thread
+    pending = prof.request_stop()
+    assert not pending.done() and prof.state == "idle"
+    assert prof.reported_state == "exporting"  # the rank tells its files are not all written
+    for _ in range(3):  # the rank keeps stepping meanwhile
+        assert step(prof) is None
+    assert prof.start(req(tmp_path / "next"))[0]  # and may even start the next profile
+    gate.set()
+    ok, text, data = pending.result(timeout=60)
+    assert ok, text
+    assert data["files"] == [str(tmp_path / "p1-TP-0.trace.json.gz")]
+    assert labels(data["files"][0]) == ["forward_extend_bs1"]
+    assert prof.stop()[0]
+    assert prof.reported_state == "idle"
+
+
 # ---------------------------------------------------------------- server helpers
 
 
@@ -278,7 +333,7 @@ def test_cuda_trace_and_memory_snapshot(tmp_path: Path) -> None:
     x = torch.randn(64, 64, device="cuda")
     with torch.profiler.record_function("forward_extend_bs1"):
         (x @ x).sum().item()
-    files = prof.after_step("prefill")
+    files = prof.after_step("prefill").result()
     assert files == [
         str(tmp_path / "p1-TP-0.trace.json.gz"), str(tmp_path / "p1-TP-0-memory.pickle")
     ]

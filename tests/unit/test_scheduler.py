@@ -299,3 +299,71 @@ def test_paused_requests_still_expire() -> None:
     assert sched.schedule() is None
     out = sched.take_outputs()
     assert [(o.rid, o.error_code) for o in out] == [("r", "DEADLINE_EXCEEDED")]
+# ---------------------------------------------------------------- one request's fault (issue 17)
+
+
+def _drive_with_faults(sched: Scheduler, runner: FakeRunner, errors_for: dict[str, int],
+                       ) -> dict[str, list]:
+    """Like drive(), but the request named in errors_for fails at that output position
+    (as the sampler reports a row with no token left)."""
+    tokens: dict[str, list[int]] = {}
+    finals: dict[str, object] = {}
+    for _ in range(100_000):
+        batch = sched.schedule()
+        outs = sched.take_outputs()
+        if batch is not None:
+            sampled = runner.run(batch)
+            errors = [
+                ("no token left", "INVALID_ARGUMENT")
+                if sp.sample and errors_for.get(sp.req.rid) == len(sp.req.output_ids) else None
+                for sp in batch.spans
+            ]
+            outs += sched.postprocess(batch, sampled, errors=errors)
+        for o in outs:
+            tokens.setdefault(o.rid, []).extend(o.new_token_ids)
+            if o.finish_reason is not None:
+                finals[o.rid] = o
+        if batch is None and sched.is_idle:
+            break
+    return {"tokens": tokens, "finals": finals}
+
+
+def test_a_sampling_error_fails_that_request_alone_and_frees_its_kv() -> None:
+    sched, runner = make()
+    prompts = {f"r{i}": [5 + i, 6, 7, 8 + i] for i in range(4)}
+    for rid, prompt in prompts.items():
+        sched.add_request(req(rid, prompt, 6))
+    got = _drive_with_faults(sched, runner, {"r1": 0, "r2": 3})
+    for rid in ("r0", "r3"):
+        assert got["tokens"][rid] == solo(prompts[rid], 6)
+        assert got["finals"][rid].finish_reason == "length"
+    for rid, position in (("r1", 0), ("r2", 3)):
+        final = got["finals"][rid]
+        assert final.finish_reason == "abort"
+        assert final.error == "no token left" and final.error_code == "INVALID_ARGUMENT"
+        assert got["tokens"].get(rid, []) == solo(prompts[rid], 6)[:position]
+    assert_no_leak(sched)
+
+
+def test_an_exception_in_postprocessing_fails_that_request_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sched, runner = make()
+    prompts = {f"r{i}": [9, 8 + i, 7] for i in range(3)}
+    for rid, prompt in prompts.items():
+        sched.add_request(req(rid, prompt, 4))
+    real = sched._check_finished
+
+    def check(r, token: int) -> None:
+        if r.rid == "r1" and len(r.output_ids) == 2:
+            raise RuntimeError("boom")
+        real(r, token)
+
+    monkeypatch.setattr(sched, "_check_finished", check)
+    got = drive(sched, runner)
+    assert got["tokens"]["r0"] == solo(prompts["r0"], 4)
+    assert got["tokens"]["r2"] == solo(prompts["r2"], 4)
+    final = got["finals"]["r1"]
+    assert final.finish_reason == "abort" and final.error_code == "INTERNAL"
+    assert "RuntimeError: boom" in final.error
+    assert_no_leak(sched)
