@@ -122,6 +122,97 @@ class CancelAdminReq:
 
 
 @dataclass(slots=True)
+class AbortAllReq:
+    """Abort every request in flight on the rank (AbortRequest.abort_all)."""
+
+    rid: str
+    reason: str = "aborted by client"
+    deadline: float | None = None
+    trace: TraceCarrier = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class PauseReq:
+    """PauseGeneration: ``mode`` is abort | retract | in_place."""
+
+    rid: str
+    mode: str = "abort"
+    deadline: float | None = None
+    trace: TraceCarrier = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class ContinueReq:
+    """ContinueGeneration."""
+
+    rid: str
+    deadline: float | None = None
+    trace: TraceCarrier = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class UpdateWeightsFromDiskReq:
+    """Load a checkpoint into the live model once the rank is drained (or paused)."""
+
+    rid: str
+    model_path: str
+    abort_all_requests: bool = False
+    weight_version: str = ""  # "": unchanged
+    flush_cache: bool = True
+    deadline: float | None = None
+    trace: TraceCarrier = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class UpdateWeightVersionReq:
+    rid: str
+    new_version: str
+    abort_all_requests: bool = True
+    deadline: float | None = None
+    trace: TraceCarrier = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class GetWeightsReq:
+    """GetWeightsByName."""
+
+    rid: str
+    name: str
+    truncate_size: int = 100
+    deadline: float | None = None
+    trace: TraceCarrier = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class CheckWeightsReq:
+    """CheckWeights("checksum"): a digest over every parameter."""
+
+    rid: str
+    deadline: float | None = None
+    trace: TraceCarrier = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class ReleaseMemoryReq:
+    """ReleaseMemoryOccupation; ``tags`` among kv_cache, weights (resolved by the server)."""
+
+    rid: str
+    tags: list[str] = field(default_factory=list)
+    deadline: float | None = None
+    trace: TraceCarrier = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class ResumeMemoryReq:
+    """ResumeMemoryOccupation; ``tags`` among kv_cache, weights."""
+
+    rid: str
+    tags: list[str] = field(default_factory=list)
+    deadline: float | None = None
+    trace: TraceCarrier = field(default_factory=dict)
+
+
+@dataclass(slots=True)
 class ShutdownReq:
     rid: str = ""
 
@@ -147,6 +238,7 @@ class RankState:
     device: str = "cpu"
     pid: int = 0
     flush_pending: bool = False
+    paused: str = ""  # the PauseGeneration mode while paused
     num_waiting_uncached_tokens: int = 0
     num_retracted_reqs: int = 0
     max_running_requests: int = 0
@@ -156,12 +248,46 @@ class RankState:
 
 
 @dataclass(slots=True)
+class ModelInfo:
+    """What the server and its callers need to know about the model a rank serves."""
+
+    model_path: str
+    tokenizer_path: str | None
+    architectures: list[str]
+    model_type: str
+    vocab_size: int
+    context_length: int
+    eos_token_ids: list[int]
+    bos_token_id: int | None
+    pad_token_id: int | None
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    dtype: str
+    weight_bytes: int = 0
+    token_capacity: int = 0  # KV pool tokens (set by the rank)
+    kv_cache_bytes: int = 0
+    device: str = "cpu"
+    weight_version: str = "default"
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain dict (JSON and msgpack friendly)."""
+        return {name: getattr(self, name) for name in _model_info_fields()}
+
+
+def _model_info_fields() -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(ModelInfo))
+
+
+@dataclass(slots=True)
 class ReadyMsg:
     """A rank has loaded its model and is serving."""
 
     dp_rank: int
     pid: int
-    model_info: dict[str, Any]
+    model_info: ModelInfo
     state: RankState
 
 
@@ -200,13 +326,59 @@ class BatchOutput:
 
 @dataclass(slots=True)
 class AdminReply:
-    """A rank's answer to an admin or state request, matched by rid."""
+    """A rank's answer to an admin or state request, matched by rid.
+
+    ``result`` is the op's typed result (one of the registered result messages below, or
+    a RankState for a StateReq), None when the op has nothing more to say.
+    """
 
     rid: str
     dp_rank: int
     success: bool
     message: str = ""
-    data: dict[str, Any] = field(default_factory=dict)
+    result: Any = None
+
+
+@dataclass(slots=True)
+class FlushResult:
+    tokens_freed: int = 0
+
+
+@dataclass(slots=True)
+class ProfileStopResult:
+    files: list[str] = field(default_factory=list)
+    profile_id: str = ""
+
+
+@dataclass(slots=True)
+class CountResult:
+    """How many requests an op aborted, retracted or held."""
+
+    count: int = 0
+
+
+@dataclass(slots=True)
+class WeightsResult:
+    """The rank's model after a weight op, and the requests it paused or aborted first."""
+
+    model_info: ModelInfo
+    num_paused_requests: int = 0
+
+
+@dataclass(slots=True)
+class WeightValues:
+    shape: list[int] = field(default_factory=list)
+    values: list[float] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class DigestResult:
+    digest: str = ""
+
+
+@dataclass(slots=True)
+class MemoryResult:
+    bytes_released: int = 0
 
 
 @dataclass(slots=True)
@@ -242,6 +414,23 @@ _REGISTRY: tuple[type, ...] = (
     StateUpdate,
     KvEvents,
     CancelAdminReq,
+    AbortAllReq,
+    PauseReq,
+    ContinueReq,
+    UpdateWeightsFromDiskReq,
+    UpdateWeightVersionReq,
+    GetWeightsReq,
+    CheckWeightsReq,
+    ReleaseMemoryReq,
+    ResumeMemoryReq,
+    ModelInfo,
+    FlushResult,
+    ProfileStopResult,
+    CountResult,
+    WeightsResult,
+    WeightValues,
+    DigestResult,
+    MemoryResult,
 )
 _CODES: dict[type, int] = {cls: code for code, cls in enumerate(_REGISTRY)}
 _FIELDS: tuple[tuple[str, ...], ...] = tuple(

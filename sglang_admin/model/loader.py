@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from safetensors import safe_open
 
+from sglang_admin.messages import ModelInfo
 from sglang_admin.model.llama import LlamaConfig, LlamaForCausalLM
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -24,32 +23,6 @@ _DTYPES: dict[str, torch.dtype] = {
 
 class ModelLoadError(ValueError):
     """A model directory cannot be loaded; the message says why in one line."""
-
-
-@dataclass
-class ModelInfo:
-    """What the rest of the server needs to know about a loaded model."""
-
-    model_path: str
-    tokenizer_path: str | None
-    architectures: list[str]
-    model_type: str
-    vocab_size: int
-    context_length: int
-    eos_token_ids: list[int]
-    bos_token_id: int | None
-    pad_token_id: int | None
-    num_layers: int
-    num_attention_heads: int
-    num_kv_heads: int
-    head_dim: int
-    hidden_size: int
-    dtype: str
-    weight_bytes: int = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        """A plain dict (JSON and msgpack friendly)."""
-        return dataclasses.asdict(self)
 
 
 def dtype_from_name(name: str) -> torch.dtype:

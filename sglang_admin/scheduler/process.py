@@ -1,6 +1,7 @@
 """One scheduler rank as a process: the event loop around Scheduler and ModelRunner.
 
-Loop: drain the inbox without blocking -> handle control messages -> schedule a batch ->
+Loop: drain the inbox without blocking -> handle messages (each type's handler from
+scheduler/control.py's table) -> run the admin ops whose time came -> schedule a batch ->
 forward + sample -> send outputs. It blocks on the inbox only when there is no work.
 """
 
@@ -20,25 +21,19 @@ import zmq
 from sglang_admin.config import ServerArgs
 from sglang_admin.logging_utils import setup_logging
 from sglang_admin.messages import (
-    AbortReq,
     AdminReply,
     BatchOutput,
-    CancelAdminReq,
     FailedMsg,
-    FlushCacheReq,
-    GenerateReq,
     KvEvents,
     RankState,
     ReadyMsg,
     ReqOutput,
-    ShutdownReq,
-    StartProfileReq,
-    StateReq,
     StateUpdate,
-    StopProfileReq,
     decode,
     encode,
 )
+from sglang_admin.scheduler.control import Handler, op_name
+from sglang_admin.scheduler.quiesce import Quiesce
 from sglang_admin.scheduler.scheduler import Batch, Scheduler, SchedulerConfig
 from sglang_admin.tracing import child_span, trace_id_of
 
@@ -46,7 +41,22 @@ logger = logging.getLogger(__name__)
 
 STATE_PUBLISH_INTERVAL_S = 0.05
 IDLE_POLL_MS = 500
-FLUSH_DEADLINE_GRACE_S = 0.5
+
+
+def handler_table() -> dict[type, Handler]:
+    """Message type -> handler, from scheduler/control.py and every domain module."""
+    from sglang_admin.scheduler import (
+        cache_control,
+        control,
+        generation_control,
+        profile_control,
+        weight_control,
+    )
+
+    table: dict[type, Handler] = {}
+    for module in (control, generation_control, cache_control, profile_control, weight_control):
+        table.update(module.HANDLERS)
+    return table
 
 
 def _die_with_parent() -> None:
@@ -140,22 +150,24 @@ class RankLoop:
             on_kv_event=self.kv_events.append,
         )
         self.profiler = Profiler(rank, str(self.runner.device), args.profile_max_steps)
-        # StopProfile calls whose traces the export thread is still writing
-        self.pending_stops: list[tuple[StopProfileReq, Future]] = []
+        self.quiesce = Quiesce(self.scheduler)
+        self.handlers = handler_table()
+        # admin messages answered when their future resolves (StopProfile's export)
+        self.deferred: list[tuple[Any, Future]] = []
         self.forward_steps = 0
         self.last_step_time = 0.0
         self.last_state_sent = 0.0
         self.last_state_key: tuple = ()
         self.last_state: RankState | None = None  # the last state the server was sent
-        self.pending_flush: FlushCacheReq | None = None
-        self.flush_deadline = 0.0
         self.running = True
-        model_info = info.to_dict()
-        model_info["token_capacity"] = self.runner.token_capacity
-        model_info["kv_cache_bytes"] = self.runner.kv_cache_bytes
-        model_info["device"] = str(self.runner.device)
+        self.model_info = info
+        info.token_capacity = self.runner.token_capacity
+        info.kv_cache_bytes = self.runner.kv_cache_bytes
+        info.device = str(self.runner.device)
+        self.weights_source: str | None = info.model_path
+        self.weights_valid = True
         self.last_state = self.state()
-        self.send(ReadyMsg(rank, os.getpid(), model_info, self.last_state))
+        self.send(ReadyMsg(rank, os.getpid(), info, self.last_state))
         logger.info(
             "rank %d ready: %s on %s, %d KV tokens",
             rank, info.model_path, self.runner.device, self.runner.token_capacity,
@@ -182,7 +194,8 @@ class RankLoop:
             forward_steps=self.forward_steps,
             device=str(self.runner.device),
             pid=os.getpid(),
-            flush_pending=self.pending_flush is not None,
+            flush_pending=self.quiesce.waiting("flush_cache"),
+            paused=self.scheduler.paused or "",
             num_waiting_uncached_tokens=s.waiting_uncached_tokens(),
             num_retracted_reqs=s.num_retracted,
             max_running_requests=s.config.max_running_requests,
@@ -194,7 +207,7 @@ class RankLoop:
     def publish_state(self, force: bool = False) -> None:
         s = self.scheduler
         key = (len(s.running), len(s.waiting), s.num_used_tokens, self.profiler.reported_state,
-               self.pending_flush is not None)
+               self.quiesce.pending, s.paused)
         now = time.monotonic()
         if force or (key != self.last_state_key and now - self.last_state_sent
                      >= STATE_PUBLISH_INTERVAL_S) or now - self.last_state_sent >= 1.0:
@@ -215,12 +228,12 @@ class RankLoop:
 
     def run(self) -> None:
         while self.running:
-            busy = not self.scheduler.is_idle or self.pending_flush is not None
-            self.drain_inbox(block=not busy and not self.profiler.needs_ticks)
+            busy = not self.scheduler.is_idle or self.quiesce.pending
+            self.drain_inbox(block=not busy)
             if not self.running:
                 break
-            self.check_flush()
-            self.check_profile_stops()
+            self.quiesce.poll()
+            self.answer_deferred()
             batch = self.scheduler.schedule()
             if batch is not None:
                 self.step(batch)
@@ -234,7 +247,7 @@ class RankLoop:
 
     def drain_inbox(self, block: bool) -> None:
         timeout = IDLE_POLL_MS if block else 0
-        if block and (self.pending_flush is not None or self.pending_stops):
+        if block and (self.quiesce.pending or self.deferred):
             timeout = 10  # come back soon to answer what is pending
         while True:
             if timeout and not self.inbox.poll(timeout):
@@ -256,8 +269,8 @@ class RankLoop:
     def _nothing_to_do(self) -> bool:
         """Idle, and the messages handled left nothing for the loop to send or run."""
         s = self.scheduler
-        return (self.running and s.is_idle and self.pending_flush is None
-                and not self.pending_stops and not self.kv_events and not s.pending_outputs)
+        return (self.running and s.is_idle and not self.quiesce.pending
+                and not self.deferred and not self.kv_events and not s.pending_outputs)
 
     def step(self, batch: Batch) -> None:
         """Run one forward step of the batch and send what it produced.
@@ -343,136 +356,41 @@ class RankLoop:
     # ------------------------------------------------------------------ messages
 
     def handle(self, msg: Any) -> None:
-        if isinstance(msg, GenerateReq):
-            trace_id = trace_id_of(msg.trace)
-            if self.args.log_requests:
-                logger.info(
-                    "generate rid=%s prompt_tokens=%d max_new_tokens=%d%s",
-                    msg.rid, len(msg.input_ids), msg.sampling.max_new_tokens,
-                    f" trace_id={trace_id}" if trace_id else "",
-                )
-            if trace_id:
-                self.trace_ids[msg.rid] = trace_id
-            self.scheduler.add_request(msg, trace_id)
-        elif isinstance(msg, AbortReq):
-            self.scheduler.abort(msg.rid, msg.reason)
-        elif isinstance(msg, StateReq):
-            self.reply(msg.rid, True, "", {"state": self.state()}, msg.trace, "state")
-        elif isinstance(msg, FlushCacheReq):
-            self.on_flush(msg)
-        elif isinstance(msg, StartProfileReq):
-            ok, text = self.profiler.start(msg)
-            self.reply(msg.rid, ok, text, {}, msg.trace, "start_profile")
-        elif isinstance(msg, StopProfileReq):
-            # the traces are written by the profiler's export thread; the loop keeps
-            # serving and answers once they are on disk (check_profile_stops)
-            self.pending_stops.append((msg, self.profiler.request_stop()))
-            self.check_profile_stops()
-        elif isinstance(msg, CancelAdminReq):
-            self.on_cancel_admin(msg.rid)
-        elif isinstance(msg, ShutdownReq):
-            self.running = False
-        else:
+        handler = self.handlers.get(type(msg))
+        if handler is None:
             logger.warning("rank %d ignores unexpected message %s", self.rank, type(msg).__name__)
+            return
+        handler(self, msg)
 
-    def reply(
-        self, rid: str, ok: bool, text: str, data: dict[str, Any], trace: dict[str, str], op: str
-    ) -> None:
+    def reply(self, msg: Any, ok: bool, text: str = "", result: Any = None) -> None:
+        """Answer admin message ``msg`` (its rid and trace context) with a typed result."""
+        op = op_name(msg)
         if self.args.log_requests:
-            trace_id = trace_id_of(trace)
+            trace_id = trace_id_of(msg.trace)
             logger.info(
-                "%s rid=%s success=%s%s%s", op, rid, ok,
+                "%s rid=%s success=%s%s%s", op, msg.rid, ok,
                 f" message={text!r}" if text else "",
                 f" trace_id={trace_id}" if trace_id else "",
             )
-        with child_span(f"scheduler.{op}", trace, dp_rank=self.rank, success=ok):
-            self.send(AdminReply(rid, self.rank, ok, text, data))
+        with child_span(f"scheduler.{op}", msg.trace, dp_rank=self.rank, success=ok):
+            self.send(AdminReply(msg.rid, self.rank, ok, text, result))
 
-    # ------------------------------------------------------------------ flush
+    def reply_when_done(self, msg: Any, future: Future) -> None:
+        """Answer ``msg`` once ``future`` resolves to (success, message, result)."""
+        self.deferred.append((msg, future))
+        self.answer_deferred()
 
-    def on_flush(self, msg: FlushCacheReq) -> None:
-        if self.pending_flush is not None:
-            self.reply(msg.rid, False, "Another flush_cache is already in progress.", {},
-                       msg.trace, "flush_cache")
+    def answer_deferred(self) -> None:
+        if not self.deferred:
             return
-        if self.scheduler.is_idle:
-            self.do_flush(msg)
-            return
-        if msg.timeout_s <= 0:
-            s = self.scheduler
-            self.reply(
-                msg.rid, False,
-                "Cache not flushed because there are pending requests. "
-                f"#queue-req: {len(s.waiting)}, #running-req: {len(s.running)}",
-                {"num_waiting_reqs": len(s.waiting), "num_running_reqs": len(s.running)},
-                msg.trace, "flush_cache",
-            )
-            return
-        self.pending_flush = msg
-        # Wait no longer than the caller does: its deadline (absolute, time.time()) ends
-        # the flush too, so an abandoned flush does not hold admission for timeout_s. The
-        # server cancels it at that deadline (CancelAdminReq); the grace only covers a
-        # cancel that never came, and lets the server's own answer go first.
-        wait = msg.timeout_s
-        if msg.deadline is not None:
-            wait = min(wait, msg.deadline - time.time() + FLUSH_DEADLINE_GRACE_S)
-        self.flush_deadline = time.monotonic() + wait
-        self.scheduler.admission_paused = True
-        self.publish_state(force=True)
-
-    def on_cancel_admin(self, rid: str) -> None:
-        """The server ended admin call ``rid`` without this rank's answer: a flush still
-        pending for it is dropped and admission resumes (nobody waits for its answer)."""
-        msg = self.pending_flush
-        if msg is None or msg.rid != rid:
-            return
-        logger.info("rank %d: flush %s abandoned by its caller; admission resumes", self.rank, rid)
-        self.pending_flush = None
-        self.scheduler.admission_paused = False
-        self.publish_state(force=True)
-
-    def check_profile_stops(self) -> None:
-        """Answer the StopProfile calls whose files are written."""
-        if not self.pending_stops:
-            return
-        still: list[tuple[StopProfileReq, Future]] = []
-        for msg, fut in self.pending_stops:
+        still: list[tuple[Any, Future]] = []
+        for msg, fut in self.deferred:
             if not fut.done():
                 still.append((msg, fut))
                 continue
             try:
-                ok, text, data = fut.result()
-            except Exception as exc:  # noqa: BLE001 - the export thread's failure, reported
-                ok, text, data = False, f"export failed: {type(exc).__name__}: {exc}", {}
-            self.reply(msg.rid, ok, text, data, msg.trace, "stop_profile")
-        self.pending_stops = still
-
-    def check_flush(self) -> None:
-        msg = self.pending_flush
-        if msg is None:
-            return
-        if not self.scheduler.running:
-            # Idle apart from requests that arrived while we waited: they wait for the flush.
-            waiting = list(self.scheduler.waiting)
-            self.scheduler.waiting.clear()
-            try:
-                self.do_flush(msg)
-            finally:
-                self.scheduler.waiting.extend(waiting)
-        elif time.monotonic() > self.flush_deadline:
-            self.reply(msg.rid, False, "Timed out waiting for idle state.", {}, msg.trace,
-                       "flush_cache")
-        else:
-            return
-        self.pending_flush = None
-        self.scheduler.admission_paused = False
-
-    def do_flush(self, msg: FlushCacheReq) -> None:
-        freed = self.scheduler.flush()
-        self.runner.reset()
-        self.flush_kv_events()  # "cleared" reaches subscribers before the flush's answer
-        # the freed state too (GetLoads shows it once FlushCache returned); the answer goes
-        # last, so that the rank's I/O thread, not more of its own work, runs right after it
-        self.publish_state(force=True)
-        self.reply(msg.rid, True, "Cache flushed successfully", {"tokens_freed": freed},
-                   msg.trace, "flush_cache")
+                ok, text, result = fut.result()
+            except Exception as exc:  # noqa: BLE001 - a worker thread's failure, reported
+                ok, text, result = False, f"{type(exc).__name__}: {exc}", None
+            self.reply(msg, ok, text, result)
+        self.deferred = still

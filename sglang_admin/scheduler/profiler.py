@@ -46,15 +46,15 @@ from typing import Any
 
 import torch
 
+from sglang_admin.messages import ProfileStopResult
+
 logger = logging.getLogger(__name__)
 
 ALREADY_RUNNING = "Profiling is already in progress. Call /stop_profile first."
 NOT_RUNNING = "Profiling is not in progress. Call /start_profile first."
-ACTIVITIES = ("CPU", "GPU", "CUDA", "MEM")
 DEFAULT_ACTIVITIES = ("CPU", "GPU")
 # Our stage names -> SGLang's ForwardMode names used in file names.
 STAGE_NAMES = {"prefill": "EXTEND", "decode": "DECODE"}
-STAGE_ALIASES = {"prefill": "prefill", "extend": "prefill", "decode": "decode"}
 MEM_HISTORY_MAX_ENTRIES = 100_000
 # A session's torch.profiler is stopped and restarted every this many forward steps: stopping
 # costs the loop thread time in proportion to what was recorded (torch post-processes the
@@ -212,11 +212,6 @@ class Profiler:
         return self.device.startswith("cuda") and torch.cuda.is_available()
 
     @property
-    def needs_ticks(self) -> bool:
-        """Whether the loop must not block while idle: never, see the module docstring."""
-        return False
-
-    @property
     def profile_id(self) -> str:
         return self.config.profile_id if self.config else ""
 
@@ -276,19 +271,19 @@ class Profiler:
         self._begin()
         return True, f"Profiling started{suffix}"
 
-    def stop(self) -> tuple[bool, str, dict[str, Any]]:
-        """Stop the profile and wait for its files; (success, message, {files, profile_id})."""
+    def stop(self) -> tuple[bool, str, ProfileStopResult]:
+        """Stop the profile and wait for its files; (success, message, files and id)."""
         return self.request_stop().result()
 
     def request_stop(self) -> Future:
-        """Stop the profile now; the Future resolves to (success, message, {files,
-        profile_id}) once its files are written (by the export thread)."""
+        """Stop the profile now; the Future resolves to (success, message,
+        ProfileStopResult) once its files are written (by the export thread)."""
         if self.state == "idle" or self.config is None or self.run is None:
             if self.auto_stopped is not None:  # stopped by itself: say why, once
                 run, why = self.auto_stopped
                 self.auto_stopped = None
                 return self._submit(self._result, run, why)
-            return _done((False, NOT_RUNNING, {"files": [], "profile_id": ""}))
+            return _done((False, NOT_RUNNING, ProfileStopResult()))
         run = self.run
         if self.state == "armed":
             text = (
@@ -296,17 +291,17 @@ class Profiler:
                 f"{self.start_at}, rank at step {self.forward_ct}): no trace written"
             )
             self._end()
-            return _done((True, text, {"files": [], "profile_id": run.config.profile_id}))
+            return _done((True, text, ProfileStopResult([], run.config.profile_id)))
         if self.session is not None:
             self._finish_session()
         self._end()
         return self._submit(self._result, run, "Profiling stopped")
 
-    def _result(self, run: _Run, what: str) -> tuple[bool, str, dict[str, Any]]:
+    def _result(self, run: _Run, what: str) -> tuple[bool, str, ProfileStopResult]:
         """(Export thread, after the run's exports) the answer to a StopProfile."""
         with self._lock:
             files, errors = list(run.files), list(run.errors)
-        data = {"files": files, "profile_id": run.config.profile_id}
+        data = ProfileStopResult(files, run.config.profile_id)
         if errors:
             return False, "; ".join(errors), data
         return True, f"{what}: {len(files)} file(s) written to {run.config.output_dir}", data
@@ -354,7 +349,7 @@ class Profiler:
                 self._finish_session()
             self._end()
             self.auto_stopped = (run, why)
-            return self._submit(lambda: self._result(run, why)[2]["files"])
+            return self._submit(lambda: self._result(run, why)[2].files)
         if session is None or not config.num_steps or session.steps < config.num_steps:
             if (session is not None and session.prof is not None
                     and session.segment_steps >= self.segment_steps):
@@ -374,23 +369,12 @@ class Profiler:
     # ------------------------------------------------------------------ internals
 
     def _configure(self, req: Any) -> _Config:
-        """Check a request and resolve it for this rank; ValueError names what is wrong."""
-        for name in ("start_step", "num_steps"):
-            value = getattr(req, name)
-            if value is not None and value < 0:
-                raise ValueError(f"{name} must be >= 0, got {value}")
-        names = [a.upper() for a in (req.activities or DEFAULT_ACTIVITIES)]
-        unknown = [a for a in names if a not in ACTIVITIES]
-        if unknown:
-            raise ValueError(
-                f"unknown profiler activity {', '.join(unknown)}; valid: CPU, GPU (CUDA), MEM"
-            )
-        stages: list[str] = []
-        for s in req.profile_stages or ("prefill", "decode"):
-            if s.lower() not in STAGE_ALIASES:
-                raise ValueError(f"unknown profile stage {s!r}; valid: prefill (extend), decode")
-            if STAGE_ALIASES[s.lower()] not in stages:
-                stages.append(STAGE_ALIASES[s.lower()])
+        """Resolve a request (checked by the server's plan_start) for this rank; the output
+        directory's confinement is checked again here, where it is created: a symlink
+        swapped in since the server's check must not redirect the traces. ValueError names
+        what is wrong."""
+        names = list(req.activities or DEFAULT_ACTIVITIES)
+        stages = list(dict.fromkeys(req.profile_stages or ("prefill", "decode")))
         root = req.profile_root
         if root and not is_inside(req.output_dir, root):
             raise ValueError(f"output_dir {req.output_dir!r} is outside the profile root {root!r}")

@@ -4,8 +4,10 @@ Ops that need a drained rank (a cache flush, a weight update) ask :meth:`Quiesce
 While any such op waits, the scheduler admits nothing new; requests that arrive meanwhile
 queue behind it (a writer lock that every request holds as a reader, as SGLang's
 update_weights does). Once no request runs, the ops run in arrival order; one whose deadline
-passes, or whose caller cancels, gives up and admission re-opens unless another op waits.
-A pause (PauseGeneration) counts as drained at once: what it keeps is held, not running.
+passes gives up, one whose caller is gone is dropped, and admission re-opens unless another
+op waits or a hold remains. A hold (:meth:`hold`, e.g. released memory) closes admission
+until it is lifted. A pause (PauseGeneration) counts as drained at once: what it keeps is
+held, not running.
 
 No torch here; the scheduler is driven through its ``admission_paused`` and its queues.
 """
@@ -18,21 +20,25 @@ from dataclasses import dataclass
 
 from sglang_admin.scheduler.scheduler import Scheduler
 
+TIMED_OUT = "Timed out waiting for idle state."
+
 
 @dataclass
 class _Waiter:
     rid: str
+    op: str
     deadline: float  # time.monotonic()
     run: Callable[[], None]  # called once the rank is drained
-    give_up: Callable[[str], None]  # called with the reason at the deadline or on cancel
+    give_up: Callable[[str], None]  # called with the reason at the deadline
 
 
 class Quiesce:
-    """Ops waiting for a drained rank, and the admission hold they imply."""
+    """Ops waiting for a drained rank, the holds on admission, and what they imply."""
 
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
         self.waiters: list[_Waiter] = []
+        self.holds: set[str] = set()
 
     @property
     def drained(self) -> bool:
@@ -43,30 +49,42 @@ class Quiesce:
     def pending(self) -> bool:
         return bool(self.waiters)
 
+    def waiting(self, op: str) -> bool:
+        """Whether an op of that name waits for the rank to drain."""
+        return any(w.op == op for w in self.waiters)
+
     def when_drained(
         self,
         rid: str,
+        op: str,
         timeout_s: float,
         run: Callable[[], None],
         give_up: Callable[[str], None],
     ) -> None:
-        """Run ``run`` once the rank is drained (now, when it is); ``give_up(reason)`` after
-        ``timeout_s`` seconds or on :meth:`cancel`. Admission stays closed meanwhile."""
+        """Run ``run`` once the rank is drained (now, when it is and nothing waits before
+        it); ``give_up(reason)`` after ``timeout_s`` seconds. Admission stays closed
+        meanwhile."""
         if not self.waiters and self.drained:
             run()
             return
-        self.waiters.append(_Waiter(rid, time.monotonic() + timeout_s, run, give_up))
-        self.scheduler.admission_paused = True
+        self.waiters.append(_Waiter(rid, op, time.monotonic() + timeout_s, run, give_up))
+        self._update()
 
-    def cancel(self, rid: str, reason: str = "cancelled by its caller") -> bool:
-        """Drop the waiting op ``rid`` (its caller is gone); False when none waits."""
-        for waiter in self.waiters:
-            if waiter.rid == rid:
-                self.waiters.remove(waiter)
-                self._reopen()
-                waiter.give_up(reason)
-                return True
-        return False
+    def cancel(self, rid: str) -> bool:
+        """Drop the waiting op ``rid`` silently (its caller is gone); False when none."""
+        before = len(self.waiters)
+        self.waiters = [w for w in self.waiters if w.rid != rid]
+        self._update()
+        return len(self.waiters) < before
+
+    def hold(self, reason: str) -> None:
+        """Admit nothing until :meth:`lift` of the same reason."""
+        self.holds.add(reason)
+        self._update()
+
+    def lift(self, reason: str) -> None:
+        self.holds.discard(reason)
+        self._update()
 
     def poll(self) -> None:
         """Once per loop iteration: run the ops whose time came, expire the late ones."""
@@ -75,11 +93,10 @@ class Quiesce:
         now = time.monotonic()
         for waiter in [w for w in self.waiters if w.deadline < now]:
             self.waiters.remove(waiter)
-            waiter.give_up("Timed out waiting for idle state.")
+            waiter.give_up(TIMED_OUT)
         while self.waiters and self.drained:
             self.waiters.pop(0).run()
-        self._reopen()
+        self._update()
 
-    def _reopen(self) -> None:
-        if not self.waiters:
-            self.scheduler.admission_paused = False
+    def _update(self) -> None:
+        self.scheduler.admission_paused = bool(self.waiters or self.holds)

@@ -179,6 +179,10 @@ class Scheduler:
         self.by_rid[req.rid] = req
         self.waiting.append(req)
 
+    def refuse(self, rid: str, message: str, code: str) -> None:
+        """Answer a request that will not be queued with an error, at the next outputs."""
+        self.pending_outputs.append(_error(rid, code, message))
+
     def abort(self, rid: str, reason: str = "aborted") -> None:
         """Abort a request; running ones release their KV at the next schedule()."""
         req = self.by_rid.get(rid)
@@ -189,6 +193,14 @@ class Scheduler:
             self._finish(req, "abort", error=None)
         else:
             req.aborted = reason
+
+    def fail_all(self, message: str, code: str) -> int:
+        """End every running and waiting request with an error; how many there were."""
+        reqs = [*self.running, *self.waiting]
+        self.waiting.clear()
+        for req in reqs:
+            self.fail(req, message, code)
+        return len(reqs)
 
     def abort_all(self, reason: str = "aborted") -> int:
         """Finish every running and waiting request with "abort" now; how many there were."""
@@ -506,8 +518,9 @@ class Scheduler:
     # ------------------------------------------------------------------ flush
 
     def flush(self) -> int:
-        """Reset the radix cache and the pool (only when idle). Returns tokens freed."""
-        assert self.is_idle, "flush needs an idle scheduler"
+        """Reset the radix cache and the pool; tokens freed. Nothing may run; queued
+        requests (never admitted, or retracted by a pause) hold no KV and stay queued."""
+        assert not self.running, "flush needs a scheduler with nothing running"
         freed = self.cache.reset()
         self.allocator.reset()
         self.free_rows = list(range(self.config.max_running_requests - 1, -1, -1))

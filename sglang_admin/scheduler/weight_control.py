@@ -1,0 +1,188 @@
+"""Rank-side handlers of the weight ops: refit from disk, version, read-back, digest, and
+the release and resume of memory.
+
+A refit waits, through the rank's Quiesce, for the running requests to finish while new
+ones queue behind it (so every request runs on one version of the weights from its first
+token to its last); on a paused rank it runs at once. A refit that fails part-way puts the
+previous weights back (model/weights.py); should that fail too, the rank refuses Generate
+with FAILED_PRECONDITION until a refit succeeds. model_path and the version change only on
+success; the prefix cache is flushed after a load when asked, since its KV was computed
+with the old weights.
+
+Memory release needs an idle rank; while anything is released, admission is held (new
+requests wait, as while paused). Resuming the weights reloads them from the checkpoint they
+came from, so the worker serves exactly what it served before; weights that came from no
+checkpoint cannot be restored, and the rank refuses Generate until weights are pushed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from sglang_admin.messages import (
+    CheckWeightsReq,
+    DigestResult,
+    GetWeightsReq,
+    MemoryResult,
+    ReleaseMemoryReq,
+    ResumeMemoryReq,
+    UpdateWeightsFromDiskReq,
+    UpdateWeightVersionReq,
+    WeightsResult,
+    WeightValues,
+)
+from sglang_admin.model.loader import iter_checkpoint, load_weights
+from sglang_admin.model.weights import (
+    RefitError,
+    refit_from_disk,
+    weight_values,
+    weights_digest,
+)
+from sglang_admin.scheduler.cache_control import flush_now
+from sglang_admin.scheduler.control import Rank
+from sglang_admin.scheduler.generation_control import WEIGHTS_INVALID
+
+logger = logging.getLogger(__name__)
+
+OP = "update_weights"
+MEMORY_TAGS = ("kv_cache", "weights")
+RELEASED = "memory released"
+
+
+def _wait_s(msg: UpdateWeightsFromDiskReq) -> float:
+    return max(0.0, msg.deadline - time.time()) if msg.deadline is not None else 3600.0
+
+
+def on_update_from_disk(rank: Rank, msg: UpdateWeightsFromDiskReq) -> None:
+    if rank.runner.weights_released:
+        rank.reply(msg, False, "the weights are released: ResumeMemoryOccupation first")
+        return
+    aborted = rank.scheduler.abort_all("weights update") if msg.abort_all_requests else 0
+    rank.quiesce.when_drained(
+        msg.rid, OP, _wait_s(msg), lambda: _refit(rank, msg, aborted),
+        lambda reason: rank.reply(msg, False, reason,
+                                  WeightsResult(rank.model_info, aborted)),
+    )
+    rank.publish_state(force=True)
+
+
+def _refit(rank: Rank, msg: UpdateWeightsFromDiskReq, aborted: int) -> None:
+    info = rank.model_info
+    t0 = time.perf_counter()
+    try:
+        refit_from_disk(rank.runner.model, msg.model_path, restore_from=rank.weights_source)
+    except RefitError as exc:
+        if not exc.restored:
+            _invalidate(rank)
+        logger.warning("rank %d: weight update from %s failed: %s", rank.rank, msg.model_path, exc)
+        rank.reply(msg, False, str(exc), WeightsResult(info, aborted))
+        return
+    rank.weights_source = os.path.abspath(msg.model_path)
+    rank.weights_valid = True
+    info.model_path = rank.weights_source
+    if msg.weight_version:
+        info.weight_version = msg.weight_version
+    text = "Succeeded to update model weights."
+    if msg.flush_cache:
+        if rank.scheduler.running:
+            text += " The cache was not flushed: requests are held in place by the pause."
+        else:
+            flush_now(rank)
+    logger.info("rank %d: weights updated from %s in %.2fs (version %s)", rank.rank,
+                info.model_path, time.perf_counter() - t0, info.weight_version)
+    rank.reply(msg, True, text, WeightsResult(info, aborted))
+
+
+def _invalidate(rank: Rank) -> None:
+    """The weights are neither the old nor the new ones: refuse to serve from them."""
+    rank.weights_valid = False
+    rank.weights_source = None
+    rank.scheduler.fail_all(WEIGHTS_INVALID, "FAILED_PRECONDITION")
+
+
+def on_update_version(rank: Rank, msg: UpdateWeightVersionReq) -> None:
+    aborted = rank.scheduler.abort_all("weight version update") if msg.abort_all_requests else 0
+    rank.model_info.weight_version = msg.new_version
+    rank.reply(msg, True, f"weight version set to {msg.new_version!r}",
+               WeightsResult(rank.model_info, aborted))
+
+
+def on_get_weights(rank: Rank, msg: GetWeightsReq) -> None:
+    if rank.runner.weights_released:
+        rank.reply(msg, False, "the weights are released")
+        return
+    try:
+        shape, values = weight_values(rank.runner.model, msg.name, msg.truncate_size)
+    except KeyError:
+        rank.reply(msg, False, f"the model has no parameter named {msg.name!r}")
+        return
+    rank.reply(msg, True, "", WeightValues(shape, values))
+
+
+def on_check_weights(rank: Rank, msg: CheckWeightsReq) -> None:
+    if rank.runner.weights_released:
+        rank.reply(msg, False, "the weights are released")
+        return
+    rank.reply(msg, True, "", DigestResult(weights_digest(rank.runner.model)))
+
+
+def on_release_memory(rank: Rank, msg: ReleaseMemoryReq) -> None:
+    s = rank.scheduler
+    if not s.is_idle:
+        rank.reply(msg, False, "memory can be released only when idle: "
+                   f"#queue-req: {len(s.waiting)}, #running-req: {len(s.running)}")
+        return
+    released = 0
+    if "kv_cache" in msg.tags and not rank.runner.kv_cache_released:
+        flush_now(rank)  # the pool's contents go with it
+        released += rank.runner.release_kv_cache()
+    if "weights" in msg.tags:
+        released += rank.runner.release_weights()
+    if rank.runner.kv_cache_released or rank.runner.weights_released:
+        rank.quiesce.hold(RELEASED)
+    rank.publish_state(force=True)
+    rank.reply(msg, True, f"released {released} bytes ({', '.join(msg.tags)})",
+               MemoryResult(released))
+
+
+def on_resume_memory(rank: Rank, msg: ResumeMemoryReq) -> None:
+    runner = rank.runner
+    text = "memory resumed"
+    if "kv_cache" in msg.tags:
+        runner.resume_kv_cache()
+    if "weights" in msg.tags and runner.weights_released:
+        runner.resume_weights()
+        if rank.weights_source is None:
+            _invalidate(rank)
+            text = ("weights resumed uninitialised (they came from no checkpoint): Generate "
+                    "is refused until UpdateWeightsFromDisk")
+        else:
+            try:
+                load_weights(runner.model, iter_checkpoint(rank.weights_source))
+            except Exception as exc:  # noqa: BLE001 - the checkpoint moved or broke
+                _invalidate(rank)
+                rank.reply(msg, False, f"reloading {rank.model_info.model_path} failed: {exc}; "
+                           "Generate is refused until UpdateWeightsFromDisk")
+                _lift_if_whole(rank)
+                return
+            text = f"memory resumed; weights reloaded from {rank.weights_source}"
+    _lift_if_whole(rank)
+    rank.reply(msg, True, text)
+
+
+def _lift_if_whole(rank: Rank) -> None:
+    if not rank.runner.kv_cache_released and not rank.runner.weights_released:
+        rank.quiesce.lift(RELEASED)
+    rank.publish_state(force=True)
+
+
+HANDLERS = {
+    UpdateWeightsFromDiskReq: on_update_from_disk,
+    UpdateWeightVersionReq: on_update_version,
+    GetWeightsReq: on_get_weights,
+    CheckWeightsReq: on_check_weights,
+    ReleaseMemoryReq: on_release_memory,
+    ResumeMemoryReq: on_resume_memory,
+}
