@@ -423,7 +423,8 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
             record.finished = True
             record.files = list(files)
             if record.merge and files:
-                merged, note = await profiles.merge_traces_async(record, files)
+                merged, note = await profiles.merge_once(record, files)
+                merged = [f for f in merged if f not in files]
                 files.extend(merged)
                 notes += [note] if note else []
         _raise_if_no_answer(failures, replies)
@@ -530,8 +531,10 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
             registry, request.profile_id, self.comm, effective_timeout(context, INFO_TIMEOUT_S)
         )
         files = profiles.profile_files(record, self.args.profile_dir)
-        if record.merge and files and not any("-merged" in f for f in files):
-            await profiles.merge_traces_async(record, files)
+        merged_on_disk = any("-merged" in f for f in files)
+        if record.merge and files and (record.merge_task is not None or not merged_on_disk):
+            # One merge per profile, shared with StopProfile and concurrent downloads.
+            await profiles.merge_once(record, [f for f in files if "-merged" not in f])
             files = profiles.profile_files(record, self.args.profile_dir)
         if not files:
             raise ServiceError(
