@@ -19,6 +19,7 @@ from sglang_admin.pb import common_pb2 as pb
 from sglang_admin.pb import common_pb2_grpc as pb_grpc
 from sglang_admin.server import profiles
 from sglang_admin.server.communicator import Communicator, RankUnavailable
+from sglang_admin.server.stream_buffer import StreamOverflow
 from sglang_admin.server.convert import (
     Limits,
     ServiceError,
@@ -148,6 +149,8 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
                         )
             except RankUnavailable as exc:
                 raise ServiceError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+            except StreamOverflow as exc:
+                raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None
             self._log("generate_done", rid, carrier, completion_tokens=len(output_ids))
 
     async def Abort(
