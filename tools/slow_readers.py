@@ -5,9 +5,11 @@
 
 ``--slow`` streams read one message every ``--read-interval`` seconds and ``--stalled``
 streams never read; each asks for ``--max-new-tokens`` greedy tokens (EOS ignored) and a
-slow reader starts a new request when one ends. The server's VmRSS (from /proc, so the
+slow reader starts a new request when one ends (a slow reader still reading when the time
+is up is counted "still reading at the end"). The server's VmRSS (from /proc, so the
 server must run on this machine) is sampled every second. At the end every stalled
-stream is read to its end to learn its status. Prints one JSON report (statuses per kind,
+stream is read for up to 20 s to learn its status ("still running at the end" when it was
+neither aborted nor finished by then). Prints one JSON report (statuses per kind,
 RSS at start / max / end in MiB) and exits 1 when the server is no longer SERVING.
 All traffic goes to the given loopback address only.
 """
@@ -35,6 +37,7 @@ from sglang_admin.pb import common_pb2_grpc as pb_grpc
 from tools.soak import check_loopback, rss_kib
 
 MAX_SECONDS = 3600.0
+DRAIN_S = 20.0  # how long the stalled calls are read at the end before they are cancelled
 
 
 @dataclass
@@ -108,6 +111,7 @@ def run(
                 for _ in call:
                     if stop.wait(read_interval):
                         call.cancel()
+                        record("slow", "still reading at the end")
                         break
                 else:
                     record("slow", "OK")
@@ -138,13 +142,21 @@ def run(
     stop.set()
     for t in threads:
         t.join(read_interval + 30)
-    for call in stalled_calls:  # read what piled up, to learn how each ended
+    # Read what piled up, to learn how each stalled call ended; one still generating after
+    # DRAIN_S is cancelled and counted as such.
+    timers = [threading.Timer(DRAIN_S, call.cancel) for call in stalled_calls]
+    for timer in timers:
+        timer.start()
+    for call in stalled_calls:
         try:
             for _ in call:
                 pass
             record("stalled", "OK")
         except grpc.RpcError as exc:
-            record("stalled", _status(exc))
+            status = _status(exc)
+            record("stalled", "still running at the end" if status == "CANCELLED" else status)
+    for timer in timers:
+        timer.cancel()
     with grpc.insecure_channel(target) as ch:
         try:
             resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
