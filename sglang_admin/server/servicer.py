@@ -19,7 +19,6 @@ from sglang_admin.pb import common_pb2 as pb
 from sglang_admin.pb import common_pb2_grpc as pb_grpc
 from sglang_admin.server import profiles
 from sglang_admin.server.communicator import Communicator, RankUnavailable
-from sglang_admin.server.stream_buffer import StreamOverflow
 from sglang_admin.server.convert import (
     Limits,
     ServiceError,
@@ -28,6 +27,7 @@ from sglang_admin.server.convert import (
     generate_from_proto,
     invalid,
 )
+from sglang_admin.server.stream_buffer import StreamOverflow
 from sglang_admin.server.tokenizer_bundle import (
     NoTokenizerFiles,
     bundle_for,
