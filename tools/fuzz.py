@@ -18,6 +18,7 @@ passed (whichever comes first), a random mix (``--seed``) of these case kinds:
 - ``dropped``: a call whose channel is closed under it;
 - ``admin``: FlushCache, GetLoads, GetServerInfo, StartProfile and StopProfile.
 
+It stops early once 20 calls ended UNAVAILABLE (the worker is down or going down).
 It prints a table of statuses per case kind (markdown, ready to paste) and then checks
 for deaths: the server must still be SERVING and every scheduler rank must have the pid it
 had at the start. Exit status 1 on a death or on any UNKNOWN or INTERNAL status (the
@@ -65,6 +66,7 @@ EXPECTED = {
     "malformed": {"INVALID_ARGUMENT"},
 }
 MAX_REQUESTS = 1_000_000
+STOP_AFTER_UNAVAILABLE = 20  # the worker is down or going down: stop and report
 MAX_SECONDS = 3600.0
 CALL_TIMEOUT_S = 60.0
 NAN, INF = float("nan"), float("inf")
@@ -97,14 +99,28 @@ class Tally:
 
     counts: dict[str, Counter] = field(default_factory=lambda: defaultdict(Counter))
     bad: list[str] = field(default_factory=list)
-    unexpected: list[str] = field(default_factory=list)
+    # (kind, status) -> (how many, the first one's details)
+    unexpected_seen: dict[tuple[str, str], list] = field(default_factory=dict)
 
     def add(self, kind: str, status: str, details: str = "") -> None:
         self.counts[kind][status] += 1
         if status in FAILING_STATUSES and len(self.bad) < 50:
             self.bad.append(f"{kind}: {status} {details[:200]}")
-        elif kind in EXPECTED and status not in EXPECTED[kind] and len(self.unexpected) < 50:
-            self.unexpected.append(f"{kind}: {status} {details[:200]}")
+        elif kind in EXPECTED and status not in EXPECTED[kind]:
+            seen = self.unexpected_seen.setdefault((kind, status), [0, details[:200]])
+            seen[0] += 1
+
+    @property
+    def unexpected(self) -> list[str]:
+        """One line per (kind, status) that the kind should not end with."""
+        return [
+            f"{kind}: {status}" + (f" x{n}" if n > 1 else "") + (f" (first: {first})" if first else "")
+            for (kind, status), (n, first) in self.unexpected_seen.items()
+        ]
+
+    @property
+    def unavailable(self) -> int:
+        return sum(c.get("UNAVAILABLE", 0) for c in self.counts.values())
 
     def table(self) -> str:
         statuses = sorted({s for c in self.counts.values() for s in c})
@@ -327,7 +343,8 @@ class Fuzzer:
 
         async def worker() -> None:
             nonlocal started
-            while started < requests and time.monotonic() < deadline:
+            while (started < requests and time.monotonic() < deadline
+                   and self.tally.unavailable < STOP_AFTER_UNAVAILABLE):
                 started += 1
                 kind = self.rng.choice(kinds)
                 try:

@@ -59,7 +59,9 @@ def test_failing_statuses_fail_the_run() -> None:
     tally = fuzz.Tally()
     tally.add("admin", "OK")
     tally.add("generate-invalid", "OK", "temperature: nan")
-    assert not tally.bad and tally.unexpected == ["generate-invalid: OK temperature: nan"]
+    tally.add("generate-invalid", "OK", "top_p: nan")
+    assert not tally.bad
+    assert tally.unexpected == ["generate-invalid: OK x2 (first: temperature: nan)"]
     tally.add("malformed", "UNKNOWN", "Unexpected DecodeError")
     assert tally.bad == ["malformed: UNKNOWN Unexpected DecodeError"]
 
