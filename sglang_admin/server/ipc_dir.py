@@ -3,10 +3,10 @@ killed server left behind.
 
 Each directory is ``$TMPDIR/sglang-admin-XXXX`` and holds an ``owner`` file with the
 server's pid and that process's start time (so a reused pid is not taken for the owner).
-At start a server removes every such directory of its user whose owner is gone. A
-directory without an owner file (being created right now, or from an older version) is
-left alone unless it is older than :data:`UNOWNED_GRACE_S` and nothing listens on its
-``server`` socket.
+At start a server removes every such directory of its user whose owner is gone and
+whose ``server`` socket nobody listens on. A directory without an owner file (being
+created right now, or from an older version) is left alone unless it is older than
+:data:`UNOWNED_GRACE_S` and nothing listens on its ``server`` socket.
 """
 
 from __future__ import annotations
@@ -90,10 +90,12 @@ def _socket_listening(path: str) -> bool:
 
 
 def is_stale(path: str, now: float | None = None) -> bool:
-    """Whether `path` (one of these directories) belongs to a server that is gone."""
+    """Whether `path` (one of these directories) belongs to a server that is gone: its
+    owner is gone (or, without an owner file, it is old) and nothing listens on its
+    ``server`` socket (a live server in another pid namespace keeps its directory)."""
     alive = _owner_alive(path)
     if alive is not None:
-        return not alive
+        return not alive and not _socket_listening(path)
     try:
         age = (now or time.time()) - os.stat(path).st_mtime
     except OSError:

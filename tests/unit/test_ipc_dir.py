@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -62,3 +63,14 @@ def test_create_writes_the_owner(tmp_path: Path) -> None:
     assert int(pid) == os.getpid()
     assert started == ipc_dir.process_start_time(os.getpid())
     assert not ipc_dir.is_stale(path)
+
+
+def test_a_dead_owners_directory_with_a_listener_is_kept(tmp_path: Path) -> None:
+    """A server in another pid namespace looks dead by pid; its socket says otherwise."""
+    busy = _owned_by(tmp_path, "busy", f"{_dead_pid()} 1\n")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(str(busy / "server"))
+        listener.listen(1)
+        assert ipc_dir.remove_stale(str(tmp_path)) == []
+    assert busy.exists()
+    assert ipc_dir.remove_stale(str(tmp_path)) == [str(busy)]  # closed: nobody listens
