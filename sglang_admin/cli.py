@@ -59,8 +59,8 @@ def _seconds(text: str) -> float:
 
 
 def _limit_seconds(text: str) -> float:
-    """Seconds for a connection limit: > 0, or 0 to turn the limit off; at most a day
-    times 24 (gRPC takes milliseconds as a 32-bit int)."""
+    """Seconds for a connection limit: 0 turns it off; at most 24 days (gRPC takes the
+    limit in milliseconds as a 32-bit int)."""
     value = _seconds(text)
     if value > 24 * 86400:
         raise argparse.ArgumentTypeError(f"must be at most {24 * 86400} s (24 days), got {text}")
