@@ -4,16 +4,66 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
+from typing import NoReturn
 
 from sglang_admin.config import DEFAULT_PROFILE_MAX_STEPS, ServerArgs, default_profile_dir
 from sglang_admin.logging_utils import setup_logging
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one line on stderr (exit status 2)."""
+
+    def error(self, message: str) -> NoReturn:  # noqa: D102 - argparse's contract
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+
+
 def _positive_int(text: str) -> int:
-    value = int(text)
+    value = _int(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = _int(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port in 1..65535, got {text}")
+    return value
+
+
+def _seed(text: str) -> int:
+    value = _int(text)
+    if not 0 <= value < 1 << 63:
+        raise argparse.ArgumentTypeError(f"must be an integer in 0..2^63-1, got {text}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    """A finite, non-negative number of seconds (0 allowed)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def _limit_seconds(text: str) -> float:
+    """Seconds for a connection limit: 0 turns it off; at most 24 days (gRPC takes the
+    limit in milliseconds as a 32-bit int)."""
+    value = _seconds(text)
+    if value > 24 * 86400:
+        raise argparse.ArgumentTypeError(f"must be at most {24 * 86400} s (24 days), got {text}")
     return value
 
 
@@ -23,7 +73,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--served-model-name", help="model name reported to clients")
     p.add_argument("--tokenizer-path", help="tokenizer directory (default: the model directory)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--port", type=_port, default=30000, help="TCP port, 1..65535")
     p.add_argument("--dp-size", type=_positive_int, default=1, help="scheduler ranks")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto")
@@ -50,11 +100,34 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="forward steps after which a running profile stops by itself "
                         "(its traces are kept; the next StopProfile says so)")
     p.add_argument("--otlp-traces-endpoint", help="export OpenTelemetry spans over OTLP")
-    p.add_argument("--grace-period", type=float, default=10.0, dest="grace_period_s",
+    p.add_argument("--grace-period", type=_seconds, default=10.0, dest="grace_period_s",
                    help="seconds in-flight calls get at shutdown")
+    p.add_argument("--max-connection-idle", type=_limit_seconds,
+                   default=ServerArgs.max_connection_idle_s, dest="max_connection_idle_s",
+                   help="close a connection with no call in flight for this many seconds "
+                        "(0: never)")
+    p.add_argument("--max-connection-age", type=_limit_seconds,
+                   default=ServerArgs.max_connection_age_s, dest="max_connection_age_s",
+                   help="ask a client to reconnect after this many seconds (0: never); "
+                        "calls in flight then get --max-connection-age-grace more")
+    p.add_argument("--max-connection-age-grace", type=_limit_seconds,
+                   default=ServerArgs.max_connection_age_grace_s,
+                   dest="max_connection_age_grace_s",
+                   help="seconds calls in flight keep an aged connection open (0: no limit)")
+    p.add_argument("--keepalive-time", type=_limit_seconds,
+                   default=ServerArgs.keepalive_time_s, dest="keepalive_time_s",
+                   help="seconds between the server's HTTP/2 pings on a quiet connection; a "
+                        "peer that does not answer within --keepalive-timeout is dropped")
+    p.add_argument("--keepalive-timeout", type=_limit_seconds,
+                   default=ServerArgs.keepalive_timeout_s, dest="keepalive_timeout_s",
+                   help="seconds to wait for a ping's answer")
+    p.add_argument("--stream-buffer-tokens", type=_positive_int,
+                   default=ServerArgs.stream_buffer_tokens,
+                   help="tokens a Generate stream may have produced but not yet written to "
+                        "a slow reader before it ends with RESOURCE_EXHAUSTED")
     p.add_argument("--no-coalesce", dest="coalesce_reads", action="store_false",
                    help="do not share in-flight GetServerInfo/health round trips")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_seed, default=0)
     p.set_defaults(func=run_serve)
 
 
@@ -83,7 +156,7 @@ def run_serve(ns: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrorParser(
         prog="sglang-admin",
         description="LLM scheduler worker with a gRPC admin surface, and its client.",
     )

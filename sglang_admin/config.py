@@ -49,6 +49,17 @@ class ServerArgs:
     profile_max_steps: int = DEFAULT_PROFILE_MAX_STEPS
     otlp_traces_endpoint: str | None = None
     grace_period_s: float = 10.0
+    # Connection limits (gRPC server options; 0 turns one off). Idle means no call in
+    # flight, so a long stream never counts as idle.
+    max_connection_idle_s: float = 300.0
+    max_connection_age_s: float = 0.0
+    max_connection_age_grace_s: float = 0.0  # 0: calls in flight on an aged connection finish
+    keepalive_time_s: float = 60.0  # the server pings a quiet connection this often
+    keepalive_timeout_s: float = 20.0  # and drops it when the ping is not answered in time
+    # Generate stream buffering: tokens produced but not yet written to a slow reader are
+    # coalesced into the next message; past this many the request is aborted with
+    # RESOURCE_EXHAUSTED (and its KV freed).
+    stream_buffer_tokens: int = 4096
     coalesce_reads: bool = True
     seed: int = 0
     ipc_dir: str = ""  # set by launch: a fresh private directory per instance

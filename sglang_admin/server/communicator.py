@@ -1,7 +1,9 @@
 """The server's side of the ZMQ link to the scheduler ranks (zmq.asyncio).
 
-- Generate: a request goes to one rank; its outputs come back on a per-request queue
-  matched by request id.
+- Generate: a request goes to one rank; its outputs come back into a per-request
+  OutputBuffer (server/stream_buffer.py) matched by request id, coalesced while the call
+  is busy writing, and the request is aborted with RESOURCE_EXHAUSTED once more than
+  --stream-buffer-tokens wait there (a stalled reader).
 - Admin ops: one message to every rank under a fresh request id; the call waits for exactly
   one reply per rank, matched by that id. A reply for a call that already gave up finds no
   waiter and is dropped (and logged), so it can never be taken by the next call.
@@ -39,6 +41,7 @@ from sglang_admin.messages import (
     encode,
 )
 from sglang_admin.server.kv_events import KvEventHub
+from sglang_admin.server.stream_buffer import OutputBuffer, StreamOverflow
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +70,7 @@ class _AdminCall:
 @dataclass
 class _Stream:
     rank: int
-    queue: asyncio.Queue
+    buffer: OutputBuffer
     wire_id: str
 
 
@@ -144,7 +147,7 @@ class Communicator:
         logger.error("rank %d failed: %s", rank, reason)
         for stream in self.streams.values():
             if stream.rank == rank:
-                stream.queue.put_nowait(RankUnavailable(f"scheduler rank {rank} {reason}"))
+                stream.buffer.fail(RankUnavailable(f"scheduler rank {rank} {reason}"))
         for call in self.calls.values():
             if rank in call.ranks:
                 call.finish()
@@ -156,7 +159,7 @@ class Communicator:
         """The server is going down: every waiting call, on any rank, ends now."""
         self.down_reason = reason
         for stream in self.streams.values():
-            stream.queue.put_nowait(RankUnavailable(reason))
+            stream.buffer.fail(RankUnavailable(reason))
         for call in self.calls.values():
             call.finish()
 
@@ -189,8 +192,8 @@ class Communicator:
             self.last_receive_time = time.time()
             for out in msg.outputs:
                 stream = self.by_wire_id.get(out.rid)
-                if stream is not None:
-                    stream.queue.put_nowait(out)
+                if stream is not None and not stream.buffer.push(out):
+                    self._overflow(stream)
         elif isinstance(msg, StateUpdate):
             self.rank_states[msg.state.dp_rank] = msg.state
         elif isinstance(msg, AdminReply):
@@ -217,6 +220,24 @@ class Communicator:
                 self.ready.set()
         elif isinstance(msg, FailedMsg):
             self.rank_failed(msg.dp_rank, f"failed to start: {msg.error}")
+
+    def _overflow(self, stream: _Stream) -> None:
+        """A reader fell more than the buffer limit behind: abort its request on the rank
+        (its KV is freed) and end the call with RESOURCE_EXHAUSTED."""
+        limit = stream.buffer.max_tokens
+        logger.warning(
+            "aborting %s: its reader fell %d tokens behind (limit %d)",
+            stream.wire_id, stream.buffer.tokens, limit,
+        )
+        stream.buffer.fail(
+            StreamOverflow(
+                f"request aborted: the client read its stream too slowly and more than "
+                f"{limit} generated tokens were waiting to be sent (--stream-buffer-tokens)"
+            ),
+            drop_pending=True,
+        )
+        if stream.rank not in self.dead_ranks:
+            self._send_nowait(stream.rank, AbortReq(stream.wire_id, "reader too slow"))
 
     # ------------------------------------------------------------------ generate
 
@@ -245,8 +266,8 @@ class Communicator:
         # after cancelling can never be confused with the old request still leaving the rank.
         rid = req.rid
         req.rid = f"{rid}~{next(self._wire_seq)}"
-        stream = _Stream(rank, asyncio.Queue(), req.rid)
-        queue = stream.queue
+        stream = _Stream(rank, OutputBuffer(self.args.stream_buffer_tokens), req.rid)
+        buffer = stream.buffer
         self.streams[rid] = stream
         self.by_wire_id[req.rid] = stream
         self.inflight[rank] += 1
@@ -254,9 +275,9 @@ class Communicator:
         try:
             await self.outboxes[rank].send(encode(req))
             while True:
-                item = await queue.get()
+                item = await buffer.get()
                 if isinstance(item, Exception):
-                    finished = True
+                    finished = True  # a rank that died, or an overflow already aborted
                     raise item
                 if item.finish_reason is not None:
                     finished = True

@@ -36,21 +36,56 @@ OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 OPEN_METHODS = frozenset({f"/{SERVICE}/HealthCheck"})
 
 
-def _wrap(handler: grpc.RpcMethodHandler, wrap_unary: Callable, wrap_stream: Callable) -> Any:
-    """Rebuild a method handler with its behaviour wrapped."""
+def _wrap(
+    handler: grpc.RpcMethodHandler,
+    wrap_unary: Callable,
+    wrap_stream: Callable,
+    deserializer: Callable | None = None,
+) -> Any:
+    """Rebuild a method handler with its behaviour (and optionally its request
+    deserializer) wrapped."""
+    deserializer = deserializer or handler.request_deserializer
     if handler.unary_unary:
         return grpc.unary_unary_rpc_method_handler(
             wrap_unary(handler.unary_unary),
-            request_deserializer=handler.request_deserializer,
+            request_deserializer=deserializer,
             response_serializer=handler.response_serializer,
         )
     if handler.unary_stream:
         return grpc.unary_stream_rpc_method_handler(
             wrap_stream(handler.unary_stream),
-            request_deserializer=handler.request_deserializer,
+            request_deserializer=deserializer,
             response_serializer=handler.response_serializer,
         )
     return handler  # streaming requests: none in this service
+
+
+class MalformedRequest:
+    """What a request body that does not decode becomes: the call then ends with
+    INVALID_ARGUMENT (grpc would answer UNKNOWN "Unexpected DecodeError")."""
+
+    __slots__ = ("message",)
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
+def tolerant_deserializer(method: str, deserialize: Callable[[bytes], Any] | None) -> Callable:
+    """`deserialize`, but a body that does not decode gives a :class:`MalformedRequest`."""
+
+    def decode(data: bytes) -> Any:
+        if deserialize is None:
+            return data
+        try:
+            return deserialize(data)
+        except Exception as exc:  # noqa: BLE001 - DecodeError and anything else it raises
+            name = method.rsplit("/", 1)[-1]
+            return MalformedRequest(
+                f"malformed {name} request: {len(data)} bytes that do not decode as its "
+                f"protobuf message ({type(exc).__name__}: {exc})"
+            )
+
+    return decode
 
 
 async def _stream(fn: Callable, request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -144,7 +179,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Turns ServiceError into its status and any other exception into INTERNAL."""
+    """Turns ServiceError into its status, any other exception into INTERNAL, and a request
+    body that does not decode into INVALID_ARGUMENT naming the method."""
 
     def __init__(self) -> None:
         # method -> (its handler, the wrapped handler): wrapped once, not on every call
@@ -165,6 +201,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
         def wrap_unary(fn: Callable) -> Callable:
             async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                if isinstance(request, MalformedRequest):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
                 try:
                     return await fn(request, context)
                 except ServiceError as exc:
@@ -179,6 +217,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
         def wrap_stream(fn: Callable) -> Callable:
             async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                if isinstance(request, MalformedRequest):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
                 try:
                     async for item in _stream(fn, request, context):
                         yield item
@@ -192,7 +232,10 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
             return call
 
-        wrapped = _wrap(handler, wrap_unary, wrap_stream)
+        wrapped = _wrap(
+            handler, wrap_unary, wrap_stream,
+            tolerant_deserializer(method, handler.request_deserializer),
+        )
         self._wrapped[method] = (handler, wrapped)
         return wrapped
 

@@ -8,7 +8,6 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
-import tempfile
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -17,6 +16,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 from sglang_admin.config import ServerArgs
 from sglang_admin.pb import common_pb2, common_pb2_grpc
 from sglang_admin.scheduler.process import run_scheduler
+from sglang_admin.server import ipc_dir
 from sglang_admin.server.communicator import Communicator
 from sglang_admin.server.interceptors import (
     AccessLogInterceptor,
@@ -80,6 +80,32 @@ def _credentials(args: ServerArgs) -> grpc.ServerCredentials | None:
         root_certificates=ca,
         require_client_auth=ca is not None,
     )
+
+
+def _ms(seconds: float) -> int:
+    return max(1, round(seconds * 1000))
+
+
+def connection_options(args: ServerArgs) -> list[tuple[str, int]]:
+    """gRPC server options for idle connections, connection age and keepalive (a limit of
+    0 is left out, i.e. off). Idle counts only time with no call in flight."""
+    options: list[tuple[str, int]] = []
+    if args.max_connection_idle_s:
+        options.append(("grpc.max_connection_idle_ms", _ms(args.max_connection_idle_s)))
+    if args.max_connection_age_s:
+        options.append(("grpc.max_connection_age_ms", _ms(args.max_connection_age_s)))
+        if args.max_connection_age_grace_s:
+            options.append(
+                ("grpc.max_connection_age_grace_ms", _ms(args.max_connection_age_grace_s))
+            )
+    if args.keepalive_time_s:
+        options += [
+            ("grpc.keepalive_time_ms", _ms(args.keepalive_time_s)),
+            ("grpc.keepalive_timeout_ms", _ms(args.keepalive_timeout_s or 20.0)),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0),
+        ]
+    return options
 
 
 def max_message_bytes(args: ServerArgs) -> int:
@@ -148,6 +174,7 @@ class Server:
                 ("grpc.max_receive_message_length", limit),
                 ("grpc.max_send_message_length", 64 << 20),
                 ("grpc.so_reuseport", 0),
+                *connection_options(args),
             ],
         )
         common_pb2_grpc.add_SglangSchedulerServicer_to_server(
@@ -223,12 +250,13 @@ class Server:
 
 def serve(args: ServerArgs) -> int:
     """Run a server until SIGTERM/SIGINT or a rank failure; returns the exit code."""
-    ipc_dir = tempfile.mkdtemp(prefix="sglang-admin-")
-    args = args.replace(ipc_dir=ipc_dir)
+    ipc_dir.remove_stale()
+    ipc_path = ipc_dir.create()
+    args = args.replace(ipc_dir=ipc_path)
     try:
         return asyncio.run(Server(args).run())
     except StartupError as exc:
         logger.error("%s", exc)
         return 2
     finally:
-        shutil.rmtree(ipc_dir, ignore_errors=True)
+        shutil.rmtree(ipc_path, ignore_errors=True)

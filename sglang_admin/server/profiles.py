@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import re
+import tempfile
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
@@ -91,6 +92,8 @@ class ProfileRecord:
     started_at: float = field(default_factory=time.time)
     finished: bool = False
     files: list[str] = field(default_factory=list)  # reported by StopProfile
+    # The one merge of this profile's traces, shared by StopProfile and every download.
+    merge_task: asyncio.Future | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass
@@ -338,50 +341,97 @@ def merge_traces(record: ProfileRecord, files: list[str]) -> tuple[list[str], st
         merged = {"traceEvents": events, "baseTimeNanoseconds": base, "displayTimeUnit": "ms"}
         suffix = f"-{stage}" if stage else ""
         out = os.path.join(record.output_dir, f"{record.stem}-merged{suffix}.trace.json.gz")
-        tmp = out + ".tmp"
-        with gzip.open(tmp, "wt") as f:
-            json.dump(merged, f)
-        size = os.path.getsize(tmp)
-        if total + size > record.max_bytes:
-            os.remove(tmp)
-            return written, (
-                f"merged trace not written: it would take the profile over its cap of "
-                f"{record.max_bytes} bytes"
-            )
-        os.replace(tmp, out)
+        # A temporary name of its own (never listed: it does not end in .trace.json.gz),
+        # renamed over the final name only once complete.
+        fd, tmp = tempfile.mkstemp(
+            dir=record.output_dir, prefix=f".{record.stem}-merged{suffix}.", suffix=".tmp"
+        )
+        try:
+            with os.fdopen(fd, "wb") as raw, gzip.open(raw, "wt") as f:
+                json.dump(merged, f)
+            size = os.path.getsize(tmp)
+            if total + size > record.max_bytes:
+                os.remove(tmp)
+                return written, (
+                    f"merged trace not written: it would take the profile over its cap of "
+                    f"{record.max_bytes} bytes"
+                )
+            os.replace(tmp, out)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
         total += size
         written.append(out)
     return written, ""
 
 
-async def merge_traces_async(record: ProfileRecord, files: list[str]) -> tuple[list[str], str]:
-    """:func:`merge_traces` in a worker thread (it reads and writes whole traces)."""
-    return await asyncio.to_thread(merge_traces, record, files)
+async def merge_once(record: ProfileRecord, files: list[str]) -> tuple[list[str], str]:
+    """:func:`merge_traces` for this profile, run once (in a worker thread: it reads and
+    writes whole traces) however many StopProfile and DownloadProfile calls ask at the
+    same time; they all get its outcome. A merge that failed is tried again by the next
+    caller; one whose caller went away runs to its end for the others."""
+    task = record.merge_task
+    if task is None or (task.done() and task.exception() is not None):
+        task = asyncio.ensure_future(asyncio.to_thread(merge_traces, record, list(files)))
+        record.merge_task = task
+    return await asyncio.shield(task)
 
 
-def _read_at(path: str, offset: int, size: int) -> bytes:
-    with open(path, "rb") as f:
-        f.seek(offset)
-        return f.read(size)
+def _open_for_reading(path: str) -> tuple[Any, int]:
+    f = open(path, "rb", buffering=0)  # noqa: SIM115 - closed by file_chunks
+    return f, os.fstat(f.fileno()).st_size
+
+
+def _read_upto(f: Any, size: int) -> bytes:
+    """Up to `size` bytes from `f`: fewer only at the end of the file."""
+    parts: list[bytes] = []
+    while size > 0:
+        data = f.read(size)
+        if not data:
+            break
+        parts.append(data)
+        size -= len(data)
+    return b"".join(parts)
 
 
 async def file_chunks(path: str, chunk_bytes: int = CHUNK_BYTES) -> AsyncIterator[pb.ProfileFileChunk]:
-    """One file as ProfileFileChunks; the last one carries the sha256 of the whole file."""
+    """One file as ProfileFileChunks; the last one carries the sha256 of the whole file.
+
+    Every chunk is read through one open descriptor, so a file renamed over this one
+    meanwhile (a merge) cannot mix two files; a file that shrinks while it is read ends
+    the call with ABORTED rather than an OK with part of it.
+    """
     name = os.path.basename(path)
-    size = os.path.getsize(path)  # noqa: ASYNC240 - a stat, not I/O worth a thread
-    digest = hashlib.sha256()
-    offset = 0
-    while True:
-        data = await asyncio.to_thread(_read_at, path, offset, chunk_bytes)
-        digest.update(data)
-        last = offset + len(data) >= size or len(data) < chunk_bytes
-        yield pb.ProfileFileChunk(
-            file_name=name, data=data, offset=offset, last=last,
-            sha256=digest.hexdigest() if last else "",
-        )
-        offset += len(data)
-        if last:
-            return
+    try:
+        f, size = await asyncio.to_thread(_open_for_reading, path)
+    except FileNotFoundError:
+        raise ServiceError(
+            grpc.StatusCode.ABORTED, f"profile file {name} was removed before it could be read"
+        ) from None
+    try:
+        digest = hashlib.sha256()
+        offset = 0
+        while True:
+            want = min(chunk_bytes, size - offset)
+            data = await asyncio.to_thread(_read_upto, f, want) if want else b""
+            if len(data) < want:
+                raise ServiceError(
+                    grpc.StatusCode.ABORTED,
+                    f"profile file {name} shrank while it was read ({offset + len(data)} of "
+                    f"{size} bytes): download it again",
+                )
+            digest.update(data)
+            last = offset + len(data) >= size
+            yield pb.ProfileFileChunk(
+                file_name=name, data=data, offset=offset, last=last,
+                sha256=digest.hexdigest() if last else "",
+            )
+            offset += len(data)
+            if last:
+                return
+    finally:
+        f.close()
 
 
 def failure_message(results: list[pb.RankResult]) -> str:

@@ -27,6 +27,7 @@ from sglang_admin.server.convert import (
     generate_from_proto,
     invalid,
 )
+from sglang_admin.server.stream_buffer import StreamOverflow
 from sglang_admin.server.tokenizer_bundle import (
     NoTokenizerFiles,
     bundle_for,
@@ -148,6 +149,8 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
                         )
             except RankUnavailable as exc:
                 raise ServiceError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+            except StreamOverflow as exc:
+                raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None
             self._log("generate_done", rid, carrier, completion_tokens=len(output_ids))
 
     async def Abort(
@@ -421,7 +424,8 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
             record.finished = True
             record.files = list(files)
             if record.merge and files:
-                merged, note = await profiles.merge_traces_async(record, files)
+                merged, note = await profiles.merge_once(record, files)
+                merged = [f for f in merged if f not in files]
                 files.extend(merged)
                 notes += [note] if note else []
         _raise_if_no_answer(failures, replies)
@@ -528,8 +532,10 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
             registry, request.profile_id, self.comm, effective_timeout(context, INFO_TIMEOUT_S)
         )
         files = profiles.profile_files(record, self.args.profile_dir)
-        if record.merge and files and not any("-merged" in f for f in files):
-            await profiles.merge_traces_async(record, files)
+        merged_on_disk = any("-merged" in f for f in files)
+        if record.merge and files and (record.merge_task is not None or not merged_on_disk):
+            # One merge per profile, shared with StopProfile and concurrent downloads.
+            await profiles.merge_once(record, [f for f in files if "-merged" not in f])
             files = profiles.profile_files(record, self.args.profile_dir)
         if not files:
             raise ServiceError(

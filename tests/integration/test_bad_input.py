@@ -195,3 +195,49 @@ def test_concurrent_duplicates_only_one_runs(stub: pb_grpc.SglangSchedulerStub) 
     ok = [r for r in results if isinstance(r, list)]
     assert ok and all(len(r) == 50 for r in ok)
     assert all(r == grpc.StatusCode.ALREADY_EXISTS for r in results if not isinstance(r, list))
+
+
+SERVICE = "/sglang.grpc.scheduler.SglangScheduler/"
+# Bodies that are not protobuf: a field-1 string whose length runs past the end, a varint
+# that never ends, a tag with wire type 7 (no such type).
+MALFORMED_BODIES = [b"\x0a\xff\x01abc", b"\x08" + b"\xff" * 11, b"\x0f\x00"]
+RAW_RPCS = [  # (method, server-streaming)
+    ("Generate", True),
+    ("DownloadProfile", True),
+    ("GetTokenizer", True),
+    ("GetLoads", False),
+    ("FlushCache", False),
+    ("GetServerInfo", False),
+    ("Abort", False),
+    ("StartProfile", False),
+]
+
+
+@pytest.mark.parametrize(("method", "streaming"), RAW_RPCS, ids=[m for m, _ in RAW_RPCS])
+def test_malformed_body_is_invalid_argument(
+    srv: ServerProc, stub: pb_grpc.SglangSchedulerStub, method: str, streaming: bool
+) -> None:
+    """Raw bytes that do not decode: INVALID_ARGUMENT naming the method, never UNKNOWN."""
+    with srv.channel() as ch:
+        for body in MALFORMED_BODIES:
+            if streaming:
+                rpc = ch.unary_stream(SERVICE + method)
+                make = lambda rpc=rpc, body=body: list(rpc(body, timeout=30))  # noqa: E731
+            else:
+                rpc = ch.unary_unary(SERVICE + method)
+                make = lambda rpc=rpc, body=body: rpc(body, timeout=30)  # noqa: E731
+            with pytest.raises(grpc.RpcError) as err:
+                make()
+            assert err.value.code() == INVALID, (body, err.value.details())
+            assert f"malformed {method} request: {len(body)} bytes" in err.value.details()
+    tokens, complete = run_generate(stub, greedy([3, 1, 4, 1, 5], 2), timeout=30)
+    assert len(tokens) == 2 and complete.finish_reason == "length"
+
+
+def test_malformed_health_check_is_invalid_argument(srv: ServerProc) -> None:
+    with srv.channel() as ch:
+        rpc = ch.unary_unary("/grpc.health.v1.Health/Check")
+        with pytest.raises(grpc.RpcError) as err:
+            rpc(MALFORMED_BODIES[0], timeout=10)
+        assert err.value.code() == INVALID
+        assert "malformed Check request" in err.value.details()

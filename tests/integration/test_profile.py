@@ -7,12 +7,14 @@ import hashlib
 import json
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 import pytest
 
 from sglang_admin.pb import common_pb2 as pb
+from sglang_admin.pb import common_pb2_grpc as pb_grpc
 from tests.conftest import ServerProc, greedy, run_generate, start_server
 
 ALREADY_RUNNING = "Profiling is already in progress. Call /stop_profile first."
@@ -199,3 +201,48 @@ def test_merge_profiles_and_start_step(stub, root: Path) -> None:
     assert [s.profiler_state for s in info.rank_states] == ["armed", "armed"]
     stop = stub.StopProfile(pb.StopProfileRequest(), timeout=TIMEOUT)
     assert stop.success and not stop.files and "before it started" in stop.message
+
+
+def _download(target: str, profile_id: str) -> tuple[dict[str, bytes], dict[str, str]]:
+    """Every file of one DownloadProfile call on its own channel: bytes and last sha256."""
+    with grpc.insecure_channel(target) as ch:
+        got: dict[str, bytearray] = {}
+        sums: dict[str, str] = {}
+        for chunk in pb_grpc.SglangSchedulerStub(ch).DownloadProfile(
+            pb.DownloadProfileRequest(profile_id=profile_id), timeout=TIMEOUT
+        ):
+            buf = got.setdefault(chunk.file_name, bytearray())
+            assert chunk.offset == len(buf)
+            buf.extend(chunk.data)
+            if chunk.last:
+                sums[chunk.file_name] = chunk.sha256
+    return {k: bytes(v) for k, v in got.items()}, sums
+
+
+@pytest.mark.parametrize("attempt", range(3))
+def test_concurrent_downloads_of_a_merged_profile(
+    srv: ServerProc, stub, root: Path, attempt: int
+) -> None:
+    """8 downloads at once of a merged profile that nobody merged yet (it stopped by itself
+    after num_steps): one merge, every answer OK, every file whole and matching its sha256
+    (they used to race on one .tmp path: INTERNAL, or OK with a truncated file)."""
+    start = stub.StartProfile(
+        pb.StartProfileRequest(output_dir=f"concurrent{attempt}", num_steps=2,
+                               merge_profiles=True),
+        timeout=TIMEOUT,
+    )
+    assert start.success, start.message
+    generate_on_both_ranks(stub, 200 + 20 * attempt, n=3)
+    wait_idle(stub)
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda _: _download(srv.target, start.profile_id), range(8)))
+    out = (root / f"concurrent{attempt}").resolve()
+    names = sorted(answers[0][0])
+    assert f"{start.profile_id}-merged.trace.json.gz" in names and len(names) == 3
+    for got, sums in answers:
+        assert sorted(got) == names
+        for name, data in got.items():
+            digest = hashlib.sha256(data).hexdigest()
+            assert sums[name] == digest == hashlib.sha256((out / name).read_bytes()).hexdigest()
+            assert json.loads(gzip.decompress(data))["traceEvents"]
+    assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]

@@ -321,6 +321,73 @@ def test_file_chunks_and_merge(tmp_path: Path) -> None:
     assert [c.offset for c in chunks] == [i * 100 for i in range(len(chunks))]
 
 
+def _two_rank_profile(tmp_path: Path) -> tuple[profiles.ProfileRecord, list[str]]:
+    for rank in (0, 1):
+        prof = Profiler(rank, "cpu")
+        assert prof.start(req(tmp_path, num_steps=1, dp_size=2))[0]
+        step(prof)
+    record = profiles.ProfileRecord("p1", "p1", str(tmp_path), True, 1 << 30)
+    return record, profiles.profile_files(record, str(tmp_path))
+
+
+def test_concurrent_merges_run_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    record, files = _two_rank_profile(tmp_path)
+    calls: list[int] = []
+    real = profiles.merge_traces
+
+    def counting(*args: Any) -> tuple[list[str], str]:
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(profiles, "merge_traces", counting)
+
+    async def many() -> list[tuple[list[str], str]]:
+        return await asyncio.gather(*(profiles.merge_once(record, files) for _ in range(8)))
+
+    results = asyncio.run(many())
+    assert len(calls) == 1
+    assert all(r == results[0] for r in results) and results[0][0]
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
+    with gzip.open(results[0][0][0], "rt") as f:
+        assert json.load(f)["traceEvents"]
+
+
+def test_a_file_replaced_mid_download_is_served_whole(tmp_path: Path) -> None:
+    """One descriptor per download: a rename over the file after the first chunk does not
+    mix the two files."""
+    path, other = tmp_path / "a.trace.json.gz", tmp_path / "b.tmp"
+    old = os.urandom(1000)
+    path.write_bytes(old)
+    other.write_bytes(os.urandom(1500))
+
+    async def collect() -> list[pb.ProfileFileChunk]:
+        out = []
+        async for chunk in profiles.file_chunks(str(path), chunk_bytes=100):
+            if not out:
+                os.replace(other, path)
+            out.append(chunk)
+        return out
+
+    chunks = asyncio.run(collect())
+    data = b"".join(c.data for c in chunks)
+    assert data == old and chunks[-1].last
+    assert chunks[-1].sha256 == hashlib.sha256(old).hexdigest()
+
+
+def test_a_file_that_shrinks_mid_download_is_not_ok(tmp_path: Path) -> None:
+    path = tmp_path / "a.trace.json.gz"
+    path.write_bytes(os.urandom(1000))
+
+    async def collect() -> None:
+        async for _ in profiles.file_chunks(str(path), chunk_bytes=100):
+            os.truncate(path, 150)
+
+    with pytest.raises(ServiceError) as err:
+        asyncio.run(collect())
+    assert err.value.code == grpc.StatusCode.ABORTED
+    assert "shrank while it was read (150 of 1000 bytes)" in err.value.message
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_trace_and_memory_snapshot(tmp_path: Path) -> None:

@@ -1,0 +1,83 @@
+"""tools/fuzz.py: a brief run against a dp 2 test server finds no death and no
+UNKNOWN/INTERNAL status; a non-loopback target is refused; a death is reported."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ServerProc, start_server
+from tools import fuzz
+
+# generate-extreme is left out here: the rank-side sampling fix of issue 17 (finding 1)
+# is another branch's; until it is merged those requests still end a rank (the fuzzer
+# reports it as a DEATH, see test_a_death_is_reported). Add it back after that merge.
+KINDS = "generate-ordinary,generate-invalid,malformed,cancelled,dropped,admin"
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
+    tmp = tmp_path_factory.mktemp("fuzz")
+    server = start_server(tmp, "--dp-size", "2", "--profile-dir", str(tmp / "profiles"))
+    yield server
+    server.stop()
+
+
+def test_brief_fuzz_run_finds_no_death(srv: ServerProc, capsys: pytest.CaptureFixture[str]) -> None:
+    code = fuzz.main(["--target", srv.target, "--requests", "300", "--seconds", "30",
+                      "--concurrency", "8", "--seed", "7", "--kinds", KINDS])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "| case kind |" in out and "| malformed |" in out and "| admin |" in out
+    assert "server SERVING after the run: yes; rank pids unchanged: yes" in out
+    assert "FAIL status" not in out and "DEATH" not in out
+    assert "unexpected:" not in out, out  # ordinary ended OK, invalid and malformed INVALID
+    assert srv.proc.poll() is None
+
+
+@pytest.mark.parametrize("target", ["8.8.8.8:30000", "example.com:80", "nonsense"])
+def test_non_loopback_target_is_refused(target: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        fuzz.parse_args(["--target", target])
+    assert exc.value.code == 2
+    assert "--target" in capsys.readouterr().err
+
+
+def test_bounds_are_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["--requests", "0"], ["--seconds", "inf"], ["--kinds", "generate,admin"]):
+        with pytest.raises(SystemExit) as exc:
+            fuzz.parse_args(["--target", "127.0.0.1:1", *argv])
+        assert exc.value.code == 2
+
+
+def test_failing_statuses_fail_the_run() -> None:
+    tally = fuzz.Tally()
+    tally.add("admin", "OK")
+    tally.add("generate-invalid", "OK", "temperature: nan")
+    tally.add("generate-invalid", "OK", "top_p: nan")
+    assert not tally.bad
+    assert tally.unexpected == ["generate-invalid: OK x2 (first: temperature: nan)"]
+    tally.add("malformed", "UNKNOWN", "Unexpected DecodeError")
+    assert tally.bad == ["malformed: UNKNOWN Unexpected DecodeError"]
+
+
+def test_a_death_is_reported(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A rank killed during the run: the fuzzer exits 1 and says DEATH."""
+    server = start_server(tmp_path, "--dp-size", "2")
+    try:
+        ranks = server.children()
+        killer = threading.Timer(2.0, lambda: [os.kill(p, signal.SIGKILL) for p in ranks])
+        killer.start()
+        code = fuzz.main(["--target", server.target, "--requests", "100000", "--seconds", "8",
+                          "--concurrency", "4", "--kinds", "generate-ordinary,admin"])
+        killer.join()
+        out = capsys.readouterr().out
+        assert code == 1
+        assert "DEATH: " in out
+    finally:
+        server.stop(signal.SIGKILL)

@@ -1,0 +1,42 @@
+"""`serve` flags are checked by argparse: a bad value exits 2 with one line naming it."""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang_admin.cli import build_parser
+
+BAD = [
+    (["--port", "99999"], "--port: must be a TCP port in 1..65535, got 99999"),
+    (["--port", "-5"], "--port: must be a TCP port in 1..65535, got -5"),
+    (["--port", "0"], "--port: must be a TCP port in 1..65535, got 0"),
+    (["--port", "x"], "--port: must be an integer, got 'x'"),
+    (["--dp-size", "0"], "--dp-size: must be a positive integer, got 0"),
+    (["--seed", "-1"], "--seed: must be an integer in 0..2^63-1, got -1"),
+    (["--grace-period", "nan"], "--grace-period: must be a finite number >= 0, got nan"),
+    (["--grace-period", "-1"], "--grace-period: must be a finite number >= 0, got -1"),
+    (["--max-connection-idle", "inf"], "--max-connection-idle: must be a finite number"),
+    (["--max-connection-age", "1e12"], "--max-connection-age: must be at most"),
+    (["--keepalive-time", "-3"], "--keepalive-time: must be a finite number >= 0"),
+    (["--stream-buffer-tokens", "0"], "--stream-buffer-tokens: must be a positive integer"),
+]
+
+
+@pytest.mark.parametrize(("argv", "expected"), BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_serve_flag_exits_2_with_one_line(
+    argv: list[str], expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["serve", *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith("sglang-admin serve: error: argument ")
+    assert expected in err
+
+
+def test_good_serve_flags_parse() -> None:
+    ns = build_parser().parse_args(
+        ["serve", "--port", "65535", "--max-connection-idle", "0", "--keepalive-time", "30"]
+    )
+    assert (ns.port, ns.max_connection_idle_s, ns.keepalive_time_s) == (65535, 0.0, 30.0)

@@ -1,0 +1,201 @@
+#!/usr/bin/env python3
+"""Slow and stalled readers against one worker, with the server's memory sampled.
+
+    python tools/slow_readers.py --target 127.0.0.1:30000 --server-pid PID --seconds 90
+
+``--slow`` streams read one message every ``--read-interval`` seconds and ``--stalled``
+streams never read; each asks for ``--max-new-tokens`` greedy tokens (EOS ignored) and a
+slow reader starts a new request when one ends (a slow reader still reading when the time
+is up is counted "still reading at the end"). The server's VmRSS (from /proc, so the
+server must run on this machine) is sampled every second. At the end every stalled
+stream is read for up to 20 s to learn its status ("still running at the end" when it was
+neither aborted nor finished by then). Prints one JSON report (statuses per kind,
+RSS at start / max / end in MiB) and exits 1 when the server is no longer SERVING.
+All traffic goes to the given loopback address only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from sglang_admin.pb import common_pb2 as pb
+from sglang_admin.pb import common_pb2_grpc as pb_grpc
+from tools.soak import check_loopback, rss_kib
+
+MAX_SECONDS = 3600.0
+DRAIN_S = 20.0  # how long the stalled calls are read at the end before they are cancelled
+
+
+@dataclass
+class SlowReadersReport:
+    """What a run saw: final statuses per reader kind and the server's RSS (MiB)."""
+
+    seconds: float
+    statuses: dict[str, dict[str, int]] = field(default_factory=dict)
+    rss_start_mib: float = 0.0
+    rss_max_mib: float = 0.0
+    rss_end_mib: float = 0.0
+    serving_after: bool = False
+
+    @property
+    def rss_growth_mib(self) -> float:
+        return self.rss_end_mib - self.rss_start_mib
+
+
+def _request(prompt_seed: int, max_new_tokens: int) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        tokenized=pb.TokenizedInput(input_ids=[(prompt_seed * 7 + i) % 200 + 1 for i in range(8)]),
+        sampling_params=pb.SamplingParams(
+            temperature=0.0, max_new_tokens=max_new_tokens, ignore_eos=True
+        ),
+        stream=True,
+    )
+
+
+def _status(exc: grpc.RpcError | None) -> str:
+    return "OK" if exc is None else exc.code().name  # type: ignore[union-attr]
+
+
+def run(
+    target: str,
+    seconds: float,
+    slow: int = 8,
+    stalled: int = 8,
+    max_new_tokens: int = 8000,
+    read_interval: float = 1.0,
+    server_pid: int | None = None,
+    client_window: int | None = None,
+) -> SlowReadersReport:
+    """Run the readers for `seconds` against `target` (loopback only) and report.
+
+    `client_window` (bytes) shrinks the readers' HTTP/2 receive window (and turns off
+    its growth), so a stalled reader stalls the server's writes after a few messages
+    instead of after the default 64 KiB or more."""
+    check_loopback(target)
+    report = SlowReadersReport(seconds=seconds)
+    counts: dict[str, Counter] = {"slow": Counter(), "stalled": Counter()}
+    lock = threading.Lock()
+    stop = threading.Event()
+    samples: list[int] = []
+    options = []
+    if client_window:
+        options = [("grpc.http2.lookahead_bytes", client_window), ("grpc.http2.bdp_probe", 0)]
+    channel = grpc.insecure_channel(target, options=options)
+    stub = pb_grpc.SglangSchedulerStub(channel)
+
+    def record(kind: str, status: str) -> None:
+        with lock:
+            counts[kind][status] += 1
+
+    def slow_reader(i: int) -> None:
+        seq = 0
+        while not stop.is_set():
+            seq += 1
+            call = stub.Generate(_request(i * 1000 + seq, max_new_tokens),
+                                 timeout=seconds + 120)
+            try:
+                for _ in call:
+                    if stop.wait(read_interval):
+                        call.cancel()
+                        record("slow", "still reading at the end")
+                        break
+                else:
+                    record("slow", "OK")
+                    continue
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.CANCELLED:
+                    record("slow", _status(exc))
+                continue
+
+    stalled_calls = [
+        stub.Generate(_request(10_000 + i, max_new_tokens), timeout=seconds + 120)
+        for i in range(stalled)
+    ]
+    threads = [threading.Thread(target=slow_reader, args=(i,), daemon=True) for i in range(slow)]
+    for t in threads:
+        t.start()
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < seconds:
+        if server_pid is not None:
+            kib = rss_kib(server_pid)
+            if kib is not None:
+                samples.append(kib)
+        time.sleep(1.0)
+    if server_pid is not None:
+        kib = rss_kib(server_pid)
+        if kib is not None:
+            samples.append(kib)
+    stop.set()
+    for t in threads:
+        t.join(read_interval + 30)
+    # Read what piled up, to learn how each stalled call ended; one still generating after
+    # DRAIN_S is cancelled and counted as such.
+    timers = [threading.Timer(DRAIN_S, call.cancel) for call in stalled_calls]
+    for timer in timers:
+        timer.start()
+    for call in stalled_calls:
+        try:
+            for _ in call:
+                pass
+            record("stalled", "OK")
+        except grpc.RpcError as exc:
+            status = _status(exc)
+            record("stalled", "still running at the end" if status == "CANCELLED" else status)
+    for timer in timers:
+        timer.cancel()
+    with grpc.insecure_channel(target) as ch:
+        try:
+            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            report.serving_after = resp.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.RpcError:
+            report.serving_after = False
+    channel.close()
+    report.statuses = {k: dict(v) for k, v in counts.items()}
+    if samples:
+        report.rss_start_mib = samples[0] / 1024
+        report.rss_max_mib = max(samples) / 1024
+        report.rss_end_mib = samples[-1] / 1024
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", required=True, help="HOST:PORT of a worker (loopback only)")
+    p.add_argument("--server-pid", type=int, help="pid of the server process (for its RSS)")
+    p.add_argument("--seconds", type=float, default=90.0)
+    p.add_argument("--slow", type=int, default=8, help="streams reading one message a second")
+    p.add_argument("--stalled", type=int, default=8, help="streams that never read")
+    p.add_argument("--max-new-tokens", type=int, default=8000)
+    p.add_argument("--read-interval", type=float, default=1.0)
+    p.add_argument("--client-window", type=int, help="readers' HTTP/2 receive window, bytes")
+    ns = p.parse_args(argv)
+    if not 0 < ns.seconds <= MAX_SECONDS:
+        p.error(f"--seconds must be in (0, {MAX_SECONDS:g}]")
+    if not (0 <= ns.slow <= 256 and 0 <= ns.stalled <= 256):
+        p.error("--slow and --stalled must be in 0..256")
+    try:
+        report = run(ns.target, ns.seconds, ns.slow, ns.stalled, ns.max_new_tokens,
+                     ns.read_interval, ns.server_pid, ns.client_window)
+    except ValueError as exc:
+        p.error(str(exc))
+    out = asdict(report) | {"rss_growth_mib": round(report.rss_growth_mib, 1)}
+    print(json.dumps(out, indent=2))
+    return 0 if report.serving_after else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
