@@ -61,9 +61,16 @@ def effective_timeout(context: grpc.aio.ServicerContext, server_default: float) 
     return max(0.0, min(remaining - margin, server_default))
 
 
-def rank_failure_text(failures: dict[int, str]) -> str:
-    """The one wording of several ranks' failures: ``rank 0: why | rank 1: why``."""
-    return " | ".join(f"rank {rank}: {failures[rank]}" for rank in sorted(failures))
+def rank_failure_text(failures: dict[int, str], dp_size: int = 0) -> str:
+    """The one wording of ranks' failures: ``rank 0: why | rank 1: why``, or the reason
+    alone when every one of the ``dp_size`` ranks failed for the same reason (so that
+    SGLang's own messages, e.g. "Profiling is not in progress...", come through as is)."""
+    if len(failures) == dp_size and len(set(failures.values())) == 1:
+        return next(iter(failures.values()))
+    return " | ".join(
+        why if why.startswith(f"rank {rank} ") else f"rank {rank}: {why}"
+        for rank, why in sorted(failures.items())
+    )
 
 
 @dataclass
@@ -101,7 +108,7 @@ class FanOut:
         """Every failed rank and why, in the one wording of :func:`rank_failure_text`."""
         failed = {r: reply.message for r, reply in self.replies.items() if not reply.success}
         failed.update({r: f.message for r, f in self.failures.items()})
-        return rank_failure_text(failed)
+        return rank_failure_text(failed, self.dp_size)
 
     def message(self, success: str) -> str:
         return success if self.ok else self.failure_message()
@@ -128,6 +135,15 @@ class AdminCalls:
     def __init__(self, args: ServerArgs, comm: Communicator) -> None:
         self.args = args
         self.comm = comm
+        # The auth interceptor's admin rule (set by launch when keys are configured), for
+        # admin ops that travel inside a non-admin RPC: metadata -> None or why not.
+        self.check_admin_key: Callable[[Any], str | None] = lambda metadata: None
+
+    def require_admin_key(self, context: grpc.aio.ServicerContext) -> None:
+        """UNAUTHENTICATED unless the call carries the key that opens the admin RPCs."""
+        reason = self.check_admin_key(context.invocation_metadata())
+        if reason is not None:
+            raise ServiceError(grpc.StatusCode.UNAUTHENTICATED, reason)
 
     def require_ready(self) -> None:
         """UNAVAILABLE while the model loads or once a rank is gone."""
@@ -157,13 +173,16 @@ class AdminCalls:
         op: str,
         make: MakeMessage,
         server_default: float,
+        raise_unanswered: bool = True,
         **log_fields: Any,
     ) -> FanOut:
         """Send ``make(rid, deadline, trace)`` to every rank; wait for every reply.
 
         ``server_default`` is the op's own time limit in seconds; the caller's deadline
         wins when it is nearer. Raises DEADLINE_EXCEEDED / UNAVAILABLE as
-        :meth:`FanOut.raise_if_unanswered` says; every other outcome is in the FanOut.
+        :meth:`FanOut.raise_if_unanswered` says (unless ``raise_unanswered`` is False: the
+        caller records what the ranks that answered did, then raises); every other outcome
+        is in the FanOut.
         """
         self.require_ready()
         carrier = carrier_from_metadata(context.invocation_metadata())
@@ -177,5 +196,6 @@ class AdminCalls:
                 lambda admin_id: make(admin_id, deadline, forward), wait, rid=rid
             )
         out = FanOut(self.args.dp_size, replies, failures)
-        out.raise_if_unanswered()
+        if raise_unanswered:
+            out.raise_if_unanswered()
         return out

@@ -18,7 +18,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import zmq
 import zmq.asyncio
@@ -32,6 +32,7 @@ from sglang_admin.messages import (
     FailedMsg,
     GenerateReq,
     KvEvents,
+    ModelInfo,
     RankState,
     ReadyMsg,
     ReqOutput,
@@ -50,6 +51,15 @@ READ_BATCH = 64  # messages dispatched per inbox wake-up before other callbacks 
 
 class RankUnavailable(Exception):
     """The rank serving a call died or the server is shutting down."""
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """Why one rank gave no answer to an admin call: ``kind`` is ``timeout`` (it did not
+    answer in time), ``dead`` (its process is gone) or ``down`` (the server is stopping)."""
+
+    kind: Literal["timeout", "dead", "down"]
+    message: str
 
 
 @dataclass
@@ -97,12 +107,11 @@ class Communicator:
         self.calls: dict[str, _AdminCall] = {}
         self.inflight = [0] * args.dp_size
         self.rank_states: list[RankState | None] = [None] * args.dp_size
-        self.model_info: dict[str, Any] = {}
+        self.model_info: ModelInfo | None = None  # rank 0's, once the ranks are ready
         self.ready_ranks: set[int] = set()
         self.ready = asyncio.Event()
         self.startup_error: str | None = None
         self.dead_ranks: dict[int, str] = {}
-        self.kv_subscribers: set[asyncio.Queue] = set()  # raw KvEvents messages
         self.kv_hub = KvEventHub(args.dp_size)  # block events for SubscribeKvEvents
         self.last_receive_time = 0.0
         self._rr = itertools.cycle(range(args.dp_size))
@@ -209,12 +218,10 @@ class Communicator:
                 call.finish()
         elif isinstance(msg, KvEvents):
             self.kv_hub.publish(msg)
-            for queue in list(self.kv_subscribers):
-                queue.put_nowait(msg)
         elif isinstance(msg, ReadyMsg):
             self.ready_ranks.add(msg.dp_rank)
             self.rank_states[msg.dp_rank] = msg.state
-            if msg.dp_rank == 0 or not self.model_info:
+            if msg.dp_rank == 0 or self.model_info is None:
                 self.model_info = msg.model_info
             if len(self.ready_ranks) == self.args.dp_size:
                 self.ready.set()
@@ -329,28 +336,28 @@ class Communicator:
         timeout: float,
         ranks: tuple[int, ...] | None = None,
         rid: str | None = None,
-    ) -> tuple[dict[int, AdminReply], dict[int, str]]:
+    ) -> tuple[dict[int, AdminReply], dict[int, RankFailure]]:
         """Send make(rid) to every rank and wait for one reply each, at most `timeout` s.
 
         `rid` (from :meth:`new_admin_id`) lets the caller log the id before the call.
-        Returns (replies by rank, failures by rank): a rank that died or did not answer in
-        time is a failure with its reason. Every rank that was sent the request and has not
-        answered when the wait ends (timeout, or the calling task cancelled) is sent a
-        :class:`CancelAdminReq`, so that nothing stays pending there for a caller that left.
+        Returns (replies by rank, failures by rank): a rank that died, or did not answer in
+        time, is a :class:`RankFailure` of that kind. Every rank that was sent the request
+        and has not answered when the wait ends (timeout, or the calling task cancelled) is
+        sent a :class:`CancelAdminReq`, so that nothing stays pending there for a caller
+        that left.
         """
         ranks = tuple(range(self.args.dp_size)) if ranks is None else ranks
         rid = rid or self.new_admin_id()
         call = _AdminCall(ranks)
         self.calls[rid] = call
-        failures: dict[int, str] = {}
+        failures: dict[int, RankFailure] = {}
         sent: list[int] = []
         try:
             data = encode(make(rid))
             for rank in ranks:
-                if rank in self.dead_ranks:
-                    failures[rank] = f"rank {rank} is unavailable ({self.dead_ranks[rank]})"
-                elif self.down_reason is not None:
-                    failures[rank] = f"rank {rank} is unavailable ({self.down_reason})"
+                failure = self._unreachable(rank)
+                if failure is not None:
+                    failures[rank] = failure
                 else:
                     await self.outboxes[rank].send(data)
                     sent.append(rank)
@@ -366,15 +373,19 @@ class Communicator:
                 if rank not in call.replies and rank not in self.dead_ranks:
                     self._send_nowait(rank, CancelAdminReq(rid))
         for rank in ranks:
-            if rank in call.replies or rank in failures:
-                continue
-            if rank in self.dead_ranks:
-                failures[rank] = f"rank {rank} is unavailable ({self.dead_ranks[rank]})"
-            elif self.down_reason is not None:
-                failures[rank] = f"rank {rank} is unavailable ({self.down_reason})"
-            else:
-                failures[rank] = f"rank {rank} did not answer within {timeout:.1f}s"
+            if rank not in call.replies and rank not in failures:
+                failures[rank] = self._unreachable(rank) or RankFailure(
+                    "timeout", f"rank {rank} did not answer within {timeout:.1f}s"
+                )
         return call.replies, failures
+
+    def _unreachable(self, rank: int) -> RankFailure | None:
+        """Why a call cannot reach ``rank`` (its process died, the server is going down)."""
+        if rank in self.dead_ranks:
+            return RankFailure("dead", f"rank {rank} is unavailable ({self.dead_ranks[rank]})")
+        if self.down_reason is not None:
+            return RankFailure("down", f"rank {rank} is unavailable ({self.down_reason})")
+        return None
 
     async def shared(self, key: str, make_call: Callable[[], Any]) -> Any:
         """Coalesce concurrent identical read-only calls onto one in-flight request.

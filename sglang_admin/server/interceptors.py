@@ -12,25 +12,18 @@ from typing import Any
 
 import grpc
 
+from sglang_admin.server.admin import admin_methods
 from sglang_admin.server.convert import ServiceError
+from sglang_admin.server.servicer import SglangSchedulerServicer
 from sglang_admin.tracing import carrier_from_metadata, trace_id_of
 
 logger = logging.getLogger(__name__)
 
 SERVICE = "sglang.grpc.scheduler.SglangScheduler"
-# RPCs that change the server's state for everyone: with --admin-api-key set, only that key
-# opens them (SGLang's ADMIN_OPTIONAL level); with only --api-key, that key does.
-ADMIN_METHODS = frozenset(
-    f"/{SERVICE}/{m}"
-    for m in (
-        "FlushCache",
-        "StartProfile",
-        "StopProfile",
-        "DownloadProfile",
-        "LoadLoRAAdapter",
-        "UnloadLoRAAdapter",
-    )
-)
+# RPCs that change the server's state for everyone, as the servicer marks them
+# (@admin_rpc): with --admin-api-key set, only that key opens them (SGLang's ADMIN_OPTIONAL
+# level); with only --api-key, that key does.
+ADMIN_METHODS = admin_methods(SglangSchedulerServicer, SERVICE)
 # Health and reflection stay open (probes and tools must not need a secret).
 OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 OPEN_METHODS = frozenset({f"/{SERVICE}/HealthCheck"})
@@ -149,6 +142,11 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             return None
         scheme, _, token = value.partition(" ")
         return token if scheme.lower() == "bearer" and token else ""
+
+    def check_admin(self, metadata: Any) -> str | None:
+        """The admin rule for an admin op that travels in a non-admin RPC (Abort's
+        abort_all): None when the call may proceed, else the reason it may not."""
+        return self.check(next(iter(sorted(ADMIN_METHODS))), metadata)
 
     def check(self, method: str, metadata: Any) -> str | None:
         """None when the call may proceed, else the reason it may not."""

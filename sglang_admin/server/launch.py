@@ -161,9 +161,12 @@ class Server:
         args = self.args
         self.comm = Communicator(args)
         self.comm.start()
+        servicer = SglangSchedulerServicer(args, self.comm)
         interceptors: list[grpc.aio.ServerInterceptor] = []
         if args.api_key or args.admin_api_key:
-            interceptors.append(AuthInterceptor(args.api_key, args.admin_api_key))
+            auth = AuthInterceptor(args.api_key, args.admin_api_key)
+            servicer.admin.check_admin_key = auth.check_admin
+            interceptors.append(auth)
         if args.log_requests:
             interceptors.append(AccessLogInterceptor())
         interceptors.append(ErrorInterceptor())
@@ -177,9 +180,7 @@ class Server:
                 *connection_options(args),
             ],
         )
-        common_pb2_grpc.add_SglangSchedulerServicer_to_server(
-            SglangSchedulerServicer(args, self.comm), self.server
-        )
+        common_pb2_grpc.add_SglangSchedulerServicer_to_server(servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         # v1 is served too (grpcurl tries it first) but not listed: grpcio-reflection ships
         # only v1alpha's descriptors, and every listed service must be describable.

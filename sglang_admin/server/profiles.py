@@ -246,7 +246,7 @@ class ProfileRegistry:
 async def busy_ranks(comm: Any, timeout: float) -> list[int]:
     """Ranks whose profiler is armed or running (a rank that does not answer counts)."""
     replies, failures = await comm.call_ranks(lambda rid: StateReq(rid), timeout)
-    busy = [r for r, reply in replies.items() if reply.data["state"].profiler_state != "idle"]
+    busy = [r for r, reply in replies.items() if reply.result.profiler_state != "idle"]
     return sorted(busy + list(failures))
 
 
@@ -432,11 +432,3 @@ async def file_chunks(path: str, chunk_bytes: int = CHUNK_BYTES) -> AsyncIterato
                 return
     finally:
         f.close()
-
-
-def failure_message(results: list[pb.RankResult]) -> str:
-    """Every failing rank and its reason; one reason alone when all ranks share it."""
-    failed = [r for r in results if not r.success]
-    if failed and len(failed) == len(results) and len({r.message for r in failed}) == 1:
-        return failed[0].message
-    return " | ".join(f"rank {r.dp_rank}: {r.message}" for r in failed)

@@ -161,14 +161,14 @@ class TokenizerBundle:
         return self._bundle
 
 
-def tokenizer_dir(tokenizer_path: str | None, model_info: dict) -> str | None:
+def tokenizer_dir(tokenizer_path: str | None, model_tokenizer_path: str | None) -> str | None:
     """The worker's tokenizer directory: --tokenizer-path (absolute), else the one found
-    in the model directory; None when neither is known. What GetModelInfo and
+    in the model directory (ModelInfo.tokenizer_path); None when neither is known. What GetModelInfo and
     GetServerInfo report and GetTokenizer serves (the latter falls back to the model
     directory to say what is missing there)."""
     if tokenizer_path:
         return os.path.abspath(tokenizer_path)
-    return model_info.get("tokenizer_path") or None
+    return model_tokenizer_path or None
 
 
 _BUNDLES: dict[Path, TokenizerBundle] = {}

@@ -10,6 +10,7 @@ import json
 import os
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -21,6 +22,8 @@ from sglang_admin.messages import ProfileStopResult, StartProfileReq
 from sglang_admin.pb import common_pb2 as pb
 from sglang_admin.scheduler.profiler import ALREADY_RUNNING, NOT_RUNNING, Profiler
 from sglang_admin.server import profiles
+from sglang_admin.server.admin import rank_failure_text
+from sglang_admin.server.communicator import RankFailure
 from sglang_admin.server.convert import ServiceError
 
 X = torch.randn(32, 32)
@@ -289,10 +292,8 @@ def test_plan_start_defaults_and_refusals(tmp_path: Path, monkeypatch: pytest.Mo
 
 
 def test_failure_message() -> None:
-    same = [pb.RankResult(dp_rank=r, success=False, message=NOT_RUNNING) for r in (0, 1)]
-    assert profiles.failure_message(same) == NOT_RUNNING
-    mixed = [pb.RankResult(dp_rank=0, success=True), pb.RankResult(dp_rank=1, message="boom")]
-    assert profiles.failure_message(mixed) == "rank 1: boom"
+    assert rank_failure_text({0: NOT_RUNNING, 1: NOT_RUNNING}, dp_size=2) == NOT_RUNNING
+    assert rank_failure_text({1: "boom"}, dp_size=2) == "rank 1: boom"
 
 
 def test_file_chunks_and_merge(tmp_path: Path) -> None:
@@ -412,12 +413,12 @@ def test_cuda_trace_and_memory_snapshot(tmp_path: Path) -> None:
 class FakeComm:
     """Just enough of Communicator for the profile RPCs: canned replies per rank."""
 
-    def __init__(self, answers: dict[int, tuple[bool, str, dict]], late: tuple[int, ...] = ()):
+    def __init__(self, answers: dict[int, tuple[bool, str, Any]], late: tuple[int, ...] = ()):
         self.answers, self.late = answers, late
         self.dead_ranks: dict[int, str] = {}
         self.ready = asyncio.Event()
         self.ready.set()
-        self.model_info = {"device": "cpu"}
+        self.model_info = SimpleNamespace(device="cpu")
         self.timeouts: list[float] = []
         self.sent: list[Any] = []
 
@@ -433,7 +434,10 @@ class FakeComm:
         replies = {
             r: AdminReply("rid", r, ok, text, data) for r, (ok, text, data) in self.answers.items()
         }
-        failures = {r: f"rank {r} did not answer within {timeout:.1f}s" for r in self.late}
+        failures = {
+            r: RankFailure("timeout", f"rank {r} did not answer within {timeout:.1f}s")
+            for r in self.late
+        }
         return replies, failures
 
 
@@ -455,7 +459,7 @@ def servicer(tmp_path: Path, comm: FakeComm) -> Any:
 
 
 def test_servicer_deadline_and_rank_failures(tmp_path: Path) -> None:
-    late = FakeComm({0: (True, "ok", {})}, late=(1,))
+    late = FakeComm({0: (True, "ok", None)}, late=(1,))
     with pytest.raises(ServiceError) as exc:
         asyncio.run(servicer(tmp_path, late).StartProfile(pb.StartProfileRequest(), FakeContext(7)))
     assert exc.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -466,8 +470,8 @@ def test_servicer_deadline_and_rank_failures(tmp_path: Path) -> None:
     assert sent.activities == ["CPU"] and sent.with_stack and sent.record_shapes
 
     files = [str(tmp_path / "x-TP-0-DP-0.trace.json.gz")]
-    mixed = FakeComm({0: (True, "ok", {"files": files, "profile_id": "x"}),
-                      1: (False, "boom", {"files": [], "profile_id": "x"})})
+    mixed = FakeComm({0: (True, "ok", ProfileStopResult(files, "x")),
+                      1: (False, "boom", ProfileStopResult([], "x"))})
     resp = asyncio.run(
         servicer(tmp_path, mixed).StopProfile(pb.StopProfileRequest(), FakeContext(None))
     )

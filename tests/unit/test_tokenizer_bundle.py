@@ -125,7 +125,6 @@ def test_async_bundle_is_built_once(tmp_path: Path, monkeypatch) -> None:
 
 
 def test_tokenizer_dir_prefers_the_flag_then_the_model_directory(tmp_path: Path) -> None:
-    info = {"tokenizer_path": "/models/m", "model_path": "/models/m"}
-    assert tokenizer_dir(None, info) == "/models/m"
-    assert tokenizer_dir("rel/tok", info) == os.path.abspath("rel/tok")
-    assert tokenizer_dir(None, {"tokenizer_path": None, "model_path": "/models/m"}) is None
+    assert tokenizer_dir(None, "/models/m") == "/models/m"
+    assert tokenizer_dir("rel/tok", "/models/m") == os.path.abspath("rel/tok")
+    assert tokenizer_dir(None, None) is None

@@ -1,0 +1,160 @@
+"""The generation RPCs: Generate, Abort (one request or all), PauseGeneration and
+ContinueGeneration."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+
+from sglang_admin.config import ServerArgs
+from sglang_admin.messages import AbortAllReq, ContinueReq, CountResult, PauseReq
+from sglang_admin.pb import common_pb2 as pb
+from sglang_admin.server.admin import AdminCalls, FanOut
+from sglang_admin.server.communicator import Communicator, RankUnavailable
+from sglang_admin.server.convert import (
+    Limits,
+    ServiceError,
+    chunk_to_proto,
+    complete_to_proto,
+    generate_from_proto,
+    invalid,
+)
+from sglang_admin.server.stream_buffer import StreamOverflow
+from sglang_admin.tracing import carrier_from_metadata, server_span
+
+CONTROL_TIMEOUT_S = 30.0
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+def _count(out: FanOut) -> int:
+    return sum(r.count for r in (out.result(k) for k in out.replies) if isinstance(r, CountResult))
+
+
+def _with_counts(out: FanOut) -> list[pb.RankResult]:
+    results = out.rank_results()
+    for res in results:
+        found = out.result(res.dp_rank)
+        if isinstance(found, CountResult):
+            res.num_paused_requests = found.count
+    return results
+
+
+class Generation:
+    """Generate and the ops that act on requests in flight."""
+
+    def __init__(self, args: ServerArgs, comm: Communicator, admin: AdminCalls) -> None:
+        self.args = args
+        self.comm = comm
+        self.admin = admin
+
+    @property
+    def limits(self) -> Limits:
+        info = self.comm.model_info
+        assert info is not None
+        return Limits(
+            vocab_size=info.vocab_size,
+            context_length=info.context_length,
+            token_capacity=info.token_capacity,
+            dp_size=self.args.dp_size,
+        )
+
+    async def generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        self.admin.require_ready()
+        rid = request.request_id or uuid.uuid4().hex
+        if self.comm.is_inflight(rid):
+            raise ServiceError(
+                grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already in flight"
+            )
+        req = generate_from_proto(request, rid, self.limits)
+        remaining = context.time_remaining()
+        if remaining is not None:
+            req.deadline = time.time() + remaining
+        rank = self.comm.pick_rank(
+            request.data_parallel_rank if request.HasField("data_parallel_rank") else None
+        )
+        carrier = carrier_from_metadata(context.invocation_metadata())
+        with server_span("Generate", carrier, request_id=rid) as forward:
+            req.trace = forward
+            self.admin.log("generate", rid, carrier, rank=rank, prompt_tokens=len(req.input_ids))
+            output_ids: list[int] = []
+            logprobs: list[float] = []
+            tops: list = []
+            try:
+                async for out in self.comm.generate(req, rank):
+                    if out.error:
+                        code = getattr(grpc.StatusCode, out.error_code or "INTERNAL")
+                        raise ServiceError(code, out.error)
+                    output_ids.extend(out.new_token_ids)
+                    logprobs.extend(out.logprobs)
+                    tops.extend(out.top_logprobs)
+                    if req.stream:
+                        if out.new_token_ids or out.finish_reason is None:
+                            yield chunk_to_proto(rid, out, req.return_logprob)
+                        if out.finish_reason is not None:
+                            # As SGLang's servicer: in streaming mode the final message
+                            # carries the last step's tokens (the chunks carried the rest).
+                            yield complete_to_proto(
+                                rid, out, out.new_token_ids, out.logprobs, out.top_logprobs,
+                                req.return_logprob,
+                            )
+                    elif out.finish_reason is not None:
+                        yield complete_to_proto(
+                            rid, out, output_ids, logprobs, tops, req.return_logprob
+                        )
+            except RankUnavailable as exc:
+                raise ServiceError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+            except StreamOverflow as exc:
+                raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None
+            self.admin.log("generate_done", rid, carrier, completion_tokens=len(output_ids))
+
+    async def abort(
+        self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AbortResponse:
+        """One request by id; with ``abort_all``, every request on every rank."""
+        reason = request.reason or "aborted by client"
+        if request.abort_all:
+            self.admin.require_admin_key(context)
+            out = await self.admin.fan_out(
+                context, "abort_all", lambda rid, deadline, trace: AbortAllReq(
+                    rid, reason, deadline, trace), CONTROL_TIMEOUT_S)
+            return pb.AbortResponse(
+                success=out.ok, message=out.message(f"{_count(out)} request(s) aborted"))
+        if not request.request_id:
+            raise invalid("request_id must not be empty (or set abort_all)")
+        found = self.comm.abort(request.request_id, reason)
+        return pb.AbortResponse(
+            success=found,
+            message="" if found else f"request {request.request_id!r} is not in flight",
+        )
+
+    async def pause(
+        self, request: pb.PauseGenerationRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PauseGenerationResponse:
+        mode = request.mode or "abort"
+        if mode not in PAUSE_MODES:
+            raise invalid(f"mode {request.mode!r} is not one of {', '.join(PAUSE_MODES)}")
+        out = await self.admin.fan_out(
+            context, "pause_generation",
+            lambda rid, deadline, trace: PauseReq(rid, mode, deadline, trace),
+            CONTROL_TIMEOUT_S, mode=mode,
+        )
+        count = _count(out)
+        return pb.PauseGenerationResponse(
+            success=out.ok, message=out.message(f"Generation paused ({mode}): {count} request(s)"),
+            rank_results=_with_counts(out), num_paused_requests=count,
+        )
+
+    async def resume(
+        self, request: pb.ContinueGenerationRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AdminResponse:
+        out = await self.admin.fan_out(
+            context, "continue_generation",
+            lambda rid, deadline, trace: ContinueReq(rid, deadline, trace), CONTROL_TIMEOUT_S,
+        )
+        return pb.AdminResponse(success=out.ok, message=out.message("Generation continued"),
+                                rank_results=out.rank_results())

@@ -1,0 +1,321 @@
+"""The read-only RPCs: HealthCheck, GetModelInfo, GetServerInfo, GetLoads, GetTokenizer and
+SubscribeKvEvents."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from google.protobuf import struct_pb2, timestamp_pb2
+
+from sglang_admin import __version__
+from sglang_admin.config import ServerArgs
+from sglang_admin.messages import ModelInfo, RankState, StateReq
+from sglang_admin.pb import common_pb2 as pb
+from sglang_admin.server.admin import AdminCalls, effective_timeout, rank_failure_text
+from sglang_admin.server.communicator import Communicator, RankFailure
+from sglang_admin.server.convert import ServiceError, invalid
+from sglang_admin.server.tokenizer_bundle import (
+    NoTokenizerFiles,
+    bundle_for,
+    iter_chunks,
+    tokenizer_dir,
+)
+from sglang_admin.tracing import carrier_from_metadata
+
+# Server-side default deadlines (the caller's deadline wins when smaller).
+INFO_TIMEOUT_S = 5.0
+HEALTH_TIMEOUT_S = 3.0
+LOAD_SECTIONS = ("core", "memory", "spec", "lora", "disagg", "queues", "all")
+
+
+class Info:
+    """What the worker says about itself."""
+
+    def __init__(self, args: ServerArgs, comm: Communicator, admin: AdminCalls) -> None:
+        self.args = args
+        self.comm = comm
+        self.admin = admin
+        self.start_time = time.time()
+        self._static: tuple[ModelInfo, tuple] | None = None  # see _static_info
+
+    @property
+    def model(self) -> ModelInfo:
+        assert self.comm.model_info is not None, "called before require_ready"
+        return self.comm.model_info
+
+    async def rank_states(self, timeout: float) -> tuple[list[RankState], dict[int, RankFailure]]:
+        """Every rank's live state (a round trip; concurrent callers share one)."""
+
+        async def ask() -> tuple[dict, dict]:
+            return await self.comm.call_ranks(lambda rid: StateReq(rid), timeout)
+
+        replies, failures = await self.comm.shared(f"state:{timeout:.3f}", ask)
+        return [replies[r].result for r in sorted(replies)], failures
+
+    async def health(
+        self, request: pb.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> pb.HealthCheckResponse:
+        if not self.comm.healthy:
+            reason = (
+                "; ".join(f"rank {r} {why}" for r, why in self.comm.dead_ranks.items())
+                or "model loading"
+            )
+            return pb.HealthCheckResponse(healthy=False, message=f"not ready: {reason}")
+        _, failures = await self.rank_states(effective_timeout(context, HEALTH_TIMEOUT_S))
+        if failures:
+            return pb.HealthCheckResponse(
+                healthy=False, message=rank_failure_text({r: f.message for r, f in failures.items()})
+            )
+        return pb.HealthCheckResponse(healthy=True, message="OK")
+
+    async def model_info(
+        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetModelInfoResponse:
+        self.admin.require_ready()
+        info = self.model
+        return pb.GetModelInfoResponse(
+            model_path=info.model_path,
+            tokenizer_path=tokenizer_dir(self.args.tokenizer_path, info.tokenizer_path) or "",
+            is_generation=True,
+            weight_version=info.weight_version,
+            served_model_name=self.served_model_name,
+            max_context_length=info.context_length,
+            vocab_size=info.vocab_size,
+            supports_vision=False,
+            model_type=info.model_type,
+            eos_token_ids=info.eos_token_ids,
+            pad_token_id=info.pad_token_id or 0,
+            bos_token_id=info.bos_token_id or 0,
+            max_req_input_len=info.context_length - 1,
+            architectures=info.architectures,
+        )
+
+    @property
+    def served_model_name(self) -> str:
+        return self.args.served_model_name or self.model.model_path or "unknown"
+
+    def server_args_dict(self) -> dict[str, Any]:
+        info = self.model
+        out = self.args.to_dict()
+        out.update(
+            model_path=info.model_path,
+            served_model_name=self.served_model_name,
+            tokenizer_path=tokenizer_dir(self.args.tokenizer_path, info.tokenizer_path) or "",
+            tp_size=1,
+            pp_size=1,
+            context_length=info.context_length,
+            max_total_tokens=info.token_capacity,
+            disaggregation_mode="null",
+            is_embedding=False,
+            vocab_size=info.vocab_size,
+            weight_version=info.weight_version,
+            device=info.device,
+            dtype=info.dtype,
+        )
+        out.pop("ipc_dir", None)
+        return out
+
+    def _static_info(self) -> tuple[struct_pb2.Struct, struct_pb2.Struct, timestamp_pb2.Timestamp]:
+        """server_args, scheduler_info and start_time of GetServerInfo. They change only with
+        the model info the ranks report (a new object after every weight op), so they are
+        built once per model info (filling the Structs cost most of an answer)."""
+        info = self.model
+        if self._static is not None and self._static[0] is info:
+            return self._static[1]
+        server_args = struct_pb2.Struct()
+        server_args.update(_jsonable(self.server_args_dict()))
+        scheduler_info = struct_pb2.Struct()
+        scheduler_info.update(
+            _jsonable(
+                {
+                    "max_total_num_tokens": info.token_capacity,
+                    "max_running_requests": self.args.max_running_requests,
+                    "max_req_input_len": info.context_length - 1,
+                    "context_length": info.context_length,
+                    "is_generation": True,
+                    "dp_size": self.args.dp_size,
+                    "model": dataclasses.asdict(info),
+                }
+            )
+        )
+        start = timestamp_pb2.Timestamp()
+        start.FromSeconds(int(self.start_time))
+        self._static = (info, (server_args, scheduler_info, start))
+        return self._static[1]
+
+    async def server_info(
+        self, request: pb.GetServerInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetServerInfoResponse:
+        self.admin.require_ready()
+        states, failures = await self.rank_states(effective_timeout(context, INFO_TIMEOUT_S))
+        if failures:
+            late = all(f.kind == "timeout" for f in failures.values())
+            raise ServiceError(
+                grpc.StatusCode.DEADLINE_EXCEEDED if late else grpc.StatusCode.UNAVAILABLE,
+                rank_failure_text({r: f.message for r, f in failures.items()}),
+            )
+        server_args, scheduler_info, start = self._static_info()
+        return pb.GetServerInfoResponse(
+            server_args=server_args,
+            scheduler_info=scheduler_info,
+            active_requests=len(self.comm.streams),
+            is_paused=any(s.flush_pending or s.paused for s in states),
+            last_receive_timestamp=self.comm.last_receive_time,
+            uptime_seconds=time.time() - self.start_time,
+            sglang_version=__version__,
+            server_type="grpc",
+            start_time=start,
+            max_total_num_tokens=self.model.token_capacity,
+            rank_states=[_rank_state_proto(s) for s in states],
+        )
+
+    async def loads(
+        self, request: pb.GetLoadsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetLoadsResponse:
+        self.admin.require_ready()
+        include = set(request.include) or {"core"}
+        unknown = sorted(include - set(LOAD_SECTIONS))
+        if unknown:
+            raise invalid(
+                f"unknown include section(s) {', '.join(unknown)}; "
+                f"valid: {', '.join(LOAD_SECTIONS)}"
+            )
+        if "all" in include:
+            include = set(LOAD_SECTIONS)
+        ranks = range(self.args.dp_size)
+        if request.HasField("dp_rank"):
+            if not 0 <= request.dp_rank < self.args.dp_size:
+                raise invalid(
+                    f"dp_rank = {request.dp_rank} is out of range [0, {self.args.dp_size - 1}]"
+                )
+            ranks = [request.dp_rank]
+        loads = []
+        for rank in ranks:
+            state = self.comm.rank_states[rank] or RankState(dp_rank=rank)
+            loads.append(_load_proto(state, include))
+        total_running = sum(x.num_running_reqs for x in loads)
+        total_waiting = sum(x.num_waiting_reqs for x in loads)
+        n = max(len(loads), 1)
+        return pb.GetLoadsResponse(
+            timestamp=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            version=__version__,
+            dp_rank_count=self.args.dp_size,
+            loads=loads,
+            aggregate=pb.AggregateMetrics(
+                total_running_reqs=total_running,
+                total_waiting_reqs=total_waiting,
+                total_reqs=total_running + total_waiting,
+                avg_token_usage=sum(x.token_usage for x in loads) / n,
+                avg_throughput=sum(x.gen_throughput for x in loads) / n,
+                avg_utilization=sum(x.utilization for x in loads) / n,
+            ),
+        )
+
+    async def tokenizer(
+        self, request: pb.GetTokenizerRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GetTokenizerChunk]:
+        self.admin.require_ready()
+        info = self.model
+        directory = tokenizer_dir(self.args.tokenizer_path, info.tokenizer_path) or info.model_path
+        if not directory:
+            raise ServiceError(
+                grpc.StatusCode.FAILED_PRECONDITION, "this worker has no tokenizer directory"
+            )
+        try:
+            bundle = await bundle_for(directory).get()
+        except NoTokenizerFiles as exc:
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
+        carrier = carrier_from_metadata(context.invocation_metadata())
+        self.admin.log("get_tokenizer", "-", carrier, files=len(bundle.names),
+                       bytes=len(bundle.data))
+        for data, digest in iter_chunks(bundle):
+            yield pb.GetTokenizerChunk(data=data, sha256=digest)
+
+    async def kv_events(
+        self, request: pb.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.KvEventBatch]:
+        hub = self.comm.kv_hub
+        sub = hub.subscribe(int(request.start_sequence_number))
+        try:
+            carrier = carrier_from_metadata(context.invocation_metadata())
+            self.admin.log(
+                "subscribe_kv_events", "-", carrier,
+                start=request.start_sequence_number, initial_batches=len(sub.initial),
+            )
+            await context.send_initial_metadata(())
+            async for batch in sub.batches():
+                yield batch
+        finally:
+            hub.unsubscribe(sub)
+
+
+def _jsonable(obj: Any) -> Any:
+    """Make a value fit google.protobuf.Struct (numbers as floats, None kept)."""
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, bool) or obj is None or isinstance(obj, str):
+        return obj
+    if isinstance(obj, (int, float)):
+        return float(obj)
+    return str(obj)
+
+
+def _rank_state_proto(s: RankState) -> pb.RankState:
+    return pb.RankState(
+        dp_rank=s.dp_rank,
+        num_running_reqs=s.num_running_reqs,
+        num_waiting_reqs=s.num_waiting_reqs,
+        token_capacity=s.token_capacity,
+        num_used_tokens=s.num_used_tokens,
+        num_evictable_tokens=s.num_evictable_tokens,
+        cache_hit_rate=s.cache_hit_rate,
+        gen_throughput=s.gen_throughput,
+        profiler_state=s.profiler_state,
+        last_step_time_s=s.last_step_time_s,
+        forward_steps=s.forward_steps,
+        device=s.device,
+        pid=s.pid,
+        flush_pending=s.flush_pending,
+    )
+
+
+def _load_proto(s: RankState, include: set[str]) -> pb.SchedulerLoad:
+    capacity = max(s.token_capacity, 1)
+    active = s.num_used_tokens - s.num_evictable_tokens
+    load = pb.SchedulerLoad(
+        dp_rank=s.dp_rank,
+        num_running_reqs=s.num_running_reqs,
+        num_waiting_reqs=s.num_waiting_reqs,
+        num_total_reqs=s.num_running_reqs + s.num_waiting_reqs,
+        num_used_tokens=s.num_used_tokens,
+        max_total_num_tokens=s.token_capacity,
+        token_usage=s.num_used_tokens / capacity,
+        gen_throughput=s.gen_throughput,
+        cache_hit_rate=s.cache_hit_rate,
+        utilization=max(active, 0) / capacity,
+        max_running_requests=s.max_running_requests,
+        num_waiting_uncached_tokens=s.num_waiting_uncached_tokens,
+    )
+    if "memory" in include:
+        load.memory.CopyFrom(
+            pb.MemoryMetrics(
+                weight_gb=s.weight_gb, kv_cache_gb=s.kv_cache_gb, token_capacity=s.token_capacity
+            )
+        )
+    if "queues" in include:
+        load.queues.CopyFrom(
+            pb.QueueMetrics(waiting=s.num_waiting_reqs, retracted=s.num_retracted_reqs)
+        )
+    if "disagg" in include:
+        load.disaggregation.CopyFrom(pb.DisaggregationMetrics(mode="null"))
+    if "spec" in include:
+        load.speculative.CopyFrom(pb.SpeculativeMetrics())
+    if "lora" in include:
+        load.lora.CopyFrom(pb.LoRAMetrics())
+    return load

@@ -1,0 +1,196 @@
+"""The weight RPCs of the RL refit surface: UpdateWeightsFromDisk, UpdateWeightVersion,
+GetWeightsByName, CheckWeights, ReleaseMemoryOccupation and ResumeMemoryOccupation.
+
+Each fans out to every rank (scheduler/weight_control.py does the work there). The worker's
+model facts (model_path, weight_version) follow rank 0's answer when every rank succeeded,
+so GetModelInfo and GetServerInfo report what the ranks serve.
+"""
+
+from __future__ import annotations
+
+import os
+
+import grpc
+
+from sglang_admin.config import ServerArgs
+from sglang_admin.messages import (
+    CheckWeightsReq,
+    DigestResult,
+    GetWeightsReq,
+    MemoryResult,
+    ReleaseMemoryReq,
+    ResumeMemoryReq,
+    UpdateWeightsFromDiskReq,
+    UpdateWeightVersionReq,
+    WeightsResult,
+    WeightValues,
+)
+from sglang_admin.pb import common_pb2 as pb
+from sglang_admin.server.admin import AdminCalls, FanOut
+from sglang_admin.server.communicator import Communicator
+from sglang_admin.server.convert import invalid
+
+UPDATE_TIMEOUT_S = 600.0  # waits for running requests, then reads the checkpoint
+READ_TIMEOUT_S = 60.0
+MEMORY_TIMEOUT_S = 120.0
+LOAD_FORMATS = ("", "auto", "safetensors")
+MEMORY_TAGS = ("kv_cache", "weights")
+DEFAULT_TRUNCATE = 100
+MAX_TRUNCATE = 1 << 20
+
+
+def _weights_results(out: FanOut) -> tuple[list[pb.RankResult], int]:
+    results = out.rank_results()
+    paused = 0
+    for res in results:
+        found = out.result(res.dp_rank)
+        if isinstance(found, WeightsResult):
+            res.num_paused_requests = found.num_paused_requests
+            paused += found.num_paused_requests
+    return results, paused
+
+
+def _tags(tags: list[str]) -> list[str]:
+    unknown = sorted(set(tags) - set(MEMORY_TAGS))
+    if unknown:
+        raise invalid(f"unknown memory tag(s) {', '.join(unknown)}; valid: {', '.join(MEMORY_TAGS)}")
+    return list(dict.fromkeys(tags)) or list(MEMORY_TAGS)
+
+
+class Weights:
+    """Refit, inspect and release the weights of every rank."""
+
+    def __init__(self, args: ServerArgs, comm: Communicator, admin: AdminCalls) -> None:
+        self.args = args
+        self.comm = comm
+        self.admin = admin
+
+    def _adopt(self, out: FanOut) -> None:
+        """Every rank succeeded: the worker now serves what rank 0 reports."""
+        found = out.result(0)
+        if out.ok and isinstance(found, WeightsResult):
+            self.comm.model_info = found.model_info  # a new object: cached answers rebuild
+
+    async def update_from_disk(
+        self, request: pb.UpdateWeightsFromDiskRequest, context: grpc.aio.ServicerContext
+    ) -> pb.UpdateWeightsResponse:
+        if not request.model_path:
+            raise invalid("model_path must name a checkpoint directory")
+        if request.load_format not in LOAD_FORMATS:
+            raise invalid(f"load_format {request.load_format!r} is not supported; "
+                          "use auto or safetensors")
+        path = os.path.abspath(request.model_path)  # noqa: ASYNC240 - no I/O; ranks check it
+        flush = request.flush_cache if request.HasField("flush_cache") else True
+        out = await self.admin.fan_out(
+            context, "update_weights_from_disk",
+            lambda rid, deadline, trace: UpdateWeightsFromDiskReq(
+                rid, path, request.abort_all_requests, request.weight_version, flush,
+                deadline, trace),
+            UPDATE_TIMEOUT_S, model_path=path,
+        )
+        self._adopt(out)
+        results, paused = _weights_results(out)
+        info = self.comm.model_info
+        assert info is not None
+        return pb.UpdateWeightsResponse(
+            success=out.ok, message=out.message("Succeeded to update model weights."),
+            rank_results=results, num_paused_requests=paused,
+            model_path=info.model_path, weight_version=info.weight_version,
+        )
+
+    async def update_version(
+        self, request: pb.UpdateWeightVersionRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AdminResponse:
+        if not request.new_version:
+            raise invalid("new_version must not be empty")
+        abort = request.abort_all_requests if request.HasField("abort_all_requests") else True
+        out = await self.admin.fan_out(
+            context, "update_weight_version",
+            lambda rid, deadline, trace: UpdateWeightVersionReq(
+                rid, request.new_version, abort, deadline, trace),
+            READ_TIMEOUT_S, new_version=request.new_version,
+        )
+        self._adopt(out)
+        results, _ = _weights_results(out)
+        return pb.AdminResponse(
+            success=out.ok, message=out.message(f"weight version set to {request.new_version!r}"),
+            rank_results=results,
+        )
+
+    async def get_by_name(
+        self, request: pb.GetWeightsByNameRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetWeightsByNameResponse:
+        if not request.name:
+            raise invalid("name must name a parameter")
+        truncate = request.truncate_size if request.HasField("truncate_size") else DEFAULT_TRUNCATE
+        if not 0 <= truncate <= MAX_TRUNCATE:
+            raise invalid(f"truncate_size must be in [0, {MAX_TRUNCATE}], got {truncate}")
+        out = await self.admin.fan_out(
+            context, "get_weights_by_name",
+            lambda rid, deadline, trace: GetWeightsReq(rid, request.name, truncate, deadline,
+                                                       trace),
+            READ_TIMEOUT_S, name=request.name,
+        )
+        values = [out.result(r) for r in sorted(out.replies)]
+        first = values[0] if values and isinstance(values[0], WeightValues) else WeightValues()
+        ok, message = out.ok, out.message("")
+        if ok and any(v != first for v in values):
+            ok, message = False, "the ranks hold different values for this parameter"
+        return pb.GetWeightsByNameResponse(
+            success=ok, message=message, rank_results=out.rank_results(),
+            shape=first.shape, values=first.values,
+        )
+
+    async def check(
+        self, request: pb.CheckWeightsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CheckWeightsResponse:
+        action = request.action or "checksum"
+        if action != "checksum":
+            raise invalid(f"action {request.action!r} is not supported; use checksum")
+        out = await self.admin.fan_out(
+            context, "check_weights",
+            lambda rid, deadline, trace: CheckWeightsReq(rid, deadline, trace), READ_TIMEOUT_S,
+        )
+        results = out.rank_results()
+        for res in results:
+            found = out.result(res.dp_rank)
+            if isinstance(found, DigestResult):
+                res.digest = found.digest
+        digests = {r.digest for r in results}
+        same = out.ok and len(digests) == 1
+        message = out.message("every rank holds the same weights")
+        if out.ok and not same:
+            message = "the ranks hold different weights"
+        return pb.CheckWeightsResponse(
+            success=same, message=message, rank_results=results,
+            digest=results[0].digest if same else "",
+        )
+
+    async def release_memory(
+        self, request: pb.ReleaseMemoryOccupationRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AdminResponse:
+        tags = _tags(list(request.tags))
+        out = await self.admin.fan_out(
+            context, "release_memory_occupation",
+            lambda rid, deadline, trace: ReleaseMemoryReq(rid, tags, deadline, trace),
+            MEMORY_TIMEOUT_S, tags=",".join(tags),
+        )
+        results = out.rank_results()
+        for res in results:
+            found = out.result(res.dp_rank)
+            if isinstance(found, MemoryResult):
+                res.bytes_released = found.bytes_released
+        return pb.AdminResponse(success=out.ok, message=out.message(f"released {', '.join(tags)}"),
+                                rank_results=results)
+
+    async def resume_memory(
+        self, request: pb.ResumeMemoryOccupationRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AdminResponse:
+        tags = _tags(list(request.tags))
+        out = await self.admin.fan_out(
+            context, "resume_memory_occupation",
+            lambda rid, deadline, trace: ResumeMemoryReq(rid, tags, deadline, trace),
+            MEMORY_TIMEOUT_S, tags=",".join(tags),
+        )
+        return pb.AdminResponse(success=out.ok, message=out.message(f"resumed {', '.join(tags)}"),
+                                rank_results=out.rank_results())
