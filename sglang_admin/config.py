@@ -20,6 +20,13 @@ def default_profile_dir() -> str:
     )
 
 
+def is_inside(path: str, root: str) -> bool:
+    """True when ``path`` resolved with symlinks lies inside ``root`` resolved the same way
+    (the confinement of profile output to --profile-dir, checked by server and ranks)."""
+    real, real_root = os.path.realpath(path), os.path.realpath(root)
+    return os.path.commonpath([real, real_root]) == real_root
+
+
 @dataclass(frozen=True)
 class ServerArgs:
     """Every resolved setting of one server instance."""

@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from sglang_admin.config import is_inside
 from sglang_admin.messages import ProfileStopResult
 
 logger = logging.getLogger(__name__)
@@ -115,12 +116,6 @@ def _join_traces(parts: list[str], out: str) -> None:
         rest = json.dumps(header)[1:]  # '"key": value, ...}' or '}'
         f.write("]" + (", " + rest if rest != "}" else "}"))
     os.replace(tmp, out)
-
-
-def is_inside(path: str, root: str) -> bool:
-    """True when ``path`` resolved with symlinks lies inside ``root`` resolved the same way."""
-    real, real_root = os.path.realpath(path), os.path.realpath(root)
-    return os.path.commonpath([real, real_root]) == real_root
 
 
 def file_base(profile_id: str, prefix: str, rank: int, dp_size: int) -> str:

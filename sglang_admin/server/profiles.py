@@ -29,7 +29,7 @@ from typing import Any
 
 import grpc
 
-from sglang_admin.config import ServerArgs
+from sglang_admin.config import ServerArgs, is_inside
 from sglang_admin.messages import StartProfileReq, StateReq
 from sglang_admin.pb import common_pb2 as pb
 from sglang_admin.server.convert import ServiceError, invalid
@@ -49,12 +49,6 @@ def env_flag(name: str, default: bool) -> bool:
     if value is None or value.strip() == "":
         return default
     return value.strip().lower() not in _FALSE
-
-
-def is_inside(path: str, root: str) -> bool:
-    """True when ``path`` resolved with symlinks lies inside ``root`` resolved the same way."""
-    real, real_root = os.path.realpath(path), os.path.realpath(root)
-    return os.path.commonpath([real, real_root]) == real_root
 
 
 def resolve_output_dir(requested: str, root: str) -> str:
