@@ -8,8 +8,8 @@ StopProfile arrives or when it stops by itself after ``num_steps`` forward steps
   every forward pass with the batch's stage ("prefill" or "decode"); the profiler counts
   forward steps itself (step numbers start at 1, as the rank's ``forward_steps``).
 - Every transition happens on a forward step or on a message, so the loop may block on its
-  inbox while no batch runs (``needs_ticks`` is False): an armed profile starts at the next
-  forward step that reaches ``start_step``, whenever that comes.
+  inbox while no batch runs: an armed profile starts at the next forward step that reaches
+  ``start_step``, whenever that comes.
 - ``profile_by_stage``: prefill (EXTEND) and decode (DECODE) batches get a session each,
   ``num_steps`` steps of their own stage each. A stage's session opens at its first batch;
   when the other stage's first batch comes while it still runs, it ends there (as SGLang
