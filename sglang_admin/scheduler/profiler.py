@@ -240,8 +240,9 @@ class Profiler:
     # ------------------------------------------------------------------ requests
 
     def start(self, req: Any) -> tuple[bool, str]:
-        """Arm or start a profile for a StartProfileReq; (success, message)."""
-        if self.state != "idle":
+        """Arm or start a profile for a StartProfileReq; (success, message). A profile that
+        is armed but not recording yet is replaced by the new one (as SGLang)."""
+        if self.state == "running":
             return False, ALREADY_RUNNING
         try:
             config = self._configure(req)

@@ -82,6 +82,7 @@ class _Stream:
     rank: int
     buffer: OutputBuffer
     wire_id: str
+    abort_claimed: bool = False  # an Abort RPC already took this request
 
 
 class Communicator:
@@ -299,10 +300,12 @@ class Communicator:
                 self._send_nowait(rank, AbortReq(req.rid, "client gone"))
 
     def abort(self, rid: str, reason: str = "aborted by client") -> bool:
-        """Abort an in-flight request by id; False when no such request is in flight."""
+        """Abort an in-flight request by id; False when no such request is in flight or
+        another abort already claimed it (concurrent aborts: exactly one succeeds)."""
         stream = self.streams.get(rid)
-        if stream is None:
+        if stream is None or stream.abort_claimed:
             return False
+        stream.abort_claimed = True
         self._send_nowait(stream.rank, AbortReq(stream.wire_id, reason))
         return True
 

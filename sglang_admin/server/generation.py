@@ -129,7 +129,8 @@ class Generation:
         found = self.comm.abort(request.request_id, reason)
         return pb.AbortResponse(
             success=found,
-            message="" if found else f"request {request.request_id!r} is not in flight",
+            message="" if found else (
+                f"request {request.request_id!r} is not in flight (or already aborted)"),
         )
 
     async def pause(

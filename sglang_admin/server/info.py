@@ -314,8 +314,6 @@ def _load_proto(s: RankState, include: set[str]) -> pb.SchedulerLoad:
         )
     if "disagg" in include:
         load.disaggregation.CopyFrom(pb.DisaggregationMetrics(mode="null"))
-    if "spec" in include:
-        load.speculative.CopyFrom(pb.SpeculativeMetrics())
-    if "lora" in include:
-        load.lora.CopyFrom(pb.LoRAMetrics())
+    # "spec" and "lora": left out, as SGLang does while the feature is off (no speculative
+    # decoding, no LoRA adapters here)
     return load

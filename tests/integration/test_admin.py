@@ -181,6 +181,8 @@ def test_server_info_and_loads_show_both_ranks(dp2: ServerProc) -> None:
     loads = stub.GetLoads(pb.GetLoadsRequest(include=["all"]), timeout=10)
     assert loads.dp_rank_count == 2 and [x.dp_rank for x in loads.loads] == [0, 1]
     assert loads.loads[0].HasField("memory") and loads.loads[0].memory.token_capacity > 0
+    # as SGLang: no speculative or lora section while those features are off
+    assert not loads.loads[0].HasField("speculative") and not loads.loads[0].HasField("lora")
     one = stub.GetLoads(pb.GetLoadsRequest(dp_rank=1), timeout=10)
     assert [x.dp_rank for x in one.loads] == [1]
     with pytest.raises(grpc.RpcError) as err:

@@ -129,6 +129,36 @@ def test_abort_rpc_ends_the_stream_with_abort(server: ServerProc) -> None:
     assert not stub.Abort(pb.AbortRequest(request_id=rid), timeout=5).success
 
 
+def test_concurrent_aborts_of_one_request_succeed_once(server: ServerProc) -> None:
+    """Eight Abort RPCs for one live request at once: the claim happens exactly once."""
+    stub = server.stub()
+    rid = "abort-many-1"
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.update(done=run_generate(
+        stub, greedy([4, 5, 6], 3000, request_id=rid, stream=True), timeout=120)))
+    t.start()
+    deadline = time.time() + 30
+    while time.time() < deadline and not any_in_flight(stub):
+        time.sleep(0.05)
+    barrier = threading.Barrier(8)
+
+    def abort() -> bool:
+        barrier.wait()
+        return stub.Abort(pb.AbortRequest(request_id=rid), timeout=10).success
+
+    with cf.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda _: abort(), range(8)))
+    t.join(60)
+    assert sorted(results) == [False] * 7 + [True]
+    assert out["done"][1].finish_reason == "abort"
+
+
+def any_in_flight(stub) -> bool:
+    """Whether the server has a Generate call in flight (this module runs one at a time)."""
+    info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
+    return info.active_requests > 0
+
+
 def test_expired_deadline_gives_deadline_exceeded_and_frees_kv(server: ServerProc) -> None:
     stub = server.stub()
     with pytest.raises(grpc.RpcError) as err:

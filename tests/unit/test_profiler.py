@@ -105,6 +105,20 @@ def test_start_step_arms(tmp_path: Path) -> None:
     assert files and labels(files[0]) == ["forward_extend_bs3", "forward_extend_bs4"]
 
 
+def test_a_second_start_while_armed_replaces_the_plan(tmp_path: Path) -> None:
+    """As SGLang: armed (start_step, not recording yet) accepts another start."""
+    prof = Profiler(0, "cpu")
+    assert prof.start(req(tmp_path, start_step=10))[0]
+    ok, text = prof.start(req(tmp_path, start_step=2, num_steps=1))
+    assert ok and "step 2" in text and prof.state == "armed"
+    assert step(prof) is None and prof.state == "armed"  # step 1
+    files = step(prof)  # step 2: starts and, after one step, ends
+    assert files and labels(files[0]) == ["forward_extend_bs2"]
+    assert prof.start(req(tmp_path))[0]
+    assert prof.start(req(tmp_path)) == (False, ALREADY_RUNNING)  # recording: refused
+    prof.stop()
+
+
 def test_stop_while_armed_writes_nothing(tmp_path: Path) -> None:
     prof = Profiler(0, "cpu")
     assert prof.start(req(tmp_path, start_step=10))[0]
