@@ -88,16 +88,18 @@ def summarize_digests(results: Sequence[TargetResult[Any]]) -> Summary:
     digests: dict[str, list[str]] = {}
     for res in results:
         if res.ok and isinstance(res.value, pb.CheckWeightsResponse):
-            digests[res.target] = [r.digest for r in res.value.rank_results]
+            ranks = [r.digest for r in res.value.rank_results]
+            if ranks and all(ranks):
+                digests[res.target] = ranks
     answered = len(digests) == len(results)
     distinct = {d for ranks in digests.values() for d in ranks}
     ranks = sum(len(v) for v in digests.values())
-    agree = answered and len(distinct) == 1 and "" not in distinct
+    agree = answered and len(distinct) == 1
     if agree:
-        text = f"all {len(results)} target(s), {ranks} rank(s) agree: {distinct.pop()}"
+        text = f"all {len(results)} target(s), {ranks} rank(s) in all, agree: {distinct.pop()}"
     elif not answered:
         text = (f"cannot tell whether the weights agree: {len(results) - len(digests)} "
-                "target(s) gave no digests")
+                "target(s) gave no digest for every rank")
     else:
         text = f"the weights DIFFER: {len(distinct)} distinct digests over {ranks} rank(s)"
     return Summary(agree, text, {"all_agree": agree})
