@@ -17,12 +17,14 @@ Adding an RPC to the client
    server-streaming RPC is an async generator method that cancels its call in ``finally``
    (see :meth:`AsyncClient.generate`). Nothing else in this package changes: ``Client``
    gets the blocking twin, ``FanOut`` can call it on many targets.
-2. Add one CLI subcommand: one ``Command`` entry in ``commands.COMMANDS`` (its name, help,
-   ``"SglangScheduler/Method"``, an async call taking ``(client, namespace)``, a renderer
-   and the subcommand's own arguments).
+2. Add one CLI subcommand: one ``Command`` entry in ``commands.COMMANDS`` (or, for the
+   RL refit surface, ``refit_commands.REFIT_COMMANDS``): its name, help,
+   ``"SglangScheduler/Method"``, an async call taking ``(client, namespace)``, a renderer,
+   the subcommand's own arguments and, optionally, a summary over all targets' answers.
 3. Mention it in the README's client section.
 
-Worked example, a hypothetical ``PauseGeneration(mode)`` admin RPC::
+Worked example, the ``PauseGeneration(mode)`` admin RPC (as it is written, in a little
+more detail, in this class and in ``refit_commands.py``)::
 
     # client.py, in AsyncClient
     async def pause_generation(self, mode: str = "abort") -> pb.PauseGenerationResponse:
@@ -42,7 +44,7 @@ Worked example, a hypothetical ``PauseGeneration(mode)`` admin RPC::
         arguments=lambda p: p.add_argument("--mode", default="abort"),
     ),
 
-after which ``Client(target).pause_generation("wait")`` blocks and returns the response,
+after which ``Client(target).pause_generation("retract")`` blocks and returns the response,
 and ``sglang-admin pause --target A --target B`` fans out.
 """
 

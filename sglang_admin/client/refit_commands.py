@@ -184,7 +184,7 @@ def _update_weights_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _weight_version_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--new-version", required=True, help="the label GetModelInfo reports")
+    p.add_argument("new_version", metavar="VERSION", help="the label GetModelInfo reports")
     p.add_argument("--abort-all-requests", action=argparse.BooleanOptionalAction, default=True,
                    help="abort every request in flight first (default yes, as SGLang)")
 

@@ -120,7 +120,7 @@ def test_cli_pause_retract_then_flush_then_continue(workers: tuple[ServerProc, S
 def test_cli_weight_version_is_reported_by_model_info(
     workers: tuple[ServerProc, ServerProc],
 ) -> None:
-    res = on_both(workers, "weight-version", "--new-version", "cli-step-3")
+    res = on_both(workers, "weight-version", "cli-step-3")
     assert_ok_on_both(res, workers, "'cli-step-3'")
     for srv in workers:
         with Client(srv.target, timeout=30) as client:
@@ -398,7 +398,7 @@ def test_cli_without_the_admin_key_is_unauthenticated(
 ) -> None:
     a, b = workers
     for args in (["pause"], ["check-weights"], ["abort", "--all"],
-                 ["release-memory"], ["weight-version", "--new-version", "x"]):
+                 ["release-memory"], ["weight-version", "x"]):
         res = cli(*args, "--target", a.target, "--target", b.target)
         assert res.returncode == 1, res.stdout + res.stderr
         for srv in workers:
