@@ -1,12 +1,13 @@
 """The client subcommands of ``sglang-admin``: each runs one call on every ``--target`` at
 once and prints one result line per target (or, with ``--json``, one JSON object per
-target per line). Each subcommand is one :class:`Command` entry in :data:`COMMANDS`.
+target per line). Each subcommand is one :class:`Command` entry in :data:`COMMANDS` (those
+of the RL refit surface come from ``refit_commands.REFIT_COMMANDS``).
 
 Exit status: 0 only when every target succeeded (and, for a command that compares the
-targets' answers, such as ``check-weights``, when they agree). A call that failed (any gRPC status, a
-bad download), a response that reports ``success: false`` or ``healthy: false``, and a
-target skipped because its reflection does not list the RPC all count as failures; a
-skipped target gets its own ``SKIPPED`` line (``"code": "SKIPPED"`` in JSON).
+targets' answers, such as ``check-weights``, when they agree). A call that failed (any
+gRPC status, a bad download), a response that reports ``success: false`` or ``healthy:
+false``, and a target skipped because its reflection does not list the RPC all count as
+failures; a skipped target gets its own ``SKIPPED`` line (``"code": "SKIPPED"`` in JSON).
 """
 
 from __future__ import annotations
