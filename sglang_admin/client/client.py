@@ -17,12 +17,14 @@ Adding an RPC to the client
    server-streaming RPC is an async generator method that cancels its call in ``finally``
    (see :meth:`AsyncClient.generate`). Nothing else in this package changes: ``Client``
    gets the blocking twin, ``FanOut`` can call it on many targets.
-2. Add one CLI subcommand: one ``Command`` entry in ``commands.COMMANDS`` (its name, help,
-   ``"SglangScheduler/Method"``, an async call taking ``(client, namespace)``, a renderer
-   and the subcommand's own arguments).
+2. Add one CLI subcommand: one ``Command`` entry in ``commands.COMMANDS`` (or, for the
+   RL refit surface, ``refit_commands.REFIT_COMMANDS``): its name, help,
+   ``"SglangScheduler/Method"``, an async call taking ``(client, namespace)``, a renderer,
+   the subcommand's own arguments and, optionally, a summary over all targets' answers.
 3. Mention it in the README's client section.
 
-Worked example, a hypothetical ``PauseGeneration(mode)`` admin RPC::
+Worked example, the ``PauseGeneration(mode)`` admin RPC (as it is written, in a little
+more detail, in this class and in ``refit_commands.py``)::
 
     # client.py, in AsyncClient
     async def pause_generation(self, mode: str = "abort") -> pb.PauseGenerationResponse:
@@ -42,7 +44,7 @@ Worked example, a hypothetical ``PauseGeneration(mode)`` admin RPC::
         arguments=lambda p: p.add_argument("--mode", default="abort"),
     ),
 
-after which ``Client(target).pause_generation("wait")`` blocks and returns the response,
+after which ``Client(target).pause_generation("retract")`` blocks and returns the response,
 and ``sglang-admin pause --target A --target B`` fans out.
 """
 
@@ -256,6 +258,87 @@ class AsyncClient:
             call.cancel()
         return writer.close()
 
+    # ------------------------------------------------------------------ RL refit
+
+    async def pause_generation(self, mode: str = "abort") -> pb.PauseGenerationResponse:
+        """PauseGeneration on every rank. ``mode``: ``abort`` aborts every request in
+        flight, ``retract`` moves running requests back to the queue and frees their KV (a
+        flush then succeeds), ``in_place`` holds them with their KV. New Generate calls wait
+        until :meth:`continue_generation`."""
+        req = pb.PauseGenerationRequest(mode=mode)
+        return await self.stub.PauseGeneration(req, **self._call_options())
+
+    async def continue_generation(self, torch_empty_cache: bool = True) -> pb.AdminResponse:
+        """ContinueGeneration: clear the pause; waiting and held requests go on."""
+        req = pb.ContinueGenerationRequest(torch_empty_cache=torch_empty_cache)
+        return await self.stub.ContinueGeneration(req, **self._call_options())
+
+    async def update_weights_from_disk(
+        self,
+        model_path: str,
+        *,
+        load_format: str = "",
+        abort_all_requests: bool = False,
+        weight_version: str = "",
+        flush_cache: bool = True,
+        torch_empty_cache: bool = False,
+        recapture_cuda_graph: bool = False,
+    ) -> pb.UpdateWeightsResponse:
+        """UpdateWeightsFromDisk: load the checkpoint directory ``model_path`` (the served
+        architecture) into the live model on every rank. Unpaused, it waits for in-flight
+        requests; a failed load keeps the old weights (``success`` false, ``message`` says
+        why); ``weight_version`` (when not empty) is set on success; ``flush_cache`` flushes
+        the prefix cache after the load."""
+        req = pb.UpdateWeightsFromDiskRequest(
+            model_path=model_path,
+            load_format=load_format,
+            abort_all_requests=abort_all_requests,
+            weight_version=weight_version,
+            flush_cache=flush_cache,
+            torch_empty_cache=torch_empty_cache,
+            recapture_cuda_graph=recapture_cuda_graph,
+        )
+        return await self.stub.UpdateWeightsFromDisk(req, **self._call_options())
+
+    async def update_weight_version(
+        self, new_version: str, abort_all_requests: bool = True
+    ) -> pb.AdminResponse:
+        """UpdateWeightVersion: set the label GetModelInfo reports (``weight_version``);
+        ``abort_all_requests`` (SGLang's default) aborts every request in flight first."""
+        req = pb.UpdateWeightVersionRequest(
+            new_version=new_version, abort_all_requests=abort_all_requests
+        )
+        return await self.stub.UpdateWeightVersion(req, **self._call_options())
+
+    async def get_weights_by_name(
+        self, name: str, truncate_size: int = 100
+    ) -> pb.GetWeightsByNameResponse:
+        """GetWeightsByName: the shape and first ``truncate_size`` values of the parameter
+        ``name`` (e.g. ``model.layers.0.mlp.up_proj.weight``); ``success`` says every rank
+        holds the same values."""
+        req = pb.GetWeightsByNameRequest(name=name, truncate_size=truncate_size)
+        return await self.stub.GetWeightsByName(req, **self._call_options())
+
+    async def check_weights(self, action: str = "checksum") -> pb.CheckWeightsResponse:
+        """CheckWeights: each rank's digest over every parameter (``rank_results[].digest``);
+        ``digest`` is set and ``success`` true when every rank has the same."""
+        req = pb.CheckWeightsRequest(action=action)
+        return await self.stub.CheckWeights(req, **self._call_options())
+
+    async def release_memory_occupation(self, tags: Sequence[str] = ()) -> pb.AdminResponse:
+        """ReleaseMemoryOccupation of an idle worker: ``tags`` among ``kv_cache`` and
+        ``weights`` (empty: both). Generate waits until the memory is resumed."""
+        req = pb.ReleaseMemoryOccupationRequest(tags=list(tags))
+        return await self.stub.ReleaseMemoryOccupation(req, **self._call_options())
+
+    async def resume_memory_occupation(self, tags: Sequence[str] = ()) -> pb.AdminResponse:
+        """ResumeMemoryOccupation: allocate what was released again (``tags`` as for
+        release; empty: both). Weights are reloaded from the checkpoint they came from;
+        weights that came from no checkpoint leave Generate refused (FAILED_PRECONDITION)
+        until :meth:`update_weights_from_disk` succeeds."""
+        req = pb.ResumeMemoryOccupationRequest(tags=list(tags))
+        return await self.stub.ResumeMemoryOccupation(req, **self._call_options())
+
     # ------------------------------------------------------------------ generation
 
     async def generate(
@@ -320,9 +403,13 @@ class AsyncClient:
         ]
         return _collect(responses, stream)
 
-    async def abort(self, request_id: str, reason: str = "") -> pb.AbortResponse:
-        """Abort an in-flight request."""
-        req = pb.AbortRequest(request_id=request_id, reason=reason)
+    async def abort(
+        self, request_id: str = "", reason: str = "", *, abort_all: bool = False
+    ) -> pb.AbortResponse:
+        """Abort an in-flight request by id; with ``abort_all``, every request in flight on
+        every rank (``request_id`` is then ignored; an admin op: the admin key when the
+        server has one)."""
+        req = pb.AbortRequest(request_id=request_id, reason=reason, abort_all=abort_all)
         return await self.stub.Abort(req, **self._call_options())
 
     # ------------------------------------------------------------------ reflection

@@ -1,11 +1,13 @@
 """The client subcommands of ``sglang-admin``: each runs one call on every ``--target`` at
 once and prints one result line per target (or, with ``--json``, one JSON object per
-target per line). Each subcommand is one :class:`Command` entry in :data:`COMMANDS`.
+target per line). Each subcommand is one :class:`Command` entry in :data:`COMMANDS` (those
+of the RL refit surface come from ``refit_commands.REFIT_COMMANDS``).
 
-Exit status: 0 only when every target succeeded. A call that failed (any gRPC status, a
-bad download), a response that reports ``success: false`` or ``healthy: false``, and a
-target skipped because its reflection does not list the RPC all count as failures; a
-skipped target gets its own ``SKIPPED`` line (``"code": "SKIPPED"`` in JSON).
+Exit status: 0 only when every target succeeded (and, for a command that compares the
+targets' answers, such as ``check-weights``, when they agree). A call that failed (any
+gRPC status, a bad download), a response that reports ``success: false`` or ``healthy:
+false``, and a target skipped because its reflection does not list the RPC all count as
+failures; a skipped target gets its own ``SKIPPED`` line (``"code": "SKIPPED"`` in JSON).
 """
 
 from __future__ import annotations
@@ -15,14 +17,10 @@ import asyncio
 import json
 import re
 import sys
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
-
-from google.protobuf import json_format
-from google.protobuf.message import Message
 
 from sglang_admin.client.client import (
     DEFAULT_TARGET,
@@ -30,32 +28,18 @@ from sglang_admin.client.client import (
     GenerateResult,
     channel_credentials,
 )
+from sglang_admin.client.command_base import (
+    Call,
+    Command,
+    Outcome,
+    Render,
+    Summarize,
+    Summary,
+    to_dict,
+)
 from sglang_admin.client.fanout import TargetResult, fan_out
+from sglang_admin.client.refit_commands import REFIT_COMMANDS
 from sglang_admin.pb import common_pb2 as pb
-
-Call = Callable[[AsyncClient, argparse.Namespace], Awaitable[Any]]
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """How one target's value reads: success, a one-line summary, extra indented lines
-    for the human output, and the JSON fields."""
-
-    ok: bool
-    text: str
-    data: dict[str, Any]
-    details: list[str] = field(default_factory=list)
-
-
-Render = Callable[[Any], Outcome]
-
-
-def to_dict(message: Message) -> dict[str, Any]:
-    """A proto message as JSON-ready data, proto field names, zero values included."""
-    return json_format.MessageToDict(
-        message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
-    )
-
 
 # ---------------------------------------------------------------------- running
 
@@ -65,7 +49,10 @@ def targets_of(ns: argparse.Namespace) -> list[str]:
     return list(dict.fromkeys(ns.target or [DEFAULT_TARGET]))
 
 
-def run_command(ns: argparse.Namespace, *, rpc: str | None, call: Call, render: Render) -> int:
+def run_command(
+    ns: argparse.Namespace, *, rpc: str | None, call: Call, render: Render,
+    summarize: Summarize | None = None,
+) -> int:
     """Fan ``call`` out over the targets, print the results, return the exit status."""
     try:
         channel_credentials(ns.tls_ca, ns.tls_cert, ns.tls_key)
@@ -84,11 +71,17 @@ def run_command(ns: argparse.Namespace, *, rpc: str | None, call: Call, render: 
             timeout=ns.timeout,
         )
     )
-    return report(results, render, as_json=ns.json)
+    summary = summarize(results) if summarize is not None else None
+    return report(results, render, as_json=ns.json, summary=summary)
 
 
-def report(results: list[TargetResult[Any]], render: Render, *, as_json: bool) -> int:
-    """Print one line (or JSON object) per target; 0 when every target succeeded."""
+def report(
+    results: Sequence[TargetResult[Any]], render: Render, *, as_json: bool,
+    summary: Summary | None = None,
+) -> int:
+    """Print one line (or JSON object) per target, then the summary's line (in JSON, its
+    fields go into every target's object); 0 when every target succeeded and the summary
+    (if any) is ok."""
     width = max((len(r.target) for r in results), default=0)
     failed = 0
     for res in results:
@@ -103,6 +96,8 @@ def report(results: list[TargetResult[Any]], render: Render, *, as_json: bool) -
                     obj["error"] = outcome.text
             else:
                 obj.update(code=res.code, error=res.error)
+            if summary is not None:
+                obj.update(summary.data)
             print(json.dumps(obj), flush=True)
             continue
         if outcome is not None:
@@ -113,8 +108,10 @@ def report(results: list[TargetResult[Any]], render: Render, *, as_json: bool) -
             print(f"{res.target:<{width}}  SKIPPED  {res.error}")
         else:
             print(f"{res.target:<{width}}  FAILED  {res.code}: {res.error}")
+    if summary is not None and not as_json:
+        print(summary.text)
     sys.stdout.flush()
-    return 1 if failed else 0
+    return 1 if failed or (summary is not None and not summary.ok) else 0
 
 
 # ---------------------------------------------------------------------- renderers
@@ -287,10 +284,6 @@ def common_options() -> argparse.ArgumentParser:
     return p
 
 
-def _no_arguments(parser: argparse.ArgumentParser) -> None:
-    """A subcommand with only the common options."""
-
-
 def _flush_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout-s", type=float, default=0.0,
                    help="seconds to wait for the ranks to go idle (0: fail when busy)")
@@ -330,20 +323,6 @@ def _generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stream", action="store_true", help="use the streaming form of the call")
 
 
-@dataclass(frozen=True)
-class Command:
-    """One client subcommand: its name and help, the ``"Service/Method"`` a target's
-    reflection must list (``None``: no check), the call, how its value reads, and the
-    subcommand's own arguments (beside the common options)."""
-
-    name: str
-    help: str
-    rpc: str | None
-    call: Call
-    render: Render
-    arguments: Callable[[argparse.ArgumentParser], None] = _no_arguments
-
-
 COMMANDS: list[Command] = [
     Command("flush-cache", "flush the radix cache on every rank",
             "SglangScheduler/FlushCache", call_flush, render_flush, _flush_arguments),
@@ -365,6 +344,7 @@ COMMANDS: list[Command] = [
             "SglangScheduler/Generate", call_generate, render_generate, _generate_arguments),
     Command("services", "list services and methods (server reflection)",
             None, call_services, render_services),
+    *REFIT_COMMANDS,
 ]
 
 
@@ -376,4 +356,4 @@ def add_client_parsers(sub: argparse._SubParsersAction) -> None:
                            parents=[common])
         command.arguments(p)
         p.set_defaults(func=partial(run_command, rpc=command.rpc, call=command.call,
-                                    render=command.render))
+                                    render=command.render, summarize=command.summarize))
