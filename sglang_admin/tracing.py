@@ -58,7 +58,7 @@ def trace_id_of(carrier: dict[str, str] | None) -> str:
 
 
 @contextmanager
-def server_span(name: str, carrier: dict[str, str], **attributes: Any) -> Iterator[dict[str, str]]:
+def server_span(name: str, carrier: dict[str, str], /, **attributes: Any) -> Iterator[dict[str, str]]:
     """Open a server span as a child of the caller's context; yield the carrier to forward.
 
     The forwarded carrier holds the span's own context when an SDK records it, else the
@@ -80,7 +80,7 @@ def server_span(name: str, carrier: dict[str, str], **attributes: Any) -> Iterat
 
 
 @contextmanager
-def child_span(name: str, carrier: dict[str, str], **attributes: Any) -> Iterator[None]:
+def child_span(name: str, carrier: dict[str, str], /, **attributes: Any) -> Iterator[None]:
     """A span in the scheduler process, child of the context the server forwarded."""
     if not carrier and not _recording():
         yield

@@ -173,6 +173,7 @@ class AdminCalls:
         op: str,
         make: MakeMessage,
         server_default: float,
+        /,
         raise_unanswered: bool = True,
         **log_fields: Any,
     ) -> FanOut:

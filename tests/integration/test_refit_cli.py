@@ -149,12 +149,6 @@ def test_cli_check_weights_digests_agree_across_workers(
         assert [r["digest"] for r in obj["rank_results"]] == [digest]
 
 
-@pytest.mark.xfail(
-    strict=True, raises=AssertionError,
-    reason="server bug on main: sglang_admin/server/weights.py get_by_name passes "
-           "name=request.name to AdminCalls.fan_out, which forwards it to "
-           "server_span(name, ...): INTERNAL 'got multiple values for argument name'",
-)
 def test_cli_get_weights_returns_the_checkpoint_values(
     workers: tuple[ServerProc, ServerProc],
 ) -> None:
@@ -351,8 +345,6 @@ def test_grpcurl_json_drives_every_refit_rpc(workers: tuple[ServerProc, ServerPr
 
 
 @pytest.mark.skipif(GRPCURL is None, reason="grpcurl binary not found")
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="server bug: GetWeightsByName answers INTERNAL (see the CLI test)")
 def test_grpcurl_get_weights_by_name(workers: tuple[ServerProc, ServerProc]) -> None:
     a, _ = workers
     expected = load_file(str(checkpoint_of(a) / "model.safetensors"))[PARAM]
