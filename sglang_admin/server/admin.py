@@ -28,7 +28,9 @@ from sglang_admin.server.communicator import Communicator, RankFailure
 from sglang_admin.server.convert import ServiceError
 from sglang_admin.tracing import carrier_from_metadata, server_span, trace_id_of
 
-logger = logging.getLogger(__name__)
+# The request log (--log-requests) keeps the servicer's logger name, which operators grep
+# ("sglang_admin.server.servicer: generate rid=..."), whichever module writes the line.
+request_log = logging.getLogger("sglang_admin.server.servicer")
 
 DEADLINE_MARGIN_S = 0.25
 _ADMIN_MARK = "_sglang_admin_rpc"
@@ -162,7 +164,7 @@ class AdminCalls:
             return
         trace_id = trace_id_of(carrier)
         extra = " ".join(f"{k}={v}" for k, v in fields.items())
-        logger.info(
+        request_log.info(
             "%s rid=%s%s%s", op, rid, f" {extra}" if extra else "",
             f" trace_id={trace_id}" if trace_id else "",
         )
