@@ -259,6 +259,8 @@ def test_pause_abort_ends_requests_and_holds_new_ones_until_continue(on_a, ckpts
         with pytest.raises(grpc.RpcError) as err:
             run_generate(stub, greedy(ckpts.prompts[1], CHECK_TOKENS), timeout=1.0)
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        # The worker dropped the expired one; the held one still waits.
+        wait_until(lambda: waiting_requests(stub) == 1, "the expired request stayed queued")
         assert not held.done()
         assert stub.ContinueGeneration(pb.ContinueGenerationRequest(), timeout=30).success
         tokens, complete = held.result(120)
@@ -305,6 +307,8 @@ def test_update_on_busy_unpaused_worker_never_mixes_weights(on_a, ckpts: Checkpo
         assert s.error is None, s.error
         assert s.complete is not None and s.complete.finish_reason == "length"
         assert s.tokens in (ckpts.ref_a[i], ckpts.ref_b[i]), f"request {i} mixed weights"
+    # Those running when the update arrived finished on A: the update waited for them.
+    assert [s.tokens for s in before] == ckpts.ref_a[:16]
     assert model_info(stub).weight_version == "busy-B"
     assert outputs(stub, ckpts.prompts[:8]) == ckpts.ref_b[:8]
 
