@@ -29,7 +29,7 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 
 VOCAB = 320
 NUM_STREAMS = 32
-STREAM_TOKENS = 128  # long enough that the streams are still running when the pause lands
+STREAM_TOKENS = 384  # long enough that the streams are still running when the pause lands
 CHECK_TOKENS = 10
 PARAM = "model.layers.0.mlp.up_proj.weight"
 
@@ -282,12 +282,52 @@ def test_pause_in_place_blocks_flush_and_resumes_exactly(on_a, ckpts: Checkpoint
     flushed = stub.FlushCache(pb.FlushCacheRequest(timeout_s=0), timeout=60)
     assert not flushed.success
     assert "pending requests" in flushed.message, flushed.message
+    release = stub.ReleaseMemoryOccupation(pb.ReleaseMemoryOccupationRequest(), timeout=60)
+    assert not release.success  # held requests keep their KV: not idle
+    assert "only when idle" in release.message, release.message
     assert stub.ContinueGeneration(pb.ContinueGenerationRequest(), timeout=30).success
     for expected, s in zip(uninterrupted, streams):
         s.join()
         assert s.error is None, s.error
         assert s.complete is not None and s.complete.finish_reason == "length"
         assert s.tokens == expected
+
+
+def test_abort_all_and_weight_version(on_a, ckpts: Checkpoints) -> None:
+    stub = on_a
+
+    def held_streams() -> list[Stream]:
+        """Streams that cannot finish before the abort: held in place by a pause."""
+        streams = start_streams(stub, ckpts.prompts[:6], STREAM_TOKENS)
+        paused = stub.PauseGeneration(pb.PauseGenerationRequest(mode="in_place"), timeout=30)
+        assert paused.success and paused.num_paused_requests > 0
+        return streams
+
+    def all_aborted(streams: list[Stream]) -> None:
+        for s in streams:
+            s.join()
+            assert s.error is None, s.error
+            assert s.complete is not None and s.complete.finish_reason == "abort"
+            assert len(s.tokens) < STREAM_TOKENS
+
+    streams = held_streams()
+    resp = stub.Abort(pb.AbortRequest(abort_all=True), timeout=30)
+    assert resp.success, resp.message
+    all_aborted(streams)
+    assert server_info(stub).is_paused  # abort_all does not continue
+    assert stub.ContinueGeneration(pb.ContinueGenerationRequest(), timeout=30).success
+    assert outputs(stub, ckpts.prompts[:2]) == ckpts.ref_a[:2]
+
+    streams = held_streams()
+    version = stub.UpdateWeightVersion(pb.UpdateWeightVersionRequest(new_version="v7"), timeout=30)
+    assert version.success, version.message
+    all_aborted(streams)  # abort_all_requests defaults to true
+    assert stub.ContinueGeneration(pb.ContinueGenerationRequest(), timeout=30).success
+    info = model_info(stub)
+    assert (info.weight_version, info.model_path) == ("v7", str(ckpts.a))
+    with pytest.raises(grpc.RpcError) as err:
+        stub.UpdateWeightVersion(pb.UpdateWeightVersionRequest(), timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
 # ---------------------------------------------------------------- 3. update while busy
