@@ -421,6 +421,34 @@ def test_weights_by_name_and_checksum_follow_the_checkpoint(on_a, ckpts: Checkpo
 # ---------------------------------------------------------------- 6. memory release
 
 
+def test_resume_never_serves_weights_other_than_those_released(
+    on_a, ckpts: Checkpoints, tmp_path: Path
+) -> None:
+    """A trainer overwrote the checkpoint directory while the weights were released: the
+    worker cannot restore what it released, so it says so and refuses Generate until a
+    refit, rather than serving other weights under the old version."""
+    stub = on_a
+    moving = tmp_path / "moving"
+    shutil.copytree(ckpts.a, moving)
+    assert update(stub, moving, "C").success
+    released = stub.ReleaseMemoryOccupation(
+        pb.ReleaseMemoryOccupationRequest(tags=["weights"]), timeout=60)
+    assert released.success, released.message
+    shutil.copy(ckpts.b / "model.safetensors", moving / "model.safetensors")
+
+    resumed = stub.ResumeMemoryOccupation(
+        pb.ResumeMemoryOccupationRequest(tags=["weights"]), timeout=60)
+    assert not resumed.success
+    assert "changed since" in resumed.message, resumed.message
+    with pytest.raises(grpc.RpcError) as err:
+        run_generate(stub, greedy(ckpts.prompts[0], CHECK_TOKENS), timeout=60)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "UpdateWeightsFromDisk" in err.value.details()
+
+    assert update(stub, ckpts.a, "A").success  # a refit makes it serve again
+    assert outputs(stub, ckpts.prompts[:4]) == ckpts.ref_a[:4]
+
+
 def rss_bytes(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
