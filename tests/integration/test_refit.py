@@ -68,6 +68,8 @@ class Checkpoints:
     prompts: list[list[int]]
     ref_a: list[list[int]]  # greedy CHECK_TOKENS continuations of each prompt on A
     ref_b: list[list[int]]
+    model_a: object  # transformers' models of A and B
+    model_b: object
 
 
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
@@ -100,7 +102,7 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> Checkpoints:
     ref_b = [hf_greedy(models["B"], p, CHECK_TOKENS) for p in prompts]
     # Otherwise "equals A or B, never a mix" would prove nothing.
     assert sum(x != y for x, y in zip(ref_a, ref_b)) >= NUM_STREAMS * 3 // 4
-    return Checkpoints(a, b, llama, truncated, prompts, ref_a, ref_b)
+    return Checkpoints(a, b, llama, truncated, prompts, ref_a, ref_b, models["A"], models["B"])
 
 
 @pytest.fixture(scope="module")
@@ -351,6 +353,36 @@ def test_update_on_busy_unpaused_worker_never_mixes_weights(on_a, ckpts: Checkpo
     assert [s.tokens for s in before] == ckpts.ref_a[:16]
     assert model_info(stub).weight_version == "busy-B"
     assert outputs(stub, ckpts.prompts[:8]) == ckpts.ref_b[:8]
+
+
+def test_update_aborts_when_asked_and_flushes_the_stale_cache(on_a, ckpts: Checkpoints) -> None:
+    stub = on_a
+    streams = start_streams(stub, ckpts.prompts[:6], STREAM_TOKENS)
+    resp = update(stub, ckpts.b, "B", abort_all_requests=True)
+    assert resp.success, resp.message
+    assert resp.num_paused_requests > 0
+    for s in streams:
+        s.join()
+        assert s.error is None, s.error
+        assert s.complete is not None and s.complete.finish_reason == "abort"
+
+    prompt = list(range(100, 140))  # pinned to rank 0, whose prefix cache it fills
+
+    def on_rank0() -> tuple[list[int], int]:
+        tokens, complete = run_generate(stub, greedy(prompt, CHECK_TOKENS, data_parallel_rank=0),
+                                        timeout=60)
+        return tokens, complete.cached_tokens
+
+    ref = {"A": hf_greedy(ckpts.model_a, prompt, CHECK_TOKENS),
+           "B": hf_greedy(ckpts.model_b, prompt, CHECK_TOKENS)}
+    assert ref["A"] != ref["B"]
+    tokens, _ = on_rank0()
+    assert tokens == ref["B"]
+    assert on_rank0()[1] > 0  # the prompt is cached now
+    assert update(stub, ckpts.a, "A").success  # flush_cache defaults to true
+    assert on_rank0() == (ref["A"], 0)  # nothing computed with B's weights is reused
+    assert update(stub, ckpts.a, "A", flush_cache=False).success
+    assert on_rank0()[1] > 0  # kept, as asked
 
 
 # ---------------------------------------------------------------- 4. bad updates
