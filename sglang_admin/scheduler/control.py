@@ -46,6 +46,7 @@ class Rank(Protocol):
     model_info: ModelInfo
     weights_source: str | None  # the checkpoint the live weights came from (None: tensors)
     weights_valid: bool  # False after an update that failed part-way
+    released_digest: str | None  # digest of the weights while they are released (else None)
     trace_ids: dict[str, str]  # request id -> its caller's trace id (--log-requests)
     running: bool
 

@@ -18,8 +18,8 @@ from sglang_admin.tracing import trace_id_of
 logger = logging.getLogger(__name__)
 
 WEIGHTS_INVALID = (
-    "the weights are partially updated (a weight update failed part-way): serving resumes "
-    "after a successful UpdateWeightsFromDisk"
+    "the served weights are not valid (a weight update failed part-way, or released weights "
+    "could not be restored): serving resumes after a successful UpdateWeightsFromDisk"
 )
 
 

@@ -166,6 +166,7 @@ class RankLoop:
         info.device = str(self.runner.device)
         self.weights_source: str | None = info.model_path
         self.weights_valid = True
+        self.released_digest: str | None = None
         self.last_state = self.state()
         self.send(ReadyMsg(rank, os.getpid(), info, self.last_state))
         logger.info(

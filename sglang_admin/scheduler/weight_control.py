@@ -11,8 +11,9 @@ with the old weights.
 
 Memory release needs an idle rank; while anything is released, admission is held (new
 requests wait, as while paused). Resuming the weights reloads them from the checkpoint they
-came from, so the worker serves exactly what it served before; weights that came from no
-checkpoint cannot be restored, and the rank refuses Generate until weights are pushed.
+came from and checks them against the digest taken at release, so the worker serves exactly
+what it served before; weights that came from no checkpoint, or whose checkpoint changed
+meanwhile, cannot be restored, and the rank refuses Generate until weights are pushed.
 """
 
 from __future__ import annotations
@@ -138,7 +139,9 @@ def on_release_memory(rank: Rank, msg: ReleaseMemoryReq) -> None:
     if "kv_cache" in msg.tags and not rank.runner.kv_cache_released:
         flush_now(rank)  # the pool's contents go with it
         released += rank.runner.release_kv_cache()
-    if "weights" in msg.tags:
+    if "weights" in msg.tags and not rank.runner.weights_released:
+        # What resume must restore; a checkpoint rewritten meanwhile would not be it.
+        rank.released_digest = weights_digest(rank.runner.model) if rank.weights_valid else None
         released += rank.runner.release_weights()
     if rank.runner.kv_cache_released or rank.runner.weights_released:
         rank.quiesce.hold(RELEASED)
@@ -154,20 +157,25 @@ def on_resume_memory(rank: Rank, msg: ResumeMemoryReq) -> None:
         runner.resume_kv_cache()
     if "weights" in msg.tags and runner.weights_released:
         runner.resume_weights()
-        if rank.weights_source is None:
+        source, expected = rank.weights_source, rank.released_digest
+        rank.released_digest = None
+        if source is None:
             _invalidate(rank)
             text = ("weights resumed uninitialised (they came from no checkpoint): Generate "
                     "is refused until UpdateWeightsFromDisk")
         else:
             try:
-                load_weights(runner.model, iter_checkpoint(rank.weights_source))
-            except Exception as exc:  # noqa: BLE001 - the checkpoint moved or broke
+                load_weights(runner.model, iter_checkpoint(source))
+                if expected is not None and weights_digest(runner.model) != expected:
+                    raise ValueError(f"{source} changed since the weights were released, so "
+                                     "they cannot be restored")
+            except Exception as exc:  # noqa: BLE001 - the checkpoint moved, broke or changed
                 _invalidate(rank)
-                rank.reply(msg, False, f"reloading {rank.model_info.model_path} failed: {exc}; "
+                rank.reply(msg, False, f"reloading {source} failed: {exc}; "
                            "Generate is refused until UpdateWeightsFromDisk")
                 _lift_if_whole(rank)
                 return
-            text = f"memory resumed; weights reloaded from {rank.weights_source}"
+            text = f"memory resumed; weights reloaded from {source}"
     _lift_if_whole(rank)
     rank.reply(msg, True, text)
 

@@ -129,7 +129,7 @@ class Weights:
             context, "get_weights_by_name",
             lambda rid, deadline, trace: GetWeightsReq(rid, request.name, truncate, deadline,
                                                        trace),
-            READ_TIMEOUT_S, name=request.name,
+            READ_TIMEOUT_S, parameter=request.name,
         )
         values = [out.result(r) for r in sorted(out.replies)]
         first = values[0] if values and isinstance(values[0], WeightValues) else WeightValues()
