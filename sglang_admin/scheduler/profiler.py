@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from sglang_admin.messages import ProfileStopResult
+from sglang_admin.messages import PROFILE_STOPPED_BY_ITSELF, ProfileStopResult
 from sglang_admin.scheduler import trace_join
 
 logger = logging.getLogger(__name__)
@@ -329,7 +329,7 @@ class Profiler:
             return None
         if self.max_steps and run.steps >= self.max_steps:
             why = (
-                f"Profiling stopped by itself: it reached the cap of {self.max_steps} forward "
+                f"{PROFILE_STOPPED_BY_ITSELF}: it reached the cap of {self.max_steps} forward "
                 "steps (--profile-max-steps)"
             )
             logger.warning("profile %s: %s", config.profile_id, why)
