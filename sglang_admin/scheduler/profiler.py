@@ -37,8 +37,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
-import gzip
-import json
 import logging
 import os
 import subprocess
