@@ -19,6 +19,9 @@ TraceCarrier = dict[str, str]
 # A temperature below this samples greedily (SGLang's epsilon): dividing logits by a smaller
 # one overflows float32 and makes no practical difference to the choice.
 GREEDY_TEMPERATURE_EPS = 1e-6
+# How a rank's StopProfile message starts when its profile had already ended at a cap
+# (--profile-max-steps); the server passes such a message on to the caller.
+PROFILE_STOPPED_BY_ITSELF = "Profiling stopped by itself"
 
 
 # ---------------------------------------------------------------- server -> scheduler

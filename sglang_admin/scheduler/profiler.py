@@ -27,6 +27,9 @@ StopProfile arrives or when it stops by itself after ``num_steps`` forward steps
 - Export off the loop: a session is stopped on the loop's thread (torch requires it), and
   its trace is written by the profiler's export thread; StopProfile's answer is a Future
   that resolves once the files are on disk, so the rank keeps serving meanwhile.
+  Segments are joined into the session's one file by a child process (``trace_join``):
+  the JSON parse holds the GIL for seconds, which on the export thread stalled the loop
+  (HealthCheck unanswered during a StopProfile under load).
 """
 
 from __future__ import annotations
@@ -34,10 +37,10 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
-import gzip
-import json
 import logging
 import os
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -47,7 +50,8 @@ from typing import Any
 import torch
 
 from sglang_admin.config import is_inside
-from sglang_admin.messages import ProfileStopResult
+from sglang_admin.messages import PROFILE_STOPPED_BY_ITSELF, ProfileStopResult
+from sglang_admin.scheduler import trace_join
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +65,9 @@ MEM_HISTORY_MAX_ENTRIES = 100_000
 # costs the loop thread time in proportion to what was recorded (torch post-processes the
 # events there, about twice the recorded steps' own time), so a segment bounds that pause.
 # The segments' traces are written as they end and joined into the session's one file.
-SEGMENT_STEPS = 32
+# 16: with stacks and shapes on a loaded 2-core CPU, a 32-step segment's stop took the loop
+# 3.2-4.1 s, past HealthCheck's 3 s per rank; freeing a segment's events is bounded the same.
+SEGMENT_STEPS = 16
 
 
 def _release_memory() -> None:
@@ -88,34 +94,16 @@ def _remove_files(paths: list[str]) -> None:
 
 
 def _join_traces(parts: list[str], out: str) -> None:
-    """Join Chrome traces of consecutive segments into one gzipped trace, written
-    atomically, one segment in memory at a time: events moved onto the first segment's
-    time base; the first segment's other fields (metadata, device properties) kept."""
-    tmp = out + ".tmp"
-    header: dict[str, Any] = {}
-    base = 0
-    first_event = True
-    with gzip.open(tmp, "wt") as f:
-        f.write('{"traceEvents": [')
-        for index, part in enumerate(parts):
-            with open(part) as src:
-                data = json.load(src)
-            part_base = int(data.get("baseTimeNanoseconds", 0))
-            if index == 0:
-                header = {k: v for k, v in data.items() if k != "traceEvents"}
-                base = part_base
-            shift_us = (part_base - base) / 1000.0
-            for ev in data.get("traceEvents", []):
-                if index and ev.get("ph") == "M":  # process/thread names: from the first
-                    continue
-                if shift_us and isinstance(ev.get("ts"), (int, float)):
-                    ev["ts"] = ev["ts"] + shift_us
-                f.write(("" if first_event else ",") + json.dumps(ev))
-                first_event = False
-            del data
-        rest = json.dumps(header)[1:]  # '"key": value, ...}' or '}'
-        f.write("]" + (", " + rest if rest != "}" else "}"))
-    os.replace(tmp, out)
+    """Join the segments' traces into ``out`` in a child process (see trace_join): parsing
+    a segment's JSON holds the GIL for seconds, which would stop this rank's loop thread
+    (no step, no HealthCheck answer) for as long."""
+    done = subprocess.run(
+        [sys.executable, trace_join.__file__, out, *parts],
+        capture_output=True, text=True, check=False,
+    )
+    if done.returncode != 0:
+        tail = (done.stderr.strip().splitlines() or ["(no message)"])[-1]
+        raise RuntimeError(f"joining {len(parts)} trace segments failed: {tail}")
 
 
 def file_base(profile_id: str, prefix: str, rank: int, dp_size: int) -> str:
@@ -337,7 +325,7 @@ class Profiler:
             return None
         if self.max_steps and run.steps >= self.max_steps:
             why = (
-                f"Profiling stopped by itself: it reached the cap of {self.max_steps} forward "
+                f"{PROFILE_STOPPED_BY_ITSELF}: it reached the cap of {self.max_steps} forward "
                 "steps (--profile-max-steps)"
             )
             logger.warning("profile %s: %s", config.profile_id, why)

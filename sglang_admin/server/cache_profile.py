@@ -11,7 +11,13 @@ from collections.abc import AsyncIterator
 import grpc
 
 from sglang_admin.config import ServerArgs
-from sglang_admin.messages import FlushCacheReq, FlushResult, ProfileStopResult, StopProfileReq
+from sglang_admin.messages import (
+    PROFILE_STOPPED_BY_ITSELF,
+    FlushCacheReq,
+    FlushResult,
+    ProfileStopResult,
+    StopProfileReq,
+)
 from sglang_admin.pb import common_pb2 as pb
 from sglang_admin.server import profiles
 from sglang_admin.server.admin import AdminCalls, effective_timeout
@@ -111,6 +117,9 @@ class CacheAndProfile:
         elif out.ok:
             where = f" to {record.output_dir}" if record is not None else ""
             message = f"Stop profiling. {len(files)} file(s) written{where}"
+            # a profile that had ended at its cap: say so (each rank's message names it)
+            message += "".join(f"; rank {r.dp_rank}: {r.message}" for r in results
+                               if r.message.startswith(PROFILE_STOPPED_BY_ITSELF))
         else:
             message = out.failure_message()
         message += "".join(f"; {n}" for n in notes)

@@ -15,7 +15,6 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from sglang_admin.config import ServerArgs
 from sglang_admin.pb import common_pb2, common_pb2_grpc
-from sglang_admin.scheduler.process import run_scheduler
 from sglang_admin.server import ipc_dir
 from sglang_admin.server.communicator import Communicator
 from sglang_admin.server.interceptors import (
@@ -30,6 +29,14 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = common_pb2.DESCRIPTOR.services_by_name["SglangScheduler"].full_name
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
 RANK_POLL_S = 0.2
+
+
+def run_rank(args: ServerArgs, rank: int, parent_pid: int) -> None:
+    """A rank process's entry point: the scheduler (and with it torch) is imported there,
+    never in the server's process, which would carry torch's ~190 MiB for nothing."""
+    from sglang_admin.scheduler.process import run_scheduler
+
+    run_scheduler(args, rank, parent_pid)
 
 
 class StartupError(Exception):
@@ -133,7 +140,7 @@ class Server:
         ctx = mp.get_context("spawn")
         for rank in range(self.args.dp_size):
             proc = ctx.Process(
-                target=run_scheduler,
+                target=run_rank,
                 args=(self.args, rank, os.getpid()),
                 name=f"sglang-admin-rank{rank}",
                 daemon=True,

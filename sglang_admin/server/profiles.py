@@ -15,12 +15,12 @@ started, merged traces and the file chunks of DownloadProfile.
 from __future__ import annotations
 
 import asyncio
-import gzip
 import hashlib
 import json
 import os
 import re
-import tempfile
+import subprocess
+import sys
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
@@ -32,6 +32,7 @@ import grpc
 from sglang_admin.config import ServerArgs, is_inside
 from sglang_admin.messages import StartProfileReq, StateReq
 from sglang_admin.pb import common_pb2 as pb
+from sglang_admin.server import trace_merge
 from sglang_admin.server.convert import ServiceError, invalid
 
 ACTIVITIES = ("CPU", "GPU", "CUDA", "MEM")
@@ -295,69 +296,23 @@ def profile_files(record: ProfileRecord, root: str) -> list[str]:
     return out
 
 
-def _stage_of(path: str) -> str:
-    name = os.path.basename(path)[: -len(".trace.json.gz")]
-    for stage in ("EXTEND", "DECODE"):
-        if name.endswith(f"-{stage}"):
-            return stage
-    return ""
-
-
 def merge_traces(record: ProfileRecord, files: list[str]) -> tuple[list[str], str]:
     """Write one trace per stage holding every rank's events; (files written, note).
 
-    Timestamps are moved onto a common base; each rank's processes are labelled with its
-    DP rank. Skipped (with a note) when it would take the profile over its byte cap.
+    Runs :mod:`trace_merge` in a child process, so that parsing the traces never holds
+    this process's GIL (its event loop serves every stream); raises RuntimeError with the
+    child's reason when it fails.
     """
-    traces = [f for f in files if f.endswith(".trace.json.gz") and "-merged" not in f]
-    total = sum(os.path.getsize(f) for f in files)
-    written: list[str] = []
-    by_stage: dict[str, list[str]] = {}
-    for path in traces:
-        by_stage.setdefault(_stage_of(path), []).append(path)
-    for stage, paths in sorted(by_stage.items()):
-        loaded = []
-        for path in paths:
-            with gzip.open(path, "rt") as f:
-                loaded.append((path, json.load(f)))
-        base = min(int(d.get("baseTimeNanoseconds", 0)) for _, d in loaded)
-        events: list[dict[str, Any]] = []
-        for path, data in loaded:
-            match = re.search(r"-DP-(\d+)", os.path.basename(path))
-            label = f"DP-{match.group(1)}" if match else "DP-0"
-            shift_us = (int(data.get("baseTimeNanoseconds", 0)) - base) / 1000.0
-            for ev in data.get("traceEvents", []):
-                if shift_us and isinstance(ev.get("ts"), (int, float)):
-                    ev["ts"] = ev["ts"] + shift_us
-                if ev.get("ph") == "M" and ev.get("name") == "process_labels":
-                    ev["args"] = {"labels": label}
-                events.append(ev)
-        merged = {"traceEvents": events, "baseTimeNanoseconds": base, "displayTimeUnit": "ms"}
-        suffix = f"-{stage}" if stage else ""
-        out = os.path.join(record.output_dir, f"{record.stem}-merged{suffix}.trace.json.gz")
-        # A temporary name of its own (never listed: it does not end in .trace.json.gz),
-        # renamed over the final name only once complete.
-        fd, tmp = tempfile.mkstemp(
-            dir=record.output_dir, prefix=f".{record.stem}-merged{suffix}.", suffix=".tmp"
-        )
-        try:
-            with os.fdopen(fd, "wb") as raw, gzip.open(raw, "wt") as f:
-                json.dump(merged, f)
-            size = os.path.getsize(tmp)
-            if total + size > record.max_bytes:
-                os.remove(tmp)
-                return written, (
-                    f"merged trace not written: it would take the profile over its cap of "
-                    f"{record.max_bytes} bytes"
-                )
-            os.replace(tmp, out)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-            raise
-        total += size
-        written.append(out)
-    return written, ""
+    done = subprocess.run(
+        [sys.executable, trace_merge.__file__, record.output_dir, record.stem,
+         str(record.max_bytes), *files],
+        capture_output=True, text=True, check=False,
+    )
+    if done.returncode != 0:
+        tail = (done.stderr.strip().splitlines() or ["(no message)"])[-1]
+        raise RuntimeError(f"merging the profile's traces failed: {tail}")
+    outcome = json.loads(done.stdout)
+    return list(outcome["written"]), str(outcome["note"])
 
 
 async def merge_once(record: ProfileRecord, files: list[str]) -> tuple[list[str], str]:

@@ -14,10 +14,7 @@ import pytest
 from tests.conftest import ServerProc, start_server
 from tools import fuzz
 
-# generate-extreme is left out here: the rank-side sampling fix of issue 17 (finding 1)
-# is another branch's; until it is merged those requests still end a rank (the fuzzer
-# reports it as a DEATH, see test_a_death_is_reported). Add it back after that merge.
-KINDS = "generate-ordinary,generate-invalid,malformed,cancelled,dropped,admin"
+KINDS = "generate-ordinary,generate-extreme,generate-invalid,malformed,cancelled,dropped,admin"
 
 
 @pytest.fixture(scope="module")

@@ -246,3 +246,27 @@ def test_concurrent_downloads_of_a_merged_profile(
             assert sums[name] == digest == hashlib.sha256((out / name).read_bytes()).hexdigest()
             assert json.loads(gzip.decompress(data))["traceEvents"]
     assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_a_profile_left_running_stops_at_its_step_cap(tmp_path: Path) -> None:
+    """A profile nobody stops (issue 17, finding 5: it grew each rank without end) stops by
+    itself after --profile-max-steps forward steps; its trace is kept, the rank goes on
+    serving, and the next StopProfile says why it ended."""
+    server = start_server(tmp_path, "--profile-dir", str(tmp_path / "profiles"),
+                          "--profile-max-steps", "3")
+    try:
+        stub = server.stub()
+        start = stub.StartProfile(pb.StartProfileRequest(), timeout=TIMEOUT)
+        assert start.success, start.message
+        for i in range(4):  # more forward steps than the cap
+            tokens, _ = run_generate(stub, greedy([40 + i, 41, 42], 3), timeout=60)
+            assert len(tokens) == 3
+        wait_idle(stub)
+        stop = stub.StopProfile(pb.StopProfileRequest(), timeout=TIMEOUT)
+        assert stop.success, stop.message
+        assert "cap of 3 forward steps" in stop.message and "--profile-max-steps" in stop.message
+        assert len(stop.files) == 1 and Path(stop.files[0]).stat().st_size > 0
+        assert len(events(Path(stop.files[0]))) == 3
+        assert stub.StopProfile(pb.StopProfileRequest(), timeout=TIMEOUT).message == NOT_RUNNING
+    finally:
+        server.stop()

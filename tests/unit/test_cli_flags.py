@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from sglang_admin.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[2]
 
 BAD = [
     (["--port", "99999"], "--port: must be a TCP port in 1..65535, got 99999"),
@@ -40,3 +46,17 @@ def test_good_serve_flags_parse() -> None:
         ["serve", "--port", "65535", "--max-connection-idle", "0", "--keepalive-time", "30"]
     )
     assert (ns.port, ns.max_connection_idle_s, ns.keepalive_time_s) == (65535, 0.0, 30.0)
+
+
+@pytest.mark.parametrize("port", ["99999", "-5"])
+def test_serve_with_a_bad_port_exits_2_with_one_line(port: str) -> None:
+    """As a user runs it: `sglang-admin serve --port 99999` (or -5) starts nothing (it
+    used to serve on a wrapped port, or start) and prints one line naming the flag."""
+    done = subprocess.run(
+        [sys.executable, "-m", "sglang_admin", "serve", "--port", port],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )
+    assert done.returncode == 2, done
+    assert done.stdout == ""
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert f"argument --port: must be a TCP port in 1..65535, got {port}" in done.stderr
