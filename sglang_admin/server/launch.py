@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 SERVICE_NAME = common_pb2.DESCRIPTOR.services_by_name["SglangScheduler"].full_name
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+GET_METRICS = f"/{SERVICE_NAME}/GetMetrics"  # the exporter follows this RPC's auth rule
 RANK_POLL_S = 0.2
 
 
@@ -180,6 +181,7 @@ class Server:
         self.comm.start()
         servicer = SglangSchedulerServicer(args, self.comm)
         interceptors: list[grpc.aio.ServerInterceptor] = []
+        auth: AuthInterceptor | None = None
         if args.api_key or args.admin_api_key:
             auth = AuthInterceptor(args.api_key, args.admin_api_key)
             servicer.admin.check_admin_key = auth.check_admin
@@ -223,7 +225,9 @@ class Server:
         logger.info("listening on %s:%d (%s)", args.host, port, "TLS" if creds else "plaintext")
         if args.enable_metrics:
             try:
-                metrics_port = self.comm.metrics.start_exporter()
+                metrics_port = self.comm.metrics.start_exporter(
+                    None if auth is None else lambda metadata: auth.check(GET_METRICS, metadata)
+                )
             except OSError as exc:
                 await self.server.stop(None)
                 raise StartupError(

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
-from prometheus_client import disable_created_metrics, generate_latest, start_http_server
+from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, Counter, Histogram
+from prometheus_client import disable_created_metrics, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -33,6 +33,7 @@ from sglang_admin.config import ServerArgs
 from sglang_admin.messages import RankState, ReqOutput
 from sglang_admin.pb import common_pb2 as pb
 from sglang_admin.server.convert import ServiceError
+from sglang_admin.server.metrics_http import AuthCheck, start_exporter
 
 logger = logging.getLogger(__name__)
 
@@ -187,7 +188,7 @@ class Metrics:
         """Every metric in Prometheus' text exposition format."""
         return generate_latest(self.registry)
 
-    content_type = CONTENT_TYPE_LATEST
+    content_type = CONTENT_TYPE_PLAIN_0_0_4
 
     def get_metrics(self, request: pb.GetMetricsRequest) -> pb.GetMetricsResponse:
         """The GetMetrics RPC: the exposition the HTTP exporter serves, as text."""
@@ -200,19 +201,11 @@ class Metrics:
             text=self.exposition().decode(), content_type=self.content_type
         )
 
-    def start_exporter(self) -> int:
-        """Serve the exposition over HTTP on --host at --metrics-port (over TLS with the
-        server's certificate when --tls-cert is set; client certificates required with
-        --tls-client-ca). Returns the port; raises OSError when it cannot listen."""
-        args = self.args
-        tls: dict[str, Any] = {}
-        if args.tls_cert and args.tls_key:
-            tls = {"certfile": args.tls_cert, "keyfile": args.tls_key}
-            if args.tls_client_ca:
-                tls.update(client_cafile=args.tls_client_ca, client_auth_required=True)
-        self._http, _thread = start_http_server(
-            args.metrics_listen_port, addr=args.host, registry=self.registry, **tls
-        )
+    def start_exporter(self, check: AuthCheck | None = None) -> int:
+        """Serve the exposition over HTTP on --host at --metrics-port (server/metrics_http.py:
+        the auth rule ``check``, TLS as the gRPC port). Returns the port; raises OSError
+        when it cannot listen."""
+        self._http = start_exporter(self.args, self.registry, check)
         return int(self._http.server_port)
 
     def stop_exporter(self) -> None:
@@ -244,15 +237,18 @@ class Metrics:
         n = len(out.new_token_ids)
         if n:
             self.generation_tokens.labels(*labels).inc(n)
+            # Every token after a request's first is one inter-token gap; tokens that leave
+            # together share the time since the previous ones (those with the first: none).
             if not clock.first_seen:
                 clock.first_seen = True
                 self.ttft.labels(*labels).observe(now - clock.start)
                 self.queue_time.labels(*labels).observe(out.queue_time_s)
+                gaps, gap = n - 1, 0.0
             else:
-                # tokens coalesced into one message share the gap since the previous one
-                gap = (now - clock.last_token) / n
+                gaps, gap = n, (now - clock.last_token) / n
+            if gaps:
                 itl = self.itl.labels(*labels)
-                for _ in range(n):
+                for _ in range(gaps):
                     itl.observe(gap)
             clock.last_token = now
         if out.finish_reason is not None and not out.error:
