@@ -145,12 +145,12 @@ def test_a_real_prometheus_scrapes_the_exporter(
         "  - job_name: sglang-admin\n"
         f"    static_configs:\n      - targets: ['127.0.0.1:{port}']\n"
     )
-    log = open(tmp_path / "prometheus.log", "w")
-    prom = subprocess.Popen(
-        [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
-         f"--web.listen-address=127.0.0.1:{web}"],
-        stdout=log, stderr=subprocess.STDOUT,
-    )
+    with open(tmp_path / "prometheus.log", "w") as log:  # the child keeps its own copy
+        prom = subprocess.Popen(
+            [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
+             f"--web.listen-address=127.0.0.1:{web}"],
+            stdout=log, stderr=subprocess.STDOUT,
+        )
     query = urllib.parse.urlencode({"query": "sglang:num_running_reqs"})
     result: list = []
 
@@ -170,7 +170,6 @@ def test_a_real_prometheus_scrapes_the_exporter(
     finally:
         prom.terminate()
         prom.wait(30)
-        log.close()
     assert sorted(r["metric"]["dp_rank"] for r in result) == ["0", "1"]
     assert all(r["metric"]["job"] == "sglang-admin" for r in result)
 
