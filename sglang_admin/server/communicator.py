@@ -16,7 +16,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -291,7 +291,7 @@ class Communicator:
     def is_inflight(self, rid: str) -> bool:
         return rid in self.streams
 
-    async def generate(self, req: GenerateReq, rank: int) -> AsyncIterator[ReqOutput]:
+    async def generate(self, req: GenerateReq, rank: int) -> AsyncGenerator[ReqOutput, None]:
         """Send a request to `rank` and yield its outputs until it finishes.
 
         When the consumer stops early (cancelled call, deadline), the rank gets an Abort so

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -223,20 +223,25 @@ class Metrics:
     # ------------------------------------------------------------------ generation
 
     def observe(
-        self, outputs: AsyncIterator[ReqOutput], rank: int
-    ) -> AsyncIterator[ReqOutput]:
+        self, outputs: AsyncGenerator[ReqOutput, None], rank: int
+    ) -> AsyncGenerator[ReqOutput, None]:
         """The outputs of one Generate call, observed as they leave for the client."""
         if not self.enabled:
             return outputs
         return self._observed(outputs, str(rank))
 
-    async def _observed(self, outputs: AsyncIterator[ReqOutput], rank: str) -> AsyncIterator[
-            ReqOutput]:
+    async def _observed(self, outputs: AsyncGenerator[ReqOutput, None],
+                        rank: str) -> AsyncGenerator[ReqOutput, None]:
         clock = _RequestClock(time.perf_counter())
         labels = (self.model_name, rank)
-        async for out in outputs:
-            self._on_output(clock, out, labels)
-            yield out
+        try:
+            async for out in outputs:
+                self._on_output(clock, out, labels)
+                yield out
+        finally:
+            # closed with this wrapper, not later by the collector: a call that ends early
+            # aborts its request on the rank at once, as without metrics
+            await outputs.aclose()
 
     def _on_output(self, clock: _RequestClock, out: ReqOutput, labels: tuple[str, str]) -> None:
         now = time.perf_counter()

@@ -5,7 +5,7 @@ verdicts."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 import grpc
 import pytest
@@ -38,7 +38,7 @@ def out(tokens: int, finish: str | None = None, prompt: int = 4, cached: int = 0
                      queue_time_s=queue)
 
 
-async def outputs(items: list[ReqOutput]) -> AsyncIterator[ReqOutput]:
+async def outputs(items: list[ReqOutput]) -> AsyncGenerator[ReqOutput, None]:
     for item in items:
         yield item
 
@@ -184,3 +184,23 @@ def test_zero_turns_a_check_off() -> None:
     off = ServerArgs(watchdog_timeout_s=0.0, watchdog_probe_timeout_s=0.0)
     beat = Heartbeat(0, step_started=1.0, forward_steps=0, state_confirmed=1.0)
     assert stuck_reason(off, beat, heard_ago=1e6, now=1e6) is None
+
+
+def test_a_call_that_ends_early_closes_the_rank_stream_at_once() -> None:
+    closed: list[bool] = []
+
+    async def rank_stream() -> AsyncGenerator[ReqOutput, None]:
+        try:
+            yield out(1)
+            yield out(1)
+        finally:
+            closed.append(True)  # where the communicator sends the rank its AbortReq
+
+    async def run() -> None:
+        observed = make_metrics().observe(rank_stream(), 0)
+        async for _ in observed:
+            break  # the client went away after the first chunk
+        await observed.aclose()
+        assert closed == [True]
+
+    asyncio.run(run())
