@@ -105,9 +105,14 @@ class RankStateCollector(Collector):
 
 @dataclass
 class _RequestClock:
-    """One Generate call's timing, from the moment it was sent to its rank."""
+    """One Generate call's timing, from the moment it was sent to its rank, and the
+    metrics of its (model, rank) label set, looked up once per call."""
 
     start: float
+    generation_tokens: Any
+    ttft: Any
+    itl: Any
+    queue_time: Any
     last_token: float = 0.0
     first_seen: bool = False
 
@@ -232,8 +237,12 @@ class Metrics:
 
     async def _observed(self, outputs: AsyncGenerator[ReqOutput, None],
                         rank: str) -> AsyncGenerator[ReqOutput, None]:
-        clock = _RequestClock(time.perf_counter())
         labels = (self.model_name, rank)
+        clock = _RequestClock(
+            time.perf_counter(), self.generation_tokens.labels(*labels),
+            self.ttft.labels(*labels), self.itl.labels(*labels),
+            self.queue_time.labels(*labels),
+        )
         try:
             async for out in outputs:
                 self._on_output(clock, out, labels)
@@ -247,20 +256,18 @@ class Metrics:
         now = time.perf_counter()
         n = len(out.new_token_ids)
         if n:
-            self.generation_tokens.labels(*labels).inc(n)
+            clock.generation_tokens.inc(n)
             # Every token after a request's first is one inter-token gap; tokens that leave
             # together share the time since the previous ones (those with the first: none).
             if not clock.first_seen:
                 clock.first_seen = True
-                self.ttft.labels(*labels).observe(now - clock.start)
-                self.queue_time.labels(*labels).observe(out.queue_time_s)
+                clock.ttft.observe(now - clock.start)
+                clock.queue_time.observe(out.queue_time_s)
                 gaps, gap = n - 1, 0.0
             else:
                 gaps, gap = n, (now - clock.last_token) / n
-            if gaps:
-                itl = self.itl.labels(*labels)
-                for _ in range(gaps):
-                    itl.observe(gap)
+            for _ in range(gaps):
+                clock.itl.observe(gap)
             clock.last_token = now
         if out.finish_reason is not None and not out.error:
             self.num_requests.labels(*labels).inc()

@@ -77,8 +77,10 @@ def test_a_refused_request_is_not_counted_as_processed() -> None:
                         error_code="RESOURCE_EXHAUSTED")
     consume(metrics, [refused], rank=1)
     found = values(metrics)
-    assert not [k for k in found if k[0] == "sglang:num_requests_total"]
-    assert not [k for k in found if k[0] == "sglang:time_to_first_token_seconds_count"]
+    rank1 = (("dp_rank", "1"), ("model_name", "m"))
+    for name in ("sglang:num_requests_total", "sglang:time_to_first_token_seconds_count",
+                 "sglang:generation_tokens_total", "sglang:e2e_request_latency_seconds_count"):
+        assert found.get((name, rank1), 0) == 0, name
 
 
 def test_gauges_come_from_the_published_rank_states() -> None:
