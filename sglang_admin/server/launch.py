@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import multiprocessing as mp
 import os
@@ -127,6 +128,7 @@ class Server:
         self.comm: Communicator | None = None
         self.server: grpc.aio.Server | None = None
         self.stuck_ranks: set[int] = set()  # killed at shutdown: they cannot stop themselves
+        self._tasks: set[asyncio.Task] = set()
 
     async def _set_health(self, status: int) -> None:
         for name in ("", SERVICE_NAME):
@@ -154,9 +156,11 @@ class Server:
         # The server exits so a supervisor restarts it whole: calls on the other ranks end
         # now too (UNAVAILABLE: retry elsewhere), not at the grace's end.
         self.comm.fail_all(f"server restarting: scheduler rank {rank} {why}")
-        asyncio.get_running_loop().create_task(
+        task = asyncio.get_running_loop().create_task(
             self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         )
+        self._tasks.add(task)  # held until done (the loop keeps only a weak reference)
+        task.add_done_callback(self._tasks.discard)
         self.exit_code = 1
         self.stop_event.set()
 
@@ -226,7 +230,7 @@ class Server:
         if args.enable_metrics:
             try:
                 metrics_port = self.comm.metrics.start_exporter(
-                    None if auth is None else lambda metadata: auth.check(GET_METRICS, metadata)
+                    None if auth is None else functools.partial(auth.check, GET_METRICS)
                 )
             except OSError as exc:
                 await self.server.stop(None)
