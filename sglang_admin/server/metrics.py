@@ -15,7 +15,6 @@ Two ways to read them: the HTTP exporter (prometheus_client's own server, on --h
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from collections.abc import AsyncGenerator, Callable, Iterable, Iterator
@@ -40,9 +39,9 @@ from sglang_admin.pb import common_pb2 as pb
 from sglang_admin.server.convert import ServiceError
 from sglang_admin.server.metrics_http import AuthCheck, start_exporter
 
-logger = logging.getLogger(__name__)
-
-# SGLang's buckets (sglang/srt/metrics/collector.py), so dashboards' quantiles compare.
+# Bucket bounds (seconds) in the style of SGLang's defaults; not checked against every
+# SGLang version (its bounds changed over time). Dashboards' histogram_quantile() reads the
+# _bucket series whatever the bounds.
 TTFT_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 120, 160)
 ITL_BUCKETS = (0.002, 0.004, 0.006, 0.008, 0.010, 0.015, 0.020, 0.025, 0.030, 0.035,
                0.040, 0.060, 0.080, 0.100, 0.200, 0.400, 0.600, 0.800, 1.0, 2.0, 4.0, 6.0, 8.0)

@@ -101,6 +101,9 @@ def test_mixed_workload_is_counted_exactly(metered: tuple[ServerProc, int], tmp_
         assert by_rank(found, "sglang:num_used_tokens")[rank] == load.num_used_tokens
         assert by_rank(found, "sglang:token_usage")[rank] == pytest.approx(load.token_usage)
         assert 0 <= load.state_age_s < 5  # an idle rank confirms its state as it polls
+    info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
+    assert [s.dp_rank for s in info.rank_states] == [0, 1]
+    assert all(0 <= s.state_age_s < 5 for s in info.rank_states)  # fresh: a round trip
 
     # GetMetrics serves the same exposition (ages aside, which move with the clock)
     rpc = stub.GetMetrics(pb.GetMetricsRequest(), timeout=10)
