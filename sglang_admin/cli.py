@@ -127,6 +127,19 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                         "a slow reader before it ends with RESOURCE_EXHAUSTED")
     p.add_argument("--no-coalesce", dest="coalesce_reads", action="store_false",
                    help="do not share in-flight GetServerInfo/health round trips")
+    p.add_argument("--enable-metrics", action="store_true",
+                   help="serve Prometheus metrics (sglang:* names) over HTTP on --host at "
+                        "--metrics-port, and through the GetMetrics RPC")
+    p.add_argument("--metrics-port", type=_port, default=None,
+                   help="the metrics exporter's TCP port (default: the gRPC port + 1)")
+    p.add_argument("--watchdog-timeout", type=_seconds, default=ServerArgs.watchdog_timeout_s,
+                   dest="watchdog_timeout_s",
+                   help="seconds one forward step may take before its rank counts as stuck "
+                        "(health NOT_SERVING, calls UNAVAILABLE, the server exits 1)")
+    p.add_argument("--watchdog-probe-timeout", type=_seconds,
+                   default=ServerArgs.watchdog_probe_timeout_s, dest="watchdog_probe_timeout_s",
+                   help="seconds a rank may send no heartbeat (a stopped or frozen process) "
+                        "before it counts as stuck")
     p.add_argument("--seed", type=_seed, default=0)
     p.set_defaults(func=run_serve)
 

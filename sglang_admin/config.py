@@ -68,6 +68,14 @@ class ServerArgs:
     # RESOURCE_EXHAUSTED (and its KV freed).
     stream_buffer_tokens: int = 4096
     coalesce_reads: bool = True
+    # Metrics (server/metrics.py): off unless asked; the exporter listens on --host at
+    # metrics_port (None: the gRPC port + 1, as SGLang's HTTP sidecar).
+    enable_metrics: bool = False
+    metrics_port: int | None = None
+    # Watchdog (server/watchdog.py): a rank in one forward step for longer than
+    # watchdog_timeout_s, or silent (no heartbeat) for watchdog_probe_timeout_s, is stuck.
+    watchdog_timeout_s: float = 300.0
+    watchdog_probe_timeout_s: float = 5.0
     seed: int = 0
     ipc_dir: str = ""  # set by launch: a fresh private directory per instance
 
@@ -79,6 +87,11 @@ class ServerArgs:
     def server_addr(self) -> str:
         """Where the server receives every rank's outputs (it binds, ranks connect)."""
         return f"ipc://{self.ipc_dir}/server"
+
+    @property
+    def metrics_listen_port(self) -> int:
+        """The exporter's port: --metrics-port, or the gRPC port + 1."""
+        return self.metrics_port if self.metrics_port is not None else self.port + 1
 
     def replace(self, **changes: Any) -> ServerArgs:
         return dataclasses.replace(self, **changes)

@@ -317,6 +317,7 @@ class ReqOutput:
     matched_token_id: int | None = None
     error: str | None = None  # set when the scheduler refused or dropped the request
     error_code: str | None = None  # grpc StatusCode name for error
+    queue_time_s: float = 0.0  # seconds the request waited on the rank before admission
 
 
 @dataclass(slots=True)
@@ -392,6 +393,19 @@ class StateUpdate:
 
 
 @dataclass(slots=True)
+class Heartbeat:
+    """Sent by a rank's heartbeat thread every fraction of --watchdog-probe-timeout: the
+    process is alive, and in a forward step since ``step_started`` (wall time; 0: not in a
+    step); its main loop last checked its published state at ``state_confirmed`` (wall
+    time). The server's watchdog (server/watchdog.py) reads it."""
+
+    dp_rank: int
+    step_started: float
+    forward_steps: int
+    state_confirmed: float
+
+
+@dataclass(slots=True)
 class KvEvents:
     """Radix cache events of one step: ("stored", tokens, parent_hash, hash) etc."""
 
@@ -434,6 +448,7 @@ _REGISTRY: tuple[type, ...] = (
     WeightValues,
     DigestResult,
     MemoryResult,
+    Heartbeat,
 )
 _CODES: dict[type, int] = {cls: code for code, cls in enumerate(_REGISTRY)}
 _FIELDS: tuple[tuple[str, ...], ...] = tuple(

@@ -21,8 +21,12 @@ figure is a ratio against a reference taken at the same time, with calls interle
 6. Admin throughput: 200 concurrent GetServerInfo calls (grpc.aio), calls/s with read
    coalescing on and off (--no-coalesce), beside the floor server's at the same concurrency,
    and the worker's CPU per call (server + ranks, from /proc): coalescing on <= off.
+7. With --metrics: a dp 1 worker with --enable-metrics (its exporter scraped every second, as
+   Prometheus would, while it streams) beside the plain dp 1 worker: the idle GetServerInfo
+   and FlushCache p50 (calls interleaved) and figure 5's streaming tok/s (rounds alternating)
+   within 3% of metrics off.
 
-Usage: python tools/bench_admin.py [--samples N] [--quick] [--json FILE]
+Usage: python tools/bench_admin.py [--samples N] [--quick] [--metrics] [--json FILE]
 """
 
 from __future__ import annotations
@@ -38,7 +42,9 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -247,6 +253,11 @@ class Prober:
                     on_response(pair, resp)
         return times
 
+    def add(self, name: str, target: str) -> None:
+        """Probe one more server."""
+        self.channels[name] = grpc.insecure_channel(target)
+        self.stubs[name] = pb_grpc.SglangSchedulerStub(self.channels[name])
+
     def close(self) -> None:
         for ch in self.channels.values():
             ch.close()
@@ -439,6 +450,10 @@ def bench(ns: argparse.Namespace) -> dict[str, Any]:
         for name in ("dp4", "nocoal"):
             servers[name].stop()
 
+        # ---- 7: metrics on against off (dp 1 each), latency interleaved, streams alternating
+        if ns.metrics:
+            out["metrics"] = metrics_on_off(ns, tmp, servers, prober, targets, log)
+
         # ---- 5: streaming through gRPC vs the engine in-process, alternating, best of each
         threads = max(1, ((os.cpu_count() or 1) - 1) // 1)  # what a dp 1 rank uses
         log(f"streaming: {STREAMS} streams x {OUTPUT_LEN} tokens, engine in-process "
@@ -493,6 +508,77 @@ def bench(ns: argparse.Namespace) -> dict[str, Any]:
     out["load_after"] = os.getloadavg()
     out["seconds"] = time.perf_counter() - t_start
     return out
+
+
+class Scraper(threading.Thread):
+    """GETs a metrics exporter every second until stopped (what Prometheus does)."""
+
+    def __init__(self, port: int) -> None:
+        super().__init__(daemon=True)
+        self.url = f"http://127.0.0.1:{port}/metrics"
+        self.stopped = threading.Event()
+        self.scrapes = 0
+
+    def run(self) -> None:
+        while not self.stopped.wait(1.0):
+            with urllib.request.urlopen(self.url, timeout=10) as resp:
+                resp.read()
+            self.scrapes += 1
+
+
+def metrics_on_off(ns: argparse.Namespace, tmp: Path, servers: dict[str, Any],
+                   prober: Prober, targets: dict[str, str],
+                   log: Callable[[str], None]) -> dict[str, Any]:
+    """Figure 7: the dp 1 worker against one with --enable-metrics, side by side."""
+    from tests.conftest import free_port, start_server
+
+    port = free_port()
+    servers["metrics"] = srv = start_server(tmp, "--enable-metrics", "--metrics-port", str(port),
+                                            port=free_port())
+    targets["metrics"] = srv.target
+    prober.add("metrics", srv.target)
+    pairs = [(s, op) for s in ("dp1", "metrics") for op in ("info", "flush")]
+    prober.interleaved(pairs, 30)
+    log(f"metrics on vs off: {ns.samples} idle calls of each pair, {ns.stream_rounds} "
+        f"alternating streaming rounds")
+    times = prober.interleaved(pairs, ns.samples)
+    result: dict[str, Any] = {f"{s}/{op}": p50_p99(t) for (s, op), t in times.items()}
+    stream_result(start_streams(srv.target, 8, 0, seed=99), 300)  # warm up
+    runs: dict[str, list[float]] = {"dp1": [], "metrics": []}
+    scraper = Scraper(port)
+    scraper.start()
+    for r in range(ns.stream_rounds):
+        for name in ("dp1", "metrics"):
+            stub = servers[name].stub()
+            stub.FlushCache(pb.FlushCacheRequest(timeout_s=30), timeout=60)
+            runs[name].append(stream_result(start_streams(
+                targets[name], OUTPUT_LEN, 0, seed=r), 300)["tok_s"])
+    scraper.stopped.set()
+    scraper.join(15)
+    result["streaming"] = runs
+    result["scrapes"] = scraper.scrapes
+    servers["metrics"].stop()
+    return result
+
+
+def report_metrics(m: dict[str, Any], met: list[bool]) -> None:
+    """Figure 7's lines: metrics on against off, target within 3%."""
+    names = {"info": "GetServerInfo", "flush": "FlushCache"}
+    print(f"\n7 metrics on vs off (dp 1 each; exporter scraped every second while streaming, "
+          f"{m['scrapes']} scrapes):")
+    for op in ("info", "flush"):
+        on, off = m[f"metrics/{op}"][0], m[f"dp1/{op}"][0]
+        ok = on <= 1.03 * off
+        met.append(ok)
+        print(f"  idle {names[op]:<14} p50 on {on:.3f} ms, off {off:.3f} ms = {on / off:.3f}x "
+              f"(target <= 1.03x) met: {'yes' if ok else 'NO'}")
+    on, off = max(m["streaming"]["metrics"]), max(m["streaming"]["dp1"])
+    ok = on >= 0.97 * off
+    met.append(ok)
+    print(f"  streaming (best of {len(m['streaming']['dp1'])}): on {on:.0f} tok/s, off "
+          f"{off:.0f} tok/s = {on / off:.3f}x (target >= 0.97x) met: {'yes' if ok else 'NO'}")
+    print(f"  runs: on {[round(x) for x in m['streaming']['metrics']]}, "
+          f"off {[round(x) for x in m['streaming']['dp1']]}")
 
 
 def report(r: dict[str, Any]) -> list[bool]:
@@ -567,6 +653,8 @@ def report(r: dict[str, Any]) -> list[bool]:
           f"{on['calls_s'] / fl['calls_s']:.2f}x; CPU per call on/off "
           f"{on['cpu_us_per_call'] / off['cpu_us_per_call']:.2f}x (target <= 1.0x) met: "
           f"{'yes' if ok else 'NO'}")
+    if "metrics" in r:
+        report_metrics(r["metrics"], met)
     la, lb = r["load_before"], r["load_after"]
     print(f"\nload average before {la[0]:.2f} {la[1]:.2f} {la[2]:.2f}, after "
           f"{lb[0]:.2f} {lb[1]:.2f} {lb[2]:.2f}; {os.cpu_count()} CPUs; "
@@ -599,6 +687,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tput-seconds", type=float, default=1.5)
     parser.add_argument("--stream-rounds", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="fewer samples (a smoke run)")
+    parser.add_argument("--metrics", action="store_true",
+                        help="also compare a worker with --enable-metrics against dp 1 (7)")
     parser.add_argument("--json", help="also write the raw figures to this file")
     ns = parser.parse_args(argv)
     if ns.mode == "floor":

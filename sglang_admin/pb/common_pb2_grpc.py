@@ -155,6 +155,11 @@ class SglangSchedulerStub:
                 request_serializer=sglang__admin_dot_common__pb2.ResumeMemoryOccupationRequest.SerializeToString,
                 response_deserializer=sglang__admin_dot_common__pb2.AdminResponse.FromString,
                 _registered_method=True)
+        self.GetMetrics = channel.unary_unary(
+                '/sglang.grpc.scheduler.SglangScheduler/GetMetrics',
+                request_serializer=sglang__admin_dot_common__pb2.GetMetricsRequest.SerializeToString,
+                response_deserializer=sglang__admin_dot_common__pb2.GetMetricsResponse.FromString,
+                _registered_method=True)
 
 
 class SglangSchedulerServicer:
@@ -338,6 +343,15 @@ class SglangSchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetMetrics(self, request, context):
+        """Extension: the server's Prometheus metrics (SGLang's sglang:* names, and our own
+        sglang_admin:* ones) in the text exposition format, the same text the HTTP exporter
+        serves; FAILED_PRECONDITION unless the server runs with --enable-metrics.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SglangSchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -460,6 +474,11 @@ def add_SglangSchedulerServicer_to_server(servicer, server):
                     servicer.ResumeMemoryOccupation,
                     request_deserializer=sglang__admin_dot_common__pb2.ResumeMemoryOccupationRequest.FromString,
                     response_serializer=sglang__admin_dot_common__pb2.AdminResponse.SerializeToString,
+            ),
+            'GetMetrics': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetMetrics,
+                    request_deserializer=sglang__admin_dot_common__pb2.GetMetricsRequest.FromString,
+                    response_serializer=sglang__admin_dot_common__pb2.GetMetricsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1111,6 +1130,33 @@ class SglangScheduler:
             '/sglang.grpc.scheduler.SglangScheduler/ResumeMemoryOccupation',
             sglang__admin_dot_common__pb2.ResumeMemoryOccupationRequest.SerializeToString,
             sglang__admin_dot_common__pb2.AdminResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetMetrics(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sglang.grpc.scheduler.SglangScheduler/GetMetrics',
+            sglang__admin_dot_common__pb2.GetMetricsRequest.SerializeToString,
+            sglang__admin_dot_common__pb2.GetMetricsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -33,6 +33,7 @@ from sglang_admin.messages import (
     encode,
 )
 from sglang_admin.scheduler.control import Handler, op_name
+from sglang_admin.scheduler.heartbeat import HeartbeatThread
 from sglang_admin.scheduler.quiesce import Quiesce
 from sglang_admin.scheduler.scheduler import Batch, Scheduler, SchedulerConfig
 from sglang_admin.tracing import child_span, trace_id_of
@@ -92,7 +93,12 @@ def run_scheduler(args: ServerArgs, rank: int, parent_pid: int) -> None:
         outbox.send(encode(FailedMsg(rank, f"{type(exc).__name__}: {exc}")))
         outbox.close(linger=2000)
         sys.exit(1)
-    loop.run()
+    heartbeat = HeartbeatThread(ctx, args, rank, loop)
+    heartbeat.start()
+    try:
+        loop.run()
+    finally:
+        heartbeat.stop()
     # The loop ends on ShutdownReq (sent as the server closes its inbox) or when the server
     # is gone: nobody is left to read pending outputs, so do not linger on them.
     outbox.close(linger=0)
@@ -155,6 +161,8 @@ class RankLoop:
         # admin messages answered when their future resolves (StopProfile's export)
         self.deferred: list[tuple[Any, Future]] = []
         self.forward_steps = 0
+        self.step_started = 0.0  # wall time of the current step's start (the heartbeat's)
+        self.state_confirmed = time.time()  # when the server's copy of the state was checked
         self.last_step_time = 0.0
         self.last_state_sent = 0.0
         self.last_state_key: tuple = ()
@@ -210,6 +218,9 @@ class RankLoop:
         key = (len(s.running), len(s.waiting), s.num_used_tokens, self.profiler.reported_state,
                self.quiesce.pending, s.paused)
         now = time.monotonic()
+        # The key fields are checked now (published below if they changed): the heartbeat
+        # tells the server how old its copy of this rank's state is.
+        self.state_confirmed = time.time()
         if force or (key != self.last_state_key and now - self.last_state_sent
                      >= STATE_PUBLISH_INTERVAL_S) or now - self.last_state_sent >= 1.0:
             self.last_state_key = key
@@ -301,6 +312,7 @@ class RankLoop:
         stage = "decode" if batch.is_decode else "prefill"
         self.profiler.before_step(stage)
         t0 = time.perf_counter()
+        self.step_started = time.time()
         while True:
             try:
                 results = self.runner.forward_step(seqs)
@@ -311,6 +323,7 @@ class RankLoop:
                 logger.error("rank %d: request %s has an invalid sequence: %s",
                              self.rank, span.req.rid, exc)
                 self.scheduler.fail(span.req, f"invalid sequence: {exc}", "INTERNAL")
+        self.step_started = 0.0
         self.last_step_time = time.perf_counter() - t0
         self.forward_steps += 1
         tokens = [r.token_id if r is not None else None for r in results]

@@ -49,6 +49,8 @@ class Req:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     sent_tokens: int = 0  # output tokens already reported
     sent_logprobs: int = 0
+    arrived: float = field(default_factory=time.monotonic)
+    queue_time_s: float = 0.0  # from arrival to the first admission (sglang:queue_time)
 
     @property
     def fill_ids(self) -> list[int]:
@@ -307,6 +309,7 @@ class Scheduler:
         req.table_synced = 0
         if req.cached_tokens < 0:  # first admission: account the prompt
             req.cached_tokens = min(len(match.slots), len(req.prompt_ids))
+            req.queue_time_s = time.monotonic() - req.arrived
             self.prompt_tokens_total += len(req.prompt_ids)
             self.cached_tokens_total += req.cached_tokens
         return True
@@ -425,6 +428,7 @@ class Scheduler:
             cached_tokens=max(req.cached_tokens, 0),
             logprobs=lps,
             top_logprobs=tops,
+            queue_time_s=req.queue_time_s,
         )
 
     # ------------------------------------------------------------------ releasing

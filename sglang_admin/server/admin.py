@@ -190,15 +190,17 @@ class AdminCalls:
         self.require_ready()
         carrier = carrier_from_metadata(context.invocation_metadata())
         span_name = "".join(part.title() for part in op.split("_"))
-        with server_span(span_name, carrier, **log_fields) as forward:
-            rid = self.comm.new_admin_id()
-            self.log(op, rid, carrier, **log_fields)
-            wait = effective_timeout(context, server_default)
-            deadline = time.time() + wait
-            replies, failures = await self.comm.call_ranks(
-                lambda admin_id: make(admin_id, deadline, forward), wait, rid=rid
-            )
-        out = FanOut(self.args.dp_size, replies, failures)
-        if raise_unanswered:
-            out.raise_if_unanswered()
+        with self.comm.metrics.admin_call(op) as outcome:  # sglang_admin:admin_calls
+            with server_span(span_name, carrier, **log_fields) as forward:
+                rid = self.comm.new_admin_id()
+                self.log(op, rid, carrier, **log_fields)
+                wait = effective_timeout(context, server_default)
+                deadline = time.time() + wait
+                replies, failures = await self.comm.call_ranks(
+                    lambda admin_id: make(admin_id, deadline, forward), wait, rid=rid
+                )
+            out = FanOut(self.args.dp_size, replies, failures)
+            outcome(out.ok)
+            if raise_unanswered:
+                out.raise_if_unanswered()
         return out

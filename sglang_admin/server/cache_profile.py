@@ -100,6 +100,7 @@ class CacheAndProfile:
                 res.files.extend(found.files)
                 files.extend(found.files)
                 profile_id = profile_id or found.profile_id
+        self.comm.metrics.profile_files(files)
         record = registry.get(profile_id)
         notes: list[str] = []
         if record is not None:

@@ -16,7 +16,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -31,6 +31,7 @@ from sglang_admin.messages import (
     CancelAdminReq,
     FailedMsg,
     GenerateReq,
+    Heartbeat,
     KvEvents,
     ModelInfo,
     RankState,
@@ -42,6 +43,7 @@ from sglang_admin.messages import (
     encode,
 )
 from sglang_admin.server.kv_events import KvEventHub
+from sglang_admin.server.metrics import Metrics
 from sglang_admin.server.stream_buffer import OutputBuffer, StreamOverflow
 
 logger = logging.getLogger(__name__)
@@ -108,6 +110,9 @@ class Communicator:
         self.calls: dict[str, _AdminCall] = {}
         self.inflight = [0] * args.dp_size
         self.rank_states: list[RankState | None] = [None] * args.dp_size
+        # Each rank's last heartbeat and when it arrived (monotonic): server/watchdog.py
+        self.heartbeats: list[Heartbeat | None] = [None] * args.dp_size
+        self.heard_at: list[float] = [0.0] * args.dp_size
         self.model_info: ModelInfo | None = None  # rank 0's, once the ranks are ready
         self.ready_ranks: set[int] = set()
         self.ready = asyncio.Event()
@@ -120,6 +125,7 @@ class Communicator:
         self._loop: asyncio.AbstractEventLoop | None = None  # set while reading the inbox
         self.closed = False
         self.down_reason: str | None = None  # set by fail_all: the server is going down
+        self.metrics = Metrics(args, self.served_model_name, self.published_states)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -206,6 +212,9 @@ class Communicator:
                     self._overflow(stream)
         elif isinstance(msg, StateUpdate):
             self.rank_states[msg.state.dp_rank] = msg.state
+        elif isinstance(msg, Heartbeat):
+            self.heartbeats[msg.dp_rank] = msg
+            self.heard_at[msg.dp_rank] = time.monotonic()
         elif isinstance(msg, AdminReply):
             call = self.calls.get(msg.rid)
             if call is None or msg.dp_rank not in call.ranks:
@@ -218,10 +227,12 @@ class Communicator:
             if len(call.replies) == len(call.ranks):
                 call.finish()
         elif isinstance(msg, KvEvents):
-            self.kv_hub.publish(msg)
+            batch = self.kv_hub.publish(msg)
+            self.metrics.kv_events_published(msg.dp_rank, len(batch.events) if batch else 0)
         elif isinstance(msg, ReadyMsg):
             self.ready_ranks.add(msg.dp_rank)
             self.rank_states[msg.dp_rank] = msg.state
+            self.heard_at[msg.dp_rank] = time.monotonic()
             if msg.dp_rank == 0 or self.model_info is None:
                 self.model_info = msg.model_info
             if len(self.ready_ranks) == self.args.dp_size:
@@ -247,6 +258,27 @@ class Communicator:
         if stream.rank not in self.dead_ranks:
             self._send_nowait(stream.rank, AbortReq(stream.wire_id, "reader too slow"))
 
+    def served_model_name(self) -> str:
+        """--served-model-name, or the path of the model the ranks loaded."""
+        info = self.model_info
+        return self.args.served_model_name or (info.model_path if info else "") or "unknown"
+
+    def published_states(self) -> list[tuple[int, RankState, float]]:
+        """(rank, its last published state, that state's age in s) for each rank heard of."""
+        now = time.time()
+        return [(rank, state, self.state_age(rank, now))
+                for rank, state in enumerate(self.rank_states) if state is not None]
+
+    def state_age(self, rank: int, now: float | None = None) -> float:
+        """Seconds since rank ``rank`` last published its state or confirmed it unchanged
+        (its heartbeat carries when its loop last checked); 0 before any state."""
+        state = self.rank_states[rank]
+        if state is None:
+            return 0.0
+        beat = self.heartbeats[rank]
+        seen = max(state.timestamp, beat.state_confirmed if beat is not None else 0.0)
+        return max(0.0, (time.time() if now is None else now) - seen)
+
     # ------------------------------------------------------------------ generate
 
     def pick_rank(self, pinned: int | None = None) -> int:
@@ -260,7 +292,7 @@ class Communicator:
     def is_inflight(self, rid: str) -> bool:
         return rid in self.streams
 
-    async def generate(self, req: GenerateReq, rank: int) -> AsyncIterator[ReqOutput]:
+    async def generate(self, req: GenerateReq, rank: int) -> AsyncGenerator[ReqOutput, None]:
         """Send a request to `rank` and yield its outputs until it finishes.
 
         When the consumer stops early (cancelled call, deadline), the rank gets an Abort so

@@ -85,7 +85,7 @@ class Generation:
             logprobs: list[float] = []
             tops: list = []
             try:
-                async for out in self.comm.generate(req, rank):
+                async for out in self.comm.metrics.observe(self.comm.generate(req, rank), rank):
                     if out.error:
                         code = getattr(grpc.StatusCode, out.error_code or "INTERNAL")
                         raise ServiceError(code, out.error)

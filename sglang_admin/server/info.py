@@ -170,7 +170,7 @@ class Info:
             server_type="grpc",
             start_time=start,
             max_total_num_tokens=self.model.token_capacity,
-            rank_states=[_rank_state_proto(s) for s in states],
+            rank_states=[_rank_state_proto(s, time.time() - s.timestamp) for s in states],
         )
 
     async def loads(
@@ -196,7 +196,7 @@ class Info:
         loads = []
         for rank in ranks:
             state = self.comm.rank_states[rank] or RankState(dp_rank=rank)
-            loads.append(_load_proto(state, include))
+            loads.append(_load_proto(state, include, self.comm.state_age(rank)))
         total_running = sum(x.num_running_reqs for x in loads)
         total_waiting = sum(x.num_waiting_reqs for x in loads)
         n = max(len(loads), 1)
@@ -266,7 +266,7 @@ def _jsonable(obj: Any) -> Any:
     return str(obj)
 
 
-def _rank_state_proto(s: RankState) -> pb.RankState:
+def _rank_state_proto(s: RankState, age: float) -> pb.RankState:
     return pb.RankState(
         dp_rank=s.dp_rank,
         num_running_reqs=s.num_running_reqs,
@@ -282,10 +282,11 @@ def _rank_state_proto(s: RankState) -> pb.RankState:
         device=s.device,
         pid=s.pid,
         flush_pending=s.flush_pending,
+        state_age_s=max(0.0, age),
     )
 
 
-def _load_proto(s: RankState, include: set[str]) -> pb.SchedulerLoad:
+def _load_proto(s: RankState, include: set[str], age: float) -> pb.SchedulerLoad:
     capacity = max(s.token_capacity, 1)
     active = s.num_used_tokens - s.num_evictable_tokens
     load = pb.SchedulerLoad(
@@ -301,6 +302,7 @@ def _load_proto(s: RankState, include: set[str]) -> pb.SchedulerLoad:
         utilization=max(active, 0) / capacity,
         max_running_requests=s.max_running_requests,
         num_waiting_uncached_tokens=s.num_waiting_uncached_tokens,
+        state_age_s=age,
     )
     if "memory" in include:
         load.memory.CopyFrom(

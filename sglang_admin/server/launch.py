@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import multiprocessing as mp
 import os
@@ -23,11 +24,13 @@ from sglang_admin.server.interceptors import (
     ErrorInterceptor,
 )
 from sglang_admin.server.servicer import SglangSchedulerServicer
+from sglang_admin.server.watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = common_pb2.DESCRIPTOR.services_by_name["SglangScheduler"].full_name
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+GET_METRICS = f"/{SERVICE_NAME}/GetMetrics"  # the exporter follows this RPC's auth rule
 RANK_POLL_S = 0.2
 
 
@@ -131,6 +134,8 @@ class Server:
         self.health = health.aio.HealthServicer()
         self.comm: Communicator | None = None
         self.server: grpc.aio.Server | None = None
+        self.stuck_ranks: set[int] = set()  # killed at shutdown: they cannot stop themselves
+        self._tasks: set[asyncio.Task] = set()
 
     async def _set_health(self, status: int) -> None:
         for name in ("", SERVICE_NAME):
@@ -148,20 +153,37 @@ class Server:
             proc.start()
             self.procs.append(proc)
 
+    def _rank_down(self, rank: int, why: str) -> None:
+        """A rank exited or is stuck: its calls fail, health turns NOT_SERVING at once, and
+        the server stops with exit 1."""
+        assert self.comm is not None
+        if rank in self.comm.dead_ranks:
+            return
+        self.comm.rank_failed(rank, why)
+        # The server exits so a supervisor restarts it whole: calls on the other ranks end
+        # now too (UNAVAILABLE: retry elsewhere), not at the grace's end.
+        self.comm.fail_all(f"server restarting: scheduler rank {rank} {why}")
+        task = asyncio.get_running_loop().create_task(
+            self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        )
+        self._tasks.add(task)  # held until done (the loop keeps only a weak reference)
+        task.add_done_callback(self._tasks.discard)
+        self.exit_code = 1
+        self.stop_event.set()
+
+    def _rank_stuck(self, rank: int, why: str) -> None:
+        assert self.comm is not None
+        self.comm.metrics.rank_stuck(rank)
+        self.stuck_ranks.add(rank)
+        self._rank_down(rank, why)
+
     async def _watch_ranks(self) -> None:
         """A rank that exits while serving fails its calls and stops the server (exit 1)."""
         assert self.comm is not None
         while not self.stop_event.is_set():
             for rank, proc in enumerate(self.procs):
                 if not proc.is_alive() and rank not in self.comm.dead_ranks:
-                    why = f"exited with code {proc.exitcode}"
-                    self.comm.rank_failed(rank, why)
-                    # The server exits so a supervisor restarts it whole: calls on the other
-                    # ranks end now too (UNAVAILABLE: retry elsewhere), not at the grace's end.
-                    self.comm.fail_all(f"server restarting: scheduler rank {rank} {why}")
-                    await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-                    self.exit_code = 1
-                    self.stop_event.set()
+                    self._rank_down(rank, f"exited with code {proc.exitcode}")
             await asyncio.sleep(RANK_POLL_S)
 
     async def run(self) -> int:
@@ -170,6 +192,7 @@ class Server:
         self.comm.start()
         servicer = SglangSchedulerServicer(args, self.comm)
         interceptors: list[grpc.aio.ServerInterceptor] = []
+        auth: AuthInterceptor | None = None
         if args.api_key or args.admin_api_key:
             auth = AuthInterceptor(args.api_key, args.admin_api_key)
             servicer.admin.check_admin_key = auth.check_admin
@@ -211,12 +234,27 @@ class Server:
             raise StartupError(f"cannot listen on {address} ({why})")
         await self.server.start()
         logger.info("listening on %s:%d (%s)", args.host, port, "TLS" if creds else "plaintext")
+        if args.enable_metrics:
+            try:
+                metrics_port = self.comm.metrics.start_exporter(
+                    None if auth is None else functools.partial(auth.check, GET_METRICS)
+                )
+            except OSError as exc:
+                await self.server.stop(None)
+                raise StartupError(
+                    f"cannot serve metrics on {args.host}:{args.metrics_listen_port} "
+                    f"({exc.strerror or exc}); choose another --metrics-port"
+                ) from None
+            logger.info("metrics on http://%s:%d/metrics", args.host, metrics_port)
         self._start_ranks()
 
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop_event.set)
         watcher = asyncio.create_task(self._watch_ranks())
+        watchdog = asyncio.create_task(
+            Watchdog(args, self.comm, self._rank_stuck).run(self.stop_event)
+        )
         ready = asyncio.create_task(self.comm.ready.wait())
         stopped = asyncio.create_task(self.stop_event.wait())
         await asyncio.wait({ready, stopped}, return_when=asyncio.FIRST_COMPLETED)
@@ -231,6 +269,7 @@ class Server:
         ready.cancel()
         await self.shutdown()
         watcher.cancel()
+        watchdog.cancel()
         return self.exit_code
 
     async def shutdown(self) -> None:
@@ -241,12 +280,16 @@ class Server:
             # (health Watch streams), not work to drain; the supervisor is waiting.
             grace = min(grace, 1.0)
         logger.info("shutting down (grace %.1fs)", grace)
+        for rank in self.stuck_ranks:  # a stopped process never reads ShutdownReq
+            logger.error("killing stuck scheduler rank %d (pid %s)", rank, self.procs[rank].pid)
+            self.procs[rank].kill()
         await self.health.enter_graceful_shutdown()
         if self.comm is not None:
             self.comm.kv_hub.close()  # KV event streams never end by themselves: end them now
         if self.server is not None:
             await self.server.stop(grace)
         if self.comm is not None:
+            self.comm.metrics.stop_exporter()
             await self.comm.close()
         for proc in self.procs:
             proc.join(timeout=5)

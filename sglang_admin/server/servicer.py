@@ -37,6 +37,7 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
         self.info = Info(args, comm, self.admin)
         self.cache = CacheAndProfile(args, comm, self.admin)
         self.weights = Weights(args, comm, self.admin)
+        self.metrics = comm.metrics
 
     @property
     def profiles(self) -> Any:
@@ -101,6 +102,12 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
         """Radix cache events as fixed-size KV blocks (server/kv_events.py)."""
         async for batch in self.info.kv_events(request, context):
             yield batch
+
+    async def GetMetrics(
+        self, request: pb.GetMetricsRequest, context: Context
+    ) -> pb.GetMetricsResponse:
+        """Prometheus text exposition (server/metrics.py), as the HTTP exporter serves it."""
+        return self.metrics.get_metrics(request)
 
     # ------------------------------------------------------------------ cache and profile
 

@@ -89,6 +89,7 @@ class Weights:
             UPDATE_TIMEOUT_S, model_path=path,
         )
         self._adopt(out)
+        self.comm.metrics.weight_update(out.ok)
         results, paused = _weights_results(out)
         info = self.comm.model_info
         assert info is not None

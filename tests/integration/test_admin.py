@@ -18,7 +18,11 @@ from tests.conftest import ServerProc, greedy, run_generate, start_server
 
 @pytest.fixture(scope="module")
 def dp2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
-    srv = start_server(tmp_path_factory.mktemp("dp2"), "--dp-size", "2", "--log-requests")
+    # A rank is stopped for a few seconds below to miss an admin call's deadline; the
+    # watchdog (which ends the server after --watchdog-probe-timeout of silence, see
+    # test_metrics.py) is given room so that the rank comes back to a live server.
+    srv = start_server(tmp_path_factory.mktemp("dp2"), "--dp-size", "2", "--log-requests",
+                       "--watchdog-probe-timeout", "120")
     yield srv
     srv.stop()
 

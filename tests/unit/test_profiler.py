@@ -25,6 +25,7 @@ from sglang_admin.server import profiles
 from sglang_admin.server.admin import rank_failure_text
 from sglang_admin.server.communicator import RankFailure
 from sglang_admin.server.convert import ServiceError
+from sglang_admin.server.metrics import Metrics
 
 X = torch.randn(32, 32)
 
@@ -435,6 +436,7 @@ class FakeComm:
         self.model_info = SimpleNamespace(device="cpu")
         self.timeouts: list[float] = []
         self.sent: list[Any] = []
+        self.metrics = Metrics(ServerArgs(), lambda: "m", lambda: [])  # off, as by default
 
     def new_admin_id(self) -> str:
         return "rid"
