@@ -75,7 +75,7 @@ class ServerArgs:
     # Watchdog (server/watchdog.py): a rank in one forward step for longer than
     # watchdog_timeout_s, or silent (no heartbeat) for watchdog_probe_timeout_s, is stuck.
     watchdog_timeout_s: float = 300.0
-    watchdog_probe_timeout_s: float = 5.0
+    watchdog_probe_timeout_s: float = 15.0  # a rank in Python work can hold its GIL for seconds
     seed: int = 0
     ipc_dir: str = ""  # set by launch: a fresh private directory per instance
 
