@@ -199,6 +199,10 @@ class AsyncClient:
             req.dp_rank = dp_rank
         return await self.stub.GetLoads(req, **self._call_options())
 
+    async def metrics(self) -> pb.GetMetricsResponse:
+        """GetMetrics: the Prometheus text exposition (needs --enable-metrics)."""
+        return await self.stub.GetMetrics(pb.GetMetricsRequest(), **self._call_options())
+
     # ------------------------------------------------------------------ admin
 
     async def flush_cache(self, timeout_s: float = 0.0) -> pb.FlushCacheResponse:

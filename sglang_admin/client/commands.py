@@ -239,6 +239,15 @@ async def call_health(client: AsyncClient, ns: argparse.Namespace) -> pb.HealthC
     return await client.health()
 
 
+async def call_metrics(client: AsyncClient, ns: argparse.Namespace) -> pb.GetMetricsResponse:
+    return await client.metrics()
+
+
+def render_metrics(resp: pb.GetMetricsResponse) -> Outcome:
+    return Outcome(True, resp.text.rstrip("\n"), {"text": resp.text,
+                                                   "content_type": resp.content_type})
+
+
 async def call_generate(client: AsyncClient, ns: argparse.Namespace) -> GenerateResult:
     return await client.generate_tokens(
         ns.input_ids, ns.max_new_tokens, ns.temperature, ns.stream, ignore_eos=ns.ignore_eos
@@ -340,6 +349,8 @@ COMMANDS: list[Command] = [
             "SglangScheduler/GetLoads", call_loads, render_loads, _loads_arguments),
     Command("health", "round trip to every scheduler rank",
             "SglangScheduler/HealthCheck", call_health, render_health),
+    Command("metrics", "the Prometheus exposition (--enable-metrics)",
+            "SglangScheduler/GetMetrics", call_metrics, render_metrics),
     Command("generate", "generate tokens for a tokenized prompt",
             "SglangScheduler/Generate", call_generate, render_generate, _generate_arguments),
     Command("services", "list services and methods (server reflection)",

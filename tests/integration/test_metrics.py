@@ -10,6 +10,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -23,6 +24,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from sglang_admin.client import Client
 from sglang_admin.pb import common_pb2 as pb
 from tests.conftest import ServerProc, free_port, greedy, run_generate, start_server
 from tests.integration.test_faults import Stream, assert_gone, rank_pids, wait_for
@@ -114,6 +116,12 @@ def test_mixed_workload_is_counted_exactly(metered: tuple[ServerProc, int], tmp_
         return {k: v for k, v in found.items() if "state_age" not in k[0]}
 
     assert steady(via_rpc) == steady(found)
+    # ... and so do the typed client and the CLI
+    with Client(srv.target) as client:
+        assert steady(samples(client.metrics().text)) == steady(found)
+    cli = subprocess.run([sys.executable, "-m", "sglang_admin", "metrics", "--target", srv.target],
+                         capture_output=True, text=True, timeout=60)
+    assert cli.returncode == 0 and "sglang:num_running_reqs" in cli.stdout, cli.stderr
 
     promtool = shutil.which("promtool")
     if promtool is not None:
