@@ -35,7 +35,8 @@ def on_flush(rank: Rank, msg: FlushCacheReq) -> None:
             msg.rid, OP, wait, lambda: flush(rank, msg),
             lambda reason: rank.reply(msg, False, reason),
         )
-        rank.publish_state(force=True)
+        if rank.quiesce.waiting(OP):  # pending: GetLoads and GetServerInfo show it
+            rank.publish_state(force=True)
         return
     rank.reply(msg, False, busy_message(rank))
 
