@@ -13,6 +13,7 @@ module's ``HANDLERS``. Nothing in the loop changes.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -84,5 +85,9 @@ HANDLERS = {StateReq: on_state, CancelAdminReq: on_cancel, ShutdownReq: on_shutd
 
 def op_name(msg: Any) -> str:
     """The op a message asks for, as logged and traced: FlushCacheReq -> flush_cache."""
-    name = type(msg).__name__.removesuffix("Req")
-    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+    return _op_name(type(msg))
+
+
+@functools.cache
+def _op_name(cls: type) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", cls.__name__.removesuffix("Req")).lower()
