@@ -39,11 +39,6 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
         self.weights = Weights(args, comm, self.admin)
         self.metrics = comm.metrics
 
-    @property
-    def profiles(self) -> Any:
-        """The profiles this server started (server/profiles.py's registry)."""
-        return self.cache.profiles
-
     # ------------------------------------------------------------------ generation
 
     async def Generate(
