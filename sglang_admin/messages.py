@@ -247,6 +247,9 @@ class RankState:
     max_running_requests: int = 0
     weight_gb: float = 0.0
     kv_cache_gb: float = 0.0
+    # decode steps so far and their seconds by phase (scheduler/step_timing.py's PHASES)
+    decode_steps: int = 0
+    decode_phase_s: dict[str, float] = field(default_factory=dict)
     timestamp: float = 0.0
 
 

@@ -24,7 +24,6 @@ import json
 import random
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,31 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sglang_admin.messages import GenerateReq, SamplingParams  # noqa: E402
 from sglang_admin.model.runner import ModelRunner, SeqInput  # noqa: E402
 from sglang_admin.scheduler.scheduler import Scheduler, SchedulerConfig  # noqa: E402
-
-
-@dataclass
-class Workload:
-    name: str
-    prompts: list[list[int]]
-    outputs: list[int]
-
-    @property
-    def output_tokens(self) -> int:
-        return sum(self.outputs)
-
-
-def mixed_workload(vocab: int, seed: int = 0) -> Workload:
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(16, 256))] for _ in range(64)]
-    outputs = [rng.randint(8, 128) for _ in range(64)]
-    return Workload("mixed", prompts, outputs)
-
-
-def prefix_workload(vocab: int, seed: int = 1) -> Workload:
-    rng = random.Random(seed)
-    prefix = [rng.randrange(3, vocab) for _ in range(960)]
-    prompts = [prefix + [rng.randrange(3, vocab) for _ in range(64)] for _ in range(32)]
-    return Workload("prefix", prompts, [16] * 32)
+from tools.workloads import Workload, mixed_workload, prefix_workload  # noqa: E402
 
 
 def run_engine(runner: ModelRunner, work: Workload, max_running: int) -> tuple[float, list[list[int]]]:

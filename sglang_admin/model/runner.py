@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +66,14 @@ class SeqOutput:
     top_logprobs: list[tuple[int, float]] | None = None
     error: str | None = None
     error_code: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardTimes:
+    """Seconds of one forward_step spent in the model (forward + logits) and in sampling."""
+
+    model: float = 0.0
+    sample: float = 0.0
 
 
 class InvalidSequence(ValueError):
@@ -153,6 +162,7 @@ class ModelRunner:
         self._scratch_v: torch.Tensor | None = None
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
+        self.last_times = ForwardTimes()  # the last forward_step's split, for step_timing
         logger.info(
             "model %s loaded: %s on %s, %.1f MiB weights, KV pool %d tokens (%.1f MiB)",
             self.info.architectures, self.info.dtype, self.device, self.weight_bytes / 2**20,
@@ -367,10 +377,15 @@ class ModelRunner:
             if rows:
                 meta.gather_k, meta.gather_v = self._gather_scratch(rows)
 
+        t_model = time.perf_counter()
         hidden = self.model(t_ids, t_pos, meta, self.k_caches, self.v_caches)
         if not sampled:
+            self.last_times = ForwardTimes(model=time.perf_counter() - t_model)
             return [None] * len(seqs)
         logits = self.model.compute_logits(hidden.index_select(0, t_select))
+        if self.device.type == "cuda":  # sampling reads the tokens back anyway: no loss
+            torch.cuda.synchronize(self.device)
+        t_sample = time.perf_counter()
         reqs = [
             SampleRequest(s.sampling, s.prompt_ids, s.output_ids, s.return_logprob,
                           s.top_logprobs_num)
@@ -379,6 +394,8 @@ class ModelRunner:
         by_seq: dict[int, SeqOutput] = {}
         for s, out in zip(sampled, self._sample(logits, reqs)):
             by_seq[id(s)] = out
+        self.last_times = ForwardTimes(model=t_sample - t_model,
+                                       sample=time.perf_counter() - t_sample)
         return [by_seq.get(id(s)) for s in seqs]
 
     def _sample(self, logits: torch.Tensor, reqs: list[SampleRequest]) -> list[SeqOutput]:

@@ -36,6 +36,7 @@ from sglang_admin.scheduler.control import Handler, op_name
 from sglang_admin.scheduler.heartbeat import HeartbeatThread
 from sglang_admin.scheduler.quiesce import Quiesce
 from sglang_admin.scheduler.scheduler import Batch, Scheduler, SchedulerConfig
+from sglang_admin.scheduler.step_timing import StepTimer
 from sglang_admin.tracing import child_span, trace_id_of
 
 logger = logging.getLogger(__name__)
@@ -164,6 +165,7 @@ class RankLoop:
         self.step_started = 0.0  # wall time of the current step's start (the heartbeat's)
         self.state_confirmed = time.time()  # when the server's copy of the state was checked
         self.last_step_time = 0.0
+        self.step_timer = StepTimer()  # decode steps' time by phase (step_timing.py)
         self.last_state_sent = 0.0
         self.last_state_key: tuple = ()
         self.last_state: RankState | None = None  # the last state the server was sent
@@ -210,6 +212,8 @@ class RankLoop:
             max_running_requests=s.config.max_running_requests,
             weight_gb=self.runner.weight_bytes / 2**30,
             kv_cache_gb=self.runner.kv_cache_bytes / 2**30,
+            decode_steps=self.step_timer.decode_steps,
+            decode_phase_s=dict(self.step_timer.totals),
             timestamp=time.time(),
         )
 
@@ -246,9 +250,12 @@ class RankLoop:
                 break
             self.quiesce.poll()
             self.answer_deferred()
+            self.step_timer.start()
             batch = self.scheduler.schedule()
+            self.step_timer.lap("schedule")
             if batch is not None:
                 self.step(batch)
+                self.step_timer.commit(batch.is_decode)
             outputs = self.scheduler.take_outputs()
             self.send_outputs(outputs)
             self.flush_kv_events()
@@ -325,6 +332,7 @@ class RankLoop:
                 self.scheduler.fail(span.req, f"invalid sequence: {exc}", "INTERNAL")
         self.step_started = 0.0
         self.last_step_time = time.perf_counter() - t0
+        self.step_timer.forward(self.runner.last_times)
         self.forward_steps += 1
         tokens = [r.token_id if r is not None else None for r in results]
         logprobs = [r.logprob if r is not None else None for r in results]
@@ -337,8 +345,10 @@ class RankLoop:
                 for r in results
             ]
         outputs = self.scheduler.postprocess(batch, tokens, logprobs, tops, errors)
+        self.step_timer.lap("postprocess")
         self.flush_kv_events()  # the router's index learns the blocks before the answer
         self.send_outputs(outputs)
+        self.step_timer.lap("output")
         # After the outputs went out: an auto-stop's trace export does not delay them.
         finished_profile = self.profiler.after_step(stage)
         if finished_profile is not None:

@@ -30,7 +30,7 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from sglang_admin.config import ServerArgs
@@ -80,7 +80,7 @@ class RankStateCollector(Collector):
         self.model_name = model_name
         self.states = states
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         labels = ["model_name", "dp_rank"]
         families = [
             (GaugeMetricFamily(f"sglang:{name}", text, labels=labels), read)
@@ -90,15 +90,29 @@ class RankStateCollector(Collector):
             "sglang_admin:rank_state_age_seconds",
             "Seconds since the rank last published or confirmed its state.", labels=labels,
         )
+        steps = CounterMetricFamily(
+            "sglang_admin:decode_steps", "Decode forward steps run by the rank.", labels=labels,
+        )
+        phases = CounterMetricFamily(
+            "sglang_admin:decode_step_phase_seconds",
+            "Seconds of the rank's decode steps by phase (model: forward and logits; "
+            "schedule, prepare, sample, postprocess, output: the serving work around it).",
+            labels=[*labels, "phase"],
+        )
         model_name = self.model_name()
         for rank, state, state_age in self.states():
             values = [model_name, str(rank)]
             for family, read in families:
                 family.add_metric(values, float(read(state)))
             age.add_metric(values, state_age)
+            steps.add_metric(values, float(state.decode_steps))
+            for phase, seconds in state.decode_phase_s.items():
+                phases.add_metric([*values, phase], seconds)
         for family, _ in families:
             yield family
         yield age
+        yield steps
+        yield phases
 
 
 @dataclass

@@ -90,6 +90,16 @@ def test_mixed_workload_is_counted_exactly(metered: tuple[ServerProc, int], tmp_
                 == sum(w[1] - 1 for w in done))
     assert found[("sglang_admin:admin_calls_total",
                   (("op", "flush_cache"), ("status", "OK")))] == 1
+    # the ranks' own decode-step timing: steps counted, the model's time and the serving
+    # work around it by phase
+    for rank in ("0", "1"):
+        assert by_rank(found, "sglang_admin:decode_steps_total")[rank] > 0
+        phases = {dict(labels)["phase"]: value for (n, labels), value in found.items()
+                  if n == "sglang_admin:decode_step_phase_seconds_total"
+                  and dict(labels)["dp_rank"] == rank}
+        assert set(phases) == {"schedule", "prepare", "model", "sample", "postprocess",
+                               "output"}
+        assert phases["model"] > 0 and phases["sample"] > 0 and phases["schedule"] > 0
     assert found[("sglang_admin:admin_call_duration_seconds_count",
                   (("op", "flush_cache"),))] == 1
 

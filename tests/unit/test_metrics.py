@@ -96,6 +96,17 @@ def test_gauges_come_from_the_published_rank_states() -> None:
     assert found[("sglang_admin:rank_state_age_seconds", rank1)] == 2.0
 
 
+def test_decode_step_phases_are_counters_per_rank_and_phase() -> None:
+    state = RankState(dp_rank=0, decode_steps=40,
+                      decode_phase_s={"model": 2.0, "schedule": 0.1, "output": 0.05})
+    found = values(make_metrics(states=[(0, state, 0.0)]))
+    assert found[("sglang_admin:decode_steps_total", RANK0)] == 40
+    model = (("dp_rank", "0"), ("model_name", "m"), ("phase", "model"))
+    assert found[("sglang_admin:decode_step_phase_seconds_total", model)] == 2.0
+    output = (("dp_rank", "0"), ("model_name", "m"), ("phase", "output"))
+    assert found[("sglang_admin:decode_step_phase_seconds_total", output)] == 0.05
+
+
 def test_admin_outcomes_are_ok_failed_or_the_status_code() -> None:
     metrics = make_metrics()
     with metrics.admin_call("flush_cache") as outcome:
