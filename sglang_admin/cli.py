@@ -33,6 +33,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    value = _int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
+    return value
+
+
 def _port(text: str) -> int:
     value = _int(text)
     if not 1 <= value <= 65535:
@@ -140,6 +147,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    default=ServerArgs.watchdog_probe_timeout_s, dest="watchdog_probe_timeout_s",
                    help="seconds a rank may send no heartbeat (a stopped or frozen process) "
                         "before it counts as stuck")
+    p.add_argument("--torch-threads", type=_non_negative_int, default=0,
+                   help="torch threads per rank (0: the machine's cores shared among the "
+                        "ranks; ranks wait for work passively unless OMP_WAIT_POLICY is set)")
     p.add_argument("--seed", type=_seed, default=0)
     p.set_defaults(func=run_serve)
 

@@ -76,6 +76,7 @@ class ServerArgs:
     # watchdog_timeout_s, or silent (no heartbeat) for watchdog_probe_timeout_s, is stuck.
     watchdog_timeout_s: float = 300.0
     watchdog_probe_timeout_s: float = 15.0  # a rank in Python work can hold its GIL for seconds
+    torch_threads: int = 0  # per rank; 0: the cores shared among the ranks (rank_threads)
     seed: int = 0
     ipc_dir: str = ""  # set by launch: a fresh private directory per instance
 
@@ -92,6 +93,11 @@ class ServerArgs:
     def metrics_listen_port(self) -> int:
         """The exporter's port: --metrics-port, or the gRPC port + 1."""
         return self.metrics_port if self.metrics_port is not None else self.port + 1
+
+    @property
+    def rank_threads(self) -> int:
+        """torch threads of each rank: --torch-threads, else the cores shared among ranks."""
+        return self.torch_threads or max(1, (os.cpu_count() or 1) // self.dp_size)
 
     def replace(self, **changes: Any) -> ServerArgs:
         return dataclasses.replace(self, **changes)

@@ -129,10 +129,9 @@ class RankLoop:
             from sglang_admin.otel import configure_otlp
 
             configure_otlp(args.otlp_traces_endpoint)
-        # Leave a core to the server process: torch threads that share cores with it (or
-        # with each other) spin-wait on one another and make every step many times slower.
-        threads = max(1, ((os.cpu_count() or 1) - 1) // args.dp_size)
-        torch.set_num_threads(threads)
+        # Every core for the model while the server idles; the threads wait passively
+        # (launch.run_rank), so the server's work between steps does not stall them.
+        torch.set_num_threads(args.rank_threads)
         torch.manual_seed(args.seed + rank)
         self.runner = ModelRunner(
             args.model_path,

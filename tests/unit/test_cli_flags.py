@@ -25,6 +25,7 @@ BAD = [
     (["--max-connection-age", "1e12"], "--max-connection-age: must be at most"),
     (["--keepalive-time", "-3"], "--keepalive-time: must be a finite number >= 0"),
     (["--stream-buffer-tokens", "0"], "--stream-buffer-tokens: must be a positive integer"),
+    (["--torch-threads", "-1"], "--torch-threads: must be an integer >= 0, got -1"),
 ]
 
 
@@ -46,6 +47,18 @@ def test_good_serve_flags_parse() -> None:
         ["serve", "--port", "65535", "--max-connection-idle", "0", "--keepalive-time", "30"]
     )
     assert (ns.port, ns.max_connection_idle_s, ns.keepalive_time_s) == (65535, 0.0, 30.0)
+
+
+def test_rank_threads_default_to_the_cores_shared_among_ranks() -> None:
+    import os
+
+    from sglang_admin.config import ServerArgs
+
+    cores = os.cpu_count() or 1
+    assert ServerArgs().rank_threads == cores
+    assert ServerArgs(dp_size=2).rank_threads == max(1, cores // 2)
+    assert ServerArgs(dp_size=2 * cores).rank_threads == 1
+    assert ServerArgs(torch_threads=3).rank_threads == 3
 
 
 @pytest.mark.parametrize("port", ["99999", "-5"])
