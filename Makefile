@@ -42,6 +42,7 @@ lint: install
 
 bench: install
 	$(PY) tools/bench_admin.py
+	$(PY) tools/bench_served.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
