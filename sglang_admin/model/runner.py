@@ -20,6 +20,7 @@ import torch
 
 from sglang_admin.messages import SamplingParams
 from sglang_admin.model.llama import AttentionMetadata, ExtendSeq, LlamaForCausalLM
+from sglang_admin.model.lora import LoraBuffers
 from sglang_admin.model.loader import (
     ModelLoadError,
     dtype_from_name,
@@ -49,6 +50,7 @@ class SeqInput:
     sample: bool = True  # False: a non-final prefill chunk, produce no token
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    lora_slot: int = -1  # the LoRA adapter's slot (model/lora.py); -1: the base model
 
 
 @dataclass
@@ -153,6 +155,7 @@ class ModelRunner:
         self._scratch_v: torch.Tensor | None = None
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
+        self.lora: LoraBuffers | None = None  # set when LoRA is enabled (scheduler/lora_control)
         logger.info(
             "model %s loaded: %s on %s, %.1f MiB weights, KV pool %d tokens (%.1f MiB)",
             self.info.architectures, self.info.dtype, self.device, self.weight_bytes / 2**20,
@@ -367,6 +370,8 @@ class ModelRunner:
             if rows:
                 meta.gather_k, meta.gather_v = self._gather_scratch(rows)
 
+        if self.lora is not None:
+            self.lora.prepare([s.lora_slot for s in ordered for _ in range(len(s.token_ids))])
         hidden = self.model(t_ids, t_pos, meta, self.k_caches, self.v_caches)
         if not sampled:
             return [None] * len(seqs)
