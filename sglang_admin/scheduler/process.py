@@ -50,12 +50,14 @@ def handler_table() -> dict[type, Handler]:
         cache_control,
         control,
         generation_control,
+        lora_control,
         profile_control,
         weight_control,
     )
 
     table: dict[type, Handler] = {}
-    for module in (control, generation_control, cache_control, profile_control, weight_control):
+    for module in (control, generation_control, cache_control, profile_control, weight_control,
+                   lora_control):
         table.update(module.HANDLERS)
     return table
 
@@ -158,6 +160,9 @@ class RankLoop:
         self.profiler = Profiler(rank, str(self.runner.device), args.profile_max_steps)
         self.quiesce = Quiesce(self.scheduler)
         self.handlers = handler_table()
+        from sglang_admin.scheduler.lora_control import setup_lora
+
+        self.lora = setup_lora(self)  # None unless --enable-lora
         # admin messages answered when their future resolves (StopProfile's export)
         self.deferred: list[tuple[Any, Future]] = []
         self.forward_steps = 0
@@ -211,6 +216,8 @@ class RankLoop:
             weight_gb=self.runner.weight_bytes / 2**30,
             kv_cache_gb=self.runner.kv_cache_bytes / 2**30,
             timestamp=time.time(),
+            lora_slots_used=self.lora.used if self.lora is not None else 0,
+            lora_slots_total=self.lora.slots if self.lora is not None else 0,
         )
 
     def publish_state(self, force: bool = False) -> None:
@@ -306,6 +313,7 @@ class RankLoop:
                 sample=sp.sample,
                 return_logprob=sp.req.return_logprob,
                 top_logprobs_num=sp.req.top_logprobs_num,
+                lora_slot=sp.req.lora_slot,
             )
             for sp in batch.spans
         ]
