@@ -79,10 +79,11 @@ class Lora:
             LOAD_TIMEOUT_S, lora_id=request.lora_id, lora_path=request.lora_path,
         )
         _raise_uniform_failure(out)
+        first = out.replies.get(0)
         return pb.LoadLoRAAdapterResponse(
             success=out.ok,
-            message=out.message(f"loaded LoRA adapter {request.lora_name!r} "
-                                f"as {request.lora_id!r}"),
+            # rank 0's words (with the adapters it evicted, if any) when every rank succeeded
+            message=out.message(first.message if first is not None else ""),
             loaded_lora_ids=_loaded_ids(out), rank_results=out.rank_results(),
         )
 
