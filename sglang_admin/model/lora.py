@@ -240,7 +240,7 @@ class LoraBuffers:
         shapes = target_shapes(self.cfg)
         self.out_offsets: dict[str, tuple[int, int]] = {}  # target -> (start, size) in group
         self.layers: list[LayerLora] = []
-        for group, targets in GROUPS.items():
+        for targets in GROUPS.values():
             start = 0
             for t in targets:
                 self.out_offsets[t] = (start, shapes[t][1])

@@ -20,13 +20,13 @@ import torch
 
 from sglang_admin.messages import SamplingParams
 from sglang_admin.model.llama import AttentionMetadata, ExtendSeq, LlamaForCausalLM
-from sglang_admin.model.lora import LoraBuffers
 from sglang_admin.model.loader import (
     ModelLoadError,
     dtype_from_name,
     load_model,
     load_model_info,
 )
+from sglang_admin.model.lora import LoraBuffers
 from sglang_admin.model.sampling import SampleRequest, SampleResult, sample
 
 logger = logging.getLogger(__name__)
