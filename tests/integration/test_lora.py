@@ -245,3 +245,35 @@ def test_lora_rpcs_without_enable_lora(server: ServerProc) -> None:
         run_generate(stub, greedy([1, 2], 1, lora_id="x"), timeout=30)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "lora_id" in err.value.details()
+
+
+def test_dp2_loads_on_every_rank_behind_the_admin_key(tmp_path: Path) -> None:
+    from sglang_admin.model.default_model import ensure_default_model
+    from sglang_admin.server.interceptors import ADMIN_METHODS, SERVICE
+
+    assert {f"/{SERVICE}/LoadLoRAAdapter", f"/{SERVICE}/UnloadLoRAAdapter"} <= ADMIN_METHODS
+    adapter = build_adapter(Path(ensure_default_model()), "attn", tmp_path / "x", seed=7)
+    srv = start_server(tmp_path, "--dp-size", "2", "--enable-lora", "--max-lora-rank", "8",
+                       "--admin-api-key", "k-123")
+    try:
+        stub = srv.stub()
+        with pytest.raises(grpc.RpcError) as err:
+            _load(stub, "x", adapter)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        key = [("authorization", "Bearer k-123")]
+        resp = stub.LoadLoRAAdapter(pb.LoadLoRAAdapterRequest(
+            lora_name="x", lora_path=str(adapter), lora_id="x"), timeout=60, metadata=key)
+        assert resp.success and [(r.dp_rank, r.success) for r in resp.rank_results] \
+            == [(0, True), (1, True)]
+        loads = stub.GetLoads(pb.GetLoadsRequest(include=["lora"]), timeout=10)
+        assert [(x.lora.slots_used, x.lora.slots_total) for x in loads.loads] == [(1, 8)] * 2
+        prompt = [5, 6, 7, 8]
+        outs = [run_generate(stub, greedy(prompt, 6, lora_id="x", data_parallel_rank=r),
+                             timeout=60)[0] for r in (0, 1)]
+        base, _ = run_generate(stub, greedy(prompt, 6), timeout=60)
+        assert outs[0] == outs[1] != base
+        resp = stub.UnloadLoRAAdapter(pb.UnloadLoRAAdapterRequest(lora_name="x"), timeout=60,
+                                      metadata=key)
+        assert resp.success and len(resp.rank_results) == 2 and not resp.loaded_lora_ids
+    finally:
+        srv.stop()
