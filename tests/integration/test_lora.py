@@ -5,6 +5,8 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +15,7 @@ import grpc
 import pytest
 
 from sglang_admin.pb import common_pb2 as pb
-from tests.conftest import ServerProc, greedy, run_generate, start_server
+from tests.conftest import ROOT, ServerProc, greedy, run_generate, start_server
 from tests.lora_models import build_adapter, build_base, peft_model, reference
 
 torch = pytest.importorskip("torch")
@@ -233,6 +235,37 @@ def test_load_refuses_what_does_not_fit_the_base_model(lora_worker, tmp_path) ->
     assert _listed(stub) == []  # nothing half-loaded; the worker still serves
     tokens, _ = run_generate(stub, greedy([1, 2, 3], 3), timeout=60)
     assert len(tokens) == 3
+
+
+def test_client_and_cli(lora_worker) -> None:
+    kind, srv, adapters = lora_worker
+    if kind != "llama":
+        pytest.skip("runs once (on the llama worker)")
+    from sglang_admin.client import Client
+
+    _reset(srv.stub())
+    with Client(srv.target) as client:
+        resp = client.load_lora_adapter("m", str(adapters["mlp"]), lora_id="m-1", pinned=True)
+        assert resp.success and list(resp.loaded_lora_ids) == ["m-1"]
+        result = client.generate_tokens([4, 5, 6], 5, lora_id="m-1")
+        assert len(result.tokens) == 5
+        assert [a.pinned for a in client.list_lora_adapters().loaded_adapters] == [True]
+        assert client.unload_lora_adapter(lora_id="m-1").success
+
+    def cli(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "sglang_admin", "lora", *argv, "--target", srv.target],
+            capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+    done = cli("load", "cli", str(adapters["attn"]), "--id", "cli-1")
+    assert done.returncode == 0, done.stderr
+    assert "loaded LoRA adapter 'cli' as 'cli-1'" in done.stdout
+    done = cli("list", "--json")
+    assert done.returncode == 0 and '"lora_id": "cli-1"' in done.stdout, done.stdout
+    done = cli("unload", "--name", "cli")
+    assert done.returncode == 0 and "unloaded" in done.stdout, done.stdout
+    done = cli("unload", "--name", "cli")
+    assert done.returncode != 0 and "NOT_FOUND" in done.stdout + done.stderr
 
 
 def test_lora_rpcs_without_enable_lora(server: ServerProc) -> None:
