@@ -8,12 +8,12 @@ scaling is PEFT's: ``lora_alpha / r`` (``lora_alpha / sqrt(r)`` with ``use_rslor
 
 Serving (:class:`LoraBuffers`): the model keeps q/k/v and gate/up fused, so adapters are
 grouped the same way. Per layer and group, every slot's A matrices sit side by side in one
-``[in, slots * k * R]`` matrix and its B matrices (scaling folded in) in one
-``[slots * k * R, out]`` matrix, each target's B rows writing only its own output slice
-(k: targets of the group, R: ``--max-lora-rank``; a smaller rank is zero-padded). A forward
-then adds, for all tokens of the batch at once, ``((x @ A) * onehot(slot)) @ B``: two matmuls
-and a mask per group, whatever the mix of adapters (tokens of the base model get a zero
-row). No Python loop over requests or adapters runs in a layer.
+``[in, k * slots * R]`` matrix, and per target every slot's B (scaling folded in) in one
+``[slots * R, out_j]`` matrix (k: targets of the group, R: ``--max-lora-rank``; a smaller
+rank is zero-padded). A forward then adds, for all tokens of the batch at once,
+``((x @ A) * onehot(slot)) @ B_j`` into target j's slice of the fused output: one matmul and
+a mask per group plus one matmul per target, whatever the mix of adapters (tokens of the
+base model get a zero row). No Python loop over requests or adapters runs in a layer.
 """
 
 from __future__ import annotations
@@ -197,32 +197,41 @@ def _load_tensors(weights_path: str) -> dict[str, torch.Tensor]:
 class LoraBatch:
     """Which slot each token of the current forward uses (set by the runner)."""
 
-    onehot: torch.Tensor | None = None  # [T, slots, 1] in the model dtype; None: no LoRA token
+    onehot: torch.Tensor | None = None  # [T, 1, slots, 1] in the model dtype; None: none uses one
 
 
 class LayerLora:
-    """The LoRA delta of one decoder layer, called from its projections."""
+    """The LoRA delta of one decoder layer, called from its projections.
+
+    Per group, A is ``[in, k * slots * R]`` (target-major: target j's columns for every
+    slot are one block) and each target's B is ``[slots * R, out_j]``, so the delta of
+    target j is one matmul that adds into its own slice of the fused output.
+    """
 
     def __init__(
-        self, batch: LoraBatch, slots: int, width: dict[str, int],
-        a: dict[str, torch.Tensor], b: dict[str, torch.Tensor],
+        self, batch: LoraBatch, slots: int, rank: int,
+        a: dict[str, torch.Tensor], b: dict[str, list[tuple[int, int, torch.Tensor]]],
     ) -> None:
         self.batch = batch
         self.slots = slots
-        self.width = width  # group -> k * R
-        self.a = a  # group -> [in, slots * k * R]
-        self.b = b  # group -> [slots * k * R, out]
+        self.rank = rank
+        self.a = a  # group -> [in, k * slots * R]
+        self.b = b  # group -> per target: (start, size) of its output slice, B [slots * R, size]
         self.active: dict[str, int] = dict.fromkeys(GROUPS, 0)  # group -> adapters using it
 
     def delta(self, group: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """out + the LoRA delta of every token's adapter for this group's input x [T, in]."""
+        """Add into out [T, out] the LoRA delta of every token's adapter for this group's
+        input x [T, in] (tokens of the base model have a zero one-hot row); returns out."""
         onehot = self.batch.onehot
         if onehot is None or not self.active[group]:
             return out
-        h = torch.mm(x, self.a[group])
         n = x.shape[0]
-        h = (h.view(n, self.slots, self.width[group]) * onehot).view(n, -1)
-        return torch.addmm(out, h, self.b[group])
+        targets = self.b[group]
+        h = torch.mm(x, self.a[group]).view(n, len(targets), self.slots, self.rank)
+        h = (h * onehot).view(n, len(targets), self.slots * self.rank)
+        for j, (start, size, b) in enumerate(targets):
+            out[:, start : start + size].addmm_(h[:, j], b)
+        return out
 
 
 class LoraBuffers:
@@ -238,22 +247,21 @@ class LoraBuffers:
         self.batch = LoraBatch()
         self._arange = torch.arange(slots, device=device)
         shapes = target_shapes(self.cfg)
-        self.out_offsets: dict[str, tuple[int, int]] = {}  # target -> (start, size) in group
         self.layers: list[LayerLora] = []
-        for targets in GROUPS.values():
-            start = 0
-            for t in targets:
-                self.out_offsets[t] = (start, shapes[t][1])
-                start += shapes[t][1]
-        width = {g: len(ts) * max_rank for g, ts in GROUPS.items()}
+        width = slots * max_rank
         for layer in model.model.layers:
-            a, b = {}, {}
+            a: dict[str, torch.Tensor] = {}
+            b: dict[str, list[tuple[int, int, torch.Tensor]]] = {}
             for group, targets in GROUPS.items():
                 fan_in = shapes[targets[0]][0]
-                fan_out = sum(shapes[t][1] for t in targets)
-                a[group] = torch.zeros(fan_in, slots * width[group], dtype=dtype, device=device)
-                b[group] = torch.zeros(slots * width[group], fan_out, dtype=dtype, device=device)
-            hook = LayerLora(self.batch, slots, width, a, b)
+                a[group] = torch.zeros(fan_in, len(targets) * width, dtype=dtype, device=device)
+                b[group], start = [], 0
+                for t in targets:
+                    size = shapes[t][1]
+                    b[group].append((start, size, torch.zeros(width, size, dtype=dtype,
+                                                              device=device)))
+                    start += size
+            hook = LayerLora(self.batch, slots, max_rank, a, b)
             self.layers.append(hook)
             layer.self_attn.lora = hook
             layer.mlp.lora = hook
@@ -261,32 +269,36 @@ class LoraBuffers:
 
     def nbytes(self) -> int:
         """Bytes held by the stacked buffers."""
-        return sum(t.numel() * t.element_size() for h in self.layers
-                   for t in (*h.a.values(), *h.b.values()))
+        tensors = [t for h in self.layers for t in h.a.values()]
+        tensors += [b for h in self.layers for parts in h.b.values() for _, _, b in parts]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def write(self, slot: int, adapter: AdapterWeights) -> None:
         """Put an adapter into a slot (whatever the slot held before is overwritten)."""
         self.clear(slot)
-        r = adapter.rank
+        r, rows = adapter.rank, slot * self.max_rank
+        width = self.slots * self.max_rank
         with torch.no_grad():
             for (layer, target), (a, b) in adapter.weights.items():
                 group = _GROUP_OF[target]
+                j = GROUPS[group].index(target)
                 hook = self.layers[layer]
-                w = hook.width[group]
-                col = slot * w + GROUPS[group].index(target) * self.max_rank
-                start, size = self.out_offsets[target]
+                col = j * width + rows
                 hook.a[group][:, col : col + r] = a.t().to(self.dtype)
-                hook.b[group][col : col + r, start : start + size] = b.t().to(self.dtype)
+                hook.b[group][j][2][rows : rows + r] = b.t().to(self.dtype)
         self.slot_targets[slot] = adapter.targets
         self._count(adapter.targets, +1)
 
     def clear(self, slot: int) -> None:
         """Zero a slot and stop counting its targets."""
+        rows = slice(slot * self.max_rank, (slot + 1) * self.max_rank)
+        width = self.slots * self.max_rank
         with torch.no_grad():
             for hook in self.layers:
-                for group, w in hook.width.items():
-                    hook.a[group][:, slot * w : (slot + 1) * w] = 0
-                    hook.b[group][slot * w : (slot + 1) * w] = 0
+                for group, parts in hook.b.items():
+                    for j, (_, _, b) in enumerate(parts):
+                        b[rows] = 0
+                        hook.a[group][:, j * width + rows.start : j * width + rows.stop] = 0
         self._count(self.slot_targets[slot], -1)
         self.slot_targets[slot] = ()
 
@@ -301,8 +313,5 @@ class LoraBuffers:
             self.batch.onehot = None
             return
         idx = torch.tensor(token_slots, dtype=torch.int64).to(self.device, non_blocking=True)
-        self.batch.onehot = (idx.unsqueeze(1) == self._arange).to(self.dtype).unsqueeze(-1)
-
-    def finish(self) -> None:
-        """Forget the batch (a later forward without prepare() runs the base model)."""
-        self.batch.onehot = None
+        onehot = (idx.unsqueeze(1) == self._arange).to(self.dtype)
+        self.batch.onehot = onehot.view(len(token_slots), 1, self.slots, 1)
