@@ -365,13 +365,13 @@ class ModelRunner:
             meta.extend_seqs.append(seq)
             start += n
 
+        if self.lora is not None:  # which adapter each token runs with
+            self.lora.prepare([s.lora_slot for s in ordered for _ in range(len(s.token_ids))])
         if self.device.type == "cpu":
             rows = max(nd * meta.decode_len, gathered)
             if rows:
                 meta.gather_k, meta.gather_v = self._gather_scratch(rows)
 
-        if self.lora is not None:
-            self.lora.prepare([s.lora_slot for s in ordered for _ in range(len(s.token_ids))])
         hidden = self.model(t_ids, t_pos, meta, self.k_caches, self.v_caches)
         if not sampled:
             return [None] * len(seqs)
