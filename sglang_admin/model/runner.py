@@ -126,6 +126,7 @@ class ModelRunner:
         self.weight_bytes = self.info.weight_bytes
         self.context_length = self.info.context_length
         self.max_running_requests = max_running_requests
+        self.lora: LoraBuffers | None = None  # set when LoRA is enabled (scheduler/lora_control)
         cfg = self.model.config
         windows = {w for w in cfg.sliding_windows if w is not None}
         if len(windows) > 1:
@@ -155,7 +156,6 @@ class ModelRunner:
         self._scratch_v: torch.Tensor | None = None
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
-        self.lora: LoraBuffers | None = None  # set when LoRA is enabled (scheduler/lora_control)
         logger.info(
             "model %s loaded: %s on %s, %.1f MiB weights, KV pool %d tokens (%.1f MiB)",
             self.info.architectures, self.info.dtype, self.device, self.weight_bytes / 2**20,
