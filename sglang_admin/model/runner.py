@@ -111,6 +111,7 @@ class ModelRunner:
         max_running_requests: int = 64,
         context_length: int | None = None,
         seed: int = 0,
+        lora_slots: tuple[int, int] | None = None,
     ) -> None:
         if model_path is None:
             from sglang_admin.model.default_model import ensure_default_model
@@ -126,7 +127,10 @@ class ModelRunner:
         self.weight_bytes = self.info.weight_bytes
         self.context_length = self.info.context_length
         self.max_running_requests = max_running_requests
-        self.lora: LoraBuffers | None = None  # set when LoRA is enabled (scheduler/lora_control)
+        # LoRA adapter slots (count, max rank), allocated before the KV pool is sized
+        self.lora: LoraBuffers | None = None
+        if lora_slots is not None:
+            self.lora = LoraBuffers(self.model, *lora_slots, self.dtype, self.device)
         cfg = self.model.config
         windows = {w for w in cfg.sliding_windows if w is not None}
         if len(windows) > 1:

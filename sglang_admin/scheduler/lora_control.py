@@ -29,15 +29,14 @@ NOT_ENABLED = "LoRA is not enabled on this worker (start it with --enable-lora)"
 
 
 def setup_lora(rank: Any) -> LoraRegistry | None:
-    """With --enable-lora: the slot buffers hooked into the model, the registry handed to
-    the scheduler, and the --lora-paths adapters loaded (a bad one fails the start)."""
+    """With --enable-lora: the registry over the runner's slot buffers (allocated with the
+    model, before the KV pool took the free memory) handed to the scheduler, and the
+    --lora-paths adapters loaded (a bad one fails the start)."""
     args = rank.args
-    if not args.enable_lora:
-        return None
     runner = rank.runner
-    buffers = LoraBuffers(runner.model, args.max_loaded_loras, args.max_lora_rank,
-                          runner.dtype, runner.device)
-    runner.lora = buffers
+    buffers: LoraBuffers | None = runner.lora
+    if not args.enable_lora or buffers is None:
+        return None
     registry = LoraRegistry(args.max_loaded_loras, lambda a: buffers.clear(a.slot))
     rank.scheduler.lora = registry
     for name, path in args.lora_paths:

@@ -143,6 +143,7 @@ class RankLoop:
             max_running_requests=args.max_running_requests,
             context_length=args.context_length,
             seed=args.seed,
+            lora_slots=(args.max_loaded_loras, args.max_lora_rank) if args.enable_lora else None,
         )
         info = self.runner.info
         self.kv_events: list[list[Any]] = []
