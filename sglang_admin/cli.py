@@ -151,7 +151,38 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="torch threads per rank (0: the machine's cores shared among the "
                         "ranks; ranks wait for work passively unless OMP_WAIT_POLICY is set)")
     p.add_argument("--seed", type=_seed, default=0)
+    p.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters (LoadLoRAAdapter, GenerateRequest.lora_id)")
+    p.add_argument("--max-loaded-loras", type=_positive_int, default=ServerArgs.max_loaded_loras,
+                   help="adapter slots per rank; unpinned adapters beyond it are evicted LRU")
+    p.add_argument("--max-lora-rank", type=_positive_int, default=ServerArgs.max_lora_rank,
+                   help="the largest adapter rank r accepted")
+    p.add_argument("--lora-paths", nargs="+", default=None, metavar="NAME=PATH",
+                   help="adapters loaded at start (lora_id = NAME); implies --enable-lora")
     p.set_defaults(func=run_serve)
+
+
+def lora_paths(values: list[str] | None, max_loaded: int) -> tuple[tuple[str, str], ...]:
+    """--lora-paths NAME=PATH (or PATH: its directory name) checked; ValueError says why."""
+    import os
+
+    pairs: list[tuple[str, str]] = []
+    for value in values or []:
+        name, sep, path = value.partition("=")
+        if not sep:
+            name, path = os.path.basename(os.path.normpath(value)), value
+        if not name or not path:
+            raise ValueError(f"--lora-paths {value!r}: expected NAME=PATH")
+        if not os.path.isdir(path):
+            raise ValueError(f"--lora-paths {value!r}: {path} is not a directory")
+        if name in (n for n, _ in pairs):
+            raise ValueError(f"--lora-paths: the name {name!r} is given twice")
+        pairs.append((name, path))
+    if len(pairs) > max_loaded:
+        raise ValueError(
+            f"--lora-paths names {len(pairs)} adapters but --max-loaded-loras is {max_loaded}"
+        )
+    return tuple(pairs)
 
 
 def run_serve(ns: argparse.Namespace) -> int:
@@ -167,6 +198,12 @@ def run_serve(ns: argparse.Namespace) -> int:
         if not os.path.isdir(ns.model_path):
             print(f"error: --model-path {ns.model_path}: no such directory", file=sys.stderr)
             return 2
+    try:
+        fields["lora_paths"] = lora_paths(ns.lora_paths, ns.max_loaded_loras)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    fields["enable_lora"] = ns.enable_lora or bool(fields["lora_paths"])
     if ns.otlp_traces_endpoint:
         from sglang_admin.otel import configure_otlp
 

@@ -78,6 +78,12 @@ class ServerArgs:
     watchdog_probe_timeout_s: float = 15.0  # a rank in Python work can hold its GIL for seconds
     torch_threads: int = 0  # per rank; 0: the cores shared among the ranks (rank_threads)
     seed: int = 0
+    # LoRA (scheduler/lora_control.py): adapters live in --max-loaded-loras slots of rank
+    # up to --max-lora-rank; lora_paths are (name, path) pairs loaded at start.
+    enable_lora: bool = False
+    max_loaded_loras: int = 8
+    max_lora_rank: int = 16
+    lora_paths: tuple[tuple[str, str], ...] = ()
     ipc_dir: str = ""  # set by launch: a fresh private directory per instance
 
     def scheduler_addr(self, rank: int) -> str:

@@ -61,6 +61,7 @@ class GenerateReq:
     stream: bool = False
     deadline: float | None = None  # absolute time.time(); None: no deadline
     trace: TraceCarrier = field(default_factory=dict)
+    lora_id: str = ""  # the LoRA adapter to run with; "": the base model
 
 
 @dataclass(slots=True)
@@ -251,6 +252,8 @@ class RankState:
     decode_steps: int = 0
     decode_phase_s: dict[str, float] = field(default_factory=dict)
     timestamp: float = 0.0
+    lora_slots_used: int = 0  # adapters loaded (LoRA only)
+    lora_slots_total: int = 0  # --max-loaded-loras; 0: LoRA is off
 
 
 @dataclass(slots=True)
@@ -416,6 +419,57 @@ class KvEvents:
     events: list[list[Any]]
 
 
+# ---------------------------------------------------------------- LoRA (server <-> scheduler)
+
+
+@dataclass(slots=True)
+class LoadLoraReq:
+    """Load a PEFT LoRA adapter into a free (or LRU-evicted) slot under the caller's id."""
+
+    rid: str
+    lora_id: str
+    lora_name: str
+    lora_path: str
+    pinned: bool = False
+    deadline: float | None = None
+    trace: TraceCarrier = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class UnloadLoraReq:
+    """Unload an adapter (by id, else by name) once no request uses it."""
+
+    rid: str
+    lora_id: str = ""
+    lora_name: str = ""
+    deadline: float | None = None
+    trace: TraceCarrier = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class ListLoraReq:
+    rid: str
+    deadline: float | None = None
+    trace: TraceCarrier = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class LoraAdapterInfo:
+    lora_id: str
+    lora_name: str
+    lora_path: str
+    pinned: bool = False
+
+
+@dataclass(slots=True)
+class LoraResult:
+    """The adapters a rank holds after a LoRA op, and those it evicted to make room."""
+
+    adapters: list[LoraAdapterInfo] = field(default_factory=list)
+    evicted: list[str] = field(default_factory=list)
+    error_code: str = ""  # on failure: the gRPC status code name that fits (INVALID_ARGUMENT...)
+
+
 _REGISTRY: tuple[type, ...] = (
     SamplingParams,
     GenerateReq,
@@ -452,6 +506,11 @@ _REGISTRY: tuple[type, ...] = (
     DigestResult,
     MemoryResult,
     Heartbeat,
+    LoadLoraReq,
+    UnloadLoraReq,
+    ListLoraReq,
+    LoraAdapterInfo,
+    LoraResult,
 )
 _CODES: dict[type, int] = {cls: code for code, cls in enumerate(_REGISTRY)}
 _FIELDS: tuple[tuple[str, ...], ...] = tuple(

@@ -314,6 +314,27 @@ class AsyncClient:
         )
         return await self.stub.UpdateWeightVersion(req, **self._call_options())
 
+    async def load_lora_adapter(
+        self, lora_name: str, lora_path: str, lora_id: str = "", pinned: bool = False
+    ) -> pb.LoadLoRAAdapterResponse:
+        """LoadLoRAAdapter: a PEFT adapter directory (as the server sees it) on every rank,
+        under ``lora_id`` (default: the name); ``pinned`` adapters are never evicted."""
+        req = pb.LoadLoRAAdapterRequest(lora_name=lora_name, lora_path=lora_path,
+                                        lora_id=lora_id or lora_name, pinned=pinned)
+        return await self.stub.LoadLoRAAdapter(req, **self._call_options())
+
+    async def unload_lora_adapter(
+        self, lora_id: str = "", lora_name: str = ""
+    ) -> pb.UnloadLoRAAdapterResponse:
+        """UnloadLoRAAdapter (by id, else by name); answers once no request uses it."""
+        req = pb.UnloadLoRAAdapterRequest(lora_id=lora_id, lora_name=lora_name)
+        return await self.stub.UnloadLoRAAdapter(req, **self._call_options())
+
+    async def list_lora_adapters(self) -> pb.ListLoadedLoRAAdaptersResponse:
+        """ListLoadedLoRAAdapters: the adapters loaded now."""
+        return await self.stub.ListLoadedLoRAAdapters(
+            pb.ListLoadedLoRAAdaptersRequest(), **self._call_options())
+
     async def get_weights_by_name(
         self, name: str, truncate_size: int = 100
     ) -> pb.GetWeightsByNameResponse:
@@ -356,6 +377,7 @@ class AsyncClient:
         ignore_eos: bool = False,
         data_parallel_rank: int | None = None,
         sampling_params: pb.SamplingParams | None = None,
+        lora_id: str = "",
     ) -> AsyncIterator[pb.GenerateResponse]:
         """Generate: the responses as they arrive (chunks when ``stream``, then one
         complete). ``sampling_params`` (when given) is the base that the other sampling
@@ -374,6 +396,7 @@ class AsyncClient:
             tokenized=pb.TokenizedInput(input_ids=list(input_ids)),
             sampling_params=params,
             stream=stream,
+            lora_id=lora_id,
         )
         if data_parallel_rank is not None:
             req.data_parallel_rank = data_parallel_rank
@@ -395,6 +418,7 @@ class AsyncClient:
         ignore_eos: bool = False,
         data_parallel_rank: int | None = None,
         sampling_params: pb.SamplingParams | None = None,
+        lora_id: str = "",
     ) -> GenerateResult:
         """Run :meth:`generate` to the end: the generated tokens and the GenerateComplete."""
         responses = [
@@ -403,6 +427,7 @@ class AsyncClient:
                 input_ids, max_new_tokens, temperature, stream,
                 request_id=request_id, ignore_eos=ignore_eos,
                 data_parallel_rank=data_parallel_rank, sampling_params=sampling_params,
+                lora_id=lora_id,
             )
         ]
         return _collect(responses, stream)

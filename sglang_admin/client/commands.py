@@ -38,6 +38,7 @@ from sglang_admin.client.command_base import (
     to_dict,
 )
 from sglang_admin.client.fanout import TargetResult, fan_out
+from sglang_admin.client.lora_commands import LORA_COMMANDS, LORA_HELP
 from sglang_admin.client.refit_commands import REFIT_COMMANDS
 from sglang_admin.pb import common_pb2 as pb
 
@@ -363,8 +364,18 @@ def add_client_parsers(sub: argparse._SubParsersAction) -> None:
     """Add the client subcommands (:data:`COMMANDS`) to ``sglang-admin``'s subparsers."""
     common = common_options()
     for command in COMMANDS:
-        p = sub.add_parser(command.name, help=command.help, description=command.help,
-                           parents=[common])
-        command.arguments(p)
-        p.set_defaults(func=partial(run_command, rpc=command.rpc, call=command.call,
-                                    render=command.render, summarize=command.summarize))
+        _add_command(sub, command, common)
+    lora = sub.add_parser("lora", help=LORA_HELP, description=LORA_HELP)
+    lora_sub = lora.add_subparsers(dest="lora_command", required=True)
+    for command in LORA_COMMANDS:
+        _add_command(lora_sub, command, common)
+
+
+def _add_command(
+    sub: argparse._SubParsersAction, command: Command, common: argparse.ArgumentParser
+) -> None:
+    p = sub.add_parser(command.name, help=command.help, description=command.help,
+                       parents=[common])
+    command.arguments(p)
+    p.set_defaults(func=partial(run_command, rpc=command.rpc, call=command.call,
+                                render=command.render, summarize=command.summarize))

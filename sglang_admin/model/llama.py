@@ -354,6 +354,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.qkv_weight: torch.Tensor | None = None
         self.qkv_bias: torch.Tensor | None = None
+        self.lora: Any = None  # model/lora.py's LayerLora once LoRA is enabled
 
     def fuse(self) -> None:
         """Concatenate q/k/v weights into one matrix; the HF-named params become views of it."""
@@ -384,6 +385,8 @@ class Attention(nn.Module):
             qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
         else:
             qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        if self.lora is not None:
+            qkv = self.lora.delta("qkv", x, qkv)
         qkv = qkv.view(n_tok, h + 2 * kv, d)
         v = qkv[:, h + kv :]
         if self.qk_norm:
@@ -394,6 +397,8 @@ class Attention(nn.Module):
         k_cache.index_copy_(0, meta.out_slots, k)
         v_cache.index_copy_(0, meta.out_slots, v)
         out = self._attend(q, k, v, meta, k_cache, v_cache)
+        if self.lora is not None:
+            return self.lora.delta("o", out, self.o_proj(out))
         return self.o_proj(out)
 
     def _attend(
@@ -474,6 +479,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.gate_up_weight: torch.Tensor | None = None
         self.gate_up_bias: torch.Tensor | None = None
+        self.lora: Any = None  # model/lora.py's LayerLora once LoRA is enabled
 
     def fuse(self) -> None:
         """Concatenate gate/up weights into one matrix; the HF-named params become views."""
@@ -489,10 +495,21 @@ class MLP(nn.Module):
             self.up_proj.bias = nn.Parameter(up_b, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.lora is not None:
+            return self._forward_lora(x)
         if self.gate_up_weight is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
+
+    def _forward_lora(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_weight is None:
+            gate_up = torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)
+        else:
+            gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)
+        gate, up = self.lora.delta("gate_up", x, gate_up).chunk(2, dim=-1)
+        h = F.silu(gate) * up
+        return self.lora.delta("down", h, self.down_proj(h))
 
 
 class DecoderLayer(nn.Module):

@@ -27,6 +27,7 @@ from sglang_admin.model.loader import (
     load_model,
     load_model_info,
 )
+from sglang_admin.model.lora import LoraBuffers
 from sglang_admin.model.sampling import SampleRequest, SampleResult, sample
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class SeqInput:
     sample: bool = True  # False: a non-final prefill chunk, produce no token
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    lora_slot: int = -1  # the LoRA adapter's slot (model/lora.py); -1: the base model
 
 
 @dataclass
@@ -118,6 +120,7 @@ class ModelRunner:
         max_running_requests: int = 64,
         context_length: int | None = None,
         seed: int = 0,
+        lora_slots: tuple[int, int] | None = None,
     ) -> None:
         if model_path is None:
             from sglang_admin.model.default_model import ensure_default_model
@@ -133,6 +136,10 @@ class ModelRunner:
         self.weight_bytes = self.info.weight_bytes
         self.context_length = self.info.context_length
         self.max_running_requests = max_running_requests
+        # LoRA adapter slots (count, max rank), allocated before the KV pool is sized
+        self.lora: LoraBuffers | None = None
+        if lora_slots is not None:
+            self.lora = LoraBuffers(self.model, *lora_slots, self.dtype, self.device)
         cfg = self.model.config
         windows = {w for w in cfg.sliding_windows if w is not None}
         if len(windows) > 1:
@@ -372,6 +379,8 @@ class ModelRunner:
             meta.extend_seqs.append(seq)
             start += n
 
+        if self.lora is not None:  # which adapter each token runs with
+            self.lora.prepare([s.lora_slot for s in ordered for _ in range(len(s.token_ids))])
         if self.device.type == "cpu":
             rows = max(nd * meta.decode_len, gathered)
             if rows:

@@ -359,14 +359,16 @@ class LoadLoRAAdapterRequest(_message.Message):
     def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ..., pinned: _Optional[bool] = ..., lora_id: _Optional[str] = ...) -> None: ...
 
 class LoadLoRAAdapterResponse(_message.Message):
-    __slots__ = ("success", "message", "loaded_lora_ids")
+    __slots__ = ("success", "message", "loaded_lora_ids", "rank_results")
     SUCCESS_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     LOADED_LORA_IDS_FIELD_NUMBER: _ClassVar[int]
+    RANK_RESULTS_FIELD_NUMBER: _ClassVar[int]
     success: bool
     message: str
     loaded_lora_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, success: _Optional[bool] = ..., message: _Optional[str] = ..., loaded_lora_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    rank_results: _containers.RepeatedCompositeFieldContainer[RankResult]
+    def __init__(self, success: _Optional[bool] = ..., message: _Optional[str] = ..., loaded_lora_ids: _Optional[_Iterable[str]] = ..., rank_results: _Optional[_Iterable[_Union[RankResult, _Mapping]]] = ...) -> None: ...
 
 class UnloadLoRAAdapterRequest(_message.Message):
     __slots__ = ("lora_name", "lora_id")
@@ -377,14 +379,16 @@ class UnloadLoRAAdapterRequest(_message.Message):
     def __init__(self, lora_name: _Optional[str] = ..., lora_id: _Optional[str] = ...) -> None: ...
 
 class UnloadLoRAAdapterResponse(_message.Message):
-    __slots__ = ("success", "message", "loaded_lora_ids")
+    __slots__ = ("success", "message", "loaded_lora_ids", "rank_results")
     SUCCESS_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     LOADED_LORA_IDS_FIELD_NUMBER: _ClassVar[int]
+    RANK_RESULTS_FIELD_NUMBER: _ClassVar[int]
     success: bool
     message: str
     loaded_lora_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, success: _Optional[bool] = ..., message: _Optional[str] = ..., loaded_lora_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    rank_results: _containers.RepeatedCompositeFieldContainer[RankResult]
+    def __init__(self, success: _Optional[bool] = ..., message: _Optional[str] = ..., loaded_lora_ids: _Optional[_Iterable[str]] = ..., rank_results: _Optional[_Iterable[_Union[RankResult, _Mapping]]] = ...) -> None: ...
 
 class ListLoadedLoRAAdaptersRequest(_message.Message):
     __slots__ = ()

@@ -253,7 +253,8 @@ class SglangSchedulerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def LoadLoRAAdapter(self, request, context):
-        """LoRA adapters: not served by this worker (UNIMPLEMENTED).
+        """LoRA adapters (--enable-lora): load a PEFT adapter under the caller's lora_id on every
+        rank, unload it (waits for the requests that use it), list what is loaded.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

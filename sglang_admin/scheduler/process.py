@@ -51,12 +51,14 @@ def handler_table() -> dict[type, Handler]:
         cache_control,
         control,
         generation_control,
+        lora_control,
         profile_control,
         weight_control,
     )
 
     table: dict[type, Handler] = {}
-    for module in (control, generation_control, cache_control, profile_control, weight_control):
+    for module in (control, generation_control, cache_control, profile_control, weight_control,
+                   lora_control):
         table.update(module.HANDLERS)
     return table
 
@@ -141,6 +143,7 @@ class RankLoop:
             max_running_requests=args.max_running_requests,
             context_length=args.context_length,
             seed=args.seed,
+            lora_slots=(args.max_loaded_loras, args.max_lora_rank) if args.enable_lora else None,
         )
         info = self.runner.info
         self.kv_events: list[list[Any]] = []
@@ -158,6 +161,9 @@ class RankLoop:
         self.profiler = Profiler(rank, str(self.runner.device), args.profile_max_steps)
         self.quiesce = Quiesce(self.scheduler)
         self.handlers = handler_table()
+        from sglang_admin.scheduler.lora_control import setup_lora
+
+        self.lora = setup_lora(self)  # None unless --enable-lora
         # admin messages answered when their future resolves (StopProfile's export)
         self.deferred: list[tuple[Any, Future]] = []
         self.forward_steps = 0
@@ -214,6 +220,8 @@ class RankLoop:
             decode_steps=self.step_timer.decode_steps,
             decode_phase_s=dict(self.step_timer.totals),
             timestamp=time.time(),
+            lora_slots_used=self.lora.used if self.lora is not None else 0,
+            lora_slots_total=self.lora.slots if self.lora is not None else 0,
         )
 
     def publish_state(self, force: bool = False) -> None:
@@ -312,6 +320,7 @@ class RankLoop:
                 sample=sp.sample,
                 return_logprob=sp.req.return_logprob,
                 top_logprobs_num=sp.req.top_logprobs_num,
+                lora_slot=sp.req.lora_slot,
             )
             for sp in batch.spans
         ]

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from sglang_admin.messages import GenerateReq, ReqOutput, SamplingParams
 from sglang_admin.scheduler.kv_pool import TokenAllocator
+from sglang_admin.scheduler.lora_registry import LoraRegistry, LoraUnavailable, cache_key
 from sglang_admin.scheduler.radix_cache import RadixCache, TreeNode
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,9 @@ class Req:
     sent_logprobs: int = 0
     arrived: float = field(default_factory=time.monotonic)
     queue_time_s: float = 0.0  # from arrival to the first admission (sglang:queue_time)
+    lora_id: str = ""  # the adapter it holds (released when it ends); "": the base model
+    lora_slot: int = -1  # that adapter's slot in the model's LoRA buffers
+    lora_ns: int = 0  # its radix cache namespace (lora_registry.cache_key)
 
     @property
     def fill_ids(self) -> list[int]:
@@ -114,6 +118,7 @@ class Scheduler:
         self.paused: str | None = None  # the PauseGeneration mode while paused
         self.pending_outputs: list[ReqOutput] = []  # made outside postprocess (abort, expiry)
         self.num_retracted = 0
+        self.lora: LoraRegistry | None = None  # set by the rank when LoRA is enabled
         self.reset_counters()
 
     # ------------------------------------------------------------------ state
@@ -178,8 +183,24 @@ class Scheduler:
             deadline=msg.deadline,
             trace_id=trace_id,
         )
+        if msg.lora_id and not self._acquire_lora(req, msg.lora_id):
+            return
         self.by_rid[req.rid] = req
         self.waiting.append(req)
+
+    def _acquire_lora(self, req: Req, lora_id: str) -> bool:
+        """Hold the request's adapter until it ends; False (and an error queued) if none."""
+        if self.lora is None:
+            self.refuse(req.rid, "lora_id is not supported: LoRA is not enabled (--enable-lora)",
+                        "INVALID_ARGUMENT")
+            return False
+        try:
+            adapter = self.lora.acquire(lora_id)
+        except LoraUnavailable as exc:
+            self.refuse(req.rid, str(exc), "INVALID_ARGUMENT")
+            return False
+        req.lora_id, req.lora_slot, req.lora_ns = lora_id, adapter.slot, adapter.namespace
+        return True
 
     def refuse(self, rid: str, message: str, code: str) -> None:
         """Answer a request that will not be queued with an error, at the next outputs."""
@@ -292,7 +313,7 @@ class Scheduler:
     def _admit(self, req: Req) -> bool:
         """Match the cached prefix, lock it and give the request a table row."""
         seq = req.fill_ids
-        match = self.cache.match_prefix(seq[:-1])
+        match = self.cache.match_prefix(cache_key(seq[:-1], req.lora_ns))
         need = len(seq) - len(match.slots)
         # Keep one token of headroom per running request for their next decode step.
         headroom = len(self.running) + 1
@@ -449,6 +470,9 @@ class Scheduler:
         out.error = error
         out.error_code = code
         self.pending_outputs.append(out)
+        if req.lora_id and self.lora is not None:
+            self.lora.release(req.lora_id)
+            req.lora_id = ""
 
     def _release(self, req: Req) -> None:
         """Hand the computed KV to the radix cache, free the rest, unlock, free the row."""
@@ -458,7 +482,7 @@ class Scheduler:
         if self.cache.disable:
             self.allocator.free(req.slots[req.cached_len :])
         else:
-            already = self.cache.insert(seq, computed)
+            already = self.cache.insert(cache_key(seq, req.lora_ns), computed)
             if already > req.cached_len:
                 self.allocator.free(computed[req.cached_len : already])
             self.allocator.free(req.slots[kv:])  # reserved but never computed
@@ -477,7 +501,7 @@ class Scheduler:
         if self.cache.disable:
             return
         kv = req.kv_len
-        seq = req.fill_ids[:kv]
+        seq = cache_key(req.fill_ids[:kv], req.lora_ns)
         already = self.cache.insert(seq, req.slots[:kv])
         if already > req.cached_len:
             # Someone inserted part of this prefix meanwhile: free our duplicate slots and

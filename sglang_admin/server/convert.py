@@ -45,6 +45,7 @@ class Limits:
     context_length: int
     token_capacity: int
     dp_size: int
+    lora_enabled: bool = False  # --enable-lora: GenerateRequest.lora_id is accepted
 
 
 def _finite(name: str, value: float) -> float:
@@ -172,8 +173,11 @@ def generate_from_proto(request: pb.GenerateRequest, rid: str, limits: Limits) -
             raise invalid(f"{field_name} is not supported by this worker")
     if request.input_embeds:
         raise invalid("input_embeds is not supported by this worker; send tokenized.input_ids")
-    if request.lora_id:
-        raise invalid("lora_id is not supported: this worker serves no LoRA adapters")
+    if request.lora_id and not limits.lora_enabled:
+        raise invalid("lora_id is not supported: this worker serves no LoRA adapters "
+                      "(start it with --enable-lora)")
+    if len(request.lora_id) > MAX_REQUEST_ID_CHARS:
+        raise invalid(f"lora_id is longer than {MAX_REQUEST_ID_CHARS} characters")
     if request.return_hidden_states:
         raise invalid("return_hidden_states is not supported by this worker")
     if request.custom_logit_processor:
@@ -223,6 +227,7 @@ def generate_from_proto(request: pb.GenerateRequest, rid: str, limits: Limits) -
         return_logprob=request.return_logprob,
         top_logprobs_num=request.top_logprobs_num if request.return_logprob else 0,
         stream=request.stream,
+        lora_id=request.lora_id,
     )
 
 

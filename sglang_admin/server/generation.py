@@ -59,6 +59,7 @@ class Generation:
             context_length=info.context_length,
             token_capacity=info.token_capacity,
             dp_size=self.args.dp_size,
+            lora_enabled=self.args.enable_lora,
         )
 
     async def generate(

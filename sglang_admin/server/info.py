@@ -316,6 +316,11 @@ def _load_proto(s: RankState, include: set[str], age: float) -> pb.SchedulerLoad
         )
     if "disagg" in include:
         load.disaggregation.CopyFrom(pb.DisaggregationMetrics(mode="null"))
-    # "spec" and "lora": left out, as SGLang does while the feature is off (no speculative
-    # decoding, no LoRA adapters here)
+    if "lora" in include and s.lora_slots_total:
+        load.lora.CopyFrom(pb.LoRAMetrics(
+            slots_used=s.lora_slots_used, slots_total=s.lora_slots_total,
+            utilization=s.lora_slots_used / s.lora_slots_total,
+        ))
+    # "spec", and "lora" without --enable-lora: left out, as SGLang does while the feature
+    # is off (no speculative decoding here)
     return load

@@ -93,6 +93,9 @@ def _block_size_from_env() -> int:
     return value
 
 
+# a LoRA request's cache keys: token | namespace << LORA_SHIFT (scheduler/lora_registry.py)
+LORA_SHIFT = 32
+LORA_TOKEN_MASK = (1 << LORA_SHIFT) - 1
 KV_BLOCK_SIZE = _block_size_from_env()  # the gateway's default --block-size is 16
 HISTORY_BATCHES = 1024  # batches kept per rank for resuming subscribers
 HISTORY_BLOCKS = 1 << 16  # ... and at most this many blocks in them
@@ -177,15 +180,19 @@ class RankBlockIndex:
     # ------------------------------------------------------------------ internals
 
     def _stored_event(self, blocks: list[Block], parent: int | None) -> pb.KvCacheEvent:
-        stored = pb.KvBlocksStored(
-            blocks=[
-                pb.KvBlock(block_hash=h, token_ids=tokens, block_size=self.block_size)
-                for h, tokens in blocks
-            ]
-        )
+        stored = pb.KvBlocksStored(blocks=[self._block(h, tokens) for h, tokens in blocks])
         if parent is not None:
             stored.parent_block_hash = parent
         return pb.KvCacheEvent(stored=stored)
+
+    def _block(self, block_hash: int, tokens: list[int]) -> pb.KvBlock:
+        """A block; tokens of a LoRA adapter's requests carry its cache namespace in their
+        high bits (scheduler/lora_registry.py): sent as the tokens and KvBlock.lora_id."""
+        namespace = tokens[0] >> LORA_SHIFT if tokens else 0
+        if not namespace:
+            return pb.KvBlock(block_hash=block_hash, token_ids=tokens, block_size=self.block_size)
+        return pb.KvBlock(block_hash=block_hash, token_ids=[t & LORA_TOKEN_MASK for t in tokens],
+                          block_size=self.block_size, lora_id=namespace)
 
     def _new_node(self, parent_hash: int | None, tokens: list[int]) -> _Node | None:
         parent = _ROOT if parent_hash is None else self.nodes.get(int(parent_hash))

@@ -22,10 +22,10 @@ from sglang_admin.server.communicator import Communicator
 from sglang_admin.server.convert import ServiceError
 from sglang_admin.server.generation import Generation
 from sglang_admin.server.info import Info
+from sglang_admin.server.lora import Lora
 from sglang_admin.server.weights import Weights
 
 Context = grpc.aio.ServicerContext
-NO_LORA = "LoRA adapters are not supported by this worker"
 
 
 class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
@@ -37,6 +37,7 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
         self.info = Info(args, comm, self.admin)
         self.cache = CacheAndProfile(args, comm, self.admin)
         self.weights = Weights(args, comm, self.admin)
+        self.lora = Lora(args, self.admin)
         self.metrics = comm.metrics
 
     # ------------------------------------------------------------------ generation
@@ -176,12 +177,18 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
                            "Embed: this worker serves a generation model only")
 
     @admin_rpc
-    async def LoadLoRAAdapter(self, request: Any, context: Context) -> Any:
-        raise ServiceError(grpc.StatusCode.UNIMPLEMENTED, NO_LORA)
+    async def LoadLoRAAdapter(
+        self, request: pb.LoadLoRAAdapterRequest, context: Context
+    ) -> pb.LoadLoRAAdapterResponse:
+        return await self.lora.load(request, context)
 
     @admin_rpc
-    async def UnloadLoRAAdapter(self, request: Any, context: Context) -> Any:
-        raise ServiceError(grpc.StatusCode.UNIMPLEMENTED, NO_LORA)
+    async def UnloadLoRAAdapter(
+        self, request: pb.UnloadLoRAAdapterRequest, context: Context
+    ) -> pb.UnloadLoRAAdapterResponse:
+        return await self.lora.unload(request, context)
 
-    async def ListLoadedLoRAAdapters(self, request: Any, context: Context) -> Any:
-        raise ServiceError(grpc.StatusCode.UNIMPLEMENTED, NO_LORA)
+    async def ListLoadedLoRAAdapters(
+        self, request: pb.ListLoadedLoRAAdaptersRequest, context: Context
+    ) -> pb.ListLoadedLoRAAdaptersResponse:
+        return await self.lora.list(request, context)
