@@ -15,8 +15,11 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from sglang_admin.messages import GenerateReq, ReqOutput, SamplingParams
+from sglang_admin.scheduler import output_extras
 from sglang_admin.scheduler.kv_pool import TokenAllocator
+from sglang_admin.scheduler.parallel_sampling import fork_ready, sample_key
 from sglang_admin.scheduler.radix_cache import RadixCache, TreeNode
+from sglang_admin.scheduler.stop_strings import Detokenize, find_stop
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +54,25 @@ class Req:
     sent_logprobs: int = 0
     arrived: float = field(default_factory=time.monotonic)
     queue_time_s: float = 0.0  # from arrival to the first admission (sglang:queue_time)
+    # issue 10: parallel sampling, stop strings, prompt logprobs, hidden states
+    index: int = 0  # sample index among the request's n
+    key: str = ""  # rank-side key (parallel_sampling.sample_key); rid for sample 0
+    fork_of: Req | None = None  # the sample that prefills the shared prompt
+    done: bool = False
+    stop: list[str] = field(default_factory=list)
+    no_stop_trim: bool = False
+    logprob_start_len: int = -1
+    token_ids_logprob: list[int] = field(default_factory=list)
+    return_hidden_states: bool = False
+    input_logprobs: list[float | None] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    token_ids_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    hidden_states: list[list[float]] = field(default_factory=list)
+    sent_extras: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.key:
+            self.key = self.rid
 
     @property
     def fill_ids(self) -> list[int]:
@@ -114,6 +136,8 @@ class Scheduler:
         self.paused: str | None = None  # the PauseGeneration mode while paused
         self.pending_outputs: list[ReqOutput] = []  # made outside postprocess (abort, expiry)
         self.num_retracted = 0
+        self.groups: dict[str, list[Req]] = {}  # rid -> its samples, for n > 1
+        self.detokenize: Detokenize | None = None  # for stop strings (set by the rank)
         self.reset_counters()
 
     # ------------------------------------------------------------------ state
@@ -154,7 +178,7 @@ class Scheduler:
 
     def add_request(self, msg: GenerateReq, trace_id: str = "") -> None:
         """Queue a request (the server validated it); duplicates are refused."""
-        if msg.rid in self.by_rid:
+        if msg.rid in self.by_rid or msg.rid in self.groups:
             self.pending_outputs.append(
                 _error(msg.rid, "ALREADY_EXISTS", f"request_id {msg.rid!r} is already in flight")
             )
@@ -169,17 +193,36 @@ class Scheduler:
                 )
             )
             return
-        req = Req(
-            rid=msg.rid,
-            prompt_ids=list(msg.input_ids),
-            sampling=msg.sampling,
-            return_logprob=msg.return_logprob,
-            top_logprobs_num=msg.top_logprobs_num,
-            deadline=msg.deadline,
-            trace_id=trace_id,
-        )
-        self.by_rid[req.rid] = req
-        self.waiting.append(req)
+        if msg.stop and self.detokenize is None:
+            self.pending_outputs.append(_error(
+                msg.rid, "FAILED_PRECONDITION",
+                "stop strings need the model's tokenizer, and this rank could not load one"))
+            return
+        samples: list[Req] = []
+        for index in range(max(msg.n, 1)):
+            req = Req(
+                rid=msg.rid,
+                prompt_ids=list(msg.input_ids),
+                sampling=msg.sampling,
+                return_logprob=msg.return_logprob,
+                top_logprobs_num=msg.top_logprobs_num,
+                deadline=msg.deadline,
+                trace_id=trace_id,
+                index=index,
+                key=sample_key(msg.rid, index),
+                fork_of=samples[0] if samples else None,
+                stop=msg.stop,
+                no_stop_trim=msg.no_stop_trim,
+                # prompt logprobs: computed by sample 0 alone (the others share its KV)
+                logprob_start_len=msg.logprob_start_len if index == 0 else -1,
+                token_ids_logprob=msg.token_ids_logprob,
+                return_hidden_states=msg.return_hidden_states,
+            )
+            samples.append(req)
+            self.by_rid[req.key] = req
+            self.waiting.append(req)
+        if len(samples) > 1:
+            self.groups[msg.rid] = samples
 
     def refuse(self, rid: str, message: str, code: str) -> None:
         """Answer a request that will not be queued with an error, at the next outputs."""
@@ -187,14 +230,16 @@ class Scheduler:
 
     def abort(self, rid: str, reason: str = "aborted") -> None:
         """Abort a request; running ones release their KV at the next schedule()."""
-        req = self.by_rid.get(rid)
-        if req is None:
-            return
-        if req in self.waiting:
-            self.waiting.remove(req)
-            self._finish(req, "abort", error=None)
-        else:
-            req.aborted = reason
+        group = self.groups.get(rid)
+        single = self.by_rid.get(rid)
+        for req in group if group is not None else ([single] if single is not None else []):
+            if req.key not in self.by_rid:
+                continue  # this sample already finished
+            if req in self.waiting:
+                self.waiting.remove(req)
+                self._finish(req, "abort", error=None)
+            else:
+                req.aborted = reason
 
     def fail_all(self, message: str, code: str) -> int:
         """End every running and waiting request with an error; how many there were."""
@@ -275,25 +320,41 @@ class Scheduler:
             and budget > 0
             and len(self.running) < self.config.max_running_requests
         ):
-            req = self.waiting[0]
+            pick = self._next_admissible()
+            if pick is None:
+                break
+            req = self.waiting[pick]
             if not self._admit(req):
                 break
-            self.waiting.popleft()
+            del self.waiting[pick]
             n = min(req.seq_len - req.kv_len, budget)
             if not self._reserve(req, n):
                 self._release(req)
-                self.waiting.appendleft(req)
+                self.waiting.insert(pick, req)
                 break
             self.running.append(req)
             spans.append(self._span(req, n))
             budget -= n
         return Batch(spans) if spans else None
 
+    def _next_admissible(self) -> int | None:
+        """Queue position of the first request that may be admitted: in arrival order,
+        skipping forked samples whose parent has not prefilled the shared prompt yet."""
+        sharing = not self.cache.disable
+        for pos, req in enumerate(self.waiting):
+            if fork_ready(req, sharing):
+                return pos
+        return None
+
     def _admit(self, req: Req) -> bool:
         """Match the cached prefix, lock it and give the request a table row."""
         seq = req.fill_ids
         match = self.cache.match_prefix(seq[:-1])
-        need = len(seq) - len(match.slots)
+        reuse = len(match.slots)
+        if req.logprob_start_len >= 0 and not req.output_ids:
+            # prompt logprobs need the logits from position logprob_start_len - 1 on
+            reuse = min(reuse, max(req.logprob_start_len - 1, 0))
+        need = len(seq) - reuse
         # Keep one token of headroom per running request for their next decode step.
         headroom = len(self.running) + 1
         fits = self.allocator.available + self.cache.evictable_size - headroom >= need
@@ -303,12 +364,12 @@ class Scheduler:
             return False
         self.cache.inc_lock_ref(match.node)
         req.last_node = match.node
-        req.slots = list(match.slots)
-        req.kv_len = req.cached_len = len(match.slots)
+        req.slots = list(match.slots[:reuse])
+        req.kv_len = req.cached_len = reuse
         req.req_idx = self.free_rows.pop()
         req.table_synced = 0
         if req.cached_tokens < 0:  # first admission: account the prompt
-            req.cached_tokens = min(len(match.slots), len(req.prompt_ids))
+            req.cached_tokens = min(reuse, len(req.prompt_ids))
             req.queue_time_s = time.monotonic() - req.arrived
             self.prompt_tokens_total += len(req.prompt_ids)
             self.cached_tokens_total += req.cached_tokens
@@ -329,7 +390,9 @@ class Scheduler:
         start, end = req.kv_len, req.kv_len + n
         table_start = req.table_synced
         req.table_synced = end
-        return Span(req, start, end, table_start, sample=end == req.seq_len)
+        # max_new_tokens = 0: prefill only, nothing sampled
+        sample = end == req.seq_len and req.sampling.max_new_tokens > 0
+        return Span(req, start, end, table_start, sample=sample)
 
     # ------------------------------------------------------------------ postprocess
 
@@ -340,11 +403,13 @@ class Scheduler:
         logprobs: list[float | None] | None = None,
         top_logprobs: list[list[tuple[int, float]] | None] | None = None,
         errors: list[tuple[str, str] | None] | None = None,
+        extras: list[output_extras.StepExtras | None] | None = None,
     ) -> list[ReqOutput]:
         """Take the sampled tokens of a step; finish requests; return the outputs to send.
 
         ``errors[i]``, (message, gRPC code name), fails span i's request alone; so does an
         exception while post-processing one request (INTERNAL, with its reason).
+        ``extras[i]``: span i's prompt logprobs, token-id logprobs and hidden state.
         """
         now = time.monotonic()
         new_tokens = 0
@@ -358,6 +423,12 @@ class Scheduler:
                     continue
                 if span.end - span.start > 1 and not req.aborted:
                     self._cache_unfinished(req)
+                extra = extras[i] if extras is not None else None
+                output_extras.absorb_prompt(req, extra)
+                if req.sampling.max_new_tokens == 0 and not req.aborted:
+                    if span.end >= req.seq_len:  # prefill only: done once the prompt is in
+                        self._finish(req, "length")
+                    continue
                 token = tokens[i]
                 if token is None or req.aborted:
                     continue
@@ -367,6 +438,7 @@ class Scheduler:
                     req.logprobs.append(float(logprobs[i] or 0.0))
                     if req.top_logprobs_num and top_logprobs is not None:
                         req.top_logprobs.append(list(top_logprobs[i] or []))
+                output_extras.absorb_token(req, extra)
                 self._check_finished(req, token)
             except Exception as exc:  # noqa: BLE001 - one request's fault ends that request
                 logger.exception("post-processing %s failed", req.rid)
@@ -378,7 +450,7 @@ class Scheduler:
         self.pending_outputs = []
         for span in batch.spans:
             req = span.req
-            if req.rid in self.by_rid and len(req.output_ids) > req.sent_tokens:
+            if req.key in self.by_rid and len(req.output_ids) > req.sent_tokens:
                 outputs.append(self._progress(req))
         return outputs
 
@@ -387,7 +459,7 @@ class Scheduler:
 
         Should releasing its memory itself fail, the request is still dropped and its
         caller told (its slots may then stay allocated: logged)."""
-        if req.rid not in self.by_rid:
+        if req.key not in self.by_rid:
             return
         try:
             self._finish(req, "abort", error=message, code=code)
@@ -397,8 +469,11 @@ class Scheduler:
                 self.running.remove(req)
             if req in self.waiting:
                 self.waiting.remove(req)
-            self.by_rid.pop(req.rid, None)
-            self.pending_outputs.append(_error(req.rid, code, message))
+            self.by_rid.pop(req.key, None)
+            self._end_sample(req)
+            out = _error(req.rid, code, message)
+            out.index = req.index
+            self.pending_outputs.append(out)
 
     def _check_finished(self, req: Req, token: int) -> None:
         sp = req.sampling
@@ -407,6 +482,12 @@ class Scheduler:
         if is_stop and n_out >= sp.min_new_tokens:
             self._finish(req, "stop", matched=token)
             return
+        if req.stop and n_out >= sp.min_new_tokens and self.detokenize is not None:
+            found = find_stop(req.output_ids, req.stop, self.detokenize)
+            if found is not None:
+                self._finish(req, "stop", matched_str=found.stop,
+                             stop_trim=0 if req.no_stop_trim else found.trim)
+                return
         if (
             n_out >= sp.max_new_tokens
             or req.seq_len >= self.config.context_length
@@ -414,13 +495,13 @@ class Scheduler:
         ):
             self._finish(req, "length")
 
-    def _progress(self, req: Req) -> ReqOutput:
+    def _progress(self, req: Req, final: bool = False) -> ReqOutput:
         new = req.output_ids[req.sent_tokens :]
         req.sent_tokens = len(req.output_ids)
         lps = req.logprobs[req.sent_logprobs :]
         tops = req.top_logprobs[req.sent_logprobs :]
         req.sent_logprobs = len(req.logprobs)
-        return ReqOutput(
+        out = ReqOutput(
             rid=req.rid,
             new_token_ids=new,
             prompt_tokens=len(req.prompt_ids),
@@ -429,26 +510,39 @@ class Scheduler:
             logprobs=lps,
             top_logprobs=tops,
             queue_time_s=req.queue_time_s,
+            index=req.index,
         )
+        output_extras.attach(req, out, final)
+        return out
 
     # ------------------------------------------------------------------ releasing
 
     def _finish(
         self, req: Req, reason: str, matched: int | None = None, error: str | None = None,
-        code: str | None = None,
+        code: str | None = None, matched_str: str | None = None, stop_trim: int = 0,
     ) -> None:
         """Release the request's memory and queue its final output."""
         if req.req_idx >= 0:
             self._release(req)
             if req in self.running:
                 self.running.remove(req)
-        self.by_rid.pop(req.rid, None)
-        out = self._progress(req)
+        self.by_rid.pop(req.key, None)
+        self._end_sample(req)
+        out = self._progress(req, final=True)
         out.finish_reason = reason
         out.matched_token_id = matched
+        out.matched_stop_str = matched_str
+        out.stop_trim = stop_trim
         out.error = error
         out.error_code = code
         self.pending_outputs.append(out)
+
+    def _end_sample(self, req: Req) -> None:
+        """Mark a sample ended; forget its group once every sample of it ended."""
+        req.done = True
+        group = self.groups.get(req.rid)
+        if group is not None and all(r.done for r in group):
+            del self.groups[req.rid]
 
     def _release(self, req: Req) -> None:
         """Hand the computed KV to the radix cache, free the rest, unlock, free the row."""
