@@ -26,6 +26,7 @@ from sglang_admin.model.loader import (
     load_model,
     load_model_info,
 )
+from sglang_admin.model.output_extras import hidden_rows, input_logprobs
 from sglang_admin.model.sampling import SampleRequest, SampleResult, sample
 
 logger = logging.getLogger(__name__)
@@ -49,6 +50,9 @@ class SeqInput:
     sample: bool = True  # False: a non-final prefill chunk, produce no token
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    logprob_start_len: int = -1  # >= 0: logprobs of prompt[logprob_start_len:] (prefill)
+    token_ids_logprob: list[int] | None = None  # logprobs of these ids (return_logprob)
+    return_hidden_states: bool = False
 
 
 @dataclass
@@ -65,6 +69,10 @@ class SeqOutput:
     top_logprobs: list[tuple[int, float]] | None = None
     error: str | None = None
     error_code: str | None = None
+    # see model/output_extras.py; token_id is meaningless on a sequence that did not sample
+    input_logprobs: list[tuple[int, float | None, list[tuple[int, float]]]] | None = None
+    token_ids_logprobs: list[tuple[int, float]] | None = None
+    hidden_state: list[float] | None = None
 
 
 class InvalidSequence(ValueError):
@@ -288,6 +296,7 @@ class ModelRunner:
         table_vals: list[int] = []
         select: list[int] = []  # flat index of the token whose logits are sampled
         sampled: list[SeqInput] = []
+        offsets: list[int] = []  # flat index of each ordered sequence's first token
         offset = 0
         for s in ordered:
             n = len(s.token_ids)
@@ -304,6 +313,7 @@ class ModelRunner:
                 start = base + s.table_start
                 table_cells.extend(range(start, start + len(s.table_slots)))
                 table_vals.extend(s.table_slots)
+            offsets.append(offset)
             offset += n
             if s.sample:
                 select.append(offset - 1)
@@ -368,17 +378,27 @@ class ModelRunner:
                 meta.gather_k, meta.gather_v = self._gather_scratch(rows)
 
         hidden = self.model(t_ids, t_pos, meta, self.k_caches, self.v_caches)
-        if not sampled:
+        want_input = any(s.logprob_start_len >= 0 for s in ordered)
+        if not sampled and not want_input:
             return [None] * len(seqs)
-        logits = self.model.compute_logits(hidden.index_select(0, t_select))
-        reqs = [
-            SampleRequest(s.sampling, s.prompt_ids, s.output_ids, s.return_logprob,
-                          s.top_logprobs_num)
-            for s in sampled
-        ]
         by_seq: dict[int, SeqOutput] = {}
-        for s, out in zip(sampled, self._sample(logits, reqs)):
-            by_seq[id(s)] = out
+        if sampled:
+            logits = self.model.compute_logits(hidden.index_select(0, t_select))
+            reqs = [
+                SampleRequest(s.sampling, s.prompt_ids, s.output_ids, s.return_logprob,
+                              s.top_logprobs_num,
+                              s.token_ids_logprob if s.return_logprob else None)
+                for s in sampled
+            ]
+            wanted = [s.return_hidden_states for s in sampled]
+            states = hidden_rows(self.model, hidden, t_select, wanted)
+            for s, out, state in zip(sampled, self._sample(logits, reqs), states):
+                out.hidden_state = state
+                by_seq[id(s)] = out
+        if want_input:
+            for key, entries in input_logprobs(self.model, hidden, ordered, offsets).items():
+                out = by_seq.setdefault(key, SeqOutput(-1))
+                out.input_logprobs = entries
         return [by_seq.get(id(s)) for s in seqs]
 
     def _sample(self, logits: torch.Tensor, reqs: list[SampleRequest]) -> list[SeqOutput]:
@@ -407,8 +427,11 @@ class ModelRunner:
 
 def _seq_output(result: SampleResult, i: int) -> SeqOutput:
     error = result.errors[i]
-    return SeqOutput(result.token_ids[i], result.logprobs[i], result.top_logprobs[i], error,
-                     "INVALID_ARGUMENT" if error is not None else None)
+    out = SeqOutput(result.token_ids[i], result.logprobs[i], result.top_logprobs[i], error,
+                    "INVALID_ARGUMENT" if error is not None else None)
+    if result.token_ids_logprobs:
+        out.token_ids_logprobs = result.token_ids_logprobs[i]
+    return out
 
 def _return_memory(device: torch.device) -> None:
     """Hand freed memory back: CUDA's cached blocks, or glibc's arenas on CPU."""

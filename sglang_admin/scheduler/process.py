@@ -36,6 +36,7 @@ from sglang_admin.scheduler.control import Handler, op_name
 from sglang_admin.scheduler.heartbeat import HeartbeatThread
 from sglang_admin.scheduler.quiesce import Quiesce
 from sglang_admin.scheduler.scheduler import Batch, Scheduler, SchedulerConfig
+from sglang_admin.scheduler.stop_strings import stop_string_detokenizer
 from sglang_admin.tracing import child_span, trace_id_of
 
 logger = logging.getLogger(__name__)
@@ -155,6 +156,8 @@ class RankLoop:
             ),
             on_kv_event=self.kv_events.append,
         )
+        self.scheduler.detokenize = stop_string_detokenizer(
+            args.tokenizer_path, info.tokenizer_path)
         self.profiler = Profiler(rank, str(self.runner.device), args.profile_max_steps)
         self.quiesce = Quiesce(self.scheduler)
         self.handlers = handler_table()
@@ -306,6 +309,9 @@ class RankLoop:
                 sample=sp.sample,
                 return_logprob=sp.req.return_logprob,
                 top_logprobs_num=sp.req.top_logprobs_num,
+                logprob_start_len=sp.req.logprob_start_len,
+                token_ids_logprob=sp.req.token_ids_logprob,
+                return_hidden_states=sp.req.return_hidden_states,
             )
             for sp in batch.spans
         ]
@@ -326,7 +332,8 @@ class RankLoop:
         self.step_started = 0.0
         self.last_step_time = time.perf_counter() - t0
         self.forward_steps += 1
-        tokens = [r.token_id if r is not None else None for r in results]
+        tokens = [r.token_id if r is not None and sp.sample else None
+                  for r, sp in zip(results, batch.spans)]
         logprobs = [r.logprob if r is not None else None for r in results]
         tops = [r.top_logprobs if r is not None else None for r in results]
         errors = None
@@ -336,7 +343,7 @@ class RankLoop:
                 if r is not None and r.error is not None else None
                 for r in results
             ]
-        outputs = self.scheduler.postprocess(batch, tokens, logprobs, tops, errors)
+        outputs = self.scheduler.postprocess(batch, tokens, logprobs, tops, errors, results)
         self.flush_kv_events()  # the router's index learns the blocks before the answer
         self.send_outputs(outputs)
         # After the outputs went out: an auto-stop's trace export does not delay them.

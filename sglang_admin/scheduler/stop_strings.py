@@ -75,17 +75,29 @@ def load_detokenizer(directory: str | None) -> Detokenize | None:
         return None
 
 
-class LazyDetokenizer:
-    """Loads the tokenizer at the first request with stop strings (ranks that never see
-    one never pay for it)."""
+class _LazyDetokenizer:
+    """transformers' AutoTokenizer, loaded at the first request with stop strings (slow
+    to import: ranks that never see a stop string never pay for it)."""
 
-    def __init__(self, directory: str | None) -> None:
+    def __init__(self, directory: str) -> None:
         self.directory = directory
-        self._loaded = False
         self._decode: Detokenize | None = None
 
-    def get(self) -> Detokenize | None:
-        if not self._loaded:
+    def __call__(self, ids: list[int]) -> str:
+        if self._decode is None:
             self._decode = load_detokenizer(self.directory)
-            self._loaded = True
-        return self._decode
+            if self._decode is None:
+                raise RuntimeError(f"no tokenizer could be loaded from {self.directory}")
+        return self._decode(ids)
+
+
+def stop_string_detokenizer(tokenizer_path: str | None, model_tokenizer_path: str | None
+                            ) -> Detokenize | None:
+    """The rank's decode function for stop strings: tokenizer.json loaded now (fast), any
+    other tokenizer format on first use; None when the model comes with no tokenizer."""
+    directory = os.path.abspath(tokenizer_path) if tokenizer_path else model_tokenizer_path
+    if not directory or not os.path.isdir(directory):
+        return None
+    if os.path.isfile(os.path.join(directory, "tokenizer.json")):
+        return load_detokenizer(directory)
+    return _LazyDetokenizer(directory)

@@ -13,6 +13,7 @@ import grpc
 
 from sglang_admin.messages import GenerateReq, ReqOutput, SamplingParams
 from sglang_admin.pb import common_pb2 as pb
+from sglang_admin.server.generation_features import FeatureError, generation_features_from_proto
 
 DEFAULT_MAX_NEW_TOKENS = 128
 MAX_TOP_LOGPROBS = 20
@@ -58,13 +59,6 @@ def sampling_from_proto(sp: pb.SamplingParams, limits: Limits, prompt_len: int) 
     constraint = sp.WhichOneof("constraint")
     if constraint:
         raise invalid(f"sampling_params.{constraint} is not supported: no constrained decoding")
-    if sp.stop:
-        raise invalid(
-            "sampling_params.stop (stop strings) is not supported: this worker does not "
-            "detokenize; use stop_token_ids"
-        )
-    if sp.n > 1:
-        raise invalid(f"sampling_params.n = {sp.n} is not supported; only n = 1")
     temperature = _finite("temperature", sp.temperature)
     if temperature < 0:
         raise invalid(f"sampling_params.temperature must be >= 0, got {temperature}")
@@ -90,12 +84,7 @@ def sampling_from_proto(sp: pb.SamplingParams, limits: Limits, prompt_len: int) 
         )
     room = limits.context_length - prompt_len
     if sp.HasField("max_new_tokens"):
-        max_new = sp.max_new_tokens
-        if max_new < 1:
-            raise invalid(
-                "sampling_params.max_new_tokens must be >= 1 (unset: "
-                f"min({DEFAULT_MAX_NEW_TOKENS}, room left in the context))"
-            )
+        max_new = sp.max_new_tokens  # 0: prefill only (scoring, echo)
         if max_new > room:
             raise invalid(
                 f"sampling_params.max_new_tokens = {max_new} with a prompt of {prompt_len} "
@@ -174,12 +163,8 @@ def generate_from_proto(request: pb.GenerateRequest, rid: str, limits: Limits) -
         raise invalid("input_embeds is not supported by this worker; send tokenized.input_ids")
     if request.lora_id:
         raise invalid("lora_id is not supported: this worker serves no LoRA adapters")
-    if request.return_hidden_states:
-        raise invalid("return_hidden_states is not supported by this worker")
     if request.custom_logit_processor:
         raise invalid("custom_logit_processor is not supported by this worker")
-    if request.token_ids_logprob:
-        raise invalid("token_ids_logprob is not supported by this worker")
     if len(request.request_id) > MAX_REQUEST_ID_CHARS:
         raise invalid(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
     ids = list(request.tokenized.input_ids)
@@ -216,6 +201,10 @@ def generate_from_proto(request: pb.GenerateRequest, rid: str, limits: Limits) -
         raise invalid(
             f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {request.top_logprobs_num}"
         )
+    try:
+        features = generation_features_from_proto(request, limits.vocab_size)
+    except FeatureError as exc:
+        raise invalid(str(exc)) from None
     return GenerateReq(
         rid=rid,
         input_ids=ids,
@@ -223,6 +212,12 @@ def generate_from_proto(request: pb.GenerateRequest, rid: str, limits: Limits) -
         return_logprob=request.return_logprob,
         top_logprobs_num=request.top_logprobs_num if request.return_logprob else 0,
         stream=request.stream,
+        n=features.n,
+        stop=features.stop,
+        no_stop_trim=features.no_stop_trim,
+        logprob_start_len=features.logprob_start_len,
+        token_ids_logprob=features.token_ids_logprob,
+        return_hidden_states=features.return_hidden_states,
     )
 
 
