@@ -84,9 +84,9 @@ def generation_features_from_proto(request: pb.GenerateRequest,
         stop=stops,
         no_stop_trim=sp.no_stop_trim,
         stream_interval=stream_interval_of(request),
-        # As SGLang's gRPC servicer (0, the proto default, is "not set"): input logprobs
-        # only with return_logprob and a logprob_start_len above 0.
-        logprob_start_len=start if request.return_logprob and start > 0 else -1,
+        # As SGLang: -1 (what the SMG gateway sends by default) is none, >= 0 the first
+        # prompt position whose logprob is returned (only with return_logprob).
+        logprob_start_len=start if request.return_logprob else -1,
         token_ids_logprob=ids if request.return_logprob else [],
         return_hidden_states=request.return_hidden_states,
     )

@@ -431,19 +431,28 @@ def test_completions_echo_with_max_tokens_zero_returns_the_prompt(cluster: Clust
     assert body["usage"]["completion_tokens"] == 0 and body["usage"]["prompt_tokens"] > 5
 
 
-def test_completions_logprobs_with_prompt_logprobs(cluster: Cluster) -> None:
-    prompt = "Prompt logprobs please"
-    status, body = http("POST", f"{cluster.base}/v1/completions", {
-        "model": cluster.model, "prompt": prompt, "max_tokens": 3, "echo": True,
-        "logprobs": 2, "temperature": 0, "ignore_eos": True,
+def test_prompt_logprobs_come_back_through_generate(cluster: Cluster) -> None:
+    # smg 1.13.0 renders no logprobs in /v1/completions (and sends logprob_start_len -1
+    # for echo); its native /generate passes logprob_start_len through.
+    status, body = http("POST", f"{cluster.base}/generate", {
+        "model": cluster.model, "text": "Prompt logprobs please",
+        "sampling_params": {"max_new_tokens": 2, "temperature": 0},
+        "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2,
     })
     assert status == 200, body
-    lp = body["choices"][0]["logprobs"]
-    prompt_tokens = body["usage"]["prompt_tokens"]
-    # prompt tokens first (the very first one has no logprob), then the 3 generated ones
-    assert len(lp["token_logprobs"]) == prompt_tokens + 3, lp
-    assert all(v is None or v <= 0 for v in lp["token_logprobs"])
-    assert any(v is not None for v in lp["token_logprobs"][1:prompt_tokens])
+    meta = (body[0] if isinstance(body, list) else body)["meta_info"]
+    prompt = meta["input_token_logprobs"]
+    assert len(prompt) == meta["prompt_tokens"] > 5
+    assert prompt[0][0] is None  # the first prompt token has no logprob
+    assert all(v <= 0 for v, _ in prompt[1:])
+    assert len(meta["output_token_logprobs"]) == 2
+    status, body = http("POST", f"{cluster.base}/v1/chat/completions", {
+        "model": cluster.model, "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 3, "logprobs": True, "top_logprobs": 2,
+    })
+    assert status == 200, body
+    content = body["choices"][0]["logprobs"]["content"]
+    assert 1 <= len(content) <= 3 and all(len(t["top_logprobs"]) == 2 for t in content)
 
 
 def test_workers_stayed_healthy_without_flapping(cluster: Cluster) -> None:

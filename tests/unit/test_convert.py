@@ -211,8 +211,11 @@ def test_generation_features_reach_the_rank_message() -> None:
     assert out.sampling.max_new_tokens == 0
     assert out.logprob_start_len == 2 and out.token_ids_logprob == [7, 9]
     assert out.return_hidden_states
-    # without return_logprob no prompt or token-id logprobs; proto 0 is "not set"
+    # without return_logprob no prompt or token-id logprobs; -1 (the gateway's default) none
     plain = generate_from_proto(with_(req([1, 2]), logprob_start_len=1), "rid", LIMITS)
     assert plain.logprob_start_len == -1 and plain.n == 1
+    none = generate_from_proto(with_(req([1, 2]), return_logprob=True, logprob_start_len=-1),
+                               "rid", LIMITS)
+    assert none.logprob_start_len == -1
     zero = generate_from_proto(with_(req([1, 2]), return_logprob=True), "rid", LIMITS)
-    assert zero.logprob_start_len == -1
+    assert zero.logprob_start_len == 0
