@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """TTFT of parallel sampling (n > 1) against n = 1, side by side, on a served worker.
 
-A client process (this one) sends streaming Generate calls with a fresh random prompt each
-(nothing cached), alternating n = 1 and n = ``--n`` so that both see the same machine
+A client process (this one) flushes the worker's cache, then sends streaming Generate
+calls with a fresh random prompt each (nothing cached), alternating n = 1 and n = ``--n`` so that both see the same machine
 load, one call at a time, and prints the median time to the first token of the first
 sample and of the last sample (every sample has a token), with their ratios to n = 1.
 Parallel sampling prefills the prompt once and forks it: the ratio stays near 1 where an
@@ -88,6 +88,11 @@ def main(argv: list[str] | None = None) -> int:
         def prompt() -> list[int]:
             return [rng.randrange(low, vocab) for _ in range(args.input_len)]
 
+        # nothing of an earlier run may be cached: every prompt below is new to the worker
+        flushed = stub.FlushCache(pb.FlushCacheRequest(timeout_s=60), timeout=120)
+        if not flushed.success:
+            print(f"FlushCache failed: {flushed.message}", file=sys.stderr)
+            return 1
         one_call(stub, prompt(), args.n, args.output_len, args.temperature)  # warm-up
         one_call(stub, prompt(), 1, args.output_len, args.temperature)
         times: dict[int, list[Timing]] = {1: [], args.n: []}
