@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from sglang_admin.messages import GenerateReq, ReqOutput, SamplingParams
+from sglang_admin.messages import GenerateReq, SamplingParams
 from sglang_admin.pb import common_pb2 as pb
 from sglang_admin.server.generation_features import FeatureError, generation_features_from_proto
 
@@ -219,50 +219,3 @@ def generate_from_proto(request: pb.GenerateRequest, rid: str, limits: Limits) -
         token_ids_logprob=features.token_ids_logprob,
         return_hidden_states=features.return_hidden_states,
     )
-
-
-def _logprobs(out_lps: list[float], out_ids: list[int], tops: list) -> pb.OutputLogProbs:
-    return pb.OutputLogProbs(
-        token_logprobs=out_lps,
-        token_ids=out_ids,
-        top_logprobs=[
-            pb.TopLogProbs(values=[v for _, v in row], token_ids=[t for t, _ in row])
-            for row in tops
-        ],
-    )
-
-
-def chunk_to_proto(rid: str, out: ReqOutput, with_logprobs: bool) -> pb.GenerateResponse:
-    chunk = pb.GenerateStreamChunk(
-        token_ids=out.new_token_ids,
-        prompt_tokens=out.prompt_tokens,
-        completion_tokens=out.completion_tokens,
-        cached_tokens=out.cached_tokens,
-    )
-    if with_logprobs:
-        chunk.output_logprobs.CopyFrom(
-            _logprobs(out.logprobs, out.new_token_ids, out.top_logprobs)
-        )
-    return pb.GenerateResponse(request_id=rid, chunk=chunk)
-
-
-def complete_to_proto(
-    rid: str,
-    out: ReqOutput,
-    output_ids: list[int],
-    logprobs: list[float],
-    top_logprobs: list,
-    with_logprobs: bool,
-) -> pb.GenerateResponse:
-    complete = pb.GenerateComplete(
-        output_ids=output_ids,
-        finish_reason=out.finish_reason or "stop",
-        prompt_tokens=out.prompt_tokens,
-        completion_tokens=out.completion_tokens,
-        cached_tokens=out.cached_tokens,
-    )
-    if out.matched_token_id is not None:
-        complete.matched_token_id = out.matched_token_id
-    if with_logprobs:
-        complete.output_logprobs.CopyFrom(_logprobs(logprobs, output_ids, top_logprobs))
-    return pb.GenerateResponse(request_id=rid, complete=complete)

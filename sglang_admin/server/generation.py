@@ -22,8 +22,8 @@ from sglang_admin.server.convert import (
 )
 from sglang_admin.server.generation_features import FeatureError, stream_interval_of
 from sglang_admin.server.sample_streams import SampleStreams
-from sglang_admin.server.tokenizer_bundle import tokenizer_dir
 from sglang_admin.server.stream_buffer import StreamOverflow
+from sglang_admin.server.tokenizer_bundle import tokenizer_dir
 from sglang_admin.tracing import carrier_from_metadata, server_span
 
 CONTROL_TIMEOUT_S = 30.0
