@@ -172,7 +172,10 @@ class Scheduler:
         return sum(n for _, n in self.generated) / max(span, 1.0)
 
     def waiting_uncached_tokens(self) -> int:
-        return sum(r.seq_len - r.kv_len for r in self.waiting)
+        # a forked sample (n > 1) computes one token of the prompt its parent shares
+        sharing = not self.cache.disable
+        return sum(1 if r.fork_of is not None and sharing else r.seq_len - r.kv_len
+                   for r in self.waiting)
 
     # ------------------------------------------------------------------ inputs
 

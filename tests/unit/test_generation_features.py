@@ -203,3 +203,9 @@ def test_stop_strings_without_a_tokenizer_are_refused_at_the_rank() -> None:
 
 def test_sample_keys() -> None:
     assert sample_key("r", 0) == "r" and sample_key("r", 3) == "r#3"
+
+
+def test_waiting_forks_count_one_uncached_token_each() -> None:
+    sched, _ = make()
+    sched.add_request(gen("r", list(range(1, 101)), 3, n=4))
+    assert sched.waiting_uncached_tokens() == 100 + 3
