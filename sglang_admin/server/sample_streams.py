@@ -41,8 +41,14 @@ class _Part:
         self.hidden.extend(out.hidden_states)
 
     def cut(self, keep: int) -> _Part:
+        """The first ``keep`` tokens (a copy)."""
         return _Part(self.ids[:keep], self.logprobs[:keep], self.tops[:keep],
                      self.by_ids[:keep], self.hidden[:keep])
+
+    def drop(self, count: int) -> None:
+        """Forget the first ``count`` tokens."""
+        for part in (self.ids, self.logprobs, self.tops, self.by_ids, self.hidden):
+            del part[:count]
 
 
 @dataclass
@@ -80,13 +86,10 @@ class SampleStreams:
         if self.req.stream:
             sample.pending.add(out)
             final = out.finish_reason is not None
-            if len(sample.pending.ids) >= self.interval or (final and sample.pending.ids) or (
-                    not final and not out.new_token_ids and self.interval == 1):
-                answers.append(self._chunk(out, sample.pending, sample.sent))
-                last, sample.sent = sample.pending, sample.sent + len(sample.pending.ids)
-                sample.pending = _Part()
-            else:
-                last = _Part()
+            last = _Part()
+            for part in self._due(sample.pending, final, bool(out.new_token_ids)):
+                answers.append(self._chunk(out, part, sample.sent))
+                last, sample.sent = part, sample.sent + len(part.ids)
             if final:
                 answers.append(self._complete(out, last, sample.sent - len(last.ids)))
         elif out.finish_reason is not None:
@@ -95,6 +98,23 @@ class SampleStreams:
         if out.finish_reason is not None:
             sample.done = True
         return answers
+
+    def _due(self, pending: _Part, final: bool, new_tokens: bool) -> list[_Part]:
+        """The chunks to send now, taken out of ``pending``. Interval 1: everything that
+        piled up in one chunk (as without the field); N > 1: N tokens per chunk, and at
+        the end what is left."""
+        if self.interval == 1:
+            if pending.ids or (not final and not new_tokens):
+                taken = pending.cut(len(pending.ids))
+                pending.drop(len(pending.ids))
+                return [taken]
+            return []
+        parts: list[_Part] = []
+        while len(pending.ids) >= self.interval or (final and pending.ids):
+            size = min(self.interval, len(pending.ids))
+            parts.append(pending.cut(size))
+            pending.drop(size)
+        return parts
 
     def _logprobs(self, part: _Part) -> pb.OutputLogProbs:
         lps = pb.OutputLogProbs(

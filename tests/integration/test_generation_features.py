@@ -85,6 +85,29 @@ def test_abort_ends_all_n_and_kv_returns_to_idle(server: ServerProc) -> None:
     assert all(s.num_used_tokens == 0 and s.num_running_reqs == 0 for s in info.rank_states)
 
 
+def test_client_cancel_ends_all_n(server: ServerProc) -> None:
+    stub = server.stub()
+    req = pb.GenerateRequest(
+        tokenized=pb.TokenizedInput(input_ids=PROMPT), stream=True,
+        sampling_params=pb.SamplingParams(n=3, max_new_tokens=4000, ignore_eos=True))
+    call = stub.Generate(req, timeout=120)
+    indices: set[int] = set()
+    for resp in call:
+        indices.add(resp.chunk.index)
+        if len(indices) == 3:
+            break
+    call.cancel()
+    deadline = time.time() + 60
+    running = -1
+    while time.time() < deadline:
+        info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
+        running = sum(s.num_running_reqs + s.num_waiting_reqs for s in info.rank_states)
+        if running == 0:
+            break
+        time.sleep(0.1)
+    assert running == 0  # all three samples ended on the rank
+
+
 def test_stop_string_ends_the_output_at_the_first_match(server: ServerProc) -> None:
     stub = server.stub()
     tok = Tokenizer.from_file(f"{ensure_default_model()}/tokenizer.json")

@@ -58,3 +58,13 @@ def test_the_buffer_coalesces_each_sample_on_its_own() -> None:
         assert buf.pending is None
 
     asyncio.run(go())
+
+
+def test_piled_up_tokens_still_go_out_n_per_chunk() -> None:
+    answer = SampleStreams("rid", gen(True, n=1), stream_interval=3)
+    sent = answer.feed(out(0, [1, 2, 3, 4, 5, 6, 7], 7))  # a slow reader's coalesced steps
+    sent += answer.feed(out(0, [8], 8, "length"))
+    chunks = [list(m.chunk.token_ids) for m in sent if m.HasField("chunk")]
+    assert chunks == [[1, 2, 3], [4, 5, 6], [7, 8]]
+    assert [m.chunk.completion_tokens for m in sent if m.HasField("chunk")] == [3, 6, 8]
+    assert list(sent[-1].complete.output_ids) == [7, 8]
