@@ -309,7 +309,9 @@ class RankLoop:
                 sample=sp.sample,
                 return_logprob=sp.req.return_logprob,
                 top_logprobs_num=sp.req.top_logprobs_num,
-                logprob_start_len=sp.req.logprob_start_len,
+                # prompt logprobs only while the span still covers prompt tokens
+                logprob_start_len=(sp.req.logprob_start_len
+                                   if sp.start < len(sp.req.prompt_ids) else -1),
                 token_ids_logprob=sp.req.token_ids_logprob,
                 return_hidden_states=sp.req.return_hidden_states,
             )

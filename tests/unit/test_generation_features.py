@@ -154,6 +154,7 @@ def test_prompt_logprobs_limit_the_reused_prefix() -> None:
     run_all(sched, runner)
     # positions 9.. recomputed (logprob of prompt[10] needs the logits at position 9)
     assert runner.computed - before == 30 - 9
+    assert_no_leak(sched)
 
 
 class CharDetok:
