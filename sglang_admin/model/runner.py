@@ -378,27 +378,32 @@ class ModelRunner:
                 meta.gather_k, meta.gather_v = self._gather_scratch(rows)
 
         hidden = self.model(t_ids, t_pos, meta, self.k_caches, self.v_caches)
-        want_input = any(s.logprob_start_len >= 0 for s in ordered)
-        if not sampled and not want_input:
-            return [None] * len(seqs)
+        if not sampled:
+            return self._with_extras({}, seqs, [], ordered, offsets, hidden, t_select)
+        logits = self.model.compute_logits(hidden.index_select(0, t_select))
+        reqs = [
+            SampleRequest(s.sampling, s.prompt_ids, s.output_ids, s.return_logprob,
+                          s.top_logprobs_num, s.token_ids_logprob if s.return_logprob else None)
+            for s in sampled
+        ]
         by_seq: dict[int, SeqOutput] = {}
-        if sampled:
-            logits = self.model.compute_logits(hidden.index_select(0, t_select))
-            reqs = [
-                SampleRequest(s.sampling, s.prompt_ids, s.output_ids, s.return_logprob,
-                              s.top_logprobs_num,
-                              s.token_ids_logprob if s.return_logprob else None)
-                for s in sampled
-            ]
+        for s, out in zip(sampled, self._sample(logits, reqs)):
+            by_seq[id(s)] = out
+        return self._with_extras(by_seq, seqs, sampled, ordered, offsets, hidden, t_select)
+
+    def _with_extras(self, by_seq: dict[int, SeqOutput], seqs: list[SeqInput],
+                     sampled: list[SeqInput], ordered: list[SeqInput], offsets: list[int],
+                     hidden: torch.Tensor, select: torch.Tensor) -> list[SeqOutput | None]:
+        """The step's outputs in ``seqs`` order, with what some sequences asked for beside
+        the token: hidden states of sampled rows and prompt logprobs (model/output_extras.py;
+        a sequence that sampled nothing gets an output only for its prompt logprobs)."""
+        if any(s.return_hidden_states for s in sampled):
             wanted = [s.return_hidden_states for s in sampled]
-            states = hidden_rows(self.model, hidden, t_select, wanted)
-            for s, out, state in zip(sampled, self._sample(logits, reqs), states):
-                out.hidden_state = state
-                by_seq[id(s)] = out
-        if want_input:
+            for s, state in zip(sampled, hidden_rows(self.model, hidden, select, wanted)):
+                by_seq[id(s)].hidden_state = state
+        if any(s.logprob_start_len >= 0 for s in ordered):
             for key, entries in input_logprobs(self.model, hidden, ordered, offsets).items():
-                out = by_seq.setdefault(key, SeqOutput(-1))
-                out.input_logprobs = entries
+                by_seq.setdefault(key, SeqOutput(-1)).input_logprobs = entries
         return [by_seq.get(id(s)) for s in seqs]
 
     def _sample(self, logits: torch.Tensor, reqs: list[SampleRequest]) -> list[SeqOutput]:
