@@ -391,21 +391,6 @@ class ModelRunner:
             by_seq[id(s)] = out
         return self._with_extras(by_seq, seqs, sampled, ordered, offsets, hidden, t_select)
 
-    def _with_extras(self, by_seq: dict[int, SeqOutput], seqs: list[SeqInput],
-                     sampled: list[SeqInput], ordered: list[SeqInput], offsets: list[int],
-                     hidden: torch.Tensor, select: torch.Tensor) -> list[SeqOutput | None]:
-        """The step's outputs in ``seqs`` order, with what some sequences asked for beside
-        the token: hidden states of sampled rows and prompt logprobs (model/output_extras.py;
-        a sequence that sampled nothing gets an output only for its prompt logprobs)."""
-        if any(s.return_hidden_states for s in sampled):
-            wanted = [s.return_hidden_states for s in sampled]
-            for s, state in zip(sampled, hidden_rows(self.model, hidden, select, wanted)):
-                by_seq[id(s)].hidden_state = state
-        if any(s.logprob_start_len >= 0 for s in ordered):
-            for key, entries in input_logprobs(self.model, hidden, ordered, offsets).items():
-                by_seq.setdefault(key, SeqOutput(-1)).input_logprobs = entries
-        return [by_seq.get(id(s)) for s in seqs]
-
     def _sample(self, logits: torch.Tensor, reqs: list[SampleRequest]) -> list[SeqOutput]:
         """Sample the whole batch at once; when that raises, row by row, so that only the
         rows that raise on their own fail (with the reason)."""
@@ -428,6 +413,21 @@ class ModelRunner:
                 outputs.append(_seq_output(one, 0))
             return outputs
         return [_seq_output(result, i) for i in range(len(reqs))]
+
+    def _with_extras(self, by_seq: dict[int, SeqOutput], seqs: list[SeqInput],
+                     sampled: list[SeqInput], ordered: list[SeqInput], offsets: list[int],
+                     hidden: torch.Tensor, select: torch.Tensor) -> list[SeqOutput | None]:
+        """The step's outputs in ``seqs`` order, with what some sequences asked for beside
+        the token: hidden states of sampled rows and prompt logprobs (model/output_extras.py;
+        a sequence that sampled nothing gets an output only for its prompt logprobs)."""
+        if any(s.return_hidden_states for s in sampled):
+            wanted = [s.return_hidden_states for s in sampled]
+            for s, state in zip(sampled, hidden_rows(self.model, hidden, select, wanted)):
+                by_seq[id(s)].hidden_state = state
+        if any(s.logprob_start_len >= 0 for s in ordered):
+            for key, entries in input_logprobs(self.model, hidden, ordered, offsets).items():
+                by_seq.setdefault(key, SeqOutput(-1)).input_logprobs = entries
+        return [by_seq.get(id(s)) for s in seqs]
 
 
 def _seq_output(result: SampleResult, i: int) -> SeqOutput:
