@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from typing import Protocol
 
-MAX_N = 64  # samples per request (the server refuses more: INVALID_ARGUMENT)
-
 
 def sample_key(rid: str, index: int) -> str:
     """The rank-side key of sample ``index`` of request ``rid`` (sample 0 keeps ``rid``)."""

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from sglang_admin.messages import ReqOutput
 from sglang_admin.pb import common_pb2 as pb
 
-MAX_N = 64  # samples per request (as scheduler.parallel_sampling.MAX_N)
+MAX_N = 64  # samples per request (each holds a table row and its own decode KV)
 MAX_STOP_STRINGS = 32
 MAX_STOP_CHARS = 256  # the rank decodes this many tokens and a few more per step
 MAX_TOKEN_IDS_LOGPROB = 128
