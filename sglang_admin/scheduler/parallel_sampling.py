@@ -6,7 +6,8 @@ cache as soon as its prefill completes (``Scheduler._cache_unfinished``). The ot
 wait in the queue until then and are admitted with the prompt's KV matched from the cache:
 each computes only the prompt's last token (to sample its own first token) and from there
 on decodes on its own, with its own output, penalties and logprobs. Without a radix cache
-(``--disable-radix-cache``) nothing can be shared: the samples prefill independently.
+(``SchedulerConfig.disable_radix_cache``) nothing can be shared: the samples prefill
+independently.
 """
 
 from __future__ import annotations
