@@ -62,6 +62,13 @@ class GenerateReq:
     deadline: float | None = None  # absolute time.time(); None: no deadline
     trace: TraceCarrier = field(default_factory=dict)
     lora_id: str = ""  # the LoRA adapter to run with; "": the base model
+    # issue 10 (generation features); see scheduler/parallel_sampling.py, stop_strings.py
+    n: int = 1  # parallel samples sharing the prompt's KV; outputs carry their index
+    stop: list[str] = field(default_factory=list)  # stop strings, matched on decoded text
+    no_stop_trim: bool = False  # keep the tokens of a matched stop string in output_ids
+    logprob_start_len: int = -1  # >= 0: input logprobs of prompt[logprob_start_len:]
+    token_ids_logprob: list[int] = field(default_factory=list)  # logprobs of these ids
+    return_hidden_states: bool = False  # last layer's hidden state per output token
 
 
 @dataclass(slots=True)
@@ -324,6 +331,14 @@ class ReqOutput:
     error: str | None = None  # set when the scheduler refused or dropped the request
     error_code: str | None = None  # grpc StatusCode name for error
     queue_time_s: float = 0.0  # seconds the request waited on the rank before admission
+    # issue 10 (generation features)
+    index: int = 0  # which of the request's n samples
+    matched_stop_str: str | None = None
+    stop_trim: int = 0  # trailing output tokens that carry the matched stop string
+    input_logprobs: list[float | None] = field(default_factory=list)  # prompt positions
+    input_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    token_ids_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    hidden_states: list[list[float]] = field(default_factory=list)  # per new output token
 
 
 @dataclass(slots=True)

@@ -7,12 +7,14 @@ It sends, ``--concurrency`` at a time, until ``--requests`` cases ran or ``--sec
 passed (whichever comes first), a random mix (``--seed``) of these case kinds:
 
 - ``generate-ordinary``: valid Generate requests with random sampling values, streaming
-  or not, that must end OK;
+  or not, with n > 1, stop strings, stream_interval, max_new_tokens 0, prompt and
+  token-id logprobs and hidden states now and then, that must end OK;
 - ``generate-extreme``: finite, in-range-looking extreme sampling values (temperature
   1e-40, logit_bias +-3e38, repetition_penalty 1e-40, stop_token_ids covering the
   vocabulary with min_new_tokens, ...) that must end with some status, never a death;
 - ``generate-invalid``: invalid fields (NaN, out-of-vocabulary ids, empty prompt, bad
-  ranks) that must end INVALID_ARGUMENT;
+  ranks, n too large, stream_interval below 1, empty stop strings, token_ids_logprob out
+  of the vocabulary, logprob_start_len past the prompt) that must end INVALID_ARGUMENT;
 - ``malformed``: random bytes sent to random methods, which must end INVALID_ARGUMENT;
 - ``cancelled``: a stream cancelled by the client after its first message;
 - ``dropped``: a call whose channel is closed under it;
@@ -170,10 +172,32 @@ class Fuzzer:
             max_new_tokens=r.randint(1, 8),
             ignore_eos=r.random() < 0.5,
         )
-        return pb.GenerateRequest(
+        req = pb.GenerateRequest(
             tokenized=pb.TokenizedInput(input_ids=self.prompt()), sampling_params=sp,
             stream=r.random() < 0.5, return_logprob=r.random() < 0.3,
         )
+        self.generation_features(req)
+        return req
+
+    def generation_features(self, req: pb.GenerateRequest) -> None:
+        """Issue 10's fields, valid values: n, stop strings, stream_interval, prefill
+        only, prompt and token-id logprobs, hidden states."""
+        r = self.rng
+        sp = req.sampling_params
+        if r.random() < 0.3:
+            sp.n = r.randint(1, 4)
+        if r.random() < 0.3:
+            sp.stop.extend(r.choice(["a", "\n", " the", "\u00e9", "xyz" * 20])
+                           for _ in range(r.randint(1, 3)))
+            sp.no_stop_trim = r.random() < 0.5
+        if r.random() < 0.2:
+            sp.stream_interval = r.randint(1, 5)
+        if r.random() < 0.1:
+            sp.max_new_tokens = 0
+        if req.return_logprob and r.random() < 0.5:
+            req.logprob_start_len = r.randrange(-1, len(req.tokenized.input_ids))
+            req.token_ids_logprob.extend(r.randrange(self.vocab) for _ in range(r.randint(0, 3)))
+        req.return_hidden_states = r.random() < 0.1
 
     def extreme(self) -> pb.GenerateRequest:
         r = self.rng
@@ -212,8 +236,20 @@ class Fuzzer:
         r = self.rng
         req = self.ordinary()
         sp = req.sampling_params
-        choice = r.randrange(9)
-        if choice == 0:
+        choice = r.randrange(14)
+        if choice == 9:
+            sp.n = r.choice([65, 1000, 2**32 - 1])
+        elif choice == 10:
+            sp.stream_interval = r.choice([0, -1, -(2**31)])
+        elif choice == 11:
+            req.return_logprob = True
+            req.token_ids_logprob.append(self.vocab + r.randrange(1000))
+        elif choice == 12:
+            sp.stop.extend(["ok", ""])
+        elif choice == 13:
+            req.return_logprob = True
+            req.logprob_start_len = r.choice([len(req.tokenized.input_ids), -2])
+        elif choice == 0:
             sp.temperature = r.choice([NAN, INF, -1.0])
         elif choice == 1:
             req.tokenized.input_ids.append(self.vocab + r.randrange(1000))

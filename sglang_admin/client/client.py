@@ -123,6 +123,23 @@ def _collect(responses: Sequence[pb.GenerateResponse], stream: bool) -> Generate
     return GenerateResult(tokens if stream else list(complete.output_ids), complete)
 
 
+def _collect_samples(responses: Sequence[pb.GenerateResponse], stream: bool,
+                     n: int) -> list[GenerateResult]:
+    """One result per sample of an n > 1 call, by ``index``."""
+    tokens: dict[int, list[int]] = {i: [] for i in range(n)}
+    completes: dict[int, pb.GenerateComplete] = {}
+    for resp in responses:
+        if resp.HasField("chunk"):
+            tokens.setdefault(resp.chunk.index, []).extend(resp.chunk.token_ids)
+        elif resp.HasField("complete"):
+            completes[resp.complete.index] = resp.complete
+    if sorted(completes) != list(range(n)):
+        raise ClientError(f"Generate ended with completes for samples {sorted(completes)} "
+                          f"of {n}")
+    return [GenerateResult(tokens[i] if stream else list(completes[i].output_ids),
+                           completes[i]) for i in range(n)]
+
+
 class AsyncClient:
     """grpc.aio client of one worker. Create and use it inside one event loop.
 
@@ -431,6 +448,35 @@ class AsyncClient:
             )
         ]
         return _collect(responses, stream)
+
+    async def generate_samples(
+        self,
+        input_ids: Sequence[int],
+        n: int,
+        max_new_tokens: int | None = None,
+        temperature: float = 0.0,
+        stream: bool = False,
+        *,
+        request_id: str = "",
+        ignore_eos: bool = False,
+        stop: Sequence[str] = (),
+        sampling_params: pb.SamplingParams | None = None,
+    ) -> list[GenerateResult]:
+        """Generate ``n`` parallel samples of one prompt (the worker prefills it once), with
+        optional stop strings: one result per sample, in index order."""
+        params = pb.SamplingParams()
+        if sampling_params is not None:
+            params.CopyFrom(sampling_params)
+        params.n = n
+        params.stop.extend(stop)
+        responses = [
+            resp
+            async for resp in self.generate(
+                input_ids, max_new_tokens, temperature, stream,
+                request_id=request_id, ignore_eos=ignore_eos, sampling_params=params,
+            )
+        ]
+        return _collect_samples(responses, stream, max(n, 1))
 
     async def abort(
         self, request_id: str = "", reason: str = "", *, abort_all: bool = False

@@ -177,12 +177,18 @@ def render_health(resp: pb.HealthCheckResponse) -> Outcome:
     return Outcome(resp.healthy, text, to_dict(resp))
 
 
-def render_generate(result: GenerateResult) -> Outcome:
+def render_generate(result: GenerateResult | list[GenerateResult]) -> Outcome:
+    if isinstance(result, list):  # --n / --stop: a line per sample
+        samples = [render_generate(r) for r in result]
+        return Outcome(True, f"{len(samples)} sample(s)", {"samples": [o.data for o in samples]},
+                       [f"[{i}] {o.text}" for i, o in enumerate(samples)])
     c = result.complete
     text = (
         f"tokens={','.join(map(str, result.tokens))} finish_reason={c.finish_reason} "
         f"prompt_tokens={c.prompt_tokens} cached_tokens={c.cached_tokens}"
     )
+    if c.HasField("matched_stop_str"):
+        text += f" matched_stop_str={c.matched_stop_str!r}"
     return Outcome(True, text, {"tokens": result.tokens, "complete": to_dict(c)})
 
 
@@ -249,7 +255,13 @@ def render_metrics(resp: pb.GetMetricsResponse) -> Outcome:
                                                    "content_type": resp.content_type})
 
 
-async def call_generate(client: AsyncClient, ns: argparse.Namespace) -> GenerateResult:
+async def call_generate(client: AsyncClient,
+                        ns: argparse.Namespace) -> GenerateResult | list[GenerateResult]:
+    if ns.n > 1 or ns.stop:
+        return await client.generate_samples(
+            ns.input_ids, ns.n, ns.max_new_tokens, ns.temperature, ns.stream,
+            ignore_eos=ns.ignore_eos, stop=ns.stop or (),
+        )
     return await client.generate_tokens(
         ns.input_ids, ns.max_new_tokens, ns.temperature, ns.stream, ignore_eos=ns.ignore_eos
     )
@@ -272,6 +284,16 @@ def _token_ids(text: str) -> list[int]:
     if not ids or any(i < 0 for i in ids):
         raise argparse.ArgumentTypeError(f"expected non-negative token ids, got {text!r}")
     return ids
+
+
+def _sample_count(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a sample count >= 1, got {text!r}")
+    return n
 
 
 def common_options() -> argparse.ArgumentParser:
@@ -331,6 +353,10 @@ def _generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--stream", action="store_true", help="use the streaming form of the call")
+    p.add_argument("--n", type=_sample_count, default=1,
+                   help="parallel samples (the worker prefills the prompt once)")
+    p.add_argument("--stop", action="append", metavar="TEXT",
+                   help="a stop string (repeatable); the worker matches it on decoded text")
 
 
 COMMANDS: list[Command] = [

@@ -28,6 +28,7 @@ from sglang_admin.model.loader import (
     load_model_info,
 )
 from sglang_admin.model.lora import LoraBuffers
+from sglang_admin.model.output_extras import hidden_rows, input_logprobs
 from sglang_admin.model.sampling import SampleRequest, SampleResult, sample
 
 logger = logging.getLogger(__name__)
@@ -52,6 +53,9 @@ class SeqInput:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     lora_slot: int = -1  # the LoRA adapter's slot (model/lora.py); -1: the base model
+    logprob_start_len: int = -1  # >= 0: logprobs of prompt[logprob_start_len:] (prefill)
+    token_ids_logprob: list[int] | None = None  # logprobs of these ids (return_logprob)
+    return_hidden_states: bool = False
 
 
 @dataclass
@@ -68,6 +72,10 @@ class SeqOutput:
     top_logprobs: list[tuple[int, float]] | None = None
     error: str | None = None
     error_code: str | None = None
+    # see model/output_extras.py; token_id is meaningless on a sequence that did not sample
+    input_logprobs: list[tuple[int, float | None, list[tuple[int, float]]]] | None = None
+    token_ids_logprobs: list[tuple[int, float]] | None = None
+    hidden_state: list[float] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,6 +313,7 @@ class ModelRunner:
         table_vals: list[int] = []
         select: list[int] = []  # flat index of the token whose logits are sampled
         sampled: list[SeqInput] = []
+        offsets: list[int] = []  # flat index of each ordered sequence's first token
         offset = 0
         for s in ordered:
             n = len(s.token_ids)
@@ -321,6 +330,7 @@ class ModelRunner:
                 start = base + s.table_start
                 table_cells.extend(range(start, start + len(s.table_slots)))
                 table_vals.extend(s.table_slots)
+            offsets.append(offset)
             offset += n
             if s.sample:
                 select.append(offset - 1)
@@ -390,14 +400,14 @@ class ModelRunner:
         hidden = self.model(t_ids, t_pos, meta, self.k_caches, self.v_caches)
         if not sampled:
             self.last_times = ForwardTimes(model=time.perf_counter() - t_model)
-            return [None] * len(seqs)
+            return self._with_extras({}, seqs, [], ordered, offsets, hidden, t_select)
         logits = self.model.compute_logits(hidden.index_select(0, t_select))
         if self.device.type == "cuda":  # sampling reads the tokens back anyway: no loss
             torch.cuda.synchronize(self.device)
         t_sample = time.perf_counter()
         reqs = [
             SampleRequest(s.sampling, s.prompt_ids, s.output_ids, s.return_logprob,
-                          s.top_logprobs_num)
+                          s.top_logprobs_num, s.token_ids_logprob if s.return_logprob else None)
             for s in sampled
         ]
         by_seq: dict[int, SeqOutput] = {}
@@ -405,7 +415,7 @@ class ModelRunner:
             by_seq[id(s)] = out
         self.last_times = ForwardTimes(model=t_sample - t_model,
                                        sample=time.perf_counter() - t_sample)
-        return [by_seq.get(id(s)) for s in seqs]
+        return self._with_extras(by_seq, seqs, sampled, ordered, offsets, hidden, t_select)
 
     def _sample(self, logits: torch.Tensor, reqs: list[SampleRequest]) -> list[SeqOutput]:
         """Sample the whole batch at once; when that raises, row by row, so that only the
@@ -430,11 +440,29 @@ class ModelRunner:
             return outputs
         return [_seq_output(result, i) for i in range(len(reqs))]
 
+    def _with_extras(self, by_seq: dict[int, SeqOutput], seqs: list[SeqInput],
+                     sampled: list[SeqInput], ordered: list[SeqInput], offsets: list[int],
+                     hidden: torch.Tensor, select: torch.Tensor) -> list[SeqOutput | None]:
+        """The step's outputs in ``seqs`` order, with what some sequences asked for beside
+        the token: hidden states of sampled rows and prompt logprobs (model/output_extras.py;
+        a sequence that sampled nothing gets an output only for its prompt logprobs)."""
+        if any(s.return_hidden_states for s in sampled):
+            wanted = [s.return_hidden_states for s in sampled]
+            for s, state in zip(sampled, hidden_rows(self.model, hidden, select, wanted)):
+                by_seq[id(s)].hidden_state = state
+        if any(s.logprob_start_len >= 0 for s in ordered):
+            for key, entries in input_logprobs(self.model, hidden, ordered, offsets).items():
+                by_seq.setdefault(key, SeqOutput(-1)).input_logprobs = entries
+        return [by_seq.get(id(s)) for s in seqs]
+
 
 def _seq_output(result: SampleResult, i: int) -> SeqOutput:
     error = result.errors[i]
-    return SeqOutput(result.token_ids[i], result.logprobs[i], result.top_logprobs[i], error,
-                     "INVALID_ARGUMENT" if error is not None else None)
+    out = SeqOutput(result.token_ids[i], result.logprobs[i], result.top_logprobs[i], error,
+                    "INVALID_ARGUMENT" if error is not None else None)
+    if result.token_ids_logprobs:
+        out.token_ids_logprobs = result.token_ids_logprobs[i]
+    return out
 
 def _return_memory(device: torch.device) -> None:
     """Hand freed memory back: CUDA's cached blocks, or glibc's arenas on CPU."""

@@ -39,6 +39,7 @@ class SampleRequest:
     output_ids: list[int]
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    token_ids_logprob: list[int] | None = None  # report these ids' logprobs (with logprob)
 
 
 @dataclass
@@ -53,6 +54,7 @@ class SampleResult:
     logprobs: list[float | None]
     top_logprobs: list[list[tuple[int, float]] | None]
     errors: list[str | None] = field(default_factory=list)
+    token_ids_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
 
 
 def _needs_repetition(p: SamplingParams) -> bool:
@@ -292,4 +294,25 @@ def sample(
             k = reqs[i].top_logprobs_num
             if k > 0:
                 tops[i] = list(zip(top_ids[j][:k], top_vals[j][:k]))
+        by_ids = _token_ids_logprobs(lp_source, [reqs[i].token_ids_logprob for i in lp_rows])
+        if by_ids is not None:
+            wanted: list[list[tuple[int, float]] | None] = [None] * n
+            for j, i in enumerate(lp_rows):
+                wanted[i] = by_ids[j]
+            return SampleResult(token_list, logprobs, tops, errors, wanted)
     return SampleResult(token_list, logprobs, tops, errors)
+
+
+def _token_ids_logprobs(lp_source: torch.Tensor, ids_per_row: list[list[int] | None]) -> list[
+        list[tuple[int, float]] | None] | None:
+    """The logprobs of each row's requested token ids (None where none were asked)."""
+    if not any(ids_per_row):
+        return None
+    out: list[list[tuple[int, float]] | None] = []
+    for j, ids in enumerate(ids_per_row):
+        if not ids:
+            out.append(None)
+            continue
+        values = lp_source[j].index_select(0, torch.tensor(ids, device=lp_source.device))
+        out.append(list(zip(ids, values.tolist())))
+    return out

@@ -37,6 +37,7 @@ from sglang_admin.scheduler.heartbeat import HeartbeatThread
 from sglang_admin.scheduler.quiesce import Quiesce
 from sglang_admin.scheduler.scheduler import Batch, Scheduler, SchedulerConfig
 from sglang_admin.scheduler.step_timing import StepTimer
+from sglang_admin.scheduler.stop_strings import stop_string_detokenizer
 from sglang_admin.tracing import child_span, trace_id_of
 
 logger = logging.getLogger(__name__)
@@ -158,6 +159,8 @@ class RankLoop:
             ),
             on_kv_event=self.kv_events.append,
         )
+        self.scheduler.detokenize = stop_string_detokenizer(
+            args.tokenizer_path, info.tokenizer_path)
         self.profiler = Profiler(rank, str(self.runner.device), args.profile_max_steps)
         self.quiesce = Quiesce(self.scheduler)
         self.handlers = handler_table()
@@ -321,6 +324,11 @@ class RankLoop:
                 return_logprob=sp.req.return_logprob,
                 top_logprobs_num=sp.req.top_logprobs_num,
                 lora_slot=sp.req.lora_slot,
+                # prompt logprobs only while the span still covers prompt tokens
+                logprob_start_len=(sp.req.logprob_start_len
+                                   if sp.start < len(sp.req.prompt_ids) else -1),
+                token_ids_logprob=sp.req.token_ids_logprob,
+                return_hidden_states=sp.req.return_hidden_states,
             )
             for sp in batch.spans
         ]
@@ -342,7 +350,8 @@ class RankLoop:
         self.last_step_time = time.perf_counter() - t0
         self.step_timer.forward(self.runner.last_times)
         self.forward_steps += 1
-        tokens = [r.token_id if r is not None else None for r in results]
+        tokens = [r.token_id if r is not None and sp.sample else None
+                  for r, sp in zip(results, batch.spans)]
         logprobs = [r.logprob if r is not None else None for r in results]
         tops = [r.top_logprobs if r is not None else None for r in results]
         errors = None
@@ -352,7 +361,7 @@ class RankLoop:
                 if r is not None and r.error is not None else None
                 for r in results
             ]
-        outputs = self.scheduler.postprocess(batch, tokens, logprobs, tops, errors)
+        outputs = self.scheduler.postprocess(batch, tokens, logprobs, tops, errors, results)
         self.step_timer.lap("postprocess")
         self.flush_kv_events()  # the router's index learns the blocks before the answer
         self.send_outputs(outputs)

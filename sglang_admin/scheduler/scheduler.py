@@ -15,9 +15,12 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from sglang_admin.messages import GenerateReq, ReqOutput, SamplingParams
+from sglang_admin.scheduler import output_extras
 from sglang_admin.scheduler.kv_pool import TokenAllocator
 from sglang_admin.scheduler.lora_registry import LoraRegistry, LoraUnavailable, cache_key
+from sglang_admin.scheduler.parallel_sampling import fork_ready, sample_key
 from sglang_admin.scheduler.radix_cache import RadixCache, TreeNode
+from sglang_admin.scheduler.stop_strings import Detokenize, find_stop
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +58,25 @@ class Req:
     lora_id: str = ""  # the adapter it holds (released when it ends); "": the base model
     lora_slot: int = -1  # that adapter's slot in the model's LoRA buffers
     lora_ns: int = 0  # its radix cache namespace (lora_registry.cache_key)
+    # issue 10: parallel sampling, stop strings, prompt logprobs, hidden states
+    index: int = 0  # sample index among the request's n
+    key: str = ""  # rank-side key (parallel_sampling.sample_key); rid for sample 0
+    fork_of: Req | None = None  # the sample that prefills the shared prompt
+    done: bool = False
+    stop: list[str] = field(default_factory=list)
+    no_stop_trim: bool = False
+    logprob_start_len: int = -1
+    token_ids_logprob: list[int] = field(default_factory=list)
+    return_hidden_states: bool = False
+    input_logprobs: list[float | None] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    token_ids_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    hidden_states: list[list[float]] = field(default_factory=list)
+    sent_extras: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.key:
+            self.key = self.rid
 
     @property
     def fill_ids(self) -> list[int]:
@@ -119,6 +141,8 @@ class Scheduler:
         self.pending_outputs: list[ReqOutput] = []  # made outside postprocess (abort, expiry)
         self.num_retracted = 0
         self.lora: LoraRegistry | None = None  # set by the rank when LoRA is enabled
+        self.groups: dict[str, list[Req]] = {}  # rid -> its samples, for n > 1
+        self.detokenize: Detokenize | None = None  # for stop strings (set by the rank)
         self.reset_counters()
 
     # ------------------------------------------------------------------ state
@@ -153,13 +177,16 @@ class Scheduler:
         return sum(n for _, n in self.generated) / max(span, 1.0)
 
     def waiting_uncached_tokens(self) -> int:
-        return sum(r.seq_len - r.kv_len for r in self.waiting)
+        # a forked sample (n > 1) computes one token of the prompt its parent shares
+        sharing = not self.cache.disable
+        return sum(1 if r.fork_of is not None and sharing else r.seq_len - r.kv_len
+                   for r in self.waiting)
 
     # ------------------------------------------------------------------ inputs
 
     def add_request(self, msg: GenerateReq, trace_id: str = "") -> None:
         """Queue a request (the server validated it); duplicates are refused."""
-        if msg.rid in self.by_rid:
+        if msg.rid in self.by_rid or msg.rid in self.groups:
             self.pending_outputs.append(
                 _error(msg.rid, "ALREADY_EXISTS", f"request_id {msg.rid!r} is already in flight")
             )
@@ -174,32 +201,57 @@ class Scheduler:
                 )
             )
             return
-        req = Req(
-            rid=msg.rid,
-            prompt_ids=list(msg.input_ids),
-            sampling=msg.sampling,
-            return_logprob=msg.return_logprob,
-            top_logprobs_num=msg.top_logprobs_num,
-            deadline=msg.deadline,
-            trace_id=trace_id,
-        )
-        if msg.lora_id and not self._acquire_lora(req, msg.lora_id):
+        if msg.stop and self.detokenize is None:
+            self.pending_outputs.append(_error(
+                msg.rid, "FAILED_PRECONDITION",
+                "stop strings need the model's tokenizer, and this rank could not load one"))
             return
-        self.by_rid[req.rid] = req
-        self.waiting.append(req)
+        samples: list[Req] = []
+        for index in range(max(msg.n, 1)):
+            req = Req(
+                rid=msg.rid,
+                prompt_ids=list(msg.input_ids),
+                sampling=msg.sampling,
+                return_logprob=msg.return_logprob,
+                top_logprobs_num=msg.top_logprobs_num,
+                deadline=msg.deadline,
+                trace_id=trace_id,
+                index=index,
+                key=sample_key(msg.rid, index),
+                fork_of=samples[0] if samples else None,
+                stop=msg.stop,
+                no_stop_trim=msg.no_stop_trim,
+                # prompt logprobs: computed by sample 0 alone (the others share its KV)
+                logprob_start_len=msg.logprob_start_len if index == 0 else -1,
+                token_ids_logprob=msg.token_ids_logprob,
+                return_hidden_states=msg.return_hidden_states,
+            )
+            samples.append(req)
+        if msg.lora_id and not self._acquire_lora(samples, msg.lora_id):
+            return
+        for req in samples:
+            self.by_rid[req.key] = req
+            self.waiting.append(req)
+        if len(samples) > 1:
+            self.groups[msg.rid] = samples
 
-    def _acquire_lora(self, req: Req, lora_id: str) -> bool:
-        """Hold the request's adapter until it ends; False (and an error queued) if none."""
+    def _acquire_lora(self, samples: list[Req], lora_id: str) -> bool:
+        """Each sample holds the adapter until it ends; False (an error queued) if none."""
         if self.lora is None:
-            self.refuse(req.rid, "lora_id is not supported: LoRA is not enabled (--enable-lora)",
+            self.refuse(samples[0].rid,
+                        "lora_id is not supported: LoRA is not enabled (--enable-lora)",
                         "INVALID_ARGUMENT")
             return False
-        try:
-            adapter = self.lora.acquire(lora_id)
-        except LoraUnavailable as exc:
-            self.refuse(req.rid, str(exc), "INVALID_ARGUMENT")
-            return False
-        req.lora_id, req.lora_slot, req.lora_ns = lora_id, adapter.slot, adapter.namespace
+        for held, req in enumerate(samples):
+            try:
+                adapter = self.lora.acquire(lora_id)
+            except LoraUnavailable as exc:
+                for earlier in samples[:held]:
+                    self.lora.release(lora_id)
+                    earlier.lora_id = ""
+                self.refuse(req.rid, str(exc), "INVALID_ARGUMENT")
+                return False
+            req.lora_id, req.lora_slot, req.lora_ns = lora_id, adapter.slot, adapter.namespace
         return True
 
     def refuse(self, rid: str, message: str, code: str) -> None:
@@ -208,14 +260,16 @@ class Scheduler:
 
     def abort(self, rid: str, reason: str = "aborted") -> None:
         """Abort a request; running ones release their KV at the next schedule()."""
-        req = self.by_rid.get(rid)
-        if req is None:
-            return
-        if req in self.waiting:
-            self.waiting.remove(req)
-            self._finish(req, "abort", error=None)
-        else:
-            req.aborted = reason
+        group = self.groups.get(rid)
+        single = self.by_rid.get(rid)
+        for req in group if group is not None else ([single] if single is not None else []):
+            if req.key not in self.by_rid:
+                continue  # this sample already finished
+            if req in self.waiting:
+                self.waiting.remove(req)
+                self._finish(req, "abort", error=None)
+            else:
+                req.aborted = reason
 
     def fail_all(self, message: str, code: str) -> int:
         """End every running and waiting request with an error; how many there were."""
@@ -296,25 +350,41 @@ class Scheduler:
             and budget > 0
             and len(self.running) < self.config.max_running_requests
         ):
-            req = self.waiting[0]
+            pick = self._next_admissible()
+            if pick is None:
+                break
+            req = self.waiting[pick]
             if not self._admit(req):
                 break
-            self.waiting.popleft()
+            del self.waiting[pick]
             n = min(req.seq_len - req.kv_len, budget)
             if not self._reserve(req, n):
                 self._release(req)
-                self.waiting.appendleft(req)
+                self.waiting.insert(pick, req)
                 break
             self.running.append(req)
             spans.append(self._span(req, n))
             budget -= n
         return Batch(spans) if spans else None
 
+    def _next_admissible(self) -> int | None:
+        """Queue position of the first request that may be admitted: in arrival order,
+        skipping forked samples whose parent has not prefilled the shared prompt yet."""
+        sharing = not self.cache.disable
+        for pos, req in enumerate(self.waiting):
+            if fork_ready(req, sharing):
+                return pos
+        return None
+
     def _admit(self, req: Req) -> bool:
         """Match the cached prefix, lock it and give the request a table row."""
         seq = req.fill_ids
         match = self.cache.match_prefix(cache_key(seq[:-1], req.lora_ns))
-        need = len(seq) - len(match.slots)
+        reuse = len(match.slots)
+        if req.logprob_start_len >= 0 and not req.output_ids:
+            # prompt logprobs need the logits from position logprob_start_len - 1 on
+            reuse = min(reuse, max(req.logprob_start_len - 1, 0))
+        need = len(seq) - reuse
         # Keep one token of headroom per running request for their next decode step.
         headroom = len(self.running) + 1
         fits = self.allocator.available + self.cache.evictable_size - headroom >= need
@@ -324,12 +394,12 @@ class Scheduler:
             return False
         self.cache.inc_lock_ref(match.node)
         req.last_node = match.node
-        req.slots = list(match.slots)
-        req.kv_len = req.cached_len = len(match.slots)
+        req.slots = list(match.slots[:reuse])
+        req.kv_len = req.cached_len = reuse
         req.req_idx = self.free_rows.pop()
         req.table_synced = 0
         if req.cached_tokens < 0:  # first admission: account the prompt
-            req.cached_tokens = min(len(match.slots), len(req.prompt_ids))
+            req.cached_tokens = min(reuse, len(req.prompt_ids))
             req.queue_time_s = time.monotonic() - req.arrived
             self.prompt_tokens_total += len(req.prompt_ids)
             self.cached_tokens_total += req.cached_tokens
@@ -350,7 +420,9 @@ class Scheduler:
         start, end = req.kv_len, req.kv_len + n
         table_start = req.table_synced
         req.table_synced = end
-        return Span(req, start, end, table_start, sample=end == req.seq_len)
+        # max_new_tokens = 0: prefill only, nothing sampled
+        sample = end == req.seq_len and req.sampling.max_new_tokens > 0
+        return Span(req, start, end, table_start, sample=sample)
 
     # ------------------------------------------------------------------ postprocess
 
@@ -361,11 +433,13 @@ class Scheduler:
         logprobs: list[float | None] | None = None,
         top_logprobs: list[list[tuple[int, float]] | None] | None = None,
         errors: list[tuple[str, str] | None] | None = None,
+        extras: list[output_extras.StepExtras | None] | None = None,
     ) -> list[ReqOutput]:
         """Take the sampled tokens of a step; finish requests; return the outputs to send.
 
         ``errors[i]``, (message, gRPC code name), fails span i's request alone; so does an
         exception while post-processing one request (INTERNAL, with its reason).
+        ``extras[i]``: span i's prompt logprobs, token-id logprobs and hidden state.
         """
         now = time.monotonic()
         new_tokens = 0
@@ -379,6 +453,12 @@ class Scheduler:
                     continue
                 if span.end - span.start > 1 and not req.aborted:
                     self._cache_unfinished(req)
+                extra = extras[i] if extras is not None else None
+                output_extras.absorb_prompt(req, extra)
+                if req.sampling.max_new_tokens == 0 and not req.aborted:
+                    if span.end >= req.seq_len:  # prefill only: done once the prompt is in
+                        self._finish(req, "length")
+                    continue
                 token = tokens[i]
                 if token is None or req.aborted:
                     continue
@@ -388,6 +468,7 @@ class Scheduler:
                     req.logprobs.append(float(logprobs[i] or 0.0))
                     if req.top_logprobs_num and top_logprobs is not None:
                         req.top_logprobs.append(list(top_logprobs[i] or []))
+                output_extras.absorb_token(req, extra)
                 self._check_finished(req, token)
             except Exception as exc:  # noqa: BLE001 - one request's fault ends that request
                 logger.exception("post-processing %s failed", req.rid)
@@ -399,7 +480,7 @@ class Scheduler:
         self.pending_outputs = []
         for span in batch.spans:
             req = span.req
-            if req.rid in self.by_rid and len(req.output_ids) > req.sent_tokens:
+            if req.key in self.by_rid and len(req.output_ids) > req.sent_tokens:
                 outputs.append(self._progress(req))
         return outputs
 
@@ -408,7 +489,7 @@ class Scheduler:
 
         Should releasing its memory itself fail, the request is still dropped and its
         caller told (its slots may then stay allocated: logged)."""
-        if req.rid not in self.by_rid:
+        if req.key not in self.by_rid:
             return
         try:
             self._finish(req, "abort", error=message, code=code)
@@ -418,8 +499,11 @@ class Scheduler:
                 self.running.remove(req)
             if req in self.waiting:
                 self.waiting.remove(req)
-            self.by_rid.pop(req.rid, None)
-            self.pending_outputs.append(_error(req.rid, code, message))
+            self.by_rid.pop(req.key, None)
+            self._end_sample(req)
+            out = _error(req.rid, code, message)
+            out.index = req.index
+            self.pending_outputs.append(out)
 
     def _check_finished(self, req: Req, token: int) -> None:
         sp = req.sampling
@@ -428,6 +512,12 @@ class Scheduler:
         if is_stop and n_out >= sp.min_new_tokens:
             self._finish(req, "stop", matched=token)
             return
+        if req.stop and n_out >= sp.min_new_tokens and self.detokenize is not None:
+            found = find_stop(req.output_ids, req.stop, self.detokenize)
+            if found is not None:
+                self._finish(req, "stop", matched_str=found.stop,
+                             stop_trim=0 if req.no_stop_trim else found.trim)
+                return
         if (
             n_out >= sp.max_new_tokens
             or req.seq_len >= self.config.context_length
@@ -435,13 +525,13 @@ class Scheduler:
         ):
             self._finish(req, "length")
 
-    def _progress(self, req: Req) -> ReqOutput:
+    def _progress(self, req: Req, final: bool = False) -> ReqOutput:
         new = req.output_ids[req.sent_tokens :]
         req.sent_tokens = len(req.output_ids)
         lps = req.logprobs[req.sent_logprobs :]
         tops = req.top_logprobs[req.sent_logprobs :]
         req.sent_logprobs = len(req.logprobs)
-        return ReqOutput(
+        out = ReqOutput(
             rid=req.rid,
             new_token_ids=new,
             prompt_tokens=len(req.prompt_ids),
@@ -450,29 +540,42 @@ class Scheduler:
             logprobs=lps,
             top_logprobs=tops,
             queue_time_s=req.queue_time_s,
+            index=req.index,
         )
+        output_extras.attach(req, out, final)
+        return out
 
     # ------------------------------------------------------------------ releasing
 
     def _finish(
         self, req: Req, reason: str, matched: int | None = None, error: str | None = None,
-        code: str | None = None,
+        code: str | None = None, matched_str: str | None = None, stop_trim: int = 0,
     ) -> None:
         """Release the request's memory and queue its final output."""
         if req.req_idx >= 0:
             self._release(req)
             if req in self.running:
                 self.running.remove(req)
-        self.by_rid.pop(req.rid, None)
-        out = self._progress(req)
+        self.by_rid.pop(req.key, None)
+        self._end_sample(req)
+        out = self._progress(req, final=True)
         out.finish_reason = reason
         out.matched_token_id = matched
+        out.matched_stop_str = matched_str
+        out.stop_trim = stop_trim
         out.error = error
         out.error_code = code
         self.pending_outputs.append(out)
         if req.lora_id and self.lora is not None:
             self.lora.release(req.lora_id)
             req.lora_id = ""
+
+    def _end_sample(self, req: Req) -> None:
+        """Mark a sample ended; forget its group once every sample of it ended."""
+        req.done = True
+        group = self.groups.get(req.rid)
+        if group is not None and all(r.done for r in group):
+            del self.groups[req.rid]
 
     def _release(self, req: Req) -> None:
         """Hand the computed KV to the radix cache, free the rest, unlock, free the row."""

@@ -312,6 +312,7 @@ class Communicator:
         self.by_wire_id[req.rid] = stream
         self.inflight[rank] += 1
         finished = False
+        unfinished_samples = max(req.n, 1)  # n > 1: one finish per sample
         try:
             await self.outboxes[rank].send(encode(req))
             while True:
@@ -320,7 +321,9 @@ class Communicator:
                     finished = True  # a rank that died, or an overflow already aborted
                     raise item
                 if item.finish_reason is not None:
-                    finished = True
+                    unfinished_samples -= 1
+                    # an error (a refusal) ends the request whatever the samples
+                    finished = unfinished_samples <= 0 or item.error is not None
                 yield item
                 if finished:
                     return

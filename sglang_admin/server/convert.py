@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 import grpc
 
-from sglang_admin.messages import GenerateReq, ReqOutput, SamplingParams
+from sglang_admin.messages import GenerateReq, SamplingParams
 from sglang_admin.pb import common_pb2 as pb
+from sglang_admin.server.generation_features import FeatureError, generation_features_from_proto
 
 DEFAULT_MAX_NEW_TOKENS = 128
 MAX_TOP_LOGPROBS = 20
@@ -59,13 +60,6 @@ def sampling_from_proto(sp: pb.SamplingParams, limits: Limits, prompt_len: int) 
     constraint = sp.WhichOneof("constraint")
     if constraint:
         raise invalid(f"sampling_params.{constraint} is not supported: no constrained decoding")
-    if sp.stop:
-        raise invalid(
-            "sampling_params.stop (stop strings) is not supported: this worker does not "
-            "detokenize; use stop_token_ids"
-        )
-    if sp.n > 1:
-        raise invalid(f"sampling_params.n = {sp.n} is not supported; only n = 1")
     temperature = _finite("temperature", sp.temperature)
     if temperature < 0:
         raise invalid(f"sampling_params.temperature must be >= 0, got {temperature}")
@@ -91,12 +85,7 @@ def sampling_from_proto(sp: pb.SamplingParams, limits: Limits, prompt_len: int) 
         )
     room = limits.context_length - prompt_len
     if sp.HasField("max_new_tokens"):
-        max_new = sp.max_new_tokens
-        if max_new < 1:
-            raise invalid(
-                "sampling_params.max_new_tokens must be >= 1 (unset: "
-                f"min({DEFAULT_MAX_NEW_TOKENS}, room left in the context))"
-            )
+        max_new = sp.max_new_tokens  # 0: prefill only (scoring, echo)
         if max_new > room:
             raise invalid(
                 f"sampling_params.max_new_tokens = {max_new} with a prompt of {prompt_len} "
@@ -178,12 +167,8 @@ def generate_from_proto(request: pb.GenerateRequest, rid: str, limits: Limits) -
                       "(start it with --enable-lora)")
     if len(request.lora_id) > MAX_REQUEST_ID_CHARS:
         raise invalid(f"lora_id is longer than {MAX_REQUEST_ID_CHARS} characters")
-    if request.return_hidden_states:
-        raise invalid("return_hidden_states is not supported by this worker")
     if request.custom_logit_processor:
         raise invalid("custom_logit_processor is not supported by this worker")
-    if request.token_ids_logprob:
-        raise invalid("token_ids_logprob is not supported by this worker")
     if len(request.request_id) > MAX_REQUEST_ID_CHARS:
         raise invalid(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
     ids = list(request.tokenized.input_ids)
@@ -220,6 +205,10 @@ def generate_from_proto(request: pb.GenerateRequest, rid: str, limits: Limits) -
         raise invalid(
             f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {request.top_logprobs_num}"
         )
+    try:
+        features = generation_features_from_proto(request, limits.vocab_size)
+    except FeatureError as exc:
+        raise invalid(str(exc)) from None
     return GenerateReq(
         rid=rid,
         input_ids=ids,
@@ -228,51 +217,10 @@ def generate_from_proto(request: pb.GenerateRequest, rid: str, limits: Limits) -
         top_logprobs_num=request.top_logprobs_num if request.return_logprob else 0,
         stream=request.stream,
         lora_id=request.lora_id,
+        n=features.n,
+        stop=features.stop,
+        no_stop_trim=features.no_stop_trim,
+        logprob_start_len=features.logprob_start_len,
+        token_ids_logprob=features.token_ids_logprob,
+        return_hidden_states=features.return_hidden_states,
     )
-
-
-def _logprobs(out_lps: list[float], out_ids: list[int], tops: list) -> pb.OutputLogProbs:
-    return pb.OutputLogProbs(
-        token_logprobs=out_lps,
-        token_ids=out_ids,
-        top_logprobs=[
-            pb.TopLogProbs(values=[v for _, v in row], token_ids=[t for t, _ in row])
-            for row in tops
-        ],
-    )
-
-
-def chunk_to_proto(rid: str, out: ReqOutput, with_logprobs: bool) -> pb.GenerateResponse:
-    chunk = pb.GenerateStreamChunk(
-        token_ids=out.new_token_ids,
-        prompt_tokens=out.prompt_tokens,
-        completion_tokens=out.completion_tokens,
-        cached_tokens=out.cached_tokens,
-    )
-    if with_logprobs:
-        chunk.output_logprobs.CopyFrom(
-            _logprobs(out.logprobs, out.new_token_ids, out.top_logprobs)
-        )
-    return pb.GenerateResponse(request_id=rid, chunk=chunk)
-
-
-def complete_to_proto(
-    rid: str,
-    out: ReqOutput,
-    output_ids: list[int],
-    logprobs: list[float],
-    top_logprobs: list,
-    with_logprobs: bool,
-) -> pb.GenerateResponse:
-    complete = pb.GenerateComplete(
-        output_ids=output_ids,
-        finish_reason=out.finish_reason or "stop",
-        prompt_tokens=out.prompt_tokens,
-        completion_tokens=out.completion_tokens,
-        cached_tokens=out.cached_tokens,
-    )
-    if out.matched_token_id is not None:
-        complete.matched_token_id = out.matched_token_id
-    if with_logprobs:
-        complete.output_logprobs.CopyFrom(_logprobs(logprobs, output_ids, top_logprobs))
-    return pb.GenerateResponse(request_id=rid, complete=complete)

@@ -17,12 +17,13 @@ from sglang_admin.server.communicator import Communicator, RankUnavailable
 from sglang_admin.server.convert import (
     Limits,
     ServiceError,
-    chunk_to_proto,
-    complete_to_proto,
     generate_from_proto,
     invalid,
 )
+from sglang_admin.server.generation_features import FeatureError, stream_interval_of
+from sglang_admin.server.sample_streams import SampleStreams
 from sglang_admin.server.stream_buffer import StreamOverflow
+from sglang_admin.server.tokenizer_bundle import tokenizer_dir
 from sglang_admin.tracing import carrier_from_metadata, server_span
 
 CONTROL_TIMEOUT_S = 30.0
@@ -72,6 +73,16 @@ class Generation:
                 grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already in flight"
             )
         req = generate_from_proto(request, rid, self.limits)
+        try:
+            interval = stream_interval_of(request)
+        except FeatureError as exc:
+            raise invalid(str(exc)) from None
+        info = self.comm.model_info
+        has_tokenizer = info and tokenizer_dir(self.args.tokenizer_path, info.tokenizer_path)
+        if req.stop and not has_tokenizer:
+            raise invalid(
+                "sampling_params.stop needs the model's tokenizer and this worker has none "
+                "(start it with --tokenizer-path); use stop_token_ids")
         remaining = context.time_remaining()
         if remaining is not None:
             req.deadline = time.time() + remaining
@@ -82,36 +93,22 @@ class Generation:
         with server_span("Generate", carrier, request_id=rid) as forward:
             req.trace = forward
             self.admin.log("generate", rid, carrier, rank=rank, prompt_tokens=len(req.input_ids))
-            output_ids: list[int] = []
-            logprobs: list[float] = []
-            tops: list = []
+            answer = SampleStreams(rid, req, interval)
             try:
                 async for out in self.comm.metrics.observe(self.comm.generate(req, rank), rank):
                     if out.error:
                         code = getattr(grpc.StatusCode, out.error_code or "INTERNAL")
                         raise ServiceError(code, out.error)
-                    output_ids.extend(out.new_token_ids)
-                    logprobs.extend(out.logprobs)
-                    tops.extend(out.top_logprobs)
-                    if req.stream:
-                        if out.new_token_ids or out.finish_reason is None:
-                            yield chunk_to_proto(rid, out, req.return_logprob)
-                        if out.finish_reason is not None:
-                            # As SGLang's servicer: in streaming mode the final message
-                            # carries the last step's tokens (the chunks carried the rest).
-                            yield complete_to_proto(
-                                rid, out, out.new_token_ids, out.logprobs, out.top_logprobs,
-                                req.return_logprob,
-                            )
-                    elif out.finish_reason is not None:
-                        yield complete_to_proto(
-                            rid, out, output_ids, logprobs, tops, req.return_logprob
-                        )
+                    for message in answer.feed(out):
+                        yield message
+                    if answer.finished:
+                        break
             except RankUnavailable as exc:
                 raise ServiceError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
             except StreamOverflow as exc:
                 raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None
-            self.admin.log("generate_done", rid, carrier, completion_tokens=len(output_ids))
+            self.admin.log("generate_done", rid, carrier,
+                           completion_tokens=answer.completion_tokens)
 
     async def abort(
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext

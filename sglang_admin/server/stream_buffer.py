@@ -6,7 +6,8 @@ slow reader the outputs of many steps pile up here; coalescing them keeps one Re
 per call (the next message carries every token that piled up) instead of one per step.
 The tokens it holds are counted: past ``max_tokens`` the buffer reports an overflow and
 the caller aborts the request (see ``Communicator``), so a reader that stalls costs the
-server a bounded amount of memory whatever it does.
+server a bounded amount of memory whatever it does. The samples of an n > 1 request
+coalesce each on its own (one pending output per sample index).
 """
 
 from __future__ import annotations
@@ -30,6 +31,12 @@ def coalesce(into: ReqOutput, out: ReqOutput) -> None:
     into.cached_tokens = out.cached_tokens
     into.finish_reason = out.finish_reason
     into.matched_token_id = out.matched_token_id
+    into.matched_stop_str = out.matched_stop_str
+    into.stop_trim = out.stop_trim
+    into.token_ids_logprobs.extend(out.token_ids_logprobs)
+    into.hidden_states.extend(out.hidden_states)
+    if out.input_logprobs:
+        into.input_logprobs, into.input_top_logprobs = out.input_logprobs, out.input_top_logprobs
     if out.error is not None:
         into.error, into.error_code = out.error, out.error_code
 
@@ -37,27 +44,33 @@ def coalesce(into: ReqOutput, out: ReqOutput) -> None:
 class OutputBuffer:
     """One call's not-yet-taken output (coalesced) and, once known, how the call ends."""
 
-    __slots__ = ("max_tokens", "pending", "end", "_waiter")
+    __slots__ = ("max_tokens", "by_index", "end", "_waiter")
 
     def __init__(self, max_tokens: int) -> None:
         self.max_tokens = max_tokens
-        self.pending: ReqOutput | None = None
+        self.by_index: dict[int, ReqOutput] = {}  # pending, per sample, in arrival order
         self.end: Exception | None = None  # taken after the pending output
         self._waiter: asyncio.Future | None = None
 
     @property
+    def pending(self) -> ReqOutput | None:
+        """The next output get() returns (None: nothing pending)."""
+        return next(iter(self.by_index.values()), None)
+
+    @property
     def tokens(self) -> int:
         """Tokens received and not yet taken."""
-        return len(self.pending.new_token_ids) if self.pending is not None else 0
+        return sum(len(out.new_token_ids) for out in self.by_index.values())
 
     def push(self, out: ReqOutput) -> bool:
         """Add a rank's output; False when the tokens not yet taken exceed the limit."""
         if self.end is not None:
             return True
-        if self.pending is None:
-            self.pending = out
+        held = self.by_index.get(out.index)
+        if held is None:
+            self.by_index[out.index] = out
         else:
-            coalesce(self.pending, out)
+            coalesce(held, out)
         self._wake()
         return self.tokens <= self.max_tokens
 
@@ -67,15 +80,14 @@ class OutputBuffer:
             return
         self.end = exc
         if drop_pending:
-            self.pending = None
+            self.by_index = {}
         self._wake()
 
     async def get(self) -> ReqOutput | Exception:
         """The pending output (all of it, coalesced), else the end, else wait for one."""
         while True:
-            if self.pending is not None:
-                out, self.pending = self.pending, None
-                return out
+            if self.by_index:
+                return self.by_index.pop(next(iter(self.by_index)))
             if self.end is not None:
                 return self.end
             self._waiter = asyncio.get_running_loop().create_future()

@@ -149,6 +149,25 @@ def test_cli_generate_and_loads(servers: tuple[ServerProc, ServerProc]) -> None:
     assert res.returncode != 0 and "FAILED  INVALID_ARGUMENT" in res.stdout
 
 
+def test_cli_generate_n_samples_with_a_stop_string(servers: tuple[ServerProc, ServerProc]) -> None:
+    a, _ = servers
+    ids = ",".join(map(str, PROMPT))
+    res = cli("generate", "--input-ids", ids, "--max-new-tokens", "5", "--ignore-eos",
+              "--n", "3", "--stop", "never-seen-\u2603", "--json", *targets(a), "--api-key", KEY)
+    assert res.returncode == 0, res.stdout + res.stderr
+    (obj,) = [json.loads(line) for line in res.stdout.splitlines()]
+    samples = obj["samples"]
+    assert [s["complete"].get("index", 0) for s in samples] == [0, 1, 2]
+    assert all(len(s["tokens"]) == 5 for s in samples)
+    assert len({tuple(s["tokens"]) for s in samples}) == 1  # greedy: the same three
+    res = cli("generate", "--input-ids", ids, "--n", "0", *targets(a))
+    assert res.returncode == 2 and "sample count" in res.stderr
+    with Client(a.target, api_key=KEY, timeout=30) as client:
+        results = client.generate_samples(PROMPT, 2, 4, stream=True, ignore_eos=True)
+        assert [len(r.tokens) for r in results] == [4, 4]
+        assert [r.complete.index for r in results] == [0, 1]
+
+
 # ---------------------------------------------------------------------- library
 
 

@@ -195,6 +195,28 @@ def test_generate_error_status_comes_through(srv: ServerUnderTest) -> None:
     assert "Code: InvalidArgument" in out.stderr and "regex" in out.stderr
 
 
+def test_generate_n_and_stop_strings(srv: ServerUnderTest) -> None:
+    greedy4 = srv.call("Generate", {
+        "tokenized": {"input_ids": PROMPT},
+        "sampling_params": {"temperature": 0, "max_new_tokens": 5, "ignore_eos": True, "n": 4},
+    })
+    completes = [m["complete"] for m in greedy4]
+    assert sorted(c.get("index", 0) for c in completes) == [0, 1, 2, 3]
+    assert len({tuple(c["output_ids"]) for c in completes}) == 1
+    # the output is made of 'a' (97) and 'b' (98) only: both pushed by +100 logit bias
+    biased = {"tokenized": {"input_ids": PROMPT}, "sampling_params": {
+        "temperature": 0, "max_new_tokens": 30, "ignore_eos": True,
+        "logit_bias": {"97": 100, "98": 100}}}
+    free = srv.call_one("Generate", biased)["complete"]["output_ids"]
+    text = bytes(free).decode()
+    stop = next(s for s in ("ab", "ba", "aa", "bb") if s in text)
+    end = text.index(stop) + len(stop)
+    biased["sampling_params"].update(stop=[stop], no_stop_trim=True)
+    complete = srv.call_one("Generate", biased)["complete"]
+    assert complete["finish_reason"] == "stop" and complete["matched_stop_str"] == stop
+    assert complete["output_ids"] == free[:end] and complete["completion_tokens"] == end
+
+
 def test_flush_cache(srv: ServerUnderTest) -> None:
     resp = srv.call_one("FlushCache", {"timeout_s": 10})
     assert resp["success"] is True

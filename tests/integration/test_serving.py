@@ -188,7 +188,6 @@ def test_unsupported_features_are_refused_by_name(server: ServerProc) -> None:
     cases = {
         "regex": pb.SamplingParams(regex="a+", max_new_tokens=2),
         "json_schema": pb.SamplingParams(json_schema="{}", max_new_tokens=2),
-        "n = 2": pb.SamplingParams(n=2, max_new_tokens=2),
     }
     for needle, sp in cases.items():
         req = pb.GenerateRequest(tokenized=pb.TokenizedInput(input_ids=[1, 2]), sampling_params=sp)

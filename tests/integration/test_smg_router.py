@@ -385,6 +385,76 @@ def test_router_trace_ids_reach_the_worker_logs(cluster: Cluster) -> None:
     assert flush_ids[0] & flush_ids[1]
 
 
+# ------------------------------------------------ issue 10: n > 1, echo, prompt logprobs
+
+
+def sse(url: str, body: dict, timeout: float = 120) -> list[dict]:
+    """The JSON events of a streamed (server-sent events) answer, up to [DONE]."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers={"content-type": "application/json"})
+    events: list[dict] = []
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        assert resp.status == 200
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data:"):
+                continue
+            data = line[len("data:"):].strip()
+            if data == "[DONE]":
+                break
+            events.append(json.loads(data))
+    return events
+
+
+@pytest.mark.parametrize("path, payload", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Two answers"}]}),
+    ("/v1/completions", {"prompt": "Two completions of this"}),
+], ids=["chat", "completions"])
+def test_n2_returns_two_choices_with_distinct_indices(cluster: Cluster, path: str,
+                                                      payload: dict) -> None:
+    body = {"model": cluster.model, "n": 2, "max_tokens": 6, "temperature": 1.0, **payload}
+    status, answer = http("POST", f"{cluster.base}{path}", body)
+    assert status == 200, answer
+    assert sorted(c["index"] for c in answer["choices"]) == [0, 1]
+    events = sse(f"{cluster.base}{path}", {**body, "stream": True})
+    indices = {c["index"] for e in events for c in e.get("choices", [])}
+    assert indices == {0, 1}, events[:4]
+
+
+def test_completions_echo_with_max_tokens_zero_returns_the_prompt(cluster: Cluster) -> None:
+    prompt = "Score this prompt only."
+    status, body = http("POST", f"{cluster.base}/v1/completions", {
+        "model": cluster.model, "prompt": prompt, "max_tokens": 0, "echo": True,
+    })
+    assert status == 200, body
+    assert body["choices"][0]["text"] == prompt
+    assert body["usage"]["completion_tokens"] == 0 and body["usage"]["prompt_tokens"] > 5
+
+
+def test_prompt_logprobs_come_back_through_generate(cluster: Cluster) -> None:
+    # smg 1.13.0 renders no logprobs in /v1/completions (and sends logprob_start_len -1
+    # for echo); its native /generate passes logprob_start_len through.
+    status, body = http("POST", f"{cluster.base}/generate", {
+        "model": cluster.model, "text": "Prompt logprobs please",
+        "sampling_params": {"max_new_tokens": 2, "temperature": 0},
+        "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2,
+    })
+    assert status == 200, body
+    meta = (body[0] if isinstance(body, list) else body)["meta_info"]
+    prompt = meta["input_token_logprobs"]
+    assert len(prompt) == meta["prompt_tokens"] > 5
+    assert prompt[0][0] is None  # the first prompt token has no logprob
+    assert all(v <= 0 for v, _ in prompt[1:])
+    assert len(meta["output_token_logprobs"]) == 2
+    status, body = http("POST", f"{cluster.base}/v1/chat/completions", {
+        "model": cluster.model, "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 3, "logprobs": True, "top_logprobs": 2,
+    })
+    assert status == 200, body
+    content = body["choices"][0]["logprobs"]["content"]
+    assert 1 <= len(content) <= 3 and all(len(t["top_logprobs"]) == 2 for t in content)
+
+
 def test_workers_stayed_healthy_without_flapping(cluster: Cluster) -> None:
     assert healthy_workers(cluster) == set(cluster.urls)
     log = cluster.log()

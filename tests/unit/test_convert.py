@@ -49,6 +49,12 @@ def with_(r: pb.GenerateRequest, **fields) -> pb.GenerateRequest:
     return r
 
 
+def ids_logprob(ids: list[int]) -> pb.GenerateRequest:
+    r = with_(req([1]), return_logprob=True)
+    r.token_ids_logprob.extend(ids)
+    return r
+
+
 # (id, request, substring the message must contain). Every one is INVALID_ARGUMENT.
 BAD = [
     ("missing-tokenized", pb.GenerateRequest(), "tokenized.input_ids"),
@@ -60,7 +66,6 @@ BAD = [
     ("prompt-eq-context", req([1] * 8192), "context length 8192"),
     ("max-new-overflow", req([1] * 100, max_new_tokens=8093), "sampling_params.max_new_tokens"),
     ("max-new-huge", req([1], max_new_tokens=2**32 - 1), "sampling_params.max_new_tokens"),
-    ("max-new-zero", req([1], max_new_tokens=0), "sampling_params.max_new_tokens"),
     ("min-new-gt-max", req([1], max_new_tokens=4, min_new_tokens=5),
      "sampling_params.min_new_tokens"),
     ("temperature-neg", req([1], temperature=-0.5), "sampling_params.temperature"),
@@ -105,9 +110,19 @@ BAD = [
     ("top-logprobs-negative", with_(req([1]), top_logprobs_num=-1), "top_logprobs_num"),
     ("request-id-long", with_(req([1]), request_id="r" * (MAX_REQUEST_ID_CHARS + 1)),
      "request_id"),
-    ("n-two", req([1], n=2), "sampling_params.n"),
+    ("n-huge", req([1], n=65), "sampling_params.n must be in [1, 64]"),
+    ("n-max-uint32", req([1], n=2**32 - 1), "sampling_params.n"),
+    ("stream-interval-zero", req([1], stream_interval=0), "sampling_params.stream_interval"),
+    ("stream-interval-negative", req([1], stream_interval=-3),
+     "sampling_params.stream_interval must be in [1"),
+    ("stop-empty", req([1], stop=["ok", ""]), "sampling_params.stop[1] is empty"),
+    ("stop-too-many", req([1], stop=["x"] * 33), "sampling_params.stop has 33"),
+    ("stop-too-long", req([1], stop=["x" * 257]), "sampling_params.stop[0] has 257"),
+    ("token-ids-logprob-out-of-vocab", ids_logprob([5, 261]), "token_ids_logprob has 261"),
+    ("logprob-start-past-prompt", with_(req([1, 2]), return_logprob=True, logprob_start_len=2),
+     "logprob_start_len = 2"),
+    ("logprob-start-negative", with_(req([1, 2]), logprob_start_len=-2), "logprob_start_len"),
     ("regex", req([1], regex="a+"), "sampling_params.regex"),
-    ("stop-strings", req([1], stop=["x"]), "sampling_params.stop"),
     ("lora", with_(req([1]), lora_id="x"), "lora_id"),
 ]
 
@@ -185,3 +200,22 @@ def test_flush_timeout_over_the_cap_is_refused(value: float) -> None:
 def test_flush_timeout_within_the_cap_is_kept() -> None:
     assert flush_timeout_from_proto(MAX_FLUSH_TIMEOUT_S) == MAX_FLUSH_TIMEOUT_S
     assert flush_timeout_from_proto(0.0) == 0.0
+
+
+def test_generation_features_reach_the_rank_message() -> None:
+    r = with_(req([1, 2, 3, 4], n=3, stop=["ab"], no_stop_trim=True, max_new_tokens=0),
+              return_logprob=True, logprob_start_len=2, return_hidden_states=True)
+    r.token_ids_logprob.extend([7, 9])
+    out = generate_from_proto(r, "rid", LIMITS)
+    assert out.n == 3 and out.stop == ["ab"] and out.no_stop_trim
+    assert out.sampling.max_new_tokens == 0
+    assert out.logprob_start_len == 2 and out.token_ids_logprob == [7, 9]
+    assert out.return_hidden_states
+    # without return_logprob no prompt or token-id logprobs; -1 (the gateway's default) none
+    plain = generate_from_proto(with_(req([1, 2]), logprob_start_len=1), "rid", LIMITS)
+    assert plain.logprob_start_len == -1 and plain.n == 1
+    none = generate_from_proto(with_(req([1, 2]), return_logprob=True, logprob_start_len=-1),
+                               "rid", LIMITS)
+    assert none.logprob_start_len == -1
+    zero = generate_from_proto(with_(req([1, 2]), return_logprob=True), "rid", LIMITS)
+    assert zero.logprob_start_len == 0
