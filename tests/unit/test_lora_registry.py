@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from sglang_admin.messages import GenerateReq, SamplingParams
 from sglang_admin.scheduler.kv_pool import TokenAllocator
 from sglang_admin.scheduler.lora_registry import LoraRegistry, LoraUnavailable, cache_key
 from sglang_admin.scheduler.radix_cache import RadixCache
@@ -100,3 +101,33 @@ def test_kv_events_carry_the_adapter_and_plain_tokens() -> None:
     assert [list(b.token_ids) for b in blocks] == [[1, 2, 3, 4], [5, 6, 7, 8]] * 2
     assert [b.lora_id if b.HasField("lora_id") else None for b in blocks] == [5, 5, None, None]
     assert len({b.block_hash for b in blocks}) == 4  # same tokens, different blocks
+
+
+def test_parallel_samples_each_hold_the_adapter_and_share_its_prefix() -> None:
+    sched, runner = make()
+    reg, _ = _registry(slots=1)
+    sched.lora = reg
+    _load(reg, "a")
+    prompt = list(range(50, 80))
+    sched.add_request(GenerateReq("r", prompt, SamplingParams(max_new_tokens=4, ignore_eos=True),
+                                  lora_id="a", n=3))
+    assert reg.find("a").users == 3  # an unload waits for every sample
+    finals: list = []
+    for _ in range(1000):
+        batch = sched.schedule()
+        outs = sched.take_outputs()
+        if batch is not None:
+            outs += sched.postprocess(batch, runner.run(batch))
+        finals += [o for o in outs if o.finish_reason is not None]
+        if batch is None and sched.is_idle:
+            break
+    assert sorted(o.index for o in finals) == [0, 1, 2]
+    # the forks matched sample 0's prompt under the same adapter
+    assert sorted(o.cached_tokens for o in finals) == [0, len(prompt) - 1, len(prompt) - 1]
+    assert reg.find("a").users == 0
+    assert_no_leak(sched)
+    # an adapter that is not loaded refuses the request once, holding nothing
+    sched.add_request(GenerateReq("x", prompt, SamplingParams(max_new_tokens=2), lora_id="zzz",
+                                  n=2))
+    assert [o.error_code for o in sched.take_outputs()] == ["INVALID_ARGUMENT"]
+    assert reg.find("a").users == 0 and sched.is_idle
