@@ -110,10 +110,9 @@ def test_same_prompt_under_two_adapters_shares_no_cache(lora_worker) -> None:
     assert cached[(3, "attn")] == len(prompt) - 1  # while "attn" reuses its own
 
 
+@pytest.mark.parametrize("lora_worker", ["qwen2"], indirect=True)  # once is enough
 def test_load_list_generate_unload_while_in_use(lora_worker) -> None:
     kind, srv, adapters = lora_worker
-    if kind != "qwen2":
-        pytest.skip("the life cycle runs once (on the qwen2 worker)")
     stub = srv.stub()
     _reset(stub)
     resp = _load(stub, "mine", adapters["mlp"], lora_id="id-1")
@@ -161,10 +160,9 @@ def test_load_list_generate_unload_while_in_use(lora_worker) -> None:
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+@pytest.mark.parametrize("lora_worker", ["qwen2"], indirect=True)  # once is enough
 def test_eviction_is_lru_and_spares_pinned(lora_worker) -> None:
     kind, srv, adapters = lora_worker
-    if kind != "qwen2":
-        pytest.skip("eviction runs once (on the qwen2 worker)")
     stub = srv.stub()
     _reset(stub)
     path = adapters["attn"]
@@ -199,10 +197,9 @@ def _broken(src: Path, dst: Path, **config) -> Path:
     return dst
 
 
+@pytest.mark.parametrize("lora_worker", ["llama"], indirect=True)  # once is enough
 def test_load_refuses_what_does_not_fit_the_base_model(lora_worker, tmp_path) -> None:
     kind, srv, adapters = lora_worker
-    if kind != "llama":
-        pytest.skip("runs once (on the llama worker)")
     stub = srv.stub()
     _reset(stub)
     from safetensors.torch import load_file, save_file
@@ -237,10 +234,9 @@ def test_load_refuses_what_does_not_fit_the_base_model(lora_worker, tmp_path) ->
     assert len(tokens) == 3
 
 
+@pytest.mark.parametrize("lora_worker", ["llama"], indirect=True)  # once is enough
 def test_client_and_cli(lora_worker) -> None:
     kind, srv, adapters = lora_worker
-    if kind != "llama":
-        pytest.skip("runs once (on the llama worker)")
     from sglang_admin.client import Client
 
     _reset(srv.stub())
