@@ -54,17 +54,22 @@ def _listed(stub) -> list[str]:
     return [a.lora_id for a in resp.loaded_adapters]
 
 
-def _reset(stub, keep: tuple[str, ...] = ()) -> None:
-    for lora_id in _listed(stub):
+def _reset(stub, adapters: dict[str, Path], keep: tuple[str, ...] = ()) -> None:
+    """Unload every adapter but ``keep``, and load those of ``keep`` that are not loaded."""
+    listed = _listed(stub)
+    for lora_id in listed:
         if lora_id not in keep:
             assert stub.UnloadLoRAAdapter(
                 pb.UnloadLoRAAdapterRequest(lora_id=lora_id), timeout=60).success
+    for name in keep:
+        if name not in listed:
+            assert _load(stub, name, adapters[name]).success
 
 
 def test_mixed_batch_equals_peft_token_for_token(lora_worker) -> None:
     kind, srv, adapters = lora_worker
     stub = srv.stub()
-    _reset(stub, keep=("attn",))
+    _reset(stub, adapters, keep=("attn",))
     assert _load(stub, "mlp", adapters["mlp"]).success
     assert sorted(_listed(stub)) == ["attn", "mlp"]
     # queued while paused, then admitted together: one batch from the first step on
@@ -97,7 +102,7 @@ def test_mixed_batch_equals_peft_token_for_token(lora_worker) -> None:
 def test_same_prompt_under_two_adapters_shares_no_cache(lora_worker) -> None:
     _, srv, adapters = lora_worker
     stub = srv.stub()
-    _reset(stub, keep=("attn",))
+    _reset(stub, adapters, keep=("attn",))
     assert _load(stub, "mlp", adapters["mlp"]).success
     prompt = list(range(200, 260))
     cached = {}
@@ -114,7 +119,7 @@ def test_same_prompt_under_two_adapters_shares_no_cache(lora_worker) -> None:
 def test_load_list_generate_unload_while_in_use(lora_worker) -> None:
     kind, srv, adapters = lora_worker
     stub = srv.stub()
-    _reset(stub)
+    _reset(stub, adapters)
     resp = _load(stub, "mine", adapters["mlp"], lora_id="id-1")
     assert resp.success and list(resp.loaded_lora_ids) == ["id-1"]
     assert [r.success for r in resp.rank_results] == [True]
@@ -164,7 +169,7 @@ def test_load_list_generate_unload_while_in_use(lora_worker) -> None:
 def test_eviction_is_lru_and_spares_pinned(lora_worker) -> None:
     kind, srv, adapters = lora_worker
     stub = srv.stub()
-    _reset(stub)
+    _reset(stub, adapters)
     path = adapters["attn"]
     assert _load(stub, "a", path).success and _load(stub, "b", path).success
     run_generate(stub, greedy([9, 9], 1, lora_id="a"), timeout=60)  # "b" is now the LRU
@@ -186,7 +191,7 @@ def test_eviction_is_lru_and_spares_pinned(lora_worker) -> None:
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "pinned or in-use" in err.value.details()
     assert sorted(_listed(stub)) == ["p", "q"]
-    _reset(stub)
+    _reset(stub, adapters)
 
 
 def _broken(src: Path, dst: Path, **config) -> Path:
@@ -201,7 +206,7 @@ def _broken(src: Path, dst: Path, **config) -> Path:
 def test_load_refuses_what_does_not_fit_the_base_model(lora_worker, tmp_path) -> None:
     kind, srv, adapters = lora_worker
     stub = srv.stub()
-    _reset(stub)
+    _reset(stub, adapters)
     from safetensors.torch import load_file, save_file
 
     shape = tmp_path / "shape"
@@ -239,7 +244,7 @@ def test_client_and_cli(lora_worker) -> None:
     kind, srv, adapters = lora_worker
     from sglang_admin.client import Client
 
-    _reset(srv.stub())
+    _reset(srv.stub(), adapters)
     with Client(srv.target) as client:
         resp = client.load_lora_adapter("m", str(adapters["mlp"]), lora_id="m-1", pinned=True)
         assert resp.success and list(resp.loaded_lora_ids) == ["m-1"]
