@@ -1,0 +1,30 @@
+"""A rank's weight-update groups (joined from a trainer) and the one thread that blocks
+on them; the handlers are in scheduler/weight_sync.py."""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+from sglang_admin.model.dist_group import WeightGroup
+
+logger = logging.getLogger(__name__)
+
+
+class WeightSync:
+    """This rank's weight-update groups and the thread that blocks on them."""
+
+    def __init__(self) -> None:
+        self.groups: dict[str, WeightGroup] = {}
+        self.joining: set[str] = set()
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-sync")
+
+    def close(self) -> None:
+        """Leave every group (at shutdown)."""
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        for group in list(self.groups.values()):
+            try:
+                group.destroy()
+            except Exception as exc:  # noqa: BLE001 - shutting down: log and go on
+                logger.warning("destroying weight group %s: %s", group.name, exc)
+        self.groups.clear()
