@@ -15,6 +15,8 @@ so a trainer that dies or stalls part-way fails the receive instead of hanging i
 from __future__ import annotations
 
 import datetime
+import socket
+import time
 from dataclasses import dataclass
 
 import torch
@@ -81,6 +83,22 @@ def _missing_ranks(store: dist.Store, world_size: int, me: int) -> list[int]:
     return missing
 
 
+def _listening(host: str, port: int, until: float) -> bool:
+    """Whether something accepts connections at host:port before ``until`` (monotonic).
+
+    Checked before the TCPStore client is built: its own connect retries overrun the
+    timeout it is given, and log a stack trace per attempt."""
+    while True:
+        left = until - time.monotonic()
+        if left <= 0:
+            return False
+        try:
+            with socket.create_connection((host, port), timeout=min(left, 1.0)):
+                return True
+        except OSError:
+            time.sleep(min(0.1, max(until - time.monotonic(), 0)))
+
+
 def join_group(
     master_address: str,
     master_port: int,
@@ -96,7 +114,13 @@ def join_group(
     :class:`GroupJoinError` naming the ranks that did not join.
     """
     init_method = f"tcp://{master_address}:{master_port}"
-    timeout = datetime.timedelta(seconds=max(timeout_s, 0.5))
+    until = time.monotonic() + timeout_s
+    if rank != 0 and not _listening(master_address, master_port, until):
+        raise GroupJoinError(
+            f"rank {rank}: nothing listens at {init_method} after {timeout_s:.0f}s: rank 0 "
+            "(the trainer, which hosts the TCPStore there) did not join; did it start, is "
+            "the address or port wrong?")
+    timeout = datetime.timedelta(seconds=max(until - time.monotonic(), 0.5))
     try:
         store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
     except (RuntimeError, TimeoutError, ValueError) as exc:
@@ -105,6 +129,7 @@ def join_group(
             f"(rank 0, the trainer, hosts the TCPStore there; did it start, is the port "
             f"right, does world_size {world_size} add up?): {_first_line(exc)}"
         ) from None
+    timeout = datetime.timedelta(seconds=max(until - time.monotonic(), 0.5))
     store.set_timeout(timeout)
     prefixed = PrefixStore(group_name, store)
     try:

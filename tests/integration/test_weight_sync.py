@@ -279,7 +279,8 @@ def test_init_fails_by_its_deadline_naming_who_did_not_join(worker: ServerProc) 
     # Nobody listens on the port: every rank gives up before the call's deadline.
     resp = stub.InitWeightsUpdateGroup(init_req(group_name="lonely"), timeout=8)
     assert not resp.success
-    assert "no rendezvous at tcp://127.0.0.1:" in resp.message
+    assert "nothing listens at tcp://127.0.0.1:" in resp.message
+    assert "rank 0 (the trainer" in resp.message
     assert {r.dp_rank for r in resp.rank_results if not r.success} == {0, 1}
     # A trainer that hosts the store, but a world_size that does not add up (4 with a dp 2
     # worker): the ranks name the one that never came (3) as well as the stuck trainer.
