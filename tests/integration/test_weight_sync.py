@@ -24,7 +24,7 @@ import pytest
 from sglang_admin.pb import common_pb2 as pb
 from sglang_admin.pb import common_pb2_grpc as pb_grpc
 from tests.conftest import ROOT, ServerProc, free_port, greedy, run_generate, start_server
-from tests.integration.test_refit import VOCAB, build_qwen2, hf_greedy
+from tests.integration.test_refit import build_qwen2, hf_greedy
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -66,11 +66,12 @@ class Trainer:
     def __init__(self, mode: str, worker: ServerProc, ckpt: Path, out: Path) -> None:
         self.out = out
         self.log = out / f"trainer-{mode}.log"
-        self.proc = subprocess.Popen(
-            [*TRAINER, mode, worker.target, str(ckpt), str(out), str(free_port())],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(self.log, "w"),
-            text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-        )
+        with open(self.log, "w") as log:  # the child keeps its own descriptor
+            self.proc = subprocess.Popen(
+                [*TRAINER, mode, worker.target, str(ckpt), str(out), str(free_port())],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+            )
 
     def expect(self, line: str) -> None:
         assert self.proc.stdout is not None
@@ -158,8 +159,9 @@ def test_trainer_killed_mid_broadcast(worker: ServerProc, ckpt: Path, tmp_path: 
     health = stub.HealthCheck(pb.HealthCheckRequest(), timeout=30)
     assert health.healthy, health.message  # every rank answers: none hangs
     # The broken group can be destroyed; a reload from disk restores serving.
-    assert stub.DestroyWeightsUpdateGroup(
-        pb.DestroyWeightsUpdateGroupRequest(group_name="die-group"), timeout=60).success
+    done = cli("destroy-group", "--group-name", "die-group", "--target", worker.target)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "group 'die-group' destroyed" in done.stdout
     resp = stub.UpdateWeightsFromDisk(
         pb.UpdateWeightsFromDiskRequest(model_path=str(ckpt), weight_version="restored"),
         timeout=300)
@@ -169,6 +171,11 @@ def test_trainer_killed_mid_broadcast(worker: ServerProc, ckpt: Path, tmp_path: 
 
 
 # ---------------------------------------------------------------- bad input
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "sglang_admin", *args], capture_output=True,
+                          text=True, timeout=90, cwd=ROOT)
 
 
 def code_and_details(call) -> tuple[grpc.StatusCode, str]:
@@ -232,7 +239,10 @@ def test_destroy_unknown_group(worker: ServerProc) -> None:
     got, details = code_and_details(lambda: worker.stub().DestroyWeightsUpdateGroup(
         pb.DestroyWeightsUpdateGroupRequest(group_name="never"), timeout=30))
     assert got == grpc.StatusCode.NOT_FOUND
-    assert "'never'" in details
+    assert "no weight update group named 'never'" in details
+    done = cli("destroy-group", "--group-name", "never", "--target", worker.target)
+    assert done.returncode != 0
+    assert "NOT_FOUND" in done.stdout + done.stderr
 
 
 @pytest.fixture
