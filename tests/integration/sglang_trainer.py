@@ -7,7 +7,7 @@ Modes (argv[1]):
           more, and push again through our WeightPusher into a new group; then, on "next",
           train more and push through shared memory.
   die     join with SGLang's helper, start an update of every parameter, broadcast half of
-          them, then SIGKILL itself.
+          them, print "half", then SIGKILL itself on "next".
 
 After each push it saves the trained model to OUT/<phase> (the test compares the worker with
 transformers on it) and prints "pushed <phase>".
@@ -129,6 +129,8 @@ def sglang_push(stub, model, pg, group: str, version: str, kill_after: int | Non
     t.start()
     for k, (_, p) in enumerate(params):
         if kill_after is not None and k == kill_after:
+            print("half", flush=True)  # the worker is mid-receive until we hear "next"
+            sys.stdin.readline()
             print("dying", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         dist.broadcast(p.data, src=0, group=pg)

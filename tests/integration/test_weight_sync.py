@@ -136,7 +136,25 @@ def test_trainer_pushes_through_sglang_helper_our_helper_and_shared_memory(
 def test_trainer_killed_mid_broadcast(worker: ServerProc, ckpt: Path, tmp_path: Path) -> None:
     stub = worker.stub()
     trainer = Trainer("die", worker, ckpt, tmp_path)
+    late: dict[str, grpc.RpcError] = {}
+
+    def generate_during_receive() -> None:
+        try:
+            run_generate(stub, greedy(PROMPTS[1], 2), timeout=120)
+        except grpc.RpcError as exc:
+            late["error"] = exc
+
+    waiter = threading.Thread(target=generate_during_receive, daemon=True)
     try:
+        trainer.expect("half")
+        # Mid-broadcast the ranks block on a worker thread, not in their loops: health and
+        # state still answer, and a new request waits behind the update.
+        health = stub.HealthCheck(pb.HealthCheckRequest(), timeout=30)
+        assert health.healthy, health.message
+        states = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=30).rank_states
+        assert len(states) == 2
+        waiter.start()
+        trainer.next()
         trainer.expect("dying")
         assert trainer.proc.wait(60) == -9
     finally:
@@ -156,6 +174,8 @@ def test_trainer_killed_mid_broadcast(worker: ServerProc, ckpt: Path, tmp_path: 
     assert refused.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "partially updated" in refused.details() or "not valid" in refused.details()
     assert "UpdateWeightsFromDisk" in refused.details()
+    waiter.join(120)
+    assert late["error"].code() == grpc.StatusCode.FAILED_PRECONDITION  # never served
     health = stub.HealthCheck(pb.HealthCheckRequest(), timeout=30)
     assert health.healthy, health.message  # every rank answers: none hangs
     # The broken group can be destroyed; a reload from disk restores serving.
