@@ -9,6 +9,7 @@ worker's greedy outputs must equal transformers' on that saved model token for t
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -24,6 +25,7 @@ import pytest
 from sglang_admin.pb import common_pb2 as pb
 from sglang_admin.pb import common_pb2_grpc as pb_grpc
 from tests.conftest import ROOT, ServerProc, free_port, greedy, run_generate, start_server
+from tests.integration.test_grpcurl import GRPCURL, parse_json_stream
 from tests.integration.test_refit import build_qwen2, hf_greedy
 
 torch = pytest.importorskip("torch")
@@ -339,3 +341,41 @@ def test_init_fails_by_its_deadline_naming_who_did_not_join(worker: ServerProc) 
             pb.DestroyWeightsUpdateGroupRequest(group_name=n), timeout=30))
         assert got == grpc.StatusCode.NOT_FOUND
     assert len(run_generate(stub, greedy([5, 6, 7], 3), timeout=60)[0]) == 3
+
+
+# ---------------------------------------------------------------- grpcurl (runs last: it
+# pushes a parameter, the same values it reads)
+
+
+@pytest.mark.skipif(GRPCURL is None, reason="grpcurl binary not found")
+def test_grpcurl_update_weights_from_tensor_and_destroy(worker: ServerProc) -> None:
+    stub = worker.stub()
+    norm = stub.GetWeightsByName(pb.GetWeightsByNameRequest(name=NORM, truncate_size=64),
+                                 timeout=30)
+    values = torch.tensor(list(norm.values), dtype=torch.float32)
+    shm = shared_memory.SharedMemory(create=True, size=values.numel() * 4)
+    try:
+        torch.frombuffer(shm.buf, dtype=torch.float32).copy_(values)
+        manifest = {"shm_name": shm.name, "weight_version": "grpcurl",
+                    "tensors": [{"name": NORM, "dtype": "float32", "shape": [64], "offset": 0}]}
+        done = grpcurl(worker, "UpdateWeightsFromTensor", manifest)
+        assert done.returncode == 0, done.stderr
+        (msg,) = parse_json_stream(done.stdout)
+        assert msg.get("success"), msg
+        assert msg.get("weightVersion", msg.get("weight_version")) == "grpcurl", msg
+    finally:
+        shm.close()
+        shm.unlink()
+    after = stub.GetWeightsByName(pb.GetWeightsByNameRequest(name=NORM, truncate_size=64),
+                                  timeout=30)
+    assert list(after.values) == list(norm.values)
+    done = grpcurl(worker, "DestroyWeightsUpdateGroup", {"group_name": "never"})
+    assert done.returncode != 0
+    assert "NotFound" in done.stderr and "'never'" in done.stderr
+
+
+def grpcurl(srv: ServerProc, method: str, data: object) -> subprocess.CompletedProcess[str]:
+    assert GRPCURL is not None
+    cmd = [GRPCURL, "-plaintext", "-max-time", "60", "-d", json.dumps(data), srv.target,
+           f"sglang.grpc.scheduler.SglangScheduler/{method}"]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=90)
