@@ -9,8 +9,10 @@
 
 :meth:`WeightPusher.join` hosts the process group (rank 0) and has every worker's ranks
 join it (rank offsets follow each worker's dp size); :meth:`WeightPusher.push` cuts the
-parameters into buckets of one dtype and broadcasts each bucket as one flattened tensor,
-with one UpdateWeightsFromDistributed per worker per bucket (not one per tensor);
+parameters into buckets of one dtype, with one UpdateWeightsFromDistributed per worker per
+bucket (not one per tensor), and broadcasts each tensor of the bucket straight into the
+workers' parameters (or, with ``flatten``, the bucket as one flattened tensor: fewer
+collectives for thousands of tiny tensors, one more copy on each side);
 :meth:`WeightPusher.push_shared` hands them over through shared memory instead, to workers
 on this host (no process group needed). The version and the cache flush go with the last
 bucket. torch is imported only when these methods run.
@@ -49,11 +51,13 @@ class WeightPusher:
         api_key: str | None = None,
         timeout_s: float = 600.0,
         bucket_bytes: int = 256 << 20,
+        flatten: bool = False,
     ) -> None:
         self.targets = list(targets)
         self.api_key = api_key
         self.timeout_s = timeout_s
         self.bucket_bytes = bucket_bytes
+        self.flatten = flatten
         self.group: WeightGroup | None = None
         self.group_name = ""
 
@@ -148,16 +152,17 @@ class WeightPusher:
                                           flush_cache and last))
 
     async def _push_bucket(self, bucket: Bucket, version: str, flush: bool) -> None:
-        from sglang_admin.model.weight_push import broadcast_bucket
+        from sglang_admin.model.weight_push import broadcast_bucket, broadcast_each
 
         group = self.group
         assert group is not None
         calls = asyncio.ensure_future(self._each(
             lambda c: c.update_weights_from_distributed(
                 bucket.names, bucket.dtype_names, bucket.shapes, self.group_name,
-                flush_cache=flush, weight_version=version, load_format=FLATTENED_BUCKET)))
-        sent = asyncio.ensure_future(
-            asyncio.to_thread(broadcast_bucket, group, bucket, self.timeout_s))
+                flush_cache=flush, weight_version=version,
+                load_format=FLATTENED_BUCKET if self.flatten else "")))
+        send = broadcast_bucket if self.flatten else broadcast_each
+        sent = asyncio.ensure_future(asyncio.to_thread(send, group, bucket, self.timeout_s))
         done, _ = await asyncio.wait({calls, sent}, return_when=asyncio.FIRST_EXCEPTION)
         if calls in done and calls.exception() is not None:
             raise WeightPushError(f"a worker refused the update: {calls.exception()}")

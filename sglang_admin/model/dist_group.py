@@ -47,9 +47,19 @@ class WeightGroup:
     backend: str
     init_method: str
     store: dist.Store  # kept alive with the group (the TCPStore connection)
+    _scratch: torch.Tensor | None = None
+
+    def scratch(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A 1-D receive buffer of ``numel`` elements, kept between pushes (a fresh one
+        would cost a page fault per 4 KiB on every bucket)."""
+        buf = self._scratch
+        if buf is None or buf.dtype != dtype or buf.numel() < numel:
+            self._scratch = buf = torch.empty(numel, dtype=dtype)
+        return buf[:numel]
 
     def destroy(self) -> None:
         """Leave the group and free its connections."""
+        self._scratch = None
         _world.pg_group_ranks.pop(self.pg, None)
         try:
             dist.destroy_process_group(self.pg)

@@ -111,7 +111,7 @@ def receive_weights(
         if load_format == FLATTENED_BUCKET:
             if not specs:
                 return 0
-            flat = torch.empty(sum(s.numel for s in specs), dtype=specs[0].dtype)
+            flat = group.scratch(sum(s.numel for s in specs), specs[0].dtype)
             broadcast_from_trainer(group, flat, timeout_s)
             start = 0
             for spec in specs:

@@ -163,13 +163,15 @@ def main() -> None:
     assert resp.success, resp.message
     dist.destroy_process_group(pg)
     train(model, 2, seed=2)
-    pusher = WeightPusher([target], timeout_s=120, bucket_bytes=64 << 10)
+    pusher = WeightPusher([target], timeout_s=120, bucket_bytes=64 << 10, flatten=True)
     pusher.join("127.0.0.1", port + 1, group_name="helper-group")
     pusher.push(model.named_parameters(), weight_version="helper-2")
     save(model, out, "helper")
     sys.stdin.readline()
 
     train(model, 2, seed=3)
+    pusher.flatten = False  # (the default: one broadcast per tensor, one call per bucket)
+    pusher.push(model.named_parameters(), weight_version="helper-2b")
     pusher.push_shared(model.named_parameters(), weight_version="shm-3")
     save(model, out, "shm")
     pusher.destroy()
