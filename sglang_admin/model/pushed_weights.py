@@ -14,6 +14,7 @@ from __future__ import annotations
 import mmap
 import os
 import re
+import time
 import warnings
 from dataclasses import dataclass
 
@@ -99,20 +100,28 @@ def check_manifest(
     return specs
 
 
+def _left(until: float) -> float:
+    left = until - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the call's deadline passed before every tensor arrived")
+    return left
+
+
 def receive_weights(
     group: WeightGroup, specs: list[TensorSpec], load_format: str, timeout_s: float
 ) -> int:
     """Receive every tensor from the group's rank 0, in manifest order, and load it; the
     bytes received. A tensor whose dtype and layout are the parameter's lands in it
-    directly; others are received aside, then cast in. Raises on a failed broadcast (the
-    weights are then partially updated)."""
+    directly; others are received aside, then cast in. All of it within ``timeout_s``.
+    Raises on a failed or late broadcast (the weights are then partially updated)."""
+    until = time.monotonic() + timeout_s
     total = 0
     with torch.no_grad():
         if load_format == FLATTENED_BUCKET:
             if not specs:
                 return 0
             flat = group.scratch(sum(s.numel for s in specs), specs[0].dtype)
-            broadcast_from_trainer(group, flat, timeout_s)
+            broadcast_from_trainer(group, flat, _left(until))
             start = 0
             for spec in specs:
                 part = flat[start:start + spec.numel].view(spec.shape)
@@ -126,7 +135,7 @@ def receive_weights(
                       and target.is_contiguous() and target.device.type == "cpu")
             buf = target if direct else torch.empty(spec.shape, dtype=spec.dtype)
             assert buf is not None
-            broadcast_from_trainer(group, buf, timeout_s)
+            broadcast_from_trainer(group, buf, _left(until))
             if not direct and target is not None:
                 target.copy_(buf)
             total += spec.nbytes

@@ -20,11 +20,12 @@ class WeightSync:
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-sync")
 
     def close(self) -> None:
-        """Leave every group (at shutdown)."""
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        """Leave every group (at shutdown); a receive still blocked on one then fails
+        instead of holding the process's exit."""
         for group in list(self.groups.values()):
             try:
                 group.destroy()
             except Exception as exc:  # noqa: BLE001 - shutting down: log and go on
                 logger.warning("destroying weight group %s: %s", group.name, exc)
         self.groups.clear()
+        self.pool.shutdown(wait=False, cancel_futures=True)
