@@ -49,12 +49,14 @@ class WeightGroup:
     store: dist.Store  # kept alive with the group (the TCPStore connection)
     _scratch: torch.Tensor | None = None
 
-    def scratch(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def scratch(self, numel: int, dtype: torch.dtype,
+                device: torch.device | None = None) -> torch.Tensor:
         """A 1-D receive buffer of ``numel`` elements, kept between pushes (a fresh one
         would cost a page fault per 4 KiB on every bucket)."""
         buf = self._scratch
-        if buf is None or buf.dtype != dtype or buf.numel() < numel:
-            self._scratch = buf = torch.empty(numel, dtype=dtype)
+        want = torch.device(device or "cpu")
+        if buf is None or buf.dtype != dtype or buf.numel() < numel or buf.device != want:
+            self._scratch = buf = torch.empty(numel, dtype=dtype, device=want)
         return buf[:numel]
 
     def destroy(self) -> None:

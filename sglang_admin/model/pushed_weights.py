@@ -108,11 +108,13 @@ def _left(until: float) -> float:
 
 
 def receive_weights(
-    group: WeightGroup, specs: list[TensorSpec], load_format: str, timeout_s: float
+    group: WeightGroup, specs: list[TensorSpec], load_format: str, timeout_s: float,
+    device: torch.device | None = None,
 ) -> int:
     """Receive every tensor from the group's rank 0, in manifest order, and load it; the
     bytes received. A tensor whose dtype and layout are the parameter's lands in it
-    directly; others are received aside, then cast in. All of it within ``timeout_s``.
+    directly; others are received aside (on ``device``, the model's: nccl moves CUDA
+    tensors), then cast in. All of it within ``timeout_s``.
     Raises on a failed or late broadcast (the weights are then partially updated)."""
     until = time.monotonic() + timeout_s
     total = 0
@@ -120,7 +122,7 @@ def receive_weights(
         if load_format == FLATTENED_BUCKET:
             if not specs:
                 return 0
-            flat = group.scratch(sum(s.numel for s in specs), specs[0].dtype)
+            flat = group.scratch(sum(s.numel for s in specs), specs[0].dtype, device)
             broadcast_from_trainer(group, flat, _left(until))
             start = 0
             for spec in specs:
@@ -132,8 +134,9 @@ def receive_weights(
         for spec in specs:
             target = spec.target
             direct = (target is not None and target.dtype == spec.dtype
-                      and target.is_contiguous() and target.device.type == "cpu")
-            buf = target if direct else torch.empty(spec.shape, dtype=spec.dtype)
+                      and target.is_contiguous())
+            buf = target if direct else torch.empty(spec.shape, dtype=spec.dtype,
+                                                    device=device)
             assert buf is not None
             broadcast_from_trainer(group, buf, _left(until))
             if not direct and target is not None:

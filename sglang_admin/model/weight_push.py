@@ -66,16 +66,21 @@ def join_as_trainer(master_address: str, master_port: int, world_size: int,
                       timeout_s)
 
 
+def _device(group: WeightGroup) -> str:
+    """Where the group's collectives take their tensors: gloo on CPU, nccl on CUDA."""
+    return "cuda" if group.backend == "nccl" else "cpu"
+
+
 def broadcast_bucket(group: WeightGroup, bucket: Bucket, timeout_s: float) -> None:
     """Send the bucket as one flattened tensor (what "flattened_bucket" receives)."""
-    flat = torch.cat([t.to("cpu").reshape(-1) for t in bucket.tensors])
+    flat = torch.cat([t.to(_device(group)).reshape(-1) for t in bucket.tensors])
     broadcast_from_trainer(group, flat, timeout_s)
 
 
 def broadcast_each(group: WeightGroup, bucket: Bucket, timeout_s: float) -> None:
     """Send the bucket's tensors one broadcast each, in order (SGLang's plain format)."""
     for t in bucket.tensors:
-        broadcast_from_trainer(group, t.to("cpu").contiguous(), timeout_s)
+        broadcast_from_trainer(group, t.to(_device(group)).contiguous(), timeout_s)
 
 
 def write_shared(bucket: Bucket) -> tuple[shared_memory.SharedMemory, list[int]]:

@@ -228,7 +228,8 @@ def on_update_from_distributed(rank: Rank, msg: UpdateWeightsFromDistributedReq)
         def receive() -> _Outcome:
             t0 = time.perf_counter()
             try:
-                nbytes = receive_weights(group, specs, msg.load_format, _budget_s(msg.deadline))
+                nbytes = receive_weights(group, specs, msg.load_format,
+                                         _budget_s(msg.deadline), rank.runner.device)
             except Exception as exc:  # noqa: BLE001 - gloo's errors are RuntimeErrors
                 return _Outcome(False, f"receiving from group {msg.group_name!r} failed: "
                                 f"{str(exc).strip().splitlines()[0] if str(exc) else exc!r}")
