@@ -146,3 +146,15 @@ def test_gloo_broadcast_per_tensor_and_flattened(hf_pair) -> None:
 def test_join_names_a_trainer_that_is_not_there() -> None:
     with pytest.raises(GroupJoinError, match="nothing listens at tcp://127.0.0.1:"):
         join_group("127.0.0.1", free_port(), 1, 2, "alone", "gloo", 1)
+
+
+def test_the_client_package_needs_torch_only_when_the_trainer_helper_runs() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys\nimport sglang_admin.client, sglang_admin.client.trainer\n"
+            "print('torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[2], timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"
