@@ -17,7 +17,15 @@ class WeightSync:
     def __init__(self) -> None:
         self.groups: dict[str, WeightGroup] = {}
         self.joining: set[str] = set()
+        self.receiving: str | None = None  # the group a receive is writing the weights from
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-sync")
+
+    def busy(self) -> str | None:
+        """Why another weight op must not run now (a receive writes the parameters)."""
+        if self.receiving is None:
+            return None
+        return (f"weights are being received from group {self.receiving!r} "
+                "(UpdateWeightsFromDistributed in progress); retry when it ends")
 
     def close(self) -> None:
         """Leave every group (at shutdown); a receive still blocked on one then fails

@@ -222,6 +222,7 @@ def on_update_from_distributed(rank: Rank, msg: UpdateWeightsFromDistributedReq)
         return
 
     def start(aborted: int) -> None:
+        rank.weight_sync.receiving = msg.group_name
         rank.quiesce.hold(RECEIVING)
         rank.publish_state(force=True)
 
@@ -236,6 +237,7 @@ def on_update_from_distributed(rank: Rank, msg: UpdateWeightsFromDistributedReq)
             return _Outcome(True, nbytes=nbytes, seconds=time.perf_counter() - t0)
 
         def finish(outcome: Any) -> tuple[bool, str, Any]:
+            rank.weight_sync.receiving = None
             rank.quiesce.lift(RECEIVING)
             rank.publish_state(force=True)
             if not isinstance(outcome, _Outcome):
@@ -251,6 +253,10 @@ def on_update_from_distributed(rank: Rank, msg: UpdateWeightsFromDistributedReq)
 
 
 def on_update_from_tensor(rank: Rank, msg: UpdateWeightsFromTensorReq) -> None:
+    busy = rank.weight_sync.busy()
+    if busy is not None:
+        rank.reply(msg, False, busy)
+        return
     specs = _checked(rank, msg, msg.names, msg.dtypes, msg.shapes)
     if specs is None:
         return

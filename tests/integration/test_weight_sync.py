@@ -155,6 +155,14 @@ def test_trainer_killed_mid_broadcast(worker: ServerProc, ckpt: Path, tmp_path: 
         assert health.healthy, health.message
         states = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=30).rank_states
         assert len(states) == 2
+        # Nothing else writes (or frees) the parameters while the broadcast does.
+        busy = "weights are being received from group 'die-group'"
+        disk = stub.UpdateWeightsFromDisk(
+            pb.UpdateWeightsFromDiskRequest(model_path=str(ckpt)), timeout=60)
+        assert not disk.success and busy in disk.message
+        freed = stub.ReleaseMemoryOccupation(
+            pb.ReleaseMemoryOccupationRequest(tags=["weights"]), timeout=60)
+        assert not freed.success and busy in freed.message
         waiter.start()
         trainer.next()
         trainer.expect("dying")
