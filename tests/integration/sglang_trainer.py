@@ -20,6 +20,7 @@ import signal
 import sys
 import threading
 from datetime import timedelta
+from typing import Any
 
 import grpc
 import torch
@@ -34,8 +35,10 @@ from sglang_admin.pb import common_pb2_grpc as pb_grpc
 
 # ---- SGLang's helper (python/sglang/srt/utils: init_custom_process_group), as copied into
 # trainers: a TCPStore rendezvous, a PrefixStore named by the group, a new group.
-def init_custom_process_group(backend=None, init_method=None, timeout=None, world_size=-1,
-                              rank=-1, store=None, group_name=None, pg_options=None):
+def init_custom_process_group(backend: str | None = None, init_method: str | None = None,
+                              timeout: timedelta | None = None, world_size: int = -1,
+                              rank: int = -1, store: Any = None, group_name: str | None = None,
+                              pg_options: Any = None) -> Any:
     from torch.distributed.distributed_c10d import (
         Backend,
         PrefixStore,
@@ -70,7 +73,7 @@ def init_custom_process_group(backend=None, init_method=None, timeout=None, worl
     return pg
 
 
-def train(model, steps: int, seed: int) -> None:
+def train(model: Any, steps: int, seed: int) -> None:
     """A few AdamW steps of language modelling on random tokens."""
     torch.manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=2e-2)
@@ -84,12 +87,12 @@ def train(model, steps: int, seed: int) -> None:
     model.eval()
 
 
-def save(model, out: str, phase: str) -> None:
+def save(model: Any, out: str, phase: str) -> None:
     model.save_pretrained(os.path.join(out, phase), safe_serialization=True)
     print(f"pushed {phase}", flush=True)
 
 
-def sglang_join(stub, port: int, world: int, group: str):
+def sglang_join(stub: pb_grpc.SglangSchedulerStub, port: int, world: int, group: str) -> Any:
     """What a framework's rollout manager does: the HTTP/RPC call in a thread, its own join."""
     answer: dict = {}
 
@@ -108,7 +111,8 @@ def sglang_join(stub, port: int, world: int, group: str):
     return pg
 
 
-def sglang_push(stub, model, pg, group: str, version: str, kill_after: int | None = None):
+def sglang_push(stub: pb_grpc.SglangSchedulerStub, model: Any, pg: Any, group: str,
+                version: str, kill_after: int | None = None) -> None:
     """update_weights_from_distributed as the frameworks call it: every name at once, then
     one broadcast per tensor in that order."""
     params = list(model.named_parameters())

@@ -14,7 +14,7 @@ import os
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from multiprocessing import shared_memory
 from pathlib import Path
@@ -208,7 +208,7 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=90, cwd=ROOT)
 
 
-def code_and_details(call) -> tuple[grpc.StatusCode, str]:
+def code_and_details(call: Callable[[], object]) -> tuple[grpc.StatusCode, str]:
     try:
         call()
     except grpc.RpcError as exc:
@@ -216,14 +216,15 @@ def code_and_details(call) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.OK, ""
 
 
-def init_req(**kw) -> pb.InitWeightsUpdateGroupRequest:
+def init_req(**kw: object) -> pb.InitWeightsUpdateGroupRequest:
     fields = dict(master_address="127.0.0.1", master_port=free_port(), rank_offset=1,
                   world_size=3, group_name="bad", backend="gloo")
     fields.update(kw)
     return pb.InitWeightsUpdateGroupRequest(**fields)
 
 
-def dist_req(names, dtypes, shapes, group: str = "nope") -> pb.UpdateWeightsFromDistributedRequest:
+def dist_req(names: list[str], dtypes: list[str], shapes: list[list[int]],
+             group: str = "nope") -> pb.UpdateWeightsFromDistributedRequest:
     return pb.UpdateWeightsFromDistributedRequest(
         names=names, dtypes=dtypes, shapes=[pb.TensorShape(dims=s) for s in shapes],
         group_name=group)
@@ -240,7 +241,8 @@ NORM = "model.norm.weight"  # hidden 64
     (init_req(backend="nccl"), "INVALID_ARGUMENT", "does not match this worker's device cpu"),
     (init_req(backend="mpi"), "INVALID_ARGUMENT", "backend 'mpi'"),
 ])
-def test_bad_init(worker: ServerProc, request_, code: str, words: str) -> None:
+def test_bad_init(worker: ServerProc, request_: pb.InitWeightsUpdateGroupRequest, code: str,
+                  words: str) -> None:
     got, details = code_and_details(
         lambda: worker.stub().InitWeightsUpdateGroup(request_, timeout=30))
     assert got == getattr(grpc.StatusCode, code), details
@@ -258,7 +260,9 @@ def test_bad_init(worker: ServerProc, request_, code: str, words: str) -> None:
     (dist_req([NORM], ["float32"], [[64]], group="nope"), "NOT_FOUND",
      "no weight update group named 'nope'"),
 ])
-def test_bad_update_from_distributed(worker: ServerProc, request_, code: str, words: str) -> None:
+def test_bad_update_from_distributed(
+    worker: ServerProc, request_: pb.UpdateWeightsFromDistributedRequest, code: str, words: str
+) -> None:
     got, details = code_and_details(
         lambda: worker.stub().UpdateWeightsFromDistributed(request_, timeout=30))
     assert got == getattr(grpc.StatusCode, code), details
@@ -286,7 +290,7 @@ def segment() -> Iterator[shared_memory.SharedMemory]:
 def test_bad_update_from_tensor(worker: ServerProc, segment: shared_memory.SharedMemory) -> None:
     stub = worker.stub()
 
-    def call(shm_name: str, *tensors: pb.SharedTensor):
+    def call(shm_name: str, *tensors: pb.SharedTensor) -> Callable[[], object]:
         return lambda: stub.UpdateWeightsFromTensor(
             pb.UpdateWeightsFromTensorRequest(shm_name=shm_name, tensors=tensors), timeout=30)
 

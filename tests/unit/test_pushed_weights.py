@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -54,7 +55,7 @@ def _runner(path: str) -> ModelRunner:
                        max_running_requests=4)
 
 
-def test_manifest_checks_name_the_first_problem(hf_pair) -> None:
+def test_manifest_checks_name_the_first_problem(hf_pair: tuple[str, object]) -> None:
     model = _runner(hf_pair[0]).model
     norm = "model.norm.weight"
     cases = [
@@ -77,7 +78,8 @@ def test_manifest_checks_name_the_first_problem(hf_pair) -> None:
     assert specs[0].target is None and specs[1].target is not None
 
 
-def test_shared_memory_round_trip_loads_every_parameter(hf_pair, tmp_path: Path) -> None:
+def test_shared_memory_round_trip_loads_every_parameter(hf_pair: tuple[str, Any],
+                                                        tmp_path: Path) -> None:
     served, other = hf_pair
     runner = _runner(served)
     target = _runner(str(Path(served).parent / "b"))
@@ -118,7 +120,7 @@ def _receiver(port: int, served: str, out: mp.Queue) -> None:
     group.destroy()
 
 
-def test_gloo_broadcast_per_tensor_and_flattened(hf_pair) -> None:
+def test_gloo_broadcast_per_tensor_and_flattened(hf_pair: tuple[str, Any]) -> None:
     served, other = hf_pair
     expected = _runner(str(Path(served).parent / "b"))
     port = free_port()
