@@ -224,6 +224,67 @@ class ResumeMemoryReq:
 
 
 @dataclass(slots=True)
+class InitWeightsGroupReq:
+    """InitWeightsUpdateGroup: join a trainer's process group as rank_offset + dp rank."""
+
+    rid: str
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str
+    backend: str = "gloo"
+    deadline: float | None = None
+    trace: TraceCarrier = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class UpdateWeightsFromDistributedReq:
+    """Receive each named tensor by broadcast from the group's rank 0, load it.
+
+    ``load_format`` "flattened_bucket": one broadcast of every tensor concatenated (one
+    dtype), instead of one per tensor."""
+
+    rid: str
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str = ""
+    load_format: str = ""
+    deadline: float | None = None
+    trace: TraceCarrier = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class DestroyWeightsGroupReq:
+    rid: str
+    group_name: str
+    deadline: float | None = None
+    trace: TraceCarrier = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class UpdateWeightsFromTensorReq:
+    """Load tensors a trainer on this host put in shared memory (/dev/shm/<shm_name>);
+    tensor i is names[i], dtypes[i], shapes[i] at byte offsets[i]."""
+
+    rid: str
+    shm_name: str
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    offsets: list[int]
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str = ""
+    deadline: float | None = None
+    trace: TraceCarrier = field(default_factory=dict)
+
+
+@dataclass(slots=True)
 class ShutdownReq:
     rid: str = ""
 
@@ -407,6 +468,15 @@ class MemoryResult:
 
 
 @dataclass(slots=True)
+class RejectedResult:
+    """A rank refused a request before doing anything: ``code`` is the gRPC status the
+    server answers with (INVALID_ARGUMENT, ALREADY_EXISTS, NOT_FOUND, ...)."""
+
+    code: str
+    reason: str
+
+
+@dataclass(slots=True)
 class StateUpdate:
     """Published by a rank after steps that changed its state (drives GetLoads)."""
 
@@ -526,6 +596,12 @@ _REGISTRY: tuple[type, ...] = (
     ListLoraReq,
     LoraAdapterInfo,
     LoraResult,
+    # the weight sync ops (issue 12)
+    InitWeightsGroupReq,
+    UpdateWeightsFromDistributedReq,
+    DestroyWeightsGroupReq,
+    UpdateWeightsFromTensorReq,
+    RejectedResult,
 )
 _CODES: dict[type, int] = {cls: code for code, cls in enumerate(_REGISTRY)}
 _FIELDS: tuple[tuple[str, ...], ...] = tuple(

@@ -40,6 +40,7 @@ from sglang_admin.client.command_base import (
 from sglang_admin.client.fanout import TargetResult, fan_out
 from sglang_admin.client.lora_commands import LORA_COMMANDS, LORA_HELP
 from sglang_admin.client.refit_commands import REFIT_COMMANDS
+from sglang_admin.client.sync_commands import SYNC_COMMANDS
 from sglang_admin.pb import common_pb2 as pb
 
 # ---------------------------------------------------------------------- running
@@ -383,6 +384,7 @@ COMMANDS: list[Command] = [
     Command("services", "list services and methods (server reflection)",
             None, call_services, render_services),
     *REFIT_COMMANDS,
+    *SYNC_COMMANDS,
 ]
 
 

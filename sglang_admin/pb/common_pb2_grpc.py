@@ -160,6 +160,26 @@ class SglangSchedulerStub:
                 request_serializer=sglang__admin_dot_common__pb2.GetMetricsRequest.SerializeToString,
                 response_deserializer=sglang__admin_dot_common__pb2.GetMetricsResponse.FromString,
                 _registered_method=True)
+        self.InitWeightsUpdateGroup = channel.unary_unary(
+                '/sglang.grpc.scheduler.SglangScheduler/InitWeightsUpdateGroup',
+                request_serializer=sglang__admin_dot_common__pb2.InitWeightsUpdateGroupRequest.SerializeToString,
+                response_deserializer=sglang__admin_dot_common__pb2.AdminResponse.FromString,
+                _registered_method=True)
+        self.UpdateWeightsFromDistributed = channel.unary_unary(
+                '/sglang.grpc.scheduler.SglangScheduler/UpdateWeightsFromDistributed',
+                request_serializer=sglang__admin_dot_common__pb2.UpdateWeightsFromDistributedRequest.SerializeToString,
+                response_deserializer=sglang__admin_dot_common__pb2.UpdateWeightsResponse.FromString,
+                _registered_method=True)
+        self.DestroyWeightsUpdateGroup = channel.unary_unary(
+                '/sglang.grpc.scheduler.SglangScheduler/DestroyWeightsUpdateGroup',
+                request_serializer=sglang__admin_dot_common__pb2.DestroyWeightsUpdateGroupRequest.SerializeToString,
+                response_deserializer=sglang__admin_dot_common__pb2.AdminResponse.FromString,
+                _registered_method=True)
+        self.UpdateWeightsFromTensor = channel.unary_unary(
+                '/sglang.grpc.scheduler.SglangScheduler/UpdateWeightsFromTensor',
+                request_serializer=sglang__admin_dot_common__pb2.UpdateWeightsFromTensorRequest.SerializeToString,
+                response_deserializer=sglang__admin_dot_common__pb2.UpdateWeightsResponse.FromString,
+                _registered_method=True)
 
 
 class SglangSchedulerServicer:
@@ -353,6 +373,52 @@ class SglangSchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def InitWeightsUpdateGroup(self, request, context):
+        """---- Extensions: weights pushed by a trainer (SGLang's init_weights_update_group,
+        update_weights_from_distributed, destroy_weights_update_group, update_weights_from_tensor).
+
+        Every data-parallel rank joins a trainer's process group as rank rank_offset + dp_rank
+        (the trainer is rank 0 and hosts the TCPStore at master_address:master_port), the way
+        SGLang's init_custom_process_group does: TCPStore rendezvous, PrefixStore(group_name),
+        a new group beside the default one. Answers once every rank has joined; by the call's
+        deadline otherwise, success false and the message naming the ranks that did not join.
+        A group name already in use is ALREADY_EXISTS; a backend that does not match the device
+        (gloo on CPU, nccl on CUDA) is INVALID_ARGUMENT.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateWeightsFromDistributed(self, request, context):
+        """Every rank receives each named tensor by broadcast from rank 0 of the group, in the
+        order given, and loads it (checkpoint names; the fused projections are filled as from a
+        file). Waits for in-flight requests as UpdateWeightsFromDisk does (at once when paused)
+        and holds new ones meanwhile. A manifest that does not fit the model is
+        INVALID_ARGUMENT before anything is received; an unknown group NOT_FOUND. A broadcast
+        that fails part-way cannot be rolled back: success false, and Generate is refused with
+        FAILED_PRECONDITION until a successful update or UpdateWeightsFromDisk.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DestroyWeightsUpdateGroup(self, request, context):
+        """Leave and free a group (NOT_FOUND when no rank has it). Groups are left at shutdown.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateWeightsFromTensor(self, request, context):
+        """Load tensors a trainer on the same host put in a shared-memory segment: the request
+        carries only the manifest; every rank maps /dev/shm/<shm_name> read-only and copies
+        each tensor from its offset. Nothing is unpickled. Bounds, alignment, dtypes, names and
+        shapes are checked first (INVALID_ARGUMENT). Same drain and version rules as above.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SglangSchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -480,6 +546,26 @@ def add_SglangSchedulerServicer_to_server(servicer, server):
                     servicer.GetMetrics,
                     request_deserializer=sglang__admin_dot_common__pb2.GetMetricsRequest.FromString,
                     response_serializer=sglang__admin_dot_common__pb2.GetMetricsResponse.SerializeToString,
+            ),
+            'InitWeightsUpdateGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.InitWeightsUpdateGroup,
+                    request_deserializer=sglang__admin_dot_common__pb2.InitWeightsUpdateGroupRequest.FromString,
+                    response_serializer=sglang__admin_dot_common__pb2.AdminResponse.SerializeToString,
+            ),
+            'UpdateWeightsFromDistributed': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateWeightsFromDistributed,
+                    request_deserializer=sglang__admin_dot_common__pb2.UpdateWeightsFromDistributedRequest.FromString,
+                    response_serializer=sglang__admin_dot_common__pb2.UpdateWeightsResponse.SerializeToString,
+            ),
+            'DestroyWeightsUpdateGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.DestroyWeightsUpdateGroup,
+                    request_deserializer=sglang__admin_dot_common__pb2.DestroyWeightsUpdateGroupRequest.FromString,
+                    response_serializer=sglang__admin_dot_common__pb2.AdminResponse.SerializeToString,
+            ),
+            'UpdateWeightsFromTensor': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateWeightsFromTensor,
+                    request_deserializer=sglang__admin_dot_common__pb2.UpdateWeightsFromTensorRequest.FromString,
+                    response_serializer=sglang__admin_dot_common__pb2.UpdateWeightsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1158,6 +1244,114 @@ class SglangScheduler:
             '/sglang.grpc.scheduler.SglangScheduler/GetMetrics',
             sglang__admin_dot_common__pb2.GetMetricsRequest.SerializeToString,
             sglang__admin_dot_common__pb2.GetMetricsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def InitWeightsUpdateGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sglang.grpc.scheduler.SglangScheduler/InitWeightsUpdateGroup',
+            sglang__admin_dot_common__pb2.InitWeightsUpdateGroupRequest.SerializeToString,
+            sglang__admin_dot_common__pb2.AdminResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeightsFromDistributed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sglang.grpc.scheduler.SglangScheduler/UpdateWeightsFromDistributed',
+            sglang__admin_dot_common__pb2.UpdateWeightsFromDistributedRequest.SerializeToString,
+            sglang__admin_dot_common__pb2.UpdateWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DestroyWeightsUpdateGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sglang.grpc.scheduler.SglangScheduler/DestroyWeightsUpdateGroup',
+            sglang__admin_dot_common__pb2.DestroyWeightsUpdateGroupRequest.SerializeToString,
+            sglang__admin_dot_common__pb2.AdminResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeightsFromTensor(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sglang.grpc.scheduler.SglangScheduler/UpdateWeightsFromTensor',
+            sglang__admin_dot_common__pb2.UpdateWeightsFromTensorRequest.SerializeToString,
+            sglang__admin_dot_common__pb2.UpdateWeightsResponse.FromString,
             options,
             channel_credentials,
             insecure,

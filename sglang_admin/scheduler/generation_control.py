@@ -19,7 +19,8 @@ logger = logging.getLogger(__name__)
 
 WEIGHTS_INVALID = (
     "the served weights are not valid (a weight update failed part-way, or released weights "
-    "could not be restored): serving resumes after a successful UpdateWeightsFromDisk"
+    "could not be restored): serving resumes after a successful weight update "
+    "(UpdateWeightsFromDistributed, UpdateWeightsFromTensor) or UpdateWeightsFromDisk"
 )
 
 

@@ -55,11 +55,12 @@ def handler_table() -> dict[type, Handler]:
         lora_control,
         profile_control,
         weight_control,
+        weight_sync,
     )
 
     table: dict[type, Handler] = {}
     for module in (control, generation_control, cache_control, profile_control, weight_control,
-                   lora_control):
+                   lora_control, weight_sync):
         table.update(module.HANDLERS)
     return table
 
@@ -103,6 +104,7 @@ def run_scheduler(args: ServerArgs, rank: int, parent_pid: int) -> None:
         loop.run()
     finally:
         heartbeat.stop()
+        loop.weight_sync.close()  # leave the trainers' process groups
     # The loop ends on ShutdownReq (sent as the server closes its inbox) or when the server
     # is gone: nobody is left to read pending outputs, so do not linger on them.
     outbox.close(linger=0)
@@ -125,6 +127,7 @@ class RankLoop:
 
         from sglang_admin.model.runner import ModelRunner
         from sglang_admin.scheduler.profiler import Profiler
+        from sglang_admin.scheduler.weight_groups import WeightSync
 
         self.args, self.rank, self.inbox, self.outbox = args, rank, inbox, outbox
         self.parent_pid = parent_pid
@@ -185,6 +188,7 @@ class RankLoop:
         self.weights_source: str | None = info.model_path
         self.weights_valid = True
         self.released_digest: str | None = None
+        self.weight_sync = WeightSync()  # a trainer's process groups (scheduler/weight_sync.py)
         self.last_state = self.state()
         self.send(ReadyMsg(rank, os.getpid(), info, self.last_state))
         logger.info(

@@ -60,6 +60,10 @@ def on_update_from_disk(rank: Rank, msg: UpdateWeightsFromDiskReq) -> None:
     if rank.runner.weights_released:
         rank.reply(msg, False, "the weights are released: ResumeMemoryOccupation first")
         return
+    busy = rank.weight_sync.busy()  # a trainer's broadcast is writing the parameters
+    if busy is not None:
+        rank.reply(msg, False, busy)
+        return
     aborted = rank.scheduler.abort_all("weights update") if msg.abort_all_requests else 0
     rank.quiesce.when_drained(
         msg.rid, OP, _wait_s(msg), lambda: _refit(rank, msg, aborted),
@@ -131,6 +135,10 @@ def on_check_weights(rank: Rank, msg: CheckWeightsReq) -> None:
 
 def on_release_memory(rank: Rank, msg: ReleaseMemoryReq) -> None:
     s = rank.scheduler
+    busy = rank.weight_sync.busy()
+    if busy is not None:
+        rank.reply(msg, False, busy)
+        return
     if not s.is_idle:
         rank.reply(msg, False, "memory can be released only when idle: "
                    f"#queue-req: {len(s.waiting)}, #running-req: {len(s.running)}")

@@ -23,6 +23,7 @@ from sglang_admin.server.convert import ServiceError
 from sglang_admin.server.generation import Generation
 from sglang_admin.server.info import Info
 from sglang_admin.server.lora import Lora
+from sglang_admin.server.weight_sync import WeightSync
 from sglang_admin.server.weights import Weights
 
 Context = grpc.aio.ServicerContext
@@ -38,6 +39,7 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
         self.cache = CacheAndProfile(args, comm, self.admin)
         self.weights = Weights(args, comm, self.admin)
         self.lora = Lora(args, self.admin)
+        self.weight_sync = WeightSync(args, comm, self.admin)
         self.metrics = comm.metrics
 
     # ------------------------------------------------------------------ generation
@@ -169,6 +171,32 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
         self, request: pb.ResumeMemoryOccupationRequest, context: Context
     ) -> pb.AdminResponse:
         return await self.weights.resume_memory(request, context)
+
+    # ------------------------------------------------------------------ weights from a trainer
+
+    @admin_rpc
+    async def InitWeightsUpdateGroup(
+        self, request: pb.InitWeightsUpdateGroupRequest, context: Context
+    ) -> pb.AdminResponse:
+        return await self.weight_sync.init_group(request, context)
+
+    @admin_rpc
+    async def UpdateWeightsFromDistributed(
+        self, request: pb.UpdateWeightsFromDistributedRequest, context: Context
+    ) -> pb.UpdateWeightsResponse:
+        return await self.weight_sync.update_from_distributed(request, context)
+
+    @admin_rpc
+    async def DestroyWeightsUpdateGroup(
+        self, request: pb.DestroyWeightsUpdateGroupRequest, context: Context
+    ) -> pb.AdminResponse:
+        return await self.weight_sync.destroy_group(request, context)
+
+    @admin_rpc
+    async def UpdateWeightsFromTensor(
+        self, request: pb.UpdateWeightsFromTensorRequest, context: Context
+    ) -> pb.UpdateWeightsResponse:
+        return await self.weight_sync.update_from_tensor(request, context)
 
     # ------------------------------------------------------------------ not served
 

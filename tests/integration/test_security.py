@@ -221,6 +221,16 @@ ADMIN = {
     "DownloadProfile": lambda s, md: list(
         s.DownloadProfile(pb.DownloadProfileRequest(), timeout=30, metadata=md)
     ),
+    # Weights from a trainer: authenticated, these bad requests are INVALID_ARGUMENT /
+    # NOT_FOUND, never a join or a load.
+    "InitWeightsUpdateGroup": lambda s, md: s.InitWeightsUpdateGroup(
+        pb.InitWeightsUpdateGroupRequest(group_name="g"), timeout=30, metadata=md),
+    "UpdateWeightsFromDistributed": lambda s, md: s.UpdateWeightsFromDistributed(
+        pb.UpdateWeightsFromDistributedRequest(group_name="g"), timeout=30, metadata=md),
+    "DestroyWeightsUpdateGroup": lambda s, md: s.DestroyWeightsUpdateGroup(
+        pb.DestroyWeightsUpdateGroupRequest(group_name="g"), timeout=30, metadata=md),
+    "UpdateWeightsFromTensor": lambda s, md: s.UpdateWeightsFromTensor(
+        pb.UpdateWeightsFromTensorRequest(shm_name="g"), timeout=30, metadata=md),
 }
 
 
