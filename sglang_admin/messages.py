@@ -22,6 +22,8 @@ GREEDY_TEMPERATURE_EPS = 1e-6
 # How a rank's StopProfile message starts when its profile had already ended at a cap
 # (--profile-max-steps); the server passes such a message on to the caller.
 PROFILE_STOPPED_BY_ITSELF = "Profiling stopped by itself"
+# SamplingParams.grammar_kind values: the proto's SamplingParams.constraint oneof fields
+GRAMMAR_KINDS = ("regex", "json_schema", "ebnf_grammar", "structural_tag")
 
 
 # ---------------------------------------------------------------- server -> scheduler
@@ -43,6 +45,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # Constrained decoding: one of GRAMMAR_KINDS and its text ("" kind: unconstrained)
+    grammar_kind: str = ""
+    grammar: str = ""
 
     @property
     def is_greedy(self) -> bool:
@@ -322,6 +327,7 @@ class RankState:
     timestamp: float = 0.0
     lora_slots_used: int = 0  # adapters loaded (LoRA only)
     lora_slots_total: int = 0  # --max-loaded-loras; 0: LoRA is off
+    num_grammar_queue_reqs: int = 0  # waiting for their grammar to compile
 
 
 @dataclass(slots=True)

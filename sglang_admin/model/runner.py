@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from sglang_admin.messages import SamplingParams
+from sglang_admin.model.grammar_mask import TokenMatcher, apply_grammar_masks
 from sglang_admin.model.llama import AttentionMetadata, ExtendSeq, LlamaForCausalLM
 from sglang_admin.model.loader import (
     ModelLoadError,
@@ -56,6 +57,7 @@ class SeqInput:
     logprob_start_len: int = -1  # >= 0: logprobs of prompt[logprob_start_len:] (prefill)
     token_ids_logprob: list[int] | None = None  # logprobs of these ids (return_logprob)
     return_hidden_states: bool = False
+    grammar: TokenMatcher | None = None  # constrained decoding: masks the sampled logits
 
 
 @dataclass
@@ -405,6 +407,7 @@ class ModelRunner:
         if self.device.type == "cuda":  # sampling reads the tokens back anyway: no loss
             torch.cuda.synchronize(self.device)
         t_sample = time.perf_counter()
+        apply_grammar_masks(logits, [s.grammar for s in sampled])
         reqs = [
             SampleRequest(s.sampling, s.prompt_ids, s.output_ids, s.return_logprob,
                           s.top_logprobs_num, s.token_ids_logprob if s.return_logprob else None)

@@ -25,6 +25,7 @@ from sglang_admin.messages import (
     BatchOutput,
     FailedMsg,
     KvEvents,
+    ModelInfo,
     RankState,
     ReadyMsg,
     ReqOutput,
@@ -33,6 +34,7 @@ from sglang_admin.messages import (
     encode,
 )
 from sglang_admin.scheduler.control import Handler, op_name
+from sglang_admin.scheduler.grammar import GrammarQueue, XGrammarBackend
 from sglang_admin.scheduler.heartbeat import HeartbeatThread
 from sglang_admin.scheduler.quiesce import Quiesce
 from sglang_admin.scheduler.scheduler import Batch, Scheduler, SchedulerConfig
@@ -63,6 +65,16 @@ def handler_table() -> dict[type, Handler]:
                    lora_control, weight_sync):
         table.update(module.HANDLERS)
     return table
+
+
+def grammar_queue_for(args: ServerArgs, info: ModelInfo) -> GrammarQueue:
+    """The compile pool and cache of constrained decoding, against the served tokenizer."""
+    directory = args.tokenizer_path or info.tokenizer_path
+    tokenizer_file = os.path.join(directory, "tokenizer.json") if directory else None
+    if tokenizer_file is not None and not os.path.isfile(tokenizer_file):
+        tokenizer_file = None
+    backend = XGrammarBackend(tokenizer_file, info.vocab_size, tuple(info.eos_token_ids))
+    return GrammarQueue.for_backend(backend)
 
 
 def _die_with_parent() -> None:
@@ -105,6 +117,8 @@ def run_scheduler(args: ServerArgs, rank: int, parent_pid: int) -> None:
     finally:
         heartbeat.stop()
         loop.weight_sync.close()  # leave the trainers' process groups
+        if loop.scheduler.grammar_queue is not None:
+            loop.scheduler.grammar_queue.shutdown()
     # The loop ends on ShutdownReq (sent as the server closes its inbox) or when the server
     # is gone: nobody is left to read pending outputs, so do not linger on them.
     outbox.close(linger=0)
@@ -161,6 +175,7 @@ class RankLoop:
                 eos_token_ids=tuple(info.eos_token_ids),
             ),
             on_kv_event=self.kv_events.append,
+            grammar_queue=grammar_queue_for(args, info),
         )
         self.scheduler.detokenize = stop_string_detokenizer(
             args.tokenizer_path, info.tokenizer_path)
@@ -229,11 +244,12 @@ class RankLoop:
             timestamp=time.time(),
             lora_slots_used=self.lora.used if self.lora is not None else 0,
             lora_slots_total=self.lora.slots if self.lora is not None else 0,
+            num_grammar_queue_reqs=s.num_grammar_queue_reqs,
         )
 
     def publish_state(self, force: bool = False) -> None:
         s = self.scheduler
-        key = (len(s.running), len(s.waiting), s.num_used_tokens, self.profiler.reported_state,
+        key = (len(s.running), len(s.waiting), s.num_grammar_queue_reqs, s.num_used_tokens, self.profiler.reported_state,
                self.quiesce.pending, s.paused)
         now = time.monotonic()
         # The key fields are checked now (published below if they changed): the heartbeat
@@ -280,8 +296,9 @@ class RankLoop:
 
     def drain_inbox(self, block: bool) -> None:
         timeout = IDLE_POLL_MS if block else 0
-        if block and (self.quiesce.pending or self.deferred):
-            timeout = 10  # come back soon to answer what is pending
+        if block and (self.quiesce.pending or self.deferred
+                      or self.scheduler.num_grammar_queue_reqs):
+            timeout = 10  # come back soon to answer what is pending (or was compiled)
         while True:
             if timeout and not self.inbox.poll(timeout):
                 self.publish_state()
@@ -303,6 +320,7 @@ class RankLoop:
         """Idle, and the messages handled left nothing for the loop to send or run."""
         s = self.scheduler
         return (self.running and s.is_idle and not self.quiesce.pending
+                and not s.num_grammar_queue_reqs
                 and not self.deferred and not self.kv_events and not s.pending_outputs)
 
     def step(self, batch: Batch) -> None:
@@ -333,6 +351,7 @@ class RankLoop:
                                    if sp.start < len(sp.req.prompt_ids) else -1),
                 token_ids_logprob=sp.req.token_ids_logprob,
                 return_hidden_states=sp.req.return_hidden_states,
+                grammar=sp.req.grammar,
             )
             for sp in batch.spans
         ]

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from sglang_admin.messages import GenerateReq, ReqOutput, SamplingParams
 from sglang_admin.scheduler import output_extras
+from sglang_admin.scheduler.grammar import GrammarQueue, GrammarState
 from sglang_admin.scheduler.kv_pool import TokenAllocator
 from sglang_admin.scheduler.lora_registry import LoraRegistry, LoraUnavailable, cache_key
 from sglang_admin.scheduler.parallel_sampling import fork_ready, sample_key
@@ -77,6 +78,7 @@ class Req:
     def __post_init__(self) -> None:
         if not self.key:
             self.key = self.rid
+    grammar: GrammarState | None = None  # its own matcher, when constrained (n > 1: fork())
 
     @property
     def fill_ids(self) -> list[int]:
@@ -125,8 +127,12 @@ class SchedulerConfig:
 class Scheduler:
     """Waiting queue, running set, radix cache and allocator of one rank."""
 
-    def __init__(self, config: SchedulerConfig, on_kv_event=None) -> None:
+    def __init__(
+        self, config: SchedulerConfig, on_kv_event=None,
+        grammar_queue: GrammarQueue[Req] | None = None,
+    ) -> None:
         self.config = config
+        self.grammar_queue = grammar_queue  # constrained requests wait here for a compile
         self.allocator = TokenAllocator(config.token_capacity)
         self.cache = RadixCache(
             self.allocator, on_event=on_kv_event, disable=config.disable_radix_cache
@@ -206,6 +212,10 @@ class Scheduler:
                 msg.rid, "FAILED_PRECONDITION",
                 "stop strings need the model's tokenizer, and this rank could not load one"))
             return
+        if msg.sampling.grammar_kind and self.grammar_queue is None:
+            self.pending_outputs.append(_error(
+                msg.rid, "FAILED_PRECONDITION", "this rank has no grammar backend"))
+            return
         samples: list[Req] = []
         for index in range(max(msg.n, 1)):
             req = Req(
@@ -231,7 +241,7 @@ class Scheduler:
             return
         for req in samples:
             self.by_rid[req.key] = req
-            self.waiting.append(req)
+            self._enqueue(req)
         if len(samples) > 1:
             self.groups[msg.rid] = samples
 
@@ -254,6 +264,40 @@ class Scheduler:
             req.lora_id, req.lora_slot, req.lora_ns = lora_id, adapter.slot, adapter.namespace
         return True
 
+    def _enqueue(self, req: Req) -> None:
+        """The waiting queue; a constrained request waits in the grammar queue first."""
+        sp = req.sampling
+        if sp.grammar_kind and self.grammar_queue is not None:
+            self.grammar_queue.submit(req, sp.grammar_kind, sp.grammar)
+        else:
+            self.waiting.append(req)
+
+    def _dequeue(self, req: Req) -> bool:
+        """Take a request out of the waiting or the grammar queue; False when in neither."""
+        if req in self.waiting:
+            self.waiting.remove(req)
+            return True
+        return self.grammar_queue is not None and self.grammar_queue.remove(req)
+
+    @property
+    def num_grammar_queue_reqs(self) -> int:
+        """Requests waiting for their grammar to compile (GetLoads' queues.grammar)."""
+        return len(self.grammar_queue) if self.grammar_queue is not None else 0
+
+    def _take_compiled_grammars(self) -> None:
+        """Move requests whose grammar compiled to the waiting queue; fail the others."""
+        if self.grammar_queue is None:
+            return
+        for done in self.grammar_queue.poll():
+            req = done.req
+            if req.key not in self.by_rid:
+                continue
+            if done.state is None:
+                self._finish(req, "abort", error=done.error, code=done.code)
+                continue
+            req.grammar = done.state
+            self.waiting.append(req)
+
     def refuse(self, rid: str, message: str, code: str) -> None:
         """Answer a request that will not be queued with an error, at the next outputs."""
         self.pending_outputs.append(_error(rid, code, message))
@@ -265,15 +309,14 @@ class Scheduler:
         for req in group if group is not None else ([single] if single is not None else []):
             if req.key not in self.by_rid:
                 continue  # this sample already finished
-            if req in self.waiting:
-                self.waiting.remove(req)
+            if self._dequeue(req):
                 self._finish(req, "abort", error=None)
             else:
                 req.aborted = reason
 
     def fail_all(self, message: str, code: str) -> int:
         """End every running and waiting request with an error; how many there were."""
-        reqs = [*self.running, *self.waiting]
+        reqs = [*self.running, *self.waiting, *self._drain_grammar_queue()]
         self.waiting.clear()
         for req in reqs:
             self.fail(req, message, code)
@@ -281,11 +324,14 @@ class Scheduler:
 
     def abort_all(self, reason: str = "aborted") -> int:
         """Finish every running and waiting request with "abort" now; how many there were."""
-        reqs = [*self.running, *self.waiting]
+        reqs = [*self.running, *self.waiting, *self._drain_grammar_queue()]
         self.waiting.clear()
         for req in reqs:
             self._finish(req, "abort", error=None)
         return len(reqs)
+
+    def _drain_grammar_queue(self) -> list[Req]:
+        return self.grammar_queue.drain() if self.grammar_queue is not None else []
 
     # ------------------------------------------------------------------ pause
 
@@ -320,6 +366,7 @@ class Scheduler:
     def schedule(self) -> Batch | None:
         """Pick the next step's work: every running request, then new admissions."""
         now = time.time()
+        self._take_compiled_grammars()
         self._drop_aborted_and_expired(now)
         if self.paused is not None:
             return None
@@ -464,6 +511,9 @@ class Scheduler:
                     continue
                 req.output_ids.append(token)
                 new_tokens += 1
+                if req.grammar is not None and not req.grammar.accept(token):
+                    self.fail(req, f"token {token} violates the request's grammar", "INTERNAL")
+                    continue
                 if req.return_logprob and logprobs is not None:
                     req.logprobs.append(float(logprobs[i] or 0.0))
                     if req.top_logprobs_num and top_logprobs is not None:
@@ -518,6 +568,9 @@ class Scheduler:
                 self._finish(req, "stop", matched_str=found.stop,
                              stop_trim=0 if req.no_stop_trim else found.trim)
                 return
+        if req.grammar is not None and req.grammar.finished:  # the constraint is complete
+            self._finish(req, "stop", matched=token if token in self.eos else None)
+            return
         if (
             n_out >= sp.max_new_tokens
             or req.seq_len >= self.config.context_length
@@ -635,8 +688,14 @@ class Scheduler:
         for req in [r for r in self.running if r.deadline is not None and r.deadline < now]:
             self._finish(req, "abort", error="deadline exceeded", code="DEADLINE_EXCEEDED")
         expired = [r for r in self.waiting if r.deadline is not None and r.deadline < now]
+        if self.grammar_queue is not None:
+            compiling = self.grammar_queue.requests()
+            expired += [r for r in compiling if r.deadline is not None and r.deadline < now]
         for req in expired:
-            self.waiting.remove(req)
+            if req in self.waiting:
+                self.waiting.remove(req)
+            elif self.grammar_queue is not None:
+                self.grammar_queue.remove(req)
             self._finish(
                 req, "abort", error="deadline exceeded while queued", code="DEADLINE_EXCEEDED"
             )

@@ -22,6 +22,7 @@ MAX_ABS_LOGIT_BIAS = 100.0  # as OpenAI: a bias of +-100 already forces or bans 
 MIN_REPETITION_PENALTY = 0.01  # below it a positive logit is multiplied past any useful range
 MAX_REPETITION_PENALTY = 2.0
 _F32_SLACK = 1 - 1e-6
+MAX_CONSTRAINT_CHARS = 1 << 20  # regex / json_schema / ebnf_grammar / structural_tag text
 MAX_FLUSH_TIMEOUT_S = 3600.0  # FlushCache.timeout_s; a flush waits at most an hour for idle
 
 
@@ -57,9 +58,7 @@ def _finite(name: str, value: float) -> float:
 
 def sampling_from_proto(sp: pb.SamplingParams, limits: Limits, prompt_len: int) -> SamplingParams:
     """Map proto zeros to SGLang defaults and check every range."""
-    constraint = sp.WhichOneof("constraint")
-    if constraint:
-        raise invalid(f"sampling_params.{constraint} is not supported: no constrained decoding")
+    grammar_kind, grammar = _constraint_from_proto(sp)
     temperature = _finite("temperature", sp.temperature)
     if temperature < 0:
         raise invalid(f"sampling_params.temperature must be >= 0, got {temperature}")
@@ -142,7 +141,27 @@ def sampling_from_proto(sp: pb.SamplingParams, limits: Limits, prompt_len: int) 
         stop_token_ids=list(sp.stop_token_ids),
         ignore_eos=sp.ignore_eos,
         logit_bias=logit_bias,
+        grammar_kind=grammar_kind,
+        grammar=grammar,
     )
+
+
+def _constraint_from_proto(sp: pb.SamplingParams) -> tuple[str, str]:
+    """The constrained-decoding oneof as (kind, text); ("", "") when unconstrained. The
+    rank compiles it (a text that does not compile fails there with the compiler's
+    message); here only emptiness and size are checked."""
+    kind = sp.WhichOneof("constraint")
+    if not kind:
+        return "", ""
+    text = getattr(sp, kind)
+    if not text.strip():
+        raise invalid(f"sampling_params.{kind} must not be empty")
+    if len(text) > MAX_CONSTRAINT_CHARS:
+        raise invalid(
+            f"sampling_params.{kind} is {len(text)} characters long; at most "
+            f"{MAX_CONSTRAINT_CHARS} are accepted"
+        )
+    return kind, text
 
 
 def flush_timeout_from_proto(timeout_s: float) -> float:

@@ -312,7 +312,8 @@ def _load_proto(s: RankState, include: set[str], age: float) -> pb.SchedulerLoad
         )
     if "queues" in include:
         load.queues.CopyFrom(
-            pb.QueueMetrics(waiting=s.num_waiting_reqs, retracted=s.num_retracted_reqs)
+            pb.QueueMetrics(waiting=s.num_waiting_reqs, grammar=s.num_grammar_queue_reqs,
+                            retracted=s.num_retracted_reqs)
         )
     if "disagg" in include:
         load.disaggregation.CopyFrom(pb.DisaggregationMetrics(mode="null"))

@@ -189,7 +189,7 @@ def test_generate_matches_the_stubs(srv: ServerUnderTest) -> None:
 def test_generate_error_status_comes_through(srv: ServerUnderTest) -> None:
     out = srv.grpcurl(
         f"{SERVICE}/Generate",
-        data={"tokenized": {"input_ids": [1, 2]}, "sampling_params": {"regex": "a+"}},
+        data={"tokenized": {"input_ids": [1, 2]}, "sampling_params": {"regex": "a("}},
     )
     assert out.returncode != 0
     assert "Code: InvalidArgument" in out.stderr and "regex" in out.stderr

@@ -15,6 +15,7 @@ from sglang_admin.config import ServerArgs
 from sglang_admin.pb import common_pb2 as pb
 from sglang_admin.server.convert import (
     DEFAULT_MAX_NEW_TOKENS,
+    MAX_CONSTRAINT_CHARS,
     MAX_FLUSH_TIMEOUT_S,
     MAX_REQUEST_ID_CHARS,
     Limits,
@@ -122,7 +123,9 @@ BAD = [
     ("logprob-start-past-prompt", with_(req([1, 2]), return_logprob=True, logprob_start_len=2),
      "logprob_start_len = 2"),
     ("logprob-start-negative", with_(req([1, 2]), logprob_start_len=-2), "logprob_start_len"),
-    ("regex", req([1], regex="a+"), "sampling_params.regex"),
+    ("regex-empty", req([1], regex=" "), "sampling_params.regex"),
+    ("json-schema-too-long", req([1], json_schema="x" * (MAX_CONSTRAINT_CHARS + 1)),
+     "sampling_params.json_schema"),
     ("lora", with_(req([1]), lora_id="x"), "lora_id"),
 ]
 
@@ -219,3 +222,14 @@ def test_generation_features_reach_the_rank_message() -> None:
     assert none.logprob_start_len == -1
     zero = generate_from_proto(with_(req([1, 2]), return_logprob=True), "rid", LIMITS)
     assert zero.logprob_start_len == 0
+
+
+@pytest.mark.parametrize("kind", ["regex", "json_schema", "ebnf_grammar", "structural_tag"])
+def test_constraint_travels_to_the_rank_as_kind_and_text(kind: str) -> None:
+    msg = generate_from_proto(req([1, 2], **{kind: "text of " + kind}), "r", LIMITS)
+    assert (msg.sampling.grammar_kind, msg.sampling.grammar) == (kind, "text of " + kind)
+
+
+def test_unconstrained_request_has_no_grammar() -> None:
+    msg = generate_from_proto(req([1, 2]), "r", LIMITS)
+    assert (msg.sampling.grammar_kind, msg.sampling.grammar) == ("", "")
