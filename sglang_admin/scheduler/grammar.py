@@ -97,8 +97,9 @@ def compiler_message(exc: BaseException) -> str:
 class XGrammarBackend:
     """Compiles constraints with xgrammar against the served model's tokenizer.
 
-    The tokenizer info is built on first use, in a compile thread (a large vocabulary takes
-    a while); every compile after that reuses it.
+    The tokenizer file is read at once (the model directory may go away once loaded); the
+    tokenizer info is built on first use, in a compile thread (a large vocabulary takes a
+    while), and every compile after that reuses it.
     """
 
     def __init__(
@@ -108,7 +109,19 @@ class XGrammarBackend:
         stop_token_ids: tuple[int, ...],
         max_threads: int = DEFAULT_COMPILE_WORKERS,
     ) -> None:
-        self.tokenizer_file = tokenizer_file
+        self.tokenizer: Any = None
+        self.unavailable = (
+            "constrained decoding needs the model's tokenizer.json, and this model has none"
+        )
+        if tokenizer_file:
+            from tokenizers import Tokenizer
+
+            try:
+                self.tokenizer = Tokenizer.from_file(tokenizer_file)
+                self.unavailable = ""
+            except Exception as exc:  # noqa: BLE001 - the rank serves on, unconstrained only
+                self.unavailable = f"the tokenizer {tokenizer_file} does not load: {exc}"
+                logger.warning("constrained decoding is off: %s", self.unavailable)
         self.vocab_size = vocab_size
         self.stop_token_ids = tuple(t for t in stop_token_ids if 0 <= t < vocab_size)
         self.max_threads = max_threads
@@ -120,7 +133,9 @@ class XGrammarBackend:
             if self._compiler is None:
                 import xgrammar as xgr
 
-                info = tokenizer_info(self.tokenizer_file, self.vocab_size, self.stop_token_ids)
+                if self.tokenizer is None:
+                    raise GrammarUnavailable(self.unavailable)
+                info = tokenizer_info(self.tokenizer, self.vocab_size, self.stop_token_ids)
                 # xgrammar's own cache stays off: GrammarQueue caches (and bounds) it
                 self._compiler = xgr.GrammarCompiler(
                     info, max_threads=self.max_threads, cache_enabled=False
@@ -141,17 +156,12 @@ class XGrammarBackend:
         return GrammarState(compiled, self.stop_token_ids)
 
 
-def tokenizer_info(tokenizer_file: str | None, vocab_size: int, stop_token_ids: tuple[int, ...]):
-    """xgrammar's TokenizerInfo from a tokenizer.json (no transformers needed): the vocabulary
-    in id order, padded with empty tokens up to the model's vocabulary size."""
+def tokenizer_info(tok: Any, vocab_size: int, stop_token_ids: tuple[int, ...]) -> Any:
+    """xgrammar's TokenizerInfo from a ``tokenizers.Tokenizer`` (no transformers needed): the
+    vocabulary in id order, padded with empty tokens up to the model's vocabulary size, and
+    the vocabulary type xgrammar detects from the tokenizer's JSON."""
     import xgrammar as xgr
-    from tokenizers import Tokenizer
 
-    if not tokenizer_file:
-        raise GrammarUnavailable(
-            "constrained decoding needs the model's tokenizer.json, and this model has none"
-        )
-    tok = Tokenizer.from_file(tokenizer_file)
     vocab = tok.get_vocab(with_added_tokens=True)
     size = max(vocab_size, max(vocab.values(), default=-1) + 1)
     encoded: list[str] = [""] * size

@@ -368,3 +368,11 @@ def test_grammar_state_reports_finished_only_when_terminated(backend: XGrammarBa
     state: GrammarState = backend.new_state(backend.compile("regex", "a"))
     assert state.accept(ord("a")) and not state.finished  # EOS still to come
     assert state.accept(EOS[0]) and state.finished
+
+
+def test_get_loads_queues_grammar_counts_the_rank_grammar_queue() -> None:
+    from sglang_admin.messages import RankState
+    from sglang_admin.server.info import _load_proto
+
+    load = _load_proto(RankState(dp_rank=0, num_grammar_queue_reqs=3), {"queues"}, 0.0)
+    assert load.queues.grammar == 3
