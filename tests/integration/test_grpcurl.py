@@ -9,6 +9,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -215,6 +216,30 @@ def test_generate_n_and_stop_strings(srv: ServerUnderTest) -> None:
     complete = srv.call_one("Generate", biased)["complete"]
     assert complete["finish_reason"] == "stop" and complete["matched_stop_str"] == stop
     assert complete["output_ids"] == free[:end] and complete["completion_tokens"] == end
+
+
+def test_constrained_generate(srv: ServerUnderTest) -> None:
+    """regex and json_schema through grpcurl: the output matches; a bad one names the error."""
+    (resp,) = srv.call("Generate", {
+        "tokenized": {"input_ids": PROMPT},
+        "sampling_params": {"temperature": 1, "max_new_tokens": 64, "regex": "[a-c]{4}-[0-9]{2}"},
+    })
+    complete = resp["complete"]
+    ids = complete["output_ids"]
+    assert complete["finish_reason"] == "stop" and ids[-1] == complete["matched_token_id"]
+    assert re.fullmatch("[a-c]{4}-[0-9]{2}", bytes(ids[:-1]).decode())
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    (resp,) = srv.call("Generate", {
+        "tokenized": {"input_ids": PROMPT},
+        "sampling_params": {"max_new_tokens": 64, "json_schema": json.dumps(schema)},
+    })
+    ids = resp["complete"]["output_ids"]
+    value = json.loads(bytes(ids[:-1]).decode())
+    assert set(value) == {"ok"} and isinstance(value["ok"], bool)
+    out = srv.grpcurl(f"{SERVICE}/Generate", data={
+        "tokenized": {"input_ids": PROMPT}, "sampling_params": {"json_schema": "{oops"}})
+    assert "Code: InvalidArgument" in out.stderr and "json_schema does not compile" in out.stderr
 
 
 def test_flush_cache(srv: ServerUnderTest) -> None:
