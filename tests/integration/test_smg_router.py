@@ -283,6 +283,41 @@ def test_completions_and_chat_completions_with_text(cluster: Cluster) -> None:
     assert 1 <= body["usage"]["completion_tokens"] <= 5
 
 
+CHAT_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "pattern": "^[A-Za-z ]{1,12}$"},
+        "rating": {"type": "integer", "minimum": 1, "maximum": 5},
+        "open": {"type": "boolean"},
+    },
+    "required": ["city", "rating", "open"],
+    "additionalProperties": False,
+}
+
+
+def test_chat_with_response_format_json_schema_returns_valid_json(cluster: Cluster) -> None:
+    """The gateway turns response_format into the worker's json_schema constraint: even the
+    random default model answers JSON that validates against the schema."""
+    for temperature in (0, 1):
+        status, body = http("POST", f"{cluster.base}/v1/chat/completions", {
+            "model": cluster.model,
+            "messages": [{"role": "user", "content": "Rate a city as JSON."}],
+            "max_tokens": 200, "temperature": temperature,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "rating", "schema": CHAT_SCHEMA, "strict": True},
+            },
+        }, timeout=120)
+        assert status == 200, body
+        choice = body["choices"][0]
+        assert choice["finish_reason"] == "stop", body
+        value = json.loads(choice["message"]["content"])
+        assert set(value) == {"city", "rating", "open"}
+        assert re.fullmatch("[A-Za-z ]{1,12}", value["city"])
+        assert type(value["rating"]) is int and 1 <= value["rating"] <= 5
+        assert isinstance(value["open"], bool)
+
+
 def test_repeated_prompts_hit_the_cache_of_the_worker_that_served_them(
     cluster: Cluster,
 ) -> None:
