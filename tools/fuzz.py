@@ -15,6 +15,10 @@ passed (whichever comes first), a random mix (``--seed``) of these case kinds:
 - ``generate-invalid``: invalid fields (NaN, out-of-vocabulary ids, empty prompt, bad
   ranks, n too large, stream_interval below 1, empty stop strings, token_ids_logprob out
   of the vocabulary, logprob_start_len past the prompt) that must end INVALID_ARGUMENT;
+- ``generate-constrained``: valid regex, json_schema, ebnf_grammar and structural_tag
+  constraints with random sampling values, that must end OK;
+- ``constraint-garbage``: constraints mutated into (mostly) text that does not compile,
+  that must end OK or INVALID_ARGUMENT (the compiler's message), never a death;
 - ``malformed``: random bytes sent to random methods, which must end INVALID_ARGUMENT;
 - ``cancelled``: a stream cancelled by the client after its first message;
 - ``dropped``: a call whose channel is closed under it;
@@ -56,7 +60,7 @@ from tools.soak import check_loopback
 SERVICE = "/sglang.grpc.scheduler.SglangScheduler/"
 KINDS = (
     "generate-ordinary", "generate-extreme", "generate-invalid", "malformed", "cancelled",
-    "dropped", "admin",
+    "dropped", "admin", "generate-constrained", "constraint-garbage",
 )
 # Random bytes that happen to decode as the method's request are counted apart.
 DECODED = "malformed-decoded"
@@ -66,7 +70,23 @@ EXPECTED = {
     "generate-ordinary": {"OK"},
     "generate-invalid": {"INVALID_ARGUMENT"},
     "malformed": {"INVALID_ARGUMENT"},
+    "generate-constrained": {"OK"},
+    "constraint-garbage": {"OK", "INVALID_ARGUMENT"},
 }
+CONSTRAINTS = (  # (SamplingParams field, text) that compile
+    ("regex", r"[a-z]{1,6}@[a-z]{2,4}\.(com|org)"),
+    ("regex", r"(yes|no|maybe)!?"),
+    ("regex", r"-?[0-9]{1,4}(\.[0-9]{1,2})?"),
+    ("json_schema", '{"type": "object", "properties": {"a": {"type": "integer"}, '
+                    '"b": {"enum": ["x", "y"]}}, "required": ["a", "b"]}'),
+    ("json_schema", '{"type": "array", "items": {"type": "boolean"}, "maxItems": 4}'),
+    ("json_schema", "$$ANY$$"),
+    ("ebnf_grammar", 'root ::= "(" num ("," num){0,3} ")"\nnum ::= [0-9]{1,3}'),
+    ("structural_tag", '{"type": "structural_tag", "structures": [{"begin": "<f>", '
+                       '"schema": {"type": "integer"}, "end": "</f>"}], "triggers": ["<f>"]}'),
+)
+GRAMMAR_NOISE = "[](){}*+?|\\\"^$:,.0123456789 \n\x00\u00e9\U0001f600"
+
 MAX_REQUESTS = 1_000_000
 STOP_AFTER_UNAVAILABLE = 20  # the worker is down or going down: stop and report
 MAX_SECONDS = 3600.0
@@ -269,6 +289,34 @@ class Fuzzer:
             sp.stop_token_ids.append(self.vocab + 5)
         return req
 
+    def constrained(self) -> pb.GenerateRequest:
+        req = self.ordinary()
+        kind, text = self.rng.choice(CONSTRAINTS)
+        setattr(req.sampling_params, kind, text)
+        return req
+
+    def constraint_garbage(self) -> pb.GenerateRequest:
+        r = self.rng
+        req = self.constrained()
+        sp = req.sampling_params
+        kind = sp.WhichOneof("constraint")
+        text = getattr(sp, kind)
+        choice = r.randrange(4)
+        if choice == 0:  # one character deleted
+            i = r.randrange(len(text))
+            text = text[:i] + text[i + 1 :]
+        elif choice == 1:  # noise inserted
+            i = r.randrange(len(text) + 1)
+            noise = "".join(r.choice(GRAMMAR_NOISE) for _ in range(r.randint(1, 4)))
+            text = text[:i] + noise + text[i:]
+        elif choice == 2:  # truncated
+            text = text[: r.randrange(1, len(text) + 1)]
+        else:  # noise only
+            text = "".join(r.choice(GRAMMAR_NOISE) for _ in range(r.randint(1, 24)))
+        setattr(sp, r.choice(["regex", "json_schema", "ebnf_grammar", "structural_tag", kind]),
+                text)
+        return req
+
     # ------------------------------------------------------------------ cases
 
     async def _generate(self, kind: str, req: pb.GenerateRequest) -> None:
@@ -363,6 +411,10 @@ class Fuzzer:
             await self._generate(kind, self.extreme())
         elif kind == "generate-invalid":
             await self._generate(kind, self.invalid())
+        elif kind == "generate-constrained":
+            await self._generate(kind, self.constrained())
+        elif kind == "constraint-garbage":
+            await self._generate(kind, self.constraint_garbage())
         elif kind == "malformed":
             await self.malformed()
         elif kind == "cancelled":

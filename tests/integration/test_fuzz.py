@@ -14,7 +14,7 @@ import pytest
 from tests.conftest import ServerProc, start_server
 from tools import fuzz
 
-KINDS = "generate-ordinary,generate-extreme,generate-invalid,malformed,cancelled,dropped,admin"
+KINDS = ",".join(fuzz.KINDS)
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +31,7 @@ def test_brief_fuzz_run_finds_no_death(srv: ServerProc, capsys: pytest.CaptureFi
     out = capsys.readouterr().out
     assert code == 0, out
     assert "| case kind |" in out and "| malformed |" in out and "| admin |" in out
+    assert "| generate-constrained |" in out and "| constraint-garbage |" in out
     assert "server SERVING after the run: yes; rank pids unchanged: yes" in out
     assert "FAIL status" not in out and "DEATH" not in out
     assert "unexpected:" not in out, out  # ordinary ended OK, invalid and malformed INVALID
