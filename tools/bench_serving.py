@@ -354,12 +354,14 @@ async def run_one(
     metadata: Metadata,
     temperature: float,
     timeout: float | None,
+    json_schema: str = "",
 ) -> RequestResult:
     """Send one streaming Generate and time its tokens.
 
     A token "arrives" when a message raises the cumulative ``completion_tokens``: the first
     arrival gives the TTFT, later ones the inter-token latencies. The final message must be a
-    GenerateComplete whose finish_reason is not "abort"."""
+    GenerateComplete whose finish_reason is not "abort". ``json_schema``: constrain the
+    output to it (a schema that cannot end before max_new_tokens keeps the lengths exact)."""
     result = RequestResult(target, len(req.prompt), req.output_len)
     request = pb.GenerateRequest(
         tokenized=pb.TokenizedInput(input_ids=req.prompt),
@@ -368,6 +370,8 @@ async def run_one(
         ),
         stream=True,
     )
+    if json_schema:
+        request.sampling_params.json_schema = json_schema
     start = time.perf_counter()
     last = start
     received = 0
@@ -551,12 +555,14 @@ async def run_benchmark(
         target = targets[i % len(targets)]
         if sem is None:
             result = await run_one(
-                stubs[target], target, req, metadata, args.temperature, args.request_timeout
+                stubs[target], target, req, metadata, args.temperature, args.request_timeout,
+                args.json_schema,
             )
         else:
             async with sem:
                 result = await run_one(
-                    stubs[target], target, req, metadata, args.temperature, args.request_timeout
+                    stubs[target], target, req, metadata, args.temperature, args.request_timeout,
+                    args.json_schema,
                 )
         progress.update(result.success)
         return result
@@ -587,7 +593,8 @@ async def warmup(
     for _ in range(args.warmup_requests):
         results = await asyncio.gather(
             *(
-                run_one(stub, t, probe, metadata, args.temperature, args.request_timeout)
+                run_one(stub, t, probe, metadata, args.temperature, args.request_timeout,
+                        args.json_schema)
                 for t, stub in stubs.items()
             )
         )
@@ -723,6 +730,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-concurrency", type=_positive_int, default=None,
                    help="at most this many requests in flight")
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--json-schema", default="", metavar="SCHEMA",
+                   help="constrain every output to this JSON schema (text, or @FILE)")
     p.add_argument("--request-timeout", type=float, default=None,
                    help="deadline of each Generate call in seconds (default none)")
     p.add_argument("--warmup-requests", type=_non_negative_int, default=1,
@@ -757,6 +766,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # Each target once, in the order given (requests go round robin over them).
     args.target = list(dict.fromkeys(args.target or ["127.0.0.1:30000"]))
+    if args.json_schema.startswith("@"):
+        with open(args.json_schema[1:], encoding="utf-8") as f:
+            args.json_schema = f.read()
     try:
         return asyncio.run(bench(args))
     except KeyboardInterrupt:

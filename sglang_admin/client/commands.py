@@ -261,11 +261,21 @@ async def call_generate(client: AsyncClient,
     if ns.n > 1 or ns.stop:
         return await client.generate_samples(
             ns.input_ids, ns.n, ns.max_new_tokens, ns.temperature, ns.stream,
-            ignore_eos=ns.ignore_eos, stop=ns.stop or (),
+            ignore_eos=ns.ignore_eos, stop=ns.stop or (), sampling_params=constraint_params(ns),
         )
     return await client.generate_tokens(
-        ns.input_ids, ns.max_new_tokens, ns.temperature, ns.stream, ignore_eos=ns.ignore_eos
+        ns.input_ids, ns.max_new_tokens, ns.temperature, ns.stream, ignore_eos=ns.ignore_eos,
+        sampling_params=constraint_params(ns),
     )
+
+
+def constraint_params(ns: argparse.Namespace) -> pb.SamplingParams | None:
+    """--regex / --json-schema / --ebnf-grammar / --structural-tag as sampling params."""
+    for field_name in ("regex", "json_schema", "ebnf_grammar", "structural_tag"):
+        text = getattr(ns, field_name, None)
+        if text is not None:
+            return pb.SamplingParams(**{field_name: text})
+    return None
 
 
 async def call_services(client: AsyncClient, ns: argparse.Namespace) -> dict[str, list[str]]:
@@ -358,6 +368,11 @@ def _generate_arguments(p: argparse.ArgumentParser) -> None:
                    help="parallel samples (the worker prefills the prompt once)")
     p.add_argument("--stop", action="append", metavar="TEXT",
                    help="a stop string (repeatable); the worker matches it on decoded text")
+    constraint = p.add_mutually_exclusive_group()
+    constraint.add_argument("--regex", help="constrain the output to this regular expression")
+    constraint.add_argument("--json-schema", help="constrain the output to this JSON schema")
+    constraint.add_argument("--ebnf-grammar", help="constrain the output to this EBNF grammar")
+    constraint.add_argument("--structural-tag", help="constrain with an xgrammar structural tag")
 
 
 COMMANDS: list[Command] = [

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -166,6 +167,18 @@ def test_cli_generate_n_samples_with_a_stop_string(servers: tuple[ServerProc, Se
         results = client.generate_samples(PROMPT, 2, 4, stream=True, ignore_eos=True)
         assert [len(r.tokens) for r in results] == [4, 4]
         assert [r.complete.index for r in results] == [0, 1]
+
+
+def test_cli_generate_with_a_regex(servers: tuple[ServerProc, ServerProc]) -> None:
+    a, _ = servers
+    res = cli("generate", "--input-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "32",
+              "--temperature", "1", "--regex", "[0-9]{3}-[a-z]{2}", "--json", *targets(a),
+              "--api-key", KEY)
+    assert res.returncode == 0, res.stdout + res.stderr
+    (obj,) = [json.loads(line) for line in res.stdout.splitlines()]
+    assert re.fullmatch("[0-9]{3}-[a-z]{2}", bytes(t for t in obj["tokens"] if t < 256).decode())
+    res = cli("generate", "--input-ids", "1", "--regex", "[0-9", *targets(a), "--api-key", KEY)
+    assert res.returncode != 0 and "INVALID_ARGUMENT" in res.stdout and "Unclosed" in res.stdout
 
 
 # ---------------------------------------------------------------------- library
