@@ -407,7 +407,7 @@ class ModelRunner:
         if self.device.type == "cuda":  # sampling reads the tokens back anyway: no loss
             torch.cuda.synchronize(self.device)
         t_sample = time.perf_counter()
-        apply_grammar_masks(logits, [s.grammar for s in sampled])
+        grammar_failed = apply_grammar_masks(logits, [s.grammar for s in sampled])
         reqs = [
             SampleRequest(s.sampling, s.prompt_ids, s.output_ids, s.return_logprob,
                           s.top_logprobs_num, s.token_ids_logprob if s.return_logprob else None)
@@ -416,6 +416,8 @@ class ModelRunner:
         by_seq: dict[int, SeqOutput] = {}
         for s, out in zip(sampled, self._sample(logits, reqs)):
             by_seq[id(s)] = out
+        for row, reason in grammar_failed.items():
+            by_seq[id(sampled[row])] = SeqOutput(0, error=reason, error_code="INTERNAL")
         self.last_times = ForwardTimes(model=t_sample - t_model,
                                        sample=time.perf_counter() - t_sample)
         return self._with_extras(by_seq, seqs, sampled, ordered, offsets, hidden, t_select)

@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from sglang_admin.messages import GenerateReq, SamplingParams
 from sglang_admin.model.default_model import ensure_default_model
-from sglang_admin.model.grammar_mask import allocate_bitmask, apply_grammar_masks
+from sglang_admin.model.grammar_mask import allocate_bitmask, apply_bitmask, apply_grammar_masks
 from sglang_admin.scheduler.grammar import (
     GrammarError,
     GrammarQueue,
@@ -61,16 +61,33 @@ class CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_mask_mixed_rows_in_one_op_matches_xgrammar(backend: XGrammarBackend) -> None:
-    digits = backend.new_state(backend.compile("regex", "[0-9]+"))
-    ab = backend.new_state(backend.compile("regex", "ab"))
+@pytest.mark.parametrize("backend", ["torch", "xgrammar"])
+def test_mask_mixed_rows_in_one_op_matches_xgrammar(
+    backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    grammar = XGrammarBackend(f"{ensure_default_model()}/tokenizer.json", VOCAB, EOS)
+    digits = grammar.new_state(grammar.compile("regex", "[0-9]+"))
+    ab = grammar.new_state(grammar.compile("regex", "ab"))
     matchers = [None, digits, None, ab]
     torch.manual_seed(0)
     logits = torch.randn(4, VOCAB)
     before = logits.clone()
+    kernel_calls: list[list[int] | None] = []
+    kernel = xgr.apply_token_bitmask_inplace
+
+    def counted(*args: Any, **kwargs: Any) -> None:
+        kernel_calls.append(kwargs.get("indices"))
+        kernel(*args, **kwargs)
+
+    monkeypatch.setattr(xgr, "apply_token_bitmask_inplace", counted)
     with CountOps(logits) as ops:
-        assert apply_grammar_masks(logits, matchers)
-    assert len(ops.writes) == 1 and "masked_fill" in ops.writes[0]
+        assert apply_grammar_masks(logits, matchers, backend=backend) == {}
+    monkeypatch.undo()
+    if backend == "torch":  # one masked fill over the batch writes the logits
+        assert len(ops.writes) == 1 and "masked_fill" in ops.writes[0], ops.writes
+        assert kernel_calls == []
+    else:  # xgrammar's CPU kernel (outside torch's dispatcher): one call, constrained rows
+        assert kernel_calls == [[1, 3]]
     # unconstrained rows untouched
     assert torch.equal(logits[0], before[0]) and torch.equal(logits[2], before[2])
     allowed = [(logits[i] > float("-inf")).nonzero().flatten().tolist() for i in (1, 3)]
@@ -85,10 +102,38 @@ def test_mask_mixed_rows_in_one_op_matches_xgrammar(backend: XGrammarBackend) ->
     assert torch.equal(logits, reference)
 
 
+def test_torch_mask_matches_xgrammar_on_random_bitmasks() -> None:
+    gen = torch.Generator().manual_seed(3)
+    vocab = 1000  # not a multiple of 32: the last word is partly padding
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (5, (vocab + 31) // 32), generator=gen,
+                            dtype=torch.int32)
+    logits = torch.randn(5, vocab, generator=gen)
+    reference = logits.clone()
+    xgr.apply_token_bitmask_inplace(reference, bitmask, backend="cpu")
+    apply_bitmask(logits, bitmask, backend="torch")
+    assert torch.equal(logits, reference)
+
+
+class Broken:
+    def fill_next_token_bitmask(self, bitmask: Any, row: int) -> None:
+        raise RuntimeError("matcher is broken")
+
+
+def test_a_failing_matcher_fails_its_row_only(backend: XGrammarBackend) -> None:
+    digits = backend.new_state(backend.compile("regex", "[0-9]+"))
+    logits = torch.zeros(2, VOCAB)
+    failed = apply_grammar_masks(logits, [Broken(), digits])
+    assert list(failed) == [0] and "matcher is broken" in failed[0]
+    assert (logits[0] == 0).all()  # left alone: that request fails with the reason
+    assert (logits[1] == 0).nonzero().flatten().tolist() == list(range(48, 58))
+
+
 def test_no_constrained_row_leaves_the_logits_alone() -> None:
     logits = torch.randn(3, VOCAB)
     before = logits.clone()
-    assert not apply_grammar_masks(logits, [None, None, None])
+    with CountOps(logits) as ops:
+        assert apply_grammar_masks(logits, [None, None, None]) == {}
+    assert not ops.writes
     assert torch.equal(logits, before)
 
 
