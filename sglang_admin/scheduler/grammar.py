@@ -142,6 +142,15 @@ class XGrammarBackend:
                 )
             return self._compiler
 
+    def warm(self) -> bool:
+        """Build the compiler now (a pool thread calls this at start); False when this
+        rank cannot compile (the reason comes back with each constrained request)."""
+        try:
+            self._get_compiler()
+        except GrammarUnavailable:
+            return False
+        return True
+
     def compile(self, kind: str, text: str) -> Any:
         """The compiled grammar; raises :class:`GrammarError` with the compiler's message."""
         compiler = self._get_compiler()
@@ -253,8 +262,14 @@ class GrammarQueue(Generic[R]):
         self.cache_misses = 0
 
     @classmethod
-    def for_backend(cls, backend: XGrammarBackend, workers: int = DEFAULT_COMPILE_WORKERS):
-        return cls(backend.compile, backend.new_state, workers=workers)
+    def for_backend(
+        cls, backend: XGrammarBackend, workers: int = DEFAULT_COMPILE_WORKERS
+    ) -> GrammarQueue:
+        """A queue compiling with ``backend``; its tokenizer info starts building at once
+        in the pool (off the loop), so the first constrained request does not wait for it."""
+        queue = cls(backend.compile, backend.new_state, workers=workers)
+        queue._pool.submit(backend.warm)
+        return queue
 
     def __len__(self) -> int:
         """Requests waiting for a compile (GetLoads' queues.grammar)."""

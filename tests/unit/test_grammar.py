@@ -421,3 +421,24 @@ def test_get_loads_queues_grammar_counts_the_rank_grammar_queue() -> None:
 
     load = _load_proto(RankState(dp_rank=0, num_grammar_queue_reqs=3), {"queues"}, 0.0)
     assert load.queues.grammar == 3
+
+
+def test_a_model_without_tokenizer_refuses_constraints_with_failed_precondition(
+    tmp_path,
+) -> None:
+    broken = tmp_path / "tokenizer.json"
+    broken.write_text("{not a tokenizer")
+    for path, needle in ((None, "has none"), (str(broken), "does not load")):
+        backend = XGrammarBackend(path, VOCAB, EOS)
+        assert not backend.warm()
+        queue = GrammarQueue.for_backend(backend)
+        try:
+            queue.submit("r1", "regex", "a")
+            (done,) = _poll_all(queue, 1)
+            assert (done.state, done.code) == (None, "FAILED_PRECONDITION")
+            assert needle in done.error
+            queue.submit("r2", "regex", "a")  # not cached: the rank's fault, not the grammar's
+            _poll_all(queue, 1)
+            assert queue.cache_misses == 2
+        finally:
+            queue.shutdown()

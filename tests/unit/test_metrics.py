@@ -107,6 +107,12 @@ def test_decode_step_phases_are_counters_per_rank_and_phase() -> None:
     assert found[("sglang_admin:decode_step_phase_seconds_total", output)] == 0.05
 
 
+def test_grammar_queue_gauge_comes_from_the_rank_state() -> None:
+    states = [(0, RankState(dp_rank=0, num_grammar_queue_reqs=4), 0.1)]
+    found = values(make_metrics(states=states))
+    assert found[("sglang:num_grammar_queue_reqs", RANK0)] == 4
+
+
 def test_admin_outcomes_are_ok_failed_or_the_status_code() -> None:
     metrics = make_metrics()
     with metrics.admin_call("flush_cache") as outcome:
