@@ -692,10 +692,7 @@ class Scheduler:
             compiling = self.grammar_queue.requests()
             expired += [r for r in compiling if r.deadline is not None and r.deadline < now]
         for req in expired:
-            if req in self.waiting:
-                self.waiting.remove(req)
-            elif self.grammar_queue is not None:
-                self.grammar_queue.remove(req)
+            self._dequeue(req)
             self._finish(
                 req, "abort", error="deadline exceeded while queued", code="DEADLINE_EXCEEDED"
             )

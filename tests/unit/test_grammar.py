@@ -442,3 +442,38 @@ def test_a_model_without_tokenizer_refuses_constraints_with_failed_precondition(
             assert queue.cache_misses == 2
         finally:
             queue.shutdown()
+
+
+def test_requests_sharing_a_grammar_share_the_compile_not_the_matcher(
+    backend: XGrammarBackend,
+) -> None:
+    """As the n samples of one request: one compile, each its own matcher and output."""
+    queue = GrammarQueue.for_backend(backend)
+    sched = make_scheduler(queue)
+    try:
+        pattern = "[a-z]{3,5}(,[a-z]{3,5}){2}"
+        for i in range(3):
+            sched.add_request(gen(f"s{i}", [9, 8, 7 + i], regex=pattern))
+        states = []
+        finished = {}
+        tokens: dict[str, list[int]] = {}
+        runner = MaskedFakeRunner()
+        while len(finished) < 3:
+            assert runner.steps < 100
+            batch = sched.schedule()
+            if batch is None:
+                time.sleep(0.002)
+                continue
+            states += [sp.req.grammar for sp in batch.spans if sp.req.grammar not in states]
+            for out in sched.postprocess(batch, runner.run(batch)):
+                tokens.setdefault(out.rid, []).extend(out.new_token_ids)
+                if out.finish_reason:
+                    finished[out.rid] = out
+        assert (queue.cache_misses, queue.cache_hits) == (1, 2)
+        assert len({id(s) for s in states}) == 3 and len({id(s.matcher) for s in states}) == 3
+        texts = {text_of(ids[:-1]) for ids in tokens.values()}
+        assert all(o.finish_reason == "stop" for o in finished.values())
+        assert all(re.fullmatch(pattern, t) for t in texts), texts
+        assert len(texts) >= 2  # different prompts, different paths through the grammar
+    finally:
+        queue.shutdown()
