@@ -171,16 +171,17 @@ def tokenizer_info(tok: Any, vocab_size: int, stop_token_ids: tuple[int, ...]) -
     the vocabulary type xgrammar detects from the tokenizer's JSON."""
     import xgrammar as xgr
 
-    vocab = tok.get_vocab(with_added_tokens=True)
-    size = max(vocab_size, max(vocab.values(), default=-1) + 1)
-    encoded: list[str] = [""] * size
-    for token, idx in vocab.items():
-        encoded[idx] = token
+    # Exactly the model's width (the logits'): ids past the tokenizer are padding (never
+    # allowed), tokenizer ids past the model's vocabulary can never be sampled (dropped).
+    encoded: list[str] = [""] * vocab_size
+    for token, idx in tok.get_vocab(with_added_tokens=True).items():
+        if 0 <= idx < vocab_size:
+            encoded[idx] = token
     meta = xgr.TokenizerInfo._detect_metadata_from_hf(tok.to_str())
     return xgr.TokenizerInfo(
         encoded,
         meta["vocab_type"],
-        vocab_size=size,
+        vocab_size=vocab_size,
         stop_token_ids=list(stop_token_ids) or None,
         add_prefix_space=meta["add_prefix_space"],
     )

@@ -477,3 +477,15 @@ def test_requests_sharing_a_grammar_share_the_compile_not_the_matcher(
         assert len(texts) >= 2  # different prompts, different paths through the grammar
     finally:
         queue.shutdown()
+
+
+def test_a_model_vocabulary_smaller_than_the_tokenizer_masks_at_the_model_width() -> None:
+    """Tokenizer ids past the model's vocabulary (here the specials 256..260) are dropped:
+    the bitmask has the logits' width and the grammar still works."""
+    narrow = XGrammarBackend(f"{ensure_default_model()}/tokenizer.json", 256, ())
+    state = narrow.new_state(narrow.compile("regex", "[0-9]{2}"))
+    logits = torch.zeros(1, 256)
+    assert apply_grammar_masks(logits, [state]) == {}
+    assert (logits[0] == 0).nonzero().flatten().tolist() == list(range(48, 58))
+    assert state.accept(ord("4")) and state.accept(ord("2"))
+    assert state.finished  # no stop token in this vocabulary: complete is finished
