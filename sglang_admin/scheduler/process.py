@@ -249,8 +249,8 @@ class RankLoop:
 
     def publish_state(self, force: bool = False) -> None:
         s = self.scheduler
-        key = (len(s.running), len(s.waiting), s.num_grammar_queue_reqs, s.num_used_tokens, self.profiler.reported_state,
-               self.quiesce.pending, s.paused)
+        key = (len(s.running), len(s.waiting), s.num_used_tokens, self.profiler.reported_state,
+               self.quiesce.pending, s.paused, s.num_grammar_queue_reqs)
         now = time.monotonic()
         # The key fields are checked now (published below if they changed): the heartbeat
         # tells the server how old its copy of this rank's state is.
