@@ -97,9 +97,9 @@ def compiler_message(exc: BaseException) -> str:
 class XGrammarBackend:
     """Compiles constraints with xgrammar against the served model's tokenizer.
 
-    The tokenizer file is read at once (the model directory may go away once loaded); the
-    tokenizer info is built on first use, in a compile thread (a large vocabulary takes a
-    while), and every compile after that reuses it.
+    The tokenizer file is read at once (the model directory may go away once loaded);
+    xgrammar is imported and the tokenizer info built on first use, in a compile thread
+    (both take a while), and every compile after that reuses them.
     """
 
     def __init__(
@@ -143,8 +143,8 @@ class XGrammarBackend:
             return self._compiler
 
     def warm(self) -> bool:
-        """Build the compiler now (a pool thread calls this at start); False when this
-        rank cannot compile (the reason comes back with each constrained request)."""
+        """Build the compiler now (imports xgrammar); False when this rank cannot compile
+        (the reason comes back with each constrained request)."""
         try:
             self._get_compiler()
         except GrammarUnavailable:
@@ -266,11 +266,12 @@ class GrammarQueue(Generic[R]):
     def for_backend(
         cls, backend: XGrammarBackend, workers: int = DEFAULT_COMPILE_WORKERS
     ) -> GrammarQueue:
-        """A queue compiling with ``backend``; its tokenizer info starts building at once
-        in the pool (off the loop), so the first constrained request does not wait for it."""
-        queue = cls(backend.compile, backend.new_state, workers=workers)
-        queue._pool.submit(backend.warm)
-        return queue
+        """A queue compiling with ``backend``. Nothing is built before the first constrained
+        request: importing xgrammar (it pulls in transformers) takes seconds of mostly
+        GIL-holding work, which would delay every rank's start, or, run in a thread at
+        start, starve the rank's heartbeat thread during its first steps. The first
+        constrained request waits for the import and the tokenizer info in the pool."""
+        return cls(backend.compile, backend.new_state, workers=workers)
 
     def __len__(self) -> int:
         """Requests waiting for a compile (GetLoads' queues.grammar)."""
