@@ -166,7 +166,7 @@ class XGrammarBackend:
 
 
 def tokenizer_info(tok: Any, vocab_size: int, stop_token_ids: tuple[int, ...]) -> Any:
-    """xgrammar's TokenizerInfo from a ``tokenizers.Tokenizer`` (no transformers needed): the
+    """xgrammar's TokenizerInfo from a ``tokenizers.Tokenizer`` (not a transformers one): the
     vocabulary in id order, padded with empty tokens up to the model's vocabulary size, and
     the vocabulary type xgrammar detects from the tokenizer's JSON."""
     import xgrammar as xgr
