@@ -204,3 +204,28 @@ def test_constrained_and_free_requests_side_by_side(server: ServerProc) -> None:
     assert results[0][0] == alone and results[1][0] == alone
     assert re.fullmatch("[xyz]{20}", finished_by_grammar(*results[2]))
 
+
+
+def test_n_samples_each_follow_the_grammar(server: ServerProc) -> None:
+    """n > 1: every sample has its own matcher (one compile); each output matches."""
+    pattern = r"[a-z]{3,6}(-[0-9]{1,3}){2}"
+    for stream in (False, True):
+        req = constrained(regex=pattern, stream=stream, seed=5)
+        req.sampling_params.n = 3
+        completes: dict[int, pb.GenerateComplete] = {}
+        streamed: dict[int, list[int]] = {}
+        for resp in server.stub().Generate(req, timeout=120):
+            if resp.HasField("chunk"):
+                streamed.setdefault(resp.chunk.index, []).extend(resp.chunk.token_ids)
+            else:
+                completes[resp.complete.index] = resp.complete
+        assert sorted(completes) == [0, 1, 2]
+        for index, c in completes.items():
+            ids = streamed[index] if stream else list(c.output_ids)
+            assert re.fullmatch(pattern, finished_by_grammar(ids, c))
+    bad = constrained(regex="[a-z", seed=5)
+    bad.sampling_params.n = 2
+    with pytest.raises(grpc.RpcError) as err:
+        list(server.stub().Generate(bad, timeout=60))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "Unclosed '['" in err.value.details()
