@@ -97,9 +97,9 @@ def compiler_message(exc: BaseException) -> str:
 class XGrammarBackend:
     """Compiles constraints with xgrammar against the served model's tokenizer.
 
-    The tokenizer file is read at once (the model directory may go away once loaded);
-    xgrammar is imported and the tokenizer info built on first use, in a compile thread
-    (both take a while), and every compile after that reuses them.
+    The tokenizer file is read at once (the model directory may go away once loaded); the
+    tokenizer info is built on first use, in a compile thread (a large vocabulary takes a
+    while), and every compile after that reuses it.
     """
 
     def __init__(
@@ -266,11 +266,10 @@ class GrammarQueue(Generic[R]):
     def for_backend(
         cls, backend: XGrammarBackend, workers: int = DEFAULT_COMPILE_WORKERS
     ) -> GrammarQueue:
-        """A queue compiling with ``backend``. Nothing is built before the first constrained
-        request: importing xgrammar (it pulls in transformers) takes seconds of mostly
-        GIL-holding work, which would delay every rank's start, or, run in a thread at
-        start, starve the rank's heartbeat thread during its first steps. The first
-        constrained request waits for the import and the tokenizer info in the pool."""
+        """A queue compiling with ``backend``. The tokenizer info is built by the first
+        constrained request's compile, in the pool. xgrammar itself must already be
+        imported (the rank does it on its main thread at start: an import from a compile
+        thread while the loop runs torch ops froze a rank)."""
         return cls(backend.compile, backend.new_state, workers=workers)
 
     def __len__(self) -> int:
