@@ -148,8 +148,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="seconds a rank may send no heartbeat (a stopped or frozen process) "
                         "before it counts as stuck")
     p.add_argument("--torch-threads", type=_non_negative_int, default=0,
-                   help="torch threads per rank (0: the machine's cores shared among the "
-                        "ranks; ranks wait for work passively unless OMP_WAIT_POLICY is set)")
+                   help="torch threads per rank (0: the machine's cores but one, left to the "
+                        "server, shared among the ranks)")
     p.add_argument("--seed", type=_seed, default=0)
     p.add_argument("--enable-lora", action="store_true",
                    help="serve LoRA adapters (LoadLoRAAdapter, GenerateRequest.lora_id)")

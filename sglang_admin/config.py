@@ -76,7 +76,7 @@ class ServerArgs:
     # watchdog_timeout_s, or silent (no heartbeat) for watchdog_probe_timeout_s, is stuck.
     watchdog_timeout_s: float = 300.0
     watchdog_probe_timeout_s: float = 15.0  # a rank in Python work can hold its GIL for seconds
-    torch_threads: int = 0  # per rank; 0: the cores shared among the ranks (rank_threads)
+    torch_threads: int = 0  # per rank; 0: the cores but one shared among ranks (rank_threads)
     seed: int = 0
     # LoRA (scheduler/lora_control.py): adapters live in --max-loaded-loras slots of rank
     # up to --max-lora-rank; lora_paths are (name, path) pairs loaded at start.
@@ -102,8 +102,11 @@ class ServerArgs:
 
     @property
     def rank_threads(self) -> int:
-        """torch threads of each rank: --torch-threads, else the cores shared among ranks."""
-        return self.torch_threads or max(1, (os.cpu_count() or 1) // self.dp_size)
+        """torch threads of each rank: --torch-threads, else the cores but one (left to the
+        server) shared among the ranks. More threads than free cores make OpenMP's spinning
+        threads wait on descheduled ones: a step then takes several times longer (the
+        figures are in docs/benchmarks.md)."""
+        return self.torch_threads or max(1, ((os.cpu_count() or 1) - 1) // self.dp_size)
 
     def replace(self, **changes: Any) -> ServerArgs:
         return dataclasses.replace(self, **changes)

@@ -4,7 +4,7 @@
 What a user sees: a worker started as ``python -m sglang_admin serve`` (its own processes),
 driven by a grpc.aio client in a process of its own that streams the mixed workload of
 tools/bench_engine.py (64 requests, prompts 16..256 tokens, outputs 8..128, ignore_eos, all
-at once), against transformers' left-padded batched greedy ``generate`` on the same
+at once, from an empty prefix cache), against transformers' left-padded batched greedy ``generate`` on the same
 checkpoint in a third process with torch's default thread count. Rounds alternate (served,
 transformers, served, ...) so that both see the same machine; the best round of each counts.
 
@@ -58,8 +58,12 @@ async def _drive(target: str, work: Workload) -> dict[str, float | int]:
                     got += len(resp.chunk.token_ids)
             return got
 
-        # warm the connection and the rank (not timed)
+        # warm the connection and the rank (not timed), then start from an empty prefix
+        # cache: transformers has none, and the rounds send the same prompts
         await one(-1, work.prompts[0][:16], 2)
+        flushed = await stub.FlushCache(pb.FlushCacheRequest(timeout_s=60), timeout=120)
+        if not flushed.success:
+            raise RuntimeError(f"FlushCache failed: {flushed.message}")
         t0 = time.perf_counter()
         got = await asyncio.gather(
             *(one(i, p, n) for i, (p, n) in enumerate(zip(work.prompts, work.outputs)))

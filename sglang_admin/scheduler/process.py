@@ -153,8 +153,8 @@ class RankLoop:
             from sglang_admin.otel import configure_otlp
 
             configure_otlp(args.otlp_traces_endpoint)
-        # Every core for the model while the server idles; the threads wait passively
-        # (launch.run_rank), so the server's work between steps does not stall them.
+        # A core is left to the server by default: threads that share cores with it (or with
+        # each other) spin-wait on one another and make every step many times slower.
         torch.set_num_threads(args.rank_threads)
         torch.manual_seed(args.seed + rank)
         self.runner = ModelRunner(

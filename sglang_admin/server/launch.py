@@ -37,11 +37,6 @@ RANK_POLL_S = 0.2
 def run_rank(args: ServerArgs, rank: int, parent_pid: int) -> None:
     """A rank process's entry point: the scheduler (and with it torch) is imported there,
     never in the server's process, which would carry torch's ~190 MiB for nothing."""
-    # torch's OpenMP threads spin between parallel regions by default; sharing cores with
-    # the server (and the other ranks), a spinning thread holds the core that the thread it
-    # waits for needs, and steps become many times slower. Passive waiting avoids that; an
-    # operator's own OMP_WAIT_POLICY stands. (Set before torch, and with it OpenMP, loads.)
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from sglang_admin.scheduler.process import run_scheduler
 
     run_scheduler(args, rank, parent_pid)

@@ -49,14 +49,14 @@ def test_good_serve_flags_parse() -> None:
     assert (ns.port, ns.max_connection_idle_s, ns.keepalive_time_s) == (65535, 0.0, 30.0)
 
 
-def test_rank_threads_default_to_the_cores_shared_among_ranks() -> None:
+def test_rank_threads_default_to_the_cores_but_one_shared_among_ranks() -> None:
     import os
 
     from sglang_admin.config import ServerArgs
 
     cores = os.cpu_count() or 1
-    assert ServerArgs().rank_threads == cores
-    assert ServerArgs(dp_size=2).rank_threads == max(1, cores // 2)
+    assert ServerArgs().rank_threads == max(1, cores - 1)
+    assert ServerArgs(dp_size=2).rank_threads == max(1, (cores - 1) // 2)
     assert ServerArgs(dp_size=2 * cores).rank_threads == 1
     assert ServerArgs(torch_threads=3).rank_threads == 3
 
