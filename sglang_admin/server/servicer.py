@@ -2,7 +2,8 @@
 
 Each RPC is a few lines that hand the call to its domain: generation (Generate, Abort,
 pause), info (health, model, server, loads, tokenizer, KV events), cache and profile,
-weights. Admin RPCs are marked :func:`~sglang_admin.server.admin.admin_rpc`; the auth
+weights (from disk), weight sync (from a trainer's process group or shared memory), LoRA
+adapters, metrics. Admin RPCs are marked :func:`~sglang_admin.server.admin.admin_rpc`; the auth
 interceptor reads the mark (with ``--admin-api-key`` only that key opens them).
 """
 
