@@ -29,8 +29,9 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sglang_admin.messages import GenerateReq, SamplingParams  # noqa: E402
-from sglang_admin.model.runner import ModelRunner, SeqInput  # noqa: E402
-from sglang_admin.scheduler.scheduler import Batch, Scheduler, SchedulerConfig  # noqa: E402
+from sglang_admin.model.runner import ModelRunner  # noqa: E402
+from sglang_admin.scheduler.process import batch_inputs  # noqa: E402
+from sglang_admin.scheduler.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 
 SHAPES: dict[str, dict[str, int | float | bool]] = {
     "qwen2.5-0.5b": {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
@@ -83,16 +84,6 @@ def write_checkpoint(directory: Path, shape: dict, dtype: torch.dtype) -> None:
     save_file(tensors, str(directory / "model.safetensors"))
 
 
-def _inputs(batch: Batch) -> list[SeqInput]:
-    return [
-        SeqInput(req_idx=sp.req.req_idx, prefix_len=sp.start,
-                 token_ids=sp.req.fill_ids[sp.start : sp.end], table_start=sp.table_start,
-                 table_slots=sp.req.slots[sp.table_start : sp.end], sampling=sp.req.sampling,
-                 prompt_ids=sp.req.prompt_ids, output_ids=sp.req.output_ids, sample=sp.sample)
-        for sp in batch.spans
-    ]
-
-
 def time_decode(runner: ModelRunner, batch_size: int, context: int, steps: int) -> list[float]:
     """Seconds of each of ``steps`` decode steps of ``batch_size`` sequences at ``context``."""
     info = runner.info
@@ -111,7 +102,7 @@ def time_decode(runner: ModelRunner, batch_size: int, context: int, steps: int) 
         if batch is None:
             continue
         t0 = time.perf_counter()
-        results = runner.forward_step(_inputs(batch))  # reads the tokens back: synchronous
+        results = runner.forward_step(batch_inputs(batch))  # reads the tokens back: synchronous
         elapsed = time.perf_counter() - t0
         if batch.is_decode and len(batch.spans) == batch_size:
             times.append(elapsed)

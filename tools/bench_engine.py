@@ -31,7 +31,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sglang_admin.messages import GenerateReq, SamplingParams  # noqa: E402
-from sglang_admin.model.runner import ModelRunner, SeqInput  # noqa: E402
+from sglang_admin.model.runner import ModelRunner  # noqa: E402
+from sglang_admin.scheduler.process import batch_inputs  # noqa: E402
 from sglang_admin.scheduler.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 from tools.workloads import Workload, mixed_workload, prefix_workload  # noqa: E402
 
@@ -58,15 +59,7 @@ def run_engine(runner: ModelRunner, work: Workload, max_running: int) -> tuple[f
         batch = sched.schedule()
         if batch is None:
             continue
-        seqs = [
-            SeqInput(
-                req_idx=sp.req.req_idx, prefix_len=sp.start,
-                token_ids=sp.req.fill_ids[sp.start : sp.end], table_start=sp.table_start,
-                table_slots=sp.req.slots[sp.table_start : sp.end], sampling=sp.req.sampling,
-                prompt_ids=sp.req.prompt_ids, output_ids=sp.req.output_ids, sample=sp.sample,
-            )
-            for sp in batch.spans
-        ]
+        seqs = batch_inputs(batch)  # exactly as the rank builds them
         results = runner.forward_step(seqs)
         for out in sched.postprocess(batch, [r.token_id if r else None for r in results]):
             outputs.setdefault(out.rid, []).extend(out.new_token_ids)

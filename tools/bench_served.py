@@ -83,23 +83,14 @@ def transformers_main(model_path: str, vocab: int, pad_id: int) -> None:
     import torch
     import transformers
 
+    from tools.bench_engine import run_transformers
+
     work = mixed_workload(vocab)
     model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     model.eval()
-    longest = max(len(p) for p in work.prompts)
-    ids = torch.full((len(work.prompts), longest), pad_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(work.prompts):
-        ids[i, longest - len(p):] = torch.tensor(p)
-        mask[i, longest - len(p):] = 1
-    steps = max(work.outputs)
-    with torch.inference_mode():  # warm-up, not timed
-        model.generate(input_ids=ids[:2, -16:], attention_mask=mask[:2, -16:],
-                       max_new_tokens=2, do_sample=False, pad_token_id=pad_id)
-        t0 = time.perf_counter()
-        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=steps,
-                       min_new_tokens=steps, do_sample=False, pad_token_id=pad_id)
-        seconds = time.perf_counter() - t0
+    run_transformers(model, Workload("warmup", [p[:16] for p in work.prompts[:2]], [2, 2]),
+                     pad_id)
+    seconds, _ = run_transformers(model, work, pad_id)
     print(json.dumps({"seconds": seconds, "tokens": work.output_tokens,
                       "threads": torch.get_num_threads()}))
 

@@ -14,7 +14,7 @@ import signal
 import sys
 import time
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -41,6 +41,9 @@ from sglang_admin.scheduler.scheduler import Batch, Scheduler, SchedulerConfig
 from sglang_admin.scheduler.step_timing import StepTimer
 from sglang_admin.scheduler.stop_strings import stop_string_detokenizer
 from sglang_admin.tracing import child_span, trace_id_of
+
+if TYPE_CHECKING:
+    from sglang_admin.model.runner import SeqInput
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +131,35 @@ def run_scheduler(args: ServerArgs, rank: int, parent_pid: int) -> None:
     outbox.close(linger=0)
     inbox.close(linger=0)
     ctx.term()
+
+
+def batch_inputs(batch: Batch) -> list[SeqInput]:
+    """The model runner's inputs for a scheduled batch: one per span, in span order."""
+    from sglang_admin.model.runner import SeqInput
+
+    return [
+        SeqInput(
+            req_idx=sp.req.req_idx,
+            prefix_len=sp.start,
+            token_ids=sp.req.fill_ids[sp.start : sp.end],
+            table_start=sp.table_start,
+            table_slots=sp.req.slots[sp.table_start : sp.end],
+            sampling=sp.req.sampling,
+            prompt_ids=sp.req.prompt_ids,
+            output_ids=sp.req.output_ids,
+            sample=sp.sample,
+            return_logprob=sp.req.return_logprob,
+            top_logprobs_num=sp.req.top_logprobs_num,
+            lora_slot=sp.req.lora_slot,
+            # prompt logprobs only while the span still covers prompt tokens
+            logprob_start_len=(sp.req.logprob_start_len
+                               if sp.start < len(sp.req.prompt_ids) else -1),
+            token_ids_logprob=sp.req.token_ids_logprob,
+            return_hidden_states=sp.req.return_hidden_states,
+            grammar=sp.req.grammar,
+        )
+        for sp in batch.spans
+    ]
 
 
 class RankLoop:
@@ -334,31 +366,9 @@ class RankLoop:
         left no token, its post-processing raised) ends with its reason and frees its KV;
         the others go on. An exception of the forward pass itself ends the rank.
         """
-        from sglang_admin.model.runner import InvalidSequence, SeqInput
+        from sglang_admin.model.runner import InvalidSequence
 
-        seqs = [
-            SeqInput(
-                req_idx=sp.req.req_idx,
-                prefix_len=sp.start,
-                token_ids=sp.req.fill_ids[sp.start : sp.end],
-                table_start=sp.table_start,
-                table_slots=sp.req.slots[sp.table_start : sp.end],
-                sampling=sp.req.sampling,
-                prompt_ids=sp.req.prompt_ids,
-                output_ids=sp.req.output_ids,
-                sample=sp.sample,
-                return_logprob=sp.req.return_logprob,
-                top_logprobs_num=sp.req.top_logprobs_num,
-                lora_slot=sp.req.lora_slot,
-                # prompt logprobs only while the span still covers prompt tokens
-                logprob_start_len=(sp.req.logprob_start_len
-                                   if sp.start < len(sp.req.prompt_ids) else -1),
-                token_ids_logprob=sp.req.token_ids_logprob,
-                return_hidden_states=sp.req.return_hidden_states,
-                grammar=sp.req.grammar,
-            )
-            for sp in batch.spans
-        ]
+        seqs = batch_inputs(batch)
         stage = "decode" if batch.is_decode else "prefill"
         self.profiler.before_step(stage)
         t0 = time.perf_counter()
