@@ -148,8 +148,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="seconds a rank may send no heartbeat (a stopped or frozen process) "
                         "before it counts as stuck")
     p.add_argument("--torch-threads", type=_non_negative_int, default=0,
-                   help="torch threads per rank (0: the machine's cores but one, left to the "
-                        "server, shared among the ranks)")
+                   help="torch threads per lane of a rank (0: the rank's share of the cores "
+                        "but one, left to the server, shared among its lanes; at least 1)")
+    p.add_argument("--cpu-lanes", type=_non_negative_int, default=0,
+                   help="on CPU, cut each step's sequences into this many parts computed at "
+                        "once by threads of their own (0: 2 when a rank has 2 cores or more)")
     p.add_argument("--seed", type=_seed, default=0)
     p.add_argument("--enable-lora", action="store_true",
                    help="serve LoRA adapters (LoadLoRAAdapter, GenerateRequest.lora_id)")

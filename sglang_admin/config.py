@@ -76,7 +76,8 @@ class ServerArgs:
     # watchdog_timeout_s, or silent (no heartbeat) for watchdog_probe_timeout_s, is stuck.
     watchdog_timeout_s: float = 300.0
     watchdog_probe_timeout_s: float = 15.0  # a rank in Python work can hold its GIL for seconds
-    torch_threads: int = 0  # per rank; 0: the cores but one shared among ranks (rank_threads)
+    torch_threads: int = 0  # per lane of a rank; 0: see rank_threads
+    cpu_lanes: int = 0  # threads that compute parts of a CPU step at once; 0: see rank_lanes
     seed: int = 0
     # LoRA (scheduler/lora_control.py): adapters live in --max-loaded-loras slots of rank
     # up to --max-lora-rank; lora_paths are (name, path) pairs loaded at start.
@@ -101,12 +102,26 @@ class ServerArgs:
         return self.metrics_port if self.metrics_port is not None else self.port + 1
 
     @property
+    def cores_per_rank(self) -> int:
+        """The machine's cores shared among the ranks (at least 1)."""
+        return max(1, (os.cpu_count() or 1) // self.dp_size)
+
+    @property
+    def rank_lanes(self) -> int:
+        """Lanes of each rank on CPU (model/runner.py): --cpu-lanes, else 2 when a rank has
+        two cores or more. A step's sequences are cut into lanes computed by threads of their
+        own that block when done, so a core the server needs now and then costs a step only
+        the time the server takes (OpenMP's threads spin on each other instead: figures in
+        docs/benchmarks.md)."""
+        return self.cpu_lanes or min(2, self.cores_per_rank)
+
+    @property
     def rank_threads(self) -> int:
-        """torch threads of each rank: --torch-threads, else the cores but one (left to the
-        server) shared among the ranks. More threads than free cores make OpenMP's spinning
-        threads wait on descheduled ones: a step then takes several times longer (the
-        figures are in docs/benchmarks.md)."""
-        return self.torch_threads or max(1, ((os.cpu_count() or 1) - 1) // self.dp_size)
+        """torch (OpenMP) threads of each lane: --torch-threads, else the rank's cores but
+        one (left to the server) shared among its lanes, at least 1. More spinning threads
+        than free cores make each wait on descheduled ones: a step then takes several times
+        longer (the figures are in docs/benchmarks.md)."""
+        return self.torch_threads or max(1, (self.cores_per_rank - 1) // self.rank_lanes)
 
     def replace(self, **changes: Any) -> ServerArgs:
         return dataclasses.replace(self, **changes)

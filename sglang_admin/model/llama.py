@@ -280,6 +280,21 @@ class ExtendSeq:
 
 
 @dataclass
+class DecodeGroup:
+    """Decode sequences of similar length, attended together: their keys are padded to the
+    group's longest sequence only (a batch's lengths spread widely; one padded group would
+    move far more K/V bytes than the sequences hold)."""
+
+    start: int  # its first sequence (= token) in the decode group
+    count: int
+    length: int  # its longest sequence
+    kv_index: torch.Tensor  # [count * length] pool slots, row-major, padded rows repeat slots
+    mask: torch.Tensor | None = None  # [count, 1, 1, length] bool; None: no padding
+    # the same with the sliding window applied; None when no query reaches the window
+    swa_mask: torch.Tensor | None = None
+
+
+@dataclass
 class AttentionMetadata:
     """Where every new token's K/V goes and which pool slots each query attends to.
 
@@ -289,12 +304,8 @@ class AttentionMetadata:
 
     out_slots: torch.Tensor  # [T] pool slot for each new token's K/V
     num_decode: int = 0
-    # decode group: padded [Bd, decode_len] slot matrix, flattened
-    decode_kv_index: torch.Tensor | None = None
-    decode_len: int = 0
-    decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, decode_len] bool; None: no padding
-    # same, with the sliding window applied; None when no query reaches the window
-    decode_swa_mask: torch.Tensor | None = None
+    # the decode sequences in groups of similar length, in token order
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
     # extend group, one entry per sequence, in token order
     extend_seqs: list[ExtendSeq] = field(default_factory=list)
     # scratch for gathered K and V rows ([rows, kv_heads * head_dim] each), reused by every
@@ -415,19 +426,19 @@ class Attention(nn.Module):
         v_flat = v_cache.view(v_cache.shape[0], kv * d)
         parts = []
         nd = meta.num_decode
-        if nd:
+        for group in meta.decode_groups:
             # queries of one kv head form the "query length" axis: no K/V repeat needed
-            qd = q[:nd].reshape(nd, kv, self.group, d)
-            length = meta.decode_len
-            kd = gather_rows(k_flat, meta.decode_kv_index, meta.gather_k)
-            vd = gather_rows(v_flat, meta.decode_kv_index, meta.gather_v)
-            kd = kd.view(nd, length, kv, d).transpose(1, 2)
-            vd = vd.view(nd, length, kv, d).transpose(1, 2)
-            mask = meta.decode_mask
-            if self.sliding_window is not None and meta.decode_swa_mask is not None:
-                mask = meta.decode_swa_mask
+            a, n, length = group.start, group.count, group.length
+            qd = q[a : a + n].reshape(n, kv, self.group, d)
+            kd = gather_rows(k_flat, group.kv_index, meta.gather_k)
+            vd = gather_rows(v_flat, group.kv_index, meta.gather_v)
+            kd = kd.view(n, length, kv, d).transpose(1, 2)
+            vd = vd.view(n, length, kv, d).transpose(1, 2)
+            mask = group.mask
+            if self.sliding_window is not None and group.swa_mask is not None:
+                mask = group.swa_mask
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=self.scale)
-            parts.append(od.reshape(nd, h * d))
+            parts.append(od.reshape(n, h * d))
         if meta.extend_seqs:
             parts.append(self._attend_extend(q[nd:], k[nd:], v[nd:], meta, k_flat, v_flat))
         return parts[0] if len(parts) == 1 else torch.cat(parts)

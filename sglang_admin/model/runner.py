@@ -13,15 +13,22 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import itertools
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
 from sglang_admin.messages import SamplingParams
 from sglang_admin.model.grammar_mask import TokenMatcher, apply_grammar_masks
-from sglang_admin.model.llama import AttentionMetadata, ExtendSeq, LlamaForCausalLM
+from sglang_admin.model.llama import (
+    AttentionMetadata,
+    DecodeGroup,
+    ExtendSeq,
+    LlamaForCausalLM,
+)
 from sglang_admin.model.loader import (
     ModelLoadError,
     dtype_from_name,
@@ -34,7 +41,17 @@ from sglang_admin.model.sampling import SampleRequest, SampleResult, sample
 
 logger = logging.getLogger(__name__)
 
+# lanes (see ModelRunner._split_lanes): the keys one new token's attention reads that cost
+# about as much as its projections, and the least work (in tokens) worth a lane of its own
+ATTENTION_KEYS_PER_TOKEN = 256.0
+MIN_LANE_WORK = 4.0
+# decode groups (see group_by_length): the K/V rows whose gather and attention cost about as
+# much as one more group's ops, and the most groups per lane
+GROUP_OVERHEAD_ROWS = 1024
+MAX_DECODE_GROUPS = 4
+
 _CPU_KV_BUDGET_BYTES = 1 << 30
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 _CPU_MAX_TOKENS = 65536
 
 
@@ -131,6 +148,7 @@ class ModelRunner:
         context_length: int | None = None,
         seed: int = 0,
         lora_slots: tuple[int, int] | None = None,
+        lanes: int = 1,
     ) -> None:
         if model_path is None:
             from sglang_admin.model.default_model import ensure_default_model
@@ -175,10 +193,14 @@ class ModelRunner:
         self._table_dirty = False  # written since the last reset (a flush of an idle pool skips it)
         # CPU only: persistent scratch for gathered K/V rows (CUDA's caching allocator
         # already reuses memory; on CPU fresh multi-megabyte buffers cost page faults)
-        self._scratch_k: torch.Tensor | None = None
-        self._scratch_v: torch.Tensor | None = None
+        self._scratch: list[tuple[torch.Tensor, torch.Tensor] | None] = []  # one per lane
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
+        # CPU: a step's sequences are cut into this many lanes, each computed by a thread of
+        # its own (threads that block when done, unlike OpenMP's, which spin: see
+        # _split_lanes); CUDA and LoRA run one lane
+        self.lanes = max(1, lanes) if self.device.type == "cpu" else 1
+        self._lane_pool: ThreadPoolExecutor | None = None
         self.last_times = ForwardTimes()  # the last forward_step's split, for step_timing
         logger.info(
             "model %s loaded: %s on %s, %.1f MiB weights, KV pool %d tokens (%.1f MiB)",
@@ -196,16 +218,20 @@ class ModelRunner:
             return int(tokens)
         return int(min(_CPU_MAX_TOKENS, _CPU_KV_BUDGET_BYTES // per_token))
 
-    def _gather_scratch(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Scratch buffers of at least `rows` rows for gathered K and V (grown, never shrunk)."""
-        if self._scratch_k is None or self._scratch_k.shape[0] < rows:
+    def _gather_scratch(self, lane: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Lane ``lane``'s scratch for gathered K and V rows, at least ``rows`` rows (grown,
+        never shrunk)."""
+        while len(self._scratch) <= lane:
+            self._scratch.append(None)
+        have = self._scratch[lane]
+        if have is None or have[0].shape[0] < rows:
             cfg = self.model.config
-            cap = max(rows, 2 * self._scratch_k.shape[0] if self._scratch_k is not None else 0)
+            cap = max(rows, 2 * have[0].shape[0] if have is not None else 0)
             shape = (cap, cfg.num_kv_heads * cfg.head_dim)
-            self._scratch_k = torch.empty(shape, dtype=self.dtype, device=self.device)
-            self._scratch_v = torch.empty(shape, dtype=self.dtype, device=self.device)
-        assert self._scratch_v is not None
-        return self._scratch_k, self._scratch_v
+            have = (torch.empty(shape, dtype=self.dtype, device=self.device),
+                    torch.empty(shape, dtype=self.dtype, device=self.device))
+            self._scratch[lane] = have
+        return have
 
     def _allocate_kv(self) -> None:
         """The KV pool: one allocation; per-layer K and V are contiguous views of it."""
@@ -233,7 +259,7 @@ class ModelRunner:
             return 0
         self._kv = None
         self.k_caches, self.v_caches = [], []
-        self._scratch_k = self._scratch_v = None
+        self._scratch = []
         self.reset()
         _return_memory(self.device)
         return self.kv_cache_bytes
@@ -302,7 +328,9 @@ class ModelRunner:
 
     def _forward_step(self, seqs: list[SeqInput]) -> list[SeqOutput | None]:
         ctx = self.context_length
-        decode = [s for s in seqs if len(s.token_ids) == 1]
+        # decode sequences first, shortest context first (a lane pads its decode group to
+        # its own longest sequence only), then the extend sequences
+        decode = sorted((s for s in seqs if len(s.token_ids) == 1), key=lambda s: s.prefix_len)
         extend = [s for s in seqs if len(s.token_ids) != 1]
         ordered = decode + extend
         nd = len(decode)
@@ -337,6 +365,7 @@ class ModelRunner:
             if s.sample:
                 select.append(offset - 1)
                 sampled.append(s)
+        offsets.append(offset)  # the end of the last sequence
         dec_rows = [s.req_idx for s in decode]
         dec_lens = [s.prefix_len + 1 for s in decode]
         ext_len = max((s.prefix_len + len(s.token_ids) for s in extend), default=0)
@@ -352,54 +381,23 @@ class ModelRunner:
         packed = torch.tensor(flat, dtype=torch.int64).to(self.device, non_blocking=True)
         (t_ids, t_pos, t_cells, t_tcells, t_tvals, t_select, t_dec_rows,
          t_dec_lens) = packed.split([len(part) for part in parts])
-
-        # ---- attention metadata, once for all layers
-        table = self.req_to_token
         if table_cells:
-            table.view(-1).index_copy_(0, t_tcells, t_tvals)
+            self.req_to_token.view(-1).index_copy_(0, t_tcells, t_tvals)
             self._table_dirty = True
-        meta = AttentionMetadata(out_slots=table.view(-1).index_select(0, t_cells))
-        meta.num_decode = nd
-        if nd:
-            dlen = max(dec_lens)
-            meta.decode_len = dlen
-            meta.decode_kv_index = table[:, :dlen].index_select(0, t_dec_rows).reshape(-1)
-            keys = self._arange[:dlen].unsqueeze(0)
-            if min(dec_lens) != dlen:
-                meta.decode_mask = (keys < t_dec_lens.unsqueeze(1)).view(nd, 1, 1, dlen)
-            if window is not None:
-                qpos = (t_dec_lens - 1).unsqueeze(1)
-                swa = (keys <= qpos) & (keys > qpos - window)
-                meta.decode_swa_mask = swa.view(nd, 1, 1, dlen)
-        # each extend sequence attends on its own, unpadded (see ExtendSeq)
-        start = 0
-        gathered = 0  # the most pool rows one extend sequence gathers
-        for s in extend:
-            p, n = s.prefix_len, len(s.token_ids)
-            seq = ExtendSeq(start, n)
-            in_window = window is not None and p + n > window
-            if p or in_window:
-                qpos = self._arange[p : p + n].unsqueeze(1)  # [n, 1]
-                keys = self._arange[: p + n].unsqueeze(0)
-                causal = keys <= qpos
-                if p:
-                    seq.kv_index = table[s.req_idx, : p + n]
-                    seq.mask = causal.view(1, 1, n, p + n)
-                    gathered = max(gathered, p + n)
-                if in_window:
-                    seq.swa_mask = (causal & (keys > qpos - window)).view(1, 1, n, p + n)
-            meta.extend_seqs.append(seq)
-            start += n
 
+        # ---- attention metadata per lane, once for all layers
+        lanes = self._split_lanes(ordered) if self.lora is None else [(0, len(ordered))]
+        metas: list[AttentionMetadata] = []
+        for i, (a, b) in enumerate(lanes):
+            da, db = min(a, nd), min(b, nd)  # the lane's decode sequences
+            metas.append(self._metadata(
+                ordered[max(a, nd) : b], t_cells[offsets[a] : offsets[b]],
+                t_dec_rows[da:db], t_dec_lens[da:db], dec_lens[da:db], window, i))
         if self.lora is not None:  # which adapter each token runs with
             self.lora.prepare([s.lora_slot for s in ordered for _ in range(len(s.token_ids))])
-        if self.device.type == "cpu":
-            rows = max(nd * meta.decode_len, gathered)
-            if rows:
-                meta.gather_k, meta.gather_v = self._gather_scratch(rows)
 
         t_model = time.perf_counter()
-        hidden = self.model(t_ids, t_pos, meta, self.k_caches, self.v_caches)
+        hidden = self._run_lanes(lanes, offsets, t_ids, t_pos, metas)
         if not sampled:
             self.last_times = ForwardTimes(model=time.perf_counter() - t_model)
             return self._with_extras({}, seqs, [], ordered, offsets, hidden, t_select)
@@ -421,6 +419,95 @@ class ModelRunner:
         self.last_times = ForwardTimes(model=t_sample - t_model,
                                        sample=time.perf_counter() - t_sample)
         return self._with_extras(by_seq, seqs, sampled, ordered, offsets, hidden, t_select)
+
+    def _split_lanes(self, ordered: list[SeqInput]) -> list[tuple[int, int]]:
+        """Cut the ordered sequences into at most ``self.lanes`` runs of about equal work,
+        as (start, end) index pairs; one run when lanes are off, the step is small or it is
+        decode only: a decode step's ops are small, and two threads would mostly wait on each
+        other's Python (the GIL) while the server needs the other core for the step's
+        messages (measured in docs/benchmarks.md).
+
+        A sequence's work is its new tokens' projections plus their attention, which grows
+        with the keys each new token reads: n * (1 + (prefix + n) / ATTENTION_KEYS_PER_TOKEN).
+        """
+        if self.lanes <= 1 or len(ordered) < 2 or len(ordered[-1].token_ids) == 1:
+            return [(0, len(ordered))]  # decode only (extend sequences come last)
+        costs = [len(s.token_ids) * (1.0 + (s.prefix_len + len(s.token_ids))
+                                     / ATTENTION_KEYS_PER_TOKEN) for s in ordered]
+        total = sum(costs)
+        if total < MIN_LANE_WORK * 2:
+            return [(0, len(ordered))]
+        lanes = min(self.lanes, len(ordered), int(total // MIN_LANE_WORK))
+        prefix = list(itertools.accumulate(costs))
+        cuts = [0]
+        for j in range(1, lanes):  # each cut where the work done is nearest j/lanes of it
+            target = total * j / lanes
+            first, last = cuts[-1] + 1, len(ordered) - (lanes - j)
+            cuts.append(min(range(first, last + 1), key=lambda i: abs(prefix[i - 1] - target)))
+        cuts.append(len(ordered))
+        return list(zip(cuts, cuts[1:]))
+
+    def _metadata(self, extend: list[SeqInput], cells: torch.Tensor, dec_rows: torch.Tensor,
+                  t_dec_lens: torch.Tensor, dec_lens: list[int], window: int | None,
+                  lane: int) -> AttentionMetadata:
+        """The attention metadata of one lane: its decode sequences (their table rows and
+        lengths) first, then its extend sequences; ``cells`` are its new tokens' table cells."""
+        table = self.req_to_token
+        meta = AttentionMetadata(out_slots=table.view(-1).index_select(0, cells))
+        nd = len(dec_lens)
+        meta.num_decode = nd
+        gathered = 0  # the most pool rows one group or extend sequence gathers
+        for a, b in group_by_length(dec_lens):
+            length = dec_lens[b - 1]  # the lengths are ascending
+            group = DecodeGroup(a, b - a, length,
+                                table[:, :length].index_select(0, dec_rows[a:b]).reshape(-1))
+            keys = self._arange[:length].unsqueeze(0)
+            lens = t_dec_lens[a:b].unsqueeze(1)
+            if dec_lens[a] != length:
+                group.mask = (keys < lens).view(b - a, 1, 1, length)
+            if window is not None:
+                swa = (keys < lens) & (keys >= lens - window)
+                group.swa_mask = swa.view(b - a, 1, 1, length)
+            meta.decode_groups.append(group)
+            gathered = max(gathered, (b - a) * length)
+        # each extend sequence attends on its own, unpadded (see ExtendSeq)
+        start = 0
+        for s in extend:
+            p, n = s.prefix_len, len(s.token_ids)
+            seq = ExtendSeq(start, n)
+            in_window = window is not None and p + n > window
+            if p or in_window:
+                qpos = self._arange[p : p + n].unsqueeze(1)  # [n, 1]
+                keys = self._arange[: p + n].unsqueeze(0)
+                causal = keys <= qpos
+                if p:
+                    seq.kv_index = table[s.req_idx, : p + n]
+                    seq.mask = causal.view(1, 1, n, p + n)
+                    gathered = max(gathered, p + n)
+                if in_window:
+                    seq.swa_mask = (causal & (keys > qpos - window)).view(1, 1, n, p + n)
+            meta.extend_seqs.append(seq)
+            start += n
+        if self.device.type == "cpu" and gathered:
+            meta.gather_k, meta.gather_v = self._gather_scratch(lane, gathered)
+        return meta
+
+    def _run_lanes(self, lanes: list[tuple[int, int]], offsets: list[int], ids: torch.Tensor,
+                   positions: torch.Tensor, metas: list[AttentionMetadata]) -> torch.Tensor:
+        """Hidden states of every new token: one forward per lane, lanes past the first on
+        the lane threads while this thread computes the first; joined in token order."""
+        def run(i: int) -> torch.Tensor:
+            a, b = offsets[lanes[i][0]], offsets[lanes[i][1]]
+            return self.model(ids[a:b], positions[a:b], metas[i], self.k_caches, self.v_caches)
+
+        if len(lanes) == 1:
+            return run(0)
+        if self._lane_pool is None:
+            self._lane_pool = ThreadPoolExecutor(self.lanes - 1, thread_name_prefix="lane")
+        futures = [self._lane_pool.submit(_in_inference_mode, run, i)
+                   for i in range(1, len(lanes))]
+        first = run(0)
+        return torch.cat([first, *(f.result() for f in futures)])
 
     def _sample(self, logits: torch.Tensor, reqs: list[SampleRequest]) -> list[SeqOutput]:
         """Sample the whole batch at once; when that raises, row by row, so that only the
@@ -468,6 +555,46 @@ def _seq_output(result: SampleResult, i: int) -> SeqOutput:
     if result.token_ids_logprobs:
         out.token_ids_logprobs = result.token_ids_logprobs[i]
     return out
+
+def group_by_length(lengths: list[int], overhead: int = GROUP_OVERHEAD_ROWS,
+                    most: int = MAX_DECODE_GROUPS) -> list[tuple[int, int]]:
+    """Cut ascending ``lengths`` into 1..``most`` runs of equal count, (start, end) pairs:
+    the count of runs whose K/V rows (each run pads to its longest) plus ``overhead`` rows
+    per run (its ops' fixed cost) are fewest."""
+    n = len(lengths)
+    best: list[tuple[int, int]] = []
+    best_cost = float("inf")
+    for k in range(1, min(most, n) + 1):
+        bounds = [n * i // k for i in range(k + 1)]
+        runs = list(zip(bounds, bounds[1:]))
+        cost = sum((b - a) * lengths[b - 1] + overhead for a, b in runs)
+        if cost < best_cost:
+            best, best_cost = runs, cost
+    return best
+
+
+def _in_inference_mode(fn, *args):  # noqa: ANN001, ANN202 - a lane thread's entry
+    """Run fn(*args) under torch.inference_mode (a per-thread mode: lane threads need it)."""
+    with torch.inference_mode():
+        return fn(*args)
+
+
+def keep_freed_cpu_memory() -> None:
+    """Let glibc keep freed memory for the next step instead of giving it back at once.
+
+    A forward pass allocates and frees megabytes of activations; by default glibc serves
+    such blocks with mmap and unmaps them when freed, so every step pays page faults on
+    fresh memory (a fifth of a CPU prefill step here: docs/benchmarks.md). Blocks up to
+    32 MiB now come from the heap, which is trimmed past 1 GiB of free space; the memory
+    release RPCs still hand everything back (``_return_memory`` trims).
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20)
+        libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30)
+    except (OSError, AttributeError):  # not glibc: nothing to tune
+        pass
+
 
 def _return_memory(device: torch.device) -> None:
     """Hand freed memory back: CUDA's cached blocks, or glibc's arenas on CPU."""

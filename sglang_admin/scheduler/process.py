@@ -175,7 +175,7 @@ class RankLoop:
     ) -> None:
         import torch
 
-        from sglang_admin.model.runner import ModelRunner
+        from sglang_admin.model.runner import ModelRunner, keep_freed_cpu_memory
         from sglang_admin.scheduler.profiler import Profiler
         from sglang_admin.scheduler.weight_groups import WeightSync
 
@@ -188,6 +188,7 @@ class RankLoop:
         # A core is left to the server by default: threads that share cores with it (or with
         # each other) spin-wait on one another and make every step many times slower.
         torch.set_num_threads(args.rank_threads)
+        keep_freed_cpu_memory()
         torch.manual_seed(args.seed + rank)
         self.runner = ModelRunner(
             args.model_path,
@@ -198,6 +199,7 @@ class RankLoop:
             context_length=args.context_length,
             seed=args.seed,
             lora_slots=(args.max_loaded_loras, args.max_lora_rank) if args.enable_lora else None,
+            lanes=args.rank_lanes,
         )
         info = self.runner.info
         self.kv_events: list[list[Any]] = []

@@ -49,16 +49,19 @@ def test_good_serve_flags_parse() -> None:
     assert (ns.port, ns.max_connection_idle_s, ns.keepalive_time_s) == (65535, 0.0, 30.0)
 
 
-def test_rank_threads_default_to_the_cores_but_one_shared_among_ranks() -> None:
+def test_ranks_share_the_cores_in_two_lanes_leaving_one_core(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     import os
 
     from sglang_admin.config import ServerArgs
 
-    cores = os.cpu_count() or 1
-    assert ServerArgs().rank_threads == max(1, cores - 1)
-    assert ServerArgs(dp_size=2).rank_threads == max(1, (cores - 1) // 2)
-    assert ServerArgs(dp_size=2 * cores).rank_threads == 1
-    assert ServerArgs(torch_threads=3).rank_threads == 3
+    for cores, dp, lanes, threads in [(1, 1, 1, 1), (2, 1, 2, 1), (2, 2, 1, 1), (3, 1, 2, 1),
+                                      (8, 1, 2, 3), (16, 2, 2, 3), (4, 8, 1, 1)]:
+        monkeypatch.setattr(os, "cpu_count", lambda cores=cores: cores)
+        args = ServerArgs(dp_size=dp)
+        assert (args.rank_lanes, args.rank_threads) == (lanes, threads), (cores, dp)
+    assert ServerArgs(torch_threads=3, cpu_lanes=1).rank_threads == 3
+    assert ServerArgs(cpu_lanes=3).rank_lanes == 3
 
 
 @pytest.mark.parametrize("port", ["99999", "-5"])

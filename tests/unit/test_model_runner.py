@@ -30,6 +30,7 @@ from sglang_admin.model.runner import (  # noqa: E402
     ModelRunner,
     SeqInput,
     SeqOutput,
+    group_by_length,
 )
 
 MAX_NEW = 10
@@ -284,6 +285,54 @@ def test_batching_changes_nothing(model_dirs: dict[str, str]) -> None:
         assert solo.out == match.out
         for a, b in zip(solo.outputs, match.outputs):
             assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_lanes_change_nothing(model_dirs: dict[str, str], kind: str) -> None:
+    """A step cut into lanes (threads computing parts of the batch) gives the tokens and
+    logprobs of the same step on one lane, prefill chunks, shared prefixes and windows too."""
+    path = model_dirs[kind]
+    results = []
+    for lanes in (1, 3):
+        runner = _runner(path, lanes=lanes)
+        reqs = mixed_workload(runner.info.vocab_size)
+        for r in reqs:
+            r.return_logprob = True
+        results.append(simulate(runner, reqs))
+    for one, laned in zip(*results):
+        assert laned.out == one.out
+        for a, b in zip(one.outputs, laned.outputs):
+            assert b.logprob == pytest.approx(a.logprob, abs=1e-5)
+
+
+def test_steps_with_prefill_work_are_cut_into_balanced_lanes(model_dirs: dict[str, str]) -> None:
+    runner = _runner(model_dirs["llama"], lanes=2)
+
+    def seq(prefix: int, new: int) -> SeqInput:
+        return SeqInput(0, prefix, [1] * new, 0, [], SamplingParams(), [], [])
+
+    # decode-only steps stay on one lane (their ops are small: docs/benchmarks.md)
+    assert runner._split_lanes([seq(100, 1)] * 8) == [(0, 8)]
+    # two equal prompts: one each
+    assert runner._split_lanes([seq(0, 200), seq(0, 200)]) == [(0, 1), (1, 2)]
+    # decode sequences beside a prompt: the prompt is most of the work
+    assert runner._split_lanes([seq(50, 1)] * 4 + [seq(0, 300)]) == [(0, 4), (4, 5)]
+    # one sequence cannot be cut; tiny steps are not worth a thread
+    assert runner._split_lanes([seq(0, 500)]) == [(0, 1)]
+    assert runner._split_lanes([seq(0, 2), seq(0, 2)]) == [(0, 2)]
+    assert _runner(model_dirs["llama"])._split_lanes([seq(0, 200)] * 2) == [(0, 2)]
+
+
+def test_decode_groups_pad_less_than_one_group() -> None:
+    assert group_by_length([]) == []
+    assert group_by_length([7] * 10) == [(0, 10)]  # no padding: one group
+    lengths = sorted([20, 30, 40, 300, 310, 320, 600, 610, 620, 630] * 4)
+    runs = group_by_length(lengths)
+    assert 1 < len(runs) <= 4
+    assert runs[0][0] == 0 and runs[-1][1] == len(lengths)
+    assert all(a < b and b == c for (a, b), (c, _) in zip(runs, runs[1:]))
+    padded = sum((b - a) * lengths[b - 1] for a, b in runs)
+    assert padded < 0.8 * len(lengths) * lengths[-1]
 
 
 def test_sampled_generation_is_seeded(model_dirs: dict[str, str]) -> None:
