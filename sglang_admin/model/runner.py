@@ -503,7 +503,11 @@ class ModelRunner:
         if len(lanes) == 1:
             return run(0)
         if self._lane_pool is None:
-            self._lane_pool = ThreadPoolExecutor(self.lanes - 1, thread_name_prefix="lane")
+            # a new thread does not inherit torch's thread count: without this, each lane
+            # would start an OpenMP team of the machine's size, whose threads spin
+            self._lane_pool = ThreadPoolExecutor(
+                self.lanes - 1, thread_name_prefix="lane",
+                initializer=torch.set_num_threads, initargs=(torch.get_num_threads(),))
         futures = [self._lane_pool.submit(_in_inference_mode, run, i)
                    for i in range(1, len(lanes))]
         first = run(0)
