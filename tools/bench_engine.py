@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sglang_admin.messages import GenerateReq, SamplingParams  # noqa: E402
-from sglang_admin.model.runner import ModelRunner, keep_freed_cpu_memory  # noqa: E402
+from sglang_admin.model.runner import ModelRunner  # noqa: E402
 from sglang_admin.scheduler.process import batch_inputs  # noqa: E402
 from sglang_admin.scheduler.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 from tools.workloads import Workload, mixed_workload, prefix_workload  # noqa: E402
@@ -145,7 +145,6 @@ def main(argv: list[str] | None = None) -> int:
 
     if ns.threads:
         torch.set_num_threads(ns.threads)
-    keep_freed_cpu_memory()  # as a rank does (both sides run in this process)
     load_before = os.getloadavg()
     torch.manual_seed(0)
     runner = ModelRunner(ns.model_path, device="cpu", dtype="float32", max_running_requests=64)
