@@ -150,9 +150,6 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--torch-threads", type=_non_negative_int, default=0,
                    help="torch threads per lane of a rank (0: the rank's share of the cores "
                         "but one, left to the server, shared among its lanes; at least 1)")
-    p.add_argument("--no-cpu-affinity", dest="cpu_affinity", action="store_false",
-                   help="on CPU, do not bind each rank lane and the server to cores of their "
-                        "own (they are bound by default)")
     p.add_argument("--cpu-lanes", type=_non_negative_int, default=0,
                    help="on CPU, cut each step's sequences into this many parts computed at "
                         "once by threads of their own (0: 2 when a rank has 2 cores or more)")

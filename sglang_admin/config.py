@@ -8,8 +8,6 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
-from sglang_admin import affinity
-
 # Forward steps after which a running profile stops by itself: a forgotten profile's
 # events grow the rank's memory and the time its export takes without bound.
 DEFAULT_PROFILE_MAX_STEPS = 5000
@@ -80,7 +78,6 @@ class ServerArgs:
     watchdog_probe_timeout_s: float = 15.0  # a rank in Python work can hold its GIL for seconds
     torch_threads: int = 0  # per lane of a rank; 0: see rank_threads
     cpu_lanes: int = 0  # threads that compute parts of a CPU step at once; 0: see rank_lanes
-    cpu_affinity: bool = True  # on CPU, bind lanes and the server to cores (affinity.py)
     seed: int = 0
     # LoRA (scheduler/lora_control.py): adapters live in --max-loaded-loras slots of rank
     # up to --max-lora-rank; lora_paths are (name, path) pairs loaded at start.
@@ -106,17 +103,8 @@ class ServerArgs:
 
     @property
     def cores_per_rank(self) -> int:
-        """The cores this process may use, shared among the ranks (at least 1)."""
-        return max(1, len(affinity.allowed_cores()) // self.dp_size)
-
-    def lane_cores(self, rank: int) -> list[tuple[int, ...]]:
-        """Rank ``rank``'s cores, lane by lane (see affinity.py)."""
-        return affinity.lane_cores(rank, self.rank_lanes, self.rank_threads)
-
-    @property
-    def server_cores(self) -> tuple[int, ...]:
-        """The cores the server keeps to: those no rank decodes on (none: not bound)."""
-        return affinity.server_cores(c for rank in range(self.dp_size) for c in self.lane_cores(rank)[0])
+        """The machine's cores shared among the ranks (at least 1)."""
+        return max(1, (os.cpu_count() or 1) // self.dp_size)
 
     @property
     def rank_lanes(self) -> int:

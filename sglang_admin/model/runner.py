@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 import torch
 
-from sglang_admin.affinity import pin_thread
 from sglang_admin.messages import SamplingParams
 from sglang_admin.model.grammar_mask import TokenMatcher, apply_grammar_masks
 from sglang_admin.model.llama import (
@@ -150,7 +149,6 @@ class ModelRunner:
         seed: int = 0,
         lora_slots: tuple[int, int] | None = None,
         lanes: int = 1,
-        lane_cores: list[tuple[int, ...]] | None = None,
     ) -> None:
         if model_path is None:
             from sglang_admin.model.default_model import ensure_default_model
@@ -203,8 +201,6 @@ class ModelRunner:
         # _split_lanes); CUDA and LoRA run one lane
         self.lanes = max(1, lanes) if self.device.type == "cpu" else 1
         self._lane_pool: ThreadPoolExecutor | None = None
-        # the cores each lane's thread is bound to (affinity.py); None: not bound
-        self.lane_cores = lane_cores if self.device.type == "cpu" else None
         self.last_times = ForwardTimes()  # the last forward_step's split, for step_timing
         logger.info(
             "model %s loaded: %s on %s, %.1f MiB weights, KV pool %d tokens (%.1f MiB)",
@@ -506,26 +502,16 @@ class ModelRunner:
 
         if len(lanes) == 1:
             return run(0)
-        futures = [self._lane_threads().submit(_in_inference_mode, run, i)
+        if self._lane_pool is None:
+            # a new thread does not inherit torch's thread count: without this, each lane
+            # would start an OpenMP team of the machine's size, whose threads spin
+            self._lane_pool = ThreadPoolExecutor(
+                self.lanes - 1, thread_name_prefix="lane",
+                initializer=torch.set_num_threads, initargs=(torch.get_num_threads(),))
+        futures = [self._lane_pool.submit(_in_inference_mode, run, i)
                    for i in range(1, len(lanes))]
         first = run(0)
         return torch.cat([first, *(f.result() for f in futures)])
-
-    def _lane_threads(self) -> ThreadPoolExecutor:
-        """The threads of lanes past the first (started on first use)."""
-        if self._lane_pool is None:
-            self._lane_pool = ThreadPoolExecutor(
-                self.lanes - 1, thread_name_prefix="lane", initializer=self._start_lane_thread,
-                initargs=(torch.get_num_threads(), itertools.count(1)))
-        return self._lane_pool
-
-    def _start_lane_thread(self, threads: int, numbers: itertools.count) -> None:
-        # a new thread does not inherit torch's thread count: without this, each lane
-        # would start an OpenMP team of the machine's size, whose threads spin
-        torch.set_num_threads(threads)
-        lane = next(numbers)
-        if self.lane_cores is not None and lane < len(self.lane_cores):
-            pin_thread(self.lane_cores[lane])
 
     def _sample(self, logits: torch.Tensor, reqs: list[SampleRequest]) -> list[SeqOutput]:
         """Sample the whole batch at once; when that raises, row by row, so that only the

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from sglang_admin.affinity import pin_process, pin_thread
 from sglang_admin.config import ServerArgs
 from sglang_admin.logging_utils import setup_logging
 from sglang_admin.messages import (
@@ -120,7 +119,6 @@ def run_scheduler(args: ServerArgs, rank: int, parent_pid: int) -> None:
         sys.exit(1)
     heartbeat = HeartbeatThread(ctx, args, rank, loop)
     heartbeat.start()
-    loop.bind_cores()
     try:
         loop.run()
     finally:
@@ -202,9 +200,7 @@ class RankLoop:
             seed=args.seed,
             lora_slots=(args.max_loaded_loras, args.max_lora_rank) if args.enable_lora else None,
             lanes=args.rank_lanes,
-            lane_cores=args.lane_cores(rank) if args.cpu_affinity else None,
         )
-
         info = self.runner.info
         self.kv_events: list[list[Any]] = []
         self.trace_ids: dict[str, str] = {}  # rid -> caller's trace id (for --log-requests)
@@ -252,16 +248,6 @@ class RankLoop:
             "rank %d ready: %s on %s, %d KV tokens",
             rank, info.model_path, self.runner.device, self.runner.token_capacity,
         )
-
-    def bind_cores(self) -> None:
-        """On CPU: this thread (the first lane, which runs every decode step) to its cores,
-        the rank's other threads (ZMQ's, the heartbeat) to the server's (affinity.py)."""
-        cores = self.runner.lane_cores
-        if not cores:
-            return
-        if self.args.server_cores:
-            pin_process(self.args.server_cores)
-        pin_thread(cores[0])
 
     # ------------------------------------------------------------------ io
 

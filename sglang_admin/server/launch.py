@@ -14,7 +14,6 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
-from sglang_admin import affinity
 from sglang_admin.config import ServerArgs
 from sglang_admin.pb import common_pb2, common_pb2_grpc
 from sglang_admin.server import ipc_dir
@@ -264,7 +263,6 @@ class Server:
             self.exit_code = 1
             self.stop_event.set()
         elif self.comm.ready.is_set() and not self.stop_event.is_set():
-            self._keep_off_decode_cores()
             await self._set_health(health_pb2.HealthCheckResponse.SERVING)
             logger.info("all %d scheduler rank(s) ready; serving", args.dp_size)
         await stopped
@@ -273,15 +271,6 @@ class Server:
         watcher.cancel()
         watchdog.cancel()
         return self.exit_code
-
-    def _keep_off_decode_cores(self) -> None:
-        """Ranks on CPU: bind the server to the cores where no rank decodes (affinity.py)."""
-        info = self.comm.model_info if self.comm is not None else None
-        cores = self.args.server_cores
-        on_cpu = self.args.cpu_affinity and info is not None and info.device == "cpu"
-        if on_cpu and cores and affinity.pin_process(cores):
-            logger.info("server bound to cores %s (the ranks decode on the others)",
-                        ",".join(map(str, cores)))
 
     async def shutdown(self) -> None:
         """NOT_SERVING, refuse new calls, give in-flight calls the grace period, stop ranks."""

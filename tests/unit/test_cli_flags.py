@@ -51,54 +51,17 @@ def test_good_serve_flags_parse() -> None:
 
 def test_ranks_share_the_cores_in_two_lanes_leaving_one_core(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from sglang_admin import affinity
+    import os
+
     from sglang_admin.config import ServerArgs
 
     for cores, dp, lanes, threads in [(1, 1, 1, 1), (2, 1, 2, 1), (2, 2, 1, 1), (3, 1, 2, 1),
                                       (8, 1, 2, 3), (16, 2, 2, 3), (4, 8, 1, 1)]:
-        monkeypatch.setattr(affinity, "allowed_cores", lambda cores=cores: list(range(cores)))
+        monkeypatch.setattr(os, "cpu_count", lambda cores=cores: cores)
         args = ServerArgs(dp_size=dp)
         assert (args.rank_lanes, args.rank_threads) == (lanes, threads), (cores, dp)
     assert ServerArgs(torch_threads=3, cpu_lanes=1).rank_threads == 3
     assert ServerArgs(cpu_lanes=3).rank_lanes == 3
-
-
-def test_lanes_get_cores_of_their_own_and_the_server_keeps_off_decode_cores(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    from sglang_admin import affinity
-    from sglang_admin.config import ServerArgs
-
-    monkeypatch.setattr(affinity, "allowed_cores", lambda: [0, 1])
-    args = ServerArgs()  # one rank, two lanes of one thread
-    assert args.lane_cores(0) == [(0,), (1,)]
-    assert args.server_cores == (1,)  # beside the second lane, which only computes prompts
-    two = ServerArgs(dp_size=2)  # a core per rank: no core is free of decoding
-    assert (two.lane_cores(0), two.lane_cores(1), two.server_cores) == ([(0,)], [(1,)], ())
-    monkeypatch.setattr(affinity, "allowed_cores", lambda: [4, 5, 6, 7, 8, 9, 10, 11])
-    big = ServerArgs()  # 8 cores (a cpuset): two lanes of 3 threads, the rest to the server
-    assert big.lane_cores(0) == [(4, 5, 6), (7, 8, 9)]
-    assert big.server_cores == (7, 8, 9, 10, 11)
-    assert build_parser().parse_args(["serve", "--no-cpu-affinity"]).cpu_affinity is False
-
-
-def test_binding_a_thread_to_cores_takes_effect() -> None:
-    import os
-    import threading
-
-    from sglang_admin import affinity
-
-    cores = affinity.allowed_cores()
-    seen: list[set[int]] = []
-
-    def bound() -> None:
-        assert affinity.pin_thread(cores[-1:])
-        seen.append(os.sched_getaffinity(0))
-
-    thread = threading.Thread(target=bound)
-    thread.start()
-    thread.join()
-    assert seen == [set(cores[-1:])]
-    assert os.sched_getaffinity(0) == set(cores)  # only the thread that asked
 
 
 @pytest.mark.parametrize("port", ["99999", "-5"])
