@@ -423,9 +423,9 @@ class ModelRunner:
     def _split_lanes(self, ordered: list[SeqInput]) -> list[tuple[int, int]]:
         """Cut the ordered sequences into at most ``self.lanes`` runs of about equal work,
         as (start, end) index pairs; one run when lanes are off, the step is small or it is
-        decode only: a decode step's ops are small, and two threads would mostly wait on each
-        other's Python (the GIL) while the server needs the other core for the step's
-        messages (measured in docs/benchmarks.md).
+        decode only: each half of a split decode step streams all the weights and pays the
+        step's fixed cost again, and the second lane shares its core with the server's
+        messages; served, that was slower than one lane (docs/benchmarks.md).
 
         A sequence's work is its new tokens' projections plus their attention, which grows
         with the keys each new token reads: n * (1 + (prefix + n) / ATTENTION_KEYS_PER_TOKEN).
