@@ -27,6 +27,15 @@ def is_inside(path: str, root: str) -> bool:
     return os.path.commonpath([real, real_root]) == real_root
 
 
+def available_cores() -> int:
+    """The cores this process may run on: its affinity mask (a container's cpuset, taskset)
+    where the OS has one, else the machine's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 @dataclass(frozen=True)
 class ServerArgs:
     """Every resolved setting of one server instance."""
@@ -103,8 +112,8 @@ class ServerArgs:
 
     @property
     def cores_per_rank(self) -> int:
-        """The machine's cores shared among the ranks (at least 1)."""
-        return max(1, (os.cpu_count() or 1) // self.dp_size)
+        """The cores this process may run on, shared among the ranks (at least 1)."""
+        return max(1, available_cores() // self.dp_size)
 
     @property
     def rank_lanes(self) -> int:

@@ -455,7 +455,9 @@ def bench(ns: argparse.Namespace) -> dict[str, Any]:
             out["metrics"] = metrics_on_off(ns, tmp, servers, prober, targets, log)
 
         # ---- 5: streaming through gRPC vs the engine in-process, alternating, best of each
-        threads = max(1, ((os.cpu_count() or 1) - 1) // 1)  # what a dp 1 rank uses
+        from sglang_admin.config import ServerArgs
+
+        threads = ServerArgs().rank_threads  # what a dp 1 rank's lanes use
         log(f"streaming: {STREAMS} streams x {OUTPUT_LEN} tokens, engine in-process "
             f"({threads} torch thread(s)) vs gRPC clients, {ns.stream_rounds} rounds")
         engine_runs, grpc_runs = [], []

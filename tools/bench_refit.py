@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import sys
@@ -58,7 +57,9 @@ def build_checkpoint(path: Path, layers: int) -> int:
 
 def rank_threads(dp_size: int = 1) -> int:
     """The torch thread count a rank of a dp ``dp_size`` worker uses (scheduler/process.py)."""
-    return max(1, ((os.cpu_count() or 1) - 1) // dp_size)
+    from sglang_admin.config import ServerArgs
+
+    return ServerArgs(dp_size=dp_size).rank_threads
 
 
 def bare_tensors(path: Path) -> dict[str, torch.Tensor]:

@@ -51,17 +51,24 @@ def test_good_serve_flags_parse() -> None:
 
 def test_ranks_share_the_cores_in_two_lanes_leaving_one_core(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    import os
-
+    from sglang_admin import config
     from sglang_admin.config import ServerArgs
 
     for cores, dp, lanes, threads in [(1, 1, 1, 1), (2, 1, 2, 1), (2, 2, 1, 1), (3, 1, 2, 1),
                                       (8, 1, 2, 3), (16, 2, 2, 3), (4, 8, 1, 1)]:
-        monkeypatch.setattr(os, "cpu_count", lambda cores=cores: cores)
+        monkeypatch.setattr(config, "available_cores", lambda cores=cores: cores)
         args = ServerArgs(dp_size=dp)
         assert (args.rank_lanes, args.rank_threads) == (lanes, threads), (cores, dp)
     assert ServerArgs(torch_threads=3, cpu_lanes=1).rank_threads == 3
     assert ServerArgs(cpu_lanes=3).rank_lanes == 3
+
+
+def test_cores_are_those_the_process_may_run_on() -> None:
+    import os
+
+    from sglang_admin.config import available_cores
+
+    assert available_cores() == len(os.sched_getaffinity(0))
 
 
 @pytest.mark.parametrize("port", ["99999", "-5"])
