@@ -11,8 +11,8 @@ transformers, served, ...) so that both see the same machine; the best round of 
 After the rounds, the rank's own step timing (GetMetrics' ``sglang:step_*`` families when the
 worker has them) gives the decode step's non-model share.
 
-Usage: python tools/bench_served.py [--model-path DIR] [--rounds N] [--json]
-       [--server-arg=--flag ...]
+Usage: python tools/bench_served.py [--model-path DIR] [--rounds N] [--concurrency N]
+       [--json] [--server-arg=--flag ...]
 """
 
 from __future__ import annotations
@@ -35,8 +35,9 @@ from tools.workloads import Workload, mixed_workload  # noqa: E402
 # ------------------------------------------------------------------ the client process
 
 
-async def _drive(target: str, work: Workload) -> dict[str, float | int]:
-    """Stream every request of ``work`` at once; returns seconds and tokens received."""
+async def _drive(target: str, work: Workload, concurrency: int = 0) -> dict[str, float | int]:
+    """Stream every request of ``work``, at most ``concurrency`` at a time (0: all at once);
+    returns seconds and tokens received."""
     import grpc.aio
 
     from sglang_admin.pb import common_pb2 as pb
@@ -65,15 +66,21 @@ async def _drive(target: str, work: Workload) -> dict[str, float | int]:
         if not flushed.success:
             raise RuntimeError(f"FlushCache failed: {flushed.message}")
         t0 = time.perf_counter()
+        slots = asyncio.Semaphore(concurrency or len(work.prompts))
+
+        async def limited(i: int, prompt: list[int], n: int) -> int:
+            async with slots:
+                return await one(i, prompt, n)
+
         got = await asyncio.gather(
-            *(one(i, p, n) for i, (p, n) in enumerate(zip(work.prompts, work.outputs)))
+            *(limited(i, p, n) for i, (p, n) in enumerate(zip(work.prompts, work.outputs)))
         )
         seconds = time.perf_counter() - t0
     return {"seconds": seconds, "tokens": sum(got)}
 
 
-def client_main(target: str, vocab: int) -> None:
-    print(json.dumps(asyncio.run(_drive(target, mixed_workload(vocab)))))
+def client_main(target: str, vocab: int, concurrency: int) -> None:
+    print(json.dumps(asyncio.run(_drive(target, mixed_workload(vocab), concurrency))))
 
 
 # ------------------------------------------------------------ the transformers process
@@ -134,13 +141,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--server-arg", action="append", default=[],
                    help="extra flag for the worker (repeatable), e.g. --server-arg=--dp-size=2")
     p.add_argument("--json", action="store_true", help="also print one JSON line")
+    p.add_argument("--concurrency", type=int, default=0,
+                   help="streams in flight at most (0: all 64 at once); the decode-step "
+                        "phases are then measured under that many streams")
     p.add_argument("--role", choices=["client", "transformers"], help=argparse.SUPPRESS)
     p.add_argument("--target", help=argparse.SUPPRESS)
     p.add_argument("--vocab", type=int, help=argparse.SUPPRESS)
     p.add_argument("--pad", type=int, default=0, help=argparse.SUPPRESS)
     ns = p.parse_args(argv)
     if ns.role == "client":
-        client_main(ns.target, ns.vocab)
+        client_main(ns.target, ns.vocab, ns.concurrency)
         return 0
     if ns.role == "transformers":
         transformers_main(ns.model_path, ns.vocab, ns.pad)
@@ -165,12 +175,14 @@ def main(argv: list[str] | None = None) -> int:
         pad = info.pad_token_id or 0
         load = os.getloadavg()[0]
         print(f"model {model_path} (vocab {vocab}), {os.cpu_count()} CPUs, load {load:.2f}; "
-              f"worker flags {args or '(defaults)'}; {ns.rounds} alternating rounds, best counts")
+              f"worker flags {args or '(defaults)'}; {ns.rounds} alternating rounds, best counts; "
+              f"streams in flight: {ns.concurrency or 'all'}")
         served: list[float] = []
         hf: list[float] = []
         tokens = 0
         for r in range(ns.rounds):
-            s = _child("--role", "client", "--target", srv.target, "--vocab", str(vocab))
+            s = _child("--role", "client", "--target", srv.target, "--vocab", str(vocab),
+                       "--concurrency", str(ns.concurrency))
             t = _child("--role", "transformers", "--model-path", model_path,
                        "--vocab", str(vocab), "--pad", str(pad))
             tokens = int(t["tokens"])
