@@ -152,7 +152,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                         "but one, left to the server, shared among its lanes; at least 1)")
     p.add_argument("--cpu-lanes", type=_non_negative_int, default=0,
                    help="on CPU, cut each step's sequences into this many parts computed at "
-                        "once by threads of their own (0: 2 when a rank has 2 cores or more)")
+                        "once by threads of their own (0: 1 with --torch-threads, else 2 when "
+                        "a rank has 2 cores or more)")
     p.add_argument("--seed", type=_seed, default=0)
     p.add_argument("--enable-lora", action="store_true",
                    help="serve LoRA adapters (LoadLoRAAdapter, GenerateRequest.lora_id)")

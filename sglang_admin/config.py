@@ -117,12 +117,15 @@ class ServerArgs:
 
     @property
     def rank_lanes(self) -> int:
-        """Lanes of each rank on CPU (model/runner.py): --cpu-lanes, else 2 when a rank has
-        two cores or more. A step's sequences are cut into lanes computed by threads of their
-        own that block when done, so a core the server needs now and then costs a step only
-        the time the server takes (OpenMP's threads spin on each other instead: figures in
-        docs/benchmarks.md)."""
-        return self.cpu_lanes or min(2, self.cores_per_rank)
+        """Lanes of each rank on CPU (model/runner.py): --cpu-lanes, else one when
+        --torch-threads is given (its meaning before lanes: the rank's threads), else 2 when
+        a rank has two cores or more. A step's sequences are cut into lanes computed by
+        threads of their own that block when done, so a core the server needs now and then
+        costs a step only the time the server takes (OpenMP's threads spin on each other
+        instead: figures in docs/benchmarks.md)."""
+        if self.cpu_lanes:
+            return self.cpu_lanes
+        return 1 if self.torch_threads else min(2, self.cores_per_rank)
 
     @property
     def rank_threads(self) -> int:

@@ -61,6 +61,11 @@ def test_ranks_share_the_cores_in_two_lanes_leaving_one_core(
         assert (args.rank_lanes, args.rank_threads) == (lanes, threads), (cores, dp)
     assert ServerArgs(torch_threads=3, cpu_lanes=1).rank_threads == 3
     assert ServerArgs(cpu_lanes=3).rank_lanes == 3
+    # --torch-threads alone keeps its meaning from before lanes: the rank's threads
+    only_threads = ServerArgs(torch_threads=2)
+    assert (only_threads.rank_lanes, only_threads.rank_threads) == (1, 2)
+    both = ServerArgs(torch_threads=2, cpu_lanes=2)
+    assert (both.rank_lanes, both.rank_threads) == (2, 2)
 
 
 def test_cores_are_those_the_process_may_run_on() -> None:
