@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ctypes
 import gc
-import itertools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +22,7 @@ import torch
 
 from sglang_admin.messages import SamplingParams
 from sglang_admin.model.grammar_mask import TokenMatcher, apply_grammar_masks
+from sglang_admin.model.lanes import group_by_length, lane_cuts
 from sglang_admin.model.llama import (
     AttentionMetadata,
     DecodeGroup,
@@ -40,15 +40,6 @@ from sglang_admin.model.output_extras import hidden_rows, input_logprobs
 from sglang_admin.model.sampling import SampleRequest, SampleResult, sample
 
 logger = logging.getLogger(__name__)
-
-# lanes (see ModelRunner._split_lanes): the keys one new token's attention reads that cost
-# about as much as its projections, and the least work (in tokens) worth a lane of its own
-ATTENTION_KEYS_PER_TOKEN = 256.0
-MIN_LANE_WORK = 4.0
-# decode groups (see group_by_length): the K/V rows whose gather and attention cost about as
-# much as one more group's ops, and the most groups per lane
-GROUP_OVERHEAD_ROWS = 1024
-MAX_DECODE_GROUPS = 4
 
 _CPU_KV_BUDGET_BYTES = 1 << 30
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
@@ -421,31 +412,14 @@ class ModelRunner:
         return self._with_extras(by_seq, seqs, sampled, ordered, offsets, hidden, t_select)
 
     def _split_lanes(self, ordered: list[SeqInput]) -> list[tuple[int, int]]:
-        """Cut the ordered sequences into at most ``self.lanes`` runs of about equal work,
-        as (start, end) index pairs; one run when lanes are off, the step is small or it is
-        decode only: each half of a split decode step streams all the weights and pays the
-        step's fixed cost again, and the second lane shares its core with the server's
-        messages; served, that was slower than one lane (docs/benchmarks.md).
-
-        A sequence's work is its new tokens' projections plus their attention, which grows
-        with the keys each new token reads: n * (1 + (prefix + n) / ATTENTION_KEYS_PER_TOKEN).
-        """
+        """The ordered sequences cut into lanes (model/lanes.py's ``lane_cuts``); one run when
+        lanes are off or the step is decode only: each half of a split decode step streams all
+        the weights and pays the step's fixed cost again, and the second lane shares its core
+        with the server's messages; served, that was slower than one lane
+        (docs/benchmarks.md)."""
         if self.lanes <= 1 or len(ordered) < 2 or len(ordered[-1].token_ids) == 1:
             return [(0, len(ordered))]  # decode only (extend sequences come last)
-        costs = [len(s.token_ids) * (1.0 + (s.prefix_len + len(s.token_ids))
-                                     / ATTENTION_KEYS_PER_TOKEN) for s in ordered]
-        total = sum(costs)
-        if total < MIN_LANE_WORK * 2:
-            return [(0, len(ordered))]
-        lanes = min(self.lanes, len(ordered), int(total // MIN_LANE_WORK))
-        prefix = list(itertools.accumulate(costs))
-        cuts = [0]
-        for j in range(1, lanes):  # each cut where the work done is nearest j/lanes of it
-            target = total * j / lanes
-            first, last = cuts[-1] + 1, len(ordered) - (lanes - j)
-            cuts.append(min(range(first, last + 1), key=lambda i: abs(prefix[i - 1] - target)))
-        cuts.append(len(ordered))
-        return list(zip(cuts, cuts[1:]))
+        return lane_cuts([(len(s.token_ids), s.prefix_len) for s in ordered], self.lanes)
 
     def _metadata(self, extend: list[SeqInput], cells: torch.Tensor, dec_rows: torch.Tensor,
                   t_dec_lens: torch.Tensor, dec_lens: list[int], window: int | None,
@@ -559,23 +533,6 @@ def _seq_output(result: SampleResult, i: int) -> SeqOutput:
     if result.token_ids_logprobs:
         out.token_ids_logprobs = result.token_ids_logprobs[i]
     return out
-
-def group_by_length(lengths: list[int], overhead: int = GROUP_OVERHEAD_ROWS,
-                    most: int = MAX_DECODE_GROUPS) -> list[tuple[int, int]]:
-    """Cut ascending ``lengths`` into 1..``most`` runs of equal count, (start, end) pairs:
-    the count of runs whose K/V rows (each run pads to its longest) plus ``overhead`` rows
-    per run (its ops' fixed cost) are fewest."""
-    n = len(lengths)
-    best: list[tuple[int, int]] = []
-    best_cost = float("inf")
-    for k in range(1, min(most, n) + 1):
-        bounds = [n * i // k for i in range(k + 1)]
-        runs = list(zip(bounds, bounds[1:]))
-        cost = sum((b - a) * lengths[b - 1] + overhead for a, b in runs)
-        if cost < best_cost:
-            best, best_cost = runs, cost
-    return best
-
 
 def _in_inference_mode(fn, *args):  # noqa: ANN001, ANN202 - a lane thread's entry
     """Run fn(*args) under torch.inference_mode (a per-thread mode: lane threads need it)."""

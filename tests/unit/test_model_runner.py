@@ -30,7 +30,6 @@ from sglang_admin.model.runner import (  # noqa: E402
     ModelRunner,
     SeqInput,
     SeqOutput,
-    group_by_length,
 )
 
 MAX_NEW = 10
@@ -321,18 +320,6 @@ def test_steps_with_prefill_work_are_cut_into_balanced_lanes(model_dirs: dict[st
     assert runner._split_lanes([seq(0, 500)]) == [(0, 1)]
     assert runner._split_lanes([seq(0, 2), seq(0, 2)]) == [(0, 2)]
     assert _runner(model_dirs["llama"])._split_lanes([seq(0, 200)] * 2) == [(0, 2)]
-
-
-def test_decode_groups_pad_less_than_one_group() -> None:
-    assert group_by_length([]) == []
-    assert group_by_length([7] * 10) == [(0, 10)]  # no padding: one group
-    lengths = sorted([20, 30, 40, 300, 310, 320, 600, 610, 620, 630] * 4)
-    runs = group_by_length(lengths)
-    assert 1 < len(runs) <= 4
-    assert runs[0][0] == 0 and runs[-1][1] == len(lengths)
-    assert all(a < b and b == c for (a, b), (c, _) in zip(runs, runs[1:]))
-    padded = sum((b - a) * lengths[b - 1] for a, b in runs)
-    assert padded < 0.8 * len(lengths) * lengths[-1]
 
 
 def test_sampled_generation_is_seeded(model_dirs: dict[str, str]) -> None:
