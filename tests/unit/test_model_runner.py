@@ -310,7 +310,7 @@ def test_steps_with_prefill_work_are_cut_into_balanced_lanes(model_dirs: dict[st
     def seq(prefix: int, new: int) -> SeqInput:
         return SeqInput(0, prefix, [1] * new, 0, [], SamplingParams(), [], [])
 
-    # decode-only steps stay on one lane (their ops are small: docs/benchmarks.md)
+    # decode-only steps stay on one lane (split, each half pays the weights and fixed costs)
     assert runner._split_lanes([seq(100, 1)] * 8) == [(0, 8)]
     # two equal prompts: one each
     assert runner._split_lanes([seq(0, 200), seq(0, 200)]) == [(0, 1), (1, 2)]
