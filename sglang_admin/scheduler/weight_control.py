@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import Any
 
 from sglang_admin.messages import (
     CheckWeightsReq,
@@ -85,19 +86,26 @@ def _refit(rank: Rank, msg: UpdateWeightsFromDiskReq, aborted: int) -> None:
         rank.reply(msg, False, str(exc), WeightsResult(info, aborted))
         return
     rank.weights_source = os.path.abspath(msg.model_path)
-    rank.weights_valid = True
     info.model_path = rank.weights_source
+    text = weights_now_served(rank, msg, "Succeeded to update model weights.")
+    logger.info("rank %d: weights updated from %s in %.2fs (version %s)", rank.rank,
+                info.model_path, time.perf_counter() - t0, info.weight_version)
+    rank.reply(msg, True, text, WeightsResult(info, aborted))
+
+
+def weights_now_served(rank: Rank, msg: Any, text: str) -> str:
+    """New weights are in place (from disk, a trainer's group or shared memory): serve them
+    under ``msg.weight_version`` and flush the cache when asked; ``text`` plus what was not
+    done is the rank's answer."""
+    rank.weights_valid = True
     if msg.weight_version:
-        info.weight_version = msg.weight_version
-    text = "Succeeded to update model weights."
+        rank.model_info.weight_version = msg.weight_version
     if msg.flush_cache:
         if rank.scheduler.running:
             text += " The cache was not flushed: requests are held in place by the pause."
         else:
             flush_now(rank)
-    logger.info("rank %d: weights updated from %s in %.2fs (version %s)", rank.rank,
-                info.model_path, time.perf_counter() - t0, info.weight_version)
-    rank.reply(msg, True, text, WeightsResult(info, aborted))
+    return text
 
 
 def _invalidate(rank: Rank) -> None:

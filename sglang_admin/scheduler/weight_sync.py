@@ -40,8 +40,8 @@ from sglang_admin.model.pushed_weights import (
     load_from_segment,
     receive_weights,
 )
-from sglang_admin.scheduler.cache_control import flush_now
 from sglang_admin.scheduler.control import Rank
+from sglang_admin.scheduler.weight_control import weights_now_served
 
 logger = logging.getLogger(__name__)
 
@@ -189,16 +189,8 @@ def _when_drained(rank: Rank, msg: Any, run: Callable[[int], None]) -> None:
 def _succeeded(rank: Rank, msg: Any, aborted: int, what: str) -> tuple[bool, str, Any]:
     """The loaded weights are what the rank serves now (they came from no checkpoint)."""
     info = rank.model_info
-    rank.weights_valid = True
     rank.weights_source = None
-    if msg.weight_version:
-        info.weight_version = msg.weight_version
-    text = "Succeeded to update parameter online."
-    if msg.flush_cache:
-        if rank.scheduler.running:
-            text += " The cache was not flushed: requests are held in place by the pause."
-        else:
-            flush_now(rank)
+    text = weights_now_served(rank, msg, "Succeeded to update parameter online.")
     logger.info("rank %d: %s (version %s)", rank.rank, what, info.weight_version)
     return True, text, WeightsResult(info, aborted)
 

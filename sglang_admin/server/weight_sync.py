@@ -18,12 +18,12 @@ from sglang_admin.messages import (
     RejectedResult,
     UpdateWeightsFromDistributedReq,
     UpdateWeightsFromTensorReq,
-    WeightsResult,
 )
 from sglang_admin.pb import common_pb2 as pb
 from sglang_admin.server.admin import AdminCalls, FanOut
 from sglang_admin.server.communicator import Communicator
 from sglang_admin.server.convert import ServiceError, invalid
+from sglang_admin.server.weights import weights_updated
 
 INIT_TIMEOUT_S = 300.0  # waits for the trainer and every other rank to join
 UPDATE_TIMEOUT_S = 600.0  # waits for running requests, then for the trainer's broadcasts
@@ -68,24 +68,7 @@ class WeightSync:
 
     def _updated(self, out: FanOut, default: str) -> pb.UpdateWeightsResponse:
         _raise_rejected(out)
-        found = out.result(0)
-        if out.ok and isinstance(found, WeightsResult):
-            self.comm.model_info = found.model_info  # the version every rank now reports
-        self.comm.metrics.weight_update(out.ok)
-        results = out.rank_results()
-        paused = 0
-        for res in results:
-            got = out.result(res.dp_rank)
-            if isinstance(got, WeightsResult):
-                res.num_paused_requests = got.num_paused_requests
-                paused += got.num_paused_requests
-        info = self.comm.model_info
-        assert info is not None
-        return pb.UpdateWeightsResponse(
-            success=out.ok, message=out.message(default), rank_results=results,
-            num_paused_requests=paused, model_path=info.model_path,
-            weight_version=info.weight_version,
-        )
+        return weights_updated(self.comm, out, default)
 
     async def init_group(
         self, request: pb.InitWeightsUpdateGroupRequest, context: grpc.aio.ServicerContext

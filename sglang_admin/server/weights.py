@@ -39,6 +39,28 @@ DEFAULT_TRUNCATE = 100
 MAX_TRUNCATE = 1 << 20
 
 
+def adopt(comm: Communicator, out: FanOut) -> None:
+    """Every rank succeeded: the worker now serves what rank 0 reports."""
+    found = out.result(0)
+    if out.ok and isinstance(found, WeightsResult):
+        comm.model_info = found.model_info  # a new object: cached answers rebuild
+
+
+def weights_updated(comm: Communicator, out: FanOut, default: str) -> pb.UpdateWeightsResponse:
+    """The answer of a weight update (from disk, a trainer's group or shared memory): adopt
+    rank 0's model info when every rank succeeded, count the update, and report each rank."""
+    adopt(comm, out)
+    comm.metrics.weight_update(out.ok)
+    results, paused = _weights_results(out)
+    info = comm.model_info
+    assert info is not None
+    return pb.UpdateWeightsResponse(
+        success=out.ok, message=out.message(default), rank_results=results,
+        num_paused_requests=paused, model_path=info.model_path,
+        weight_version=info.weight_version,
+    )
+
+
 def _weights_results(out: FanOut) -> tuple[list[pb.RankResult], int]:
     results = out.rank_results()
     paused = 0
@@ -65,12 +87,6 @@ class Weights:
         self.comm = comm
         self.admin = admin
 
-    def _adopt(self, out: FanOut) -> None:
-        """Every rank succeeded: the worker now serves what rank 0 reports."""
-        found = out.result(0)
-        if out.ok and isinstance(found, WeightsResult):
-            self.comm.model_info = found.model_info  # a new object: cached answers rebuild
-
     async def update_from_disk(
         self, request: pb.UpdateWeightsFromDiskRequest, context: grpc.aio.ServicerContext
     ) -> pb.UpdateWeightsResponse:
@@ -88,16 +104,7 @@ class Weights:
                 deadline, trace),
             UPDATE_TIMEOUT_S, model_path=path,
         )
-        self._adopt(out)
-        self.comm.metrics.weight_update(out.ok)
-        results, paused = _weights_results(out)
-        info = self.comm.model_info
-        assert info is not None
-        return pb.UpdateWeightsResponse(
-            success=out.ok, message=out.message("Succeeded to update model weights."),
-            rank_results=results, num_paused_requests=paused,
-            model_path=info.model_path, weight_version=info.weight_version,
-        )
+        return weights_updated(self.comm, out, "Succeeded to update model weights.")
 
     async def update_version(
         self, request: pb.UpdateWeightVersionRequest, context: grpc.aio.ServicerContext
@@ -111,7 +118,7 @@ class Weights:
                 rid, request.new_version, abort, deadline, trace),
             READ_TIMEOUT_S, new_version=request.new_version,
         )
-        self._adopt(out)
+        adopt(self.comm, out)
         results, _ = _weights_results(out)
         return pb.AdminResponse(
             success=out.ok, message=out.message(f"weight version set to {request.new_version!r}"),
