@@ -8,7 +8,12 @@ import math
 import sys
 from typing import NoReturn
 
-from sglang_admin.config import DEFAULT_PROFILE_MAX_STEPS, ServerArgs, default_profile_dir
+from sglang_admin.config import (
+    ATTENTION_BACKENDS,
+    DEFAULT_PROFILE_MAX_STEPS,
+    ServerArgs,
+    default_profile_dir,
+)
 from sglang_admin.logging_utils import setup_logging
 
 
@@ -154,6 +159,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="on CPU, cut each step's sequences into this many parts computed at "
                         "once by threads of their own (0: 1 with --torch-threads, else 2 when "
                         "a rank has 2 cores or more)")
+    p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
+                   help="auto: decode attention on CPU in float32 reads the KV pool in place "
+                        "(a small C kernel built at start with the machine's compiler), "
+                        "elsewhere torch's scaled_dot_product_attention; torch_native: torch's "
+                        "everywhere; cpu_paged: the kernel or refuse to start")
     p.add_argument("--seed", type=_seed, default=0)
     p.add_argument("--enable-lora", action="store_true",
                    help="serve LoRA adapters (LoadLoRAAdapter, GenerateRequest.lora_id)")

@@ -11,6 +11,10 @@ from typing import Any
 # Forward steps after which a running profile stops by itself: a forgotten profile's
 # events grow the rank's memory and the time its export takes without bound.
 DEFAULT_PROFILE_MAX_STEPS = 5000
+# --attention-backend: auto (decode attention on CPU in float32 through the C kernel of
+# model/cpu_attention.py when it builds, else torch), torch_native (torch's
+# scaled_dot_product_attention everywhere), cpu_paged (the kernel, or refuse to start)
+ATTENTION_BACKENDS = ("auto", "torch_native", "cpu_paged")
 
 
 def default_profile_dir() -> str:
@@ -87,6 +91,7 @@ class ServerArgs:
     watchdog_probe_timeout_s: float = 15.0  # a rank in Python work can hold its GIL for seconds
     torch_threads: int = 0  # per lane of a rank; 0: see rank_threads
     cpu_lanes: int = 0  # threads that compute parts of a CPU step at once; 0: see rank_lanes
+    attention_backend: str = "auto"  # one of ATTENTION_BACKENDS
     seed: int = 0
     # LoRA (scheduler/lora_control.py): adapters live in --max-loaded-loras slots of rank
     # up to --max-lora-rank; lora_paths are (name, path) pairs loaded at start.

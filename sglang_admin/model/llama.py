@@ -308,6 +308,9 @@ class AttentionMetadata:
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     # extend group, one entry per sequence, in token order
     extend_seqs: list[ExtendSeq] = field(default_factory=list)
+    # CPU float32 (model/cpu_attention.py): the decode sequences attend through the kernel,
+    # in place in the pool, and decode_groups stay empty
+    decode_batch: Any = None
     # scratch for gathered K and V rows ([rows, kv_heads * head_dim] each), reused by every
     # layer: allocating megabytes per layer costs page faults on CPU
     gather_k: torch.Tensor | None = None
@@ -426,6 +429,9 @@ class Attention(nn.Module):
         v_flat = v_cache.view(v_cache.shape[0], kv * d)
         parts = []
         nd = meta.num_decode
+        if meta.decode_batch is not None:
+            parts.append(meta.decode_batch.attend(q[:nd], k_cache, v_cache, self.scale,
+                                                  self.sliding_window))
         for group in meta.decode_groups:
             # queries of one kv head form the "query length" axis: no K/V repeat needed
             a, n, length = group.start, group.count, group.length

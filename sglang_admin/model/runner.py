@@ -20,7 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
+from sglang_admin.config import ATTENTION_BACKENDS
 from sglang_admin.messages import SamplingParams
+from sglang_admin.model.cpu_attention import DecodeBatch, DecodeKernel, load_decode_kernel
 from sglang_admin.model.grammar_mask import TokenMatcher, apply_grammar_masks
 from sglang_admin.model.lanes import group_by_length, lane_cuts
 from sglang_admin.model.llama import (
@@ -140,6 +142,7 @@ class ModelRunner:
         seed: int = 0,
         lora_slots: tuple[int, int] | None = None,
         lanes: int = 1,
+        attention_backend: str = "auto",
     ) -> None:
         if model_path is None:
             from sglang_admin.model.default_model import ensure_default_model
@@ -192,12 +195,44 @@ class ModelRunner:
         # _split_lanes); CUDA and LoRA run one lane
         self.lanes = max(1, lanes) if self.device.type == "cpu" else 1
         self._lane_pool: ThreadPoolExecutor | None = None
+        # CPU float32 decode attention read in place from the pool (model/cpu_attention.py)
+        self.decode_kernel = self._decode_kernel(attention_backend)
+        self._score_scratch: list[torch.Tensor | None] = []  # one per lane
         self.last_times = ForwardTimes()  # the last forward_step's split, for step_timing
         logger.info(
             "model %s loaded: %s on %s, %.1f MiB weights, KV pool %d tokens (%.1f MiB)",
             self.info.architectures, self.info.dtype, self.device, self.weight_bytes / 2**20,
             self.token_capacity, self.kv_cache_bytes / 2**20,
         )
+
+    def _decode_kernel(self, backend: str) -> DecodeKernel | None:
+        """``auto``: the CPU decode kernel where it applies (float32 on CPU) and builds;
+        ``torch_native``: never; ``cpu_paged``: required (ModelLoadError otherwise)."""
+        if backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention backend {backend!r} is not one of "
+                             f"{', '.join(ATTENTION_BACKENDS)}")
+        if backend == "torch_native":
+            return None
+        applies = self.device.type == "cpu" and self.dtype == torch.float32
+        kernel = load_decode_kernel() if applies else None
+        if backend == "cpu_paged" and kernel is None:
+            raise ModelLoadError(
+                "attention backend cpu_paged needs float32 on CPU and a C compiler that "
+                "builds model/csrc/decode_attention.c (see the log); use auto or torch_native")
+        if kernel is not None:
+            logger.info("decode attention: CPU kernel %s", kernel.path)
+        return kernel
+
+    def _scores_scratch(self, lane: int, length: int) -> torch.Tensor:
+        """Lane ``lane``'s scratch for the decode kernel's scores (grown, never shrunk)."""
+        while len(self._score_scratch) <= lane:
+            self._score_scratch.append(None)
+        need = self.model.config.num_heads * length
+        have = self._score_scratch[lane]
+        if have is None or have.numel() < need:
+            have = torch.empty(max(need, 2 * (have.numel() if have is not None else 0)))
+            self._score_scratch[lane] = have
+        return have
 
     def _default_token_capacity(self, per_token: int) -> int:
         if self.device.type == "cuda":
@@ -431,7 +466,11 @@ class ModelRunner:
         nd = len(dec_lens)
         meta.num_decode = nd
         gathered = 0  # the most pool rows one group or extend sequence gathers
-        for a, b in group_by_length(dec_lens):
+        if self.decode_kernel is not None and nd:  # the kernel reads the table itself
+            meta.decode_batch = DecodeBatch(self.decode_kernel, table, dec_rows, t_dec_lens,
+                                            self._scores_scratch(lane, dec_lens[-1]))
+        groups = group_by_length(dec_lens) if self.decode_kernel is None else []
+        for a, b in groups:
             length = dec_lens[b - 1]  # the lengths are ascending
             group = DecodeGroup(a, b - a, length,
                                 table[:, :length].index_select(0, dec_rows[a:b]).reshape(-1))

@@ -200,6 +200,7 @@ class RankLoop:
             seed=args.seed,
             lora_slots=(args.max_loaded_loras, args.max_lora_rank) if args.enable_lora else None,
             lanes=args.rank_lanes,
+            attention_backend=args.attention_backend,
         )
         info = self.runner.info
         self.kv_events: list[list[Any]] = []

@@ -1,0 +1,140 @@
+/*
+ * Decode attention straight from the paged KV pool, for the CPU.
+ *
+ * A decode step has one new query token per sequence. Torch's path gathers every
+ * sequence's K and V rows into padded tensors (one copy of all the K/V a step reads) and
+ * runs scaled_dot_product_attention per group of similar length; this reads the rows in
+ * place through the request-to-token table, two passes per sequence:
+ *   1. scores[hq, j] = scale * dot(q[hq], K[slot_j, hq / G])  (G query heads per kv head)
+ *   2. out[hq] = sum_j softmax(scores[hq])[j] * V[slot_j, hq / G]
+ * Keys are positions [start, len) of the sequence, start = len - window with a sliding
+ * window, else 0: the same keys the torch path's masks keep.
+ *
+ * Layouts (float32, C-contiguous unless a stride is given):
+ *   q        [n, H, D], token i at q + i * q_stride
+ *   k, v     [slots, KV, D] (the pool of one layer)
+ *   table    [rows, ctx] int64 pool slots (the runner's req_to_token)
+ *   rows     [n] int64 table row of each sequence; lens [n] int64 its length incl. the new token
+ *   scores   scratch of at least H * max(len) floats
+ *   out      [n, H, D]
+ * Built by sglang_admin/model/cpu_attention.py with the machine's C compiler.
+ */
+#include <math.h>
+#include <stdint.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HAVE_AVX2 1
+/* glibc's vector expf (libmvec), 8 lanes */
+extern __m256 _ZGVdN8v_expf(__m256);
+#endif
+
+#define PREFETCH_AHEAD 16 /* tokens: the slots are scattered, the hardware cannot guess */
+
+static inline void prefetch_row(const float *base, int64_t row_floats) {
+    const char *p = (const char *)base;
+    for (int64_t b = 0; b < row_floats * (int64_t)sizeof(float); b += 64) __builtin_prefetch(p + b);
+}
+
+/* pass 1 for one token: the scores of all H query heads against its K row */
+static inline void token_scores(const float *qi, const float *kr, int64_t H, int64_t KV,
+                                int64_t D, float scale, float *sc, int64_t L) {
+    const int64_t G = H / KV;
+#ifdef HAVE_AVX2
+    if (D % 8 == 0 && G % 4 == 0) {
+        for (int64_t h = 0; h < KV; h++) {
+            const float *kh = kr + h * D;
+            for (int64_t g0 = 0; g0 < G; g0 += 4) {
+                const int64_t hq = h * G + g0;
+                const float *q0 = qi + hq * D;
+                __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+                for (int64_t d = 0; d < D; d += 8) {
+                    const __m256 k8 = _mm256_loadu_ps(kh + d);
+                    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + d), k8, a0);
+                    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + D + d), k8, a1);
+                    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + 2 * D + d), k8, a2);
+                    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + 3 * D + d), k8, a3);
+                }
+                const __m256 hh = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+                const __m128 s = _mm_mul_ps(
+                    _mm_add_ps(_mm256_castps256_ps128(hh), _mm256_extractf128_ps(hh, 1)),
+                    _mm_set1_ps(scale));
+                float four[4];
+                _mm_storeu_ps(four, s);
+                sc[hq * L] = four[0];
+                sc[(hq + 1) * L] = four[1];
+                sc[(hq + 2) * L] = four[2];
+                sc[(hq + 3) * L] = four[3];
+            }
+        }
+        return;
+    }
+#endif
+    for (int64_t hq = 0; hq < H; hq++) {
+        const float *qh = qi + hq * D;
+        const float *kh = kr + (hq / G) * D;
+        float s = 0.f;
+        for (int64_t d = 0; d < D; d++) s += qh[d] * kh[d];
+        sc[hq * L] = s * scale;
+    }
+}
+
+/* softmax of one row of scores, in place; returns 1 / sum of the exponentials */
+static inline float softmax_row(float *s, int64_t L) {
+    float m = s[0];
+    for (int64_t j = 1; j < L; j++) m = s[j] > m ? s[j] : m;
+    int64_t j = 0;
+    float sum = 0.f;
+#ifdef HAVE_AVX2
+    const __m256 mv = _mm256_set1_ps(m);
+    __m256 acc = _mm256_setzero_ps();
+    for (; j + 8 <= L; j += 8) {
+        const __m256 e = _ZGVdN8v_expf(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+        _mm256_storeu_ps(s + j, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, acc);
+    for (int k = 0; k < 8; k++) sum += lanes[k];
+#endif
+    for (; j < L; j++) {
+        s[j] = expf(s[j] - m);
+        sum += s[j];
+    }
+    return 1.f / sum;
+}
+
+void decode_attention(const float *q, int64_t q_stride, const float *k, const float *v,
+                      const int64_t *table, int64_t ctx, const int64_t *rows,
+                      const int64_t *lens, int64_t n, int64_t H, int64_t KV, int64_t D,
+                      float scale, int64_t window, float *scores, float *out) {
+    const int64_t G = H / KV;
+    const int64_t row = KV * D; /* floats per pool slot */
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t len = lens[i];
+        const int64_t start = (window > 0 && len > window) ? len - window : 0;
+        const int64_t L = len - start;
+        const int64_t *slots = table + rows[i] * ctx + start;
+        const float *qi = q + i * q_stride;
+        for (int64_t j = 0; j < L; j++) {
+            if (j + PREFETCH_AHEAD < L) prefetch_row(k + slots[j + PREFETCH_AHEAD] * row, row);
+            token_scores(qi, k + slots[j] * row, H, KV, D, scale, scores + j, L);
+        }
+        float inv[H];
+        for (int64_t hq = 0; hq < H; hq++) inv[hq] = softmax_row(scores + hq * L, L);
+        float *oi = out + i * H * D;
+        for (int64_t x = 0; x < H * D; x++) oi[x] = 0.f;
+        for (int64_t j = 0; j < L; j++) {
+            if (j + PREFETCH_AHEAD < L) prefetch_row(v + slots[j + PREFETCH_AHEAD] * row, row);
+            const float *vr = v + slots[j] * row;
+            for (int64_t hq = 0; hq < H; hq++) {
+                const float p = scores[hq * L + j];
+                const float *vh = vr + (hq / G) * D;
+                float *o = oi + hq * D;
+                for (int64_t d = 0; d < D; d++) o[d] += p * vh[d];
+            }
+        }
+        for (int64_t hq = 0; hq < H; hq++)
+            for (int64_t d = 0; d < D; d++) oi[hq * D + d] *= inv[hq];
+    }
+}

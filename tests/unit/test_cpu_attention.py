@@ -1,0 +1,125 @@
+"""The CPU decode kernel (model/cpu_attention.py) against torch, and the runner's choice of it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_admin.messages import SamplingParams
+from sglang_admin.model import cpu_attention
+from sglang_admin.model.cpu_attention import load_decode_kernel, reference_attend
+from sglang_admin.model.loader import ModelLoadError
+from sglang_admin.model.runner import ModelRunner, SeqInput
+
+kernel = load_decode_kernel()
+needs_kernel = pytest.mark.skipif(kernel is None, reason="no C compiler builds the kernel here")
+
+
+def _case(heads: int, kv_heads: int, dim: int, lens: list[int], seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    width = max(lens) + 3
+    slots = 1 + len(lens) * width
+    k = torch.randn(slots, kv_heads, dim, generator=gen)
+    v = torch.randn(slots, kv_heads, dim, generator=gen)
+    # scattered slots, as a pool hands them out after some traffic
+    table = (1 + torch.randperm(slots - 1, generator=gen)[: len(lens) * width]).view(len(lens), width)
+    rows = torch.randperm(len(lens), generator=gen)
+    q = torch.randn(len(lens), heads, dim, generator=gen)
+    return q, k, v, table.contiguous(), rows, torch.tensor(lens)
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "heads,kv_heads,dim",
+    [(8, 2, 32), (14, 2, 64), (4, 4, 128), (6, 3, 16), (3, 1, 12), (16, 8, 128)],
+)
+@pytest.mark.parametrize("window", [None, 1, 7, 300])
+def test_kernel_matches_torch(heads: int, kv_heads: int, dim: int, window: int | None) -> None:
+    """Vector (D % 8 == 0, 4 query heads per kv head) and plain paths, GQA and MHA, windows
+    shorter and longer than the sequences, a sequence of one token."""
+    lens = [1, 2, 9, 33, 100, 257]
+    q, k, v, table, rows, lens_t = _case(heads, kv_heads, dim, lens)
+    scores = torch.empty(heads * max(lens))
+    got = kernel.attend(q, k, v, table, rows, lens_t, dim**-0.5, window, scores)
+    want = reference_attend(q, k, v, table, rows, lens_t, dim**-0.5, window)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+@needs_kernel
+def test_kernel_reads_strided_queries_and_large_scores() -> None:
+    """q as the runner hands it (a view of the rotated q and k heads) and scores far apart
+    (the softmax subtracts the row's maximum: no overflow)."""
+    lens = [5, 64]
+    q, k, v, table, rows, lens_t = _case(8, 2, 32, lens, seed=3)
+    qk = torch.cat([q * 40, torch.zeros(2, 2, 32)], dim=1)  # [n, H + KV, D]
+    q_view = qk[:, :8]
+    assert not q_view.is_contiguous()
+    got = kernel.attend(q_view, k, v, table, rows, lens_t, 0.2, None, torch.empty(8 * 64))
+    want = reference_attend(q_view.contiguous(), k, v, table, rows, lens_t, 0.2, None)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+@needs_kernel
+def test_kernel_refuses_unexpected_layouts() -> None:
+    q, k, v, table, rows, lens_t = _case(8, 2, 32, [4])
+    with pytest.raises(ValueError, match="laid out"):
+        kernel.attend(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, table, rows,
+                      lens_t, 0.2, None, torch.empty(64))
+
+
+def _greedy(runner: ModelRunner, prompts: list[list[int]], steps: int) -> list[list[int]]:
+    """Prefill then decode a batch, one table row per prompt; the tokens each one produced."""
+    greedy = SamplingParams(temperature=0.0)
+    slot = 1
+    seqs: list[SeqInput] = []
+    for i, prompt in enumerate(prompts):
+        slots = list(range(slot, slot + len(prompt) + steps))
+        slot += len(slots)
+        seqs.append(SeqInput(i, 0, prompt, 0, slots, greedy, prompt, []))
+    outs = [[r.token_id] for r in runner.forward_step(seqs)]
+    for step in range(1, steps):
+        seqs = [SeqInput(i, len(p) + step - 1, [out[-1]], 0, [], greedy, p, out)
+                for i, (p, out) in enumerate(zip(prompts, outs))]
+        for out, r in zip(outs, runner.forward_step(seqs)):
+            out.append(r.token_id)
+    return outs
+
+
+@needs_kernel
+def test_runner_decodes_the_same_with_and_without_the_kernel() -> None:
+    """The default model on CPU: greedy tokens through the kernel equal torch's path."""
+    prompts = [[5, 9, 13, 200, 7], list(range(40, 90)), [1]]
+    fast = ModelRunner(None, device="cpu", dtype="float32", max_total_tokens=512,
+                       max_running_requests=4)
+    slow = ModelRunner(None, device="cpu", dtype="float32", max_total_tokens=512,
+                       max_running_requests=4, attention_backend="torch_native")
+    assert fast.decode_kernel is not None and slow.decode_kernel is None
+    assert _greedy(fast, prompts, 12) == _greedy(slow, prompts, 12)
+
+
+def test_cpu_paged_refuses_to_start_without_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("sglang_admin.model.runner.load_decode_kernel", lambda: None)
+    with pytest.raises(ModelLoadError, match="cpu_paged"):
+        ModelRunner(None, device="cpu", dtype="float32", max_total_tokens=64,
+                    max_running_requests=2, attention_backend="cpu_paged")
+    auto = ModelRunner(None, device="cpu", dtype="float32", max_total_tokens=64,
+                       max_running_requests=2)
+    assert auto.decode_kernel is None  # auto falls back to torch
+
+
+def test_build_without_compiler_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """No compiler at all: no kernel, no exception (the runner keeps torch's path)."""
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("SGLANG_ADMIN_CACHE_DIR", str(tmp_path))
+    cpu_attention.load_decode_kernel.cache_clear()
+    try:
+        assert cpu_attention.load_decode_kernel() is None
+    finally:
+        cpu_attention.load_decode_kernel.cache_clear()
+
+
+def test_unknown_backend_is_refused() -> None:
+    with pytest.raises(ValueError, match="attention backend"):
+        ModelRunner(None, device="cpu", dtype="float32", max_total_tokens=64,
+                    max_running_requests=2, attention_backend="flash")
