@@ -126,31 +126,38 @@ def _cpu_signature() -> str:
     return platform.processor()
 
 
-def _build(cc: str) -> str | None:
-    source = SOURCE.read_bytes()
-    for cflags, libs in _FLAG_SETS:
-        key = hashlib.sha256(b"\0".join(
-            [source, " ".join(cflags + libs).encode(), platform.machine().encode(),
-             _cpu_signature().encode(), cc.encode()])).hexdigest()[:16]
-        target = _cache_dir() / f"decode_attention-{key}.so"
-        if target.exists():
-            return str(target)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
-        cmd = [cc, *cflags, "-shared", "-fPIC", str(SOURCE), "-o", tmp, *libs]
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            done = None
-            logger.info("decode kernel: %s failed: %s", cc, exc)
-        if done is not None and done.returncode == 0:
-            os.replace(tmp, target)  # atomic: ranks building at once each land a whole file
-            return str(target)
+def _compile(cc: str, cflags: list[str], libs: list[str]) -> str | None:
+    """The kernel built with these flags (cached); None when the compiler refuses."""
+    key = hashlib.sha256(b"\0".join(
+        [SOURCE.read_bytes(), " ".join(cflags + libs).encode(), platform.machine().encode(),
+         _cpu_signature().encode(), cc.encode()])).hexdigest()[:16]
+    target = _cache_dir() / f"decode_attention-{key}.so"
+    if target.exists():
+        return str(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    cmd = [cc, *cflags, "-shared", "-fPIC", str(SOURCE), "-o", tmp, *libs]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as exc:
         os.unlink(tmp)
-        if done is not None:
-            logger.info("decode kernel: %s %s failed: %s", cc, " ".join(cflags),
-                        done.stderr.strip()[-500:])
+        logger.info("decode kernel: %s failed: %s", cc, exc)
+        return None
+    if done.returncode != 0:
+        os.unlink(tmp)
+        logger.info("decode kernel: %s %s failed: %s", cc, " ".join(cflags),
+                    done.stderr.strip()[-500:])
+        return None
+    os.replace(tmp, target)  # atomic: ranks building at once each land a whole file
+    return str(target)
+
+
+def _build(cc: str) -> str | None:
+    for cflags, libs in _FLAG_SETS:
+        path = _compile(cc, cflags, libs)
+        if path is not None:
+            return path
     return None
 
 

@@ -68,6 +68,24 @@ def test_kernel_refuses_unexpected_layouts() -> None:
                       lens_t, 0.2, None, torch.empty(64))
 
 
+def test_plain_c_build_matches_torch() -> None:
+    """The build for machines without AVX2 (no intrinsics, no libmvec) computes the same."""
+    import shutil
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    path = cpu_attention._compile(cc, *cpu_attention._FLAG_SETS[-1])
+    assert path is not None
+    plain = cpu_attention.DecodeKernel(path)
+    for heads, kv_heads, dim in [(8, 2, 32), (16, 8, 128), (3, 1, 12)]:
+        lens = [1, 17, 64]
+        q, k, v, table, rows, lens_t = _case(heads, kv_heads, dim, lens, seed=5)
+        got = plain.attend(q, k, v, table, rows, lens_t, 0.3, 9, torch.empty(heads * 64))
+        want = reference_attend(q, k, v, table, rows, lens_t, 0.3, 9)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
 def _greedy(runner: ModelRunner, prompts: list[list[int]], steps: int) -> list[list[int]]:
     """Prefill then decode a batch, one table row per prompt; the tokens each one produced."""
     greedy = SamplingParams(temperature=0.0)

@@ -6,7 +6,8 @@
  * runs scaled_dot_product_attention per group of similar length; this reads the rows in
  * place through the request-to-token table, two passes per sequence:
  *   1. scores[hq, j] = scale * dot(q[hq], K[slot_j, hq / G])  (G query heads per kv head)
- *   2. out[hq] = sum_j softmax(scores[hq])[j] * V[slot_j, hq / G]
+ *   2. out[hq] = sum_j softmax(scores[hq])[j] * V[slot_j, hq / G], two query heads at a
+ *      time with their sums in registers
  * Keys are positions [start, len) of the sequence, start = len - window with a sliding
  * window, else 0: the same keys the torch path's masks keep.
  *
@@ -104,6 +105,64 @@ static inline float softmax_row(float *s, int64_t L) {
     return 1.f / sum;
 }
 
+/* pass 2: out[hq] = inv[hq] * sum_j scores[hq, j] * V[slot_j, hq / G] */
+static void weighted_values(const float *scores, const float *v, const int64_t *slots,
+                            int64_t L, int64_t H, int64_t KV, int64_t D, const float *inv,
+                            float *oi, int64_t row) {
+    const int64_t G = H / KV;
+#ifdef HAVE_AVX2
+    if (D % 32 == 0 && G % 2 == 0) {
+        /* two query heads x 32 dims in 8 registers, over all the sequence's tokens */
+        for (int64_t h = 0; h < KV; h++) {
+            for (int64_t g0 = 0; g0 < G; g0 += 2) {
+                const int64_t hq = h * G + g0;
+                const float *s0 = scores + hq * L, *s1 = s0 + L;
+                for (int64_t d0 = 0; d0 < D; d0 += 32) {
+                    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+                    __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+                    for (int64_t j = 0; j < L; j++) {
+                        if (j + PREFETCH_AHEAD < L)
+                            __builtin_prefetch(v + slots[j + PREFETCH_AHEAD] * row + h * D + d0);
+                        const float *vr = v + slots[j] * row + h * D + d0;
+                        const __m256 v0 = _mm256_loadu_ps(vr), v1 = _mm256_loadu_ps(vr + 8);
+                        const __m256 v2 = _mm256_loadu_ps(vr + 16), v3 = _mm256_loadu_ps(vr + 24);
+                        const __m256 p0 = _mm256_broadcast_ss(s0 + j), p1 = _mm256_broadcast_ss(s1 + j);
+                        a0 = _mm256_fmadd_ps(p0, v0, a0); a1 = _mm256_fmadd_ps(p0, v1, a1);
+                        a2 = _mm256_fmadd_ps(p0, v2, a2); a3 = _mm256_fmadd_ps(p0, v3, a3);
+                        b0 = _mm256_fmadd_ps(p1, v0, b0); b1 = _mm256_fmadd_ps(p1, v1, b1);
+                        b2 = _mm256_fmadd_ps(p1, v2, b2); b3 = _mm256_fmadd_ps(p1, v3, b3);
+                    }
+                    const __m256 i0 = _mm256_set1_ps(inv[hq]), i1 = _mm256_set1_ps(inv[hq + 1]);
+                    float *o0 = oi + hq * D + d0, *o1 = o0 + D;
+                    _mm256_storeu_ps(o0, _mm256_mul_ps(a0, i0));
+                    _mm256_storeu_ps(o0 + 8, _mm256_mul_ps(a1, i0));
+                    _mm256_storeu_ps(o0 + 16, _mm256_mul_ps(a2, i0));
+                    _mm256_storeu_ps(o0 + 24, _mm256_mul_ps(a3, i0));
+                    _mm256_storeu_ps(o1, _mm256_mul_ps(b0, i1));
+                    _mm256_storeu_ps(o1 + 8, _mm256_mul_ps(b1, i1));
+                    _mm256_storeu_ps(o1 + 16, _mm256_mul_ps(b2, i1));
+                    _mm256_storeu_ps(o1 + 24, _mm256_mul_ps(b3, i1));
+                }
+            }
+        }
+        return;
+    }
+#endif
+    for (int64_t x = 0; x < H * D; x++) oi[x] = 0.f;
+    for (int64_t j = 0; j < L; j++) {
+        if (j + PREFETCH_AHEAD < L) prefetch_row(v + slots[j + PREFETCH_AHEAD] * row, row);
+        const float *vr = v + slots[j] * row;
+        for (int64_t hq = 0; hq < H; hq++) {
+            const float p = scores[hq * L + j];
+            const float *vh = vr + (hq / G) * D;
+            float *o = oi + hq * D;
+            for (int64_t d = 0; d < D; d++) o[d] += p * vh[d];
+        }
+    }
+    for (int64_t hq = 0; hq < H; hq++)
+        for (int64_t d = 0; d < D; d++) oi[hq * D + d] *= inv[hq];
+}
+
 void decode_attention(const float *q, int64_t q_stride, const float *k, const float *v,
                       const int64_t *table, int64_t ctx, const int64_t *rows,
                       const int64_t *lens, int64_t n, int64_t H, int64_t KV, int64_t D,
@@ -123,18 +182,6 @@ void decode_attention(const float *q, int64_t q_stride, const float *k, const fl
         float inv[H];
         for (int64_t hq = 0; hq < H; hq++) inv[hq] = softmax_row(scores + hq * L, L);
         float *oi = out + i * H * D;
-        for (int64_t x = 0; x < H * D; x++) oi[x] = 0.f;
-        for (int64_t j = 0; j < L; j++) {
-            if (j + PREFETCH_AHEAD < L) prefetch_row(v + slots[j + PREFETCH_AHEAD] * row, row);
-            const float *vr = v + slots[j] * row;
-            for (int64_t hq = 0; hq < H; hq++) {
-                const float p = scores[hq * L + j];
-                const float *vh = vr + (hq / G) * D;
-                float *o = oi + hq * D;
-                for (int64_t d = 0; d < D; d++) o[d] += p * vh[d];
-            }
-        }
-        for (int64_t hq = 0; hq < H; hq++)
-            for (int64_t d = 0; d < D; d++) oi[hq * D + d] *= inv[hq];
+        weighted_values(scores, v, slots, L, H, KV, D, inv, oi, row);
     }
 }
