@@ -12,7 +12,7 @@ from typing import Any
 # events grow the rank's memory and the time its export takes without bound.
 DEFAULT_PROFILE_MAX_STEPS = 5000
 # --attention-backend: auto (decode attention on CPU in float32 through the C kernel of
-# model/cpu_attention.py when it builds, else torch), torch_native (torch's
+# model/cpu_kernels.py when it builds, else torch), torch_native (torch's
 # scaled_dot_product_attention everywhere), cpu_paged (the kernel, or refuse to start)
 ATTENTION_BACKENDS = ("auto", "torch_native", "cpu_paged")
 

@@ -308,7 +308,7 @@ class AttentionMetadata:
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     # extend group, one entry per sequence, in token order
     extend_seqs: list[ExtendSeq] = field(default_factory=list)
-    # CPU float32 (model/cpu_attention.py): the decode sequences attend through the kernel,
+    # CPU float32 (model/cpu_kernels.py): the decode sequences attend through the kernel,
     # in place in the pool, and decode_groups stay empty
     decode_batch: Any = None
     # scratch for gathered K and V rows ([rows, kv_heads * head_dim] each), reused by every
@@ -336,8 +336,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.kernels: Any = None  # model/cpu_kernels.py's CpuKernels (CPU float32 only)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None and x.is_contiguous():
+            return self.kernels.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         h = x.float()
@@ -497,6 +500,7 @@ class MLP(nn.Module):
         self.gate_up_weight: torch.Tensor | None = None
         self.gate_up_bias: torch.Tensor | None = None
         self.lora: Any = None  # model/lora.py's LayerLora once LoRA is enabled
+        self.kernels: Any = None  # model/cpu_kernels.py's CpuKernels (CPU float32 only)
 
     def fuse(self) -> None:
         """Concatenate gate/up weights into one matrix; the HF-named params become views."""
@@ -516,7 +520,10 @@ class MLP(nn.Module):
             return self._forward_lora(x)
         if self.gate_up_weight is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
+        gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)
+        if self.kernels is not None:
+            return self.down_proj(self.kernels.silu_mul(gate_up.view(-1, gate_up.shape[-1])))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
     def _forward_lora(self, x: torch.Tensor) -> torch.Tensor:
@@ -605,6 +612,13 @@ class LlamaForCausalLM(nn.Module):
         self.to_empty(device=device)
         self.materialize_buffers(device)
         self.fuse_projections()
+
+    def use_cpu_kernels(self, kernels: Any) -> None:
+        """RMSNorm and SwiGLU through model/cpu_kernels.py's CpuKernels (None: torch's ops).
+        The caller checks that they apply: float32 weights on the CPU."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, MLP)):
+                module.kernels = kernels
 
     def fuse_projections(self) -> None:
         """Fuse q/k/v and gate/up matmuls (call after loading weights; names keep working)."""

@@ -22,7 +22,7 @@ import torch
 
 from sglang_admin.config import ATTENTION_BACKENDS
 from sglang_admin.messages import SamplingParams
-from sglang_admin.model.cpu_attention import DecodeBatch, DecodeKernel, load_decode_kernel
+from sglang_admin.model.cpu_kernels import CpuKernels, DecodeBatch, load_cpu_kernels
 from sglang_admin.model.grammar_mask import TokenMatcher, apply_grammar_masks
 from sglang_admin.model.lanes import group_by_length, lane_cuts
 from sglang_admin.model.llama import (
@@ -195,8 +195,10 @@ class ModelRunner:
         # _split_lanes); CUDA and LoRA run one lane
         self.lanes = max(1, lanes) if self.device.type == "cpu" else 1
         self._lane_pool: ThreadPoolExecutor | None = None
-        # CPU float32 decode attention read in place from the pool (model/cpu_attention.py)
-        self.decode_kernel = self._decode_kernel(attention_backend)
+        # CPU float32: decode attention read in place from the pool, RMSNorm and SwiGLU in
+        # one pass each (model/cpu_kernels.py)
+        self.cpu_kernels = self._cpu_kernels(attention_backend)
+        self.model.use_cpu_kernels(self.cpu_kernels)
         self._score_scratch: list[torch.Tensor | None] = []  # one per lane
         self.last_times = ForwardTimes()  # the last forward_step's split, for step_timing
         logger.info(
@@ -205,8 +207,8 @@ class ModelRunner:
             self.token_capacity, self.kv_cache_bytes / 2**20,
         )
 
-    def _decode_kernel(self, backend: str) -> DecodeKernel | None:
-        """``auto``: the CPU decode kernel where it applies (float32 on CPU) and builds;
+    def _cpu_kernels(self, backend: str) -> CpuKernels | None:
+        """``auto``: the CPU kernels where they apply (float32 on CPU) and build;
         ``torch_native``: never; ``cpu_paged``: required (ModelLoadError otherwise)."""
         if backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention backend {backend!r} is not one of "
@@ -214,13 +216,13 @@ class ModelRunner:
         if backend == "torch_native":
             return None
         applies = self.device.type == "cpu" and self.dtype == torch.float32
-        kernel = load_decode_kernel() if applies else None
+        kernel = load_cpu_kernels() if applies else None
         if backend == "cpu_paged" and kernel is None:
             raise ModelLoadError(
                 "attention backend cpu_paged needs float32 on CPU and a C compiler that "
-                "builds model/csrc/decode_attention.c (see the log); use auto or torch_native")
+                "builds model/csrc/cpu_kernels.c (see the log); use auto or torch_native")
         if kernel is not None:
-            logger.info("decode attention: CPU kernel %s", kernel.path)
+            logger.info("CPU kernels: %s", kernel.path)
         return kernel
 
     def _scores_scratch(self, lane: int, length: int) -> torch.Tensor:
@@ -466,10 +468,10 @@ class ModelRunner:
         nd = len(dec_lens)
         meta.num_decode = nd
         gathered = 0  # the most pool rows one group or extend sequence gathers
-        if self.decode_kernel is not None and nd:  # the kernel reads the table itself
-            meta.decode_batch = DecodeBatch(self.decode_kernel, table, dec_rows, t_dec_lens,
+        if self.cpu_kernels is not None and nd:  # the kernel reads the table itself
+            meta.decode_batch = DecodeBatch(self.cpu_kernels, table, dec_rows, t_dec_lens,
                                             self._scores_scratch(lane, dec_lens[-1]))
-        groups = group_by_length(dec_lens) if self.decode_kernel is None else []
+        groups = group_by_length(dec_lens) if self.cpu_kernels is None else []
         for a, b in groups:
             length = dec_lens[b - 1]  # the lengths are ascending
             group = DecodeGroup(a, b - a, length,

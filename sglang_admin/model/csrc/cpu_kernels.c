@@ -1,5 +1,8 @@
 /*
- * Decode attention straight from the paged KV pool, for the CPU.
+ * CPU kernels of the model's forward (float32): decode attention read in place from the paged KV
+ * pool, RMSNorm and SwiGLU's silu(gate) * up in one pass each.
+ *
+ * Decode attention.
  *
  * A decode step has one new query token per sequence. Torch's path gathers every
  * sequence's K and V rows into padded tensors (one copy of all the K/V a step reads) and
@@ -18,7 +21,7 @@
  *   rows     [n] int64 table row of each sequence; lens [n] int64 its length incl. the new token
  *   scores   scratch of at least H * max(len) floats
  *   out      [n, H, D]
- * Built by sglang_admin/model/cpu_attention.py with the machine's C compiler.
+ * Built by sglang_admin/model/cpu_kernels.py with the machine's C compiler.
  */
 #include <math.h>
 #include <stdint.h>
@@ -183,5 +186,53 @@ void decode_attention(const float *q, int64_t q_stride, const float *k, const fl
         for (int64_t hq = 0; hq < H; hq++) inv[hq] = softmax_row(scores + hq * L, L);
         float *oi = out + i * H * D;
         weighted_values(scores, v, slots, L, H, KV, D, inv, oi, row);
+    }
+}
+
+/*
+ * Elementwise work of a layer in one pass each (torch spends an op and a memory pass per
+ * step of these formulas, and a few microseconds of dispatch per op at decode batch sizes).
+ */
+
+/* out[t] = w * (x[t] * rsqrt(mean(x[t]^2) + eps)) for T rows of D floats (x rows contiguous) */
+void rms_norm(const float *x, const float *w, int64_t T, int64_t D, float eps, float *out) {
+    for (int64_t t = 0; t < T; t++) {
+        const float *xt = x + t * D;
+        int64_t d = 0;
+        float sum = 0.f;
+#ifdef HAVE_AVX2
+        __m256 acc = _mm256_setzero_ps();
+        for (; d + 8 <= D; d += 8) {
+            const __m256 v8 = _mm256_loadu_ps(xt + d);
+            acc = _mm256_fmadd_ps(v8, v8, acc);
+        }
+        float lanes[8];
+        _mm256_storeu_ps(lanes, acc);
+        sum = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
+              ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+#endif
+        for (; d < D; d++) sum += xt[d] * xt[d];
+        const float rstd = 1.f / sqrtf(sum / (float)D + eps);
+        float *ot = out + t * D;
+        for (d = 0; d < D; d++) ot[d] = w[d] * (xt[d] * rstd);
+    }
+}
+
+/* out[t, i] = silu(gu[t, i]) * gu[t, I + i]: the gate and up halves of a fused projection */
+void silu_mul(const float *gu, int64_t T, int64_t I, float *out) {
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = gu + t * 2 * I, *u = g + I;
+        float *o = out + t * I;
+        int64_t i = 0;
+#ifdef HAVE_AVX2
+        const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+        for (; i + 8 <= I; i += 8) {
+            const __m256 g8 = _mm256_loadu_ps(g + i);
+            const __m256 e = _ZGVdN8v_expf(_mm256_sub_ps(zero, g8));
+            const __m256 s = _mm256_div_ps(g8, _mm256_add_ps(one, e));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
+        }
+#endif
+        for (; i < I; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
     }
 }

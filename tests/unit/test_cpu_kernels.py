@@ -1,17 +1,18 @@
-"""The CPU decode kernel (model/cpu_attention.py) against torch, and the runner's choice of it."""
+"""The CPU kernels (model/cpu_kernels.py) against torch, and the runner's choice of them."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from sglang_admin.messages import SamplingParams
-from sglang_admin.model import cpu_attention
-from sglang_admin.model.cpu_attention import load_decode_kernel, reference_attend
+from sglang_admin.model import cpu_kernels
+from sglang_admin.model.cpu_kernels import load_cpu_kernels, reference_attend
 from sglang_admin.model.loader import ModelLoadError
 from sglang_admin.model.runner import ModelRunner, SeqInput
 
-kernel = load_decode_kernel()
+kernel = load_cpu_kernels()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="no C compiler builds the kernel here")
 
 
@@ -68,6 +69,33 @@ def test_kernel_refuses_unexpected_layouts() -> None:
                       lens_t, 0.2, None, torch.empty(64))
 
 
+def _check_elementwise(kernels: cpu_kernels.CpuKernels) -> None:
+    gen = torch.Generator().manual_seed(7)
+    for rows, width in [(1, 256), (64, 256), (3, 21), (2048, 64), (5, 7)]:
+        x = torch.randn(rows, width, generator=gen) * 30
+        w = torch.randn(width, generator=gen)
+        torch.testing.assert_close(kernels.rms_norm(x, w, 1e-6), F.rms_norm(x, (width,), w, 1e-6),
+                                   atol=1e-5, rtol=1e-5)
+        gate_up = torch.randn(rows, 2 * width, generator=gen) * 12  # exp overflows past 88
+        gate, up = gate_up.chunk(2, dim=-1)
+        torch.testing.assert_close(kernels.silu_mul(gate_up), F.silu(gate) * up,
+                                   atol=1e-5, rtol=1e-5)
+    heads = torch.randn(4, 3, 32, generator=gen)  # [T, heads, D]: q/k norms of Qwen3
+    w = torch.randn(32, generator=gen)
+    torch.testing.assert_close(kernels.rms_norm(heads, w, 1e-6), F.rms_norm(heads, (32,), w, 1e-6),
+                               atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+def test_elementwise_kernels_match_torch() -> None:
+    """RMSNorm and silu(gate) * up: widths on and off the vector width, large values."""
+    _check_elementwise(kernel)
+    with pytest.raises(ValueError, match="laid out"):
+        kernel.rms_norm(torch.randn(4, 8).t(), torch.ones(4), 1e-6)
+    with pytest.raises(ValueError, match="laid out"):
+        kernel.silu_mul(torch.randn(4, 7))
+
+
 def test_plain_c_build_matches_torch() -> None:
     """The build for machines without AVX2 (no intrinsics, no libmvec) computes the same."""
     import shutil
@@ -75,15 +103,16 @@ def test_plain_c_build_matches_torch() -> None:
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         pytest.skip("no C compiler")
-    path = cpu_attention._compile(cc, *cpu_attention._FLAG_SETS[-1])
+    path = cpu_kernels._compile(cc, *cpu_kernels._FLAG_SETS[-1])
     assert path is not None
-    plain = cpu_attention.DecodeKernel(path)
+    plain = cpu_kernels.CpuKernels(path)
     for heads, kv_heads, dim in [(8, 2, 32), (16, 8, 128), (3, 1, 12)]:
         lens = [1, 17, 64]
         q, k, v, table, rows, lens_t = _case(heads, kv_heads, dim, lens, seed=5)
         got = plain.attend(q, k, v, table, rows, lens_t, 0.3, 9, torch.empty(heads * 64))
         want = reference_attend(q, k, v, table, rows, lens_t, 0.3, 9)
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    _check_elementwise(plain)
 
 
 def _greedy(runner: ModelRunner, prompts: list[list[int]], steps: int) -> list[list[int]]:
@@ -106,35 +135,35 @@ def _greedy(runner: ModelRunner, prompts: list[list[int]], steps: int) -> list[l
 
 @needs_kernel
 def test_runner_decodes_the_same_with_and_without_the_kernel() -> None:
-    """The default model on CPU: greedy tokens through the kernel equal torch's path."""
+    """The default model on CPU: greedy tokens through the kernels equal torch's ops."""
     prompts = [[5, 9, 13, 200, 7], list(range(40, 90)), [1]]
     fast = ModelRunner(None, device="cpu", dtype="float32", max_total_tokens=512,
                        max_running_requests=4)
     slow = ModelRunner(None, device="cpu", dtype="float32", max_total_tokens=512,
                        max_running_requests=4, attention_backend="torch_native")
-    assert fast.decode_kernel is not None and slow.decode_kernel is None
+    assert fast.cpu_kernels is not None and slow.cpu_kernels is None
     assert _greedy(fast, prompts, 12) == _greedy(slow, prompts, 12)
 
 
 def test_cpu_paged_refuses_to_start_without_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("sglang_admin.model.runner.load_decode_kernel", lambda: None)
+    monkeypatch.setattr("sglang_admin.model.runner.load_cpu_kernels", lambda: None)
     with pytest.raises(ModelLoadError, match="cpu_paged"):
         ModelRunner(None, device="cpu", dtype="float32", max_total_tokens=64,
                     max_running_requests=2, attention_backend="cpu_paged")
     auto = ModelRunner(None, device="cpu", dtype="float32", max_total_tokens=64,
                        max_running_requests=2)
-    assert auto.decode_kernel is None  # auto falls back to torch
+    assert auto.cpu_kernels is None  # auto falls back to torch
 
 
 def test_build_without_compiler_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     """No compiler at all: no kernel, no exception (the runner keeps torch's path)."""
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("SGLANG_ADMIN_CACHE_DIR", str(tmp_path))
-    cpu_attention.load_decode_kernel.cache_clear()
+    cpu_kernels.load_cpu_kernels.cache_clear()
     try:
-        assert cpu_attention.load_decode_kernel() is None
+        assert cpu_kernels.load_cpu_kernels() is None
     finally:
-        cpu_attention.load_decode_kernel.cache_clear()
+        cpu_kernels.load_cpu_kernels.cache_clear()
 
 
 def test_unknown_backend_is_refused() -> None:

@@ -1,13 +1,18 @@
-"""Decode attention read in place from the paged KV pool, on the CPU.
+"""CPU kernels of the forward pass in float32: decode attention, RMSNorm, silu(gate) * up.
 
 Torch's decode path gathers every sequence's K and V rows into padded tensors and runs
 ``scaled_dot_product_attention`` per group of similar length: on a CPU step that copy and the
-kernel's per-call cost were a third of a decode step at 64 streams. ``csrc/decode_attention.c``
-reads the rows where they are, through the request-to-token table; this module builds it with
-the machine's C compiler at first use (cached under the sglang_admin cache directory, keyed by
-source, flags and CPU), checks it against torch on a small case, and calls it through ctypes
-(which releases the GIL, so lanes run it at once). No compiler, or a kernel that disagrees
-with torch: :func:`load_decode_kernel` returns None and the runner keeps torch's path.
+kernel's per-call cost were a third of a decode step at 64 streams. ``csrc/cpu_kernels.c``
+reads the rows where they are, through the request-to-token table. It also does RMSNorm and
+SwiGLU's product in one pass each, where torch spends several ops (a memory pass and a few
+microseconds of dispatch each; silu on the strided gate half alone took 10 ms of a 2048-token
+prefill layer).
+
+This module builds the C file with the machine's compiler at first use (cached under the
+sglang_admin cache directory, keyed by source, flags and CPU), checks each kernel against
+torch on small cases, and calls them through ctypes (which releases the GIL, so lanes run
+them at once). No compiler, or a kernel that disagrees with torch: :func:`load_cpu_kernels`
+returns None and the model keeps torch's ops.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "decode_attention.c"
+SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
 # tried in order: the machine's vector units first (AVX2 + glibc's vector expf), then plain C
 _FLAG_SETS = (
     (["-O3", "-march=native", "-fno-math-errno"], ["-lmvec", "-lm"]),
@@ -39,15 +44,41 @@ _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 
 
-class DecodeKernel:
-    """The built kernel: ``attend`` computes one layer's decode attention of n sequences."""
+class CpuKernels:
+    """The built library: decode attention (``attend``), ``rms_norm`` and ``silu_mul``."""
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._fn = ctypes.CDLL(path).decode_attention
+        lib = ctypes.CDLL(path)
+        self._fn = lib.decode_attention
         self._fn.restype = None
         self._fn.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64,
                              _I64, ctypes.c_float, _I64, _PTR, _PTR]
+        self._norm = lib.rms_norm
+        self._norm.restype = None
+        self._norm.argtypes = [_PTR, _PTR, _I64, _I64, ctypes.c_float, _PTR]
+        self._silu_mul = lib.silu_mul
+        self._silu_mul.restype = None
+        self._silu_mul.argtypes = [_PTR, _I64, _I64, _PTR]
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """``weight * (x * rsqrt(mean(x**2, -1) + eps))`` of a contiguous float32 x."""
+        if not (x.is_contiguous() and weight.is_contiguous()) or weight.numel() != x.shape[-1]:
+            raise ValueError("rms_norm kernel: a tensor is not laid out as expected")
+        out = torch.empty_like(x)
+        dim = x.shape[-1]
+        self._norm(x.data_ptr(), weight.data_ptr(), x.numel() // dim if dim else 0, dim, eps,
+                   out.data_ptr())
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of a contiguous [T, 2 * I] float32 (gate first) -> [T, I]."""
+        if not gate_up.is_contiguous() or gate_up.dim() != 2 or gate_up.shape[1] % 2:
+            raise ValueError("silu_mul kernel: a tensor is not laid out as expected")
+        rows, half = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty(rows, half, dtype=torch.float32)
+        self._silu_mul(gate_up.data_ptr(), rows, half, out.data_ptr())
+        return out
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                table: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor, scale: float,
@@ -64,7 +95,7 @@ class DecodeKernel:
         if not (q.stride(2) == 1 and q.stride(1) == dim and k_cache.is_contiguous()
                 and v_cache.is_contiguous() and table.is_contiguous()
                 and rows.is_contiguous() and lens.is_contiguous()):
-            raise ValueError("decode kernel: a tensor is not laid out as expected")
+            raise ValueError("cpu kernels: a tensor is not laid out as expected")
         out = torch.empty(n, heads * dim, dtype=torch.float32)
         if n:
             self._fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
@@ -78,7 +109,7 @@ class DecodeKernel:
 class DecodeBatch:
     """One forward's decode sequences for the kernel, shared by every layer."""
 
-    kernel: DecodeKernel
+    kernel: CpuKernels
     table: torch.Tensor  # [R, ctx] the runner's req_to_token
     rows: torch.Tensor  # [n] int64 table row of each decode sequence
     lens: torch.Tensor  # [n] int64 its length, the new token included
@@ -94,7 +125,7 @@ class DecodeBatch:
 def reference_attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      table: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor, scale: float,
                      window: int | None) -> torch.Tensor:
-    """What :meth:`DecodeKernel.attend` computes, with torch, one sequence at a time."""
+    """What :meth:`CpuKernels.attend` computes, with torch, one sequence at a time."""
     outs = []
     for i in range(q.shape[0]):
         length = int(lens[i])
@@ -131,7 +162,7 @@ def _compile(cc: str, cflags: list[str], libs: list[str]) -> str | None:
     key = hashlib.sha256(b"\0".join(
         [SOURCE.read_bytes(), " ".join(cflags + libs).encode(), platform.machine().encode(),
          _cpu_signature().encode(), cc.encode()])).hexdigest()[:16]
-    target = _cache_dir() / f"decode_attention-{key}.so"
+    target = _cache_dir() / f"cpu_kernels-{key}.so"
     if target.exists():
         return str(target)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -142,11 +173,11 @@ def _compile(cc: str, cflags: list[str], libs: list[str]) -> str | None:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     except (OSError, subprocess.TimeoutExpired) as exc:
         os.unlink(tmp)
-        logger.info("decode kernel: %s failed: %s", cc, exc)
+        logger.info("cpu kernels: %s failed: %s", cc, exc)
         return None
     if done.returncode != 0:
         os.unlink(tmp)
-        logger.info("decode kernel: %s %s failed: %s", cc, " ".join(cflags),
+        logger.info("cpu kernels: %s %s failed: %s", cc, " ".join(cflags),
                     done.stderr.strip()[-500:])
         return None
     os.replace(tmp, target)  # atomic: ranks building at once each land a whole file
@@ -161,8 +192,9 @@ def _build(cc: str) -> str | None:
     return None
 
 
-def _agrees_with_torch(kernel: DecodeKernel) -> bool:
-    """A small case with GQA, a sliding window and scattered slots, against torch."""
+def _agrees_with_torch(kernel: CpuKernels) -> bool:
+    """Small cases against torch: attention with GQA, a sliding window and scattered slots;
+    RMSNorm and silu(gate) * up with widths off the vector width."""
     gen = torch.Generator().manual_seed(0)
     heads, kv_heads, dim, slots = 8, 2, 32, 64
     k = torch.randn(slots, kv_heads, dim, generator=gen)
@@ -177,28 +209,35 @@ def _agrees_with_torch(kernel: DecodeKernel) -> bool:
         want = reference_attend(q, k, v, table, rows, lens, 0.17, window)
         if not torch.allclose(got, want, atol=1e-5, rtol=1e-4):
             return False
-    return True
+    x = torch.randn(5, 21, generator=gen)
+    w = torch.randn(21, generator=gen)
+    if not torch.allclose(kernel.rms_norm(x, w, 1e-6), F.rms_norm(x, (21,), w, 1e-6),
+                          atol=1e-5, rtol=1e-4):
+        return False
+    gate_up = torch.randn(3, 2 * 19, generator=gen) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.allclose(kernel.silu_mul(gate_up), F.silu(gate) * up, atol=1e-5, rtol=1e-4)
 
 
 @functools.cache
-def load_decode_kernel() -> DecodeKernel | None:
-    """The decode kernel, built once per machine and process; None when it cannot be built or
-    disagrees with torch (the reason is logged)."""
+def load_cpu_kernels() -> CpuKernels | None:
+    """The kernels, built once per machine and loaded once per process; None when they cannot
+    be built or disagree with torch (the reason is logged)."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
-        logger.info("decode kernel: no C compiler found; decode attention stays on torch")
+        logger.info("cpu kernels: no C compiler found; the model keeps torch's ops")
         return None
     try:
         path = _build(cc)
-        kernel = DecodeKernel(path) if path is not None else None
+        kernel = CpuKernels(path) if path is not None else None
     except OSError as exc:
-        logger.warning("decode kernel: could not load it: %s", exc)
+        logger.warning("cpu kernels: could not load it: %s", exc)
         return None
     if kernel is None:
-        logger.info("decode kernel: not built; decode attention stays on torch")
+        logger.info("cpu kernels: not built; the model keeps torch's ops")
         return None
     with torch.inference_mode():
         if not _agrees_with_torch(kernel):
-            logger.warning("decode kernel %s disagrees with torch; not used", kernel.path)
+            logger.warning("cpu kernels %s disagree with torch; not used", kernel.path)
             return None
     return kernel
