@@ -9,6 +9,8 @@ whose code is the message's index in a closed registry, so only the types listed
 from __future__ import annotations
 
 import dataclasses
+import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -613,6 +615,14 @@ _CODES: dict[type, int] = {cls: code for code, cls in enumerate(_REGISTRY)}
 _FIELDS: tuple[tuple[str, ...], ...] = tuple(
     tuple(f.name for f in dataclasses.fields(cls)) for cls in _REGISTRY
 )
+# each message's field values in one C call (a step's BatchOutput holds one ReqOutput of 20
+# fields per running request); a tuple packs as the same msgpack array as a list
+_VALUES: tuple[Callable[[Any], tuple[Any, ...]], ...] = tuple(
+    operator.attrgetter(*names) if len(names) > 1
+    else (lambda obj, get=operator.attrgetter(*names): (get(obj),)) if names
+    else (lambda obj: ())
+    for names in _FIELDS
+)
 
 Message = Any  # one of the registered dataclasses
 
@@ -626,7 +636,7 @@ def _default(obj: Any) -> msgpack.ExtType:
     code = _CODES.get(type(obj))
     if code is None:
         raise TypeError(f"type {type(obj).__name__} is not a registered message")
-    values = [getattr(obj, name) for name in _FIELDS[code]]
+    values = _VALUES[code](obj)
     return msgpack.ExtType(
         code, msgpack.packb(values, default=_default, use_bin_type=True, buf_size=_BUF_SIZE)
     )

@@ -141,7 +141,7 @@ def batch_inputs(batch: Batch) -> list[SeqInput]:
         SeqInput(
             req_idx=sp.req.req_idx,
             prefix_len=sp.start,
-            token_ids=sp.req.fill_ids[sp.start : sp.end],
+            token_ids=sp.req.tokens(sp.start, sp.end),
             table_start=sp.table_start,
             table_slots=sp.req.slots[sp.table_start : sp.end],
             sampling=sp.req.sampling,

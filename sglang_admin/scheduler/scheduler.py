@@ -89,6 +89,16 @@ class Req:
     def seq_len(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
+    def tokens(self, start: int, end: int) -> list[int]:
+        """``fill_ids[start:end]`` without building the whole sequence (a decode step takes
+        one token of it per request)."""
+        prompt = len(self.prompt_ids)
+        if start >= prompt:
+            return self.output_ids[start - prompt : end - prompt]
+        if end <= prompt:
+            return self.prompt_ids[start:end]
+        return self.prompt_ids[start:] + self.output_ids[: end - prompt]
+
 
 @dataclass
 class Span:

@@ -367,3 +367,15 @@ def test_an_exception_in_postprocessing_fails_that_request_alone(
     assert final.finish_reason == "abort" and final.error_code == "INTERNAL"
     assert "RuntimeError: boom" in final.error
     assert_no_leak(sched)
+
+
+def test_req_tokens_slices_the_sequence_like_fill_ids() -> None:
+    """Req.tokens (what a step feeds the model) equals fill_ids[start:end] everywhere: in
+    the prompt, across its end, in the output, empty and past the end."""
+    from sglang_admin.scheduler.scheduler import Req
+
+    req = Req("r", [1, 2, 3, 4], SamplingParams())
+    req.output_ids.extend([7, 8, 9])
+    for start in range(0, 9):
+        for end in range(start, 9):
+            assert req.tokens(start, end) == req.fill_ids[start:end], (start, end)
