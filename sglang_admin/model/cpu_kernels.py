@@ -1,10 +1,10 @@
-"""CPU kernels of the forward pass in float32: decode attention, RMSNorm, silu(gate) * up.
+"""CPU kernels of the forward pass in float32: decode attention, RMSNorm, RoPE, silu * up.
 
 Torch's decode path gathers every sequence's K and V rows into padded tensors and runs
 ``scaled_dot_product_attention`` per group of similar length: on a CPU step that copy and the
 kernel's per-call cost were a third of a decode step at 64 streams. ``csrc/cpu_kernels.c``
-reads the rows where they are, through the request-to-token table. It also does RMSNorm and
-SwiGLU's product in one pass each, where torch spends several ops (a memory pass and a few
+reads the rows where they are, through the request-to-token table. It also does RMSNorm, RoPE
+and SwiGLU's product in one pass each, where torch spends several ops (a memory pass and a few
 microseconds of dispatch each; silu on the strided gate half alone took 10 ms of a 2048-token
 prefill layer).
 
@@ -35,17 +35,18 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
-# tried in order: the machine's vector units first (AVX2 + glibc's vector expf), then plain C
+# tried in order: the machine's vector units first (AVX2 + glibc's vector expf), then plain C;
+# no fused multiply-adds but the written ones, so that a*b + c*d rounds as torch's ops do
 _FLAG_SETS = (
-    (["-O3", "-march=native", "-fno-math-errno"], ["-lmvec", "-lm"]),
-    (["-O3", "-fno-math-errno"], ["-lm"]),
+    (["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off"], ["-lmvec", "-lm"]),
+    (["-O3", "-fno-math-errno", "-ffp-contract=off"], ["-lm"]),
 )
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 
 
 class CpuKernels:
-    """The built library: decode attention (``attend``), ``rms_norm`` and ``silu_mul``."""
+    """The built library: decode attention (``attend``), ``rms_norm``, ``rope``, ``silu_mul``."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -60,6 +61,9 @@ class CpuKernels:
         self._silu_mul = lib.silu_mul
         self._silu_mul.restype = None
         self._silu_mul.argtypes = [_PTR, _I64, _I64, _PTR]
+        self._rope = lib.rope
+        self._rope.restype = None
+        self._rope.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR]
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """``weight * (x * rsqrt(mean(x**2, -1) + eps))`` of a contiguous float32 x."""
@@ -69,6 +73,19 @@ class CpuKernels:
         dim = x.shape[-1]
         self._norm(x.data_ptr(), weight.data_ptr(), x.numel() // dim if dim else 0, dim, eps,
                    out.data_ptr())
+        return out
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """llama.apply_rope: x [T, H, D] (heads contiguous, any token stride), cos and signed
+        sin [T, 1, D] contiguous -> a contiguous [T, H, D]."""
+        tokens, heads, dim = x.shape
+        if not (x.stride(2) == 1 and x.stride(1) == dim and dim % 2 == 0
+                and cos.is_contiguous() and sin.is_contiguous()
+                and cos.numel() == tokens * dim == sin.numel()):
+            raise ValueError("rope kernel: a tensor is not laid out as expected")
+        out = torch.empty(tokens, heads, dim, dtype=torch.float32)
+        self._rope(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), tokens, heads,
+                   dim, out.data_ptr())
         return out
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -216,7 +233,13 @@ def _agrees_with_torch(kernel: CpuKernels) -> bool:
         return False
     gate_up = torch.randn(3, 2 * 19, generator=gen) * 4
     gate, up = gate_up.chunk(2, dim=-1)
-    return torch.allclose(kernel.silu_mul(gate_up), F.silu(gate) * up, atol=1e-5, rtol=1e-4)
+    if not torch.allclose(kernel.silu_mul(gate_up), F.silu(gate) * up, atol=1e-5, rtol=1e-4):
+        return False
+    qkv = torch.randn(4, 5, 8, generator=gen)
+    cos, sin = torch.randn(4, 1, 8, generator=gen), torch.randn(4, 1, 8, generator=gen)
+    x = qkv[:, :3]
+    want = x * cos + x.roll(4, dims=-1) * sin
+    return torch.allclose(kernel.rope(x, cos, sin), want, atol=1e-6, rtol=1e-5)
 
 
 @functools.cache

@@ -372,6 +372,7 @@ class Attention(nn.Module):
         self.qkv_weight: torch.Tensor | None = None
         self.qkv_bias: torch.Tensor | None = None
         self.lora: Any = None  # model/lora.py's LayerLora once LoRA is enabled
+        self.kernels: Any = None  # model/cpu_kernels.py's CpuKernels (CPU float32 only)
 
     def fuse(self) -> None:
         """Concatenate q/k/v weights into one matrix; the HF-named params become views of it."""
@@ -406,11 +407,12 @@ class Attention(nn.Module):
             qkv = self.lora.delta("qkv", x, qkv)
         qkv = qkv.view(n_tok, h + 2 * kv, d)
         v = qkv[:, h + kv :]
+        rope = apply_rope if self.kernels is None else self.kernels.rope
         if self.qk_norm:
-            q = apply_rope(self.q_norm(qkv[:, :h]), cos, sin)
-            k = apply_rope(self.k_norm(qkv[:, h : h + kv]), cos, sin)
+            q = rope(self.q_norm(qkv[:, :h]), cos, sin)
+            k = rope(self.k_norm(qkv[:, h : h + kv]), cos, sin)
         else:  # rotate q and k heads in one go
-            q, k = apply_rope(qkv[:, : h + kv], cos, sin).split([h, kv], dim=1)
+            q, k = rope(qkv[:, : h + kv], cos, sin).split([h, kv], dim=1)
         k_cache.index_copy_(0, meta.out_slots, k)
         v_cache.index_copy_(0, meta.out_slots, v)
         out = self._attend(q, k, v, meta, k_cache, v_cache)
@@ -614,10 +616,10 @@ class LlamaForCausalLM(nn.Module):
         self.fuse_projections()
 
     def use_cpu_kernels(self, kernels: Any) -> None:
-        """RMSNorm and SwiGLU through model/cpu_kernels.py's CpuKernels (None: torch's ops).
-        The caller checks that they apply: float32 weights on the CPU."""
+        """RMSNorm, RoPE and SwiGLU through model/cpu_kernels.py's CpuKernels (None: torch's
+        ops). The caller checks that they apply: float32 weights on the CPU."""
         for module in self.modules():
-            if isinstance(module, (RMSNorm, MLP)):
+            if isinstance(module, (RMSNorm, Attention, MLP)):
                 module.kernels = kernels
 
     def fuse_projections(self) -> None:

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from sglang_admin.messages import SamplingParams
 from sglang_admin.model import cpu_kernels
 from sglang_admin.model.cpu_kernels import load_cpu_kernels, reference_attend
+from sglang_admin.model.llama import apply_rope
 from sglang_admin.model.loader import ModelLoadError
 from sglang_admin.model.runner import ModelRunner, SeqInput
 
@@ -80,6 +81,12 @@ def _check_elementwise(kernels: cpu_kernels.CpuKernels) -> None:
         gate, up = gate_up.chunk(2, dim=-1)
         torch.testing.assert_close(kernels.silu_mul(gate_up), F.silu(gate) * up,
                                    atol=1e-5, rtol=1e-5)
+    for tokens, heads, dim in [(1, 10, 32), (64, 10, 32), (5, 3, 6), (2048, 4, 128)]:
+        qkv = torch.randn(tokens, heads + 2, dim, generator=gen)
+        x = qkv[:, :heads]  # the q and k heads of a fused row: a token stride of its own
+        cos, sin = (torch.randn(tokens, 1, dim, generator=gen) for _ in range(2))
+        # the same float ops in the same order: equal to the last bit
+        assert torch.equal(kernels.rope(x, cos, sin), apply_rope(x, cos, sin))
     heads = torch.randn(4, 3, 32, generator=gen)  # [T, heads, D]: q/k norms of Qwen3
     w = torch.randn(32, generator=gen)
     torch.testing.assert_close(kernels.rms_norm(heads, w, 1e-6), F.rms_norm(heads, (32,), w, 1e-6),
@@ -88,7 +95,7 @@ def _check_elementwise(kernels: cpu_kernels.CpuKernels) -> None:
 
 @needs_kernel
 def test_elementwise_kernels_match_torch() -> None:
-    """RMSNorm and silu(gate) * up: widths on and off the vector width, large values."""
+    """RMSNorm, RoPE and silu(gate) * up: widths on and off the vector width, large values."""
     _check_elementwise(kernel)
     with pytest.raises(ValueError, match="laid out"):
         kernel.rms_norm(torch.randn(4, 8).t(), torch.ones(4), 1e-6)

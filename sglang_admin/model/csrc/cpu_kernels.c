@@ -1,6 +1,6 @@
 /*
  * CPU kernels of the model's forward (float32): decode attention read in place from the paged KV
- * pool, RMSNorm and SwiGLU's silu(gate) * up in one pass each.
+ * pool; RMSNorm, rotate-half RoPE and SwiGLU's silu(gate) * up in one pass each.
  *
  * Decode attention.
  *
@@ -234,5 +234,24 @@ void silu_mul(const float *gu, int64_t T, int64_t I, float *out) {
         }
 #endif
         for (; i < I; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+    }
+}
+
+/*
+ * Rotate-half RoPE: out[t, h, i] = x[t, h, i] * cos[t, i] + x[t, h, (i + D/2) % D] * sin[t, i]
+ * (sin carries the sign of rotate_half), for T tokens of H heads of D; token t of x starts
+ * at x + t * x_stride (the q and k heads of a fused qkv row); out is contiguous.
+ */
+void rope(const float *x, int64_t x_stride, const float *cos_t, const float *sin_t,
+          int64_t T, int64_t H, int64_t D, float *out) {
+    const int64_t half = D / 2;
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = cos_t + t * D, *s = sin_t + t * D;
+        for (int64_t h = 0; h < H; h++) {
+            const float *xh = x + t * x_stride + h * D;
+            float *oh = out + (t * H + h) * D;
+            for (int64_t i = 0; i < half; i++) oh[i] = xh[i] * c[i] + xh[i + half] * s[i];
+            for (int64_t i = half; i < D; i++) oh[i] = xh[i] * c[i] + xh[i - half] * s[i];
+        }
     }
 }
