@@ -179,7 +179,10 @@ void decode_attention(const float *q, int64_t q_stride, const float *k, const fl
         const int64_t *slots = table + rows[i] * ctx + start;
         const float *qi = q + i * q_stride;
         for (int64_t j = 0; j < L; j++) {
-            if (j + PREFETCH_AHEAD < L) prefetch_row(k + slots[j + PREFETCH_AHEAD] * row, row);
+            if (j + PREFETCH_AHEAD < L) {
+                prefetch_row(k + slots[j + PREFETCH_AHEAD] * row, row);
+                prefetch_row(v + slots[j + PREFETCH_AHEAD] * row, row); /* for pass 2 */
+            }
             token_scores(qi, k + slots[j] * row, H, KV, D, scale, scores + j, L);
         }
         float inv[H];
