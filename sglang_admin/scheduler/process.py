@@ -137,29 +137,29 @@ def batch_inputs(batch: Batch) -> list[SeqInput]:
     """The model runner's inputs for a scheduled batch: one per span, in span order."""
     from sglang_admin.model.runner import SeqInput
 
-    return [
-        SeqInput(
-            req_idx=sp.req.req_idx,
+    inputs = []
+    for sp in batch.spans:
+        req = sp.req
+        inputs.append(SeqInput(
+            req_idx=req.req_idx,
             prefix_len=sp.start,
-            token_ids=sp.req.tokens(sp.start, sp.end),
+            token_ids=req.tokens(sp.start, sp.end),
             table_start=sp.table_start,
-            table_slots=sp.req.slots[sp.table_start : sp.end],
-            sampling=sp.req.sampling,
-            prompt_ids=sp.req.prompt_ids,
-            output_ids=sp.req.output_ids,
+            table_slots=req.slots[sp.table_start : sp.end],
+            sampling=req.sampling,
+            prompt_ids=req.prompt_ids,
+            output_ids=req.output_ids,
             sample=sp.sample,
-            return_logprob=sp.req.return_logprob,
-            top_logprobs_num=sp.req.top_logprobs_num,
-            lora_slot=sp.req.lora_slot,
+            return_logprob=req.return_logprob,
+            top_logprobs_num=req.top_logprobs_num,
+            lora_slot=req.lora_slot,
             # prompt logprobs only while the span still covers prompt tokens
-            logprob_start_len=(sp.req.logprob_start_len
-                               if sp.start < len(sp.req.prompt_ids) else -1),
-            token_ids_logprob=sp.req.token_ids_logprob,
-            return_hidden_states=sp.req.return_hidden_states,
-            grammar=sp.req.grammar,
-        )
-        for sp in batch.spans
-    ]
+            logprob_start_len=req.logprob_start_len if sp.start < len(req.prompt_ids) else -1,
+            token_ids_logprob=req.token_ids_logprob,
+            return_hidden_states=req.return_hidden_states,
+            grammar=req.grammar,
+        ))
+    return inputs
 
 
 class RankLoop:
