@@ -43,6 +43,7 @@ lint: install
 bench: install
 	$(PY) tools/bench_admin.py
 	$(PY) tools/bench_served.py
+	$(PY) tools/bench_cpu_kernels.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -177,3 +177,20 @@ def test_unknown_backend_is_refused() -> None:
     with pytest.raises(ValueError, match="attention backend"):
         ModelRunner(None, device="cpu", dtype="float32", max_total_tokens=64,
                     max_running_requests=2, attention_backend="flash")
+
+
+@needs_kernel
+def test_bench_cpu_kernels_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    """tools/bench_cpu_kernels.py (docs/benchmarks.md's kernel figures) runs and prints both
+    sides of every row."""
+    from tools.bench_cpu_kernels import main
+
+    torch_threads = torch.get_num_threads()
+    try:
+        assert main(["--steps", "1", "--rounds", "1"]) == 0
+    finally:
+        torch.set_num_threads(torch_threads)
+    out = capsys.readouterr().out
+    for row in ("      64 ", "rms_norm", "rope", "silu*up"):
+        assert row in out
+    assert out.count("x\n") >= 9  # 3 decode rows + 6 op rows, each with its ratio
