@@ -196,8 +196,8 @@ class ModelRunner:
         # _split_lanes); CUDA and LoRA run one lane
         self.lanes = max(1, lanes) if self.device.type == "cpu" else 1
         self._lane_pool: ThreadPoolExecutor | None = None
-        # CPU float32: decode attention read in place from the pool, RMSNorm and SwiGLU in
-        # one pass each (model/cpu_kernels.py)
+        # CPU float32: decode attention read in place from the pool; RMSNorm, RoPE and
+        # SwiGLU in one pass each (model/cpu_kernels.py)
         self.cpu_kernels = self._cpu_kernels(attention_backend)
         self.model.use_cpu_kernels(self.cpu_kernels)
         self._score_scratch: list[torch.Tensor | None] = []  # one per lane
