@@ -160,10 +160,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                         "once by threads of their own (0: 1 with --torch-threads, else 2 when "
                         "a rank has 2 cores or more)")
     p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
-                   help="auto: decode attention on CPU in float32 reads the KV pool in place "
-                        "(a small C kernel built at start with the machine's compiler), "
-                        "elsewhere torch's scaled_dot_product_attention; torch_native: torch's "
-                        "everywhere; cpu_paged: the kernel or refuse to start")
+                   help="auto: on CPU in float32, decode attention reads the KV pool in "
+                        "place and RMSNorm, RoPE and SwiGLU run in one pass each (small C "
+                        "kernels built at start with the machine's compiler), elsewhere "
+                        "torch's ops; torch_native: torch's ops everywhere; cpu_paged: the "
+                        "kernels or refuse to start")
     p.add_argument("--seed", type=_seed, default=0)
     p.add_argument("--enable-lora", action="store_true",
                    help="serve LoRA adapters (LoadLoRAAdapter, GenerateRequest.lora_id)")
