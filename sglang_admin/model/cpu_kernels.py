@@ -46,7 +46,8 @@ _PTR = ctypes.c_void_p
 
 
 class CpuKernels:
-    """The built library: decode attention (``attend``), ``rms_norm``, ``rope``, ``silu_mul``."""
+    """The built library: decode attention (``attend``), ``rms_norm``, ``rope``, ``silu_mul``,
+    ``linear`` (small batches) and a decode step's whole decoder layer (``decode_layer``)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -64,6 +65,15 @@ class CpuKernels:
         self._rope = lib.rope
         self._rope.restype = None
         self._rope.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR]
+        self._linear = lib.linear_nt
+        self._linear.restype = None
+        self._linear.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64,
+                                 ctypes.c_int]
+        self._layer = lib.decode_layer
+        self._layer.restype = None
+        self._layer.argtypes = ([_PTR, _I64, _I64, _I64, ctypes.c_float] + [_PTR] * 16
+                                + [_I64, _PTR, _PTR, _I64, _I64, _I64, ctypes.c_float, _I64,
+                                   _PTR, _PTR])
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """``weight * (x * rsqrt(mean(x**2, -1) + eps))`` of a contiguous float32 x."""
@@ -97,6 +107,43 @@ class CpuKernels:
         self._silu_mul(gate_up.data_ptr(), rows, half, out.data_ptr())
         return out
 
+    def linear(self, x: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``F.linear(x, weight, bias)`` of a contiguous float32 x [M, K], weight [N, K]: a
+        few rows at a time against each block of weight rows (what decode batches need)."""
+        if not (x.dim() == 2 and x.is_contiguous() and weight.is_contiguous()
+                and weight.shape[1] == x.shape[1]
+                and (bias is None or (bias.is_contiguous() and bias.numel() == weight.shape[0]))):
+            raise ValueError("linear kernel: a tensor is not laid out as expected")
+        rows, k = x.shape
+        n = weight.shape[0]
+        out = torch.empty(rows, n, dtype=torch.float32)
+        self._linear(x.data_ptr(), k, rows, k, weight.data_ptr(), n,
+                     None if bias is None else bias.data_ptr(), out.data_ptr(), n, 0)
+        return out
+
+    def decode_layer(self, x: torch.Tensor, layer: DecodeLayerWeights, cos: torch.Tensor,
+                     sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     out_slots: torch.Tensor, batch: DecodeBatch) -> None:
+        """One decoder layer of a decode step, in place on the residual stream x [M, hidden]:
+        the new K/V are written at ``out_slots``, then attended with the batch's sequences.
+        cos/sin: llama.RotaryEmbedding's [M, 1, D]. The caller guarantees float32 CPU tensors,
+        contiguous, shaped as ``layer`` says (``LlamaForCausalLM`` checks once per step)."""
+        rows = x.shape[0]
+        heads, kv_heads, dim = layer.heads, layer.kv_heads, layer.head_dim
+        need = rows * (x.shape[1] + (2 * heads + 3 * kv_heads) * dim + heads * dim
+                       + 3 * layer.intermediate)
+        scratch = batch.layer_scratch(need)
+        ptr = _ptr
+        self._layer(x.data_ptr(), rows, x.shape[1], layer.intermediate, layer.eps,
+                    ptr(layer.ln1), ptr(layer.w_qkv), ptr(layer.b_qkv), ptr(layer.w_o),
+                    ptr(layer.b_o), ptr(layer.ln2), ptr(layer.w_gate_up), ptr(layer.b_gate_up),
+                    ptr(layer.w_down), ptr(layer.b_down), cos.data_ptr(), sin.data_ptr(),
+                    k_cache.data_ptr(), v_cache.data_ptr(), out_slots.data_ptr(),
+                    batch.table.data_ptr(), batch.table.shape[1], batch.rows.data_ptr(),
+                    batch.lens.data_ptr(), heads, kv_heads, dim, layer.scale,
+                    layer.window or 0, batch.scores.data_ptr(), scratch.data_ptr())
+
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                table: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor, scale: float,
                window: int | None, scores: torch.Tensor) -> torch.Tensor:
@@ -122,6 +169,34 @@ class CpuKernels:
         return out
 
 
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+@dataclass
+class DecodeLayerWeights:
+    """What :meth:`CpuKernels.decode_layer` reads of one decoder layer: float32 CPU tensors,
+    contiguous (biases None when the model has none), and the layer's shape."""
+
+    ln1: torch.Tensor  # [hidden] input RMSNorm
+    w_qkv: torch.Tensor  # [(H + 2 KV) D, hidden], q rows first, then k, then v
+    b_qkv: torch.Tensor | None
+    w_o: torch.Tensor  # [hidden, H D]
+    b_o: torch.Tensor | None
+    ln2: torch.Tensor  # [hidden] post-attention RMSNorm
+    w_gate_up: torch.Tensor  # [2 I, hidden], gate rows first
+    b_gate_up: torch.Tensor | None
+    w_down: torch.Tensor  # [hidden, I]
+    b_down: torch.Tensor | None
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+    scale: float
+    window: int | None
+
+
 @dataclass
 class DecodeBatch:
     """One forward's decode sequences for the kernel, shared by every layer."""
@@ -131,6 +206,50 @@ class DecodeBatch:
     rows: torch.Tensor  # [n] int64 table row of each decode sequence
     lens: torch.Tensor  # [n] int64 its length, the new token included
     scores: torch.Tensor  # float32 scratch, heads * max(lens) at least
+    scratch: torch.Tensor | None = None  # decode_layer's, shared by every layer
+
+    def layer_scratch(self, floats: int) -> torch.Tensor:
+        """A float32 scratch of at least ``floats``, allocated once per forward."""
+        if self.scratch is None or self.scratch.numel() < floats:
+            self.scratch = torch.empty(floats, dtype=torch.float32)
+        return self.scratch
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``F.linear(x, weight, bias)`` of a contiguous float32 x [M, K], weight [N, K]: a
+        few rows at a time against each block of weight rows (what decode batches need)."""
+        if not (x.dim() == 2 and x.is_contiguous() and weight.is_contiguous()
+                and weight.shape[1] == x.shape[1]
+                and (bias is None or (bias.is_contiguous() and bias.numel() == weight.shape[0]))):
+            raise ValueError("linear kernel: a tensor is not laid out as expected")
+        rows, k = x.shape
+        n = weight.shape[0]
+        out = torch.empty(rows, n, dtype=torch.float32)
+        self._linear(x.data_ptr(), k, rows, k, weight.data_ptr(), n,
+                     None if bias is None else bias.data_ptr(), out.data_ptr(), n, 0)
+        return out
+
+    def decode_layer(self, x: torch.Tensor, layer: DecodeLayerWeights, cos: torch.Tensor,
+                     sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     out_slots: torch.Tensor, batch: DecodeBatch) -> None:
+        """One decoder layer of a decode step, in place on the residual stream x [M, hidden]:
+        the new K/V are written at ``out_slots``, then attended with the batch's sequences.
+        cos/sin: llama.RotaryEmbedding's [M, 1, D]. The caller guarantees float32 CPU tensors,
+        contiguous, shaped as ``layer`` says (``LlamaForCausalLM`` checks once per step)."""
+        rows = x.shape[0]
+        heads, kv_heads, dim = layer.heads, layer.kv_heads, layer.head_dim
+        need = rows * (x.shape[1] + (2 * heads + 3 * kv_heads) * dim + heads * dim
+                       + 3 * layer.intermediate)
+        scratch = batch.layer_scratch(need)
+        ptr = _ptr
+        self._layer(x.data_ptr(), rows, x.shape[1], layer.intermediate, layer.eps,
+                    ptr(layer.ln1), ptr(layer.w_qkv), ptr(layer.b_qkv), ptr(layer.w_o),
+                    ptr(layer.b_o), ptr(layer.ln2), ptr(layer.w_gate_up), ptr(layer.b_gate_up),
+                    ptr(layer.w_down), ptr(layer.b_down), cos.data_ptr(), sin.data_ptr(),
+                    k_cache.data_ptr(), v_cache.data_ptr(), out_slots.data_ptr(),
+                    batch.table.data_ptr(), batch.table.shape[1], batch.rows.data_ptr(),
+                    batch.lens.data_ptr(), heads, kv_heads, dim, layer.scale,
+                    layer.window or 0, batch.scores.data_ptr(), scratch.data_ptr())
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                scale: float, window: int | None) -> torch.Tensor:
@@ -211,7 +330,7 @@ def _build(cc: str) -> str | None:
 
 def _agrees_with_torch(kernel: CpuKernels) -> bool:
     """Small cases against torch: attention with GQA, a sliding window and scattered slots;
-    RMSNorm and silu(gate) * up with widths off the vector width."""
+    RMSNorm, silu(gate) * up and the projection with widths off the vector width."""
     gen = torch.Generator().manual_seed(0)
     heads, kv_heads, dim, slots = 8, 2, 32, 64
     k = torch.randn(slots, kv_heads, dim, generator=gen)
@@ -239,7 +358,10 @@ def _agrees_with_torch(kernel: CpuKernels) -> bool:
     cos, sin = torch.randn(4, 1, 8, generator=gen), torch.randn(4, 1, 8, generator=gen)
     x = qkv[:, :3]
     want = x * cos + x.roll(4, dims=-1) * sin
-    return torch.allclose(kernel.rope(x, cos, sin), want, atol=1e-6, rtol=1e-5)
+    if not torch.allclose(kernel.rope(x, cos, sin), want, atol=1e-6, rtol=1e-5):
+        return False
+    x, w, b = (torch.randn(*shape, generator=gen) for shape in ((5, 21), (7, 21), (7,)))
+    return torch.allclose(kernel.linear(x, w, b), F.linear(x, w, b), atol=1e-5, rtol=1e-4)
 
 
 @functools.cache

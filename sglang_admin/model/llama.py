@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sglang_admin.model.cpu_kernels import DecodeLayerWeights
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -560,6 +562,26 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, k_cache, v_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def decode_weights(self) -> DecodeLayerWeights | None:
+        """This layer as ``CpuKernels.decode_layer`` reads it; None where that does not apply
+        (torch's ops, LoRA, per-head q/k norms, weights not fused or not contiguous)."""
+        attn, mlp = self.self_attn, self.mlp
+        if (attn.kernels is None or attn.lora is not None or mlp.lora is not None
+                or attn.qk_norm or attn.qkv_weight is None or mlp.gate_up_weight is None):
+            return None
+        weights = DecodeLayerWeights(
+            self.input_layernorm.weight, attn.qkv_weight, attn.qkv_bias, attn.o_proj.weight,
+            attn.o_proj.bias, self.post_attention_layernorm.weight, mlp.gate_up_weight,
+            mlp.gate_up_bias, mlp.down_proj.weight, mlp.down_proj.bias, attn.num_heads,
+            attn.num_kv_heads, attn.head_dim, mlp.down_proj.in_features,
+            self.input_layernorm.eps, attn.scale, attn.sliding_window)
+        tensors = (weights.ln1, weights.w_qkv, weights.b_qkv, weights.w_o, weights.b_o,
+                   weights.ln2, weights.w_gate_up, weights.b_gate_up, weights.w_down,
+                   weights.b_down)
+        if not all(t is None or t.is_contiguous() for t in tensors):
+            return None
+        return weights
+
 
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and final norm (the ``model.`` prefix of checkpoints)."""
@@ -640,6 +662,15 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states [T, hidden] (before the final norm) of the flattened new tokens."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
+        batch = meta.decode_batch
+        if batch is not None and meta.num_decode == x.shape[0]:
+            # decode only, CPU kernels: each layer in one call (no per-op dispatch)
+            layers = [layer.decode_weights() for layer in self.model.layers]
+            if all(w is not None for w in layers):
+                for i, weights in enumerate(layers):
+                    batch.kernel.decode_layer(x, weights, cos, sin, k_caches[i], v_caches[i],
+                                              meta.out_slots, batch)
+                return x
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, meta, k_caches[i], v_caches[i])
         return x

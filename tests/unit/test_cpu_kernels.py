@@ -8,13 +8,29 @@ import torch.nn.functional as F
 
 from sglang_admin.messages import SamplingParams
 from sglang_admin.model import cpu_kernels
-from sglang_admin.model.cpu_kernels import load_cpu_kernels, reference_attend
-from sglang_admin.model.llama import apply_rope
+from sglang_admin.model.cpu_kernels import DecodeBatch, load_cpu_kernels, reference_attend
+from sglang_admin.model.llama import (
+    AttentionMetadata,
+    DecoderLayer,
+    LlamaConfig,
+    RotaryEmbedding,
+    apply_rope,
+)
 from sglang_admin.model.loader import ModelLoadError
 from sglang_admin.model.runner import ModelRunner, SeqInput
 
 kernel = load_cpu_kernels()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="no C compiler builds the kernel here")
+
+
+def test_the_kernels_build_and_agree_with_torch_where_there_is_a_compiler() -> None:
+    """Every kernel test below skips without the kernels; with a compiler they must load (a
+    kernel that disagrees with torch at load time is dropped, which would hide it)."""
+    import shutil
+
+    if not (shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip("no C compiler")
+    assert kernel is not None
 
 
 def _case(heads: int, kv_heads: int, dim: int, lens: list[int], seed: int = 0):
@@ -91,16 +107,78 @@ def _check_elementwise(kernels: cpu_kernels.CpuKernels) -> None:
     w = torch.randn(32, generator=gen)
     torch.testing.assert_close(kernels.rms_norm(heads, w, 1e-6), F.rms_norm(heads, (32,), w, 1e-6),
                                atol=1e-5, rtol=1e-5)
+    # projections: row counts around the 3-row blocks, widths off the 8-float vector and the
+    # 4-row weight blocks, with and without a bias
+    for rows in (1, 2, 3, 4, 5, 7, 64):
+        for n, k in ((384, 256), (261, 256), (5, 21), (46, 36), (256, 688)):
+            x = torch.randn(rows, k, generator=gen)
+            w = torch.randn(n, k, generator=gen)
+            b = torch.randn(n, generator=gen)
+            torch.testing.assert_close(kernels.linear(x, w), F.linear(x, w), atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(kernels.linear(x, w, b), F.linear(x, w, b),
+                                       atol=1e-4, rtol=1e-4)
+
+
+def _check_decode_layer(kernels: cpu_kernels.CpuKernels, window: int | None) -> None:
+    """A decoder layer through ``decode_layer`` (one call) against the same layer through torch's
+    ops (attention through the attend kernel, checked against torch above): the output, and the
+    new K/V rows in the pool. A Qwen2-like layer (q/k/v biases), hidden and intermediate sizes
+    off the vector width, GQA, sequences of 1 to 15 tokens around a sliding window."""
+    cfg = LlamaConfig(architecture="Qwen2ForCausalLM", model_type="qwen2", vocab_size=50,
+                      hidden_size=46, intermediate_size=36, num_layers=1, num_heads=6,
+                      num_kv_heads=2, head_dim=8, qkv_bias=True, sliding_windows=[window])
+    torch.manual_seed(11)
+    layer = DecoderLayer(cfg, 0)
+    for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+        norm.weight.data.uniform_(0.5, 1.5)
+    layer.self_attn.fuse()
+    layer.mlp.fuse()
+    gen = torch.Generator().manual_seed(12)
+    lens = torch.tensor([1, 7, 15, 4])
+    table = (1 + torch.randperm(80, generator=gen)).view(4, 20).contiguous()
+    rows = torch.tensor([2, 0, 3, 1])
+    out_slots = table[rows, lens - 1].contiguous()
+    k_pool = torch.randn(96, 2, 8, generator=gen)
+    v_pool = torch.randn(96, 2, 8, generator=gen)
+    x = torch.randn(4, 46, generator=gen) * 3
+    cos, sin = RotaryEmbedding(cfg)(lens - 1, torch.float32)
+    batch = DecodeBatch(kernels, table, rows, lens, torch.empty(6 * 15))
+    meta = AttentionMetadata(out_slots=out_slots, num_decode=4, decode_batch=batch)
+
+    k_want, v_want = k_pool.clone(), v_pool.clone()
+    with torch.inference_mode():
+        want = layer(x, cos, sin, meta, k_want, v_want)
+        for module in layer.modules():  # what LlamaForCausalLM.use_cpu_kernels does
+            if hasattr(module, "kernels"):
+                module.kernels = kernels
+        weights = layer.decode_weights()
+        assert weights is not None
+        got = x.clone()
+        kernels.decode_layer(got, weights, cos, sin, k_pool, v_pool, out_slots, batch)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(k_pool, k_want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(v_pool, v_want, atol=1e-5, rtol=1e-5)
+    layer.mlp.lora = object()  # LoRA, q/k norms, unfused weights: torch's path
+    assert layer.decode_weights() is None
 
 
 @needs_kernel
 def test_elementwise_kernels_match_torch() -> None:
-    """RMSNorm, RoPE and silu(gate) * up: widths on and off the vector width, large values."""
+    """RMSNorm, RoPE, silu(gate) * up and projections: widths on and off the vector width,
+    large values."""
     _check_elementwise(kernel)
     with pytest.raises(ValueError, match="laid out"):
         kernel.rms_norm(torch.randn(4, 8).t(), torch.ones(4), 1e-6)
     with pytest.raises(ValueError, match="laid out"):
         kernel.silu_mul(torch.randn(4, 7))
+    with pytest.raises(ValueError, match="laid out"):
+        kernel.linear(torch.randn(4, 8), torch.randn(8, 5))
+
+
+@needs_kernel
+@pytest.mark.parametrize("window", [None, 5])
+def test_decode_layer_matches_the_torch_layer(window: int | None) -> None:
+    _check_decode_layer(kernel, window)
 
 
 def test_plain_c_build_matches_torch() -> None:
@@ -120,6 +198,7 @@ def test_plain_c_build_matches_torch() -> None:
         want = reference_attend(q, k, v, table, rows, lens_t, 0.3, 9)
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
     _check_elementwise(plain)
+    _check_decode_layer(plain, 5)
 
 
 def _greedy(runner: ModelRunner, prompts: list[list[int]], steps: int) -> list[list[int]]:

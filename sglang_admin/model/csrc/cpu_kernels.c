@@ -1,6 +1,7 @@
 /*
  * CPU kernels of the model's forward (float32): decode attention read in place from the paged KV
- * pool; RMSNorm, rotate-half RoPE and SwiGLU's silu(gate) * up in one pass each.
+ * pool; RMSNorm, rotate-half RoPE and SwiGLU's silu(gate) * up in one pass each; small-batch
+ * projections, and a whole decoder layer of a decode step in one call (at the end).
  *
  * Decode attention.
  *
@@ -257,4 +258,118 @@ void rope(const float *x, int64_t x_stride, const float *cos_t, const float *sin
             for (int64_t i = half; i < D; i++) oh[i] = xh[i] * c[i] + xh[i - half] * s[i];
         }
     }
+}
+
+/*
+ * Projections of a decode step: y[m, n] (+)= sum_k x[m, k] * w[n, k] + b[n].
+ *
+ * x [M, K] rows at x_stride, w [N, K] (a Linear's weight as it is: no packed copy to keep
+ * in step with weight updates), b [N] or NULL, y [M, N] rows at y_stride; accumulate: y +=
+ * the result (the residual add, in torch's order: the projection first, then the sum).
+ * Decode batches are small: torch's GEMM streams every weight matrix for a few rows and
+ * spends more on packing than on arithmetic there. Here each block of 4 weight rows stays in
+ * L1 while up to 3 input rows at a time are dotted with it, their 12 sums in registers.
+ */
+#ifdef HAVE_AVX2
+/* the sums of 4 vectors as one [s0 s1 s2 s3] */
+static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+    const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+/* MR (1..3) rows of x against 4 rows of w, into y[0..MR)[0..4) */
+static inline __attribute__((always_inline)) void linear_block(
+    const int MR, const float *x, int64_t xs, int64_t K, const float *w, const float *b,
+    float *y, int64_t ys, int accumulate) {
+    __m256 a[3][4];
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < 4; j++) a[i][j] = _mm256_setzero_ps();
+    const int64_t K8 = K & ~(int64_t)7;
+    for (int64_t k = 0; k < K8; k += 8) {
+        __m256 v[4];
+        for (int j = 0; j < 4; j++) v[j] = _mm256_loadu_ps(w + j * K + k);
+        for (int i = 0; i < MR; i++) {
+            const __m256 x8 = _mm256_loadu_ps(x + i * xs + k);
+            for (int j = 0; j < 4; j++) a[i][j] = _mm256_fmadd_ps(x8, v[j], a[i][j]);
+        }
+    }
+    for (int i = 0; i < MR; i++) {
+        float r[4];
+        _mm_storeu_ps(r, hsum4(a[i][0], a[i][1], a[i][2], a[i][3]));
+        for (int j = 0; j < 4; j++) {
+            for (int64_t k = K8; k < K; k++) r[j] += x[i * xs + k] * w[j * K + k];
+            const float out = b ? r[j] + b[j] : r[j];
+            y[i * ys + j] = accumulate ? y[i * ys + j] + out : out;
+        }
+    }
+}
+#endif
+
+void linear_nt(const float *x, int64_t xs, int64_t M, int64_t K, const float *w, int64_t N,
+               const float *b, float *y, int64_t ys, int accumulate) {
+    int64_t n = 0;
+#ifdef HAVE_AVX2
+    for (; n + 4 <= N; n += 4) {
+        const float *wn = w + n * K, *bn = b ? b + n : 0;
+        int64_t m = 0;
+        for (; m + 3 <= M; m += 3)
+            linear_block(3, x + m * xs, xs, K, wn, bn, y + m * ys + n, ys, accumulate);
+        if (M - m == 2) linear_block(2, x + m * xs, xs, K, wn, bn, y + m * ys + n, ys, accumulate);
+        if (M - m == 1) linear_block(1, x + m * xs, xs, K, wn, bn, y + m * ys + n, ys, accumulate);
+    }
+#endif
+    for (; n < N; n++)
+        for (int64_t m = 0; m < M; m++) {
+            float s = 0.f;
+            for (int64_t k = 0; k < K; k++) s += x[m * xs + k] * w[n * K + k];
+            const float out = b ? s + b[n] : s;
+            y[m * ys + n] = accumulate ? y[m * ys + n] + out : out;
+        }
+}
+
+/*
+ * One decoder layer for a batch of M decode tokens, in one call (a layer through torch is ~15
+ * ops of a few microseconds' dispatch each, most of a small batch's step):
+ *   x += o_proj(attention(rope(q), rope(k) and v stored at out_slots)),  q/k/v from
+ *        qkv_proj(rms_norm(x, ln1))
+ *   x += down_proj(silu(gate) * up),  gate/up from gate_up_proj(rms_norm(x, ln2))
+ * x [M, hidden] is the residual stream, updated in place. cos/sin [M, D] (sin signed, as
+ * llama.RotaryEmbedding gives them). The attention arguments are decode_attention's.
+ * scratch: M * (hidden + (H + 2 KV) D + (H + KV) D + H D + 3 I) floats at least.
+ */
+void decode_layer(float *x, int64_t M, int64_t hidden, int64_t inter, float eps,
+                  const float *ln1, const float *w_qkv, const float *b_qkv,
+                  const float *w_o, const float *b_o, const float *ln2,
+                  const float *w_gu, const float *b_gu, const float *w_down,
+                  const float *b_down, const float *cos_t, const float *sin_t,
+                  float *k_cache, float *v_cache, const int64_t *out_slots,
+                  const int64_t *table, int64_t ctx, const int64_t *rows, const int64_t *lens,
+                  int64_t H, int64_t KV, int64_t D, float scale, int64_t window,
+                  float *scores, float *scratch) {
+    const int64_t qkv_width = (H + 2 * KV) * D, row = KV * D;
+    float *h = scratch;                        /* [M, hidden] */
+    float *qkv = h + M * hidden;               /* [M, (H + 2 KV) D] */
+    float *qk = qkv + M * qkv_width;           /* [M, H + KV, D] rotated */
+    float *attn = qk + M * (H + KV) * D;       /* [M, H D] */
+    float *gu = attn + M * H * D;              /* [M, 2 I] */
+    float *act = gu + M * 2 * inter;           /* [M, I] */
+
+    rms_norm(x, ln1, M, hidden, eps, h);
+    linear_nt(h, hidden, M, hidden, w_qkv, qkv_width, b_qkv, qkv, qkv_width, 0);
+    rope(qkv, qkv_width, cos_t, sin_t, M, H + KV, D, qk);
+    for (int64_t m = 0; m < M; m++) {
+        const float *km = qk + (m * (H + KV) + H) * D, *vm = qkv + m * qkv_width + (H + KV) * D;
+        float *kd = k_cache + out_slots[m] * row, *vd = v_cache + out_slots[m] * row;
+        for (int64_t e = 0; e < row; e++) {
+            kd[e] = km[e];
+            vd[e] = vm[e];
+        }
+    }
+    decode_attention(qk, (H + KV) * D, k_cache, v_cache, table, ctx, rows, lens, M, H, KV, D,
+                     scale, window, scores, attn);
+    linear_nt(attn, H * D, M, H * D, w_o, hidden, b_o, x, hidden, 1);
+    rms_norm(x, ln2, M, hidden, eps, h);
+    linear_nt(h, hidden, M, hidden, w_gu, 2 * inter, b_gu, gu, 2 * inter, 0);
+    silu_mul(gu, M, inter, act);
+    linear_nt(act, inter, M, inter, w_down, hidden, b_down, x, hidden, 1);
 }
