@@ -68,7 +68,7 @@ class CpuKernels:
         self._linear = lib.linear_nt
         self._linear.restype = None
         self._linear.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64,
-                                 ctypes.c_int]
+                                 ctypes.c_int, _PTR]
         self._layer = lib.decode_layer
         self._layer.restype = None
         self._layer.argtypes = ([_PTR, _I64, _I64, _I64, ctypes.c_float] + [_PTR] * 16
@@ -118,8 +118,10 @@ class CpuKernels:
         rows, k = x.shape
         n = weight.shape[0]
         out = torch.empty(rows, n, dtype=torch.float32)
+        pack = torch.empty(_packed_floats(rows, k), dtype=torch.float32)
         self._linear(x.data_ptr(), k, rows, k, weight.data_ptr(), n,
-                     None if bias is None else bias.data_ptr(), out.data_ptr(), n, 0)
+                     None if bias is None else bias.data_ptr(), out.data_ptr(), n, 0,
+                     pack.data_ptr())
         return out
 
     def decode_layer(self, x: torch.Tensor, layer: DecodeLayerWeights, cos: torch.Tensor,
@@ -133,6 +135,7 @@ class CpuKernels:
         heads, kv_heads, dim = layer.heads, layer.kv_heads, layer.head_dim
         need = rows * (x.shape[1] + (2 * heads + 3 * kv_heads) * dim + heads * dim
                        + 3 * layer.intermediate)
+        need += _packed_floats(rows, max(x.shape[1], heads * dim, layer.intermediate))
         scratch = batch.layer_scratch(need)
         ptr = _ptr
         self._layer(x.data_ptr(), rows, x.shape[1], layer.intermediate, layer.eps,
@@ -167,6 +170,11 @@ class CpuKernels:
                      heads, kv_heads, dim, scale, window or 0, scores.data_ptr(),
                      out.data_ptr())
         return out
+
+
+def _packed_floats(rows: int, width: int) -> int:
+    """linear_nt's scratch for ``rows`` inputs of ``width``: panels of 16 rows."""
+    return -(-rows // 16) * 16 * width
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -225,8 +233,10 @@ class DecodeBatch:
         rows, k = x.shape
         n = weight.shape[0]
         out = torch.empty(rows, n, dtype=torch.float32)
+        pack = torch.empty(_packed_floats(rows, k), dtype=torch.float32)
         self._linear(x.data_ptr(), k, rows, k, weight.data_ptr(), n,
-                     None if bias is None else bias.data_ptr(), out.data_ptr(), n, 0)
+                     None if bias is None else bias.data_ptr(), out.data_ptr(), n, 0,
+                     pack.data_ptr())
         return out
 
     def decode_layer(self, x: torch.Tensor, layer: DecodeLayerWeights, cos: torch.Tensor,
@@ -240,6 +250,7 @@ class DecodeBatch:
         heads, kv_heads, dim = layer.heads, layer.kv_heads, layer.head_dim
         need = rows * (x.shape[1] + (2 * heads + 3 * kv_heads) * dim + heads * dim
                        + 3 * layer.intermediate)
+        need += _packed_floats(rows, max(x.shape[1], heads * dim, layer.intermediate))
         scratch = batch.layer_scratch(need)
         ptr = _ptr
         self._layer(x.data_ptr(), rows, x.shape[1], layer.intermediate, layer.eps,

@@ -677,4 +677,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [N, vocab] for selected hidden rows (applies the final norm)."""
-        return F.linear(self.model.norm(hidden), self.output_weight())
+        kernels = self.model.norm.kernels
+        weight = self.output_weight()
+        if kernels is not None and weight.is_contiguous():  # a few rows: see CpuKernels.linear
+            return kernels.linear(self.model.norm(hidden).contiguous(), weight)
+        return F.linear(self.model.norm(hidden), weight)

@@ -134,16 +134,33 @@ def _check_decode_layer(kernels: cpu_kernels.CpuKernels, window: int | None) -> 
     layer.self_attn.fuse()
     layer.mlp.fuse()
     gen = torch.Generator().manual_seed(12)
-    lens = torch.tensor([1, 7, 15, 4])
-    table = (1 + torch.randperm(80, generator=gen)).view(4, 20).contiguous()
-    rows = torch.tensor([2, 0, 3, 1])
-    out_slots = table[rows, lens - 1].contiguous()
-    k_pool = torch.randn(96, 2, 8, generator=gen)
-    v_pool = torch.randn(96, 2, 8, generator=gen)
-    x = torch.randn(4, 46, generator=gen) * 3
+    # 4 sequences: the row-block path of the projections; 21: the packed one
+    for count in (4, 21):
+        lens = torch.cat([torch.tensor([1, 7, 15]), torch.randint(1, 16, (count - 3,),
+                                                                   generator=gen)])
+        table = (1 + torch.randperm(count * 20, generator=gen)).view(count, 20).contiguous()
+        rows = torch.randperm(count, generator=gen)
+        out_slots = table[rows, lens - 1].contiguous()
+        k_pool = torch.randn(count * 20 + 1, 2, 8, generator=gen)
+        v_pool = torch.randn(count * 20 + 1, 2, 8, generator=gen)
+        x = torch.randn(count, 46, generator=gen) * 3
+        _compare_decode_layer(kernels, layer, cfg, x, lens, table, rows, out_slots, k_pool,
+                              v_pool)
+    layer.mlp.lora = object()  # LoRA, q/k norms, unfused weights: torch's path
+    assert layer.decode_weights() is None
+
+
+def _compare_decode_layer(kernels: cpu_kernels.CpuKernels, layer: DecoderLayer, cfg: LlamaConfig,
+                          x: torch.Tensor, lens: torch.Tensor, table: torch.Tensor,
+                          rows: torch.Tensor, out_slots: torch.Tensor, k_pool: torch.Tensor,
+                          v_pool: torch.Tensor) -> None:
+    count = x.shape[0]
     cos, sin = RotaryEmbedding(cfg)(lens - 1, torch.float32)
     batch = DecodeBatch(kernels, table, rows, lens, torch.empty(6 * 15))
-    meta = AttentionMetadata(out_slots=out_slots, num_decode=4, decode_batch=batch)
+    meta = AttentionMetadata(out_slots=out_slots, num_decode=count, decode_batch=batch)
+    for module in layer.modules():  # torch's ops, but the attend kernel (tested above)
+        if hasattr(module, "kernels"):
+            module.kernels = None
 
     k_want, v_want = k_pool.clone(), v_pool.clone()
     with torch.inference_mode():
@@ -158,8 +175,6 @@ def _check_decode_layer(kernels: cpu_kernels.CpuKernels, window: int | None) -> 
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(k_pool, k_want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(v_pool, v_want, atol=1e-5, rtol=1e-5)
-    layer.mlp.lora = object()  # LoRA, q/k norms, unfused weights: torch's path
-    assert layer.decode_weights() is None
 
 
 @needs_kernel

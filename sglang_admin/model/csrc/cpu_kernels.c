@@ -266,10 +266,15 @@ void rope(const float *x, int64_t x_stride, const float *cos_t, const float *sin
  * x [M, K] rows at x_stride, w [N, K] (a Linear's weight as it is: no packed copy to keep
  * in step with weight updates), b [N] or NULL, y [M, N] rows at y_stride; accumulate: y +=
  * the result (the residual add, in torch's order: the projection first, then the sum).
- * Decode batches are small: torch's GEMM streams every weight matrix for a few rows and
- * spends more on packing than on arithmetic there. Here each block of 4 weight rows stays in
- * L1 while up to 3 input rows at a time are dotted with it, their 12 sums in registers.
+ * Decode batches are small, and torch's GEMM spends more on packing each weight matrix than
+ * on arithmetic there. Two blockings:
+ *   - under PACK_ROWS rows: each block of 4 weight rows stays in L1 while up to 3 input rows
+ *     at a time are dotted with it, their 12 sums in registers (no packing at all);
+ *   - from PACK_ROWS rows on (pack: scratch of 16 * ceil(M / 16) * K floats): x is copied into
+ *     panels of 16 rows, k-major, and each weight element, broadcast, meets 16 rows at once:
+ *     6 weight rows x 16 input rows of sums in registers, no horizontal sums.
  */
+#define PACK_ROWS 12
 #ifdef HAVE_AVX2
 /* the sums of 4 vectors as one [s0 s1 s2 s3] */
 static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
@@ -277,8 +282,13 @@ static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
     return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
 
+static inline float finish(float sum, const float *b, float *y, int accumulate) {
+    const float out = b ? sum + *b : sum;
+    return accumulate ? *y + out : out;
+}
+
 /* MR (1..3) rows of x against 4 rows of w, into y[0..MR)[0..4) */
-static inline __attribute__((always_inline)) void linear_block(
+static inline __attribute__((always_inline)) void dot_block(
     const int MR, const float *x, int64_t xs, int64_t K, const float *w, const float *b,
     float *y, int64_t ys, int accumulate) {
     __m256 a[3][4];
@@ -298,25 +308,77 @@ static inline __attribute__((always_inline)) void linear_block(
         _mm_storeu_ps(r, hsum4(a[i][0], a[i][1], a[i][2], a[i][3]));
         for (int j = 0; j < 4; j++) {
             for (int64_t k = K8; k < K; k++) r[j] += x[i * xs + k] * w[j * K + k];
-            const float out = b ? r[j] + b[j] : r[j];
-            y[i * ys + j] = accumulate ? y[i * ys + j] + out : out;
+            y[i * ys + j] = finish(r[j], b ? b + j : 0, y + i * ys + j, accumulate);
+        }
+    }
+}
+
+/* NR (1..6) rows of w against a panel of 16 packed rows: yt[NR][16] */
+static inline __attribute__((always_inline)) void panel_block(
+    const int NR, const float *panel, int64_t K, const float *w, float *yt) {
+    __m256 a[6][2];
+    for (int i = 0; i < NR; i++) a[i][0] = a[i][1] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        const __m256 x0 = _mm256_loadu_ps(panel + k * 16), x1 = _mm256_loadu_ps(panel + k * 16 + 8);
+        for (int i = 0; i < NR; i++) {
+            const __m256 wb = _mm256_broadcast_ss(w + i * K + k);
+            a[i][0] = _mm256_fmadd_ps(wb, x0, a[i][0]);
+            a[i][1] = _mm256_fmadd_ps(wb, x1, a[i][1]);
+        }
+    }
+    for (int i = 0; i < NR; i++) {
+        _mm256_storeu_ps(yt + i * 16, a[i][0]);
+        _mm256_storeu_ps(yt + i * 16 + 8, a[i][1]);
+    }
+}
+
+static void linear_packed(const float *x, int64_t xs, int64_t M, int64_t K, const float *w,
+                          int64_t N, const float *b, float *y, int64_t ys, int accumulate,
+                          float *pack) {
+    const int64_t panels = (M + 15) / 16;
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t k = 0; k < K; k++)
+            for (int64_t r = 0; r < 16; r++) {
+                const int64_t m = p * 16 + r;
+                pack[(p * K + k) * 16 + r] = m < M ? x[m * xs + k] : 0.f;
+            }
+    float yt[6 * 16];
+    for (int64_t n = 0; n < N; n += 6) {
+        const int nr = N - n >= 6 ? 6 : (int)(N - n);
+        for (int64_t p = 0; p < panels; p++) {
+            const float *panel = pack + p * K * 16;
+            if (nr == 6) panel_block(6, panel, K, w + n * K, yt);
+            else
+                for (int i = 0; i < nr; i++) panel_block(1, panel, K, w + (n + i) * K, yt + i * 16);
+            const int64_t rows = M - p * 16 >= 16 ? 16 : M - p * 16;
+            for (int i = 0; i < nr; i++)
+                for (int64_t r = 0; r < rows; r++) {
+                    float *out = y + (p * 16 + r) * ys + n + i;
+                    *out = finish(yt[i * 16 + r], b ? b + n + i : 0, out, accumulate);
+                }
         }
     }
 }
 #endif
 
 void linear_nt(const float *x, int64_t xs, int64_t M, int64_t K, const float *w, int64_t N,
-               const float *b, float *y, int64_t ys, int accumulate) {
+               const float *b, float *y, int64_t ys, int accumulate, float *pack) {
     int64_t n = 0;
 #ifdef HAVE_AVX2
+    if (M >= PACK_ROWS && pack) {
+        linear_packed(x, xs, M, K, w, N, b, y, ys, accumulate, pack);
+        return;
+    }
     for (; n + 4 <= N; n += 4) {
         const float *wn = w + n * K, *bn = b ? b + n : 0;
         int64_t m = 0;
         for (; m + 3 <= M; m += 3)
-            linear_block(3, x + m * xs, xs, K, wn, bn, y + m * ys + n, ys, accumulate);
-        if (M - m == 2) linear_block(2, x + m * xs, xs, K, wn, bn, y + m * ys + n, ys, accumulate);
-        if (M - m == 1) linear_block(1, x + m * xs, xs, K, wn, bn, y + m * ys + n, ys, accumulate);
+            dot_block(3, x + m * xs, xs, K, wn, bn, y + m * ys + n, ys, accumulate);
+        if (M - m == 2) dot_block(2, x + m * xs, xs, K, wn, bn, y + m * ys + n, ys, accumulate);
+        if (M - m == 1) dot_block(1, x + m * xs, xs, K, wn, bn, y + m * ys + n, ys, accumulate);
     }
+#else
+    (void)pack;
 #endif
     for (; n < N; n++)
         for (int64_t m = 0; m < M; m++) {
@@ -335,7 +397,8 @@ void linear_nt(const float *x, int64_t xs, int64_t M, int64_t K, const float *w,
  *   x += down_proj(silu(gate) * up),  gate/up from gate_up_proj(rms_norm(x, ln2))
  * x [M, hidden] is the residual stream, updated in place. cos/sin [M, D] (sin signed, as
  * llama.RotaryEmbedding gives them). The attention arguments are decode_attention's.
- * scratch: M * (hidden + (H + 2 KV) D + (H + KV) D + H D + 3 I) floats at least.
+ * scratch: M * (hidden + (H + 2 KV) D + (H + KV) D + H D + 3 I) floats, then 16 * ceil(M / 16)
+ * * max(hidden, H D, I) for linear_nt's packed rows.
  */
 void decode_layer(float *x, int64_t M, int64_t hidden, int64_t inter, float eps,
                   const float *ln1, const float *w_qkv, const float *b_qkv,
@@ -353,9 +416,10 @@ void decode_layer(float *x, int64_t M, int64_t hidden, int64_t inter, float eps,
     float *attn = qk + M * (H + KV) * D;       /* [M, H D] */
     float *gu = attn + M * H * D;              /* [M, 2 I] */
     float *act = gu + M * 2 * inter;           /* [M, I] */
+    float *pack = act + M * inter;             /* linear_nt's */
 
     rms_norm(x, ln1, M, hidden, eps, h);
-    linear_nt(h, hidden, M, hidden, w_qkv, qkv_width, b_qkv, qkv, qkv_width, 0);
+    linear_nt(h, hidden, M, hidden, w_qkv, qkv_width, b_qkv, qkv, qkv_width, 0, pack);
     rope(qkv, qkv_width, cos_t, sin_t, M, H + KV, D, qk);
     for (int64_t m = 0; m < M; m++) {
         const float *km = qk + (m * (H + KV) + H) * D, *vm = qkv + m * qkv_width + (H + KV) * D;
@@ -367,9 +431,9 @@ void decode_layer(float *x, int64_t M, int64_t hidden, int64_t inter, float eps,
     }
     decode_attention(qk, (H + KV) * D, k_cache, v_cache, table, ctx, rows, lens, M, H, KV, D,
                      scale, window, scores, attn);
-    linear_nt(attn, H * D, M, H * D, w_o, hidden, b_o, x, hidden, 1);
+    linear_nt(attn, H * D, M, H * D, w_o, hidden, b_o, x, hidden, 1, pack);
     rms_norm(x, ln2, M, hidden, eps, h);
-    linear_nt(h, hidden, M, hidden, w_gu, 2 * inter, b_gu, gu, 2 * inter, 0);
+    linear_nt(h, hidden, M, hidden, w_gu, 2 * inter, b_gu, gu, 2 * inter, 0, pack);
     silu_mul(gu, M, inter, act);
-    linear_nt(act, inter, M, inter, w_down, hidden, b_down, x, hidden, 1);
+    linear_nt(act, inter, M, inter, w_down, hidden, b_down, x, hidden, 1, pack);
 }
