@@ -26,6 +26,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -203,6 +204,7 @@ class DecodeLayerWeights:
     eps: float
     scale: float
     window: int | None
+    lora_hooks: Callable[[], bool] = lambda: False  # whether LoRA hooks sit on the layer now
 
 
 @dataclass

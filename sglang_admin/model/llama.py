@@ -574,7 +574,8 @@ class DecoderLayer(nn.Module):
             attn.o_proj.bias, self.post_attention_layernorm.weight, mlp.gate_up_weight,
             mlp.gate_up_bias, mlp.down_proj.weight, mlp.down_proj.bias, attn.num_heads,
             attn.num_kv_heads, attn.head_dim, mlp.down_proj.in_features,
-            self.input_layernorm.eps, attn.scale, attn.sliding_window)
+            self.input_layernorm.eps, attn.scale, attn.sliding_window,
+            lambda: attn.lora is not None or mlp.lora is not None)
         tensors = (weights.ln1, weights.w_qkv, weights.b_qkv, weights.w_o, weights.b_o,
                    weights.ln2, weights.w_gate_up, weights.b_gate_up, weights.w_down,
                    weights.b_down)
@@ -603,6 +604,9 @@ class LlamaForCausalLM(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg)
+        # every layer as CpuKernels.decode_layer reads it, built at the first decode step;
+        # weights change in place (copy_), and whatever replaces tensors drops it
+        self._decode_layers: list[DecodeLayerWeights] | None = None
 
     def output_weight(self) -> torch.Tensor:
         """The LM head matrix (the embedding when tied)."""
@@ -629,6 +633,7 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.qkv_weight = layer.self_attn.qkv_bias = None
             layer.mlp.gate_up_weight = layer.mlp.gate_up_bias = None
+        self._decode_layers = None
         self.to_empty(device="meta")
 
     def allocate_parameters(self, device: torch.device) -> None:
@@ -643,6 +648,7 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (RMSNorm, Attention, MLP)):
                 module.kernels = kernels
+        self._decode_layers = None
 
     def fuse_projections(self) -> None:
         """Fuse q/k/v and gate/up matmuls (call after loading weights; names keep working)."""
@@ -650,6 +656,19 @@ class LlamaForCausalLM(nn.Module):
             for layer in self.model.layers:
                 layer.self_attn.fuse()
                 layer.mlp.fuse()
+        self._decode_layers = None
+
+    def decode_layers(self) -> list[DecodeLayerWeights] | None:
+        """Every layer for ``CpuKernels.decode_layer``, or None when one of them cannot go
+        that way (see ``DecoderLayer.decode_weights``; LoRA is looked at every time)."""
+        if self._decode_layers is None:
+            layers = [layer.decode_weights() for layer in self.model.layers]
+            self._decode_layers = [w for w in layers if w is not None]
+        if len(self._decode_layers) != self.config.num_layers:
+            return None
+        if any(w.lora_hooks() for w in self._decode_layers):
+            return None
+        return self._decode_layers
 
     def forward(
         self,
@@ -665,8 +684,8 @@ class LlamaForCausalLM(nn.Module):
         batch = meta.decode_batch
         if batch is not None and meta.num_decode == x.shape[0]:
             # decode only, CPU kernels: each layer in one call (no per-op dispatch)
-            layers = [layer.decode_weights() for layer in self.model.layers]
-            if all(w is not None for w in layers):
+            layers = self.decode_layers()
+            if layers is not None:
                 for i, weights in enumerate(layers):
                     batch.kernel.decode_layer(x, weights, cos, sin, k_caches[i], v_caches[i],
                                               meta.out_slots, batch)

@@ -49,7 +49,7 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 _CPU_MAX_TOKENS = 65536
 
 
-@dataclass
+@dataclass(slots=True)
 class SeqInput:
     """One sequence of a batch: its new tokens and where their K/V live."""
 
@@ -71,7 +71,7 @@ class SeqInput:
     grammar: TokenMatcher | None = None  # constrained decoding: masks the sampled logits
 
 
-@dataclass
+@dataclass(slots=True)
 class SeqOutput:
     """The token sampled for one sequence, with its logprobs when asked for.
 
@@ -390,17 +390,23 @@ class ModelRunner:
             n = len(s.token_ids)
             p = s.prefix_len
             base = s.req_idx * ctx
-            input_ids.extend(s.token_ids)
-            if n == 1:
+            slots = s.table_slots
+            if n == 1:  # a decode sequence: one of each (most sequences of most steps)
+                input_ids.append(s.token_ids[0])
                 positions.append(p)
                 token_cells.append(base + p)
+                if len(slots) == 1:
+                    table_cells.append(base + s.table_start)
+                    table_vals.append(slots[0])
+                    slots = None
             else:
+                input_ids.extend(s.token_ids)
                 positions.extend(range(p, p + n))
                 token_cells.extend(range(base + p, base + p + n))
-            if s.table_slots:
+            if slots:
                 start = base + s.table_start
-                table_cells.extend(range(start, start + len(s.table_slots)))
-                table_vals.extend(s.table_slots)
+                table_cells.extend(range(start, start + len(slots)))
+                table_vals.extend(slots)
             offsets.append(offset)
             offset += n
             if s.sample:

@@ -30,7 +30,7 @@ from sglang_admin.messages import SamplingParams
 _FLOAT_MAX = torch.finfo(torch.float32).max
 
 
-@dataclass
+@dataclass(slots=True)
 class SampleRequest:
     """What the sampler needs to know about one row of the logits."""
 
@@ -42,7 +42,7 @@ class SampleRequest:
     token_ids_logprob: list[int] | None = None  # report these ids' logprobs (with logprob)
 
 
-@dataclass
+@dataclass(slots=True)
 class SampleResult:
     """The chosen tokens and, where asked for, their logprobs (one entry per row).
 

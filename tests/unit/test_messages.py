@@ -1,0 +1,59 @@
+"""The server <-> rank codec (messages.py): what goes in comes out, and nothing else does."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from sglang_admin.messages import (
+    AdminReply,
+    BatchOutput,
+    FlushResult,
+    GenerateReq,
+    RankState,
+    ReqOutput,
+    SamplingParams,
+    decode,
+    encode,
+)
+
+
+def _outputs() -> list[ReqOutput]:
+    plain = ReqOutput("a", [17], 5, 1, 0)
+    rich = ReqOutput(
+        "b", [3, 4], 12, 9, 4, logprobs=[-0.5, -1.25], top_logprobs=[[[3, -0.5], [8, -2.0]]],
+        finish_reason="stop", matched_token_id=4, queue_time_s=0.125, index=2,
+        matched_stop_str="</s>", stop_trim=1, input_logprobs=[None, -3.0],
+        input_top_logprobs=[[[1, -0.1]]], token_ids_logprobs=[[[9, -7.5]]],
+        hidden_states=[[0.5, -1.0]])
+    failed = ReqOutput("c", [], 3, 0, 0, finish_reason="abort", error="invalid sequence",
+                       error_code="INTERNAL")
+    return [plain, rich, failed]
+
+
+def test_a_step_of_outputs_round_trips() -> None:
+    """BatchOutput, the one message of every step (its outputs packed as plain arrays)."""
+    msg = BatchOutput(1, _outputs())
+    assert decode(encode(msg)) == msg
+    assert decode(encode(BatchOutput(0, []))) == BatchOutput(0, [])
+
+
+def test_nested_messages_round_trip() -> None:
+    req = GenerateReq("r1", [1, 2, 3], SamplingParams(temperature=0.7, top_k=5,
+                                                       stop_token_ids=[2]))
+    assert decode(encode(req)) == req
+    state = RankState(0, num_running_reqs=3, decode_phase_s={"model": 1.5})
+    reply = AdminReply("x", 0, True, "ok", state)
+    assert decode(encode(reply)) == reply
+    assert decode(encode(AdminReply("y", 1, True, result=FlushResult(7)))).result == FlushResult(7)
+
+
+def test_only_registered_messages_cross() -> None:
+    with pytest.raises(TypeError, match="not a registered message"):
+        encode(AdminReply("z", 0, True, result=object()))
+    with pytest.raises(TypeError, match="not a ReqOutput"):
+        encode(BatchOutput(0, [object()]))  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="unknown message code"):
+        decode(msgpack.packb(msgpack.ExtType(120, msgpack.packb([]))))
+    with pytest.raises(ValueError, match="not a registered message"):
+        decode(msgpack.packb([1, 2]))
