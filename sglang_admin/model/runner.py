@@ -40,7 +40,7 @@ from sglang_admin.model.loader import (
 )
 from sglang_admin.model.lora import LoraBuffers
 from sglang_admin.model.output_extras import hidden_rows, input_logprobs
-from sglang_admin.model.sampling import SampleRequest, SampleResult, sample
+from sglang_admin.model.sampling import SampleRequest, SampleResult, is_plain_greedy, sample
 
 logger = logging.getLogger(__name__)
 
@@ -454,6 +454,14 @@ class ModelRunner:
         if self.device.type == "cuda":  # sampling reads the tokens back anyway: no loss
             torch.cuda.synchronize(self.device)
         t_sample = time.perf_counter()
+        if all(s.grammar is None and is_plain_greedy(s.sampling, len(s.output_ids),
+                                                     s.return_logprob or s.top_logprobs_num > 0)
+               for s in sampled):  # sample()'s answer, without building its requests
+            by_seq = {id(s): SeqOutput(token)
+                      for s, token in zip(sampled, logits.argmax(dim=-1).tolist())}
+            self.last_times = ForwardTimes(model=t_sample - t_model,
+                                           sample=time.perf_counter() - t_sample)
+            return self._with_extras(by_seq, seqs, sampled, ordered, offsets, hidden, t_select)
         grammar_failed = apply_grammar_masks(logits, [s.grammar for s in sampled])
         reqs = [
             SampleRequest(s.sampling, s.prompt_ids, s.output_ids, s.return_logprob,

@@ -148,6 +148,14 @@ def apply_penalties(
         logits[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = float("-inf")
 
 
+def is_plain_greedy(params: SamplingParams, output_len: int, wants_logprobs: bool) -> bool:
+    """The row's token is the argmax of its logits and nothing more is asked: greedy, no
+    penalty, bias or pending min_new_tokens, no logprobs (most rows of most steps)."""
+    return (params.is_greedy and not wants_logprobs and not params.logit_bias
+            and params.repetition_penalty == 1.0 and params.frequency_penalty == 0.0
+            and params.presence_penalty == 0.0 and output_len >= params.min_new_tokens)
+
+
 def _needs_processing(r: SampleRequest) -> bool:
     p = r.params
     return (
@@ -210,12 +218,12 @@ def sample(
         raise ValueError(f"{len(reqs)} sampling requests for {n} rows of logits")
     device = logits.device
     raw = logits.float()
+    if all(is_plain_greedy(r.params, len(r.output_ids), r.return_logprob or r.top_logprobs_num > 0)
+           for r in reqs):
+        return SampleResult(raw.argmax(dim=-1).tolist(), [None] * n, [None] * n, [None] * n)
     want_logprob = [r.return_logprob or r.top_logprobs_num > 0 for r in reqs]
     any_processing = any(_needs_processing(r) for r in reqs)
     greedy = [r.params.is_greedy for r in reqs]
-
-    if all(greedy) and not any_processing and not any(want_logprob):
-        return SampleResult(raw.argmax(dim=-1).tolist(), [None] * n, [None] * n, [None] * n)
 
     proc = raw.clone() if any_processing else raw
     if any_processing:

@@ -100,7 +100,7 @@ class Req:
         return self.prompt_ids[start:] + self.output_ids[: end - prompt]
 
 
-@dataclass
+@dataclass(slots=True)
 class Span:
     """The work of one request in one step: run tokens [start, end) of its sequence."""
 
