@@ -138,6 +138,7 @@ class CpuKernels:
                        + 3 * layer.intermediate)
         need += _packed_floats(rows, max(x.shape[1], heads * dim, layer.intermediate))
         scratch = batch.layer_scratch(need)
+        batch.check_scores(heads)
         ptr = _ptr
         self._layer(x.data_ptr(), rows, x.shape[1], layer.intermediate, layer.eps,
                     ptr(layer.ln1), ptr(layer.w_qkv), ptr(layer.b_qkv), ptr(layer.w_o),
@@ -215,8 +216,15 @@ class DecodeBatch:
     table: torch.Tensor  # [R, ctx] the runner's req_to_token
     rows: torch.Tensor  # [n] int64 table row of each decode sequence
     lens: torch.Tensor  # [n] int64 its length, the new token included
-    scores: torch.Tensor  # float32 scratch, heads * max(lens) at least
+    longest: int  # max(lens)
+    scores: torch.Tensor  # float32 scratch, heads * longest at least
     scratch: torch.Tensor | None = None  # decode_layer's, shared by every layer
+
+    def check_scores(self, heads: int) -> None:
+        """The kernel writes heads * longest scores: refuse a scratch that cannot hold them."""
+        if self.scores.numel() < heads * self.longest:
+            raise ValueError(f"decode kernel: scores scratch of {self.scores.numel()} floats "
+                             f"for {heads} heads x {self.longest} keys")
 
     def layer_scratch(self, floats: int) -> torch.Tensor:
         """A float32 scratch of at least ``floats``, allocated once per forward."""
@@ -254,6 +262,7 @@ class DecodeBatch:
                        + 3 * layer.intermediate)
         need += _packed_floats(rows, max(x.shape[1], heads * dim, layer.intermediate))
         scratch = batch.layer_scratch(need)
+        batch.check_scores(heads)
         ptr = _ptr
         self._layer(x.data_ptr(), rows, x.shape[1], layer.intermediate, layer.eps,
                     ptr(layer.ln1), ptr(layer.w_qkv), ptr(layer.b_qkv), ptr(layer.w_o),
@@ -267,6 +276,7 @@ class DecodeBatch:
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                scale: float, window: int | None) -> torch.Tensor:
         """One layer: q [n, H, D] against its pool -> [n, H * D]."""
+        self.check_scores(q.shape[1])
         return self.kernel.attend(q, k_cache, v_cache, self.table, self.rows, self.lens,
                                   scale, window, self.scores)
 

@@ -369,10 +369,12 @@ class ModelRunner:
 
     def _forward_step(self, seqs: list[SeqInput]) -> list[SeqOutput | None]:
         ctx = self.context_length
-        # decode sequences first, shortest context first (a lane pads its decode group to
-        # its own longest sequence only), then the extend sequences
-        decode = sorted((s for s in seqs if len(s.token_ids) == 1), key=lambda s: s.prefix_len)
+        # decode sequences first, then the extend sequences; torch's attention pads a group
+        # of decode sequences to its longest: shortest context first
+        decode = [s for s in seqs if len(s.token_ids) == 1]
         extend = [s for s in seqs if len(s.token_ids) != 1]
+        if self.cpu_kernels is None:
+            decode.sort(key=lambda s: s.prefix_len)
         ordered = decode + extend
         nd = len(decode)
 
@@ -498,11 +500,12 @@ class ModelRunner:
         meta.num_decode = nd
         gathered = 0  # the most pool rows one group or extend sequence gathers
         if self.cpu_kernels is not None and nd:  # the kernel reads the table itself
+            longest = max(dec_lens)
             meta.decode_batch = DecodeBatch(self.cpu_kernels, table, dec_rows, t_dec_lens,
-                                            self._scores_scratch(lane, dec_lens[-1]))
+                                            longest, self._scores_scratch(lane, longest))
         groups = group_by_length(dec_lens) if self.cpu_kernels is None else []
         for a, b in groups:
-            length = dec_lens[b - 1]  # the lengths are ascending
+            length = dec_lens[b - 1]  # the lengths are ascending (sorted for torch's path)
             group = DecodeGroup(a, b - a, length,
                                 table[:, :length].index_select(0, dec_rows[a:b]).reshape(-1))
             keys = self._arange[:length].unsqueeze(0)
@@ -586,6 +589,8 @@ class ModelRunner:
         """The step's outputs in ``seqs`` order, with what some sequences asked for beside
         the token: hidden states of sampled rows and prompt logprobs (model/output_extras.py;
         a sequence that sampled nothing gets an output only for its prompt logprobs)."""
+        if not any(s.return_hidden_states or s.logprob_start_len >= 0 for s in ordered):
+            return [by_seq.get(id(s)) for s in seqs]
         if any(s.return_hidden_states for s in sampled):
             wanted = [s.return_hidden_states for s in sampled]
             for s, state in zip(sampled, hidden_rows(self.model, hidden, select, wanted)):

@@ -140,24 +140,16 @@ def batch_inputs(batch: Batch) -> list[SeqInput]:
     inputs = []
     for sp in batch.spans:
         req = sp.req
+        prompt = req.prompt_ids
+        start, end = sp.start, sp.end
+        # positional, in SeqInput's field order (a decode step builds one per request)
         inputs.append(SeqInput(
-            req_idx=req.req_idx,
-            prefix_len=sp.start,
-            token_ids=req.tokens(sp.start, sp.end),
-            table_start=sp.table_start,
-            table_slots=req.slots[sp.table_start : sp.end],
-            sampling=req.sampling,
-            prompt_ids=req.prompt_ids,
-            output_ids=req.output_ids,
-            sample=sp.sample,
-            return_logprob=req.return_logprob,
-            top_logprobs_num=req.top_logprobs_num,
-            lora_slot=req.lora_slot,
+            req.req_idx, start, req.tokens(start, end), sp.table_start,
+            req.slots[sp.table_start : end], req.sampling, prompt, req.output_ids, sp.sample,
+            req.return_logprob, req.top_logprobs_num, req.lora_slot,
             # prompt logprobs only while the span still covers prompt tokens
-            logprob_start_len=req.logprob_start_len if sp.start < len(req.prompt_ids) else -1,
-            token_ids_logprob=req.token_ids_logprob,
-            return_hidden_states=req.return_hidden_states,
-            grammar=req.grammar,
+            req.logprob_start_len if start < len(prompt) else -1,
+            req.token_ids_logprob, req.return_hidden_states, req.grammar,
         ))
     return inputs
 

@@ -156,7 +156,7 @@ def _compare_decode_layer(kernels: cpu_kernels.CpuKernels, layer: DecoderLayer, 
                           v_pool: torch.Tensor) -> None:
     count = x.shape[0]
     cos, sin = RotaryEmbedding(cfg)(lens - 1, torch.float32)
-    batch = DecodeBatch(kernels, table, rows, lens, torch.empty(6 * 15))
+    batch = DecodeBatch(kernels, table, rows, lens, int(lens.max()), torch.empty(6 * 15))
     meta = AttentionMetadata(out_slots=out_slots, num_decode=count, decode_batch=batch)
     for module in layer.modules():  # torch's ops, but the attend kernel (tested above)
         if hasattr(module, "kernels"):
@@ -175,6 +175,9 @@ def _compare_decode_layer(kernels: cpu_kernels.CpuKernels, layer: DecoderLayer, 
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(k_pool, k_want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(v_pool, v_want, atol=1e-5, rtol=1e-5)
+    small = DecodeBatch(kernels, table, rows, lens, int(lens.max()), torch.empty(6 * 14))
+    with pytest.raises(ValueError, match="scores scratch"):  # never written past its end
+        kernels.decode_layer(x.clone(), weights, cos, sin, k_pool, v_pool, out_slots, small)
 
 
 @needs_kernel
