@@ -382,17 +382,23 @@ class RankLoop:
         self.last_step_time = time.perf_counter() - t0
         self.step_timer.forward(self.runner.last_times)
         self.forward_steps += 1
-        tokens = [r.token_id if r is not None and sp.sample else None
-                  for r, sp in zip(results, batch.spans)]
-        logprobs = [r.logprob if r is not None else None for r in results]
-        tops = [r.top_logprobs if r is not None else None for r in results]
-        errors = None
-        if any(r is not None and r.error is not None for r in results):
-            errors = [
-                (r.error, r.error_code or "INTERNAL")
-                if r is not None and r.error is not None else None
-                for r in results
-            ]
+        tokens: list[int | None] = []
+        logprobs: list[float | None] = []
+        tops: list[list[tuple[int, float]] | None] = []
+        errors: list[tuple[str, str] | None] | None = None
+        for i, (r, sp) in enumerate(zip(results, batch.spans)):
+            if r is None:
+                tokens.append(None)
+                logprobs.append(None)
+                tops.append(None)
+                continue
+            tokens.append(r.token_id if sp.sample else None)
+            logprobs.append(r.logprob)
+            tops.append(r.top_logprobs)
+            if r.error is not None:
+                if errors is None:
+                    errors = [None] * len(results)
+                errors[i] = (r.error, r.error_code or "INTERNAL")
         outputs = self.scheduler.postprocess(batch, tokens, logprobs, tops, errors, results)
         self.step_timer.lap("postprocess")
         self.flush_kv_events()  # the router's index learns the blocks before the answer

@@ -387,7 +387,8 @@ class Scheduler:
         i = 0
         while i < len(self.running):
             req = self.running[i]
-            n = min(req.seq_len - req.kv_len, max(budget, 1))
+            seq_len = len(req.prompt_ids) + len(req.output_ids)
+            n = min(seq_len - req.kv_len, max(budget, 1))
             if not self._reserve(req, n):
                 # Out of memory even after eviction: retract the newest running request.
                 victim = self.running[-1]
@@ -396,7 +397,7 @@ class Scheduler:
                 if victim is req:
                     continue
                 continue  # retry req with the freed memory
-            spans.append(self._span(req, n))
+            spans.append(self._span(req, n, seq_len))
             budget -= n if n > 1 else 0
             i += 1
 
@@ -420,7 +421,7 @@ class Scheduler:
                 self.waiting.insert(pick, req)
                 break
             self.running.append(req)
-            spans.append(self._span(req, n))
+            spans.append(self._span(req, n, req.seq_len))
             budget -= n
         return Batch(spans) if spans else None
 
@@ -473,13 +474,13 @@ class Scheduler:
         req.slots.extend(slots)
         return True
 
-    def _span(self, req: Req, n: int) -> Span:
+    def _span(self, req: Req, n: int, seq_len: int) -> Span:
         start, end = req.kv_len, req.kv_len + n
         table_start = req.table_synced
         req.table_synced = end
         # max_new_tokens = 0: prefill only, nothing sampled
-        sample = end == req.seq_len and req.sampling.max_new_tokens > 0
-        return Span(req, start, end, table_start, sample=sample)
+        sample = end == seq_len and req.sampling.max_new_tokens > 0
+        return Span(req, start, end, table_start, sample)
 
     # ------------------------------------------------------------------ postprocess
 
@@ -581,10 +582,11 @@ class Scheduler:
         if req.grammar is not None and req.grammar.finished:  # the constraint is complete
             self._finish(req, "stop", matched=token if token in self.eos else None)
             return
+        seq_len = len(req.prompt_ids) + n_out
         if (
             n_out >= sp.max_new_tokens
-            or req.seq_len >= self.config.context_length
-            or req.seq_len >= self.config.token_capacity
+            or seq_len >= self.config.context_length
+            or seq_len >= self.config.token_capacity
         ):
             self._finish(req, "length")
 
@@ -594,18 +596,15 @@ class Scheduler:
         lps = req.logprobs[req.sent_logprobs :]
         tops = req.top_logprobs[req.sent_logprobs :]
         req.sent_logprobs = len(req.logprobs)
-        out = ReqOutput(
-            rid=req.rid,
-            new_token_ids=new,
-            prompt_tokens=len(req.prompt_ids),
-            completion_tokens=len(req.output_ids),
-            cached_tokens=max(req.cached_tokens, 0),
-            logprobs=lps,
-            top_logprobs=tops,
-            queue_time_s=req.queue_time_s,
-            index=req.index,
-        )
-        output_extras.attach(req, out, final)
+        # positional, every field (a step builds one per running request): rid, tokens,
+        # prompt/completion/cached counts, logprobs, top logprobs, finish_reason,
+        # matched_token_id, error, error_code, queue_time_s, index, matched_stop_str,
+        # stop_trim, then the extras' lists (filled by attach)
+        out = ReqOutput(req.rid, new, len(req.prompt_ids), req.sent_tokens,
+                        max(req.cached_tokens, 0), lps, tops, None, None, None, None,
+                        req.queue_time_s, req.index, None, 0, [], [], [], [])
+        if final or req.token_ids_logprobs or req.hidden_states:
+            output_extras.attach(req, out, final)
         return out
 
     # ------------------------------------------------------------------ releasing
@@ -693,10 +692,13 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _drop_aborted_and_expired(self, now: float) -> None:
-        for req in [r for r in self.running if r.aborted]:
-            self._finish(req, "abort")
-        for req in [r for r in self.running if r.deadline is not None and r.deadline < now]:
-            self._finish(req, "abort", error="deadline exceeded", code="DEADLINE_EXCEEDED")
+        ended = [r for r in self.running
+                 if r.aborted or (r.deadline is not None and r.deadline < now)]
+        for req in ended:
+            if req.aborted:
+                self._finish(req, "abort")
+            else:
+                self._finish(req, "abort", error="deadline exceeded", code="DEADLINE_EXCEEDED")
         expired = [r for r in self.waiting if r.deadline is not None and r.deadline < now]
         if self.grammar_queue is not None:
             compiling = self.grammar_queue.requests()
