@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import logging
+import operator
 import time
 from array import array
 from concurrent.futures import ThreadPoolExecutor
@@ -456,13 +457,16 @@ class ModelRunner:
         if self.device.type == "cuda":  # sampling reads the tokens back anyway: no loss
             torch.cuda.synchronize(self.device)
         t_sample = time.perf_counter()
-        if all(s.grammar is None and is_plain_greedy(s.sampling, len(s.output_ids),
-                                                     s.return_logprob or s.top_logprobs_num > 0)
+        if all(s.grammar is None and not s.return_hidden_states and s.logprob_start_len < 0
+               and is_plain_greedy(s.sampling, len(s.output_ids),
+                                   s.return_logprob or s.top_logprobs_num > 0)
                for s in sampled):  # sample()'s answer, without building its requests
-            by_seq = {id(s): SeqOutput(token)
-                      for s, token in zip(sampled, logits.argmax(dim=-1).tolist())}
+            outs = [SeqOutput(token) for token in logits.argmax(dim=-1).tolist()]
             self.last_times = ForwardTimes(model=t_sample - t_model,
                                            sample=time.perf_counter() - t_sample)
+            if len(sampled) == len(seqs) and all(map(operator.is_, sampled, seqs)):
+                return outs  # type: ignore[return-value]  # all sampled, in order: decode
+            by_seq = {id(s): out for s, out in zip(sampled, outs)}
             return self._with_extras(by_seq, seqs, sampled, ordered, offsets, hidden, t_select)
         grammar_failed = apply_grammar_masks(logits, [s.grammar for s in sampled])
         reqs = [
