@@ -429,10 +429,14 @@ class ModelRunner:
         for part in parts:
             flat.extend(part)
         # from an int64 array: a fifth of torch.tensor's cost for a list of Python ints
-        packed = torch.frombuffer(array("q", flat), dtype=torch.int64).to(
-            self.device, non_blocking=True)
+        packed = torch.frombuffer(array("q", flat), dtype=torch.int64)
+        if self.device.type != "cpu":
+            packed = packed.to(self.device, non_blocking=True)
         (t_ids, t_pos, t_cells, t_tcells, t_tvals, t_select, t_dec_rows,
          t_dec_lens) = packed.split([len(part) for part in parts])
+        # a decode step: every token's slot is the one just written to its cell, and every
+        # row is sampled (no lookups to make)
+        slots_written = t_tvals if table_cells == token_cells else None
         if table_cells:
             self.req_to_token.view(-1).index_copy_(0, t_tcells, t_tvals)
             self._table_dirty = True
@@ -444,6 +448,7 @@ class ModelRunner:
             da, db = min(a, nd), min(b, nd)  # the lane's decode sequences
             metas.append(self._metadata(
                 ordered[max(a, nd) : b], t_cells[offsets[a] : offsets[b]],
+                None if slots_written is None else slots_written[offsets[a] : offsets[b]],
                 t_dec_rows[da:db], t_dec_lens[da:db], dec_lens[da:db], window, i))
         if self.lora is not None:  # which adapter each token runs with
             self.lora.prepare([s.lora_slot for s in ordered for _ in range(len(s.token_ids))])
@@ -453,7 +458,9 @@ class ModelRunner:
         if not sampled:
             self.last_times = ForwardTimes(model=time.perf_counter() - t_model)
             return self._with_extras({}, seqs, [], ordered, offsets, hidden, t_select)
-        logits = self.model.compute_logits(hidden.index_select(0, t_select))
+        every_row = len(select) == offset  # one token per sequence, all sampled
+        sampled_hidden = hidden if every_row else hidden.index_select(0, t_select)
+        logits = self.model.compute_logits(sampled_hidden)
         if self.device.type == "cuda":  # sampling reads the tokens back anyway: no loss
             torch.cuda.synchronize(self.device)
         t_sample = time.perf_counter()
@@ -493,13 +500,17 @@ class ModelRunner:
             return [(0, len(ordered))]  # decode only (extend sequences come last)
         return lane_cuts([(len(s.token_ids), s.prefix_len) for s in ordered], self.lanes)
 
-    def _metadata(self, extend: list[SeqInput], cells: torch.Tensor, dec_rows: torch.Tensor,
+    def _metadata(self, extend: list[SeqInput], cells: torch.Tensor,
+                  out_slots: torch.Tensor | None, dec_rows: torch.Tensor,
                   t_dec_lens: torch.Tensor, dec_lens: list[int], window: int | None,
                   lane: int) -> AttentionMetadata:
         """The attention metadata of one lane: its decode sequences (their table rows and
-        lengths) first, then its extend sequences; ``cells`` are its new tokens' table cells."""
+        lengths) first, then its extend sequences; ``cells`` are its new tokens' table cells,
+        ``out_slots`` their pool slots when the caller knows them (else read from the table)."""
         table = self.req_to_token
-        meta = AttentionMetadata(out_slots=table.view(-1).index_select(0, cells))
+        if out_slots is None:
+            out_slots = table.view(-1).index_select(0, cells)
+        meta = AttentionMetadata(out_slots=out_slots)
         nd = len(dec_lens)
         meta.num_decode = nd
         gathered = 0  # the most pool rows one group or extend sequence gathers
