@@ -330,27 +330,26 @@ class ModelRunner:
         """
         if not seqs:
             return []
-        rows, ctx, capacity = self.max_running_requests, self.context_length, self.token_capacity
-        is_decode = True
-        for i, s in enumerate(seqs):
-            slots = s.table_slots
-            # a decode sequence (one new token, at most its own slot) checked inline: the
-            # same checks as _validate, at a fraction of the cost, at every step
-            if (len(s.token_ids) == 1 and 0 <= s.req_idx < rows and 0 < s.prefix_len < ctx
-                    and (not slots or (len(slots) == 1 and 0 <= slots[0] <= capacity
-                                       and 0 <= s.table_start < ctx))):
-                continue
-            is_decode = is_decode and len(s.token_ids) == 1 and s.prefix_len > 0
-            try:
-                self._validate(s)
-            except ValueError as exc:
-                raise InvalidSequence(i, str(exc)) from None
+        # decode sequences (one new token) first, then the extend sequences
+        decode: list[SeqInput] = []
+        extend: list[SeqInput] = []
+        for s in seqs:
+            (decode if len(s.token_ids) == 1 else extend).append(s)
         with torch.inference_mode():
             if not torch._C._autograd._profiler_enabled():  # the label costs ~10 us a step
-                return self._forward_step(seqs)
+                return self._forward_step(seqs, decode, extend)
+            is_decode = not extend and all(s.prefix_len > 0 for s in decode)
             label = f"forward_{'decode' if is_decode else 'extend'}_bs{len(seqs)}"
             with torch.profiler.record_function(label):  # a profile's step names
-                return self._forward_step(seqs)
+                return self._forward_step(seqs, decode, extend)
+
+    def _check(self, seqs: list[SeqInput], s: SeqInput) -> None:
+        """:meth:`_validate` s; InvalidSequence (with s's index in seqs) when it fails."""
+        try:
+            self._validate(s)
+        except ValueError as exc:
+            index = next(i for i, x in enumerate(seqs) if x is s)
+            raise InvalidSequence(index, str(exc)) from None
 
     def _validate(self, s: SeqInput) -> None:
         n = len(s.token_ids)
@@ -368,18 +367,17 @@ class ModelRunner:
             if min(s.table_slots) < 0 or max(s.table_slots) > self.token_capacity:
                 raise ValueError(f"a KV slot outside [0, {self.token_capacity}]")
 
-    def _forward_step(self, seqs: list[SeqInput]) -> list[SeqOutput | None]:
-        ctx = self.context_length
-        # decode sequences first, then the extend sequences; torch's attention pads a group
-        # of decode sequences to its longest: shortest context first
-        decode = [s for s in seqs if len(s.token_ids) == 1]
-        extend = [s for s in seqs if len(s.token_ids) != 1]
+    def _forward_step(self, seqs: list[SeqInput], decode: list[SeqInput],
+                      extend: list[SeqInput]) -> list[SeqOutput | None]:
+        rows, ctx, capacity = self.max_running_requests, self.context_length, self.token_capacity
+        # torch's attention pads a group of decode sequences to its longest: shortest first
         if self.cpu_kernels is None:
             decode.sort(key=lambda s: s.prefix_len)
         ordered = decode + extend
         nd = len(decode)
 
-        # ---- host-side index lists, shipped to the device in one tensor
+        # ---- host-side index lists, shipped to the device in one tensor; every sequence is
+        # checked first (InvalidSequence, before any device work)
         input_ids: list[int] = []
         positions: list[int] = []
         token_cells: list[int] = []  # req_idx * ctx + position of every new token
@@ -395,6 +393,11 @@ class ModelRunner:
             base = s.req_idx * ctx
             slots = s.table_slots
             if n == 1:  # a decode sequence: one of each (most sequences of most steps)
+                # _validate's checks inline, for a decode sequence with at most its own slot
+                if not (0 <= s.req_idx < rows and 0 < p < ctx
+                        and (not slots or (len(slots) == 1 and 0 <= slots[0] <= capacity
+                                           and 0 <= s.table_start < ctx))):
+                    self._check(seqs, s)
                 input_ids.append(s.token_ids[0])
                 positions.append(p)
                 token_cells.append(base + p)
@@ -403,6 +406,7 @@ class ModelRunner:
                     table_vals.append(slots[0])
                     slots = None
             else:
+                self._check(seqs, s)
                 input_ids.extend(s.token_ids)
                 positions.extend(range(p, p + n))
                 token_cells.extend(range(base + p, base + p + n))
