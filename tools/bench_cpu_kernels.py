@@ -7,6 +7,8 @@
    prompts, after 40 decoded tokens; the two runners alternate, the median step counts.
 2. The elementwise kernels against the torch ops they replace, at a decode batch (32 rows)
    and a prefill lane (2048 rows): RMSNorm, RoPE over 10 q/k heads, silu(gate) * up.
+3. The projections of one decoder layer (q/k/v, o, gate/up, down of the embedded model)
+   through ``CpuKernels.linear`` against ``F.linear``, at decode batch sizes.
 
 Usage: python tools/bench_cpu_kernels.py [--steps N] [--rounds N]
 """
@@ -121,6 +123,16 @@ def main(argv: list[str] | None = None) -> int:
         gen = torch.Generator().manual_seed(0)
         for rows in (32, 2048):
             _elementwise(kernels, rows, gen)
+
+        print("\nprojections of one layer (q/k/v, o, gate/up, down), us (torch / kernel)")
+        weights = [torch.randn(n, k, generator=gen)
+                   for n, k in ((384, 256), (256, 256), (1376, 256), (256, 688))]
+        for rows in (1, 8, 32, 64):
+            xs = [torch.randn(rows, w.shape[1], generator=gen) for w in weights]
+            pairs = list(zip(xs, weights))
+            a = _time(lambda p=pairs: [F.linear(x, w) for x, w in p], 100) * 1e6
+            b = _time(lambda p=pairs: [kernels.linear(x, w) for x, w in p], 100) * 1e6
+            print(f"  rows={rows:<4} {a:9.1f} / {b:8.1f}  {a / b:5.2f}x")
     return 0
 
 

@@ -288,6 +288,6 @@ def test_bench_cpu_kernels_runs(capsys: pytest.CaptureFixture[str]) -> None:
     finally:
         torch.set_num_threads(torch_threads)
     out = capsys.readouterr().out
-    for row in ("      64 ", "rms_norm", "rope", "silu*up"):
+    for row in ("      64 ", "rms_norm", "rope", "silu*up", "rows=64"):
         assert row in out
-    assert out.count("x\n") >= 9  # 3 decode rows + 6 op rows, each with its ratio
+    assert out.count("x\n") >= 13  # 3 decode rows, 6 op rows, 4 projection rows, each a ratio
