@@ -67,10 +67,14 @@ class SampleStreams:
         self.req = req
         self.interval = stream_interval
         self.samples = [_Sample() for _ in range(max(req.n, 1))]
+        self.done = 0  # samples completed
+        # a chunk per output with its tokens alone (most calls): no pending bookkeeping
+        self.tokens_only = (req.stream and stream_interval == 1 and not req.return_logprob
+                            and not req.return_hidden_states)
 
     @property
     def finished(self) -> bool:
-        return all(s.done for s in self.samples)
+        return self.done == len(self.samples)
 
     @property
     def completion_tokens(self) -> int:
@@ -81,6 +85,13 @@ class SampleStreams:
         if not 0 <= out.index < len(self.samples):
             return []
         sample = self.samples[out.index]
+        if self.tokens_only and out.finish_reason is None and not sample.pending.ids:
+            ids = out.new_token_ids  # what _due and _chunk make of it, without the copies
+            sample.all.ids.extend(ids)
+            sample.sent += len(ids)
+            return [pb.GenerateResponse(request_id=self.rid, chunk=pb.GenerateStreamChunk(
+                token_ids=ids, prompt_tokens=out.prompt_tokens, completion_tokens=sample.sent,
+                cached_tokens=out.cached_tokens, index=out.index))]
         sample.all.add(out)
         answers: list[pb.GenerateResponse] = []
         if self.req.stream:
@@ -95,8 +106,9 @@ class SampleStreams:
         elif out.finish_reason is not None:
             keep = stop_trimmed(out, len(sample.all.ids))
             answers.append(self._complete(out, sample.all.cut(keep), 0))
-        if out.finish_reason is not None:
+        if out.finish_reason is not None and not sample.done:
             sample.done = True
+            self.done += 1
         return answers
 
     def _due(self, pending: _Part, final: bool, new_tokens: bool) -> list[_Part]:
