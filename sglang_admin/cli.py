@@ -160,8 +160,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                         "once by threads of their own (0: 1 with --torch-threads, else 2 when "
                         "a rank has 2 cores or more)")
     p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
-                   help="auto: on CPU in float32, decode attention reads the KV pool in "
-                        "place and RMSNorm, RoPE and SwiGLU run in one pass each (small C "
+                   help="auto: on CPU in float32, a decode step runs each layer in one C "
+                        "call (attention read in place from the KV pool, small-batch "
+                        "projections) and RMSNorm, RoPE and SwiGLU run in one pass each (C "
                         "kernels built at start with the machine's compiler), elsewhere "
                         "torch's ops; torch_native: torch's ops everywhere; cpu_paged: the "
                         "kernels or refuse to start")

@@ -11,8 +11,9 @@ from typing import Any
 # Forward steps after which a running profile stops by itself: a forgotten profile's
 # events grow the rank's memory and the time its export takes without bound.
 DEFAULT_PROFILE_MAX_STEPS = 5000
-# --attention-backend: auto (on CPU in float32, decode attention, RMSNorm, RoPE and SwiGLU
-# through the C kernels of model/cpu_kernels.py when they build, else torch's ops),
+# --attention-backend: auto (on CPU in float32, a decode step's layers, decode attention,
+# RMSNorm, RoPE and SwiGLU through the C kernels of model/cpu_kernels.py when they build,
+# else torch's ops),
 # torch_native (torch's ops everywhere), cpu_paged (the kernels, or refuse to start)
 ATTENTION_BACKENDS = ("auto", "torch_native", "cpu_paged")
 

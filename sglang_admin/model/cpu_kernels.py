@@ -1,4 +1,5 @@
-"""CPU kernels of the forward pass in float32: decode attention, RMSNorm, RoPE, silu * up.
+"""CPU kernels of the forward pass in float32: decode attention, RMSNorm, RoPE, silu * up,
+small-batch projections, and a decode step's whole decoder layer in one call.
 
 Torch's decode path gathers every sequence's K and V rows into padded tensors and runs
 ``scaled_dot_product_attention`` per group of similar length: on a CPU step that copy and the
@@ -6,7 +7,9 @@ kernel's per-call cost were a third of a decode step at 64 streams. ``csrc/cpu_k
 reads the rows where they are, through the request-to-token table. It also does RMSNorm, RoPE
 and SwiGLU's product in one pass each, where torch spends several ops (a memory pass and a few
 microseconds of dispatch each; silu on the strided gate half alone took 10 ms of a 2048-token
-prefill layer).
+prefill layer). At decode batch sizes even that is most of a step: ``decode_layer`` runs a
+layer's ~15 ops in one call, with projections blocked for a few rows (torch's GEMM repacks
+every weight matrix per call, which costs more than the arithmetic at 1-16 rows).
 
 This module builds the C file with the machine's compiler at first use (cached under the
 sglang_admin cache directory, keyed by source, flags and CPU), checks each kernel against
@@ -231,47 +234,6 @@ class DecodeBatch:
         if self.scratch is None or self.scratch.numel() < floats:
             self.scratch = torch.empty(floats, dtype=torch.float32)
         return self.scratch
-
-    def linear(self, x: torch.Tensor, weight: torch.Tensor,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``F.linear(x, weight, bias)`` of a contiguous float32 x [M, K], weight [N, K]: a
-        few rows at a time against each block of weight rows (what decode batches need)."""
-        if not (x.dim() == 2 and x.is_contiguous() and weight.is_contiguous()
-                and weight.shape[1] == x.shape[1]
-                and (bias is None or (bias.is_contiguous() and bias.numel() == weight.shape[0]))):
-            raise ValueError("linear kernel: a tensor is not laid out as expected")
-        rows, k = x.shape
-        n = weight.shape[0]
-        out = torch.empty(rows, n, dtype=torch.float32)
-        pack = torch.empty(_packed_floats(rows, k), dtype=torch.float32)
-        self._linear(x.data_ptr(), k, rows, k, weight.data_ptr(), n,
-                     None if bias is None else bias.data_ptr(), out.data_ptr(), n, 0,
-                     pack.data_ptr())
-        return out
-
-    def decode_layer(self, x: torch.Tensor, layer: DecodeLayerWeights, cos: torch.Tensor,
-                     sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     out_slots: torch.Tensor, batch: DecodeBatch) -> None:
-        """One decoder layer of a decode step, in place on the residual stream x [M, hidden]:
-        the new K/V are written at ``out_slots``, then attended with the batch's sequences.
-        cos/sin: llama.RotaryEmbedding's [M, 1, D]. The caller guarantees float32 CPU tensors,
-        contiguous, shaped as ``layer`` says (``LlamaForCausalLM`` checks once per step)."""
-        rows = x.shape[0]
-        heads, kv_heads, dim = layer.heads, layer.kv_heads, layer.head_dim
-        need = rows * (x.shape[1] + (2 * heads + 3 * kv_heads) * dim + heads * dim
-                       + 3 * layer.intermediate)
-        need += _packed_floats(rows, max(x.shape[1], heads * dim, layer.intermediate))
-        scratch = batch.layer_scratch(need)
-        batch.check_scores(heads)
-        ptr = _ptr
-        self._layer(x.data_ptr(), rows, x.shape[1], layer.intermediate, layer.eps,
-                    ptr(layer.ln1), ptr(layer.w_qkv), ptr(layer.b_qkv), ptr(layer.w_o),
-                    ptr(layer.b_o), ptr(layer.ln2), ptr(layer.w_gate_up), ptr(layer.b_gate_up),
-                    ptr(layer.w_down), ptr(layer.b_down), cos.data_ptr(), sin.data_ptr(),
-                    k_cache.data_ptr(), v_cache.data_ptr(), out_slots.data_ptr(),
-                    batch.table.data_ptr(), batch.table.shape[1], batch.rows.data_ptr(),
-                    batch.lens.data_ptr(), heads, kv_heads, dim, layer.scale,
-                    layer.window or 0, batch.scores.data_ptr(), scratch.data_ptr())
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                scale: float, window: int | None) -> torch.Tensor:
