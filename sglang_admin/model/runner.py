@@ -376,8 +376,8 @@ class ModelRunner:
         ordered = decode + extend
         nd = len(decode)
 
-        # ---- host-side index lists, shipped to the device in one tensor; every sequence is
-        # checked first (InvalidSequence, before any device work)
+        # ---- host-side index lists, shipped to the device in one tensor; each sequence is
+        # checked as it is read (InvalidSequence, before any device work)
         input_ids: list[int] = []
         positions: list[int] = []
         token_cells: list[int] = []  # req_idx * ctx + position of every new token
@@ -438,8 +438,8 @@ class ModelRunner:
             packed = packed.to(self.device, non_blocking=True)
         (t_ids, t_pos, t_cells, t_tcells, t_tvals, t_select, t_dec_rows,
          t_dec_lens) = packed.split([len(part) for part in parts])
-        # a decode step: every token's slot is the one just written to its cell, and every
-        # row is sampled (no lookups to make)
+        # a decode step: every new token's slot is the one just written to its table cell
+        # (no lookup in the table)
         slots_written = t_tvals if table_cells == token_cells else None
         if table_cells:
             self.req_to_token.view(-1).index_copy_(0, t_tcells, t_tvals)
