@@ -401,6 +401,11 @@ class RankLoop:
                 errors[i] = (r.error, r.error_code or "INTERNAL")
         outputs = self.scheduler.postprocess(batch, tokens, logprobs, tops, errors, results)
         self.step_timer.lap("postprocess")
+        # What arrived during the forward pass is handled before the step's outputs go out:
+        # an admin call's answer then reaches the server ahead of the step's stream messages,
+        # not behind them (the server writes those first). Not a serving phase of the step.
+        self.drain_inbox(block=False)
+        self.step_timer.skip()
         self.flush_kv_events()  # the router's index learns the blocks before the answer
         self.send_outputs(outputs)
         self.step_timer.lap("output")

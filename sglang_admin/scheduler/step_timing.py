@@ -53,6 +53,10 @@ class StepTimer:
         self._laps[phase] += now - self._mark
         self._mark = now
 
+    def skip(self) -> None:
+        """The time since the last mark belongs to no phase (e.g. handling the inbox)."""
+        self._mark = time.perf_counter()
+
     def forward(self, times: ForwardTimes) -> None:
         """The time since the last mark was the runner's forward_step, split as it says."""
         now = time.perf_counter()

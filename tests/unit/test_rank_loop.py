@@ -1,0 +1,117 @@
+"""The rank's loop (scheduler/process.py) driven in-process over inproc ZMQ sockets: what it
+sends, in which order, for messages that arrive while a step runs."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import zmq
+
+from sglang_admin.config import ServerArgs
+from sglang_admin.messages import (
+    AdminReply,
+    BatchOutput,
+    GenerateReq,
+    ReadyMsg,
+    SamplingParams,
+    StateReq,
+    decode,
+    encode,
+)
+from sglang_admin.scheduler.process import RankLoop
+
+
+class Wires:
+    """A RankLoop between two inproc sockets of the test: ``to_rank`` and ``from_rank``."""
+
+    def __init__(self) -> None:
+        self.ctx = zmq.Context()
+        inbox = self.ctx.socket(zmq.PULL)
+        inbox.bind("inproc://rank-in")
+        self.to_rank = self.ctx.socket(zmq.PUSH)
+        self.to_rank.connect("inproc://rank-in")
+        self.from_rank = self.ctx.socket(zmq.PULL)
+        self.from_rank.bind("inproc://rank-out")
+        outbox = self.ctx.socket(zmq.PUSH)
+        outbox.connect("inproc://rank-out")
+        self.sockets = (inbox, self.to_rank, self.from_rank, outbox)
+        self.loop = RankLoop(ServerArgs(), 0, inbox, outbox, os.getppid())
+
+    def send(self, msg: Any) -> None:
+        self.to_rank.send(encode(msg))
+
+    def received(self) -> list[Any]:
+        """Everything the rank has sent so far, in order."""
+        out = []
+        while self.from_rank.poll(0):
+            out.append(decode(self.from_rank.recv()))
+        return out
+
+    def close(self) -> None:
+        for sock in self.sockets:
+            sock.close(linger=0)
+        self.ctx.term()
+
+
+@pytest.fixture
+def wires() -> Iterator[Wires]:
+    w = Wires()
+    yield w
+    w.close()
+
+
+def test_a_state_request_that_arrives_during_a_step_is_answered_before_its_outputs(
+    wires: Wires,
+) -> None:
+    """The server writes a step's stream messages as soon as it reads them; an admin answer
+    sent after them waits behind every one (GetServerInfo under load, bench_admin figure 4)."""
+    loop = wires.loop
+    assert isinstance(wires.received()[0], ReadyMsg)
+    wires.send(GenerateReq("r1", list(range(1, 9)), SamplingParams(max_new_tokens=8,
+                                                                   ignore_eos=True)))
+    loop.drain_inbox(block=False)
+    loop.step(loop.scheduler.schedule())  # the prefill step: first token
+    wires.received()
+    wires.send(StateReq("state-1"))  # arrives while the next step is being computed
+    batch = loop.scheduler.schedule()
+    assert batch is not None and batch.is_decode
+    loop.step(batch)
+    sent = [m for m in wires.received() if isinstance(m, (AdminReply, BatchOutput))]
+    assert [type(m) for m in sent] == [AdminReply, BatchOutput]
+    reply, output = sent
+    assert reply.rid == "state-1" and reply.success
+    state = reply.result
+    assert state.forward_steps == 2  # the state after the step's forward pass
+    assert state.num_running_reqs == 1
+    assert [o.rid for o in output.outputs] == ["r1"] and len(output.outputs[0].new_token_ids) == 1
+
+
+def test_messages_handled_during_a_step_are_not_counted_as_its_serving_time(
+    wires: Wires,
+) -> None:
+    """The decode phase totals (non-model share of issue 16) cover the step's own work."""
+    loop = wires.loop
+    wires.send(GenerateReq("r1", list(range(1, 9)), SamplingParams(max_new_tokens=4,
+                                                                   ignore_eos=True)))
+    loop.drain_inbox(block=False)
+    loop.step(loop.scheduler.schedule())
+    slow = loop.handlers[StateReq]
+
+    def handle_slowly(rank: RankLoop, msg: StateReq) -> None:
+        import time
+
+        time.sleep(0.2)
+        slow(rank, msg)
+
+    loop.handlers[StateReq] = handle_slowly
+    wires.send(StateReq("state-1"))
+    loop.step_timer.start()
+    batch = loop.scheduler.schedule()
+    loop.step(batch)
+    loop.step_timer.commit(batch.is_decode)
+    assert loop.step_timer.decode_steps == 1
+    assert sum(loop.step_timer.totals.values()) < 0.2
+    assert any(isinstance(m, AdminReply) for m in wires.received())
