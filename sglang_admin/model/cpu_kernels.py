@@ -51,7 +51,8 @@ _PTR = ctypes.c_void_p
 
 class CpuKernels:
     """The built library: decode attention (``attend``), ``rms_norm``, ``rope``, ``silu_mul``,
-    ``linear`` (small batches) and a decode step's whole decoder layer (``decode_layer``)."""
+    ``linear`` (small batches), ``argmax`` (greedy tokens) and a decode step's whole decoder
+    layer (``decode_layer``)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -73,6 +74,9 @@ class CpuKernels:
         self._linear.restype = None
         self._linear.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64,
                                  ctypes.c_int, _PTR]
+        self._argmax = lib.argmax_rows
+        self._argmax.restype = None
+        self._argmax.argtypes = [_PTR, _I64, _I64, _PTR]
         self._layer = lib.decode_layer
         self._layer.restype = None
         self._layer.argtypes = ([_PTR, _I64, _I64, _I64, ctypes.c_float] + [_PTR] * 16
@@ -127,6 +131,16 @@ class CpuKernels:
                      None if bias is None else bias.data_ptr(), out.data_ptr(), n, 0,
                      pack.data_ptr())
         return out
+
+    def argmax(self, x: torch.Tensor) -> list[int]:
+        """``x.argmax(dim=-1).tolist()`` of a contiguous float32 x [R, C] (the greedy tokens
+        of a step's logits), without torch's per-row reduction cost."""
+        if not (x.dim() == 2 and x.is_contiguous() and x.dtype == torch.float32):
+            raise ValueError("argmax kernel: a tensor is not laid out as expected")
+        rows = x.shape[0]
+        out = (ctypes.c_int64 * rows)()
+        self._argmax(x.data_ptr(), rows, x.shape[1], out)
+        return list(out)
 
     def decode_layer(self, x: torch.Tensor, layer: DecodeLayerWeights, cos: torch.Tensor,
                      sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -315,7 +329,7 @@ def _build(cc: str) -> str | None:
 
 def _agrees_with_torch(kernel: CpuKernels) -> bool:
     """Small cases against torch: attention with GQA, a sliding window and scattered slots;
-    RMSNorm, silu(gate) * up and the projection with widths off the vector width."""
+    RMSNorm, silu(gate) * up, the projection and argmax with widths off the vector width."""
     gen = torch.Generator().manual_seed(0)
     heads, kv_heads, dim, slots = 8, 2, 32, 64
     k = torch.randn(slots, kv_heads, dim, generator=gen)
@@ -344,6 +358,10 @@ def _agrees_with_torch(kernel: CpuKernels) -> bool:
     x = qkv[:, :3]
     want = x * cos + x.roll(4, dims=-1) * sin
     if not torch.allclose(kernel.rope(x, cos, sin), want, atol=1e-6, rtol=1e-5):
+        return False
+    logits = torch.randn(3, 37, generator=gen)
+    logits[1, 30] = logits[1, 5] = 9.0  # a tie: the first wins
+    if kernel.argmax(logits) != logits.argmax(dim=-1).tolist():
         return False
     x, w, b = (torch.randn(*shape, generator=gen) for shape in ((5, 21), (7, 21), (7,)))
     return torch.allclose(kernel.linear(x, w, b), F.linear(x, w, b), atol=1e-5, rtol=1e-4)

@@ -475,7 +475,10 @@ class ModelRunner:
                and is_plain_greedy(s.sampling, len(s.output_ids),
                                    s.return_logprob or s.top_logprobs_num > 0)
                for s in sampled):  # sample()'s answer, without building its requests
-            outs = [SeqOutput(token) for token in logits.argmax(dim=-1).tolist()]
+            tokens = (self.cpu_kernels.argmax(logits)
+                      if self.cpu_kernels is not None and logits.is_contiguous()
+                      else logits.argmax(dim=-1).tolist())
+            outs = [SeqOutput(token) for token in tokens]
             self.last_times = ForwardTimes(model=t_sample - t_model,
                                            sample=time.perf_counter() - t_sample)
             if len(sampled) == len(seqs) and all(map(operator.is_, sampled, seqs)):

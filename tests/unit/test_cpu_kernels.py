@@ -217,6 +217,7 @@ def test_plain_c_build_matches_torch() -> None:
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
     _check_elementwise(plain)
     _check_decode_layer(plain, 5)
+    _check_argmax(plain)
 
 
 def _greedy(runner: ModelRunner, prompts: list[list[int]], steps: int) -> list[list[int]]:
@@ -291,3 +292,26 @@ def test_bench_cpu_kernels_runs(capsys: pytest.CaptureFixture[str]) -> None:
     for row in ("      64 ", "rms_norm", "rope", "silu*up", "rows=64"):
         assert row in out
     assert out.count("x\n") >= 13  # 3 decode rows, 6 op rows, 4 projection rows, each a ratio
+
+
+
+def _check_argmax(kernels: cpu_kernels.CpuKernels) -> None:
+    """The greedy token of every row, as torch.argmax: the first of equal maxima, a NaN wins,
+    at widths on and off the vector width."""
+    for cols in (1, 7, 8, 15, 16, 17, 261, 1000):
+        gen = torch.Generator().manual_seed(cols)
+        x = torch.randn(12, cols, generator=gen)
+        x[1] = float("-inf")  # a row with nothing allowed: index 0, as torch
+        x[2, cols // 2] = x[2, cols - 1] = 50.0  # a tie
+        x[3, cols - 1] = float("nan")  # a NaN at the end (past the vector part)
+        x[4, 0] = float("nan")
+        x[5, min(3, cols - 1)] = float("nan")  # a NaN in the first vector
+        x[6, cols // 2] = float("inf")
+        x[7] = 1.0  # all equal
+        assert kernels.argmax(x) == x.argmax(dim=-1).tolist(), cols
+    assert kernels.argmax(torch.empty(0, 5)) == []
+
+
+@needs_kernel
+def test_argmax_is_torchs_including_ties_infinities_and_nans() -> None:
+    _check_argmax(kernel)
