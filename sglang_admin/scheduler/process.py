@@ -404,8 +404,11 @@ class RankLoop:
         # What arrived during the forward pass is handled before the step's outputs go out:
         # an admin call's answer then reaches the server ahead of the step's stream messages,
         # not behind them (the server writes those first). Not a serving phase of the step.
-        self.drain_inbox(block=False)
-        self.step_timer.skip()
+        # Only while requests still run: an op that waits for a drained rank (flush, weight
+        # update) must not answer before the outputs of the requests it waited for.
+        if self.scheduler.running:
+            self.drain_inbox(block=False)
+            self.step_timer.skip()
         self.flush_kv_events()  # the router's index learns the blocks before the answer
         self.send_outputs(outputs)
         self.step_timer.lap("output")

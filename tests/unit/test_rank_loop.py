@@ -14,6 +14,7 @@ from sglang_admin.config import ServerArgs
 from sglang_admin.messages import (
     AdminReply,
     BatchOutput,
+    FlushCacheReq,
     GenerateReq,
     ReadyMsg,
     SamplingParams,
@@ -115,3 +116,24 @@ def test_messages_handled_during_a_step_are_not_counted_as_its_serving_time(
     assert loop.step_timer.decode_steps == 1
     assert sum(loop.step_timer.totals.values()) < 0.2
     assert any(isinstance(m, AdminReply) for m in wires.received())
+
+
+def test_an_op_waiting_for_a_drained_rank_answers_after_the_outputs_it_waited_for(
+    wires: Wires,
+) -> None:
+    """A flush that arrives during the step that finishes the last request: the request's
+    final output reaches the server first, then the flush's answer."""
+    loop = wires.loop
+    wires.send(GenerateReq("r1", list(range(1, 9)), SamplingParams(max_new_tokens=2,
+                                                                   ignore_eos=True)))
+    loop.drain_inbox(block=False)
+    loop.step(loop.scheduler.schedule())  # prefill: the first of two tokens
+    wires.received()
+    wires.send(FlushCacheReq("flush-1", 5.0))
+    loop.step(loop.scheduler.schedule())  # the second token: r1 finishes
+    assert not loop.scheduler.running
+    loop.drain_inbox(block=False)  # the loop's next iteration
+    sent = [m for m in wires.received() if isinstance(m, (AdminReply, BatchOutput))]
+    assert [type(m) for m in sent] == [BatchOutput, AdminReply]
+    assert sent[0].outputs[0].finish_reason is not None
+    assert sent[1].rid == "flush-1" and sent[1].success
