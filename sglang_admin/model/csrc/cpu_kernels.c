@@ -255,7 +255,8 @@ void argmax_rows(const float *x, int64_t R, int64_t C, int64_t *out) {
 #ifdef HAVE_AVX2
         if (!nan && C >= 16) {
             /* per lane: its largest value and where it is (the first, as compares are strict) */
-            __m256 tops = _mm256_loadu_ps(xr), unordered = _mm256_cmp_ps(tops, tops, _CMP_UNORD_Q);
+            __m256 tops = _mm256_loadu_ps(xr);
+            __m256 unordered = _mm256_cmp_ps(tops, tops, _CMP_UNORD_Q);
             __m256i where = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), at = where;
             const __m256i step = _mm256_set1_epi32(8);
             for (c = 8; c + 8 <= C; c += 8) {
