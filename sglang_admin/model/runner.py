@@ -447,16 +447,17 @@ class ModelRunner:
 
         # ---- attention metadata per lane, once for all layers
         lanes = self._split_lanes(ordered) if self.lora is None else [(0, len(ordered))]
-        metas: list[AttentionMetadata] = []
         if len(lanes) == 1:  # the whole step (every decode step): no slicing
-            metas.append(self._metadata(extend, t_cells, slots_written, t_dec_rows, t_dec_lens,
-                                        dec_lens, window, 0))
-        for i, (a, b) in enumerate(lanes if len(lanes) > 1 else []):
-            da, db = min(a, nd), min(b, nd)  # the lane's decode sequences
-            metas.append(self._metadata(
-                ordered[max(a, nd) : b], t_cells[offsets[a] : offsets[b]],
-                None if slots_written is None else slots_written[offsets[a] : offsets[b]],
-                t_dec_rows[da:db], t_dec_lens[da:db], dec_lens[da:db], window, i))
+            metas = [self._metadata(extend, t_cells, slots_written, t_dec_rows, t_dec_lens,
+                                    dec_lens, window, 0)]
+        else:
+            metas = []
+            for i, (a, b) in enumerate(lanes):
+                da, db = min(a, nd), min(b, nd)  # the lane's decode sequences
+                metas.append(self._metadata(
+                    ordered[max(a, nd) : b], t_cells[offsets[a] : offsets[b]],
+                    None if slots_written is None else slots_written[offsets[a] : offsets[b]],
+                    t_dec_rows[da:db], t_dec_lens[da:db], dec_lens[da:db], window, i))
         if self.lora is not None:  # which adapter each token runs with
             self.lora.prepare([s.lora_slot for s in ordered for _ in range(len(s.token_ids))])
 
