@@ -107,9 +107,10 @@ def _check_elementwise(kernels: cpu_kernels.CpuKernels) -> None:
     w = torch.randn(32, generator=gen)
     torch.testing.assert_close(kernels.rms_norm(heads, w, 1e-6), F.rms_norm(heads, (32,), w, 1e-6),
                                atol=1e-5, rtol=1e-5)
-    # projections: row counts around the 3-row blocks, widths off the 8-float vector and the
-    # 4-row weight blocks, with and without a bias
-    for rows in (1, 2, 3, 4, 5, 7, 64):
+    # projections: row counts around the 3-row blocks and the 16-row panels (12: one padded
+    # panel; 17 and 24: a panel, then row blocks; 25: a padded last panel), widths off the
+    # 8-float vector and the 4-row and 12-row weight blocks, with and without a bias
+    for rows in (1, 2, 3, 4, 5, 7, 12, 17, 24, 25, 64):
         for n, k in ((384, 256), (261, 256), (5, 21), (46, 36), (256, 688)):
             x = torch.randn(rows, k, generator=gen)
             w = torch.randn(n, k, generator=gen)
@@ -134,8 +135,9 @@ def _check_decode_layer(kernels: cpu_kernels.CpuKernels, window: int | None) -> 
     layer.self_attn.fuse()
     layer.mlp.fuse()
     gen = torch.Generator().manual_seed(12)
-    # 4 sequences: the row-block path of the projections; 21: the packed one
-    for count in (4, 21):
+    # 4 sequences: the row-block path of the projections; 21: a packed panel, then row
+    # blocks; 27: two panels, the last padded
+    for count in (4, 21, 27):
         lens = torch.cat([torch.tensor([1, 7, 15]), torch.randint(1, 16, (count - 3,),
                                                                    generator=gen)])
         table = (1 + torch.randperm(count * 20, generator=gen)).view(count, 20).contiguous()
