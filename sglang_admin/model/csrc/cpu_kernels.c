@@ -87,8 +87,18 @@ static inline void token_scores(const float *qi, const float *kr, int64_t H, int
 /* softmax of one row of scores, in place; returns 1 / sum of the exponentials */
 static inline float softmax_row(float *s, int64_t L) {
     float m = s[0];
-    for (int64_t j = 1; j < L; j++) m = s[j] > m ? s[j] : m;
-    int64_t j = 0;
+    int64_t j = 1;
+#ifdef HAVE_AVX2
+    if (L >= 16) { /* the max 8 lanes at a time: a scalar max waits on each compare */
+        __m256 mx = _mm256_loadu_ps(s);
+        for (j = 8; j + 8 <= L; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + j));
+        float lanes[8];
+        _mm256_storeu_ps(lanes, mx);
+        for (int k = 0; k < 8; k++) m = lanes[k] > m ? lanes[k] : m;
+    }
+#endif
+    for (; j < L; j++) m = s[j] > m ? s[j] : m;
+    j = 0;
     float sum = 0.f;
 #ifdef HAVE_AVX2
     const __m256 mv = _mm256_set1_ps(m);
