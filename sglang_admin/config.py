@@ -12,8 +12,8 @@ from typing import Any
 # events grow the rank's memory and the time its export takes without bound.
 DEFAULT_PROFILE_MAX_STEPS = 5000
 # --attention-backend: auto (on CPU in float32, a decode step's layers, decode attention,
-# RMSNorm, RoPE and SwiGLU through the C kernels of model/cpu_kernels.py when they build,
-# else torch's ops),
+# prefill attention without a cached prefix, RMSNorm, RoPE and SwiGLU through the C kernels
+# of model/cpu_kernels.py when they build, else torch's ops),
 # torch_native (torch's ops everywhere), cpu_paged (the kernels, or refuse to start)
 ATTENTION_BACKENDS = ("auto", "torch_native", "cpu_paged")
 

@@ -466,12 +466,20 @@ class Attention(nn.Module):
         v_flat: torch.Tensor,
     ) -> torch.Tensor:
         """Attention of the extend tokens q [Te, H, D] (k, v: their new keys and values), one
-        sequence at a time (no padding to the longest one)."""
+        sequence at a time (no padding to the longest one); a sequence with no cached prefix
+        through the CPU kernel where it applies."""
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         windowed = self.sliding_window is not None
         outs = []
         for seq in meta.extend_seqs:
             end = seq.start + seq.n
+            if seq.kv_index is None and self.kernels is not None:
+                out = self.kernels.extend_attend(q[seq.start : end], k[seq.start : end],
+                                                 v[seq.start : end], self.scale,
+                                                 self.sliding_window)
+                if out is not None:
+                    outs.append(out)
+                    continue
             qs = q[seq.start : end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             if seq.kv_index is None:  # no cached prefix: the new keys are all there is
                 ks, vs = k[seq.start : end], v[seq.start : end]

@@ -8,7 +8,12 @@ import torch.nn.functional as F
 
 from sglang_admin.messages import SamplingParams
 from sglang_admin.model import cpu_kernels
-from sglang_admin.model.cpu_kernels import DecodeBatch, load_cpu_kernels, reference_attend
+from sglang_admin.model.cpu_kernels import (
+    DecodeBatch,
+    load_cpu_kernels,
+    reference_attend,
+    reference_extend,
+)
 from sglang_admin.model.llama import (
     AttentionMetadata,
     DecoderLayer,
@@ -84,6 +89,43 @@ def test_kernel_refuses_unexpected_layouts() -> None:
     with pytest.raises(ValueError, match="laid out"):
         kernel.attend(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, table, rows,
                       lens_t, 0.2, None, torch.empty(64))
+
+
+@needs_kernel
+@pytest.mark.parametrize(("n", "heads", "kv_heads", "dim", "window"), [
+    (1, 8, 2, 32, None), (5, 8, 2, 32, None), (16, 8, 2, 32, None), (17, 8, 2, 32, 3),
+    (100, 14, 2, 64, None), (37, 7, 7, 32, None), (200, 6, 2, 128, 50), (64, 4, 1, 64, 64),
+    (300, 8, 2, 32, 299),
+])
+def test_prefill_kernel_matches_torch(n: int, heads: int, kv_heads: int, dim: int,
+                                      window: int | None) -> None:
+    """Causal prefill attention with no cached prefix: query-head groups of 1 to 7 (the
+    4-head score blocks and their remainders), lengths on and off the 16-key blocks, windows
+    shorter and longer than the sequence; q, k and v as the layer hands them (views of one
+    [n, heads + 2 kv, D] row each, token strides of their own), scores far apart."""
+    gen = torch.Generator().manual_seed(n)
+    qkv = torch.randn(n, heads + 2 * kv_heads, dim, generator=gen)
+    qkv[:, :heads] *= 6
+    q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
+    got = kernel.extend_attend(q, k, v, dim**-0.5, window)
+    assert got is not None and torch.isfinite(got).all()
+    torch.testing.assert_close(got, reference_extend(q, k, v, dim**-0.5, window),
+                               atol=2e-5, rtol=1e-4)
+
+
+@needs_kernel
+def test_prefill_kernel_leaves_what_it_does_not_cover_to_torch() -> None:
+    """No fast path: head size off 32 (None, torch's attention then), longer sequences than
+    it wins at (None); a layout it cannot read is refused."""
+    qkv = torch.randn(8, 12, 24)
+    assert kernel.extend_attend(qkv[:, :8], qkv[:, 8:10], qkv[:, 10:], 0.2, None) is None
+    n = cpu_kernels.EXTEND_MAX_TOKENS + 1
+    qkv = torch.randn(n, 12, 32)
+    assert kernel.extend_attend(qkv[:, :8], qkv[:, 8:10], qkv[:, 10:], 0.2, None) is None
+    qkv = torch.randn(8, 12, 32)
+    with pytest.raises(ValueError, match="laid out"):
+        kernel.extend_attend(qkv[:, :8].transpose(1, 2).contiguous().transpose(1, 2),
+                             qkv[:, 8:10], qkv[:, 10:], 0.2, None)
 
 
 def _check_elementwise(kernels: cpu_kernels.CpuKernels) -> None:
@@ -220,6 +262,8 @@ def test_plain_c_build_matches_torch() -> None:
     _check_elementwise(plain)
     _check_decode_layer(plain, 5)
     _check_argmax(plain)
+    qkv = torch.randn(9, 12, 32)  # no prefill kernel without AVX2: torch's attention
+    assert plain.extend_attend(qkv[:, :8], qkv[:, 8:10], qkv[:, 10:], 0.2, None) is None
 
 
 def _greedy(runner: ModelRunner, prompts: list[list[int]], steps: int) -> list[list[int]]:
@@ -242,7 +286,8 @@ def _greedy(runner: ModelRunner, prompts: list[list[int]], steps: int) -> list[l
 
 @needs_kernel
 def test_runner_decodes_the_same_with_and_without_the_kernel() -> None:
-    """The default model on CPU: greedy tokens through the kernels equal torch's ops."""
+    """The default model on CPU: greedy tokens through the kernels (prefill attention too)
+    equal torch's ops."""
     prompts = [[5, 9, 13, 200, 7], list(range(40, 90)), [1]]
     fast = ModelRunner(None, device="cpu", dtype="float32", max_total_tokens=512,
                        max_running_requests=4)
