@@ -120,6 +120,27 @@ static inline float softmax_row(float *s, int64_t L) {
     return 1.f / sum;
 }
 
+#ifdef HAVE_AVX2
+/* one value row's 32 dims weighted into two heads' sums: a += p0 * vr, b += p1 * vr */
+static inline __attribute__((always_inline)) void values_pair(const float *vr, const float *p0,
+                                                              const float *p1, __m256 *a,
+                                                              __m256 *b) {
+    const __m256 w0 = _mm256_broadcast_ss(p0), w1 = _mm256_broadcast_ss(p1);
+    for (int i = 0; i < 4; i++) {
+        const __m256 vi = _mm256_loadu_ps(vr + 8 * i);
+        a[i] = _mm256_fmadd_ps(w0, vi, a[i]);
+        b[i] = _mm256_fmadd_ps(w1, vi, b[i]);
+    }
+}
+
+/* o[0..32) = inv * a */
+static inline __attribute__((always_inline)) void store_scaled(float *o, const __m256 *a,
+                                                               float inv) {
+    const __m256 s = _mm256_set1_ps(inv);
+    for (int i = 0; i < 4; i++) _mm256_storeu_ps(o + 8 * i, _mm256_mul_ps(a[i], s));
+}
+#endif
+
 /* pass 2: out[hq] = inv[hq] * sum_j scores[hq, j] * V[slot_j, hq / G] */
 static void weighted_values(const float *scores, const float *v, const int64_t *slots,
                             int64_t L, int64_t H, int64_t KV, int64_t D, const float *inv,
@@ -133,30 +154,15 @@ static void weighted_values(const float *scores, const float *v, const int64_t *
                 const int64_t hq = h * G + g0;
                 const float *s0 = scores + hq * L, *s1 = s0 + L;
                 for (int64_t d0 = 0; d0 < D; d0 += 32) {
-                    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-                    __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+                    __m256 a[4], b[4];
+                    for (int i = 0; i < 4; i++) a[i] = b[i] = _mm256_setzero_ps();
                     for (int64_t j = 0; j < L; j++) {
                         if (j + PREFETCH_AHEAD < L)
                             __builtin_prefetch(v + slots[j + PREFETCH_AHEAD] * row + h * D + d0);
-                        const float *vr = v + slots[j] * row + h * D + d0;
-                        const __m256 v0 = _mm256_loadu_ps(vr), v1 = _mm256_loadu_ps(vr + 8);
-                        const __m256 v2 = _mm256_loadu_ps(vr + 16), v3 = _mm256_loadu_ps(vr + 24);
-                        const __m256 p0 = _mm256_broadcast_ss(s0 + j), p1 = _mm256_broadcast_ss(s1 + j);
-                        a0 = _mm256_fmadd_ps(p0, v0, a0); a1 = _mm256_fmadd_ps(p0, v1, a1);
-                        a2 = _mm256_fmadd_ps(p0, v2, a2); a3 = _mm256_fmadd_ps(p0, v3, a3);
-                        b0 = _mm256_fmadd_ps(p1, v0, b0); b1 = _mm256_fmadd_ps(p1, v1, b1);
-                        b2 = _mm256_fmadd_ps(p1, v2, b2); b3 = _mm256_fmadd_ps(p1, v3, b3);
+                        values_pair(v + slots[j] * row + h * D + d0, s0 + j, s1 + j, a, b);
                     }
-                    const __m256 i0 = _mm256_set1_ps(inv[hq]), i1 = _mm256_set1_ps(inv[hq + 1]);
-                    float *o0 = oi + hq * D + d0, *o1 = o0 + D;
-                    _mm256_storeu_ps(o0, _mm256_mul_ps(a0, i0));
-                    _mm256_storeu_ps(o0 + 8, _mm256_mul_ps(a1, i0));
-                    _mm256_storeu_ps(o0 + 16, _mm256_mul_ps(a2, i0));
-                    _mm256_storeu_ps(o0 + 24, _mm256_mul_ps(a3, i0));
-                    _mm256_storeu_ps(o1, _mm256_mul_ps(b0, i1));
-                    _mm256_storeu_ps(o1 + 8, _mm256_mul_ps(b1, i1));
-                    _mm256_storeu_ps(o1 + 16, _mm256_mul_ps(b2, i1));
-                    _mm256_storeu_ps(o1 + 24, _mm256_mul_ps(b3, i1));
+                    store_scaled(oi + hq * D + d0, a, inv[hq]);
+                    store_scaled(oi + (hq + 1) * D + d0, b, inv[hq + 1]);
                 }
             }
         }
@@ -252,32 +258,12 @@ static void extend_values(const float *sc, int64_t n16, const float *v, int64_t 
         const int two = G - g >= 2;
         const float *s0 = sc + g * n16, *s1 = two ? s0 + n16 : s0;
         for (int64_t d0 = 0; d0 < D; d0 += 32) {
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-            for (int64_t j = lo; j < hi; j++) {
-                const float *vr = v + j * v_stride + d0;
-                const __m256 v0 = _mm256_loadu_ps(vr), v1 = _mm256_loadu_ps(vr + 8);
-                const __m256 v2 = _mm256_loadu_ps(vr + 16), v3 = _mm256_loadu_ps(vr + 24);
-                const __m256 p0 = _mm256_broadcast_ss(s0 + j), p1 = _mm256_broadcast_ss(s1 + j);
-                a0 = _mm256_fmadd_ps(p0, v0, a0); a1 = _mm256_fmadd_ps(p0, v1, a1);
-                a2 = _mm256_fmadd_ps(p0, v2, a2); a3 = _mm256_fmadd_ps(p0, v3, a3);
-                b0 = _mm256_fmadd_ps(p1, v0, b0); b1 = _mm256_fmadd_ps(p1, v1, b1);
-                b2 = _mm256_fmadd_ps(p1, v2, b2); b3 = _mm256_fmadd_ps(p1, v3, b3);
-            }
-            const __m256 i0 = _mm256_set1_ps(inv[g]);
-            float *o0 = o + g * D + d0;
-            _mm256_storeu_ps(o0, _mm256_mul_ps(a0, i0));
-            _mm256_storeu_ps(o0 + 8, _mm256_mul_ps(a1, i0));
-            _mm256_storeu_ps(o0 + 16, _mm256_mul_ps(a2, i0));
-            _mm256_storeu_ps(o0 + 24, _mm256_mul_ps(a3, i0));
-            if (two) {
-                const __m256 i1 = _mm256_set1_ps(inv[g + 1]);
-                float *o1 = o0 + D;
-                _mm256_storeu_ps(o1, _mm256_mul_ps(b0, i1));
-                _mm256_storeu_ps(o1 + 8, _mm256_mul_ps(b1, i1));
-                _mm256_storeu_ps(o1 + 16, _mm256_mul_ps(b2, i1));
-                _mm256_storeu_ps(o1 + 24, _mm256_mul_ps(b3, i1));
-            }
+            __m256 a[4], b[4];
+            for (int i = 0; i < 4; i++) a[i] = b[i] = _mm256_setzero_ps();
+            for (int64_t j = lo; j < hi; j++)
+                values_pair(v + j * v_stride + d0, s0 + j, s1 + j, a, b);
+            store_scaled(o + g * D + d0, a, inv[g]);
+            if (two) store_scaled(o + (g + 1) * D + d0, b, inv[g + 1]);
         }
     }
 }
