@@ -49,13 +49,13 @@ _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 # The prefill kernel reads a query token's keys once per token, where torch's flash attention
 # reuses them across a block of queries: at 8 heads of 32 dims it is 1.45x-1.5x torch at 256-512
-# tokens, 1.05x at 1024 and 0.87x at 1536 (docs/benchmarks.md), so longer sequences go to torch.
+# new tokens, 1.05x at 1024 and 0.87x at 1536 (docs/benchmarks.md), so longer chunks go to torch.
 EXTEND_MAX_TOKENS = 1024
 
 
 class CpuKernels:
-    """The built library: decode attention (``attend``), prefill attention without a cached
-    prefix (``extend_attend``), ``rms_norm``, ``rope``, ``silu_mul``, ``linear`` (small
+    """The built library: decode attention (``attend``), prefill attention
+    (``extend_attend``), ``rms_norm``, ``rope``, ``silu_mul``, ``linear`` (small
     batches), ``argmax`` (greedy tokens) and a decode step's whole decoder layer
     (``decode_layer``)."""
 
@@ -84,7 +84,7 @@ class CpuKernels:
         self._argmax.argtypes = [_PTR, _I64, _I64, _PTR]
         self._extend = lib.extend_attention
         self._extend.restype = ctypes.c_int
-        self._extend.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64,
+        self._extend.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64,
                                  ctypes.c_float, _I64, _PTR, _PTR]
         self._layer = lib.decode_layer
         self._layer.restype = None
@@ -151,27 +151,35 @@ class CpuKernels:
         self._argmax(x.data_ptr(), rows, x.shape[1], out)
         return list(out)
 
-    def extend_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+    def extend_attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      slots: torch.Tensor, prefix: int, scale: float,
                       window: int | None) -> torch.Tensor | None:
-        """Causal attention of one sequence's new tokens that have no cached prefix (the keys
-        are the tokens themselves; a sliding window keeps each query's last ``window``):
-        q [n, H, D], k and v [n, KV, D] (token strides of their own, heads and dims
-        contiguous) -> [n, H * D]. None where this build or shape has no fast path (no AVX2,
-        D not a multiple of 32, more than ``EXTEND_MAX_TOKENS`` tokens): use torch's then."""
+        """Causal attention of a prefill chunk: q [n, H, D] (a token stride of its own, heads
+        contiguous) at positions prefix..prefix+n-1 against the keys and values of positions
+        [0, prefix + n), read from the pools [slots, KV, D] (the chunk's rows already written)
+        at ``slots`` (int64, the sequence's table row) -> [n, H * D]; a sliding window keeps
+        each query's last ``window`` keys. None where this build or shape has no fast path
+        (no AVX2, D not a multiple of 32, more than ``EXTEND_MAX_TOKENS`` new tokens): use
+        torch's then. The caller guarantees the slots are in the pools (the runner validated
+        them when it wrote the table)."""
         n, heads, dim = q.shape
         if n > EXTEND_MAX_TOKENS:
             return None
-        kv_heads = k.shape[1]
-        if not (q.stride(2) == 1 and q.stride(1) == dim and k.stride(2) == 1
-                and k.stride(1) == dim and v.stride(2) == 1 and v.stride(1) == dim
-                and k.shape == v.shape and k.shape[0] == n and k.shape[2] == dim):
+        kv_heads = k_cache.shape[1]
+        length = prefix + n
+        if not (q.stride(2) == 1 and q.stride(1) == dim and k_cache.is_contiguous()
+                and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
+                and k_cache.dim() == 3 and k_cache.shape[2] == dim
+                and slots.dtype == torch.int64 and slots.is_contiguous()
+                and slots.numel() == length and prefix >= 0):
             raise ValueError("extend attention kernel: a tensor is not laid out as expected")
-        n16 = -(-n // 16) * 16
-        scratch = torch.empty((dim + heads // max(kv_heads, 1)) * n16, dtype=torch.float32)
+        padded = -(-length // 16) * 16
+        group = heads // max(kv_heads, 1)
+        scratch = torch.empty(dim * padded + dim * length + group * padded, dtype=torch.float32)
         out = torch.empty(n, heads * dim, dtype=torch.float32)
-        done = self._extend(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(),
-                            v.stride(0), n, heads, kv_heads, dim, scale, window or 0,
-                            scratch.data_ptr(), out.data_ptr())
+        done = self._extend(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                            slots.data_ptr(), prefix, n, heads, kv_heads, dim, scale,
+                            window or 0, scratch.data_ptr(), out.data_ptr())
         return out if done else None
 
     def decode_layer(self, x: torch.Tensor, layer: DecodeLayerWeights, cos: torch.Tensor,
@@ -289,15 +297,18 @@ class DecodeBatch:
                                   scale, window, self.scores)
 
 
-def reference_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+def reference_extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     slots: torch.Tensor, prefix: int, scale: float,
                      window: int | None) -> torch.Tensor:
-    """What :meth:`CpuKernels.extend_attend` computes, through torch: q [n, H, D], k/v
-    [n, KV, D] -> [n, H * D], causal (and windowed) attention among the n tokens."""
+    """What :meth:`CpuKernels.extend_attend` computes, through torch: the keys and values of
+    positions [0, prefix + n) gathered from the pools, causal (and windowed) attention."""
     n, heads, dim = q.shape
-    pos = torch.arange(n)
-    mask = pos[None, :] <= pos[:, None]
+    keys = torch.arange(prefix + n)[None, :]
+    pos = torch.arange(prefix, prefix + n)[:, None]
+    mask = keys <= pos
     if window is not None:
-        mask &= pos[None, :] > pos[:, None] - window
+        mask &= keys > pos - window
+    k, v = k_cache[slots], v_cache[slots]
     out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                          v.transpose(0, 1)[None], attn_mask=mask, scale=scale,
                                          enable_gqa=True)
@@ -413,11 +424,13 @@ def _agrees_with_torch(kernel: CpuKernels) -> bool:
     x, w, b = (torch.randn(*shape, generator=gen) for shape in ((5, 21), (7, 21), (7,)))
     if not torch.allclose(kernel.linear(x, w, b), F.linear(x, w, b), atol=1e-5, rtol=1e-4):
         return False
-    qkv = torch.randn(19, 10, 32, generator=gen)  # 6 query heads, 2 kv heads: G = 3
+    q = torch.randn(19, 6, 32, generator=gen)  # 6 query heads, 2 kv heads: G = 3
+    pool = torch.randn(2, 40, 2, 32, generator=gen)
+    slots = torch.randperm(40, generator=gen)[:26]  # a 7-token prefix and the 19 new tokens
     for window in (None, 5):
-        got = kernel.extend_attend(qkv[:, :6], qkv[:, 6:8], qkv[:, 8:], 0.17, window)
+        got = kernel.extend_attend(q, pool[0], pool[1], slots, 7, 0.17, window)
         if got is not None and not torch.allclose(
-                got, reference_extend(qkv[:, :6], qkv[:, 6:8], qkv[:, 8:], 0.17, window),
+                got, reference_extend(q, pool[0], pool[1], slots, 7, 0.17, window),
                 atol=1e-5, rtol=1e-4):
             return False
     return True

@@ -279,6 +279,9 @@ class ExtendSeq:
     mask: torch.Tensor | None = None  # [1, 1, n, prefix + n] bool, with kv_index
     # the same with the sliding window; None when the window is out of reach
     swa_mask: torch.Tensor | None = None
+    # CPU kernels: pool slots of positions [0, prefix + n) (its table row) and the prefix
+    slots: torch.Tensor | None = None
+    prefix: int = 0
 
 
 @dataclass
@@ -466,17 +469,17 @@ class Attention(nn.Module):
         v_flat: torch.Tensor,
     ) -> torch.Tensor:
         """Attention of the extend tokens q [Te, H, D] (k, v: their new keys and values), one
-        sequence at a time (no padding to the longest one); a sequence with no cached prefix
-        through the CPU kernel where it applies."""
+        sequence at a time (no padding to the longest one), through the CPU kernel where it
+        applies (keys and values read from the pool, a cached prefix's too)."""
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         windowed = self.sliding_window is not None
         outs = []
         for seq in meta.extend_seqs:
             end = seq.start + seq.n
-            if seq.kv_index is None and self.kernels is not None:
-                out = self.kernels.extend_attend(q[seq.start : end], k[seq.start : end],
-                                                 v[seq.start : end], self.scale,
-                                                 self.sliding_window)
+            if seq.slots is not None and self.kernels is not None:
+                out = self.kernels.extend_attend(q[seq.start : end], k_flat.view(-1, kv, d),
+                                                 v_flat.view(-1, kv, d), seq.slots, seq.prefix,
+                                                 self.scale, self.sliding_window)
                 if out is not None:
                     outs.append(out)
                     continue

@@ -548,6 +548,8 @@ class ModelRunner:
         for s in extend:
             p, n = s.prefix_len, len(s.token_ids)
             seq = ExtendSeq(start, n)
+            if self.cpu_kernels is not None:  # the kernel reads the pool through the table
+                seq.slots, seq.prefix = table[s.req_idx, : p + n], p
             in_window = window is not None and p + n > window
             if p or in_window:
                 qpos = self._arange[p : p + n].unsqueeze(1)  # [n, 1]

@@ -8,12 +8,7 @@ import torch.nn.functional as F
 
 from sglang_admin.messages import SamplingParams
 from sglang_admin.model import cpu_kernels
-from sglang_admin.model.cpu_kernels import (
-    DecodeBatch,
-    load_cpu_kernels,
-    reference_attend,
-    reference_extend,
-)
+from sglang_admin.model.cpu_kernels import DecodeBatch, load_cpu_kernels, reference_attend
 from sglang_admin.model.llama import (
     AttentionMetadata,
     DecoderLayer,
@@ -92,40 +87,50 @@ def test_kernel_refuses_unexpected_layouts() -> None:
 
 
 @needs_kernel
-@pytest.mark.parametrize(("n", "heads", "kv_heads", "dim", "window"), [
-    (1, 8, 2, 32, None), (5, 8, 2, 32, None), (16, 8, 2, 32, None), (17, 8, 2, 32, 3),
-    (100, 14, 2, 64, None), (37, 7, 7, 32, None), (200, 6, 2, 128, 50), (64, 4, 1, 64, 64),
-    (300, 8, 2, 32, 299),
+@pytest.mark.parametrize(("prefix", "n", "heads", "kv_heads", "dim", "window"), [
+    (0, 2, 8, 2, 32, None), (0, 5, 8, 2, 32, None), (0, 16, 8, 2, 32, None),
+    (0, 17, 8, 2, 32, 3), (0, 100, 14, 2, 64, None), (0, 37, 7, 7, 32, None),
+    (0, 200, 6, 2, 128, 50), (0, 64, 4, 1, 64, 64), (0, 300, 8, 2, 32, 299),
+    (960, 64, 8, 2, 32, None), (5, 1, 8, 2, 32, None), (33, 40, 14, 2, 64, 20),
+    (100, 3, 5, 5, 32, 101),
 ])
-def test_prefill_kernel_matches_torch(n: int, heads: int, kv_heads: int, dim: int,
+def test_prefill_kernel_matches_torch(prefix: int, n: int, heads: int, kv_heads: int, dim: int,
                                       window: int | None) -> None:
-    """Causal prefill attention with no cached prefix: query-head groups of 1 to 7 (the
-    4-head score blocks and their remainders), lengths on and off the 16-key blocks, windows
-    shorter and longer than the sequence; q, k and v as the layer hands them (views of one
-    [n, heads + 2 kv, D] row each, token strides of their own), scores far apart."""
-    gen = torch.Generator().manual_seed(n)
-    qkv = torch.randn(n, heads + 2 * kv_heads, dim, generator=gen)
-    qkv[:, :heads] *= 6
-    q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
-    got = kernel.extend_attend(q, k, v, dim**-0.5, window)
+    """A prefill chunk's causal attention, keys and values read from the pool through scattered
+    slots: with and without a cached prefix, query-head groups of 1 to 7 (the 4-head score
+    blocks and their remainders), lengths on and off the 16-key blocks, windows shorter and
+    longer than the sequence; q as the layer hands it (a view with a token stride of its own),
+    scores far apart."""
+    gen = torch.Generator().manual_seed(prefix + n)
+    length = prefix + n
+    k_pool = torch.randn(length + 9, kv_heads, dim, generator=gen)
+    v_pool = torch.randn(length + 9, kv_heads, dim, generator=gen)
+    slots = torch.randperm(length + 9, generator=gen)[:length]
+    q = (torch.randn(n, heads + 2 * kv_heads, dim, generator=gen) * 6)[:, :heads]
+    got = kernel.extend_attend(q, k_pool, v_pool, slots, prefix, dim**-0.5, window)
     assert got is not None and torch.isfinite(got).all()
-    torch.testing.assert_close(got, reference_extend(q, k, v, dim**-0.5, window),
-                               atol=2e-5, rtol=1e-4)
+    want = cpu_kernels.reference_extend(q, k_pool, v_pool, slots, prefix, dim**-0.5, window)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
 
 @needs_kernel
 def test_prefill_kernel_leaves_what_it_does_not_cover_to_torch() -> None:
-    """No fast path: head size off 32 (None, torch's attention then), longer sequences than
-    it wins at (None); a layout it cannot read is refused."""
-    qkv = torch.randn(8, 12, 24)
-    assert kernel.extend_attend(qkv[:, :8], qkv[:, 8:10], qkv[:, 10:], 0.2, None) is None
+    """No fast path: head size off 32 (None, torch's attention then), longer chunks than it
+    wins at (None); layouts it cannot read are refused."""
+    pool = torch.randn(40, 2, 24)
+    assert kernel.extend_attend(torch.randn(8, 8, 24), pool, pool, torch.arange(8), 0, 0.2,
+                                None) is None
     n = cpu_kernels.EXTEND_MAX_TOKENS + 1
-    qkv = torch.randn(n, 12, 32)
-    assert kernel.extend_attend(qkv[:, :8], qkv[:, 8:10], qkv[:, 10:], 0.2, None) is None
-    qkv = torch.randn(8, 12, 32)
-    with pytest.raises(ValueError, match="laid out"):
-        kernel.extend_attend(qkv[:, :8].transpose(1, 2).contiguous().transpose(1, 2),
-                             qkv[:, 8:10], qkv[:, 10:], 0.2, None)
+    pool = torch.randn(n, 2, 32)
+    assert kernel.extend_attend(torch.randn(n, 8, 32), pool, pool, torch.arange(n), 0, 0.2,
+                                None) is None
+    pool = torch.randn(40, 2, 32)
+    q = torch.randn(8, 8, 32)
+    for bad in ((q.transpose(1, 2).contiguous().transpose(1, 2), torch.arange(8), 0),
+                (q, torch.arange(9), 0),  # slots of 9 positions for a prefix of 0 + 8
+                (q, torch.arange(8, dtype=torch.int32), 0)):
+        with pytest.raises(ValueError, match="laid out"):
+            kernel.extend_attend(bad[0], pool, pool, bad[1], bad[2], 0.2, None)
 
 
 def _check_elementwise(kernels: cpu_kernels.CpuKernels) -> None:
@@ -262,8 +267,9 @@ def test_plain_c_build_matches_torch() -> None:
     _check_elementwise(plain)
     _check_decode_layer(plain, 5)
     _check_argmax(plain)
-    qkv = torch.randn(9, 12, 32)  # no prefill kernel without AVX2: torch's attention
-    assert plain.extend_attend(qkv[:, :8], qkv[:, 8:10], qkv[:, 10:], 0.2, None) is None
+    pool = torch.randn(20, 2, 32)  # no prefill kernel without AVX2: torch's attention
+    assert plain.extend_attend(torch.randn(9, 8, 32), pool, pool, torch.arange(9), 0, 0.2,
+                               None) is None
 
 
 def _greedy(runner: ModelRunner, prompts: list[list[int]], steps: int) -> list[list[int]]:

@@ -1,6 +1,6 @@
 /*
  * CPU kernels of the model's forward (float32): decode attention read in place from the paged KV
- * pool; prefill attention of a sequence with no cached prefix; RMSNorm, rotate-half RoPE and
+ * pool; prefill attention (a cached prefix read the same way); RMSNorm, rotate-half RoPE and
  * SwiGLU's silu(gate) * up in one pass each; small-batch projections, and a whole decoder layer
  * of a decode step in one call (at the end).
  *
@@ -27,6 +27,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -210,15 +211,18 @@ void decode_attention(const float *q, int64_t q_stride, const float *k, const fl
 }
 
 /*
- * Prefill attention of one sequence with no cached prefix: its n new tokens attend causally
- * to each other (with a sliding window, each to its last `window` keys). Torch's CPU flash
- * attention reaches 15-22 GFLOP/s at head size 32 for these lengths; here a query token's
- * scores are computed 4 query heads x 16 keys at a time in registers against the kv head's
- * keys transposed once (no horizontal sums), then softmax and the weighted values as in
- * decode, two heads at a time over contiguous value rows.
+ * Prefill attention of one sequence: its n new tokens, at positions p..p+n-1, attend causally
+ * to the keys of positions [0, p + n) (a cached prefix of p and themselves; with a sliding
+ * window, each to its last `window`), read from the paged pool through the sequence's slots.
+ * Torch's CPU flash attention reaches 15-22 GFLOP/s at head size 32 for these lengths; here
+ * the kv head's keys are transposed once per call into blocks of 16 and its values copied
+ * into contiguous rows, then per query token the scores of 4 query heads x 16 keys are
+ * accumulated in registers (no horizontal sums), softmax, and the weighted values as in
+ * decode, two heads at a time.
  *   q        [n, H, D], token i at q + i * q_stride (heads contiguous)
- *   k, v     [n, KV, D], token j at k + j * k_stride, v + j * v_stride
- *   scratch  (D + G) * n16 floats, n16 = n rounded up to 16
+ *   k, v     [slots, KV, D] (the pool of one layer), the new tokens' rows already written
+ *   slots    [p + n] int64 pool slots of positions 0..p+n-1 (the sequence's table row)
+ *   scratch  D * L16 + D * L + G * L16 floats, L = p + n, L16 = L rounded up to 16
  *   out      [n, H, D]
  * Returns 0, with nothing written, where it has no fast path (no AVX2, D not a multiple of
  * 32): the caller uses torch's attention then.
@@ -269,46 +273,47 @@ static void extend_values(const float *sc, int64_t n16, const float *v, int64_t 
 }
 #endif
 
-int extend_attention(const float *q, int64_t q_stride, const float *k, int64_t k_stride,
-                     const float *v, int64_t v_stride, int64_t n, int64_t H, int64_t KV,
+int extend_attention(const float *q, int64_t q_stride, const float *k, const float *v,
+                     const int64_t *slots, int64_t p, int64_t n, int64_t H, int64_t KV,
                      int64_t D, float scale, int64_t window, float *scratch, float *out) {
 #ifdef HAVE_AVX2
     if (D % 32 != 0 || KV <= 0 || H % KV != 0) return 0;
-    const int64_t G = H / KV, n16 = (n + 15) & ~(int64_t)15;
-    float *kt = scratch;           /* one kv head's keys, transposed per block of 16 */
-    float *sc = scratch + D * n16; /* [G][n16]: one token's scores, then probabilities */
+    const int64_t G = H / KV, L = p + n, L16 = (L + 15) & ~(int64_t)15, row = KV * D;
+    float *kt = scratch;      /* one kv head's keys, transposed per block of 16 */
+    float *vc = kt + D * L16; /* its values, one contiguous row per position */
+    float *sc = vc + D * L;   /* [G][L16]: one token's scores, then probabilities */
     float inv[G];
     for (int64_t h = 0; h < KV; h++) {
-        for (int64_t j = 0; j < n16; j++) {
+        for (int64_t j = 0; j < L16; j++) {
             float *col = kt + (j & ~(int64_t)15) * D + (j & 15);
-            if (j < n) {
-                const float *kj = k + j * k_stride + h * D;
+            if (j < L) {
+                const float *kj = k + slots[j] * row + h * D;
                 for (int64_t d = 0; d < D; d++) col[d * 16] = kj[d];
+                memcpy(vc + j * D, v + slots[j] * row + h * D, (size_t)D * sizeof(float));
             } else {
                 for (int64_t d = 0; d < D; d++) col[d * 16] = 0.f;
             }
         }
         for (int64_t t = 0; t < n; t++) {
-            const int64_t hi = t + 1, lo = (window > 0 && hi > window) ? hi - window : 0;
+            const int64_t hi = p + t + 1, lo = (window > 0 && hi > window) ? hi - window : 0;
             const int64_t j0 = lo & ~(int64_t)15, j1 = (hi + 15) & ~(int64_t)15;
             const float *qt = q + t * q_stride + h * G * D;
             for (int64_t g = 0; g < G; g += 4) {
                 switch (G - g >= 4 ? 4 : (int)(G - g)) {
-                case 4: score_block(4, qt + g * D, D, kt, n16, j0, j1, scale, sc + g * n16); break;
-                case 3: score_block(3, qt + g * D, D, kt, n16, j0, j1, scale, sc + g * n16); break;
-                case 2: score_block(2, qt + g * D, D, kt, n16, j0, j1, scale, sc + g * n16); break;
-                default: score_block(1, qt + g * D, D, kt, n16, j0, j1, scale, sc + g * n16);
+                case 4: score_block(4, qt + g * D, D, kt, L16, j0, j1, scale, sc + g * L16); break;
+                case 3: score_block(3, qt + g * D, D, kt, L16, j0, j1, scale, sc + g * L16); break;
+                case 2: score_block(2, qt + g * D, D, kt, L16, j0, j1, scale, sc + g * L16); break;
+                default: score_block(1, qt + g * D, D, kt, L16, j0, j1, scale, sc + g * L16);
                 }
             }
-            for (int64_t g = 0; g < G; g++) inv[g] = softmax_row(sc + g * n16 + lo, hi - lo);
-            extend_values(sc, n16, v + h * D, v_stride, lo, hi, G, D, inv,
-                          out + (t * H + h * G) * D);
+            for (int64_t g = 0; g < G; g++) inv[g] = softmax_row(sc + g * L16 + lo, hi - lo);
+            extend_values(sc, L16, vc, D, lo, hi, G, D, inv, out + (t * H + h * G) * D);
         }
     }
     return 1;
 #else
-    (void)q; (void)q_stride; (void)k; (void)k_stride; (void)v; (void)v_stride; (void)n;
-    (void)H; (void)KV; (void)D; (void)scale; (void)window; (void)scratch; (void)out;
+    (void)q; (void)q_stride; (void)k; (void)v; (void)slots; (void)p; (void)n; (void)H;
+    (void)KV; (void)D; (void)scale; (void)window; (void)scratch; (void)out;
     return 0;
 #endif
 }
