@@ -162,8 +162,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
                    help="auto: on CPU in float32, a decode step runs each layer in one C "
                         "call (attention read in place from the KV pool, small-batch "
-                        "projections), prompts with no cached prefix attend through a C "
-                        "kernel, and RMSNorm, RoPE and SwiGLU run in one pass each (C "
+                        "projections), prefill chunks attend through a C kernel, and "
+                        "RMSNorm, RoPE and SwiGLU run in one pass each (C "
                         "kernels built at start with the machine's compiler), elsewhere "
                         "torch's ops; torch_native: torch's ops everywhere; cpu_paged: the "
                         "kernels or refuse to start")

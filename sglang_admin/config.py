@@ -12,7 +12,7 @@ from typing import Any
 # events grow the rank's memory and the time its export takes without bound.
 DEFAULT_PROFILE_MAX_STEPS = 5000
 # --attention-backend: auto (on CPU in float32, a decode step's layers, decode attention,
-# prefill attention without a cached prefix, RMSNorm, RoPE and SwiGLU through the C kernels
+# prefill attention (chunks up to 1024 tokens), RMSNorm, RoPE and SwiGLU through the C kernels
 # of model/cpu_kernels.py when they build, else torch's ops),
 # torch_native (torch's ops everywhere), cpu_paged (the kernels, or refuse to start)
 ATTENTION_BACKENDS = ("auto", "torch_native", "cpu_paged")
