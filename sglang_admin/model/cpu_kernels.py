@@ -48,8 +48,9 @@ _FLAG_SETS = (
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 # The prefill kernel reads a query token's keys once per token, where torch's flash attention
-# reuses them across a block of queries: at 8 heads of 32 dims it is 1.45x-1.5x torch at 256-512
-# new tokens, 1.05x at 1024 and 0.87x at 1536 (docs/benchmarks.md), so longer chunks go to torch.
+# reuses them across a block of queries: at 8 heads of 32 dims, one thread, it is 1.45x-1.5x
+# torch at 256-512 new tokens, 1.05x at 1024 and 0.87x at 1536 (docs/benchmarks.md), so longer
+# chunks go to torch. It runs on one thread, so only where torch runs one thread too.
 EXTEND_MAX_TOKENS = 1024
 
 
@@ -158,13 +159,11 @@ class CpuKernels:
         contiguous) at positions prefix..prefix+n-1 against the keys and values of positions
         [0, prefix + n), read from the pools [slots, KV, D] (the chunk's rows already written)
         at ``slots`` (int64, the sequence's table row) -> [n, H * D]; a sliding window keeps
-        each query's last ``window`` keys. None where this build or shape has no fast path
-        (no AVX2, D not a multiple of 32, more than ``EXTEND_MAX_TOKENS`` new tokens): use
-        torch's then. The caller guarantees the slots are in the pools (the runner validated
-        them when it wrote the table)."""
+        each query's last ``window`` keys. One thread; None where this build or shape has no
+        fast path (no AVX2, D not a multiple of 32): use torch's then. When it is the faster
+        path is the caller's to decide (``EXTEND_MAX_TOKENS``). The caller guarantees the
+        slots are in the pools (the runner validated them when it wrote the table)."""
         n, heads, dim = q.shape
-        if n > EXTEND_MAX_TOKENS:
-            return None
         kv_heads = k_cache.shape[1]
         length = prefix + n
         if not (q.stride(2) == 1 and q.stride(1) == dim and k_cache.is_contiguous()

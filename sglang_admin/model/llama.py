@@ -279,7 +279,8 @@ class ExtendSeq:
     mask: torch.Tensor | None = None  # [1, 1, n, prefix + n] bool, with kv_index
     # the same with the sliding window; None when the window is out of reach
     swa_mask: torch.Tensor | None = None
-    # CPU kernels: pool slots of positions [0, prefix + n) (its table row) and the prefix
+    # set when the CPU prefill kernel takes it: the pool slots of positions [0, prefix + n)
+    # (its table row) and the prefix
     slots: torch.Tensor | None = None
     prefix: int = 0
 

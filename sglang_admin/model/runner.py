@@ -24,7 +24,12 @@ import torch
 
 from sglang_admin.config import ATTENTION_BACKENDS
 from sglang_admin.messages import SamplingParams
-from sglang_admin.model.cpu_kernels import CpuKernels, DecodeBatch, load_cpu_kernels
+from sglang_admin.model.cpu_kernels import (
+    EXTEND_MAX_TOKENS,
+    CpuKernels,
+    DecodeBatch,
+    load_cpu_kernels,
+)
 from sglang_admin.model.grammar_mask import TokenMatcher, apply_grammar_masks
 from sglang_admin.model.lanes import group_by_length, lane_cuts
 from sglang_admin.model.llama import (
@@ -543,12 +548,15 @@ class ModelRunner:
                 group.swa_mask = swa.view(b - a, 1, 1, length)
             meta.decode_groups.append(group)
             gathered = max(gathered, (b - a) * length)
-        # each extend sequence attends on its own, unpadded (see ExtendSeq)
+        # each extend sequence attends on its own, unpadded (see ExtendSeq); through the
+        # prefill kernel (one thread, reading the pool through the table) where it is faster
+        # than torch's: chunks up to EXTEND_MAX_TOKENS, and torch on one thread as well
+        kernel_extend = self.cpu_kernels is not None and torch.get_num_threads() == 1
         start = 0
         for s in extend:
             p, n = s.prefix_len, len(s.token_ids)
             seq = ExtendSeq(start, n)
-            if self.cpu_kernels is not None:  # the kernel reads the pool through the table
+            if kernel_extend and n <= EXTEND_MAX_TOKENS:
                 seq.slots, seq.prefix = table[s.req_idx, : p + n], p
             in_window = window is not None and p + n > window
             if p or in_window:

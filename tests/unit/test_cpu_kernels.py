@@ -115,14 +115,10 @@ def test_prefill_kernel_matches_torch(prefix: int, n: int, heads: int, kv_heads:
 
 @needs_kernel
 def test_prefill_kernel_leaves_what_it_does_not_cover_to_torch() -> None:
-    """No fast path: head size off 32 (None, torch's attention then), longer chunks than it
-    wins at (None); layouts it cannot read are refused."""
+    """No fast path for a head size off 32 (None: torch's attention then); layouts it cannot
+    read are refused."""
     pool = torch.randn(40, 2, 24)
     assert kernel.extend_attend(torch.randn(8, 8, 24), pool, pool, torch.arange(8), 0, 0.2,
-                                None) is None
-    n = cpu_kernels.EXTEND_MAX_TOKENS + 1
-    pool = torch.randn(n, 2, 32)
-    assert kernel.extend_attend(torch.randn(n, 8, 32), pool, pool, torch.arange(n), 0, 0.2,
                                 None) is None
     pool = torch.randn(40, 2, 32)
     q = torch.randn(8, 8, 32)
@@ -301,6 +297,45 @@ def test_runner_decodes_the_same_with_and_without_the_kernel() -> None:
                        max_running_requests=4, attention_backend="torch_native")
     assert fast.cpu_kernels is not None and slow.cpu_kernels is None
     assert _greedy(fast, prompts, 12) == _greedy(slow, prompts, 12)
+
+
+@needs_kernel
+def test_runner_sends_prefill_chunks_to_the_kernel_where_it_is_faster(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks of up to EXTEND_MAX_TOKENS new tokens go through the prefill kernel when torch
+    runs one thread (a cached prefix too); longer chunks, or torch on several threads (its
+    attention spreads over them, the kernel does not), through torch's attention."""
+    calls: list[tuple[int, int]] = []
+    real = cpu_kernels.CpuKernels.extend_attend
+
+    def spy(self, q, k_cache, v_cache, slots, prefix, scale, window):  # noqa: ANN001, ANN202
+        calls.append((q.shape[0], prefix))
+        return real(self, q, k_cache, v_cache, slots, prefix, scale, window)
+
+    monkeypatch.setattr(cpu_kernels.CpuKernels, "extend_attend", spy)
+    runner = ModelRunner(None, device="cpu", dtype="float32", max_total_tokens=4096,
+                         max_running_requests=4)
+    layers = runner.model.config.num_layers
+    long = cpu_kernels.EXTEND_MAX_TOKENS + 1
+    greedy = SamplingParams(temperature=0.0)
+    before = torch.get_num_threads()
+    try:
+        for threads, want in ((1, [(5, 0), (3, 5)]), (2, [])):
+            torch.set_num_threads(threads)
+            runner.reset()
+            calls.clear()
+            prompt = list(range(3, 11))
+            runner.forward_step([  # a 5-token chunk and a chunk too long for the kernel
+                SeqInput(0, 0, prompt[:5], 0, [1, 2, 3, 4, 5], greedy, prompt, [], False),
+                SeqInput(1, 0, [7] * long, 0, list(range(10, 10 + long)), greedy, [7] * long,
+                         []),
+            ])
+            runner.forward_step([  # the rest of the first prompt, after its cached 5
+                SeqInput(0, 5, prompt[5:], 5, [6, 7, 8], greedy, prompt, []),
+            ])
+            assert calls == [c for c in want for _ in range(layers)]
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_cpu_paged_refuses_to_start_without_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -233,13 +233,24 @@ def mixed_workload(vocab: int) -> list[Req]:
     ]
 
 
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def torch_threads(request: pytest.FixtureRequest) -> Any:
+    """1: a rank's lane on a small machine (prefill chunks through the C kernel where it
+    builds); 2: torch's attention for them."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 def _runner(path: str, **kwargs: Any) -> ModelRunner:
     return ModelRunner(path, device="cpu", dtype="float32", max_total_tokens=1024,
                        max_running_requests=8, **kwargs)
 
 
 @pytest.mark.parametrize("kind", KINDS + ["default"])
-def test_greedy_matches_transformers(model_dirs: dict[str, str], kind: str) -> None:
+def test_greedy_matches_transformers(model_dirs: dict[str, str], kind: str,
+                                     torch_threads: int) -> None:
     path = model_dirs[kind]
     runner = _runner(path)
     reqs = simulate(runner, mixed_workload(runner.info.vocab_size))
@@ -248,7 +259,7 @@ def test_greedy_matches_transformers(model_dirs: dict[str, str], kind: str) -> N
         assert r.out == expected, f"{kind}: prompt of {len(r.prompt)} tokens"
 
 
-def test_logprobs_match_transformers(model_dirs: dict[str, str]) -> None:
+def test_logprobs_match_transformers(model_dirs: dict[str, str], torch_threads: int) -> None:
     path = model_dirs["qwen2"]
     runner = _runner(path)
     reqs = mixed_workload(runner.info.vocab_size)
@@ -287,7 +298,7 @@ def test_batching_changes_nothing(model_dirs: dict[str, str]) -> None:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_lanes_change_nothing(model_dirs: dict[str, str], kind: str) -> None:
+def test_lanes_change_nothing(model_dirs: dict[str, str], kind: str, torch_threads: int) -> None:
     """A step cut into lanes (threads computing parts of the batch) gives the tokens and
     logprobs of the same step on one lane, prefill chunks, shared prefixes and windows too."""
     path = model_dirs[kind]
