@@ -87,6 +87,9 @@ class CpuKernels:
         self._extend.restype = ctypes.c_int
         self._extend.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64,
                                  ctypes.c_float, _I64, _PTR, _PTR]
+        self._extend_applies = lib.extend_attention_applies
+        self._extend_applies.restype = ctypes.c_int
+        self._extend_applies.argtypes = [_I64]
         self._layer = lib.decode_layer
         self._layer.restype = None
         self._layer.argtypes = ([_PTR, _I64, _I64, _I64, ctypes.c_float] + [_PTR] * 16
@@ -152,17 +155,22 @@ class CpuKernels:
         self._argmax(x.data_ptr(), rows, x.shape[1], out)
         return list(out)
 
+    def extend_applies(self, head_dim: int) -> bool:
+        """Whether :meth:`extend_attend` runs for this head size in this build (AVX2, a
+        multiple of 32)."""
+        return bool(self._extend_applies(head_dim))
+
     def extend_attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       slots: torch.Tensor, prefix: int, scale: float,
-                      window: int | None) -> torch.Tensor | None:
+                      window: int | None) -> torch.Tensor:
         """Causal attention of a prefill chunk: q [n, H, D] (a token stride of its own, heads
         contiguous) at positions prefix..prefix+n-1 against the keys and values of positions
         [0, prefix + n), read from the pools [slots, KV, D] (the chunk's rows already written)
         at ``slots`` (int64, the sequence's table row) -> [n, H * D]; a sliding window keeps
-        each query's last ``window`` keys. One thread; None where this build or shape has no
-        fast path (no AVX2, D not a multiple of 32): use torch's then. When it is the faster
-        path is the caller's to decide (``EXTEND_MAX_TOKENS``). The caller guarantees the
-        slots are in the pools (the runner validated them when it wrote the table)."""
+        each query's last ``window`` keys. One thread, where :meth:`extend_applies` (else
+        ValueError); when it is the faster path is the caller's to decide
+        (``EXTEND_MAX_TOKENS``). The caller guarantees the slots are in the pools (the runner
+        validated them when it wrote the table)."""
         n, heads, dim = q.shape
         kv_heads = k_cache.shape[1]
         length = prefix + n
@@ -176,10 +184,12 @@ class CpuKernels:
         group = heads // max(kv_heads, 1)
         scratch = torch.empty(dim * padded + dim * length + group * padded, dtype=torch.float32)
         out = torch.empty(n, heads * dim, dtype=torch.float32)
-        done = self._extend(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+        if not self._extend(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                             slots.data_ptr(), prefix, n, heads, kv_heads, dim, scale,
-                            window or 0, scratch.data_ptr(), out.data_ptr())
-        return out if done else None
+                            window or 0, scratch.data_ptr(), out.data_ptr()):
+            raise ValueError(f"extend attention kernel: no fast path for {heads} heads of "
+                             f"{dim} over {kv_heads} kv heads in this build")
+        return out
 
     def decode_layer(self, x: torch.Tensor, layer: DecodeLayerWeights, cos: torch.Tensor,
                      sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -426,11 +436,12 @@ def _agrees_with_torch(kernel: CpuKernels) -> bool:
     q = torch.randn(19, 6, 32, generator=gen)  # 6 query heads, 2 kv heads: G = 3
     pool = torch.randn(2, 40, 2, 32, generator=gen)
     slots = torch.randperm(40, generator=gen)[:26]  # a 7-token prefix and the 19 new tokens
+    if not kernel.extend_applies(32):
+        return True  # a build without the prefill kernel: torch's attention
     for window in (None, 5):
         got = kernel.extend_attend(q, pool[0], pool[1], slots, 7, 0.17, window)
-        if got is not None and not torch.allclose(
-                got, reference_extend(q, pool[0], pool[1], slots, 7, 0.17, window),
-                atol=1e-5, rtol=1e-4):
+        if not torch.allclose(got, reference_extend(q, pool[0], pool[1], slots, 7, 0.17, window),
+                              atol=1e-5, rtol=1e-4):
             return False
     return True
 

@@ -477,13 +477,11 @@ class Attention(nn.Module):
         outs = []
         for seq in meta.extend_seqs:
             end = seq.start + seq.n
-            if seq.slots is not None and self.kernels is not None:
-                out = self.kernels.extend_attend(q[seq.start : end], k_flat.view(-1, kv, d),
-                                                 v_flat.view(-1, kv, d), seq.slots, seq.prefix,
-                                                 self.scale, self.sliding_window)
-                if out is not None:
-                    outs.append(out)
-                    continue
+            if seq.slots is not None:  # the runner chose the CPU prefill kernel for it
+                outs.append(self.kernels.extend_attend(
+                    q[seq.start : end], k_flat.view(-1, kv, d), v_flat.view(-1, kv, d),
+                    seq.slots, seq.prefix, self.scale, self.sliding_window))
+                continue
             qs = q[seq.start : end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             if seq.kv_index is None:  # no cached prefix: the new keys are all there is
                 ks, vs = k[seq.start : end], v[seq.start : end]

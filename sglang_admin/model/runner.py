@@ -206,6 +206,9 @@ class ModelRunner:
         # SwiGLU in one pass each (model/cpu_kernels.py)
         self.cpu_kernels = self._cpu_kernels(attention_backend)
         self.model.use_cpu_kernels(self.cpu_kernels)
+        # whether prefill chunks may go through the kernel (this build, this head size)
+        self._extend_kernel = (self.cpu_kernels is not None
+                               and self.cpu_kernels.extend_applies(self.model.config.head_dim))
         self._score_scratch: list[torch.Tensor | None] = []  # one per lane
         self.last_times = ForwardTimes()  # the last forward_step's split, for step_timing
         logger.info(
@@ -551,13 +554,16 @@ class ModelRunner:
         # each extend sequence attends on its own, unpadded (see ExtendSeq); through the
         # prefill kernel (one thread, reading the pool through the table) where it is faster
         # than torch's: chunks up to EXTEND_MAX_TOKENS, and torch on one thread as well
-        kernel_extend = self.cpu_kernels is not None and torch.get_num_threads() == 1
+        kernel_extend = self._extend_kernel and torch.get_num_threads() == 1
         start = 0
         for s in extend:
             p, n = s.prefix_len, len(s.token_ids)
             seq = ExtendSeq(start, n)
-            if kernel_extend and n <= EXTEND_MAX_TOKENS:
+            meta.extend_seqs.append(seq)
+            start += n
+            if kernel_extend and n <= EXTEND_MAX_TOKENS:  # no masks or gathers to build
                 seq.slots, seq.prefix = table[s.req_idx, : p + n], p
+                continue
             in_window = window is not None and p + n > window
             if p or in_window:
                 qpos = self._arange[p : p + n].unsqueeze(1)  # [n, 1]
@@ -569,8 +575,6 @@ class ModelRunner:
                     gathered = max(gathered, p + n)
                 if in_window:
                     seq.swa_mask = (causal & (keys > qpos - window)).view(1, 1, n, p + n)
-            meta.extend_seqs.append(seq)
-            start += n
         if self.device.type == "cpu" and gathered:
             meta.gather_k, meta.gather_v = self._gather_scratch(lane, gathered)
         return meta

@@ -107,19 +107,21 @@ def test_prefill_kernel_matches_torch(prefix: int, n: int, heads: int, kv_heads:
     v_pool = torch.randn(length + 9, kv_heads, dim, generator=gen)
     slots = torch.randperm(length + 9, generator=gen)[:length]
     q = (torch.randn(n, heads + 2 * kv_heads, dim, generator=gen) * 6)[:, :heads]
+    assert kernel.extend_applies(dim)
     got = kernel.extend_attend(q, k_pool, v_pool, slots, prefix, dim**-0.5, window)
-    assert got is not None and torch.isfinite(got).all()
+    assert torch.isfinite(got).all()
     want = cpu_kernels.reference_extend(q, k_pool, v_pool, slots, prefix, dim**-0.5, window)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
 
 @needs_kernel
 def test_prefill_kernel_leaves_what_it_does_not_cover_to_torch() -> None:
-    """No fast path for a head size off 32 (None: torch's attention then); layouts it cannot
-    read are refused."""
+    """No fast path for a head size off 32 (the runner then keeps torch's attention, and a
+    call is refused); layouts it cannot read are refused."""
+    assert not kernel.extend_applies(24)
     pool = torch.randn(40, 2, 24)
-    assert kernel.extend_attend(torch.randn(8, 8, 24), pool, pool, torch.arange(8), 0, 0.2,
-                                None) is None
+    with pytest.raises(ValueError, match="no fast path"):
+        kernel.extend_attend(torch.randn(8, 8, 24), pool, pool, torch.arange(8), 0, 0.2, None)
     pool = torch.randn(40, 2, 32)
     q = torch.randn(8, 8, 32)
     for bad in ((q.transpose(1, 2).contiguous().transpose(1, 2), torch.arange(8), 0),
@@ -263,9 +265,10 @@ def test_plain_c_build_matches_torch() -> None:
     _check_elementwise(plain)
     _check_decode_layer(plain, 5)
     _check_argmax(plain)
-    pool = torch.randn(20, 2, 32)  # no prefill kernel without AVX2: torch's attention
-    assert plain.extend_attend(torch.randn(9, 8, 32), pool, pool, torch.arange(9), 0, 0.2,
-                               None) is None
+    assert not plain.extend_applies(32)  # no prefill kernel without AVX2: torch's attention
+    pool = torch.randn(20, 2, 32)
+    with pytest.raises(ValueError, match="no fast path"):
+        plain.extend_attend(torch.randn(9, 8, 32), pool, pool, torch.arange(9), 0, 0.2, None)
 
 
 def _greedy(runner: ModelRunner, prompts: list[list[int]], steps: int) -> list[list[int]]:
@@ -303,8 +306,9 @@ def test_runner_decodes_the_same_with_and_without_the_kernel() -> None:
 def test_runner_sends_prefill_chunks_to_the_kernel_where_it_is_faster(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Chunks of up to EXTEND_MAX_TOKENS new tokens go through the prefill kernel when torch
-    runs one thread (a cached prefix too); longer chunks, or torch on several threads (its
-    attention spreads over them, the kernel does not), through torch's attention."""
+    runs one thread (a cached prefix too); longer chunks, torch on several threads (its
+    attention spreads over them, the kernel does not) or a build without the kernel, through
+    torch's attention."""
     calls: list[tuple[int, int]] = []
     real = cpu_kernels.CpuKernels.extend_attend
 
@@ -334,6 +338,14 @@ def test_runner_sends_prefill_chunks_to_the_kernel_where_it_is_faster(
                 SeqInput(0, 5, prompt[5:], 5, [6, 7, 8], greedy, prompt, []),
             ])
             assert calls == [c for c in want for _ in range(layers)]
+        # a build or head size without the kernel: torch's attention for every chunk
+        monkeypatch.setattr(cpu_kernels.CpuKernels, "extend_applies", lambda self, dim: False)
+        torch.set_num_threads(1)
+        plain = ModelRunner(None, device="cpu", dtype="float32", max_total_tokens=4096,
+                            max_running_requests=4)
+        calls.clear()
+        plain.forward_step([SeqInput(0, 0, prompt[:5], 0, [1, 2, 3, 4, 5], greedy, prompt, [])])
+        assert calls == []
     finally:
         torch.set_num_threads(before)
 

@@ -224,14 +224,24 @@ void decode_attention(const float *q, int64_t q_stride, const float *k, const fl
  *   slots    [p + n] int64 pool slots of positions 0..p+n-1 (the sequence's table row)
  *   scratch  D * L16 + D * L + G * L16 floats, L = p + n, L16 = L rounded up to 16
  *   out      [n, H, D]
- * Returns 0, with nothing written, where it has no fast path (no AVX2, D not a multiple of
- * 32): the caller uses torch's attention then.
+ * Only where extend_attention_applies(D) (AVX2, D a multiple of 32); elsewhere it returns 0
+ * with nothing written.
  */
+int extend_attention_applies(int64_t D) {
+#ifdef HAVE_AVX2
+    return D > 0 && D % 32 == 0;
+#else
+    (void)D;
+    return 0;
+#endif
+}
+
 #ifdef HAVE_AVX2
 /* scores of R (1..4) query heads against keys [j0, j1) (multiples of 16) of kt, the keys
- * transposed in blocks of 16: key j's dim d at kt[((j / 16) * D + d) * 16 + j % 16] */
+ * transposed in blocks of 16: key j's dim d at kt[((j / 16) * D + d) * 16 + j % 16]; row r
+ * of the scores at sc + r * stride */
 static inline __attribute__((always_inline)) void score_block(
-    const int R, const float *qr, int64_t D, const float *kt, int64_t n16, int64_t j0,
+    const int R, const float *qr, int64_t D, const float *kt, int64_t stride, int64_t j0,
     int64_t j1, float scale, float *sc) {
     const __m256 sv = _mm256_set1_ps(scale);
     for (int64_t j = j0; j < j1; j += 16) {
@@ -248,19 +258,20 @@ static inline __attribute__((always_inline)) void score_block(
             }
         }
         for (int r = 0; r < R; r++) {
-            _mm256_storeu_ps(sc + r * n16 + j, _mm256_mul_ps(a[r][0], sv));
-            _mm256_storeu_ps(sc + r * n16 + j + 8, _mm256_mul_ps(a[r][1], sv));
+            _mm256_storeu_ps(sc + r * stride + j, _mm256_mul_ps(a[r][0], sv));
+            _mm256_storeu_ps(sc + r * stride + j + 8, _mm256_mul_ps(a[r][1], sv));
         }
     }
 }
 
-/* o[g] = inv[g] * sum_{j in [lo, hi)} p[g, j] * v[j] for the G heads of one kv head */
-static void extend_values(const float *sc, int64_t n16, const float *v, int64_t v_stride,
+/* o[g] = inv[g] * sum_{j in [lo, hi)} p[g, j] * v[j] for the G heads of one kv head (row g
+ * of the probabilities at sc + g * stride) */
+static void extend_values(const float *sc, int64_t stride, const float *v, int64_t v_stride,
                           int64_t lo, int64_t hi, int64_t G, int64_t D, const float *inv,
                           float *o) {
     for (int64_t g = 0; g < G; g += 2) {
         const int two = G - g >= 2;
-        const float *s0 = sc + g * n16, *s1 = two ? s0 + n16 : s0;
+        const float *s0 = sc + g * stride, *s1 = two ? s0 + stride : s0;
         for (int64_t d0 = 0; d0 < D; d0 += 32) {
             __m256 a[4], b[4];
             for (int i = 0; i < 4; i++) a[i] = b[i] = _mm256_setzero_ps();
@@ -277,7 +288,7 @@ int extend_attention(const float *q, int64_t q_stride, const float *k, const flo
                      const int64_t *slots, int64_t p, int64_t n, int64_t H, int64_t KV,
                      int64_t D, float scale, int64_t window, float *scratch, float *out) {
 #ifdef HAVE_AVX2
-    if (D % 32 != 0 || KV <= 0 || H % KV != 0) return 0;
+    if (!extend_attention_applies(D) || KV <= 0 || H % KV != 0) return 0;
     const int64_t G = H / KV, L = p + n, L16 = (L + 15) & ~(int64_t)15, row = KV * D;
     float *kt = scratch;      /* one kv head's keys, transposed per block of 16 */
     float *vc = kt + D * L16; /* its values, one contiguous row per position */
