@@ -26,7 +26,10 @@ StopProfile arrives or when it stops by itself after ``num_steps`` forward steps
   by the next StopProfile, with the files.
 - Export off the loop: a session is stopped on the loop's thread (torch requires it), and
   its trace is written by the profiler's export thread; StopProfile's answer is a Future
-  that resolves once the files are on disk, so the rank keeps serving meanwhile.
+  that resolves once the files are on disk, so the rank keeps serving meanwhile. torch's
+  exporter holds the GIL for its whole run (seconds, over ten for a busy segment with
+  stacks), so the export thread has it run in a forked child (``trace_export``): run on
+  the thread itself, it froze the loop and the heartbeat until the watchdog stepped in.
   Segments are joined into the session's one file by a child process (``trace_join``):
   the JSON parse holds the GIL for seconds, which on the export thread stalled the loop
   (HealthCheck unanswered during a StopProfile under load).
@@ -51,7 +54,7 @@ import torch
 
 from sglang_admin.config import is_inside
 from sglang_admin.messages import PROFILE_STOPPED_BY_ITSELF, ProfileStopResult
-from sglang_admin.scheduler import trace_join
+from sglang_admin.scheduler import trace_export, trace_join
 
 logger = logging.getLogger(__name__)
 
@@ -457,7 +460,7 @@ class Profiler:
     def _export_part(self, run: _Run, prof: Any, part: str) -> None:
         """(Export thread) write one finished segment's trace (plain JSON)."""
         try:
-            prof.export_chrome_trace(part)
+            trace_export.export_chrome_trace(prof, part)
         except Exception as exc:  # noqa: BLE001
             logger.exception("profile %s: export failed", run.config.profile_id)
             with self._lock:
@@ -509,11 +512,11 @@ class Profiler:
             if prof is not None and not failed:
                 if parts:
                     last = _part_path(path, len(parts))
-                    prof.export_chrome_trace(last)
+                    trace_export.export_chrome_trace(prof, last)
                     del prof
                     _join_traces([*parts, last], path)
                 else:
-                    prof.export_chrome_trace(path)
+                    trace_export.export_chrome_trace(prof, path)
                 self._account(run, path)
             if snapshot is not None:
                 self._account(run, snapshot)
