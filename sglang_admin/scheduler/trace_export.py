@@ -18,6 +18,7 @@ child must not touch the parent's CUDA context, and torch's exporter may).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import select
 import signal
@@ -26,9 +27,12 @@ from typing import Any
 
 import torch
 
-# A child still writing after this long is killed and the export reported as failed.
-EXPORT_TIMEOUT_S = 600.0
+# A child still writing after this long is killed and the export reported as failed. A
+# CPU rank's trace covers at most one 16-step segment (profiler.SEGMENT_STEPS): seconds.
+EXPORT_TIMEOUT_S = 120.0
 _MESSAGE_BYTES = 4096
+
+logger = logging.getLogger(__name__)
 
 
 def forks() -> bool:
@@ -43,19 +47,25 @@ def export_chrome_trace(prof: Any, path: str, timeout_s: float = EXPORT_TIMEOUT_
     Raises RuntimeError with the child's error when the export failed (torch only logs a
     file it cannot open: that reads as no file written), TimeoutError when it ran past
     ``timeout_s`` (the child is killed)."""
-    if forks():
-        _export_in_child(prof, path, timeout_s)
-    else:
+    if not (forks() and _export_in_child(prof, path, timeout_s)):
         prof.export_chrome_trace(path)
     if not os.path.exists(path):
         raise RuntimeError(f"torch wrote no trace to {path} (see the rank's log for why)")
 
 
-def _export_in_child(prof: Any, path: str, timeout_s: float) -> None:
+def _export_in_child(prof: Any, path: str, timeout_s: float) -> bool:
+    """Export in a forked child; False when no child could be forked (then the caller
+    writes the trace itself, e.g. under strict memory overcommit)."""
     read_fd, write_fd = os.pipe()
-    with warnings.catch_warnings():  # Python >= 3.12 warns of fork() with threads running
-        warnings.simplefilter("ignore", DeprecationWarning)
-        pid = os.fork()
+    try:
+        with warnings.catch_warnings():  # Python >= 3.12 warns of fork() with threads
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+    except OSError as exc:
+        os.close(read_fd)
+        os.close(write_fd)
+        logger.warning("cannot fork to write %s (%s); writing it on this thread", path, exc)
+        return False
     if pid == 0:
         _child(prof, path, read_fd, write_fd)
     os.close(write_fd)
@@ -76,6 +86,7 @@ def _export_in_child(prof: Any, path: str, timeout_s: float) -> None:
             f"the export process was killed by signal {-code}" if code < 0
             else f"the export process exited with status {code}"
         ))
+    return True
 
 
 def _child(prof: Any, path: str, read_fd: int, write_fd: int) -> None:

@@ -17,17 +17,23 @@ from sglang_admin.scheduler import trace_export
 pytestmark = pytest.mark.skipif(not trace_export.forks(), reason="no fork here")
 
 
-@pytest.fixture(scope="module")
-def big_profile() -> Any:
-    """A stopped profile large enough that torch takes a while to write it."""
+def record(ops: int) -> Any:
+    """A stopped profile of `ops` matmul + softmax pairs, with stacks and shapes."""
     x = torch.randn(32, 32)
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                   with_stack=True, record_shapes=True)
     prof.start()
-    for _ in range(4000):
+    for _ in range(ops):
         (x @ x).softmax(-1)
     prof.stop()
     return prof
+
+
+@pytest.fixture(scope="module")
+def big_profile() -> Any:
+    """Large enough that torch takes a while to write it; written by children only (torch
+    writes a profile once in its process: "Trace is already saved")."""
+    return record(4000)
 
 
 def ticks_while(fn: Any) -> tuple[int, BaseException | None]:
@@ -100,10 +106,22 @@ def test_a_stuck_export_is_killed_at_the_timeout(tmp_path: Path) -> None:
 
 
 def test_without_fork_the_trace_is_written_here(
-    big_profile: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(trace_export, "forks", lambda: False)
     path = tmp_path / "t.json"
-    ticks, error = ticks_while(lambda: trace_export.export_chrome_trace(big_profile, str(path)))
+    prof = record(4000)
+    ticks, error = ticks_while(lambda: trace_export.export_chrome_trace(prof, str(path)))
     assert error is None and json.loads(path.read_text())["traceEvents"]
     assert ticks < 20  # the GIL held for the whole export: why the child exists
+
+
+def test_a_failed_fork_writes_here(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Strict memory overcommit can refuse to fork a large rank: the trace is still written."""
+    def no_fork() -> int:
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(trace_export.os, "fork", no_fork)
+    path = tmp_path / "t.json"
+    trace_export.export_chrome_trace(record(10), str(path))
+    assert sum(e.get("name") == "aten::softmax" for e in json.loads(path.read_text())["traceEvents"]) == 10
