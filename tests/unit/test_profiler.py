@@ -4,11 +4,13 @@ server-side helpers of server/profiles.py."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import gzip
 import hashlib
 import json
 import os
 import threading
+import weakref
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -261,6 +263,33 @@ def test_export_runs_in_the_background_while_steps_go_on(tmp_path: Path) -> None
     assert labels(data.files[0]) == ["forward_extend_bs1"]
     assert prof.stop()[0]
     assert prof.reported_state == "idle"
+
+
+def test_a_written_session_is_freed_without_a_collection(tmp_path: Path) -> None:
+    """The recorded events go when the export is done, by refcounting: the full collection
+    that would otherwise free torch's self-referencing profile holds the rank's GIL for
+    ~0.3 s (no step, no heartbeat meanwhile)."""
+    warm = Profiler(0, "cpu")  # torch's first profile in a process imports lazily, and
+    assert warm.start(req(tmp_path / "warm"))[0]  # a traceback of that keeps it for gc
+    step(warm)
+    assert warm.stop()[0]
+    gc.collect()
+    gc.disable()
+    try:
+        for by_stage, steps in ((False, 3), (False, 20), (True, 3)):  # 20: segments too
+            prof = Profiler(0, "cpu")
+            assert prof.start(req(tmp_path / f"{by_stage}{steps}", profile_by_stage=by_stage))[0]
+            step(prof)
+            assert prof.session is not None and prof.session.prof is not None
+            recorded = weakref.ref(prof.session.prof)
+            for _ in range(steps - 1):
+                step(prof)
+            ok, text, _ = prof.stop()
+            assert ok, text
+            prof._exporter.submit(lambda: None).result()  # the export's work item is gone
+            assert recorded() is None
+    finally:
+        gc.enable()
 
 
 # ---------------------------------------------------------------- server helpers
