@@ -27,9 +27,10 @@ StopProfile arrives or when it stops by itself after ``num_steps`` forward steps
 - Export off the loop: a session is stopped on the loop's thread (torch requires it), and
   its trace is written by the profiler's export thread; StopProfile's answer is a Future
   that resolves once the files are on disk, so the rank keeps serving meanwhile. torch's
-  exporter holds the GIL for its whole run (seconds, over ten for a busy segment with
-  stacks), so the export thread has it run in a forked child (``trace_export``): run on
-  the thread itself, it froze the loop and the heartbeat until the watchdog stepped in.
+  exporter holds the GIL for its whole run (a second or more with stacks), so the export
+  thread has it run in a forked child (``trace_export``): run on the thread itself, it
+  stopped the loop and the heartbeat for as long. A written session is freed by
+  refcounting (:func:`_free`), not by a full collection, which held the GIL ~0.3 s.
   Segments are joined into the session's one file by a child process (``trace_join``):
   the JSON parse holds the GIL for seconds, which on the export thread stalled the loop
   (HealthCheck unanswered during a StopProfile under load).

@@ -1,16 +1,14 @@
 """Write a stopped torch.profiler session's Chrome trace from a forked child process.
 
 torch's exporter (``profile.export_chrome_trace``) is one C++ call that holds the GIL for
-its whole run: about a second for a few thousand operators with stacks, over ten seconds
-for a busy 16-step segment on a loaded 2-core host. On the rank's export thread that froze
-the loop and the heartbeat thread together (no step, no HealthCheck answer), long enough
-for the watchdog to take the worker down. A forked child has a copy of the recorded events
-and writes them under its own GIL while the rank keeps serving; the calling thread only
-waits for it, without the GIL.
+its whole run (1.1 s for 60,000 events with stacks here; more for bigger traces). On the
+rank's export thread that stopped the loop and the heartbeat thread together for as long
+(no step, no HealthCheck answer; held long enough, the watchdog takes the worker down). A
+forked child has a copy of the recorded events and writes them under its own GIL while the
+rank keeps serving; the calling thread only waits for it, without the GIL.
 
-The child runs nothing but the export: it is forked from the export thread between two
-jobs, calls torch's exporter and leaves with ``os._exit`` (no cleanup of the rank's
-sockets, no atexit). Where forking is not safe, the trace is written on the calling thread
+The child runs nothing but the export: forked from the export thread, it calls torch's
+exporter and leaves with ``os._exit`` (no cleanup of the rank's sockets, no atexit). Where forking is not safe, the trace is written on the calling thread
 as before: no ``os.fork`` on this platform, or CUDA initialized in this process (a forked
 child must not touch the parent's CUDA context, and torch's exporter may).
 """
