@@ -31,6 +31,7 @@ from sglang_admin.model.cpu_kernels import (
     load_cpu_kernels,
 )
 from sglang_admin.model.grammar_mask import TokenMatcher, apply_grammar_masks
+from sglang_admin.model.host_index import StagingBuffer, host_table
 from sglang_admin.model.lanes import group_by_length, lane_cuts
 from sglang_admin.model.llama import (
     AttentionMetadata,
@@ -187,9 +188,18 @@ class ModelRunner:
         self.k_caches: list[torch.Tensor] = []
         self.v_caches: list[torch.Tensor] = []
         self._allocate_kv()
-        self.req_to_token = torch.zeros(
-            max_running_requests, self.context_length, dtype=torch.int64, device=self.device
-        )
+        # CPU: the table is written from Python and the step's index tensors are views of
+        # one persistent buffer (model/host_index.py); CUDA copies them to the device
+        self._table_words: memoryview | None = None
+        self._staging: StagingBuffer | None = None
+        if self.device.type == "cpu":
+            self.req_to_token, self._table_words = host_table(max_running_requests,
+                                                              self.context_length)
+            self._staging = StagingBuffer()
+        else:
+            self.req_to_token = torch.zeros(
+                max_running_requests, self.context_length, dtype=torch.int64, device=self.device
+            )
         self._arange = torch.arange(self.context_length, device=self.device)
         self._table_dirty = False  # written since the last reset (a flush of an idle pool skips it)
         # CPU only: persistent scratch for gathered K/V rows (CUDA's caching allocator
@@ -437,20 +447,28 @@ class ModelRunner:
             window = None
         parts = [input_ids, positions, token_cells, table_cells, table_vals, select,
                  dec_rows, dec_lens]
-        flat: list[int] = []
-        for part in parts:
-            flat.extend(part)
-        # from an int64 array: a fifth of torch.tensor's cost for a list of Python ints
-        packed = torch.frombuffer(array("q", flat), dtype=torch.int64)
-        if self.device.type != "cpu":
-            packed = packed.to(self.device, non_blocking=True)
-        (t_ids, t_pos, t_cells, t_tcells, t_tvals, t_select, t_dec_rows,
-         t_dec_lens) = packed.split([len(part) for part in parts])
+        if self._staging is not None:
+            (t_ids, t_pos, t_cells, t_tcells, t_tvals, t_select, t_dec_rows,
+             t_dec_lens) = self._staging.load(parts)
+        else:
+            flat: list[int] = []
+            for part in parts:
+                flat.extend(part)
+            # from an int64 array: a fifth of torch.tensor's cost for a list of Python ints
+            packed = torch.frombuffer(array("q", flat), dtype=torch.int64)
+            (t_ids, t_pos, t_cells, t_tcells, t_tvals, t_select, t_dec_rows,
+             t_dec_lens) = packed.to(self.device, non_blocking=True).split(
+                 [len(part) for part in parts])
         # a decode step: every new token's slot is the one just written to its table cell
         # (no lookup in the table)
         slots_written = t_tvals if table_cells == token_cells else None
         if table_cells:
-            self.req_to_token.view(-1).index_copy_(0, t_tcells, t_tvals)
+            words = self._table_words
+            if words is not None:
+                for cell, slot in zip(table_cells, table_vals):
+                    words[cell] = slot
+            else:
+                self.req_to_token.view(-1).index_copy_(0, t_tcells, t_tvals)
             self._table_dirty = True
 
         # ---- attention metadata per lane, once for all layers
