@@ -21,6 +21,8 @@ TraceCarrier = dict[str, str]
 # A temperature below this samples greedily (SGLang's epsilon): dividing logits by a smaller
 # one overflows float32 and makes no practical difference to the choice.
 GREEDY_TEMPERATURE_EPS = 1e-6
+# SamplingParams.argmax_from of a row whose token is never its logits' argmax alone
+ARGMAX_NEVER = 1 << 62
 # How a rank's StopProfile message starts when its profile had already ended at a cap
 # (--profile-max-steps); the server passes such a message on to the caller.
 PROFILE_STOPPED_BY_ITSELF = "Profiling stopped by itself"
@@ -54,6 +56,16 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE_EPS or self.top_k == 1
+
+    def argmax_from(self, wants_logprobs: bool) -> int:
+        """The output length from which a row's token is its logits' argmax and nothing more
+        is asked (greedy, no penalty or bias, no logprobs; min_new_tokens masks the stop
+        tokens before that); ARGMAX_NEVER for any other row."""
+        if (self.is_greedy and not wants_logprobs and not self.logit_bias
+                and self.repetition_penalty == 1.0 and self.frequency_penalty == 0.0
+                and self.presence_penalty == 0.0):
+            return self.min_new_tokens
+        return ARGMAX_NEVER
 
 
 @dataclass(slots=True)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from sglang_admin.config import ATTENTION_BACKENDS
-from sglang_admin.messages import SamplingParams
+from sglang_admin.messages import ARGMAX_NEVER, SamplingParams
 from sglang_admin.model.cpu_kernels import (
     EXTEND_MAX_TOKENS,
     CpuKernels,
@@ -47,7 +47,7 @@ from sglang_admin.model.loader import (
 )
 from sglang_admin.model.lora import LoraBuffers
 from sglang_admin.model.output_extras import hidden_rows, input_logprobs
-from sglang_admin.model.sampling import SampleRequest, SampleResult, is_plain_greedy, sample
+from sglang_admin.model.sampling import SampleRequest, SampleResult, sample
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +76,17 @@ class SeqInput:
     token_ids_logprob: list[int] | None = None  # logprobs of these ids (return_logprob)
     return_hidden_states: bool = False
     grammar: TokenMatcher | None = None  # constrained decoding: masks the sampled logits
+    # from this output length on, the token is the logits' argmax and nothing else is asked
+    # (ARGMAX_NEVER: never); None: worked out from the fields above (the scheduler passes its
+    # request's, worked out once)
+    argmax_from: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.argmax_from is None:
+            self.argmax_from = (
+                ARGMAX_NEVER if (self.grammar is not None or self.return_hidden_states
+                                 or self.logprob_start_len >= 0)
+                else self.sampling.argmax_from(self.return_logprob or self.top_logprobs_num > 0))
 
 
 @dataclass(slots=True)
@@ -498,10 +509,8 @@ class ModelRunner:
         if self.device.type == "cuda":  # sampling reads the tokens back anyway: no loss
             torch.cuda.synchronize(self.device)
         t_sample = time.perf_counter()
-        if all(s.grammar is None and not s.return_hidden_states and s.logprob_start_len < 0
-               and is_plain_greedy(s.sampling, len(s.output_ids),
-                                   s.return_logprob or s.top_logprobs_num > 0)
-               for s in sampled):  # sample()'s answer, without building its requests
+        if all([len(s.output_ids) >= s.argmax_from for s in sampled]):
+            # sample()'s answer, without building its requests
             tokens = (self.cpu_kernels.argmax(logits)
                       if self.cpu_kernels is not None and logits.is_contiguous()
                       else logits.argmax(dim=-1).tolist())

@@ -151,9 +151,7 @@ def apply_penalties(
 def is_plain_greedy(params: SamplingParams, output_len: int, wants_logprobs: bool) -> bool:
     """The row's token is the argmax of its logits and nothing more is asked: greedy, no
     penalty, bias or pending min_new_tokens, no logprobs (most rows of most steps)."""
-    return (params.is_greedy and not wants_logprobs and not params.logit_bias
-            and params.repetition_penalty == 1.0 and params.frequency_penalty == 0.0
-            and params.presence_penalty == 0.0 and output_len >= params.min_new_tokens)
+    return output_len >= params.argmax_from(wants_logprobs)
 
 
 def _needs_processing(r: SampleRequest) -> bool:

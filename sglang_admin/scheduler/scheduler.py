@@ -14,7 +14,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from sglang_admin.messages import GenerateReq, ReqOutput, SamplingParams
+from sglang_admin.messages import ARGMAX_NEVER, GenerateReq, ReqOutput, SamplingParams
 from sglang_admin.scheduler import output_extras
 from sglang_admin.scheduler.grammar import GrammarQueue, GrammarState
 from sglang_admin.scheduler.kv_pool import TokenAllocator
@@ -29,7 +29,7 @@ THROUGHPUT_WINDOW_S = 5.0
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Req:
     """A request's life inside one rank."""
 
@@ -75,10 +75,24 @@ class Req:
     hidden_states: list[list[float]] = field(default_factory=list)
     sent_extras: int = 0
 
+    grammar: GrammarState | None = None  # its own matcher, when constrained (n > 1: fork())
+    # from this output length on its token is the logits' argmax alone (model/runner.py's
+    # SeqInput.argmax_from), worked out once
+    argmax_from: int = field(init=False, default=ARGMAX_NEVER)
+    # a decode step gives it a token and nothing more to keep (no logprobs, prompt logprobs,
+    # hidden states or grammar): postprocess's short path
+    token_only: bool = field(init=False, default=False)
+
     def __post_init__(self) -> None:
         if not self.key:
             self.key = self.rid
-    grammar: GrammarState | None = None  # its own matcher, when constrained (n > 1: fork())
+        self.token_only = not (self.return_logprob or self.return_hidden_states
+                               or self.logprob_start_len >= 0 or self.sampling.grammar_kind
+                               or self.sampling.max_new_tokens <= 0)
+        if not (self.return_hidden_states or self.logprob_start_len >= 0
+                or self.sampling.grammar_kind):
+            self.argmax_from = self.sampling.argmax_from(
+                self.return_logprob or self.top_logprobs_num > 0)
 
     @property
     def fill_ids(self) -> list[int]:
@@ -505,6 +519,15 @@ class Scheduler:
             req = span.req
             try:
                 req.kv_len = span.end
+                if (req.token_only and span.end - span.start == 1 and not req.aborted
+                        and (errors is None or errors[i] is None)):
+                    # most requests of most steps: what the steps below would do for them
+                    token = tokens[i]
+                    if token is not None:
+                        req.output_ids.append(token)
+                        new_tokens += 1
+                        self._check_finished(req, token)
+                    continue
                 error = errors[i] if errors is not None else None
                 if error is not None and not req.aborted:
                     self.fail(req, *error)

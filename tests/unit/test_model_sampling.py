@@ -238,3 +238,30 @@ def test_nan_and_inf_logits_are_sanitized() -> None:
     result = sample(logits, reqs, EOS, torch.Generator().manual_seed(0))
     assert result.token_ids[0] == 5 and result.errors[0] is None
     assert result.errors[1] is not None
+
+
+@pytest.mark.parametrize(("params", "wants_logprobs", "expected"), [
+    ({}, False, 0),
+    ({"min_new_tokens": 3}, False, 3),  # EOS masked until then: not the argmax before
+    ({"temperature": 0.7, "top_k": 1}, False, 0),
+    ({"temperature": 0.7}, False, None),
+    ({"repetition_penalty": 1.1}, False, None),
+    ({"frequency_penalty": 0.5}, False, None),
+    ({"presence_penalty": 0.5}, False, None),
+    ({"logit_bias": {3: 1.0}}, False, None),
+    ({}, True, None),
+])
+def test_argmax_from_is_where_the_token_becomes_the_plain_argmax(
+    params: dict, wants_logprobs: bool, expected: int | None,
+) -> None:
+    """The runner skips sample() for rows past argmax_from: it must agree with sample()'s
+    result there, and must not claim rows that sample() changes (penalties, bias, masking)."""
+    from sglang_admin.messages import ARGMAX_NEVER
+
+    sp = SamplingParams(**params)
+    assert sp.argmax_from(wants_logprobs) == (ARGMAX_NEVER if expected is None else expected)
+    if expected is not None:  # sample() takes the argmax at that output length
+        logits = torch.randn(1, 16)
+        req = SampleRequest(sp, [1, 2], [4] * expected, return_logprob=False)
+        result = sample(logits, [req], [0], torch.Generator())
+        assert result.token_ids == [int(logits.argmax())]

@@ -137,3 +137,33 @@ def test_an_op_waiting_for_a_drained_rank_answers_after_the_outputs_it_waited_fo
     assert [type(m) for m in sent] == [BatchOutput, AdminReply]
     assert sent[0].outputs[0].finish_reason is not None
     assert sent[1].rid == "flush-1" and sent[1].success
+
+
+@pytest.mark.parametrize("req", [
+    GenerateReq("plain", [1, 2, 3], SamplingParams()),
+    GenerateReq("min-new", [1, 2, 3], SamplingParams(min_new_tokens=2)),
+    GenerateReq("sampled", [1, 2, 3], SamplingParams(temperature=0.8)),
+    GenerateReq("logprobs", [1, 2, 3], SamplingParams(), return_logprob=True),
+    GenerateReq("top", [1, 2, 3], SamplingParams(), top_logprobs_num=2),
+    GenerateReq("hidden", [1, 2, 3], SamplingParams(), return_hidden_states=True),
+    GenerateReq("prompt-lps", [1, 2, 3], SamplingParams(), return_logprob=True,
+                logprob_start_len=0),
+])
+def test_the_scheduler_never_claims_a_plain_argmax_the_fields_do_not(req: GenerateReq) -> None:
+    """batch_inputs passes each request's argmax_from, worked out once; it must be at least
+    what the runner works out from the sequence's own fields (the runner takes the argmax
+    alone from there on)."""
+    import dataclasses
+
+    from sglang_admin.scheduler.process import batch_inputs
+    from sglang_admin.scheduler.scheduler import Scheduler, SchedulerConfig
+
+    sched = Scheduler(SchedulerConfig(token_capacity=64, max_running_requests=4,
+                                      max_prefill_tokens=64, context_length=64,
+                                      eos_token_ids=(0,)))
+    sched.add_request(req)
+    (seq,) = batch_inputs(sched.schedule())
+    from_fields = dataclasses.replace(seq, argmax_from=None).argmax_from
+    assert seq.argmax_from >= from_fields
+    if req.rid in ("plain", "min-new"):
+        assert seq.argmax_from == from_fields == req.sampling.min_new_tokens

@@ -379,3 +379,33 @@ def test_req_tokens_slices_the_sequence_like_fill_ids() -> None:
     for start in range(0, 9):
         for end in range(start, 9):
             assert req.tokens(start, end) == req.fill_ids[start:end], (start, end)
+
+
+def test_plain_requests_and_ones_that_keep_more_share_steps_unchanged() -> None:
+    """Most requests of a decode step only take a token (postprocess's short path); one that
+    keeps logprobs, or prefills only, goes the whole way in the same steps."""
+    sched, runner = make()
+    prompts = {"plain": [5, 6, 7], "logprobs": [5, 6, 8], "prefill-only": [5, 6, 9]}
+    sched.add_request(req("plain", prompts["plain"], 5))
+    sched.add_request(req("logprobs", prompts["logprobs"], 5, return_logprob=True))
+    sched.add_request(req("prefill-only", prompts["prefill-only"], 0))
+    tokens: dict[str, list[int]] = {}
+    logprobs: dict[str, list[float]] = {}
+    finals: dict[str, object] = {}
+    for _ in range(20):  # a few steps do it all (a request that never finishes fails below)
+        batch = sched.schedule()
+        if batch is None:
+            break
+        step_logprobs = [-float(len(sp.req.output_ids) + 1) for sp in batch.spans]
+        for o in sched.postprocess(batch, runner.run(batch), step_logprobs):
+            tokens.setdefault(o.rid, []).extend(o.new_token_ids)
+            logprobs.setdefault(o.rid, []).extend(o.logprobs)
+            if o.finish_reason is not None:
+                finals[o.rid] = o
+    assert tokens["plain"] == solo(prompts["plain"], 5) and logprobs["plain"] == []
+    assert tokens["logprobs"] == solo(prompts["logprobs"], 5)
+    assert logprobs["logprobs"] == [-1.0, -2.0, -3.0, -4.0, -5.0]
+    assert tokens["prefill-only"] == [] and finals["prefill-only"].finish_reason == "length"
+    assert {rid: f.finish_reason for rid, f in finals.items()} == {
+        "plain": "length", "logprobs": "length", "prefill-only": "length"}
+    assert_no_leak(sched)
