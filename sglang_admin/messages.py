@@ -398,22 +398,26 @@ class FailedMsg:
 
 @dataclass(slots=True)
 class ReqOutput:
-    """One request's progress in one step: new tokens, and the finish when it finished."""
+    """One request's progress in one step: new tokens, and the finish when it finished.
+
+    The fields up to ``index`` are what every output says; a BatchOutput carries an output
+    whose later fields all hold their defaults (most outputs of most steps) as those alone.
+    """
 
     rid: str
     new_token_ids: list[int]
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    queue_time_s: float = 0.0  # seconds the request waited on the rank before admission
+    index: int = 0  # which of the request's n samples (issue 10)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     matched_token_id: int | None = None
     error: str | None = None  # set when the scheduler refused or dropped the request
     error_code: str | None = None  # grpc StatusCode name for error
-    queue_time_s: float = 0.0  # seconds the request waited on the rank before admission
     # issue 10 (generation features)
-    index: int = 0  # which of the request's n samples
     matched_stop_str: str | None = None
     stop_trim: int = 0  # trailing output tokens that carry the matched stop string
     input_logprobs: list[float | None] = field(default_factory=list)  # prompt positions
@@ -646,9 +650,30 @@ _BUF_SIZE = 4096
 
 # The hot message, one per step: its ReqOutputs travel as plain arrays of their fields inside
 # the BatchOutput's own ext (not one nested ext each), so a step costs one packb and one
-# unpackb on either side instead of one per running request.
+# unpackb on either side instead of one per running request. An output whose fields after
+# ``index`` hold their defaults travels as its first fields alone (the decoder's
+# ReqOutput(*values) fills in the rest): a third of the values to pack.
 _BATCH_CODE = _CODES[BatchOutput]
-_OUTPUT_VALUES = _VALUES[_CODES[ReqOutput]]
+_OUTPUT_NAMES = _FIELDS[_CODES[ReqOutput]]
+_OUTPUT_HEAD_LEN = _OUTPUT_NAMES.index("index") + 1
+_OUTPUT_HEAD = operator.attrgetter(*_OUTPUT_NAMES[:_OUTPUT_HEAD_LEN])
+_OUTPUT_TAIL = operator.attrgetter(*_OUTPUT_NAMES[_OUTPUT_HEAD_LEN:])
+_OUTPUT_DEFAULT_TAIL = _OUTPUT_TAIL(ReqOutput("", [], 0, 0, 0))
+
+
+def _output_values(out: ReqOutput) -> tuple[Any, ...]:
+    tail = _OUTPUT_TAIL(out)
+    head = _OUTPUT_HEAD(out)
+    return head if tail == _OUTPUT_DEFAULT_TAIL else head + tail
+
+
+def _output(values: list[Any]) -> ReqOutput:
+    """The ReqOutput of :func:`_output_values`' values: a short one gets fresh default
+    fields, spelled out (a third of the cost of the dataclass's default factories; a test
+    pins them to the dataclass's defaults)."""
+    if len(values) > _OUTPUT_HEAD_LEN:
+        return ReqOutput(*values)
+    return ReqOutput(*values, [], [], None, None, None, None, None, 0, [], [], [], [])
 
 
 def _default(obj: Any) -> msgpack.ExtType:
@@ -658,7 +683,7 @@ def _default(obj: Any) -> msgpack.ExtType:
     if code == _BATCH_CODE:
         if not all(type(out) is ReqOutput for out in obj.outputs):
             raise TypeError("a BatchOutput holds something that is not a ReqOutput")
-        values: Any = (obj.dp_rank, [_OUTPUT_VALUES(out) for out in obj.outputs])
+        values: Any = (obj.dp_rank, [_output_values(out) for out in obj.outputs])
     else:
         values = _VALUES[code](obj)
     return msgpack.ExtType(
@@ -672,7 +697,7 @@ def _ext_hook(code: int, data: bytes) -> Any:
     values = msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False)
     if code == _BATCH_CODE:
         dp_rank, outputs = values
-        return BatchOutput(dp_rank, [ReqOutput(*out) for out in outputs])
+        return BatchOutput(dp_rank, [_output(out) for out in outputs])
     return _REGISTRY[code](*values)
 
 

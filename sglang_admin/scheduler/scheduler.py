@@ -620,12 +620,12 @@ class Scheduler:
         tops = req.top_logprobs[req.sent_logprobs :]
         req.sent_logprobs = len(req.logprobs)
         # positional, every field (a step builds one per running request): rid, tokens,
-        # prompt/completion/cached counts, logprobs, top logprobs, finish_reason,
-        # matched_token_id, error, error_code, queue_time_s, index, matched_stop_str,
-        # stop_trim, then the extras' lists (filled by attach)
+        # prompt/completion/cached counts, queue_time_s, index, logprobs, top logprobs,
+        # finish_reason, matched_token_id, error, error_code, matched_stop_str, stop_trim,
+        # then the extras' lists (filled by attach)
         out = ReqOutput(req.rid, new, len(req.prompt_ids), req.sent_tokens,
-                        max(req.cached_tokens, 0), lps, tops, None, None, None, None,
-                        req.queue_time_s, req.index, None, 0, [], [], [], [])
+                        max(req.cached_tokens, 0), req.queue_time_s, req.index, lps, tops,
+                        None, None, None, None, None, 0, [], [], [], [])
         if final or req.token_ids_logprobs or req.hidden_states:
             output_extras.attach(req, out, final)
         return out

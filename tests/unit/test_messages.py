@@ -38,6 +38,36 @@ def test_a_step_of_outputs_round_trips() -> None:
     assert decode(encode(BatchOutput(0, []))) == BatchOutput(0, [])
 
 
+def test_an_output_with_a_field_past_index_set_keeps_it() -> None:
+    """Outputs whose fields after ``index`` hold their defaults travel short; any one of
+    those fields set (even alone, even falsy-looking) makes the output travel whole."""
+    import dataclasses
+
+    names = [f.name for f in dataclasses.fields(ReqOutput)]
+    values = {"logprobs": [-0.5], "top_logprobs": [[[3, -0.5]]], "finish_reason": "length",
+              "matched_token_id": 0, "error": "", "error_code": "", "matched_stop_str": "",
+              "stop_trim": 2, "input_logprobs": [None], "input_top_logprobs": [[]],
+              "token_ids_logprobs": [[]], "hidden_states": [[0.0]]}
+    assert sorted(values) == sorted(names[names.index("index") + 1:])  # every such field
+    for name, value in values.items():
+        out = ReqOutput("r", [1], 2, 1, 0, 0.5, 1, **{name: value})
+        assert decode(encode(BatchOutput(0, [out]))).outputs == [out], name
+    short = BatchOutput(0, [ReqOutput("r", [1], 2, 1, 0, 0.5, 1)])
+    whole = BatchOutput(0, [ReqOutput("r", [1], 2, 1, 0, 0.5, 1, stop_trim=1)])
+    assert len(encode(short)) < len(encode(whole))
+
+
+def test_a_short_output_decodes_with_the_dataclass_defaults_in_fresh_lists() -> None:
+    """The decoder spells out a short output's defaults; they must be the dataclass's, and
+    its lists each output's own (the server's stream buffers extend them)."""
+    got = decode(encode(BatchOutput(0, [ReqOutput("a", [1], 2, 1, 0),
+                                        ReqOutput("b", [2], 2, 1, 0)]))).outputs
+    assert got == [ReqOutput("a", [1], 2, 1, 0), ReqOutput("b", [2], 2, 1, 0)]
+    got[0].logprobs.append(-1.0)
+    got[0].hidden_states.append([1.0])
+    assert got[1].logprobs == [] and got[1].hidden_states == []
+
+
 def test_nested_messages_round_trip() -> None:
     req = GenerateReq("r1", [1, 2, 3], SamplingParams(temperature=0.7, top_k=5,
                                                        stop_token_ids=[2]))
