@@ -395,10 +395,10 @@ class Scheduler:
         if self.paused is not None:
             return None
         budget = self.config.max_prefill_tokens
-        spans: list[Span] = []
+        spans = self._decode_all()
 
         # Running requests first: decode (1 token) or the next chunk of their prefill.
-        i = 0
+        i = len(spans)  # all of them when _decode_all took the step
         while i < len(self.running):
             req = self.running[i]
             seq_len = len(req.prompt_ids) + len(req.output_ids)
@@ -438,6 +438,27 @@ class Scheduler:
             spans.append(self._span(req, n, req.seq_len))
             budget -= n
         return Batch(spans) if spans else None
+
+    def _decode_all(self) -> list[Span]:
+        """The spans of a step in which every running request decodes one token and the
+        pool has a free slot for each (most steps): what the loop in :meth:`schedule` makes
+        of them, with one allocation for all. Empty when that is not the case."""
+        running = self.running
+        if not running or self.allocator.available < len(running):
+            return []
+        for req in running:
+            if len(req.prompt_ids) + len(req.output_ids) - req.kv_len != 1:
+                return []
+        slots = self.allocator.alloc(len(running))  # the order of one alloc(1) per request
+        assert slots is not None
+        spans = []
+        for req, slot in zip(running, slots):
+            req.slots.append(slot)
+            start = req.kv_len
+            spans.append(Span(req, start, start + 1, req.table_synced,
+                              req.sampling.max_new_tokens > 0))
+            req.table_synced = start + 1
+        return spans
 
     def _next_admissible(self) -> int | None:
         """Queue position of the first request that may be admitted: in arrival order,

@@ -238,6 +238,38 @@ def test_random_mix_never_leaks(seed: int) -> None:
     assert_no_leak(sched)
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_the_all_decode_step_schedules_what_the_general_loop_does(
+    seed: int, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """schedule() takes a step in which every running request decodes with one allocation
+    (_decode_all); under a random mix with evictions and retractions, a scheduler without
+    that shortcut must give every step the same spans and slots."""
+    def run(shortcut: bool) -> list[list[tuple]]:
+        sched, runner = make(capacity=300, rows=12, prefill=64)
+        if not shortcut:
+            monkeypatch.setattr(sched, "_decode_all", lambda: [])
+        rng = random.Random(seed)
+        steps = []
+        for step in range(300):
+            if rng.random() < 0.25:
+                prompt = [rng.randrange(1, 10) for _ in range(rng.randrange(1, 60))]
+                sched.add_request(req(f"q{step}", prompt, rng.randrange(0, 40)))
+            batch = sched.schedule()
+            if batch is not None:
+                steps.append([(sp.req.rid, sp.start, sp.end, sp.table_start, sp.sample,
+                               tuple(sp.req.slots)) for sp in batch.spans])
+                sched.postprocess(batch, runner.run(batch))
+            sched.take_outputs()
+        drive(sched, runner)
+        assert_no_leak(sched)
+        return steps
+
+    with_shortcut = run(True)
+    assert with_shortcut == run(False)
+    assert sum(all(e - s == 1 for _, s, e, *_ in step) for step in with_shortcut) > 50
+
+
 def _steps(sched: Scheduler, runner: FakeRunner, n: int, tokens: dict[str, list[int]]) -> None:
     for _ in range(n):
         batch = sched.schedule()
