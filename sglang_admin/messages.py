@@ -631,8 +631,8 @@ _CODES: dict[type, int] = {cls: code for code, cls in enumerate(_REGISTRY)}
 _FIELDS: tuple[tuple[str, ...], ...] = tuple(
     tuple(f.name for f in dataclasses.fields(cls)) for cls in _REGISTRY
 )
-# each message's field values in one C call (a step's BatchOutput holds one ReqOutput of 20
-# fields per running request); a tuple packs as the same msgpack array as a list
+# each message's field values in one C call; a tuple packs as the same msgpack array as a
+# list (a BatchOutput's ReqOutputs have a path of their own, below)
 _VALUES: tuple[Callable[[Any], tuple[Any, ...]], ...] = tuple(
     operator.attrgetter(*names) if len(names) > 1
     else (lambda obj, get=operator.attrgetter(*names): (get(obj),)) if names

@@ -3,8 +3,9 @@
 Every step hands the model a few int64 index lists (token ids, positions, table cells,
 slots, the decode rows and lengths). Made the obvious way, with ``torch.frombuffer`` and
 ``split``, and written into the request-to-token table with ``index_copy_``, they cost three
-torch calls a step that, right after a forward pass has flushed the CPU caches, took 60 to
-200 us of a decode step's ~1 ms of serving time here (docs/benchmarks.md, session 10).
+torch calls a step that, right after a forward pass has flushed the CPU caches, took 85 to
+200 us of a decode step in one process (1 to 32 sequences), about 85 us of a served
+32-stream decode step's ~1 ms of serving time (docs/benchmarks.md, session 10).
 
 :class:`StagingBuffer` copies the lists into one persistent buffer instead and hands out
 views of it that were made once per layout (the lists' lengths: a decode step of n
