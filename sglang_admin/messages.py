@@ -667,15 +667,6 @@ def _output_values(out: ReqOutput) -> tuple[Any, ...]:
     return head if tail == _OUTPUT_DEFAULT_TAIL else head + tail
 
 
-def _output(values: list[Any]) -> ReqOutput:
-    """The ReqOutput of :func:`_output_values`' values: a short one gets fresh default
-    fields, spelled out (a third of the cost of the dataclass's default factories; a test
-    pins them to the dataclass's defaults)."""
-    if len(values) > _OUTPUT_HEAD_LEN:
-        return ReqOutput(*values)
-    return ReqOutput(*values, [], [], None, None, None, None, None, 0, [], [], [], [])
-
-
 def _default(obj: Any) -> msgpack.ExtType:
     code = _CODES.get(type(obj))
     if code is None:
@@ -697,7 +688,7 @@ def _ext_hook(code: int, data: bytes) -> Any:
     values = msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False)
     if code == _BATCH_CODE:
         dp_rank, outputs = values
-        return BatchOutput(dp_rank, [_output(out) for out in outputs])
+        return BatchOutput(dp_rank, [ReqOutput(*out) for out in outputs])
     return _REGISTRY[code](*values)
 
 

@@ -391,15 +391,23 @@ class RankLoop:
         self.last_step_time = time.perf_counter() - t0
         self.step_timer.forward(self.runner.last_times)
         self.forward_steps += 1
-        # the results as the scheduler's columns (a comprehension each: one pass in C's loop)
-        tokens = [None if r is None or not sp.sample else r.token_id
-                  for r, sp in zip(results, batch.spans)]
-        logprobs = [None if r is None else r.logprob for r in results]
-        tops = [None if r is None else r.top_logprobs for r in results]
+        tokens: list[int | None] = []
+        logprobs: list[float | None] = []
+        tops: list[list[tuple[int, float]] | None] = []
         errors: list[tuple[str, str] | None] | None = None
-        if any([r is not None and r.error is not None for r in results]):
-            errors = [None if r is None or r.error is None else (r.error, r.error_code or "INTERNAL")
-                      for r in results]
+        for i, (r, sp) in enumerate(zip(results, batch.spans)):
+            if r is None:
+                tokens.append(None)
+                logprobs.append(None)
+                tops.append(None)
+                continue
+            tokens.append(r.token_id if sp.sample else None)
+            logprobs.append(r.logprob)
+            tops.append(r.top_logprobs)
+            if r.error is not None:
+                if errors is None:
+                    errors = [None] * len(results)
+                errors[i] = (r.error, r.error_code or "INTERNAL")
         outputs = self.scheduler.postprocess(batch, tokens, logprobs, tops, errors, results)
         self.step_timer.lap("postprocess")
         # What arrived during the forward pass is handled before the step's outputs go out:

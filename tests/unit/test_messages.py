@@ -58,8 +58,8 @@ def test_an_output_with_a_field_past_index_set_keeps_it() -> None:
 
 
 def test_a_short_output_decodes_with_the_dataclass_defaults_in_fresh_lists() -> None:
-    """The decoder spells out a short output's defaults; they must be the dataclass's, and
-    its lists each output's own (the server's stream buffers extend them)."""
+    """A short output decodes to the whole dataclass, its lists each output's own (the
+    server's stream buffers extend them)."""
     got = decode(encode(BatchOutput(0, [ReqOutput("a", [1], 2, 1, 0),
                                         ReqOutput("b", [2], 2, 1, 0)]))).outputs
     assert got == [ReqOutput("a", [1], 2, 1, 0), ReqOutput("b", [2], 2, 1, 0)]
