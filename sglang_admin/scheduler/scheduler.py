@@ -86,13 +86,14 @@ class Req:
     def __post_init__(self) -> None:
         if not self.key:
             self.key = self.rid
-        self.token_only = not (self.return_logprob or self.return_hidden_states
-                               or self.logprob_start_len >= 0 or self.sampling.grammar_kind
-                               or self.sampling.max_new_tokens <= 0)
-        if not (self.return_hidden_states or self.logprob_start_len >= 0
-                or self.sampling.grammar_kind):
+        # hidden states, prompt logprobs or a grammar: every sampled row goes through sample()
+        beyond_token = bool(self.return_hidden_states or self.logprob_start_len >= 0
+                            or self.sampling.grammar_kind)
+        if not beyond_token:
             self.argmax_from = self.sampling.argmax_from(
                 self.return_logprob or self.top_logprobs_num > 0)
+        self.token_only = not (beyond_token or self.return_logprob
+                               or self.sampling.max_new_tokens <= 0)
 
     @property
     def fill_ids(self) -> list[int]:
