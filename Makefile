@@ -44,6 +44,7 @@ bench: install
 	$(PY) tools/bench_admin.py
 	$(PY) tools/bench_served.py
 	$(PY) tools/bench_cpu_kernels.py
+	$(PY) tools/bench_matrix.py $(MATRIX_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
