@@ -88,7 +88,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=_port, default=30000, help="TCP port, 1..65535")
     p.add_argument("--dp-size", type=_positive_int, default=1, help="scheduler ranks")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto")
+    p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto",
+                   help="auto: on CPU bfloat16 for a bfloat16/float16 checkpoint on a CPU with "
+                        "AVX-512 BF16 or AMX-BF16, else float32 (docs/cpu-dtypes.md); on CUDA "
+                        "the checkpoint's half dtype, else bfloat16")
     p.add_argument("--max-total-tokens", type=_positive_int, help="KV pool size per rank (tokens)")
     p.add_argument("--max-running-requests", type=_positive_int, default=64)
     p.add_argument("--max-prefill-tokens", type=_positive_int, default=4096,
