@@ -53,6 +53,11 @@ from typing import Any
 import torch
 
 from sglang_admin.config import is_inside
+from sglang_admin.constants import (
+    DEFAULT_PROFILE_ACTIVITIES,
+    PROFILE_STAGE_NAMES,
+    profile_file_base,
+)
 from sglang_admin.messages import PROFILE_STOPPED_BY_ITSELF, ProfileStopResult
 from sglang_admin.scheduler import trace_export, trace_join
 
@@ -60,9 +65,6 @@ logger = logging.getLogger(__name__)
 
 ALREADY_RUNNING = "Profiling is already in progress. Call /stop_profile first."
 NOT_RUNNING = "Profiling is not in progress. Call /start_profile first."
-DEFAULT_ACTIVITIES = ("CPU", "GPU")
-# Our stage names -> SGLang's ForwardMode names used in file names.
-STAGE_NAMES = {"prefill": "EXTEND", "decode": "DECODE"}
 MEM_HISTORY_MAX_ENTRIES = 100_000
 # A session's torch.profiler is stopped and restarted every this many forward steps: stopping
 # costs the loop thread time in proportion to what was recorded (torch post-processes the
@@ -117,11 +119,6 @@ def _join_traces(parts: list[str], out: str) -> None:
         tail = (done.stderr.strip().splitlines() or ["(no message)"])[-1]
         raise RuntimeError(f"joining {len(parts)} trace segments failed: {tail}")
 
-
-def file_base(profile_id: str, prefix: str, rank: int, dp_size: int) -> str:
-    """File name base of one rank's files: ``[{prefix}-]{id}-TP-0[-DP-{rank}]``."""
-    stem = f"{prefix}-{profile_id}" if prefix else profile_id
-    return f"{stem}-TP-0" + (f"-DP-{rank}" if dp_size > 1 else "")
 
 
 @dataclass
@@ -369,7 +366,7 @@ class Profiler:
         directory's confinement is checked again here, where it is created: a symlink
         swapped in since the server's check must not redirect the traces. ValueError names
         what is wrong."""
-        names = list(req.activities or DEFAULT_ACTIVITIES)
+        names = list(req.activities or DEFAULT_PROFILE_ACTIVITIES)
         stages = list(dict.fromkeys(req.profile_stages or ("prefill", "decode")))
         root = req.profile_root
         if root and not is_inside(req.output_dir, root):
@@ -400,7 +397,7 @@ class Profiler:
         return _Config(
             profile_id=req.profile_id,
             output_dir=req.output_dir,
-            base=file_base(req.profile_id, req.profile_prefix, self.rank, req.dp_size),
+            base=profile_file_base(req.profile_id, req.profile_prefix, self.rank, req.dp_size),
             torch_activities=activities,
             with_stack=req.with_stack,
             record_shapes=req.record_shapes,
@@ -446,7 +443,7 @@ class Profiler:
 
     def _trace_path(self, stage: str | None) -> str:
         assert self.config is not None
-        suffix = f"-{STAGE_NAMES[stage]}" if stage else ""
+        suffix = f"-{PROFILE_STAGE_NAMES[stage]}" if stage else ""
         return os.path.join(self.config.output_dir, f"{self.config.base}{suffix}.trace.json.gz")
 
     def _next_segment(self, session: _Session) -> None:
@@ -484,7 +481,7 @@ class Profiler:
         assert self.config is not None and self.session is not None and self.run is not None
         c, session, run = self.config, self.session, self.run
         self.session = None
-        suffix = f"-{STAGE_NAMES[session.stage]}" if session.stage else ""
+        suffix = f"-{PROFILE_STAGE_NAMES[session.stage]}" if session.stage else ""
         t0 = time.perf_counter()
         snapshot: str | None = None
         try:

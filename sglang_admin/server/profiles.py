@@ -30,13 +30,13 @@ from typing import Any
 import grpc
 
 from sglang_admin.config import ServerArgs, is_inside
+from sglang_admin.constants import DEFAULT_PROFILE_ACTIVITIES, profile_file_stem
 from sglang_admin.messages import StartProfileReq, StateReq
 from sglang_admin.pb import common_pb2 as pb
 from sglang_admin.server import trace_merge
 from sglang_admin.server.convert import ServiceError, invalid
 
 ACTIVITIES = ("CPU", "GPU", "CUDA", "MEM")
-DEFAULT_ACTIVITIES = ("CPU", "GPU")
 STAGES = {"prefill": "prefill", "extend": "prefill", "decode": "decode"}
 CHUNK_BYTES = 1 << 20
 MAX_PROFILES = 64
@@ -69,10 +69,6 @@ def resolve_output_dir(requested: str, root: str) -> str:
         )
     return real
 
-
-def file_stem(profile_id: str, prefix: str) -> str:
-    """What every file of a profile starts with: ``[{prefix}-]{profile_id}``."""
-    return f"{prefix}-{profile_id}" if prefix else profile_id
 
 
 @dataclass
@@ -134,7 +130,7 @@ class StartPlan:
 
     def record(self) -> ProfileRecord:
         return ProfileRecord(
-            self.profile_id, file_stem(self.profile_id, self.prefix), self.output_dir,
+            self.profile_id, profile_file_stem(self.profile_id, self.prefix), self.output_dir,
             self.merge, self.max_bytes * self.dp_size,
         )
 
@@ -155,7 +151,7 @@ def plan_start(
         if request.HasField(name) and getattr(request, name) < 0:
             raise invalid(f"{name} must be >= 0, got {getattr(request, name)}")
     names: list[str] = []
-    for raw in request.activities or DEFAULT_ACTIVITIES:
+    for raw in request.activities or DEFAULT_PROFILE_ACTIVITIES:
         name = raw.strip().upper()
         if name not in ACTIVITIES:
             raise invalid(f"unknown profiler activity {raw!r}; valid: CPU, GPU (or CUDA), MEM")
