@@ -31,6 +31,7 @@ from sglang_admin.model.cpu_kernels import (
     load_cpu_kernels,
 )
 from sglang_admin.model.grammar_mask import TokenMatcher, apply_grammar_masks
+from sglang_admin.model.hidden_extras import hidden_rows, input_logprobs
 from sglang_admin.model.host_index import StagingBuffer, host_table
 from sglang_admin.model.lanes import group_by_length, lane_cuts
 from sglang_admin.model.llama import (
@@ -46,7 +47,6 @@ from sglang_admin.model.loader import (
     load_model_info,
 )
 from sglang_admin.model.lora import LoraBuffers
-from sglang_admin.model.output_extras import hidden_rows, input_logprobs
 from sglang_admin.model.sampling import SampleRequest, SampleResult, sample
 
 logger = logging.getLogger(__name__)
@@ -103,7 +103,7 @@ class SeqOutput:
     top_logprobs: list[tuple[int, float]] | None = None
     error: str | None = None
     error_code: str | None = None
-    # see model/output_extras.py; token_id is meaningless on a sequence that did not sample
+    # see model/hidden_extras.py; token_id is meaningless on a sequence that did not sample
     input_logprobs: list[tuple[int, float | None, list[tuple[int, float]]]] | None = None
     token_ids_logprobs: list[tuple[int, float]] | None = None
     hidden_state: list[float] | None = None
@@ -654,7 +654,7 @@ class ModelRunner:
                      sampled: list[SeqInput], ordered: list[SeqInput], offsets: list[int],
                      hidden: torch.Tensor, select: torch.Tensor) -> list[SeqOutput | None]:
         """The step's outputs in ``seqs`` order, with what some sequences asked for beside
-        the token: hidden states of sampled rows and prompt logprobs (model/output_extras.py;
+        the token: hidden states of sampled rows and prompt logprobs (model/hidden_extras.py;
         a sequence that sampled nothing gets an output only for its prompt logprobs)."""
         if not any(s.return_hidden_states or s.logprob_start_len >= 0 for s in ordered):
             return [by_seq.get(id(s)) for s in seqs]

@@ -60,12 +60,12 @@ def handler_table() -> dict[type, Handler]:
         lora_control,
         profile_control,
         weight_control,
-        weight_sync,
+        weight_sync_control,
     )
 
     table: dict[type, Handler] = {}
     for module in (control, generation_control, cache_control, profile_control, weight_control,
-                   lora_control, weight_sync):
+                   lora_control, weight_sync_control):
         table.update(module.HANDLERS)
     return table
 
@@ -234,7 +234,7 @@ class RankLoop:
         self.weights_source: str | None = info.model_path
         self.weights_valid = True
         self.released_digest: str | None = None
-        self.weight_sync = WeightSync()  # a trainer's process groups (scheduler/weight_sync.py)
+        self.weight_sync = WeightSync()  # a trainer's process groups (scheduler/weight_sync_control.py)
         self.last_state = self.state()
         self.send(ReadyMsg(rank, os.getpid(), info, self.last_state))
         logger.info(

@@ -417,7 +417,7 @@ def test_grammar_state_reports_finished_only_when_terminated(backend: XGrammarBa
 
 def test_get_loads_queues_grammar_counts_the_rank_grammar_queue() -> None:
     from sglang_admin.messages import RankState
-    from sglang_admin.server.info import _load_proto
+    from sglang_admin.server.info_service import _load_proto
 
     load = _load_proto(RankState(dp_rank=0, num_grammar_queue_reqs=3), {"queues"}, 0.0)
     assert load.queues.grammar == 3

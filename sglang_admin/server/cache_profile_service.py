@@ -23,7 +23,7 @@ from sglang_admin.server import profiles
 from sglang_admin.server.admin import AdminCalls, effective_timeout
 from sglang_admin.server.communicator import Communicator
 from sglang_admin.server.convert import ServiceError, flush_timeout_from_proto
-from sglang_admin.server.info import INFO_TIMEOUT_S
+from sglang_admin.server.info_service import INFO_TIMEOUT_S
 
 FLUSH_MARGIN_S = 30.0
 PROFILE_TIMEOUT_S = 600.0
