@@ -33,7 +33,7 @@ from sglang_admin.scheduler.scheduler import Scheduler
 
 if TYPE_CHECKING:
     from sglang_admin.model.runner import ModelRunner
-    from sglang_admin.scheduler.weight_groups import WeightSync
+    from sglang_admin.scheduler.weight_groups import WeightGroups
 
 
 class Rank(Protocol):
@@ -49,7 +49,7 @@ class Rank(Protocol):
     weights_source: str | None  # the checkpoint the live weights came from (None: tensors)
     weights_valid: bool  # False after an update that failed part-way
     released_digest: str | None  # digest of the weights while they are released (else None)
-    weight_sync: WeightSync  # a trainer's process groups
+    weight_sync: WeightGroups  # a trainer's process groups
     trace_ids: dict[str, str]  # request id -> its caller's trace id (--log-requests)
     running: bool
 

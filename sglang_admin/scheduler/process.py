@@ -169,7 +169,7 @@ class RankLoop:
 
         from sglang_admin.model.runner import ModelRunner, keep_freed_cpu_memory
         from sglang_admin.scheduler.profiler import Profiler
-        from sglang_admin.scheduler.weight_groups import WeightSync
+        from sglang_admin.scheduler.weight_groups import WeightGroups
 
         self.args, self.rank, self.inbox, self.outbox = args, rank, inbox, outbox
         self.parent_pid = parent_pid
@@ -234,7 +234,7 @@ class RankLoop:
         self.weights_source: str | None = info.model_path
         self.weights_valid = True
         self.released_digest: str | None = None
-        self.weight_sync = WeightSync()  # a trainer's process groups (scheduler/weight_sync_control.py)
+        self.weight_sync = WeightGroups()  # a trainer's process groups (scheduler/weight_sync_control.py)
         self.last_state = self.state()
         self.send(ReadyMsg(rank, os.getpid(), info, self.last_state))
         logger.info(

@@ -11,7 +11,7 @@ from sglang_admin.model.dist_group import WeightGroup
 logger = logging.getLogger(__name__)
 
 
-class WeightSync:
+class WeightGroups:
     """This rank's weight-update groups and the thread that blocks on them."""
 
     def __init__(self) -> None:

@@ -205,6 +205,8 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
         raise ServiceError(grpc.StatusCode.UNIMPLEMENTED,
                            "Embed: this worker serves a generation model only")
 
+    # ------------------------------------------------------------------ LoRA adapters
+
     @admin_rpc
     async def LoadLoRAAdapter(
         self, request: pb.LoadLoRAAdapterRequest, context: Context
