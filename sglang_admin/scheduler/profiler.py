@@ -229,11 +229,6 @@ class Profiler:
 
         return self._exporter.submit(job)
 
-    @property
-    def files(self) -> list[str]:
-        """Files of the current (or last) profile written so far."""
-        return list(self.run.files) if self.run else []
-
     # ------------------------------------------------------------------ requests
 
     def start(self, req: Any) -> tuple[bool, str]:
