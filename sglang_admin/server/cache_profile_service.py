@@ -2,6 +2,9 @@
 
 The profile rules (output confinement, size caps, merging, the registry of profiles this
 server started) live in server/profiles.py; this module runs the ops over the ranks.
+
+Profiling is spread over several modules; their map is in ``scheduler/profile_export.py``'s
+docstring.
 """
 
 from __future__ import annotations
