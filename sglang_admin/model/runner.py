@@ -33,12 +33,8 @@ from sglang_admin.model.cpu_kernels import (
 from sglang_admin.model.grammar_mask import TokenMatcher, apply_grammar_masks
 from sglang_admin.model.host_index import StagingBuffer, host_table
 from sglang_admin.model.lanes import group_by_length, lane_cuts
-from sglang_admin.model.llama import (
-    AttentionMetadata,
-    DecodeGroup,
-    ExtendSeq,
-    LlamaForCausalLM,
-)
+from sglang_admin.model.attention import AttentionMetadata, DecodeGroup, ExtendSeq
+from sglang_admin.model.llama import LlamaForCausalLM
 from sglang_admin.model.loader import (
     ModelLoadError,
     dtype_from_name,
