@@ -7,8 +7,8 @@ on and the message; it answers an admin message exactly once, now (:meth:`Rank.r
 when a future resolves (:meth:`Rank.reply_when_done`), or from a callback that the rank's
 :class:`~sglang_admin.scheduler.quiesce.Quiesce` runs once the rank is drained.
 
-Adding a rank-side op: a message in messages.py's registry, a handler in its domain
-module's ``HANDLERS``. Nothing in the loop changes.
+Adding a rank-side op: a message in messages/types.py and in the codec's registry
+(messages/codec.py), a handler in its domain module's ``HANDLERS``. Nothing in the loop changes.
 """
 
 from __future__ import annotations
