@@ -7,8 +7,9 @@ on and the message; it answers an admin message exactly once, now (:meth:`Rank.r
 when a future resolves (:meth:`Rank.reply_when_done`), or from a callback that the rank's
 :class:`~sglang_admin.scheduler.quiesce.Quiesce` runs once the rank is drained.
 
-Adding a rank-side op (a message in messages.py's registry, a handler in its domain
-module's ``HANDLERS``; nothing in the loop changes): the recipe is in CONTRIBUTING.md.
+Adding a rank-side op (a message in messages/types.py and in the codec's registry in
+messages/codec.py, a handler in its domain module's ``HANDLERS``; nothing in the loop
+changes): the recipe is in CONTRIBUTING.md.
 """
 
 from __future__ import annotations

@@ -76,7 +76,7 @@ class Req:
     sent_extras: int = 0
 
     grammar: GrammarState | None = None  # its own matcher, when constrained (n > 1: fork())
-    # from this output length on its token is the logits' argmax alone (model/runner.py's
+    # from this output length on its token is the logits' argmax alone (model/step_io.py's
     # SeqInput.argmax_from), worked out once
     argmax_from: int = field(init=False, default=ARGMAX_NEVER)
     # a decode step gives it a token and nothing more to keep (no logprobs, prompt logprobs,
