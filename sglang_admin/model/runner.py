@@ -24,6 +24,7 @@ import torch
 
 from sglang_admin.config import ATTENTION_BACKENDS
 from sglang_admin.model.batch import BatchBuilder, ForwardBatch
+from sglang_admin.model.cpu_dtype import auto_cpu_dtype
 from sglang_admin.model.cpu_kernels import CpuKernels, load_cpu_kernels
 from sglang_admin.model.grammar_mask import apply_grammar_masks
 from sglang_admin.model.hidden_extras import hidden_rows, input_logprobs
@@ -67,11 +68,13 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_dtype(dtype: str, device: torch.device, checkpoint_dtype: str) -> torch.dtype:
-    """"auto" -> float32 on CPU; on CUDA the checkpoint's half dtype, else bfloat16."""
+    """"auto" -> on CPU, model/cpu_dtype.py's rule (bfloat16 for a half-precision checkpoint
+    on a CPU with native bfloat16, else float32); on CUDA the checkpoint's half dtype, else
+    bfloat16."""
     if dtype != "auto":
         return dtype_from_name(dtype)
     if device.type != "cuda":
-        return torch.float32
+        return auto_cpu_dtype(checkpoint_dtype)
     if checkpoint_dtype in ("float16", "bfloat16"):
         return dtype_from_name(checkpoint_dtype)
     return torch.bfloat16
@@ -303,7 +306,7 @@ class ModelRunner:
         """sample()'s answer when every row is greedy, without building its requests."""
         tokens = (self.cpu_kernels.argmax(logits)
                   if self.cpu_kernels is not None and logits.is_contiguous()
-                  else logits.argmax(dim=-1).tolist())
+                  else logits.float().argmax(dim=-1).tolist())  # torch's bf16 argmax is slow
         return [SeqOutput(token) for token in tokens]
 
     def _sample_batch(self, logits: torch.Tensor,

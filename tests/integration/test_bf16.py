@@ -248,3 +248,48 @@ def _push(stub: Any, path: Path, dtype: torch.dtype) -> None:
     finally:
         shm.close()
         shm.unlink()
+
+
+# ---------------------------------------------------------------- --dtype auto
+
+
+def test_auto_serves_a_bfloat16_checkpoint_in_bfloat16_where_the_cpu_has_it(
+        checkpoints, tmp_path) -> None:
+    from sglang_admin.model.cpu_dtype import cpu_has_native_bf16
+
+    expected = "bfloat16" if cpu_has_native_bf16() else "float32"
+    half = start_server(tmp_path, "--model-path", str(checkpoints["B16"]))
+    try:
+        assert server_dtype(half) == expected
+        ours = served(half.stub(), PROMPTS[:4], NEW_TOKENS)
+        if expected == "bfloat16":
+            assert compare(ours, hf_model(checkpoints["B16"]), PROMPTS[:4], NEW_TOKENS,
+                           "auto") >= 2
+    finally:
+        half.stop()
+    full = start_server(tmp_path, "--model-path", str(checkpoints["A"]))
+    try:
+        assert server_dtype(full) == "float32"  # a float32 checkpoint stays float32
+    finally:
+        full.stop()
+
+
+# ---------------------------------------------------------------- fuzzing
+
+
+def test_brief_fuzz_run_in_bfloat16_finds_no_death(tmp_path, capsys) -> None:
+    from tools import fuzz
+
+    srv = start_server(tmp_path, "--dtype", "bfloat16", "--profile-dir",
+                       str(tmp_path / "profiles"))  # the embedded model: text, grammars
+    try:
+        assert server_dtype(srv) == "bfloat16"
+        code = fuzz.main(["--target", srv.target, "--requests", "300", "--seconds", "30",
+                          "--concurrency", "8", "--seed", "28", "--kinds", ",".join(fuzz.KINDS)])
+        out = capsys.readouterr().out
+        assert code == 0, out
+        assert "server SERVING after the run: yes; rank pids unchanged: yes" in out
+        assert "FAIL status" not in out and "DEATH" not in out
+        assert "unexpected:" not in out, out
+    finally:
+        srv.stop()
