@@ -28,10 +28,13 @@ from sglang_admin.server.convert import ServiceError
 
 logger = logging.getLogger(__name__)
 
-# The derived limit per rank: this many full batches (--max-running-requests each) may wait
-# behind the running one, and never more calls than the KV pool holds at this many tokens
-# per call (a queue that the pool could not start in a few rounds only adds latency).
-QUEUED_BATCHES = 16
+# The derived limit per rank: BATCHES_IN_FLIGHT full batches (--max-running-requests each),
+# i.e. the running one and three queued behind it, and never more calls than the KV pool
+# holds at MIN_TOKENS_PER_CALL tokens each. A deeper queue only adds latency: the last call
+# admitted already waits three batches' decode time for its first token,
+# and the tokens of more calls in flight slow the server's one event loop for every RPC
+# (2-core figures in docs/bursts.md: at 16 batches HealthCheck took up to 7 s in a burst).
+BATCHES_IN_FLIGHT = 4
 MIN_TOKENS_PER_CALL = 32
 # grpc core must never drop a call that the application has not picked up yet: the backlog
 # limits are out of reach and a call may wait there for an hour (the loop picks calls up in
@@ -53,7 +56,7 @@ def core_options() -> list[tuple[str, int]]:
 def derived_limit(max_running_requests: int, pool_tokens: int, dp_size: int) -> int:
     """The default limit of Generate calls in flight on a worker of ``dp_size`` ranks whose
     KV pool holds ``pool_tokens`` tokens per rank (0: not known yet)."""
-    per_rank = QUEUED_BATCHES * max_running_requests
+    per_rank = BATCHES_IN_FLIGHT * max_running_requests
     if pool_tokens > 0:
         per_rank = min(per_rank, pool_tokens // MIN_TOKENS_PER_CALL)
     return dp_size * max(max_running_requests, per_rank)

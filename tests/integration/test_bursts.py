@@ -109,9 +109,9 @@ def test_burst_past_grpc_core_backlog_is_never_cancelled(tmp_path: Path) -> None
 
 
 @pytest.mark.parametrize(("running", "pool", "dp", "limit"), [
-    (64, 65536, 2, 2 * 1024),  # 16 batches of 64 queued per rank
-    (64, 8192, 1, 256),  # the pool at 32 tokens a call
-    (64, 0, 1, 1024),  # pool not known yet
+    (64, 65536, 2, 2 * 256),  # 4 batches of 64 in flight per rank
+    (64, 4096, 1, 128),  # the pool at 32 tokens a call
+    (64, 0, 1, 256),  # pool not known yet
     (64, 100, 3, 3 * 64),  # never below one full batch per rank
 ])
 def test_derived_limit(running: int, pool: int, dp: int, limit: int) -> None:
