@@ -53,7 +53,7 @@ class BurstReport:
     max_new_tokens: int
     wall_s: float = 0.0
     statuses: dict[str, int] = field(default_factory=dict)
-    details: dict[str, list[str]] = field(default_factory=dict)
+    details: dict[str, dict[str, int]] = field(default_factory=dict)  # status: {detail: n}
     short_ok: int = 0  # OK calls that did not carry all their tokens
     ttft_p50_s: float | None = None
     ttft_p99_s: float | None = None
@@ -67,10 +67,11 @@ class BurstReport:
 
     @property
     def clean(self) -> bool:
-        """Every call ended OK or RESOURCE_EXHAUSTED with a message, OK calls whole."""
-        allowed = {"OK", "RESOURCE_EXHAUSTED"}
-        return (set(self.statuses) <= allowed and self.short_ok == 0
-                and all(d for d in self.details.get("RESOURCE_EXHAUSTED", [])))
+        """Every call ended OK (HTTP: 200) or was refused with a message (RESOURCE_EXHAUSTED;
+        HTTP: 429 or 503), and every OK call carried all its tokens."""
+        refusals = {"RESOURCE_EXHAUSTED", "429", "503"}
+        return (set(self.statuses) <= {"OK", "200"} | refusals and self.short_ok == 0
+                and all(d for k in refusals for d in self.details.get(k, [])))
 
 
 def _request(seed: int, max_new_tokens: int) -> pb.GenerateRequest:
@@ -148,6 +149,52 @@ async def _sample_rss(pid: int, stop: asyncio.Event, report: BurstReport) -> Non
             pass
 
 
+async def _one_http(host: str, port: int, body: bytes,
+                    timeout: float) -> tuple[str, str, float | None, int]:
+    """One POST /generate over HTTP/1.1: (HTTP status, body when not 200, None, tokens)."""
+    head = (f"POST /generate HTTP/1.1\r\nHost: {host}:{port}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+            "Connection: close\r\n\r\n").encode()
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+        writer.write(head + body)
+        raw = await asyncio.wait_for(reader.read(), timeout)
+        writer.close()
+    except (OSError, asyncio.TimeoutError) as exc:
+        return f"no answer ({type(exc).__name__})", str(exc), None, 0
+    status_line, _, rest = raw.partition(b"\r\n")
+    parts = status_line.split()
+    status = parts[1].decode() if len(parts) > 1 else "malformed"
+    payload = rest.partition(b"\r\n\r\n")[2].decode(errors="replace")
+    if status != "200":
+        return status, payload[:300], None, 0
+    try:
+        answer = json.loads(payload)
+    except json.JSONDecodeError:  # chunked transfer: take the JSON between the chunk sizes
+        answer = json.loads(payload[payload.index("{"):payload.rindex("}") + 1])
+    if isinstance(answer, list):
+        answer = answer[0]
+    tokens = answer.get("meta_info", {}).get("completion_tokens", len(answer.get("output_ids", [])))
+    return status, "", None, int(tokens)
+
+
+async def _http_burst(url: str, model: str, streams: int, max_new_tokens: int,
+                      timeout: float) -> list[tuple[str, str, float | None, int]]:
+    hostport = url.split("://", 1)[-1].rstrip("/")
+    check_loopback(hostport)
+    host, _, port = hostport.rpartition(":")
+    calls = []
+    for i in range(streams):
+        body = json.dumps({
+            "model": model,
+            "input_ids": [(i * 7 + k) % 200 + 1 for k in range(PROMPT_TOKENS)],
+            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0,
+                                "ignore_eos": True},
+        }).encode()
+        calls.append(_one_http(host, int(port), body, timeout))
+    return await asyncio.gather(*calls)
+
+
 async def _loads_after(target: str, report: BurstReport, settle_s: float) -> None:
     """Wait up to settle_s for every rank to hold no request; record the last loads."""
     async with grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS) as ch:
@@ -172,8 +219,10 @@ async def _loads_after(target: str, report: BurstReport, settle_s: float) -> Non
 
 async def run(target: str, streams: int, channels: int = 1, max_new_tokens: int = 32,
               server_pid: int | None = None, timeout: float = 600.0,
-              probe_interval: float = 0.25) -> BurstReport:
-    """Start ``streams`` Generate calls at once over ``channels`` connections; report."""
+              probe_interval: float = 0.25, http: str | None = None,
+              model: str = "") -> BurstReport:
+    """Start ``streams`` Generate calls at once over ``channels`` connections (or as many
+    POST /generate to the gateway at ``http``); report."""
     check_loopback(target)
     report = BurstReport(streams, channels, max_new_tokens)
     if server_pid is not None:
@@ -195,9 +244,12 @@ async def run(target: str, streams: int, channels: int = 1, max_new_tokens: int 
     try:
         stubs = [pb_grpc.SglangSchedulerStub(ch) for ch in chans]
         start = time.monotonic()
-        results = await asyncio.gather(*(
-            _one_stream(stubs[i % channels], i, max_new_tokens, start, timeout)
-            for i in range(streams)))
+        if http:
+            results = await _http_burst(http, model, streams, max_new_tokens, timeout)
+        else:
+            results = await asyncio.gather(*(
+                _one_stream(stubs[i % channels], i, max_new_tokens, start, timeout)
+                for i in range(streams)))
         report.wall_s = time.monotonic() - start
     finally:
         stop.set()
@@ -211,18 +263,18 @@ async def run(target: str, streams: int, channels: int = 1, max_new_tokens: int 
     report.flush_max_s = probed["flush_max_s"]
     report.probe_failures = probed["probe_failures"][:10]
     counts: Counter[str] = Counter()
-    details: dict[str, set[str]] = defaultdict(set)
+    details: dict[str, Counter[str]] = defaultdict(Counter)
     ttfts: list[float] = []
     for status, detail, first, tokens in results:
         counts[status] += 1
-        if status != "OK":
-            details[status].add(detail)
+        if status not in ("OK", "200"):
+            details[status][detail] += 1
         elif tokens != max_new_tokens:
             report.short_ok += 1
         if first is not None:
             ttfts.append(first)
     report.statuses = dict(counts)
-    report.details = {k: sorted(v)[:5] for k, v in details.items()}
+    report.details = {k: dict(v.most_common(5)) for k, v in details.items()}
     report.ttft_p50_s = _percentile(ttfts, 0.50)
     report.ttft_p99_s = _percentile(ttfts, 0.99)
     await _loads_after(target, report, settle_s=30.0)
@@ -238,9 +290,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--server-pid", type=int, help="the server's pid, for its VmRSS")
     p.add_argument("--timeout", type=float, default=600.0, help="each call's deadline (s)")
     p.add_argument("--probe-interval", type=float, default=0.25)
+    p.add_argument("--http", help="the gateway's base URL, e.g. http://127.0.0.1:8080")
+    p.add_argument("--model", default="", help="with --http: the model id the gateway serves")
     a = p.parse_args(argv)
     report = asyncio.run(run(a.target, a.streams, a.channels, a.max_new_tokens,
-                             a.server_pid, a.timeout, a.probe_interval))
+                             a.server_pid, a.timeout, a.probe_interval, a.http, a.model))
     print(json.dumps({**asdict(report), "clean": report.clean}, indent=1))
     return 0 if report.clean and report.pool_idle_after else 1
 

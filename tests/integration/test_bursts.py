@@ -13,12 +13,10 @@ import time
 from pathlib import Path
 
 import grpc
-import pytest
 
 from sglang_admin.client.client import CHANNEL_OPTIONS, OWN_CONNECTION
 from sglang_admin.pb import common_pb2 as pb
 from sglang_admin.pb import common_pb2_grpc as pb_grpc
-from sglang_admin.server.admission import derived_limit
 from tests.conftest import greedy, start_server
 from tools import burst
 
@@ -106,13 +104,3 @@ def test_burst_past_grpc_core_backlog_is_never_cancelled(tmp_path: Path) -> None
         assert not report.probe_failures, report.probe_failures
     finally:
         assert srv.stop() == 0
-
-
-@pytest.mark.parametrize(("running", "pool", "dp", "limit"), [
-    (64, 65536, 2, 2 * 256),  # 4 batches of 64 in flight per rank
-    (64, 4096, 1, 128),  # the pool at 32 tokens a call
-    (64, 0, 1, 256),  # pool not known yet
-    (64, 100, 3, 3 * 64),  # never below one full batch per rank
-])
-def test_derived_limit(running: int, pool: int, dp: int, limit: int) -> None:
-    assert derived_limit(running, pool, dp) == limit
