@@ -5,8 +5,8 @@
 
 ``--streams`` greedy streams of ``--max-new-tokens`` tokens (EOS ignored) are started at
 once by one grpc.aio client over ``--channels`` connections. While they run, a prober calls
-HealthCheck and FlushCache(timeout_s=0) every ``--probe-interval`` seconds on its own
-connection and records the slowest answer of each. The report (JSON) gives the count of
+HealthCheck, FlushCache(timeout_s=0) and GetLoads every ``--probe-interval`` seconds on its
+own connection and records the slowest answer of each. The report (JSON) gives the count of
 each final status with its distinct details, the calls that ended OK without all their
 tokens, time to first token at the 50th and 99th percentile (of the calls that got one),
 the wall time, the server's VmRSS before and at its largest (``--server-pid``, from /proc),
@@ -59,6 +59,7 @@ class BurstReport:
     ttft_p99_s: float | None = None
     health_max_s: float = 0.0
     flush_max_s: float = 0.0
+    loads_max_s: float = 0.0  # GetLoads: answered from the server's own state, no rank trip
     probe_failures: list[str] = field(default_factory=list)
     rss_before_mib: float | None = None
     rss_max_mib: float | None = None
@@ -109,10 +110,11 @@ async def _one_stream(stub: pb_grpc.SglangSchedulerStub, seed: int, max_new_toke
 
 async def _probe(target: str, interval: float, stop: mp.synchronize.Event,
                  ready: mp.synchronize.Event) -> dict:
-    """HealthCheck and FlushCache(timeout_s=0) on a connection of their own, timed, until
-    ``stop`` is set (``ready`` after the first round); returns the slowest answer of each
-    and the failures."""
-    out: dict = {"health_max_s": 0.0, "flush_max_s": 0.0, "probe_failures": []}
+    """HealthCheck, FlushCache(timeout_s=0) and GetLoads on a connection of their own, timed,
+    until ``stop`` is set (``ready`` after the first round); returns the slowest answer of
+    each and the failures."""
+    out: dict = {"health_max_s": 0.0, "flush_max_s": 0.0, "loads_max_s": 0.0,
+                 "probe_failures": []}
     async with grpc.aio.insecure_channel(target, options=BURST_CHANNEL_OPTIONS) as ch:
         stub = pb_grpc.SglangSchedulerStub(ch)
         while not stop.is_set():
@@ -121,6 +123,7 @@ async def _probe(target: str, interval: float, stop: mp.synchronize.Event,
                  lambda: stub.HealthCheck(pb.HealthCheckRequest(), timeout=10)),
                 ("flush_max_s",
                  lambda: stub.FlushCache(pb.FlushCacheRequest(timeout_s=0), timeout=10)),
+                ("loads_max_s", lambda: stub.GetLoads(pb.GetLoadsRequest(), timeout=10)),
             ):
                 t0 = time.monotonic()
                 try:
@@ -261,6 +264,7 @@ async def run(target: str, streams: int, channels: int = 1, max_new_tokens: int 
     prober.join(10)
     report.health_max_s = probed["health_max_s"]
     report.flush_max_s = probed["flush_max_s"]
+    report.loads_max_s = probed["loads_max_s"]
     report.probe_failures = probed["probe_failures"][:10]
     counts: Counter[str] = Counter()
     details: dict[str, Counter[str]] = defaultdict(Counter)
