@@ -91,6 +91,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto")
     p.add_argument("--max-total-tokens", type=_positive_int, help="KV pool size per rank (tokens)")
     p.add_argument("--max-running-requests", type=_positive_int, default=64)
+    p.add_argument("--max-inflight-generate", type=_non_negative_int, default=0,
+                   help="Generate calls in flight at once (running and queued, all ranks); "
+                        "past it a call ends at once with RESOURCE_EXHAUSTED. 0 (default): "
+                        "dp-size x min(4 x --max-running-requests, KV pool tokens / 32)")
     p.add_argument("--max-prefill-tokens", type=_positive_int, default=4096,
                    help="prompt tokens prefilled per step (longer prompts are chunked)")
     p.add_argument("--context-length", type=_positive_int, help="override the model's")

@@ -55,6 +55,10 @@ class ServerArgs:
     dtype: str = "auto"  # auto | float32 | float16 | bfloat16
     max_total_tokens: int | None = None  # KV pool size per rank; None: derived
     max_running_requests: int = 64
+    # Generate calls in flight at once (running + queued, all ranks); past it a call ends at
+    # once with RESOURCE_EXHAUSTED (server/admission.py). 0: derived from
+    # --max-running-requests and the KV pool.
+    max_inflight_generate: int = 0
     max_prefill_tokens: int = 4096  # prompt tokens prefilled in one step (chunked beyond)
     context_length: int | None = None  # None: the model's
     log_level: str = "info"
