@@ -295,7 +295,8 @@ async def main_async(ns: argparse.Namespace) -> int:
                 files: list[str] = []
                 until = time.monotonic() + 120
                 while not files and time.monotonic() < until:
-                    files = [str(p) for p in work.rglob("*.trace.json*")]
+                    files = await asyncio.to_thread(
+                        lambda: [str(p) for p in work.rglob("*.trace.json*")])
                     await asyncio.sleep(0.5)
                 assert files, "no trace file written"
                 return f"{len(files)} trace file(s), e.g. {Path(files[0]).name}"

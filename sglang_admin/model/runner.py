@@ -30,6 +30,12 @@ from sglang_admin.model.cpu_kernels import (
     DecodeBatch,
     load_cpu_kernels,
 )
+from sglang_admin.model.device import (
+    DEFAULT_MEM_FRACTION_STATIC,
+    default_token_capacity,
+    resolve_device,
+    use_device,
+)
 from sglang_admin.model.grammar_mask import TokenMatcher, apply_grammar_masks
 from sglang_admin.model.host_index import StagingBuffer, host_table
 from sglang_admin.model.lanes import group_by_length, lane_cuts
@@ -38,12 +44,6 @@ from sglang_admin.model.llama import (
     DecodeGroup,
     ExtendSeq,
     LlamaForCausalLM,
-)
-from sglang_admin.model.device import (
-    DEFAULT_MEM_FRACTION_STATIC,
-    default_token_capacity,
-    resolve_device,
-    use_device,
 )
 from sglang_admin.model.loader import (
     ModelLoadError,
