@@ -78,12 +78,11 @@ class WeightGroup:
                 shutdown()
 
 
-def _address_store(group_store: dist.Store, group_name: str, backend: str) -> dist.Store:
+def _address_store(group_store: dist.Store, group_name: str) -> dist.Store:
     """Where each rank of a gloo group publishes its address, under key ``str(rank)``:
     the group's store, then the prefixes ``_new_process_group_helper`` and ProcessGroupGloo
     add (``<group>/``, the device type, the context index 0)."""
-    device = "cpu" if backend == "gloo" else "cuda"
-    return PrefixStore("0", PrefixStore(f"{device}/", PrefixStore(f"{group_name}/", group_store)))
+    return PrefixStore("0", PrefixStore("cpu/", PrefixStore(f"{group_name}/", group_store)))
 
 
 def _missing_ranks(store: dist.Store, world_size: int, me: int) -> list[int]:
@@ -153,14 +152,20 @@ def join_group(
     store.set_timeout(timeout)
     prefixed = PrefixStore(group_name, store)
     try:
+        # With a device, NCCL forms its communicator now (every rank, the trainer too, meets
+        # here) instead of at the first broadcast; gloo always connects every pair here.
         pg, _ = _new_process_group_helper(
             world_size, rank, [], Backend(backend), prefixed, group_name=group_name,
-            timeout=timeout,
+            timeout=timeout, device_id=where if where.type == "cuda" else None,
         )
     except (RuntimeError, TimeoutError, ValueError) as exc:
-        missing = _missing_ranks(_address_store(prefixed, group_name, backend), world_size, rank)
-        who = (f"ranks that did not join: {', '.join(map(str, missing))}" if missing
-               else "every rank wrote its address but the handshake failed")
+        if backend == "gloo":
+            missing = _missing_ranks(_address_store(prefixed, group_name), world_size, rank)
+            who = (f"ranks that did not join: {', '.join(map(str, missing))}" if missing
+                   else "every rank wrote its address but the handshake failed")
+        else:  # NCCL keeps no per-rank address in the store to tell who is missing
+            who = ("the NCCL communicator did not form: every rank, the trainer too, must "
+                   "join with its own CUDA device")
         raise GroupJoinError(
             f"rank {rank}: group {group_name!r} at {init_method} (world_size {world_size}) "
             f"did not form within {timeout_s:.0f}s; {who}: {_first_line(exc)}"

@@ -3,6 +3,7 @@ pool is, when a received broadcast counts as arrived, and which backend a traine
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
@@ -175,3 +176,49 @@ def test_the_trainer_joins_with_nccl_when_the_workers_are_on_cuda() -> None:
     assert workers_backend([_info("cpu", "cpu")]) == "gloo"
     with pytest.raises(WeightPushError, match="cpu, cuda"):
         workers_backend([_info("cuda:0"), _info("cpu")])
+
+
+# ------------------------------------------------------------------ joining a group
+
+
+def _join_capturing(monkeypatch: pytest.MonkeyPatch, backend: str, device: str | None,
+                    fail: bool = False) -> dict:
+    """join_group as rank 0 of 1 with the process-group constructor replaced: what it got."""
+    from sglang_admin.model import dist_group
+
+    seen: dict = {}
+
+    def helper(*args: object, **kwargs: object) -> tuple[object, None]:
+        seen.update(kwargs)
+        if fail:
+            raise RuntimeError("ncclInternalError: no peers")
+        return object(), None
+
+    monkeypatch.setattr(dist_group, "_new_process_group_helper", helper)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    group = dist_group.join_group("127.0.0.1", port, 0, 1, f"g{port}", backend, 10, device)
+    dist_group._world.pg_group_ranks.pop(group.pg, None)
+    seen["group_device"] = group.device
+    return seen
+
+
+def test_an_nccl_group_forms_its_communicator_on_the_ranks_gpu_when_joined(
+        four_gpus: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = _join_capturing(monkeypatch, "nccl", "cuda:2")
+    assert seen["device_id"] == torch.device("cuda", 2)  # eager: the handshake happens now
+    assert seen["group_device"] == torch.device("cuda", 2)
+
+
+def test_a_gloo_group_takes_no_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = _join_capturing(monkeypatch, "gloo", None)
+    assert seen["device_id"] is None and seen["group_device"] == torch.device("cpu")
+
+
+def test_a_failed_nccl_handshake_says_so_without_reading_gloos_store(
+        four_gpus: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    from sglang_admin.model.dist_group import GroupJoinError
+
+    with pytest.raises(GroupJoinError, match="NCCL communicator did not form.*ncclInternalError"):
+        _join_capturing(monkeypatch, "nccl", "cuda:0", fail=True)
