@@ -18,7 +18,7 @@ from sglang_admin.model.device import kv_token_capacity, resolve_device
 from sglang_admin.model.dist_group import WeightGroup, concrete_device, wait_received
 from sglang_admin.model.loader import ModelLoadError
 from sglang_admin.pb import common_pb2 as pb
-from sglang_admin.scheduler.weight_groups import WeightSync
+from sglang_admin.scheduler.weight_groups import WeightGroups
 
 GiB = 1 << 30
 
@@ -153,7 +153,7 @@ def test_memory_release_drops_the_receive_buffers() -> None:
     group = WeightGroup("g", None, 1, 2, "gloo", "tcp://x:1", None)  # type: ignore[arg-type]
     buf = group.scratch(16, torch.float32)
     assert group.scratch(8, torch.float32).data_ptr() == buf.data_ptr()  # kept between pushes
-    sync = WeightSync()
+    sync = WeightGroups()
     try:
         sync.groups["g"] = group
         sync.drop_buffers()
