@@ -87,8 +87,8 @@ def test_logprob_heavy_stalled_streams_at_default_client_settings_stay_bounded(
     """Issue 33: streams with 20 top logprobs a token, 8 read one message a second and 8
     never read, on a channel with grpc's default settings (its receive window grows, so a
     stalled reader does not stall the server's writes for a long time). The server kept
-    every streamed token's logprobs as Python objects (~2.5 KB a token): it grew ~35 MiB in
-    30 s here; now what a call holds is bounded in bytes and sent tokens are let go."""
+    every streamed token's logprobs as Python objects (~2.5 KB a token): it grew 98 MiB in
+    this test's 30 s; now what a call holds is bounded in bytes and sent tokens are let go."""
     srv = start_server(tmp_path, "--dp-size", "2")
     try:
         report = slow_readers.run(
