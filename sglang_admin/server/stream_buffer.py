@@ -29,7 +29,6 @@ from sglang_admin.messages import ReqOutput
 MESSAGE_BYTES = 32 * 1024
 ID_BYTES = 4  # a token id (uint32 on the wire), a logprob or a hidden value (float32)
 ALT_BYTES = 8  # one (token id, logprob) alternative
-INPUT_ID_BYTES = 12  # a prompt position's logprob with its token id, held as Python lists
 
 
 class StreamOverflow(Exception):
@@ -42,7 +41,8 @@ def _alternatives(rows: list[list[tuple[int, float]]]) -> int:
 
 def output_bytes(out: ReqOutput) -> int:
     """The bytes ``out`` counts for: its tokens and what they carry, at the sizes a
-    ``Backlog`` holds them in (the prompt logprobs, sent once, as their wire size)."""
+    ``Backlog`` holds them in. The prompt's logprobs, which come once with the final
+    output, are not counted: their size is the request's (its prompt), not its reader's."""
     size = ID_BYTES * (len(out.new_token_ids) + len(out.logprobs))
     if out.top_logprobs:
         size += ALT_BYTES * _alternatives(out.top_logprobs)
@@ -50,9 +50,6 @@ def output_bytes(out: ReqOutput) -> int:
         size += ALT_BYTES * _alternatives(out.token_ids_logprobs)
     if out.hidden_states:
         size += ID_BYTES * sum(len(row) for row in out.hidden_states)
-    if out.input_logprobs:
-        size += INPUT_ID_BYTES * len(out.input_logprobs)
-        size += ALT_BYTES * _alternatives(out.input_top_logprobs)
     return size
 
 
@@ -118,7 +115,8 @@ class _Floats:
 
 class Backlog:
     """One sample's coalesced outputs: the tokens and what they carry in flat arrays; the
-    latest output's counters and finish; the prompt logprobs (sent once) as they came."""
+    latest output's counters and finish; the prompt logprobs (they come with the final
+    output and leave with the last part) as they came."""
 
     __slots__ = ("last", "ids", "logprobs", "tops", "by_ids", "hidden", "input_logprobs",
                  "input_top_logprobs", "nbytes", "aligned")
@@ -162,7 +160,7 @@ class Backlog:
     def take(self, max_bytes: int) -> tuple[ReqOutput, int]:
         """The next output to send (about ``max_bytes`` of the backlog, at least one
         token; all of it when the fields are not one per token) and the bytes it counted.
-        The latest output's finish goes with the last part only."""
+        The latest output's finish and the prompt logprobs go with the last part only."""
         total = len(self.ids)
         count = total
         if self.aligned and total > 1 and self.nbytes > max_bytes:
@@ -180,12 +178,12 @@ class Backlog:
             top_logprobs=self.tops.take(count),
             token_ids_logprobs=self.by_ids.take(count),
             hidden_states=self.hidden.take(count),
-            input_logprobs=self.input_logprobs,
-            input_top_logprobs=self.input_top_logprobs,
         )
         del self.ids[:count], self.logprobs[:count]
-        self.input_logprobs, self.input_top_logprobs = [], []
         if count == total:
+            part.input_logprobs, part.input_top_logprobs = (self.input_logprobs,
+                                                            self.input_top_logprobs)
+            self.input_logprobs, self.input_top_logprobs = [], []
             part.finish_reason = last.finish_reason
             part.matched_token_id = last.matched_token_id
             part.matched_stop_str = last.matched_stop_str
@@ -295,7 +293,7 @@ class OutputBuffer:
                     out, size = held.take(MESSAGE_BYTES)
                     if not held.ids:  # all taken
                         del self.by_index[index]
-                        size += held.nbytes  # 0 unless the estimate drifted
+                        size += held.nbytes  # 0: every counted byte was taken
                 else:
                     del self.by_index[index]
                     out, size = held, output_bytes(held)

@@ -161,3 +161,27 @@ def test_the_server_wide_budget_sums_every_buffer() -> None:
         assert budget.used == 0
 
     asyncio.run(go())
+
+
+def test_the_prompt_logprobs_leave_with_the_last_part_uncounted() -> None:
+    """The prompt's logprobs come with the final output; split, they go with the part that
+    carries the finish. Their size is the prompt's, not the reader's: not counted."""
+    async def go() -> None:
+        buf = OutputBuffer(max_tokens=10_000, max_bytes=300 * 168)
+        for i in range(299):
+            assert buf.push(heavy(i, 1, i + 1))
+        final = heavy(299, 1, 300, finish="length")
+        final.input_logprobs = [None] + [-1.0] * 4999
+        final.input_top_logprobs = [[(1, -1.0)] * 20] * 5000
+        assert buf.push(final)  # 5000 prompt positions with 20 alternatives: not counted
+        parts = []
+        while not parts or parts[-1].finish_reason is None:
+            got = await buf.get()
+            assert isinstance(got, ReqOutput)
+            parts.append(got)
+        assert len(parts) > 1
+        assert all(not p.input_logprobs for p in parts[:-1])
+        assert parts[-1].input_logprobs == final.input_logprobs
+        assert len(parts[-1].input_top_logprobs) == 5000
+
+    asyncio.run(go())
