@@ -18,6 +18,7 @@ BAD = [
     (["--port", "0"], "--port: must be a TCP port in 1..65535, got 0"),
     (["--port", "x"], "--port: must be an integer, got 'x'"),
     (["--dp-size", "0"], "--dp-size: must be a positive integer, got 0"),
+    (["--max-inflight-generate", "-1"], "--max-inflight-generate: must be an integer >= 0"),
     (["--seed", "-1"], "--seed: must be an integer in 0..2^63-1, got -1"),
     (["--grace-period", "nan"], "--grace-period: must be a finite number >= 0, got nan"),
     (["--grace-period", "-1"], "--grace-period: must be a finite number >= 0, got -1"),
