@@ -161,6 +161,16 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    default=ServerArgs.stream_buffer_tokens,
                    help="tokens a Generate stream may have produced but not yet written to "
                         "a slow reader before it ends with RESOURCE_EXHAUSTED")
+    p.add_argument("--stream-buffer-bytes", type=_positive_int,
+                   default=ServerArgs.stream_buffer_bytes,
+                   help="bytes of generated output (tokens with their logprobs and hidden "
+                        "states) a Generate stream may hold in the server, waiting for a slow "
+                        "reader, before it ends with RESOURCE_EXHAUSTED")
+    p.add_argument("--stream-buffer-bytes-total", type=_positive_int,
+                   default=ServerArgs.stream_buffer_bytes_total,
+                   help="bytes all Generate streams together may hold waiting for their "
+                        "readers; while they hold more, new Generate calls are refused with "
+                        "RESOURCE_EXHAUSTED (the streams in flight keep going)")
     p.add_argument("--no-coalesce", dest="coalesce_reads", action="store_false",
                    help="do not share in-flight GetServerInfo/health round trips")
     p.add_argument("--enable-metrics", action="store_true",

@@ -92,6 +92,11 @@ class ServerArgs:
     # coalesced into the next message; past this many the request is aborted with
     # RESOURCE_EXHAUSTED (and its KV freed).
     stream_buffer_tokens: int = 4096
+    # The same bound in bytes (tokens with their logprobs and hidden states, as the buffer
+    # holds them: server/stream_buffer.py), and the bytes every stream's buffer may hold
+    # together: past it new Generate calls are refused with RESOURCE_EXHAUSTED.
+    stream_buffer_bytes: int = 256 * 1024
+    stream_buffer_bytes_total: int = 64 * 1024 * 1024
     coalesce_reads: bool = True
     # Metrics (server/metrics.py): off unless asked; the exporter listens on --host at
     # metrics_port (None: the gRPC port + 1, as SGLang's HTTP sidecar).
