@@ -85,7 +85,8 @@ def write_gguf(path: Path, *, arch: str = "llama", qtype: str = "F32", tied: boo
     from gguf.quants import quantize
 
     rng = np.random.default_rng(seed)
-    hidden = hidden or (256 if qtype.endswith("_K") else 64)
+    # transformers reads no head_dim from a qwen3 GGUF: it takes Qwen3's default of 128
+    hidden = hidden or (512 if arch == "qwen3" else 256 if qtype.endswith("_K") else 64)
     heads, kv_heads, layers = 4, 2, 2
     head_dim = hidden // heads
     inter = 2 * hidden
@@ -102,6 +103,9 @@ def write_gguf(path: Path, *, arch: str = "llama", qtype: str = "F32", tied: boo
     w.add_rope_freq_base(10000.0)
     if arch == "llama":
         w.add_rope_dimension_count(head_dim)
+    if arch == "qwen3":
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
     if tokenizer:
         w.add_tokenizer_model("gpt2")
         w.add_tokenizer_pre("default")
