@@ -167,3 +167,15 @@ def write_gguf(path: Path, *, arch: str = "llama", qtype: str = "F32", tied: boo
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def argmax_tokens(model, prompt: list[int], n: int) -> list[int]:
+    """n greedy tokens of a transformers model, EOS not treated specially (as ignore_eos)."""
+    import torch
+
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([ids])).logits[0, -1]
+            ids.append(int(torch.argmax(logits)))
+    return ids[len(prompt):]

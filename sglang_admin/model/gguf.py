@@ -190,6 +190,7 @@ def ensure_converted(gguf_file: str, *, progress: Callable[[str], None] | None =
         raise GgufError(f"cannot read {gguf_file}: {exc.strerror or exc}") from None
     if os.path.isfile(os.path.join(target, "config.json")):
         return target
+    checked = open_gguf(gguf_file)  # a file that cannot be served fails before any output
     if progress is not None:
         size = os.path.getsize(gguf_file) / 1e6
         progress(f"converting {gguf_file} ({size:.0f} MB GGUF) into {target}, once")
@@ -198,7 +199,7 @@ def ensure_converted(gguf_file: str, *, progress: Callable[[str], None] | None =
     tmp = tempfile.mkdtemp(prefix=".converting-", dir=root)
     try:
         os.chmod(tmp, 0o755)
-        convert_gguf(gguf_file, tmp)
+        convert_gguf(checked, tmp)
         try:
             os.rename(tmp, target)
         except OSError:
@@ -507,9 +508,11 @@ def tokenizer_config(g: GgufFile) -> dict[str, Any]:
 # ------------------------------------------------------------------ the conversion
 
 
-def convert_gguf(gguf_file: str, out_dir: str) -> None:
-    """Write the Hugging Face directory of ``gguf_file`` into ``out_dir`` (which exists)."""
-    g = open_gguf(gguf_file)
+def convert_gguf(source: str | GgufFile, out_dir: str) -> None:
+    """Write the Hugging Face directory of a GGUF file (a path, or one :func:`open_gguf`
+    checked) into ``out_dir`` (which exists)."""
+    g = open_gguf(source) if isinstance(source, str) else source
+    gguf_file = g.path
     names = {t.name for t in g.reader.tensors}
     embed = next((t for t in g.reader.tensors if t.name == "token_embd.weight"), None)
     if embed is None:

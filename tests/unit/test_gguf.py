@@ -24,6 +24,7 @@ from sglang_admin.model.gguf import (  # noqa: E402
 from sglang_admin.model.loader import iter_checkpoint  # noqa: E402
 from tests.gguf_models import (  # noqa: E402
     QUANT_TYPES,
+    argmax_tokens,
     pack_q4_k,
     q4_k_reference,
     write_gguf,
@@ -51,13 +52,6 @@ def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def hf_from_gguf(path: Path) -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-
-
-def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
-                             min_new_tokens=n, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def test_q4_k_blocks_dequantize_to_their_reference() -> None:
@@ -101,7 +95,7 @@ def test_weights_and_greedy_tokens_match_transformers(
     prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (5, 19)]
     reqs = simulate(runner, [Req(p) for p in prompts], MAX_NEW)
     for r in reqs:
-        assert r.out == hf_greedy(ref, r.prompt, MAX_NEW)
+        assert r.out == argmax_tokens(ref, r.prompt, MAX_NEW)
 
 
 def test_tokenizer_and_chat_template_match_transformers(tmp_path: Path) -> None:
