@@ -22,7 +22,7 @@ import torch  # noqa: E402
 
 from sglang_admin.pb import common_pb2 as pb  # noqa: E402
 from tests.conftest import ROOT, ServerProc, free_port, greedy, run_generate, start_server  # noqa: E402
-from tests.gguf_models import argmax_tokens, write_gguf  # noqa: E402
+from tests.gguf_models import write_gguf  # noqa: E402
 from tests.integration.test_refit import Stream, model_info, start_streams, update  # noqa: E402
 
 N = 8
@@ -31,7 +31,14 @@ N = 8
 def hf_greedy(path: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    return [argmax_tokens(model, p, n) for p in prompts]
+    model.generation_config.eos_token_id = None  # a fixed length, as ignore_eos
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False,
+                                 pad_token_id=0)
+            out.append(ids[0, len(p):].tolist())
+    return out
 
 
 def serve_cmd(cache: Path, *args: str) -> subprocess.CompletedProcess:
