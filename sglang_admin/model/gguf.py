@@ -12,8 +12,8 @@ directory through the one ``load_weights`` path, GetTokenizer hands it to the ro
 second start finds it done. The key covers the file's path, size and modification time and
 this converter's version, so a changed file is converted again.
 
-This module imports no torch (numpy only), so the server can run the conversion before it
-fans an update out to the ranks.
+This module imports no torch, and numpy and gguf only when it converts, so the server can
+run the conversion before it fans an update out to the ranks without carrying them.
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
 # bump whenever the output of the conversion changes: older caches are then not reused
 CONVERTER_VERSION = 2
@@ -381,6 +382,7 @@ def unpermute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
 
 def iter_tensors(g: GgufFile) -> Iterator[tuple[str, np.ndarray]]:
     """Every tensor dequantized to float32 under its Hugging Face name, in file order."""
+    import numpy as np
     from gguf import quants
 
     heads = int(g.arch_key("attention.head_count"))

@@ -218,6 +218,8 @@ def test_smollm2_chat_through_the_smg_router(tmp_path: Path) -> None:
             return body["data"][0]["id"] if status == 200 and body.get("data") else None
 
         model = wait_for(ready, 90, "the router to list the model")
+        wait_for(lambda: "Successfully loaded tokenizer" in log.read_text(errors="replace"), 60,
+                 "the router to load the tokenizer with GetTokenizer")
         status, body = http("POST", f"{base}/v1/chat/completions", {
             "model": model, "temperature": 0, "max_tokens": 20,
             "messages": [{"role": "user", "content": "What is the capital of France?"}]},
