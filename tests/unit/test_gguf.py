@@ -168,3 +168,17 @@ def test_unsupported_architecture_quant_type_and_missing_tokenizer(tmp_path: Pat
     with pytest.raises(GgufError, match="no tokenizer") as err:
         resolve_model_path(str(path))
     assert err.value.code == "FAILED_PRECONDITION"
+
+
+def test_model_path_names(tmp_path: Path) -> None:
+    from sglang_admin.cli import served_model_path
+
+    assert served_model_path(None) is None and served_model_path("toy") is None
+    with pytest.raises(ValueError, match="no such file or directory"):
+        served_model_path(str(tmp_path / "nope"))
+    path = write_gguf(tmp_path / "m.gguf")
+    out = served_model_path(str(path))
+    assert out is not None and os.path.isfile(os.path.join(out, "config.json"))
+    assert served_model_path(str(tmp_path), "gguf") == out
+    with pytest.raises(ValueError, match="no .gguf file"):
+        served_model_path(out, "gguf")
