@@ -14,6 +14,7 @@ import os
 import grpc
 
 from sglang_admin.config import ServerArgs
+from sglang_admin.constants import MEMORY_TAGS
 from sglang_admin.messages import (
     CheckWeightsReq,
     DigestResult,
@@ -36,7 +37,6 @@ UPDATE_TIMEOUT_S = 600.0  # waits for running requests, then reads the checkpoin
 READ_TIMEOUT_S = 60.0
 MEMORY_TIMEOUT_S = 120.0
 LOAD_FORMATS = ("", "auto", "safetensors", GGUF_LOAD_FORMAT)
-MEMORY_TAGS = ("kv_cache", "weights")
 DEFAULT_TRUNCATE = 100
 MAX_TRUNCATE = 1 << 20
 
