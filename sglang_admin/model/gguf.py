@@ -196,9 +196,10 @@ def ensure_converted(gguf_file: str, *, progress: Callable[[str], None] | None =
         size = os.path.getsize(gguf_file) / 1e6
         progress(f"converting {gguf_file} ({size:.0f} MB GGUF) into {target}, once")
     root = os.path.dirname(target)
-    os.makedirs(root, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".converting-", dir=root)
+    tmp = ""
     try:
+        os.makedirs(root, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".converting-", dir=root)
         os.chmod(tmp, 0o755)
         convert_gguf(checked, tmp)
         try:
@@ -206,8 +207,11 @@ def ensure_converted(gguf_file: str, *, progress: Callable[[str], None] | None =
         except OSError:
             if not os.path.isfile(os.path.join(target, "config.json")):
                 raise
+    except OSError as exc:  # a full disk, a cache directory we may not write
+        raise GgufError(f"cannot write the conversion of {os.path.basename(gguf_file)} into "
+                        f"{root}: {exc.strerror or exc}", "FAILED_PRECONDITION") from None
     finally:
-        if os.path.isdir(tmp):
+        if tmp and os.path.isdir(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
     return target
 
