@@ -107,7 +107,7 @@ class Weights:
             context, "update_weights_from_disk",
             lambda rid, deadline, trace: UpdateWeightsFromDiskReq(
                 rid, path, request.abort_all_requests, request.weight_version, flush,
-                deadline, trace),
+                deadline, trace, torch_empty_cache=request.torch_empty_cache),
             UPDATE_TIMEOUT_S, model_path=path,
         )
         return weights_updated(self.comm, out, "Succeeded to update model weights.")
