@@ -47,6 +47,7 @@ from sglang_admin.model.loader import (
 )
 from sglang_admin.model.lora import LoraBuffers
 from sglang_admin.model.output_extras import hidden_rows, input_logprobs
+from sglang_admin.model.pooling import PoolProgress, pool
 from sglang_admin.model.sampling import SampleRequest, SampleResult, sample
 
 logger = logging.getLogger(__name__)
@@ -80,6 +81,8 @@ class SeqInput:
     # (ARGMAX_NEVER: never); None: worked out from the fields above (the scheduler passes its
     # request's, worked out once)
     argmax_from: int | None = None
+    # issue 32: an Embed request's pooling progress (model/pooling.py); None: not an embed
+    embed: PoolProgress | None = None
 
     def __post_init__(self) -> None:
         if self.argmax_from is None:
@@ -107,6 +110,7 @@ class SeqOutput:
     input_logprobs: list[tuple[int, float | None, list[tuple[int, float]]]] | None = None
     token_ids_logprobs: list[tuple[int, float]] | None = None
     hidden_state: list[float] | None = None
+    embedding: list[float] | None = None  # an Embed request's vector, at its last chunk
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +166,7 @@ class ModelRunner:
         lora_slots: tuple[int, int] | None = None,
         lanes: int = 1,
         attention_backend: str = "auto",
+        is_embedding: bool = False,
     ) -> None:
         if model_path is None:
             from sglang_admin.model.default_model import ensure_default_model
@@ -172,7 +177,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(dtype, self.device, probe.dtype)
         self.model: LlamaForCausalLM
         self.model, self.info = load_model(
-            model_path, dtype=self.dtype, device=self.device, context_length=context_length
+            model_path, dtype=self.dtype, device=self.device, context_length=context_length,
+            is_embedding=is_embedding,
         )
         self.weight_bytes = self.info.weight_bytes
         self.context_length = self.info.context_length
@@ -656,6 +662,8 @@ class ModelRunner:
         """The step's outputs in ``seqs`` order, with what some sequences asked for beside
         the token: hidden states of sampled rows and prompt logprobs (model/output_extras.py;
         a sequence that sampled nothing gets an output only for its prompt logprobs)."""
+        if not self.info.is_generation:  # issue 32: Embed requests' vectors (model/pooling.py)
+            self._pool(by_seq, ordered, offsets, hidden)
         if not any(s.return_hidden_states or s.logprob_start_len >= 0 for s in ordered):
             return [by_seq.get(id(s)) for s in seqs]
         if any(s.return_hidden_states for s in sampled):
@@ -666,6 +674,22 @@ class ModelRunner:
             for key, entries in input_logprobs(self.model, hidden, ordered, offsets).items():
                 by_seq.setdefault(key, SeqOutput(-1)).input_logprobs = entries
         return [by_seq.get(id(s)) for s in seqs]
+
+    def _pool(self, by_seq: dict[int, SeqOutput], ordered: list[SeqInput], offsets: list[int],
+              hidden: torch.Tensor) -> None:
+        """Each embed sequence's vector at its last chunk; a failure of pooling fails the
+        step's embed sequences alone (INTERNAL)."""
+        try:
+            pooled = pool(self.model, hidden, ordered, offsets)
+        except Exception as exc:  # noqa: BLE001 - the embed requests fail, the rank serves
+            logger.exception("pooling failed")
+            pooled = {id(s): f"pooling failed: {type(exc).__name__}: {exc}"
+                      for s in ordered if s.embed is not None}
+        for key, value in pooled.items():
+            if isinstance(value, str):
+                by_seq[key] = SeqOutput(-1, error=value, error_code="INTERNAL")
+            else:
+                by_seq[key] = SeqOutput(-1, embedding=value)
 
 
 def _seq_output(result: SampleResult, i: int) -> SeqOutput:

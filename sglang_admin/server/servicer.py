@@ -3,14 +3,13 @@
 Each RPC is a few lines that hand the call to its domain: generation (Generate, Abort,
 pause), info (health, model, server, loads, tokenizer, KV events), cache and profile,
 weights (from disk), weight sync (from a trainer's process group or shared memory), LoRA
-adapters, metrics. Admin RPCs are marked :func:`~sglang_admin.server.admin.admin_rpc`; the auth
-interceptor reads the mark (with ``--admin-api-key`` only that key opens them).
+adapters, metrics, embedding (Embed). Admin RPCs are marked
+:func:`~sglang_admin.server.admin.admin_rpc`; the auth interceptor reads the mark (with ``--admin-api-key`` only that key opens them).
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
 
 import grpc
 
@@ -20,7 +19,7 @@ from sglang_admin.pb import common_pb2_grpc as pb_grpc
 from sglang_admin.server.admin import AdminCalls, admin_rpc
 from sglang_admin.server.cache_profile import CacheAndProfile
 from sglang_admin.server.communicator import Communicator
-from sglang_admin.server.convert import ServiceError
+from sglang_admin.server.embedding import Embedding
 from sglang_admin.server.generation import Generation
 from sglang_admin.server.info import Info
 from sglang_admin.server.lora import Lora
@@ -36,6 +35,7 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
     def __init__(self, args: ServerArgs, comm: Communicator) -> None:
         self.admin = AdminCalls(args, comm)
         self.generation = Generation(args, comm, self.admin)
+        self.embedding = Embedding(args, comm, self.admin)
         self.info = Info(args, comm, self.admin)
         self.cache = CacheAndProfile(args, comm, self.admin)
         self.weights = Weights(args, comm, self.admin)
@@ -199,11 +199,13 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
     ) -> pb.UpdateWeightsResponse:
         return await self.weight_sync.update_from_tensor(request, context)
 
-    # ------------------------------------------------------------------ not served
+    # ------------------------------------------------------------------ embedding
 
-    async def Embed(self, request: pb.EmbedRequest, context: Context) -> Any:
-        raise ServiceError(grpc.StatusCode.UNIMPLEMENTED,
-                           "Embed: this worker serves a generation model only")
+    async def Embed(self, request: pb.EmbedRequest, context: Context) -> pb.EmbedResponse:
+        """One vector (embedding model) or score logits (classifier) for tokenized input."""
+        return await self.embedding.embed(request, context)
+
+    # ------------------------------------------------------------------ LoRA
 
     @admin_rpc
     async def LoadLoRAAdapter(
