@@ -20,7 +20,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 # kind -> (transformers class, config class, pooling declared in modules.json or None,
 # normalize module, number of labels, serve with --is-embedding)
 KINDS: dict[str, tuple[str, str, str | None, bool, int, bool]] = {
-    "qwen3": ("Qwen3Model", "Qwen3Config", None, False, 0, False),
+    "qwen3": ("Qwen3Model", "Qwen3Config", "last", True, 0, False),
     "qwen2-mean": ("Qwen2Model", "Qwen2Config", "mean", True, 0, False),
     "llama-cls": ("LlamaModel", "LlamaConfig", "cls", False, 0, False),
     "qwen3-causal": ("Qwen3ForCausalLM", "Qwen3Config", None, False, 0, True),

@@ -20,6 +20,14 @@ class LlamaForEmbedding(LlamaForCausalLM):
         self.spec = spec
         if not spec.has_lm_head and not cfg.tie_word_embeddings:
             del self.lm_head  # a base model or a classifier: the checkpoint has none
+        if spec.unprefixed:
+            # parameters named as the checkpoint names them (refits, GetWeightsByName and a
+            # trainer's tensors use those names): the decoder's parts become children of
+            # this module; ``self.model`` stays a plain reference for the forward
+            inner = self._modules.pop("model")
+            for name, child in inner.named_children():
+                self.add_module(name, child)
+            object.__setattr__(self, "model", inner)
         self.score: nn.Linear | None = None
         if spec.num_labels:
             self.score = nn.Linear(cfg.hidden_size, spec.num_labels, bias=False)

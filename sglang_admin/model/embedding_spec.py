@@ -57,6 +57,9 @@ class EmbeddingSpec:
     num_labels: int = 0
     id2label: dict[str, str] = field(default_factory=dict)
     has_lm_head: bool = True  # whether the checkpoint carries the LM head (tied aside)
+    # a base model's checkpoint (LlamaModel, Qwen3Model ...): its tensors are named without
+    # the "model." prefix ("layers.0.mlp.up_proj.weight")
+    unprefixed: bool = False
 
     @property
     def is_generation(self) -> bool:
@@ -135,4 +138,5 @@ def embedding_spec(model_path: str, cfg: dict[str, Any], is_embedding: bool) -> 
         return EmbeddingSpec()
     declared = sentence_transformers_pooling(model_path)
     pooling, normalize = declared if declared is not None else (PoolingType.LAST, True)
-    return EmbeddingSpec("embedding", pooling, normalize, has_lm_head=not base_model)
+    return EmbeddingSpec("embedding", pooling, normalize, has_lm_head=not base_model,
+                         unprefixed=base_model)

@@ -205,11 +205,6 @@ def load_weights(
             if _IGNORED.search(name) or (tied and name == "lm_head.weight"):
                 continue
             param = params.get(name)
-            if param is None and not name.startswith("model."):
-                # a base model's checkpoint (LlamaModel, Qwen3Model ...) names its tensors
-                # without the "model." prefix
-                param = params.get("model." + name)
-                name = "model." + name if param is not None else name
             if param is None:
                 raise WeightMismatch(f"weight {name!r} is not a parameter of this model")
             if tuple(tensor.shape) != tuple(param.shape):
