@@ -264,3 +264,25 @@ def test_sentence_transformers_agrees(tmp_path: Path) -> None:
                 assert_close(list(out.embedding), vec, f"{kind}: {text!r}")
         finally:
             srv.stop()
+
+
+def test_client_and_cli(qwen3) -> None:
+    import subprocess
+    import sys
+
+    from sglang_admin.client import Client
+    from tests.conftest import ROOT
+
+    path, srv = qwen3
+    expected = Reference("qwen3", path)([1, 2, 3, 4])
+    with Client(srv.target, timeout=60) as client:
+        out = client.embed([1, 2, 3, 4])
+    assert_close(list(out.embedding), expected, "Client.embed")
+    run = subprocess.run(
+        [sys.executable, "-m", "sglang_admin", "embed", "--target", srv.target,
+         "--input-ids", "1,2,3,4", "--json", "--timeout", "60"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    answer = json.loads(run.stdout.splitlines()[0])
+    assert answer["embedding_dim"] == 64 and answer["prompt_tokens"] == 4, answer
+    assert_close(answer["embedding"], expected, "sglang-admin embed")
