@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -286,3 +287,61 @@ def test_client_and_cli(qwen3) -> None:
     answer = json.loads(run.stdout.splitlines()[0])
     assert answer["embedding_dim"] == 64 and answer["prompt_tokens"] == 4, answer
     assert_close(answer["embedding"], expected, "sglang-admin embed")
+
+
+def test_reward_model_refit_under_load_never_mixes_weights(tmp_path: Path) -> None:
+    """Scores requested without pause while UpdateWeightsFromDisk swaps reward model A for B
+    (and back): every score is A's or B's, never a mix; those after each update are the new
+    model's."""
+    import threading
+
+    a = build("qwen2-reward", fresh(tmp_path, "a"))
+    b = build("qwen2-reward", fresh(tmp_path, "b"), seed=1)
+    srv = start_server(fresh(tmp_path, "srv"), "--model-path", str(a), "--dtype", "float32",
+                       "--max-prefill-tokens", "32")
+    prompts = [list(range(i, i + 3 + 7 * (i % 6))) for i in range(1, 25)]
+    ref = {name: [Reference("qwen2-reward", p)(ids) for ids in prompts]
+           for name, p in (("a", a), ("b", b))}
+    try:
+        stub = srv.stub()
+        stop = threading.Event()
+        seen: list[tuple[int, list[float]]] = []
+        errors: list[BaseException] = []
+
+        def load(worker: int) -> None:
+            k = worker
+            while not stop.is_set():
+                i = k % len(prompts)
+                try:
+                    out = stub.Embed(embed_request(prompts[i]), timeout=120)
+                except grpc.RpcError as exc:  # noqa: PERF203
+                    errors.append(exc)
+                    return
+                seen.append((i, list(out.embedding)))
+                k += 5
+
+        threads = [threading.Thread(target=load, args=(w,)) for w in range(6)]
+        for t in threads:
+            t.start()
+        try:
+            for name, path in (("b", b), ("a", a), ("b", b)):
+                time.sleep(1.0)
+                resp = stub.UpdateWeightsFromDisk(pb.UpdateWeightsFromDiskRequest(
+                    model_path=str(path), weight_version=name), timeout=300)
+                assert resp.success, resp.message
+                after = embed_all(srv, prompts[:6])
+                for i, out in enumerate(after):
+                    assert_close(list(out.embedding), ref[name][i], f"after refit to {name}")
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(120)
+        assert not errors, errors
+        assert len(seen) > 20
+        for i, score in seen:
+            near = [name for name in ("a", "b")
+                    if max(abs(x - y) for x, y in zip(score, ref[name][i])) <= TOLERANCE]
+            assert near, f"prompt {i}: score {score} is neither A's {ref['a'][i]} nor B's " \
+                         f"{ref['b'][i]}"
+    finally:
+        srv.stop()
