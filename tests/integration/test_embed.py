@@ -345,3 +345,17 @@ def test_reward_model_refit_under_load_never_mixes_weights(tmp_path: Path) -> No
                          f"{ref['b'][i]}"
     finally:
         srv.stop()
+
+
+def test_fuzz_run_on_an_embedding_model(qwen3, capsys: pytest.CaptureFixture[str]) -> None:
+    from tools import fuzz
+
+    _, srv = qwen3
+    kinds = "embed-ordinary,embed-invalid,malformed,admin,generate-ordinary,cancelled"
+    code = fuzz.main(["--target", srv.target, "--requests", "200", "--seconds", "30",
+                      "--concurrency", "8", "--seed", "3", "--kinds", kinds])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "| embed-ordinary |" in out and "| embed-invalid |" in out
+    assert "server SERVING after the run: yes; rank pids unchanged: yes" in out
+    assert "unexpected:" not in out, out  # embeds OK or INVALID_ARGUMENT, Generate refused
