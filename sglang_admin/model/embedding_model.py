@@ -6,8 +6,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from sglang_admin.model.config import LlamaConfig
 from sglang_admin.model.embedding_spec import EmbeddingSpec
-from sglang_admin.model.llama import LlamaConfig, LlamaForCausalLM
+from sglang_admin.model.llama import LlamaForCausalLM
 
 
 class LlamaForEmbedding(LlamaForCausalLM):

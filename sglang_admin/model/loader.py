@@ -12,13 +12,14 @@ import torch
 from safetensors import safe_open
 
 from sglang_admin.messages import ModelInfo
+from sglang_admin.model.config import LlamaConfig
 from sglang_admin.model.embedding_spec import (
     EmbeddingSpec,
     SpecError,
     causal_architecture,
     embedding_spec,
 )
-from sglang_admin.model.llama import LlamaConfig, LlamaForCausalLM
+from sglang_admin.model.llama import LlamaForCausalLM
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,

@@ -49,7 +49,6 @@ from sglang_admin.scheduler.generation_control import WEIGHTS_INVALID
 logger = logging.getLogger(__name__)
 
 OP = "update_weights"
-MEMORY_TAGS = ("kv_cache", "weights")
 RELEASED = "memory released"
 
 

@@ -20,7 +20,7 @@ from sglang_admin.server.convert import (
     generate_from_proto,
     invalid,
 )
-from sglang_admin.server.embedding import refuse_generate
+from sglang_admin.server.embedding_service import refuse_generate
 from sglang_admin.server.generation_features import FeatureError, stream_interval_of
 from sglang_admin.server.sample_streams import SampleStreams
 from sglang_admin.server.stream_buffer import StreamOverflow
