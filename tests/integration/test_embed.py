@@ -119,6 +119,7 @@ def qwen3(tmp_path_factory) -> Iterator[tuple[Path, ServerProc]]:
     path = build("qwen3", tmp_path_factory.mktemp("qwen3-admin"))
     srv = start_server(tmp_path_factory.mktemp("qwen3-admin-srv"), "--model-path", str(path),
                        "--dtype", "float32", "--context-length", "256", "--enable-metrics",
+                       "--log-requests",
                        "--metrics-port", str(free_port()), "--profile-dir",
                        str(tmp_path_factory.mktemp("qwen3-profiles")))
     yield path, srv
@@ -157,6 +158,24 @@ def test_deadline_and_duplicate_request_id(qwen3) -> None:
     assert out.embedding_dim == 64  # the id is free again once the call ended
     again = stub.Embed(embed_request([1, 2, 3], request_id="embed-fixed-id"), timeout=60)
     assert_close(list(again.embedding), list(out.embedding), "the same id again")
+
+
+def test_trace_context_reaches_the_rank(qwen3) -> None:
+    _, srv = qwen3
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    srv.stub().Embed(embed_request([7, 8, 9], request_id="embed-traced"), timeout=60,
+                     metadata=[("traceparent", f"00-{trace_id}-00f067aa0ba902b7-01")])
+    log = srv.log()
+    wait = time.time() + 10
+    while "finished rid=embed-traced" not in log and time.time() < wait:
+        time.sleep(0.2)
+        log = srv.log()
+    lines = [line for line in log.splitlines() if "rid=embed-traced" in line]
+    # the server's line, the rank's arrival and its finish, each with the caller's trace id
+    assert any("[server]" in line and "embed rid=" in line for line in lines), lines
+    assert any("[rank0]" in line and "embed rid=" in line for line in lines), lines
+    assert any("finished rid=" in line and "reason=length" in line for line in lines), lines
+    assert all(f"trace_id={trace_id}" in line for line in lines), lines
 
 
 def test_metrics_health_flush_and_profile(qwen3) -> None:
