@@ -378,3 +378,23 @@ def test_fuzz_run_on_an_embedding_model(qwen3, capsys: pytest.CaptureFixture[str
     assert "| embed-ordinary |" in out and "| embed-invalid |" in out
     assert "server SERVING after the run: yes; rank pids unchanged: yes" in out
     assert "unexpected:" not in out, out  # embeds OK or INVALID_ARGUMENT, Generate refused
+
+
+def test_grpcurl_example_of_the_docs(qwen3) -> None:
+    """docs/embed.md's grpcurl call (reflection, JSON) answers the vector Embed gives."""
+    import subprocess
+
+    from tests.integration.test_grpcurl import GRPCURL
+
+    if GRPCURL is None:
+        pytest.skip("grpcurl binary not found")
+    path, srv = qwen3
+    body = json.dumps({"tokenized": {"input_ids": [9, 70, 11, 87, 0]}})
+    out = subprocess.run(
+        [str(GRPCURL), "-plaintext", "-max-time", "60", "-d", body, srv.target,
+         "sglang.grpc.scheduler.SglangScheduler/Embed"],
+        capture_output=True, text=True, timeout=90)
+    assert out.returncode == 0, out.stderr
+    answer = json.loads(out.stdout)
+    assert answer["embeddingDim"] == 64 and answer["promptTokens"] == 5
+    assert_close(answer["embedding"], Reference("qwen3", path)([9, 70, 11, 87, 0]), "grpcurl")
