@@ -136,9 +136,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import grpc
 
+    from sglang_admin.client.testing import free_port, start_server
     from sglang_admin.pb import common_pb2 as pb
     from sglang_admin.pb import common_pb2_grpc as pb_grpc
-    from sglang_admin.client.testing import free_port, start_server
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-embed-"))
     args = ["--model-path", ns.model_path] if ns.model_path else ["--is-embedding"]
