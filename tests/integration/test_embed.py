@@ -396,5 +396,5 @@ def test_grpcurl_example_of_the_docs(qwen3) -> None:
         capture_output=True, text=True, timeout=90)
     assert out.returncode == 0, out.stderr
     answer = json.loads(out.stdout)
-    assert answer["embeddingDim"] == 64 and answer["promptTokens"] == 5
+    assert answer["embedding_dim"] == 64 and answer["prompt_tokens"] == 5
     assert_close(answer["embedding"], Reference("qwen3", path)([9, 70, 11, 87, 0]), "grpcurl")
