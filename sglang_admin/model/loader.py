@@ -13,6 +13,12 @@ from safetensors import safe_open
 
 from sglang_admin.messages import ModelInfo
 from sglang_admin.model.config import LlamaConfig
+from sglang_admin.model.embedding_spec import (
+    EmbeddingSpec,
+    SpecError,
+    causal_architecture,
+    embedding_spec,
+)
 from sglang_admin.model.llama import LlamaForCausalLM
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -80,15 +86,26 @@ def _checkpoint_dtype(cfg: dict[str, Any]) -> str:
 def parse_config(model_path: str, cfg: dict[str, Any]) -> LlamaConfig:
     """LlamaConfig from config.json, with errors as ModelLoadError."""
     try:
-        return LlamaConfig.from_hf(cfg)
+        return LlamaConfig.from_hf(causal_architecture(cfg))  # an embedding model's decoder
     except ValueError as exc:
         raise ModelLoadError(f"{model_path}: {exc}") from None
 
 
-def load_model_info(model_path: str, context_length: int | None = None) -> ModelInfo:
+def read_embedding_spec(model_path: str, cfg: dict[str, Any],
+                        is_embedding: bool) -> EmbeddingSpec:
+    """model/embedding_spec.py's answer, with errors as ModelLoadError."""
+    try:
+        return embedding_spec(model_path, cfg, is_embedding)
+    except SpecError as exc:
+        raise ModelLoadError(f"{model_path}: {exc}") from None
+
+
+def load_model_info(model_path: str, context_length: int | None = None,
+                    is_embedding: bool = False) -> ModelInfo:
     """ModelInfo from config.json and generation_config.json, without loading weights."""
     cfg = read_hf_config(model_path)
     lcfg = parse_config(model_path, cfg)
+    spec = read_embedding_spec(model_path, cfg, is_embedding)
     gen_path = os.path.join(model_path, "generation_config.json")
     gen = _read_json(gen_path) if os.path.isfile(gen_path) else {}
     eos: list[int] = []
@@ -119,6 +136,11 @@ def load_model_info(model_path: str, context_length: int | None = None) -> Model
         head_dim=lcfg.head_dim,
         hidden_size=lcfg.hidden_size,
         dtype=_checkpoint_dtype(cfg),
+        is_generation=spec.is_generation,
+        num_labels=spec.num_labels,
+        id2label=dict(spec.id2label),
+        embedding_dim=0 if spec.is_generation else (spec.num_labels or lcfg.hidden_size),
+        pooling="" if spec.is_generation else spec.pooling.name,
     )
 
 
@@ -214,16 +236,26 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     context_length: int | None = None,
+    is_embedding: bool = False,
 ) -> tuple[LlamaForCausalLM, ModelInfo]:
     """Build the model from a Hugging Face directory, weights cast to dtype on device.
 
     The parameters are allocated once (uninitialised), the projections fused, and the
     checkpoint copied in through :func:`load_weights`, the path weight updates take too.
+    An embedding or classification checkpoint (or ``is_embedding``) builds
+    model/embedding_model.py's LlamaForEmbedding.
     """
-    info = load_model_info(model_path, context_length)
-    lcfg = parse_config(model_path, read_hf_config(model_path))
+    info = load_model_info(model_path, context_length, is_embedding)
+    cfg = read_hf_config(model_path)
+    lcfg = parse_config(model_path, cfg)
+    spec = read_embedding_spec(model_path, cfg, is_embedding)
     with torch.device("meta"):
-        model = LlamaForCausalLM(lcfg).to(dtype)
+        if spec.is_generation:
+            model = LlamaForCausalLM(lcfg).to(dtype)
+        else:
+            from sglang_admin.model.embedding_model import LlamaForEmbedding
+
+            model = LlamaForEmbedding(lcfg, spec).to(dtype)
     model.allocate_parameters(device)
     model.eval()
     model.requires_grad_(False)

@@ -42,6 +42,7 @@ from sglang_admin.model.loader import (
     load_model_info,
 )
 from sglang_admin.model.lora import LoraBuffers
+from sglang_admin.model.pooling import pool
 from sglang_admin.model.sampling import SampleRequest, SampleResult, sample
 from sglang_admin.model.step_io import InvalidSequence, SeqInput, SeqOutput
 
@@ -92,6 +93,7 @@ class ModelRunner:
         attention_backend: str = "auto",
         gpu_index: int = 0,
         mem_fraction_static: float = DEFAULT_MEM_FRACTION_STATIC,
+        is_embedding: bool = False,
     ) -> None:
         if model_path is None:
             from sglang_admin.model.default_model import ensure_default_model
@@ -103,7 +105,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(dtype, self.device, probe.dtype)
         self.model: LlamaForCausalLM
         self.model, self.info = load_model(
-            model_path, dtype=self.dtype, device=self.device, context_length=context_length
+            model_path, dtype=self.dtype, device=self.device, context_length=context_length,
+            is_embedding=is_embedding,
         )
         self.weight_bytes = self.info.weight_bytes
         self.context_length = self.info.context_length
@@ -375,6 +378,8 @@ class ModelRunner:
         the token: hidden states of sampled rows and prompt logprobs (model/hidden_extras.py;
         a sequence that sampled nothing gets an output only for its prompt logprobs)."""
         ordered, sampled = batch.ordered, batch.sampled
+        if not self.info.is_generation:  # issue 32: Embed requests' vectors (model/pooling.py)
+            self._pool(by_seq, ordered, batch.offsets, hidden)
         if not any(s.return_hidden_states or s.logprob_start_len >= 0 for s in ordered):
             return [by_seq.get(id(s)) for s in seqs]
         if any(s.return_hidden_states for s in sampled):
@@ -385,6 +390,22 @@ class ModelRunner:
             for key, entries in input_logprobs(self.model, hidden, ordered, batch.offsets).items():
                 by_seq.setdefault(key, SeqOutput(-1)).input_logprobs = entries
         return [by_seq.get(id(s)) for s in seqs]
+
+    def _pool(self, by_seq: dict[int, SeqOutput], ordered: list[SeqInput], offsets: list[int],
+              hidden: torch.Tensor) -> None:
+        """Each embed sequence's vector at its last chunk; a failure of pooling fails the
+        step's embed sequences alone (INTERNAL)."""
+        try:
+            pooled = pool(self.model, hidden, ordered, offsets)
+        except Exception as exc:  # noqa: BLE001 - the embed requests fail, the rank serves
+            logger.exception("pooling failed")
+            pooled = {id(s): f"pooling failed: {type(exc).__name__}: {exc}"
+                      for s in ordered if s.embed is not None}
+        for key, value in pooled.items():
+            if isinstance(value, str):
+                by_seq[key] = SeqOutput(-1, error=value, error_code="INTERNAL")
+            else:
+                by_seq[key] = SeqOutput(-1, embedding=value)
 
 
 def _seq_output(result: SampleResult, i: int) -> SeqOutput:

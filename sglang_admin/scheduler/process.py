@@ -151,6 +151,7 @@ def batch_inputs(batch: Batch) -> list[SeqInput]:
             # prompt logprobs only while the span still covers prompt tokens
             req.logprob_start_len if start < len(prompt) else -1,
             req.token_ids_logprob, req.return_hidden_states, req.grammar, req.argmax_from,
+            req.embed,  # issue 32: an Embed request's pooling progress
         ))
     return inputs
 
@@ -196,6 +197,7 @@ class RankLoop:
             attention_backend=args.attention_backend,
             gpu_index=args.gpu_index(rank),
             mem_fraction_static=args.mem_fraction_static,
+            is_embedding=args.is_embedding,
         )
         info = self.runner.info
         self.kv_events: list[list[Any]] = []
@@ -207,6 +209,7 @@ class RankLoop:
                 max_prefill_tokens=args.max_prefill_tokens,
                 context_length=info.context_length,
                 eos_token_ids=tuple(info.eos_token_ids),
+                pools_every_token=info.pooling in ("CLS", "MEAN"),
             ),
             on_kv_event=self.kv_events.append,
             grammar_queue=grammar_queue_for(args, info),

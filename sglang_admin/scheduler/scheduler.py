@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from sglang_admin.messages import ARGMAX_NEVER, GenerateReq, ReqOutput, SamplingParams
 from sglang_admin.scheduler import output_extras
+from sglang_admin.scheduler.embedding import EmbedProgress, reusable_prefix
 from sglang_admin.scheduler.grammar import GrammarQueue, GrammarState
 from sglang_admin.scheduler.kv_pool import TokenAllocator
 from sglang_admin.scheduler.lora_registry import LoraRegistry, LoraUnavailable, cache_key
@@ -74,6 +75,7 @@ class Req:
     token_ids_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     hidden_states: list[list[float]] = field(default_factory=list)
     sent_extras: int = 0
+    embed: EmbedProgress | None = None  # issue 32: an Embed request's pooling
 
     grammar: GrammarState | None = None  # its own matcher, when constrained (n > 1: fork())
     # from this output length on its token is the logits' argmax alone (model/step_io.py's
@@ -147,6 +149,7 @@ class SchedulerConfig:
     context_length: int
     eos_token_ids: tuple[int, ...]
     disable_radix_cache: bool = False
+    pools_every_token: bool = False  # an embedding model pooling CLS or MEAN (issue 32)
 
 
 class Scheduler:
@@ -260,6 +263,7 @@ class Scheduler:
                 logprob_start_len=msg.logprob_start_len if index == 0 else -1,
                 token_ids_logprob=msg.token_ids_logprob,
                 return_hidden_states=msg.return_hidden_states,
+                embed=EmbedProgress() if msg.embed else None,
             )
             samples.append(req)
         if msg.lora_id and not self._acquire_lora(samples, msg.lora_id):
@@ -474,7 +478,7 @@ class Scheduler:
         """Match the cached prefix, lock it and give the request a table row."""
         seq = req.fill_ids
         match = self.cache.match_prefix(cache_key(seq[:-1], req.lora_ns))
-        reuse = len(match.slots)
+        reuse = reusable_prefix(req.embed, len(match.slots), self.config.pools_every_token)
         if req.logprob_start_len >= 0 and not req.output_ids:
             # prompt logprobs need the logits from position logprob_start_len - 1 on
             reuse = min(reuse, max(req.logprob_start_len - 1, 0))

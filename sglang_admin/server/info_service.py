@@ -4,6 +4,7 @@ SubscribeKvEvents."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -80,7 +81,9 @@ class Info:
         return pb.GetModelInfoResponse(
             model_path=info.model_path,
             tokenizer_path=tokenizer_dir(self.args.tokenizer_path, info.tokenizer_path) or "",
-            is_generation=True,
+            is_generation=info.is_generation,
+            num_labels=info.num_labels,
+            id2label_json=json.dumps(info.id2label) if info.id2label else "",
             weight_version=info.weight_version,
             served_model_name=self.served_model_name,
             max_context_length=info.context_length,
@@ -110,7 +113,7 @@ class Info:
             context_length=info.context_length,
             max_total_tokens=info.token_capacity,
             disaggregation_mode="null",
-            is_embedding=False,
+            is_embedding=not info.is_generation,
             vocab_size=info.vocab_size,
             weight_version=info.weight_version,
             device=info.device,
@@ -136,7 +139,7 @@ class Info:
                     "max_running_requests": self.args.max_running_requests,
                     "max_req_input_len": info.context_length - 1,
                     "context_length": info.context_length,
-                    "is_generation": True,
+                    "is_generation": info.is_generation,
                     "dp_size": self.args.dp_size,
                     "model": dataclasses.asdict(info),
                 }

@@ -196,9 +196,10 @@ def test_unsupported_features_are_refused_by_name(server: ServerProc) -> None:
             run_generate(stub, req, timeout=10)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert needle in err.value.details()
-    with pytest.raises(grpc.RpcError) as err:
+    with pytest.raises(grpc.RpcError) as err:  # a generation model (docs/embed.md)
         stub.Embed(pb.EmbedRequest(), timeout=10)
-    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "--is-embedding" in err.value.details()
     # Still serving.
     assert len(run_generate(stub, greedy([1, 2], 3), timeout=30)[0]) == 3
 
