@@ -256,6 +256,7 @@ class RankLoop:
             token_capacity=s.allocator.capacity,
             num_used_tokens=s.num_used_tokens,
             num_evictable_tokens=s.cache.evictable_size,
+            num_free_tokens=s.num_free_tokens,
             cache_hit_rate=s.cache_hit_rate,
             gen_throughput=s.gen_throughput(),
             profiler_state=self.profiler.reported_state,

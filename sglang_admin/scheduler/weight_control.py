@@ -36,6 +36,7 @@ from sglang_admin.messages import (
     WeightValues,
 )
 from sglang_admin.model.loader import iter_checkpoint, load_weights
+from sglang_admin.model.weight_names import UnknownWeightName
 from sglang_admin.model.weights import (
     RefitError,
     refit_from_disk,
@@ -45,11 +46,11 @@ from sglang_admin.model.weights import (
 from sglang_admin.scheduler.cache_control import flush_now
 from sglang_admin.scheduler.control import Rank
 from sglang_admin.scheduler.generation_control import WEIGHTS_INVALID
+from sglang_admin.scheduler.memory_tags import MEMORY_TAGS, release_refusal, resume_refusal
 
 logger = logging.getLogger(__name__)
 
 OP = "update_weights"
-MEMORY_TAGS = ("kv_cache", "weights")
 RELEASED = "memory released"
 
 
@@ -128,8 +129,8 @@ def on_get_weights(rank: Rank, msg: GetWeightsReq) -> None:
         return
     try:
         shape, values = weight_values(rank.runner.model, msg.name, msg.truncate_size)
-    except KeyError:
-        rank.reply(msg, False, f"the model has no parameter named {msg.name!r}")
+    except UnknownWeightName as exc:
+        rank.reply(msg, False, str(exc))
         return
     rank.reply(msg, True, "", WeightValues(shape, values))
 
@@ -141,8 +142,19 @@ def on_check_weights(rank: Rank, msg: CheckWeightsReq) -> None:
     rank.reply(msg, True, "", DigestResult(weights_digest(rank.runner.model)))
 
 
+def released_tags(rank: Rank) -> set[str]:
+    """The memory tags this rank holds released now."""
+    runner = rank.runner
+    flags = {"kv_cache": runner.kv_cache_released, "weights": runner.weights_released}
+    return {tag for tag in MEMORY_TAGS if flags[tag]}
+
+
 def on_release_memory(rank: Rank, msg: ReleaseMemoryReq) -> None:
     s = rank.scheduler
+    refusal = release_refusal(released_tags(rank), msg.tags)
+    if refusal is not None:
+        rank.reply(msg, False, refusal)
+        return
     busy = rank.weight_sync.busy()
     if busy is not None:
         rank.reply(msg, False, busy)
@@ -168,6 +180,10 @@ def on_release_memory(rank: Rank, msg: ReleaseMemoryReq) -> None:
 
 def on_resume_memory(rank: Rank, msg: ResumeMemoryReq) -> None:
     runner = rank.runner
+    refusal = resume_refusal(released_tags(rank), msg.tags)
+    if refusal is not None:
+        rank.reply(msg, False, refusal)
+        return
     text = "memory resumed"
     if "kv_cache" in msg.tags:
         runner.resume_kv_cache()

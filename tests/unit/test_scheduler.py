@@ -103,7 +103,8 @@ def assert_no_leak(sched: Scheduler) -> None:
     assert sched.is_idle
     assert sched.cache.protected_size == 0
     assert sched.allocator.available + sched.cache.total_size() == sched.allocator.capacity
-    assert sched.num_used_tokens == sched.cache.evictable_size
+    assert sched.num_used_tokens == 0  # an idle rank holds no KV for requests, warm or not
+    assert sched.num_free_tokens + sched.cache.evictable_size == sched.allocator.capacity
 
 
 def test_single_request_matches_solo() -> None:
