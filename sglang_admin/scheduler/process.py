@@ -281,7 +281,8 @@ class RankLoop:
 
     def publish_state(self, force: bool = False) -> None:
         s = self.scheduler
-        key = (len(s.running), len(s.waiting), s.num_used_tokens, self.profiler.reported_state,
+        key = (len(s.running), len(s.waiting), s.num_used_tokens, s.num_free_tokens,
+               self.profiler.reported_state,
                self.quiesce.pending, s.paused, s.num_grammar_queue_reqs)
         now = time.monotonic()
         # The key fields are checked now (published below if they changed): the heartbeat
