@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from multiprocessing import shared_memory
 from pathlib import Path
 
 import grpc
@@ -157,3 +158,33 @@ def test_pinning_the_last_lora_slot_is_refused(worker) -> None:
     finally:
         for lora_id in ("p", "u2"):
             stub.UnloadLoRAAdapter(pb.UnloadLoRAAdapterRequest(lora_id=lora_id), timeout=60)
+
+
+def test_pushed_tensors_resolve_the_tied_lm_head_as_every_path_does(worker) -> None:
+    """UpdateWeightsFromTensor names resolve as GetWeightsByName's: the tied LM head is the
+    embedding, so its shape is checked against it, and its copy is dropped (as SGLang's
+    load_weights drops it) so the embedding is written once, under its own name."""
+    srv, _, _ = worker
+    stub = srv.stub()
+    vocab, hidden = 320, 64
+    read = pb.GetWeightsByNameRequest(name="lm_head.weight", truncate_size=4)
+    before = stub.GetWeightsByName(read, timeout=30)
+    shm = shared_memory.SharedMemory(create=True, size=vocab * hidden * 4)
+    try:
+        def push(shape: list[int]) -> pb.UpdateWeightsResponse:
+            tensor = pb.SharedTensor(name="lm_head.weight", dtype="float32", shape=shape,
+                                     offset=0)
+            return stub.UpdateWeightsFromTensor(pb.UpdateWeightsFromTensorRequest(
+                shm_name=shm.name, tensors=[tensor]), timeout=60)
+
+        with pytest.raises(grpc.RpcError) as err:
+            push([vocab, hidden - 1])
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"the model's is [{vocab}, {hidden}]" in err.value.details()
+        resp = push([vocab, hidden])  # zeros: dropped, the embedding stays
+        assert resp.success, resp.message
+    finally:
+        shm.close()
+        shm.unlink()
+    after = stub.GetWeightsByName(read, timeout=30)
+    assert list(after.values) == list(before.values) and any(before.values)
