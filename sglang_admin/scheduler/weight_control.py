@@ -9,7 +9,9 @@ with FAILED_PRECONDITION until a refit succeeds. model_path and the version chan
 success; the prefix cache is flushed after a load when asked, since its KV was computed
 with the old weights.
 
-Memory release needs an idle rank; while anything is released, admission is held (new
+Releasing a tag that is already released, or resuming one that is not, is refused as SGLang
+refuses it, before anything moves (scheduler/memory_tags.py). Memory release needs an idle
+rank; while anything is released, admission is held (new
 requests wait, as while paused). Resuming the weights reloads them from the checkpoint they
 came from and checks them against the digest taken at release, so the worker serves exactly
 what it served before; weights that came from no checkpoint, or whose checkpoint changed
