@@ -11,8 +11,7 @@ with the old weights.
 
 Releasing a tag that is already released, or resuming one that is not, is refused as SGLang
 refuses it, before anything moves (scheduler/memory_tags.py). Memory release needs an idle
-rank; while anything is released, admission is held (new
-requests wait, as while paused). Resuming the weights reloads them from the checkpoint they
+rank; while anything is released, admission is held (new requests wait, as while paused). Resuming the weights reloads them from the checkpoint they
 came from and checks them against the digest taken at release, so the worker serves exactly
 what it served before; weights that came from no checkpoint, or whose checkpoint changed
 meanwhile, cannot be restored, and the rank refuses Generate until weights are pushed.
