@@ -24,8 +24,9 @@ serve: install
 test: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-# The file registers as "sglang_admin/common.proto" in the descriptor pool, so these stubs
-# load beside smg-grpc-proto's (whose file is "common.proto") in one process.
+# The file registers as "sglang_admin/common.proto" in the descriptor pool, but its package
+# (sglang.grpc.scheduler) is smg-grpc-proto's, so these stubs and smg's cannot be imported into
+# one process: the second import fails with "duplicate symbol" (tests/unit/test_proto.py).
 proto: install
 	rm -rf build/proto && mkdir -p build/proto/sglang_admin
 	cp protos/common.proto build/proto/sglang_admin/common.proto

@@ -128,7 +128,7 @@ class ServerArgs:
         a rank has two cores or more. A step's sequences are cut into lanes computed by
         threads of their own that block when done, so a core the server needs now and then
         costs a step only the time the server takes (OpenMP's threads spin on each other
-        instead: figures in docs/benchmarks.md)."""
+        instead: docs/cpu-performance.md)."""
         if self.cpu_lanes:
             return self.cpu_lanes
         return 1 if self.torch_threads else min(2, self.cores_per_rank)
@@ -138,7 +138,7 @@ class ServerArgs:
         """torch (OpenMP) threads of each lane: --torch-threads, else the rank's cores but
         one (left to the server) shared among its lanes, at least 1. More spinning threads
         than free cores make each wait on descheduled ones: a step then takes several times
-        longer (the figures are in docs/benchmarks.md)."""
+        longer (docs/cpu-performance.md)."""
         return self.torch_threads or max(1, (self.cores_per_rank - 1) // self.rank_lanes)
 
     def replace(self, **changes: Any) -> ServerArgs:

@@ -1,112 +1,26 @@
-"""Shared fixtures: real servers started as subprocesses, talked to through the stubs."""
+"""Shared fixtures: real servers started as subprocesses, talked to through the stubs.
+
+The helpers themselves live in ``sglang_admin.client.testing`` (tools import them from there);
+they are re-exported here for the tests that import them from ``tests.conftest``.
+"""
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from sglang_admin.pb import common_pb2 as pb
-from sglang_admin.pb import common_pb2_grpc as pb_grpc
+from sglang_admin.client.testing import (  # noqa: F401  (re-exported for the tests)
+    ServerProc,
+    free_port,
+    greedy,
+    run_generate,
+    start_server,
+    wait_serving,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class ServerProc:
-    """A worker running in a subprocess."""
-
-    proc: subprocess.Popen
-    port: int
-    log_path: Path
-    extra_args: list[str] = field(default_factory=list)
-
-    @property
-    def target(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def channel(self, **kw) -> grpc.Channel:
-        return grpc.insecure_channel(self.target, **kw)
-
-    def stub(self) -> pb_grpc.SglangSchedulerStub:
-        return pb_grpc.SglangSchedulerStub(self.channel())
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def children(self) -> list[int]:
-        out = subprocess.run(
-            ["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True
-        ).stdout
-        return [int(p) for p in out.split()]
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        return self.proc.returncode
-
-
-def wait_serving(target: str, proc: subprocess.Popen, timeout: float = 180, **chan_kw) -> None:
-    deadline = time.time() + timeout
-    with grpc.insecure_channel(target) if not chan_kw else chan_kw["make"]() as ch:
-        stub = health_pb2_grpc.HealthStub(ch)
-        while time.time() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}")
-            try:
-                resp = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
-                if resp.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.2)
-    raise TimeoutError(f"server at {target} not SERVING after {timeout}s")
-
-
-def start_server(
-    tmp_path: Path, *args: str, env: dict[str, str] | None = None, wait: bool = True,
-    port: int | None = None, make_channel=None,
-) -> ServerProc:
-    port = port or free_port()
-    log_path = tmp_path / f"server-{port}.log"
-    cmd = [sys.executable, "-m", "sglang_admin", "serve", "--port", str(port), *args]
-    full_env = {**os.environ, **(env or {})}
-    with open(log_path, "w") as log:  # the child keeps its own copy of the descriptor
-        proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=ROOT
-        )
-    server = ServerProc(proc, port, log_path, list(args))
-    if wait:
-        try:
-            if make_channel is None:
-                wait_serving(server.target, proc)
-            else:
-                wait_serving(server.target, proc, make=make_channel)
-        except Exception:
-            server.stop(signal.SIGKILL)
-            raise RuntimeError(f"server failed to start:\n{server.log()[-4000:]}") from None
-    return server
 
 
 @pytest.fixture(scope="session")
@@ -115,27 +29,3 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
     srv = start_server(tmp_path_factory.mktemp("server"), "--log-requests")
     yield srv
     srv.stop()
-
-
-def greedy(ids: list[int], n: int, **kw) -> pb.GenerateRequest:
-    """A greedy GenerateRequest that ignores EOS (fixed length)."""
-    return pb.GenerateRequest(
-        tokenized=pb.TokenizedInput(input_ids=ids),
-        sampling_params=pb.SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True),
-        **kw,
-    )
-
-
-def run_generate(stub: pb_grpc.SglangSchedulerStub, req: pb.GenerateRequest, **kw) -> tuple[list[int], pb.GenerateComplete]:
-    """Tokens and final message of one Generate call (streaming or not)."""
-    tokens: list[int] = []
-    complete = None
-    for resp in stub.Generate(req, **kw):
-        if resp.HasField("chunk"):
-            tokens.extend(resp.chunk.token_ids)
-        else:
-            complete = resp.complete
-    assert complete is not None
-    if not req.stream:
-        tokens = list(complete.output_ids)
-    return tokens, complete

@@ -356,6 +356,7 @@ def engine_tok_s(threads: int, output_len: int, seed: int) -> float:
 
 
 def bench(ns: argparse.Namespace) -> dict[str, Any]:
+    from sglang_admin.client.testing import free_port, start_server, wait_serving
     from sglang_admin.messages import (
         AdminReply,
         FlushCacheReq,
@@ -363,7 +364,6 @@ def bench(ns: argparse.Namespace) -> dict[str, Any]:
         StateReq,
         encode,
     )
-    from tests.conftest import free_port, start_server, wait_serving
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-admin-"))
     servers: dict[str, Any] = {}
@@ -532,7 +532,7 @@ def metrics_on_off(ns: argparse.Namespace, tmp: Path, servers: dict[str, Any],
                    prober: Prober, targets: dict[str, str],
                    log: Callable[[str], None]) -> dict[str, Any]:
     """Figure 7: the dp 1 worker against one with --enable-metrics, side by side."""
-    from tests.conftest import free_port, start_server
+    from sglang_admin.client.testing import free_port, start_server
 
     port = free_port()
     servers["metrics"] = srv = start_server(tmp, "--enable-metrics", "--metrics-port", str(port),

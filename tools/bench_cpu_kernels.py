@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from sglang_admin.messages import GenerateReq, SamplingParams  # noqa: E402
 from sglang_admin.model.cpu_kernels import CpuKernels, load_cpu_kernels  # noqa: E402
-from sglang_admin.model.llama import apply_rope  # noqa: E402
+from sglang_admin.model.rotary import apply_rope  # noqa: E402
 from sglang_admin.model.runner import ModelRunner  # noqa: E402
 from sglang_admin.scheduler.process import batch_inputs  # noqa: E402
 from sglang_admin.scheduler.scheduler import Scheduler, SchedulerConfig  # noqa: E402

@@ -90,8 +90,8 @@ def server_ttft(model_path: str | None) -> dict[str, float]:
     """TTFT of a 960-token-prefix request, then of a second one sharing the prefix."""
     import grpc
 
+    from sglang_admin.client.testing import free_port, start_server
     from sglang_admin.pb import common_pb2 as pb
-    from tests.conftest import free_port, start_server
 
     tmp = Path(__import__("tempfile").mkdtemp(prefix="bench-engine-"))
     args = ["--model-path", model_path] if model_path else []

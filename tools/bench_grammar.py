@@ -85,7 +85,7 @@ async def one_side(target: str, ns: argparse.Namespace, json_schema: str) -> dic
 
 
 def run(ns: argparse.Namespace) -> dict[str, Any]:
-    from tests.conftest import start_server
+    from sglang_admin.client.testing import start_server
 
     schema = json.dumps(SCHEMA)
     sides: dict[str, list[dict[str, Any]]] = {"unconstrained": [], "json_schema": []}

@@ -22,7 +22,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,7 @@ from pathlib import Path
 
 import grpc.aio
 
+from sglang_admin.client.testing import free_port
 from sglang_admin.pb import common_pb2 as pb
 from sglang_admin.pb import common_pb2_grpc as pb_grpc
 
@@ -64,12 +64,6 @@ def write_adapter(path: Path, cfg: dict, rank: int, seed: int) -> None:
         "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": TARGETS,
         "bias": "none", "lora_dropout": 0.0,
     }))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def one(stub: pb_grpc.SglangSchedulerStub, prompt: list[int], n: int, lora: str) -> int:

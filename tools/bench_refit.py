@@ -114,7 +114,7 @@ def flush(stub: pb_grpc.SglangSchedulerStub) -> float:
 
 
 def run(ns: argparse.Namespace) -> dict[str, Any]:
-    from tests.conftest import start_server
+    from sglang_admin.client.testing import start_server
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-refit-"))
     t_start = time.perf_counter()

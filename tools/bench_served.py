@@ -158,8 +158,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import grpc
 
+    from sglang_admin.client.testing import free_port, start_server
     from sglang_admin.pb import common_pb2 as pb
-    from tests.conftest import free_port, start_server
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-served-"))
     args = (["--model-path", ns.model_path] if ns.model_path else []) + ns.server_arg

@@ -147,7 +147,7 @@ def push_ours_per_tensor(stub: pb_grpc.SglangSchedulerStub, pusher: WeightPusher
 
 
 def run(ns: argparse.Namespace) -> dict[str, Any]:
-    from tests.conftest import free_port, start_server
+    from sglang_admin.client.testing import free_port, start_server
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-sync-"))
     t_start = time.perf_counter()

@@ -57,6 +57,7 @@ if str(ROOT) not in sys.path:
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from sglang_admin.client.testing import free_port
 from sglang_admin.pb import common_pb2 as pb
 from sglang_admin.pb import common_pb2_grpc as pb_grpc
 
@@ -139,12 +140,6 @@ def check_loopback(target: str) -> None:
 
 
 # ---------------------------------------------------------------------- the server
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class OwnServer:

@@ -9,43 +9,8 @@ client's own event loop thread), and :class:`~sglang_admin.client.fanout.FanOut`
 ``grpc.RpcError`` (``code()``/``details()``); a profile download whose bytes do not match
 the server's digest raises :class:`~sglang_admin.client.errors.DownloadError`.
 
-Adding an RPC to the client
----------------------------
-1. Write one ``async`` method on :class:`AsyncClient`: typed keyword arguments with
-   defaults (no ``**kwargs``), a docstring, the request built from them, and the call made
-   with ``**self._call_options()`` (deadline and ``authorization`` metadata). A
-   server-streaming RPC is an async generator method that cancels its call in ``finally``
-   (see :meth:`AsyncClient.generate`). Nothing else in this package changes: ``Client``
-   gets the blocking twin, ``FanOut`` can call it on many targets.
-2. Add one CLI subcommand: one ``Command`` entry in ``commands.COMMANDS`` (or, for the
-   RL refit surface, ``refit_commands.REFIT_COMMANDS``): its name, help,
-   ``"SglangScheduler/Method"``, an async call taking ``(client, namespace)``, a renderer,
-   the subcommand's own arguments and, optionally, a summary over all targets' answers.
-3. Mention it in the README's client section.
-
-Worked example, the ``PauseGeneration(mode)`` admin RPC (as it is written, in a little
-more detail, in this class and in ``refit_commands.py``)::
-
-    # client.py, in AsyncClient
-    async def pause_generation(self, mode: str = "abort") -> pb.PauseGenerationResponse:
-        \"\"\"PauseGeneration: stop admitting new work; ``mode`` says what running work does.\"\"\"
-        req = pb.PauseGenerationRequest(mode=mode)
-        return await self.stub.PauseGeneration(req, **self._call_options())
-
-    # commands.py, a renderer (how one target's answer reads) ...
-    def render_pause(resp: pb.PauseGenerationResponse) -> Outcome:
-        return Outcome(resp.success, resp.message or "paused", to_dict(resp))
-
-    # ... and one entry in COMMANDS
-    Command(
-        "pause", "pause generation on every rank", "SglangScheduler/PauseGeneration",
-        call=lambda client, ns: client.pause_generation(ns.mode),
-        render=render_pause,
-        arguments=lambda p: p.add_argument("--mode", default="abort"),
-    ),
-
-after which ``Client(target).pause_generation("retract")`` blocks and returns the response,
-and ``sglang-admin pause --target A --target B`` fans out.
+Adding an RPC (the client method and the CLI command included): the recipe and its worked
+example are in CONTRIBUTING.md, the one place they are written.
 """
 
 from __future__ import annotations

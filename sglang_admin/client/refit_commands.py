@@ -12,10 +12,10 @@ from typing import Any
 from sglang_admin.client.client import AsyncClient
 from sglang_admin.client.command_base import Command, Outcome, Summary, to_dict
 from sglang_admin.client.fanout import TargetResult
+from sglang_admin.constants import MEMORY_TAGS
 from sglang_admin.pb import common_pb2 as pb
 
 PAUSE_MODES = ("abort", "retract", "in_place")
-MEMORY_TAGS = ("kv_cache", "weights")
 SHOWN_VALUES = 8  # values of a parameter printed by get-weights (JSON has them all)
 
 

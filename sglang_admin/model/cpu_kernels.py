@@ -49,7 +49,7 @@ _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 # The prefill kernel reads a query token's keys once per token, where torch's flash attention
 # reuses them across a block of queries: at 8 heads of 32 dims, one thread, it is 1.45x-1.5x
-# torch at 256-512 new tokens, 1.05x at 1024 and 0.87x at 1536 (docs/benchmarks.md), so longer
+# torch at 256-512 new tokens, 1.05x at 1024 and 0.87x at 1536 (docs/changelog.md), so longer
 # chunks go to torch. It runs on one thread, so only where torch runs one thread too.
 EXTEND_MAX_TOKENS = 1024
 
@@ -107,7 +107,7 @@ class CpuKernels:
         return out
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """llama.apply_rope: x [T, H, D] (heads contiguous, any token stride), cos and signed
+        """rotary.apply_rope: x [T, H, D] (heads contiguous, any token stride), cos and signed
         sin [T, 1, D] contiguous -> a contiguous [T, H, D]."""
         tokens, heads, dim = x.shape
         if not (x.stride(2) == 1 and x.stride(1) == dim and dim % 2 == 0
@@ -196,7 +196,7 @@ class CpuKernels:
                      out_slots: torch.Tensor, batch: DecodeBatch) -> None:
         """One decoder layer of a decode step, in place on the residual stream x [M, hidden]:
         the new K/V are written at ``out_slots``, then attended with the batch's sequences.
-        cos/sin: llama.RotaryEmbedding's [M, 1, D]. The caller guarantees float32 CPU tensors,
+        cos/sin: rotary.RotaryEmbedding's [M, 1, D]. The caller guarantees float32 CPU tensors,
         contiguous, shaped as ``layer`` says (``LlamaForCausalLM`` checks once per step)."""
         rows = x.shape[0]
         heads, kv_heads, dim = layer.heads, layer.kv_heads, layer.head_dim

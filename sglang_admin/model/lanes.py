@@ -1,6 +1,6 @@
 """How a CPU step's work is cut up: sequences into lanes, decode sequences into groups.
 
-Pure arithmetic on lengths (no torch), used by model/runner.py:
+Pure arithmetic on lengths (no torch), used by model/batch.py:
 
 - a **lane** is a run of a step's sequences computed by a thread of its own at the same
   time as the others (``lane_cuts``);

@@ -11,7 +11,8 @@ import torch
 from safetensors import safe_open
 
 from sglang_admin.messages import ModelInfo
-from sglang_admin.model.llama import LlamaConfig, LlamaForCausalLM
+from sglang_admin.model.config import LlamaConfig
+from sglang_admin.model.llama import LlamaForCausalLM
 from sglang_admin.model.weight_names import UnknownWeightName, model_parameters, resolve
 
 _DTYPES: dict[str, torch.dtype] = {

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sglang_admin.model.llama import LlamaConfig, LlamaForCausalLM
+from sglang_admin.model.config import LlamaConfig
+from sglang_admin.model.llama import LlamaForCausalLM
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

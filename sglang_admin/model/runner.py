@@ -1,4 +1,5 @@
-"""ModelRunner: owns the model, the paged KV pool and the request-to-token table.
+"""ModelRunner: owns the model and the paged KV pool, and runs one step: prepare the batch
+(model/batch.py), run the model, sample.
 
 One ``forward_step`` runs one forward pass for a whole continuous batch (decode sequences
 and prefill chunks together) and samples one token for every sequence that asks for one.
@@ -16,29 +17,17 @@ import gc
 import logging
 import operator
 import time
-from array import array
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
 from sglang_admin.config import ATTENTION_BACKENDS
-from sglang_admin.messages import ARGMAX_NEVER, SamplingParams
-from sglang_admin.model.cpu_kernels import (
-    EXTEND_MAX_TOKENS,
-    CpuKernels,
-    DecodeBatch,
-    load_cpu_kernels,
-)
-from sglang_admin.model.grammar_mask import TokenMatcher, apply_grammar_masks
-from sglang_admin.model.host_index import StagingBuffer, host_table
-from sglang_admin.model.lanes import group_by_length, lane_cuts
-from sglang_admin.model.llama import (
-    AttentionMetadata,
-    DecodeGroup,
-    ExtendSeq,
-    LlamaForCausalLM,
-)
+from sglang_admin.model.batch import BatchBuilder, ForwardBatch
+from sglang_admin.model.cpu_kernels import CpuKernels, load_cpu_kernels
+from sglang_admin.model.grammar_mask import apply_grammar_masks
+from sglang_admin.model.hidden_extras import hidden_rows, input_logprobs
+from sglang_admin.model.llama import LlamaForCausalLM
 from sglang_admin.model.loader import (
     ModelLoadError,
     dtype_from_name,
@@ -46,67 +35,16 @@ from sglang_admin.model.loader import (
     load_model_info,
 )
 from sglang_admin.model.lora import LoraBuffers
-from sglang_admin.model.output_extras import hidden_rows, input_logprobs
 from sglang_admin.model.sampling import SampleRequest, SampleResult, sample
+from sglang_admin.model.step_io import InvalidSequence, SeqInput, SeqOutput
+
+__all__ = ["ForwardTimes", "InvalidSequence", "ModelRunner", "SeqInput", "SeqOutput"]
 
 logger = logging.getLogger(__name__)
 
 _CPU_KV_BUDGET_BYTES = 1 << 30
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 _CPU_MAX_TOKENS = 65536
-
-
-@dataclass(slots=True)
-class SeqInput:
-    """One sequence of a batch: its new tokens and where their K/V live."""
-
-    req_idx: int  # row in the request-to-token table, 0 <= req_idx < max_running_requests
-    prefix_len: int  # tokens of this sequence whose K/V already sit in the pool
-    token_ids: list[int]  # new tokens, at positions prefix_len .. prefix_len+len-1
-    table_start: int  # table_slots go to req_to_token[req_idx, table_start:...]
-    table_slots: list[int]  # after the write, row[:prefix_len+len(token_ids)] is the sequence
-    sampling: SamplingParams
-    prompt_ids: list[int]  # the prompt (repetition penalty); not copied
-    output_ids: list[int]  # generated so far (penalties, min_new_tokens)
-    sample: bool = True  # False: a non-final prefill chunk, produce no token
-    return_logprob: bool = False
-    top_logprobs_num: int = 0
-    lora_slot: int = -1  # the LoRA adapter's slot (model/lora.py); -1: the base model
-    logprob_start_len: int = -1  # >= 0: logprobs of prompt[logprob_start_len:] (prefill)
-    token_ids_logprob: list[int] | None = None  # logprobs of these ids (return_logprob)
-    return_hidden_states: bool = False
-    grammar: TokenMatcher | None = None  # constrained decoding: masks the sampled logits
-    # from this output length on, the token is the logits' argmax and nothing else is asked
-    # (ARGMAX_NEVER: never); None: worked out from the fields above (the scheduler passes its
-    # request's, worked out once)
-    argmax_from: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.argmax_from is None:
-            self.argmax_from = (
-                ARGMAX_NEVER if (self.grammar is not None or self.return_hidden_states
-                                 or self.logprob_start_len >= 0)
-                else self.sampling.argmax_from(self.return_logprob or self.top_logprobs_num > 0))
-
-
-@dataclass(slots=True)
-class SeqOutput:
-    """The token sampled for one sequence, with its logprobs when asked for.
-
-    ``error`` set: this sequence failed on its own (its sampling parameters left no token:
-    ``error_code`` INVALID_ARGUMENT; sampling raised: INTERNAL); ``token_id`` is then
-    meaningless and the request must end with that error.
-    """
-
-    token_id: int
-    logprob: float | None = None
-    top_logprobs: list[tuple[int, float]] | None = None
-    error: str | None = None
-    error_code: str | None = None
-    # see model/output_extras.py; token_id is meaningless on a sequence that did not sample
-    input_logprobs: list[tuple[int, float | None, list[tuple[int, float]]]] | None = None
-    token_ids_logprobs: list[tuple[int, float]] | None = None
-    hidden_state: list[float] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,13 +54,6 @@ class ForwardTimes:
     model: float = 0.0
     sample: float = 0.0
 
-
-class InvalidSequence(ValueError):
-    """A sequence of a batch is invalid; ``index`` says which (nothing was run)."""
-
-    def __init__(self, index: int, message: str) -> None:
-        super().__init__(message)
-        self.index = index
 
 
 def resolve_device(device: str) -> torch.device:
@@ -199,23 +130,6 @@ class ModelRunner:
         self.k_caches: list[torch.Tensor] = []
         self.v_caches: list[torch.Tensor] = []
         self._allocate_kv()
-        # CPU: the table is written from Python and the step's index tensors are views of
-        # one persistent buffer (model/host_index.py); CUDA copies them to the device
-        self._table_words: memoryview | None = None
-        self._staging: StagingBuffer | None = None
-        if self.device.type == "cpu":
-            self.req_to_token, self._table_words = host_table(max_running_requests,
-                                                              self.context_length)
-            self._staging = StagingBuffer()
-        else:
-            self.req_to_token = torch.zeros(
-                max_running_requests, self.context_length, dtype=torch.int64, device=self.device
-            )
-        self._arange = torch.arange(self.context_length, device=self.device)
-        self._table_dirty = False  # written since the last reset (a flush of an idle pool skips it)
-        # CPU only: persistent scratch for gathered K/V rows (CUDA's caching allocator
-        # already reuses memory; on CPU fresh multi-megabyte buffers cost page faults)
-        self._scratch: list[tuple[torch.Tensor, torch.Tensor] | None] = []  # one per lane
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         # CPU: a step's sequences are cut into this many lanes, each computed by a thread of
@@ -228,9 +142,15 @@ class ModelRunner:
         self.cpu_kernels = self._cpu_kernels(attention_backend)
         self.model.use_cpu_kernels(self.cpu_kernels)
         # whether prefill chunks may go through the kernel (this build, this head size)
-        self._extend_kernel = (self.cpu_kernels is not None
-                               and self.cpu_kernels.extend_applies(self.model.config.head_dim))
-        self._score_scratch: list[torch.Tensor | None] = []  # one per lane
+        extend_kernel = (self.cpu_kernels is not None
+                         and self.cpu_kernels.extend_applies(cfg.head_dim))
+        # the request-to-token table and the step's index tensors (model/batch.py)
+        self.batches = BatchBuilder(
+            device=self.device, dtype=self.dtype, max_running_requests=max_running_requests,
+            context_length=self.context_length, token_capacity=self.token_capacity,
+            sliding_window=self.sliding_window, num_heads=cfg.num_heads,
+            kv_width=cfg.num_kv_heads * cfg.head_dim, cpu_kernels=self.cpu_kernels,
+            extend_kernel=extend_kernel, lanes=self.lanes)
         self.last_times = ForwardTimes()  # the last forward_step's split, for step_timing
         logger.info(
             "model %s loaded: %s on %s, %.1f MiB weights, KV pool %d tokens (%.1f MiB)",
@@ -256,17 +176,6 @@ class ModelRunner:
             logger.info("CPU kernels: %s", kernel.path)
         return kernel
 
-    def _scores_scratch(self, lane: int, length: int) -> torch.Tensor:
-        """Lane ``lane``'s scratch for the decode kernel's scores (grown, never shrunk)."""
-        while len(self._score_scratch) <= lane:
-            self._score_scratch.append(None)
-        need = self.model.config.num_heads * length
-        have = self._score_scratch[lane]
-        if have is None or have.numel() < need:
-            have = torch.empty(max(need, 2 * (have.numel() if have is not None else 0)))
-            self._score_scratch[lane] = have
-        return have
-
     def _default_token_capacity(self, per_token: int) -> int:
         if self.device.type == "cuda":
             free, _total = torch.cuda.mem_get_info(self.device)
@@ -276,21 +185,6 @@ class ModelRunner:
                 raise ModelLoadError("not enough free GPU memory for a KV cache")
             return int(tokens)
         return int(min(_CPU_MAX_TOKENS, _CPU_KV_BUDGET_BYTES // per_token))
-
-    def _gather_scratch(self, lane: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Lane ``lane``'s scratch for gathered K and V rows, at least ``rows`` rows (grown,
-        never shrunk)."""
-        while len(self._scratch) <= lane:
-            self._scratch.append(None)
-        have = self._scratch[lane]
-        if have is None or have[0].shape[0] < rows:
-            cfg = self.model.config
-            cap = max(rows, 2 * have[0].shape[0] if have is not None else 0)
-            shape = (cap, cfg.num_kv_heads * cfg.head_dim)
-            have = (torch.empty(shape, dtype=self.dtype, device=self.device),
-                    torch.empty(shape, dtype=self.dtype, device=self.device))
-            self._scratch[lane] = have
-        return have
 
     def _allocate_kv(self) -> None:
         """The KV pool: one allocation; per-layer K and V are contiguous views of it."""
@@ -318,7 +212,7 @@ class ModelRunner:
             return 0
         self._kv = None
         self.k_caches, self.v_caches = [], []
-        self._scratch = []
+        self.batches.drop_scratch()
         self.reset()
         _return_memory(self.device)
         return self.kv_cache_bytes
@@ -343,9 +237,12 @@ class ModelRunner:
 
     def reset(self) -> None:
         """Forget every sequence's slots (cache flush); the KV tensors are left as they are."""
-        if self._table_dirty:
-            self.req_to_token.zero_()
-            self._table_dirty = False
+        self.batches.reset()
+
+    @property
+    def req_to_token(self) -> torch.Tensor:
+        """[max_running_requests, context_length]: the pool slot of each sequence's positions."""
+        return self.batches.req_to_token
 
     # ------------------------------------------------------------ one step
 
@@ -372,155 +269,46 @@ class ModelRunner:
             with torch.profiler.record_function(label):  # a profile's step names
                 return self._forward_step(seqs, decode, extend)
 
-    def _check(self, seqs: list[SeqInput], s: SeqInput) -> None:
-        """:meth:`_validate` s; InvalidSequence (with s's index in seqs) when it fails."""
-        try:
-            self._validate(s)
-        except ValueError as exc:
-            index = next(i for i, x in enumerate(seqs) if x is s)
-            raise InvalidSequence(index, str(exc)) from None
-
-    def _validate(self, s: SeqInput) -> None:
-        n = len(s.token_ids)
-        if n == 0:
-            raise ValueError("a sequence with no new tokens")
-        if not 0 <= s.req_idx < self.max_running_requests:
-            raise ValueError(f"req_idx {s.req_idx} out of range [0, {self.max_running_requests})")
-        if s.prefix_len < 0 or s.prefix_len + n > self.context_length:
-            raise ValueError(
-                f"sequence length {s.prefix_len + n} exceeds context length {self.context_length}"
-            )
-        if s.table_slots:
-            if s.table_start < 0 or s.table_start + len(s.table_slots) > self.context_length:
-                raise ValueError("table_slots do not fit the request-to-token row")
-            if min(s.table_slots) < 0 or max(s.table_slots) > self.token_capacity:
-                raise ValueError(f"a KV slot outside [0, {self.token_capacity}]")
-
     def _forward_step(self, seqs: list[SeqInput], decode: list[SeqInput],
                       extend: list[SeqInput]) -> list[SeqOutput | None]:
-        rows, ctx, capacity = self.max_running_requests, self.context_length, self.token_capacity
-        # torch's attention pads a group of decode sequences to its longest: shortest first
-        if self.cpu_kernels is None:
-            decode.sort(key=lambda s: s.prefix_len)
-        ordered = decode + extend
-        nd = len(decode)
-
-        # ---- host-side index lists, shipped to the device in one tensor; each sequence is
-        # checked as it is read (InvalidSequence, before any device work)
-        input_ids: list[int] = []
-        positions: list[int] = []
-        token_cells: list[int] = []  # req_idx * ctx + position of every new token
-        table_cells: list[int] = []
-        table_vals: list[int] = []
-        select: list[int] = []  # flat index of the token whose logits are sampled
-        sampled: list[SeqInput] = []
-        offsets: list[int] = []  # flat index of each ordered sequence's first token
-        offset = 0
-        for s in ordered:
-            n = len(s.token_ids)
-            p = s.prefix_len
-            base = s.req_idx * ctx
-            slots = s.table_slots
-            if n == 1:  # a decode sequence: one of each (most sequences of most steps)
-                # _validate's checks inline, for a decode sequence with at most its own slot
-                if not (0 <= s.req_idx < rows and 0 < p < ctx
-                        and (not slots or (len(slots) == 1 and 0 <= slots[0] <= capacity
-                                           and 0 <= s.table_start < ctx))):
-                    self._check(seqs, s)
-                input_ids.append(s.token_ids[0])
-                positions.append(p)
-                token_cells.append(base + p)
-                if len(slots) == 1:
-                    table_cells.append(base + s.table_start)
-                    table_vals.append(slots[0])
-                    slots = None
-            else:
-                self._check(seqs, s)
-                input_ids.extend(s.token_ids)
-                positions.extend(range(p, p + n))
-                token_cells.extend(range(base + p, base + p + n))
-            if slots:
-                start = base + s.table_start
-                table_cells.extend(range(start, start + len(slots)))
-                table_vals.extend(slots)
-            offsets.append(offset)
-            offset += n
-            if s.sample:
-                select.append(offset - 1)
-                sampled.append(s)
-        offsets.append(offset)  # the end of the last sequence
-        dec_rows = [s.req_idx for s in decode]
-        dec_lens = [s.prefix_len + 1 for s in decode]
-        ext_len = max((s.prefix_len + len(s.token_ids) for s in extend), default=0)
-        # the sliding window only matters once some query sits at or past it
-        window = self.sliding_window
-        if window is not None and max(ext_len, max(dec_lens, default=0)) <= window:
-            window = None
-        parts = [input_ids, positions, token_cells, table_cells, table_vals, select,
-                 dec_rows, dec_lens]
-        if self._staging is not None:
-            (t_ids, t_pos, t_cells, t_tcells, t_tvals, t_select, t_dec_rows,
-             t_dec_lens) = self._staging.load(parts)
-        else:
-            flat: list[int] = []
-            for part in parts:
-                flat.extend(part)
-            # from an int64 array: a fifth of torch.tensor's cost for a list of Python ints
-            packed = torch.frombuffer(array("q", flat), dtype=torch.int64)
-            (t_ids, t_pos, t_cells, t_tcells, t_tvals, t_select, t_dec_rows,
-             t_dec_lens) = packed.to(self.device, non_blocking=True).split(
-                 [len(part) for part in parts])
-        # a decode step: every new token's slot is the one just written to its table cell
-        # (no lookup in the table)
-        slots_written = t_tvals if table_cells == token_cells else None
-        if table_cells:
-            words = self._table_words
-            if words is not None:
-                for cell, slot in zip(table_cells, table_vals):
-                    words[cell] = slot
-            else:
-                self.req_to_token.view(-1).index_copy_(0, t_tcells, t_tvals)
-            self._table_dirty = True
-
-        # ---- attention metadata per lane, once for all layers
-        lanes = self._split_lanes(ordered) if self.lora is None else [(0, len(ordered))]
-        if len(lanes) == 1:  # the whole step (every decode step): no slicing
-            metas = [self._metadata(extend, t_cells, slots_written, t_dec_rows, t_dec_lens,
-                                    dec_lens, window, 0)]
-        else:
-            metas = []
-            for i, (a, b) in enumerate(lanes):
-                da, db = min(a, nd), min(b, nd)  # the lane's decode sequences
-                metas.append(self._metadata(
-                    ordered[max(a, nd) : b], t_cells[offsets[a] : offsets[b]],
-                    None if slots_written is None else slots_written[offsets[a] : offsets[b]],
-                    t_dec_rows[da:db], t_dec_lens[da:db], dec_lens[da:db], window, i))
+        """Prepare the batch, run the model, sample (see :meth:`forward_step`)."""
+        batch = self.batches.prepare(seqs, decode, extend, one_lane=self.lora is not None)
         if self.lora is not None:  # which adapter each token runs with
-            self.lora.prepare([s.lora_slot for s in ordered for _ in range(len(s.token_ids))])
-
+            self.lora.prepare([s.lora_slot for s in batch.ordered for _ in range(len(s.token_ids))])
         t_model = time.perf_counter()
-        hidden = self._run_lanes(lanes, offsets, t_ids, t_pos, metas)
+        hidden = self._run_lanes(batch)
+        sampled = batch.sampled
         if not sampled:
             self.last_times = ForwardTimes(model=time.perf_counter() - t_model)
-            return self._with_extras({}, seqs, [], ordered, offsets, hidden, t_select)
-        every_row = len(select) == offset  # one token per sequence, all sampled
-        sampled_hidden = hidden if every_row else hidden.index_select(0, t_select)
-        logits = self.model.compute_logits(sampled_hidden)
+            return self._with_extras({}, seqs, batch, hidden)
+        logits = self.model.compute_logits(
+            hidden if batch.every_row else hidden.index_select(0, batch.select))
         if self.device.type == "cuda":  # sampling reads the tokens back anyway: no loss
             torch.cuda.synchronize(self.device)
         t_sample = time.perf_counter()
         if all([len(s.output_ids) >= s.argmax_from for s in sampled]):
-            # sample()'s answer, without building its requests
-            tokens = (self.cpu_kernels.argmax(logits)
-                      if self.cpu_kernels is not None and logits.is_contiguous()
-                      else logits.argmax(dim=-1).tolist())
-            outs = [SeqOutput(token) for token in tokens]
+            outs = self._argmax(logits)
             self.last_times = ForwardTimes(model=t_sample - t_model,
                                            sample=time.perf_counter() - t_sample)
             if len(sampled) == len(seqs) and all(map(operator.is_, sampled, seqs)):
                 return outs  # type: ignore[return-value]  # all sampled, in order: decode
             by_seq = {id(s): out for s, out in zip(sampled, outs)}
-            return self._with_extras(by_seq, seqs, sampled, ordered, offsets, hidden, t_select)
+        else:
+            by_seq = self._sample_batch(logits, sampled)
+            self.last_times = ForwardTimes(model=t_sample - t_model,
+                                           sample=time.perf_counter() - t_sample)
+        return self._with_extras(by_seq, seqs, batch, hidden)
+
+    def _argmax(self, logits: torch.Tensor) -> list[SeqOutput]:
+        """sample()'s answer when every row is greedy, without building its requests."""
+        tokens = (self.cpu_kernels.argmax(logits)
+                  if self.cpu_kernels is not None and logits.is_contiguous()
+                  else logits.argmax(dim=-1).tolist())
+        return [SeqOutput(token) for token in tokens]
+
+    def _sample_batch(self, logits: torch.Tensor,
+                      sampled: list[SeqInput]) -> dict[int, SeqOutput]:
+        """Grammar masks, then sampling; each sampled sequence's output by its id()."""
         grammar_failed = apply_grammar_masks(logits, [s.grammar for s in sampled])
         reqs = [
             SampleRequest(s.sampling, s.prompt_ids, s.output_ids, s.return_logprob,
@@ -532,84 +320,18 @@ class ModelRunner:
             by_seq[id(s)] = out
         for row, reason in grammar_failed.items():
             by_seq[id(sampled[row])] = SeqOutput(0, error=reason, error_code="INTERNAL")
-        self.last_times = ForwardTimes(model=t_sample - t_model,
-                                       sample=time.perf_counter() - t_sample)
-        return self._with_extras(by_seq, seqs, sampled, ordered, offsets, hidden, t_select)
+        return by_seq
 
     def _split_lanes(self, ordered: list[SeqInput]) -> list[tuple[int, int]]:
-        """The ordered sequences cut into lanes (model/lanes.py's ``lane_cuts``); one run when
-        lanes are off or the step is decode only: each half of a split decode step streams all
-        the weights and pays the step's fixed cost again, and the second lane shares its core
-        with the server's messages; served, that was slower than one lane
-        (docs/benchmarks.md)."""
-        if self.lanes <= 1 or len(ordered) < 2 or len(ordered[-1].token_ids) == 1:
-            return [(0, len(ordered))]  # decode only (extend sequences come last)
-        return lane_cuts([(len(s.token_ids), s.prefix_len) for s in ordered], self.lanes)
+        """See :meth:`BatchBuilder.split_lanes`."""
+        return self.batches.split_lanes(ordered)
 
-    def _metadata(self, extend: list[SeqInput], cells: torch.Tensor,
-                  out_slots: torch.Tensor | None, dec_rows: torch.Tensor,
-                  t_dec_lens: torch.Tensor, dec_lens: list[int], window: int | None,
-                  lane: int) -> AttentionMetadata:
-        """The attention metadata of one lane: its decode sequences (their table rows and
-        lengths) first, then its extend sequences; ``cells`` are its new tokens' table cells,
-        ``out_slots`` their pool slots when the caller knows them (else read from the table)."""
-        table = self.req_to_token
-        if out_slots is None:
-            out_slots = table.view(-1).index_select(0, cells)
-        meta = AttentionMetadata(out_slots=out_slots)
-        nd = len(dec_lens)
-        meta.num_decode = nd
-        gathered = 0  # the most pool rows one group or extend sequence gathers
-        if self.cpu_kernels is not None and nd:  # the kernel reads the table itself
-            longest = max(dec_lens)
-            meta.decode_batch = DecodeBatch(self.cpu_kernels, table, dec_rows, t_dec_lens,
-                                            longest, self._scores_scratch(lane, longest))
-        groups = group_by_length(dec_lens) if self.cpu_kernels is None else []
-        for a, b in groups:
-            length = dec_lens[b - 1]  # the lengths are ascending (sorted for torch's path)
-            group = DecodeGroup(a, b - a, length,
-                                table[:, :length].index_select(0, dec_rows[a:b]).reshape(-1))
-            keys = self._arange[:length].unsqueeze(0)
-            lens = t_dec_lens[a:b].unsqueeze(1)
-            if dec_lens[a] != length:
-                group.mask = (keys < lens).view(b - a, 1, 1, length)
-            if window is not None:
-                swa = (keys < lens) & (keys >= lens - window)
-                group.swa_mask = swa.view(b - a, 1, 1, length)
-            meta.decode_groups.append(group)
-            gathered = max(gathered, (b - a) * length)
-        # each extend sequence attends on its own, unpadded (see ExtendSeq); through the
-        # prefill kernel (one thread, reading the pool through the table) where it is faster
-        # than torch's: chunks up to EXTEND_MAX_TOKENS, and torch on one thread as well
-        kernel_extend = self._extend_kernel and torch.get_num_threads() == 1
-        start = 0
-        for s in extend:
-            p, n = s.prefix_len, len(s.token_ids)
-            seq = ExtendSeq(start, n)
-            meta.extend_seqs.append(seq)
-            start += n
-            if kernel_extend and n <= EXTEND_MAX_TOKENS:  # no masks or gathers to build
-                seq.slots, seq.prefix = table[s.req_idx, : p + n], p
-                continue
-            in_window = window is not None and p + n > window
-            if p or in_window:
-                qpos = self._arange[p : p + n].unsqueeze(1)  # [n, 1]
-                keys = self._arange[: p + n].unsqueeze(0)
-                causal = keys <= qpos
-                if p:
-                    seq.kv_index = table[s.req_idx, : p + n]
-                    seq.mask = causal.view(1, 1, n, p + n)
-                    gathered = max(gathered, p + n)
-                if in_window:
-                    seq.swa_mask = (causal & (keys > qpos - window)).view(1, 1, n, p + n)
-        if self.device.type == "cpu" and gathered:
-            meta.gather_k, meta.gather_v = self._gather_scratch(lane, gathered)
-        return meta
-
-    def _run_lanes(self, lanes: list[tuple[int, int]], offsets: list[int], ids: torch.Tensor,
-                   positions: torch.Tensor, metas: list[AttentionMetadata]) -> torch.Tensor:
+    def _run_lanes(self, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states of every new token: one forward per lane, lanes past the first on
         the lane threads while this thread computes the first; joined in token order."""
+        lanes, offsets, metas = batch.lanes, batch.offsets, batch.metas
+        ids, positions = batch.input_ids, batch.positions
+
         def run(i: int) -> torch.Tensor:
             a, b = offsets[lanes[i][0]], offsets[lanes[i][1]]
             return self.model(ids[a:b], positions[a:b], metas[i], self.k_caches, self.v_caches)
@@ -651,19 +373,19 @@ class ModelRunner:
         return [_seq_output(result, i) for i in range(len(reqs))]
 
     def _with_extras(self, by_seq: dict[int, SeqOutput], seqs: list[SeqInput],
-                     sampled: list[SeqInput], ordered: list[SeqInput], offsets: list[int],
-                     hidden: torch.Tensor, select: torch.Tensor) -> list[SeqOutput | None]:
+                     batch: ForwardBatch, hidden: torch.Tensor) -> list[SeqOutput | None]:
         """The step's outputs in ``seqs`` order, with what some sequences asked for beside
-        the token: hidden states of sampled rows and prompt logprobs (model/output_extras.py;
+        the token: hidden states of sampled rows and prompt logprobs (model/hidden_extras.py;
         a sequence that sampled nothing gets an output only for its prompt logprobs)."""
+        ordered, sampled = batch.ordered, batch.sampled
         if not any(s.return_hidden_states or s.logprob_start_len >= 0 for s in ordered):
             return [by_seq.get(id(s)) for s in seqs]
         if any(s.return_hidden_states for s in sampled):
             wanted = [s.return_hidden_states for s in sampled]
-            for s, state in zip(sampled, hidden_rows(self.model, hidden, select, wanted)):
+            for s, state in zip(sampled, hidden_rows(self.model, hidden, batch.select, wanted)):
                 by_seq[id(s)].hidden_state = state
         if any(s.logprob_start_len >= 0 for s in ordered):
-            for key, entries in input_logprobs(self.model, hidden, ordered, offsets).items():
+            for key, entries in input_logprobs(self.model, hidden, ordered, batch.offsets).items():
                 by_seq.setdefault(key, SeqOutput(-1)).input_logprobs = entries
         return [by_seq.get(id(s)) for s in seqs]
 

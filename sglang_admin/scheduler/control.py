@@ -7,8 +7,9 @@ on and the message; it answers an admin message exactly once, now (:meth:`Rank.r
 when a future resolves (:meth:`Rank.reply_when_done`), or from a callback that the rank's
 :class:`~sglang_admin.scheduler.quiesce.Quiesce` runs once the rank is drained.
 
-Adding a rank-side op: a message in messages.py's registry, a handler in its domain
-module's ``HANDLERS``. Nothing in the loop changes.
+Adding a rank-side op (a message in messages/types.py and in the codec's registry in
+messages/codec.py, a handler in its domain module's ``HANDLERS``; nothing in the loop
+changes): the recipe is in CONTRIBUTING.md.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from sglang_admin.scheduler.scheduler import Scheduler
 
 if TYPE_CHECKING:
     from sglang_admin.model.runner import ModelRunner
-    from sglang_admin.scheduler.weight_groups import WeightSync
+    from sglang_admin.scheduler.weight_groups import WeightGroups
 
 
 class Rank(Protocol):
@@ -49,7 +50,7 @@ class Rank(Protocol):
     weights_source: str | None  # the checkpoint the live weights came from (None: tensors)
     weights_valid: bool  # False after an update that failed part-way
     released_digest: str | None  # digest of the weights while they are released (else None)
-    weight_sync: WeightSync  # a trainer's process groups
+    weight_sync: WeightGroups  # a trainer's process groups
     trace_ids: dict[str, str]  # request id -> its caller's trace id (--log-requests)
     running: bool
 

@@ -142,15 +142,6 @@ class XGrammarBackend:
                 )
             return self._compiler
 
-    def warm(self) -> bool:
-        """Build the compiler now (imports xgrammar); False when this rank cannot compile
-        (the reason comes back with each constrained request)."""
-        try:
-            self._get_compiler()
-        except GrammarUnavailable:
-            return False
-        return True
-
     def compile(self, kind: str, text: str) -> Any:
         """The compiled grammar; raises :class:`GrammarError` with the compiler's message."""
         compiler = self._get_compiler()

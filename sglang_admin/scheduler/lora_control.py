@@ -12,6 +12,7 @@ import logging
 from concurrent.futures import Future
 from typing import Any
 
+from sglang_admin.constants import LORA_NOT_ENABLED
 from sglang_admin.messages import (
     ListLoraReq,
     LoadLoraReq,
@@ -25,7 +26,6 @@ from sglang_admin.scheduler.lora_registry import Adapter, LoraRegistry
 
 logger = logging.getLogger(__name__)
 
-NOT_ENABLED = "LoRA is not enabled on this worker (start it with --enable-lora)"
 
 
 def setup_lora(rank: Any) -> LoraRegistry | None:
@@ -67,7 +67,7 @@ def _fail(rank: Rank, msg: Any, text: str, code: str) -> None:
 def on_load(rank: Rank, msg: LoadLoraReq) -> None:
     registry: LoraRegistry | None = getattr(rank, "lora", None)
     if registry is None:
-        _fail(rank, msg, NOT_ENABLED, "FAILED_PRECONDITION")
+        _fail(rank, msg, LORA_NOT_ENABLED, "FAILED_PRECONDITION")
         return
     try:
         slot, evict = registry.plan_load(msg.lora_id, msg.lora_name, msg.pinned)
@@ -98,7 +98,7 @@ def on_load(rank: Rank, msg: LoadLoraReq) -> None:
 def on_unload(rank: Rank, msg: UnloadLoraReq) -> None:
     registry: LoraRegistry | None = getattr(rank, "lora", None)
     if registry is None:
-        _fail(rank, msg, NOT_ENABLED, "FAILED_PRECONDITION")
+        _fail(rank, msg, LORA_NOT_ENABLED, "FAILED_PRECONDITION")
         return
     adapter = registry.find(msg.lora_id, msg.lora_name)
     if adapter is None:
@@ -124,7 +124,7 @@ def on_unload(rank: Rank, msg: UnloadLoraReq) -> None:
 def on_list(rank: Rank, msg: ListLoraReq) -> None:
     registry: LoraRegistry | None = getattr(rank, "lora", None)
     if registry is None:
-        _fail(rank, msg, NOT_ENABLED, "FAILED_PRECONDITION")
+        _fail(rank, msg, LORA_NOT_ENABLED, "FAILED_PRECONDITION")
         return
     rank.reply(msg, True, "", LoraResult(_infos(registry)))
 

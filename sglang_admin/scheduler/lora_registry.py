@@ -19,16 +19,14 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-# tokens are < 2**32 (uint32 on the wire); the namespace takes the bits above
-NAMESPACE_SHIFT = 32
-TOKEN_MASK = (1 << NAMESPACE_SHIFT) - 1
+from sglang_admin.constants import LORA_NAMESPACE_SHIFT
 
 
 def cache_key(tokens: list[int], namespace: int) -> list[int]:
     """The radix cache key of a token sequence under a namespace (0: the base model)."""
     if not namespace:
         return tokens
-    high = namespace << NAMESPACE_SHIFT
+    high = namespace << LORA_NAMESPACE_SHIFT
     return [t | high for t in tokens]
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
-MEMORY_TAGS = ("kv_cache", "weights")
+from sglang_admin.constants import MEMORY_TAGS
 
 
 def release_refusal(released: Collection[str], tags: Sequence[str]) -> str | None:

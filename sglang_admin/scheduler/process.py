@@ -60,12 +60,12 @@ def handler_table() -> dict[type, Handler]:
         lora_control,
         profile_control,
         weight_control,
-        weight_sync,
+        weight_sync_control,
     )
 
     table: dict[type, Handler] = {}
     for module in (control, generation_control, cache_control, profile_control, weight_control,
-                   lora_control, weight_sync):
+                   lora_control, weight_sync_control):
         table.update(module.HANDLERS)
     return table
 
@@ -142,7 +142,8 @@ def batch_inputs(batch: Batch) -> list[SeqInput]:
         req = sp.req
         prompt = req.prompt_ids
         start, end = sp.start, sp.end
-        # positional, in SeqInput's field order (a decode step builds one per request)
+        # positional, in SeqInput's field order: a decode step builds one per request, and
+        # keywords cost ~2 us more each (test_rank_loop.py pins every field's value)
         inputs.append(SeqInput(
             req.req_idx, start, req.tokens(start, end), sp.table_start,
             req.slots[sp.table_start : end], req.sampling, prompt, req.output_ids, sp.sample,
@@ -169,7 +170,7 @@ class RankLoop:
 
         from sglang_admin.model.runner import ModelRunner, keep_freed_cpu_memory
         from sglang_admin.scheduler.profiler import Profiler
-        from sglang_admin.scheduler.weight_groups import WeightSync
+        from sglang_admin.scheduler.weight_groups import WeightGroups
 
         self.args, self.rank, self.inbox, self.outbox = args, rank, inbox, outbox
         self.parent_pid = parent_pid
@@ -234,7 +235,7 @@ class RankLoop:
         self.weights_source: str | None = info.model_path
         self.weights_valid = True
         self.released_digest: str | None = None
-        self.weight_sync = WeightSync()  # a trainer's process groups (scheduler/weight_sync.py)
+        self.weight_sync = WeightGroups()  # a trainer's process groups (scheduler/weight_sync_control.py)
         self.last_state = self.state()
         self.send(ReadyMsg(rank, os.getpid(), info, self.last_state))
         logger.info(

@@ -1,4 +1,8 @@
-"""Rank-side handlers of StartProfile and StopProfile (the Profiler does the work)."""
+"""Rank-side handlers of StartProfile and StopProfile (the Profiler does the work).
+
+Profiling is spread over several modules; their map is in ``scheduler/profile_export.py``'s
+docstring.
+"""
 
 from __future__ import annotations
 

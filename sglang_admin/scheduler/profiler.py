@@ -25,44 +25,44 @@ StopProfile arrives or when it stops by itself after ``num_steps`` forward steps
   has recorded that many forward steps stops by itself; the reason is logged and returned
   by the next StopProfile, with the files.
 - Export off the loop: a session is stopped on the loop's thread (torch requires it), and
-  its trace is written by the profiler's export thread; StopProfile's answer is a Future
-  that resolves once the files are on disk, so the rank keeps serving meanwhile. torch's
-  exporter holds the GIL for its whole run (a second or more with stacks), so the export
-  thread has it run in a forked child (``trace_export``): run on the thread itself, it
-  stopped the loop and the heartbeat for as long. A written session is freed by
-  refcounting (:func:`_free`), not by a full collection, which held the GIL ~0.3 s.
-  Segments are joined into the session's one file by a child process (``trace_join``):
-  the JSON parse holds the GIL for seconds, which on the export thread stalled the loop
-  (HealthCheck unanswered during a StopProfile under load).
+  its trace is written by the export thread of ``scheduler/profile_export.py`` (which says
+  why forked children write and join the traces); StopProfile's answer is a Future that
+  resolves once the files are on disk, so the rank keeps serving meanwhile.
+
+This module is the state machine (when sessions start, segment and stop); where the rest of
+profiling lives, end to end, is listed in ``scheduler/profile_export.py``'s docstring.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import logging
 import os
-import subprocess
-import sys
-import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from sglang_admin.config import is_inside
+from sglang_admin.constants import (
+    DEFAULT_PROFILE_ACTIVITIES,
+    PROFILE_STAGE_NAMES,
+    profile_file_base,
+)
 from sglang_admin.messages import PROFILE_STOPPED_BY_ITSELF, ProfileStopResult
-from sglang_admin.scheduler import trace_export, trace_join
+from sglang_admin.scheduler.profile_export import (
+    ProfileRun,
+    TraceExporter,
+    free_session,
+    part_path,
+    remove_files,
+)
 
 logger = logging.getLogger(__name__)
 
 ALREADY_RUNNING = "Profiling is already in progress. Call /stop_profile first."
 NOT_RUNNING = "Profiling is not in progress. Call /start_profile first."
-DEFAULT_ACTIVITIES = ("CPU", "GPU")
-# Our stage names -> SGLang's ForwardMode names used in file names.
-STAGE_NAMES = {"prefill": "EXTEND", "decode": "DECODE"}
 MEM_HISTORY_MAX_ENTRIES = 100_000
 # A session's torch.profiler is stopped and restarted every this many forward steps: stopping
 # costs the loop thread time in proportion to what was recorded (torch post-processes the
@@ -71,57 +71,6 @@ MEM_HISTORY_MAX_ENTRIES = 100_000
 # 16: with stacks and shapes on a loaded 2-core CPU, a 32-step segment's stop took the loop
 # 3.2-4.1 s, past HealthCheck's 3 s per rank; freeing a segment's events is bounded the same.
 SEGMENT_STEPS = 16
-
-
-def _free(prof: Any) -> None:
-    """Let refcounting free a stopped session's recorded events as soon as its last
-    reference goes: ``torch.profiler.profile`` keeps itself in a reference cycle (its
-    ``action_map`` holds its own bound methods), and the full ``gc.collect()`` that frees
-    such a cycle holds a rank's GIL for ~0.3 s (its loop and heartbeat stop meanwhile)."""
-    action_map = getattr(prof, "action_map", None)
-    if isinstance(action_map, dict):
-        action_map.clear()
-
-
-def _release_memory() -> None:
-    """Give the memory of finished traces back to the system: their events are freed (see
-    :func:`_free`), but glibc keeps the pages in its arenas, which over many sessions reads
-    as a leak in the rank's RSS. (ctypes releases the GIL for the call.)"""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-def _part_path(final: str, index: int) -> str:
-    """A hidden plain-JSON file for segment ``index`` of the trace ``final``."""
-    head, name = os.path.split(final)
-    return os.path.join(head, f".{name.removesuffix('.gz')}.part{index}")
-
-
-def _remove_files(paths: list[str]) -> None:
-    for path in paths:
-        with contextlib.suppress(OSError):
-            os.remove(path)
-
-
-def _join_traces(parts: list[str], out: str) -> None:
-    """Join the segments' traces into ``out`` in a child process (see trace_join): parsing
-    a segment's JSON holds the GIL for seconds, which would stop this rank's loop thread
-    (no step, no HealthCheck answer) for as long."""
-    done = subprocess.run(
-        [sys.executable, trace_join.__file__, out, *parts],
-        capture_output=True, text=True, check=False,
-    )
-    if done.returncode != 0:
-        tail = (done.stderr.strip().splitlines() or ["(no message)"])[-1]
-        raise RuntimeError(f"joining {len(parts)} trace segments failed: {tail}")
-
-
-def file_base(profile_id: str, prefix: str, rank: int, dp_size: int) -> str:
-    """File name base of one rank's files: ``[{prefix}-]{id}-TP-0[-DP-{rank}]``."""
-    stem = f"{prefix}-{profile_id}" if prefix else profile_id
-    return f"{stem}-TP-0" + (f"-DP-{rank}" if dp_size > 1 else "")
 
 
 @dataclass
@@ -155,17 +104,6 @@ class _Config:
     notes: list[str] = field(default_factory=list)
 
 
-@dataclass
-class _Run:
-    """What one profile produced; written by the export thread (under the profiler's lock)."""
-
-    config: _Config
-    files: list[str] = field(default_factory=list)
-    bytes_written: int = 0
-    errors: list[str] = field(default_factory=list)
-    steps: int = 0  # forward steps recorded while running (the --profile-max-steps cap)
-
-
 def _done(value: Any) -> Future:
     fut: Future = Future()
     fut.set_result(value)
@@ -196,11 +134,9 @@ class Profiler:
         self.config: _Config | None = None
         self.session: _Session | None = None
         self.stages_done: set[str] = set()
-        self.run: _Run | None = None
-        self.auto_stopped: tuple[_Run, str] | None = None  # for the next StopProfile
-        self._lock = threading.Lock()
-        self._pending_jobs = 0  # export-thread jobs queued or running
-        self._exporter = ThreadPoolExecutor(1, thread_name_prefix=f"profile-export-{rank}")
+        self.run: ProfileRun | None = None
+        self.auto_stopped: tuple[ProfileRun, str] | None = None  # for the next StopProfile
+        self.export = TraceExporter(rank)
 
     @property
     def has_cuda(self) -> bool:
@@ -214,28 +150,9 @@ class Profiler:
     def reported_state(self) -> str:
         """The state a rank reports: ``exporting`` while traces are still being written
         after the profile ended (its files are not all on disk yet)."""
-        if self.state == "idle" and self._pending_jobs:
+        if self.state == "idle" and self.export.pending_jobs:
             return "exporting"
         return self.state
-
-    def _submit(self, fn: Any, *args: Any) -> Future:
-        """Run fn(*args) on the export thread, counted in ``reported_state``."""
-        with self._lock:
-            self._pending_jobs += 1
-
-        def job() -> Any:
-            try:
-                return fn(*args)
-            finally:
-                with self._lock:
-                    self._pending_jobs -= 1
-
-        return self._exporter.submit(job)
-
-    @property
-    def files(self) -> list[str]:
-        """Files of the current (or last) profile written so far."""
-        return list(self.run.files) if self.run else []
 
     # ------------------------------------------------------------------ requests
 
@@ -251,7 +168,7 @@ class Profiler:
         self.config = config
         self.session = None
         self.stages_done = set()
-        self.run = _Run(config)
+        self.run = ProfileRun(config.profile_id, config.output_dir, config.max_bytes)
         self.auto_stopped = None
         notes = "; ".join(config.notes)
         suffix = f" ({notes})" if notes else ""
@@ -278,7 +195,7 @@ class Profiler:
             if self.auto_stopped is not None:  # stopped by itself: say why, once
                 run, why = self.auto_stopped
                 self.auto_stopped = None
-                return self._submit(self._result, run, why)
+                return self.export.submit(self.export.result, run, why)
             return _done((False, NOT_RUNNING, ProfileStopResult()))
         run = self.run
         if self.state == "armed":
@@ -287,20 +204,11 @@ class Profiler:
                 f"{self.start_at}, rank at step {self.forward_ct}): no trace written"
             )
             self._end()
-            return _done((True, text, ProfileStopResult([], run.config.profile_id)))
+            return _done((True, text, ProfileStopResult([], run.profile_id)))
         if self.session is not None:
             self._finish_session()
         self._end()
-        return self._submit(self._result, run, "Profiling stopped")
-
-    def _result(self, run: _Run, what: str) -> tuple[bool, str, ProfileStopResult]:
-        """(Export thread, after the run's exports) the answer to a StopProfile."""
-        with self._lock:
-            files, errors = list(run.files), list(run.errors)
-        data = ProfileStopResult(files, run.config.profile_id)
-        if errors:
-            return False, "; ".join(errors), data
-        return True, f"{what}: {len(files)} file(s) written to {run.config.output_dir}", data
+        return self.export.submit(self.export.result, run, "Profiling stopped")
 
     # ------------------------------------------------------------------ step hooks
 
@@ -311,9 +219,7 @@ class Profiler:
             self._begin()
         if self.state != "running" or self.config is None or self.run is None:
             return
-        with self._lock:
-            failed = bool(self.run.errors)
-        if failed:  # an export hit the size cap (or failed): the profile stops here
+        if self.export.failed(self.run):  # an export hit the size cap (or failed): the profile stops here
             logger.warning("profile %s: %s", self.profile_id, "; ".join(self.run.errors))
             self._end()
             return
@@ -345,7 +251,7 @@ class Profiler:
                 self._finish_session()
             self._end()
             self.auto_stopped = (run, why)
-            return self._submit(lambda: self._result(run, why)[2].files)
+            return self.export.submit(lambda: self.export.result(run, why)[2].files)
         if session is None or not config.num_steps or session.steps < config.num_steps:
             if (session is not None and session.prof is not None
                     and session.segment_steps >= self.segment_steps):
@@ -353,14 +259,8 @@ class Profiler:
             return None
         self._finish_session()
         if self.state == "idle":
-            return self._submit(self._files_when_done, run)
+            return self.export.submit(self.export.files_when_done, run)
         return None
-
-    def _files_when_done(self, run: _Run) -> list[str]:
-        with self._lock:
-            if run.errors:
-                logger.warning("profile %s: %s", run.config.profile_id, "; ".join(run.errors))
-            return list(run.files)
 
     # ------------------------------------------------------------------ internals
 
@@ -369,7 +269,7 @@ class Profiler:
         directory's confinement is checked again here, where it is created: a symlink
         swapped in since the server's check must not redirect the traces. ValueError names
         what is wrong."""
-        names = list(req.activities or DEFAULT_ACTIVITIES)
+        names = list(req.activities or DEFAULT_PROFILE_ACTIVITIES)
         stages = list(dict.fromkeys(req.profile_stages or ("prefill", "decode")))
         root = req.profile_root
         if root and not is_inside(req.output_dir, root):
@@ -400,7 +300,7 @@ class Profiler:
         return _Config(
             profile_id=req.profile_id,
             output_dir=req.output_dir,
-            base=file_base(req.profile_id, req.profile_prefix, self.rank, req.dp_size),
+            base=profile_file_base(req.profile_id, req.profile_prefix, self.rank, req.dp_size),
             torch_activities=activities,
             with_stack=req.with_stack,
             record_shapes=req.record_shapes,
@@ -446,37 +346,24 @@ class Profiler:
 
     def _trace_path(self, stage: str | None) -> str:
         assert self.config is not None
-        suffix = f"-{STAGE_NAMES[stage]}" if stage else ""
+        suffix = f"-{PROFILE_STAGE_NAMES[stage]}" if stage else ""
         return os.path.join(self.config.output_dir, f"{self.config.base}{suffix}.trace.json.gz")
 
     def _next_segment(self, session: _Session) -> None:
         """End the session's current segment (its export queued) and record a new one."""
         assert self.run is not None
         final = self._trace_path(session.stage)
-        part = _part_path(final, len(session.parts))
+        part = part_path(final, len(session.parts))
         try:
             session.prof.stop()
-            self._submit(self._export_part, self.run, session.prof, part)
+            self.export.submit(self.export.export_part, self.run, session.prof, part)
             session.parts.append(part)
             session.prof = self._start_torch_profiler()
         except Exception as exc:  # noqa: BLE001 - a failed restart must not kill the rank
             logger.exception("profile %s: starting a new segment failed", self.profile_id)
-            with self._lock:
-                self.run.errors.append(f"profiling failed: {type(exc).__name__}: {exc}")
+            self.export.record_error(self.run, f"profiling failed: {type(exc).__name__}: {exc}")
             session.prof = None
         session.segment_steps = 0
-
-    def _export_part(self, run: _Run, prof: Any, part: str) -> None:
-        """(Export thread) write one finished segment's trace (plain JSON)."""
-        try:
-            trace_export.export_chrome_trace(prof, part)
-        except Exception as exc:  # noqa: BLE001
-            logger.exception("profile %s: export failed", run.config.profile_id)
-            with self._lock:
-                run.errors.append(f"export failed: {type(exc).__name__}: {exc}")
-        finally:
-            _free(prof)
-            _release_memory()
 
     def _finish_session(self) -> None:
         """Stop the running session (on this thread, as torch requires) and queue the export
@@ -484,7 +371,7 @@ class Profiler:
         assert self.config is not None and self.session is not None and self.run is not None
         c, session, run = self.config, self.session, self.run
         self.session = None
-        suffix = f"-{STAGE_NAMES[session.stage]}" if session.stage else ""
+        suffix = f"-{PROFILE_STAGE_NAMES[session.stage]}" if session.stage else ""
         t0 = time.perf_counter()
         snapshot: str | None = None
         try:
@@ -496,65 +383,16 @@ class Profiler:
                 torch.cuda.memory._record_memory_history(enabled=None)
         except Exception as exc:  # a failed stop must not kill the rank
             logger.exception("profile %s: stopping the session failed", c.profile_id)
-            with self._lock:
-                run.errors.append(f"export failed: {type(exc).__name__}: {exc}")
+            self.export.record_error(run, f"export failed: {type(exc).__name__}: {exc}")
         logger.info("profile %s%s: %d step(s) stopped in %.2fs; exporting in the background",
                     c.profile_id, suffix, session.steps, time.perf_counter() - t0)
         prof, session.prof = session.prof, None
-        self._submit(self._export, run, prof, self._trace_path(session.stage),
-                              list(session.parts), snapshot)
+        self.export.submit(self.export.export, run, prof, self._trace_path(session.stage),
+                           list(session.parts), snapshot)
         if session.stage is not None:
             self.stages_done.add(session.stage)
         if session.stage is None or self.stages_done >= set(c.stages):
             self._end()
-
-    def _export(
-        self, run: _Run, prof: Any, path: str, parts: list[str], snapshot: str | None
-    ) -> None:
-        """(Export thread) write a stopped session's trace, joining its earlier segments,
-        and account its files."""
-        c = run.config
-        t0 = time.perf_counter()
-        try:
-            with self._lock:
-                failed = bool(run.errors)
-            if prof is not None and not failed:
-                if parts:
-                    last = _part_path(path, len(parts))
-                    trace_export.export_chrome_trace(prof, last)
-                    _join_traces([*parts, last], path)
-                else:
-                    trace_export.export_chrome_trace(prof, path)
-                self._account(run, path)
-            if snapshot is not None:
-                self._account(run, snapshot)
-        except Exception as exc:  # a failed export must not kill the rank
-            logger.exception("profile %s: export failed", c.profile_id)
-            with self._lock:
-                run.errors.append(f"export failed: {type(exc).__name__}: {exc}")
-        finally:
-            if prof is not None:
-                _free(prof)
-            _remove_files([*parts, _part_path(path, len(parts))])
-            _release_memory()
-        logger.info("profile %s: %s written in %.2fs", c.profile_id, os.path.basename(path),
-                    time.perf_counter() - t0)
-
-    def _account(self, run: _Run, path: str) -> None:
-        """Count a written file against the cap; over it: remove the file, record why."""
-        size = os.path.getsize(path)
-        cap = run.config.max_bytes
-        with self._lock:
-            if cap and run.bytes_written + size > cap:
-                os.remove(path)
-                run.errors.append(
-                    f"profile size cap reached: {os.path.basename(path)} ({size} bytes) would "
-                    f"take this rank to {run.bytes_written + size} bytes, over its cap of {cap} "
-                    "bytes; the file was removed and profiling stopped"
-                )
-                return
-            run.bytes_written += size
-            run.files.append(path)
 
     def _end(self) -> None:
         """Back to idle; a session still open (a cap stop) is closed without export."""
@@ -562,11 +400,11 @@ class Profiler:
             session, self.session = self.session, None
             if session.prof is not None:
                 session.prof.stop()
-                _free(session.prof)
+                free_session(session.prof)
             if session.mem_history:
                 torch.cuda.memory._record_memory_history(enabled=None)
             if session.parts:  # segments written so far: removed once written
-                self._submit(_remove_files, list(session.parts))
+                self.export.submit(remove_files, list(session.parts))
         if self.state != "idle":
             logger.info("profile %s ended after %d step(s)", self.profile_id,
                         self.run.steps if self.run else 0)

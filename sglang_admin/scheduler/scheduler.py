@@ -76,7 +76,7 @@ class Req:
     sent_extras: int = 0
 
     grammar: GrammarState | None = None  # its own matcher, when constrained (n > 1: fork())
-    # from this output length on its token is the logits' argmax alone (model/runner.py's
+    # from this output length on its token is the logits' argmax alone (model/step_io.py's
     # SeqInput.argmax_from), worked out once
     argmax_from: int = field(init=False, default=ARGMAX_NEVER)
     # a decode step gives it a token and nothing more to keep (no logprobs, prompt logprobs,
@@ -415,13 +415,13 @@ class Scheduler:
             seq_len = len(req.prompt_ids) + len(req.output_ids)
             n = min(seq_len - req.kv_len, max(budget, 1))
             if not self._reserve(req, n):
-                # Out of memory even after eviction: retract the newest running request.
+                # Out of memory even after eviction: retract the newest running request,
+                # then retry running[i] with the freed memory (the next request when the
+                # victim was req itself).
                 victim = self.running[-1]
                 self._retract(victim)
                 spans = [s for s in spans if s.req is not victim]
-                if victim is req:
-                    continue
-                continue  # retry req with the freed memory
+                continue
             spans.append(self._span(req, n, seq_len))
             budget -= n if n > 1 else 0
             i += 1

@@ -11,6 +11,9 @@ The child runs nothing but the export: forked from the export thread, it calls t
 exporter and leaves with ``os._exit`` (no cleanup of the rank's sockets, no atexit). Where forking is not safe, the trace is written on the calling thread
 as before: no ``os.fork`` on this platform, or CUDA initialized in this process (a forked
 child must not touch the parent's CUDA context, and torch's exporter may).
+
+Profiling is spread over several modules; their map is in ``scheduler/profile_export.py``'s
+docstring.
 """
 
 from __future__ import annotations

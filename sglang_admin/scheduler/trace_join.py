@@ -5,6 +5,9 @@
 A rank runs this file as a child process (standard library only, so it runs as a plain
 script): parsing a segment's JSON is one C call that holds the GIL for seconds on a large
 trace, and in the rank's process that would stop its loop thread for as long.
+
+Profiling is spread over several modules; their map is in ``scheduler/profile_export.py``'s
+docstring.
 """
 
 from __future__ import annotations

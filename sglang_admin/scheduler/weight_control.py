@@ -24,6 +24,7 @@ import os
 import time
 from typing import Any
 
+from sglang_admin.constants import MEMORY_TAGS
 from sglang_admin.messages import (
     CheckWeightsReq,
     DigestResult,
@@ -47,7 +48,7 @@ from sglang_admin.model.weights import (
 from sglang_admin.scheduler.cache_control import flush_now
 from sglang_admin.scheduler.control import Rank
 from sglang_admin.scheduler.generation_control import WEIGHTS_INVALID
-from sglang_admin.scheduler.memory_tags import MEMORY_TAGS, release_refusal, resume_refusal
+from sglang_admin.scheduler.memory_tags import release_refusal, resume_refusal
 
 logger = logging.getLogger(__name__)
 

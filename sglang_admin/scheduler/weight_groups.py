@@ -1,5 +1,5 @@
 """A rank's weight-update groups (joined from a trainer) and the one thread that blocks
-on them; the handlers are in scheduler/weight_sync.py."""
+on them; the handlers are in scheduler/weight_sync_control.py."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from sglang_admin.model.dist_group import WeightGroup
 logger = logging.getLogger(__name__)
 
 
-class WeightSync:
+class WeightGroups:
     """This rank's weight-update groups and the thread that blocks on them."""
 
     def __init__(self) -> None:

@@ -74,6 +74,7 @@ from typing import Any
 
 import grpc
 
+from sglang_admin.constants import LORA_NAMESPACE_SHIFT, LORA_TOKEN_MASK
 from sglang_admin.messages import KvEvents
 from sglang_admin.pb import common_pb2 as pb
 from sglang_admin.server.convert import ServiceError
@@ -93,9 +94,6 @@ def _block_size_from_env() -> int:
     return value
 
 
-# a LoRA request's cache keys: token | namespace << LORA_SHIFT (scheduler/lora_registry.py)
-LORA_SHIFT = 32
-LORA_TOKEN_MASK = (1 << LORA_SHIFT) - 1
 KV_BLOCK_SIZE = _block_size_from_env()  # the gateway's default --block-size is 16
 HISTORY_BATCHES = 1024  # batches kept per rank for resuming subscribers
 HISTORY_BLOCKS = 1 << 16  # ... and at most this many blocks in them
@@ -188,7 +186,7 @@ class RankBlockIndex:
     def _block(self, block_hash: int, tokens: list[int]) -> pb.KvBlock:
         """A block; tokens of a LoRA adapter's requests carry its cache namespace in their
         high bits (scheduler/lora_registry.py): sent as the tokens and KvBlock.lora_id."""
-        namespace = tokens[0] >> LORA_SHIFT if tokens else 0
+        namespace = tokens[0] >> LORA_NAMESPACE_SHIFT if tokens else 0
         if not namespace:
             return pb.KvBlock(block_hash=block_hash, token_ids=tokens, block_size=self.block_size)
         return pb.KvBlock(block_hash=block_hash, token_ids=[t & LORA_TOKEN_MASK for t in tokens],

@@ -5,11 +5,14 @@ started, merged traces and the file chunks of DownloadProfile.
   resolved with symlinks and must stay inside ``args.profile_dir`` (PERMISSION_DENIED
   otherwise); nothing is created before that check passes. The ranks check it again.
 - Size cap: ``args.profile_max_bytes`` per profile, split evenly over the ranks; each rank
-  checks its share after every file it writes (see ``scheduler/profiler.py``). A merged
+  checks its share after every file it writes (see ``scheduler/profile_export.py``). A merged
   trace is written only while the profile's files stay under the whole cap.
 - The registry remembers the profiles this server started (the newest
   ``MAX_PROFILES``); a profile is finished once StopProfile answered for it or, for one that
   stopped by itself after num_steps, once no rank reports a running profiler.
+
+Profiling is spread over several modules; their map is in ``scheduler/profile_export.py``'s
+docstring.
 """
 
 from __future__ import annotations
@@ -30,13 +33,13 @@ from typing import Any
 import grpc
 
 from sglang_admin.config import ServerArgs, is_inside
+from sglang_admin.constants import DEFAULT_PROFILE_ACTIVITIES, profile_file_stem
 from sglang_admin.messages import StartProfileReq, StateReq
 from sglang_admin.pb import common_pb2 as pb
 from sglang_admin.server import trace_merge
 from sglang_admin.server.convert import ServiceError, invalid
 
 ACTIVITIES = ("CPU", "GPU", "CUDA", "MEM")
-DEFAULT_ACTIVITIES = ("CPU", "GPU")
 STAGES = {"prefill": "prefill", "extend": "prefill", "decode": "decode"}
 CHUNK_BYTES = 1 << 20
 MAX_PROFILES = 64
@@ -69,10 +72,6 @@ def resolve_output_dir(requested: str, root: str) -> str:
         )
     return real
 
-
-def file_stem(profile_id: str, prefix: str) -> str:
-    """What every file of a profile starts with: ``[{prefix}-]{profile_id}``."""
-    return f"{prefix}-{profile_id}" if prefix else profile_id
 
 
 @dataclass
@@ -134,7 +133,7 @@ class StartPlan:
 
     def record(self) -> ProfileRecord:
         return ProfileRecord(
-            self.profile_id, file_stem(self.profile_id, self.prefix), self.output_dir,
+            self.profile_id, profile_file_stem(self.profile_id, self.prefix), self.output_dir,
             self.merge, self.max_bytes * self.dp_size,
         )
 
@@ -155,7 +154,7 @@ def plan_start(
         if request.HasField(name) and getattr(request, name) < 0:
             raise invalid(f"{name} must be >= 0, got {getattr(request, name)}")
     names: list[str] = []
-    for raw in request.activities or DEFAULT_ACTIVITIES:
+    for raw in request.activities or DEFAULT_PROFILE_ACTIVITIES:
         name = raw.strip().upper()
         if name not in ACTIVITIES:
             raise invalid(f"unknown profiler activity {raw!r}; valid: CPU, GPU (or CUDA), MEM")

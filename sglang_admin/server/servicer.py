@@ -18,14 +18,14 @@ from sglang_admin.config import ServerArgs
 from sglang_admin.pb import common_pb2 as pb
 from sglang_admin.pb import common_pb2_grpc as pb_grpc
 from sglang_admin.server.admin import AdminCalls, admin_rpc
-from sglang_admin.server.cache_profile import CacheAndProfile
+from sglang_admin.server.cache_profile_service import CacheAndProfile
 from sglang_admin.server.communicator import Communicator
 from sglang_admin.server.convert import ServiceError
-from sglang_admin.server.generation import Generation
-from sglang_admin.server.info import Info
-from sglang_admin.server.lora import Lora
-from sglang_admin.server.weight_sync import WeightSync
-from sglang_admin.server.weights import Weights
+from sglang_admin.server.generation_service import Generation
+from sglang_admin.server.info_service import Info
+from sglang_admin.server.lora_service import Lora
+from sglang_admin.server.weight_sync_service import WeightSync
+from sglang_admin.server.weights_service import Weights
 
 Context = grpc.aio.ServicerContext
 
@@ -204,6 +204,8 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
     async def Embed(self, request: pb.EmbedRequest, context: Context) -> Any:
         raise ServiceError(grpc.StatusCode.UNIMPLEMENTED,
                            "Embed: this worker serves a generation model only")
+
+    # ------------------------------------------------------------------ LoRA adapters
 
     @admin_rpc
     async def LoadLoRAAdapter(

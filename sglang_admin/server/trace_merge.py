@@ -11,6 +11,9 @@ Timestamps are moved onto a common base; each rank's processes are labelled with
 rank. The merged file is written under a temporary name of its own and renamed over the
 final name only once complete; skipped (with a note) when it would take the profile over
 its byte cap.
+
+Profiling is spread over several modules; their map is in ``scheduler/profile_export.py``'s
+docstring.
 """
 
 from __future__ import annotations

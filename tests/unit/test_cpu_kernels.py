@@ -8,15 +8,12 @@ import torch.nn.functional as F
 
 from sglang_admin.messages import SamplingParams
 from sglang_admin.model import cpu_kernels
+from sglang_admin.model.attention import AttentionMetadata
+from sglang_admin.model.config import LlamaConfig
 from sglang_admin.model.cpu_kernels import DecodeBatch, load_cpu_kernels, reference_attend
-from sglang_admin.model.llama import (
-    AttentionMetadata,
-    DecoderLayer,
-    LlamaConfig,
-    RotaryEmbedding,
-    apply_rope,
-)
+from sglang_admin.model.llama import DecoderLayer
 from sglang_admin.model.loader import ModelLoadError
+from sglang_admin.model.rotary import RotaryEmbedding, apply_rope
 from sglang_admin.model.runner import ModelRunner, SeqInput
 
 kernel = load_cpu_kernels()

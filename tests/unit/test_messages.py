@@ -1,4 +1,4 @@
-"""The server <-> rank codec (messages.py): what goes in comes out, and nothing else does."""
+"""The server <-> rank codec (messages/codec.py): what goes in comes out, and nothing else does."""
 
 from __future__ import annotations
 

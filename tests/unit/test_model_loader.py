@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sglang_admin.model.llama import LlamaConfig
+from sglang_admin.model.config import LlamaConfig
 from sglang_admin.model.loader import ModelLoadError, load_model, load_model_info
 
 transformers = pytest.importorskip("transformers")

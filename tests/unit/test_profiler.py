@@ -249,7 +249,7 @@ def test_export_runs_in_the_background_while_steps_go_on(tmp_path: Path) -> None
     assert prof.start(req(tmp_path))[0]
     step(prof)
     gate = threading.Event()
-    prof._exporter.submit(gate.wait)  # hold the export thread
+    prof.export.pool.submit(gate.wait)  # hold the export thread
     pending = prof.request_stop()
     assert not pending.done() and prof.state == "idle"
     assert prof.reported_state == "exporting"  # the rank tells its files are not all written
@@ -286,7 +286,7 @@ def test_a_written_session_is_freed_without_a_collection(tmp_path: Path) -> None
                 step(prof)
             ok, text, _ = prof.stop()
             assert ok, text
-            prof._exporter.submit(lambda: None).result()  # the export's work item is gone
+            prof.export.pool.submit(lambda: None).result()  # the export's work item is gone
             assert recorded() is None
     finally:
         gc.enable()

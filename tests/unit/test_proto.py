@@ -154,3 +154,22 @@ def test_generated_stubs_are_fresh(tmp_path: Path) -> None:
 def test_field_type_constants_are_stable() -> None:
     # Guard against protobuf renumbering its enum (the comparison above relies on it).
     assert FieldDescriptor.TYPE_STRING == 9
+
+
+def test_our_stubs_and_smg_grpc_proto_do_not_load_in_one_process() -> None:
+    """What the README and the Makefile say: both define package sglang.grpc.scheduler, so
+    the second import in one process fails (hence the child process above)."""
+    pytest.importorskip("smg_grpc_proto")
+    code = (
+        "from sglang_admin.pb import common_pb2\n"
+        "try:\n"
+        "    from smg_grpc_proto import sglang_scheduler_pb2\n"
+        "except TypeError as e:\n"
+        "    print('refused:', 'duplicate symbol' in str(e))\n"
+        "else:\n"
+        "    print('loaded')\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+    )
+    assert out.stdout.strip() == "refused: True", out.stdout[-500:]

@@ -167,3 +167,30 @@ def test_the_scheduler_never_claims_a_plain_argmax_the_fields_do_not(req: Genera
     assert seq.argmax_from >= from_fields
     if req.rid in ("plain", "min-new"):
         assert seq.argmax_from == from_fields == req.sampling.min_new_tokens
+
+
+def test_batch_inputs_fills_every_field_of_the_sequence_with_its_request_s_value() -> None:
+    """batch_inputs builds SeqInput positionally (a decode step builds one per request, and
+    keywords cost about 2 us more each); every field must still get the request's own value,
+    compared here with the same sequence built by keyword."""
+    from sglang_admin.model.step_io import SeqInput
+    from sglang_admin.scheduler.process import batch_inputs
+    from sglang_admin.scheduler.scheduler import Scheduler, SchedulerConfig
+
+    sched = Scheduler(SchedulerConfig(token_capacity=64, max_running_requests=4,
+                                      max_prefill_tokens=64, context_length=64,
+                                      eos_token_ids=(0,)))
+    sched.add_request(GenerateReq("all", [1, 2, 3], SamplingParams(temperature=0.5),
+                                  return_logprob=True, top_logprobs_num=3,
+                                  logprob_start_len=1, token_ids_logprob=[5, 6]))
+    batch = sched.schedule()
+    (seq,) = batch_inputs(batch)
+    (span,) = batch.spans
+    req = span.req
+    assert seq == SeqInput(
+        req_idx=req.req_idx, prefix_len=0, token_ids=[1, 2, 3], table_start=span.table_start,
+        table_slots=req.slots[span.table_start : 3], sampling=req.sampling,
+        prompt_ids=[1, 2, 3], output_ids=[], sample=True, return_logprob=True,
+        top_logprobs_num=3, lora_slot=-1, logprob_start_len=1, token_ids_logprob=[5, 6],
+        return_hidden_states=False, grammar=None, argmax_from=req.argmax_from)
+    assert seq.prompt_ids is req.prompt_ids and seq.output_ids is req.output_ids  # not copied

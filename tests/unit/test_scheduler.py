@@ -186,10 +186,13 @@ def test_stop_tokens_min_new_tokens_and_duplicates() -> None:
     sp = SamplingParams(max_new_tokens=10, stop_token_ids=[stop])
     sched.add_request(GenerateReq("s", prompt, sp))
     sched.add_request(GenerateReq("s", prompt, sp))  # duplicate id while in flight
+    refused = sched.take_outputs()
     res = drive(sched, runner)
+    # The duplicate is refused at once, alone; the first finishes at the stop token.
+    assert [(o.rid, o.error_code, o.finish_reason) for o in refused] == [
+        ("s", "ALREADY_EXISTS", "abort")]
     final = res["finals"]["s"]
-    # The duplicate is refused; the first finishes at the stop token.
-    assert any(o for o in [final] if o.finish_reason == "stop" or o.error_code)
+    assert (final.finish_reason, final.error_code) == ("stop", None)
     first_stop = expected.index(stop) + 1
     assert res["tokens"]["s"] == expected[:first_stop]
 

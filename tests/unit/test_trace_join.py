@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from sglang_admin.scheduler import trace_join
-from sglang_admin.scheduler.profiler import _join_traces
+from sglang_admin.scheduler.profile_export import join_traces
 
 
 def _part(path: Path, base_ns: int, names: list[str]) -> str:
@@ -26,7 +26,7 @@ def _part(path: Path, base_ns: int, names: list[str]) -> str:
 def test_parts_are_joined_on_the_first_parts_time_base(tmp_path: Path) -> None:
     parts = [_part(tmp_path / "a", 1_000_000, ["s1", "s2"]), _part(tmp_path / "b", 3_000_000, ["s3"])]
     out = tmp_path / "p.trace.json.gz"
-    _join_traces(parts, str(out))
+    join_traces(parts, str(out))
     data = json.loads(gzip.decompress(out.read_bytes()))
     assert data["schemaVersion"] == 1 and data["baseTimeNanoseconds"] == 1_000_000
     assert [e["name"] for e in data["traceEvents"]] == ["process_name", "s1", "s2", "s3"]
@@ -37,7 +37,7 @@ def test_parts_are_joined_on_the_first_parts_time_base(tmp_path: Path) -> None:
 def test_a_failed_join_raises_with_the_childs_reason(tmp_path: Path) -> None:
     parts = [_part(tmp_path / "a", 0, ["s1"]), str(tmp_path / "missing")]
     with pytest.raises(RuntimeError) as err:
-        _join_traces(parts, str(tmp_path / "p.trace.json.gz"))
+        join_traces(parts, str(tmp_path / "p.trace.json.gz"))
     assert "joining 2 trace segments failed: FileNotFoundError" in str(err.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]  # no output, no .tmp
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import grpc
 
 from sglang_admin.config import ServerArgs
+from sglang_admin.constants import LORA_NOT_ENABLED
 from sglang_admin.messages import ListLoraReq, LoadLoraReq, LoraResult, UnloadLoraReq
 from sglang_admin.pb import common_pb2 as pb
 from sglang_admin.server.admin import AdminCalls, FanOut
@@ -22,7 +23,6 @@ from sglang_admin.server.convert import MAX_REQUEST_ID_CHARS, ServiceError, inva
 LOAD_TIMEOUT_S = 120.0  # reads the adapter from disk
 UNLOAD_TIMEOUT_S = 600.0  # waits for the requests that use the adapter
 LIST_TIMEOUT_S = 10.0
-NOT_ENABLED = "LoRA is not enabled on this worker (start it with --enable-lora)"
 
 
 def _loaded_ids(out: FanOut) -> list[str]:
@@ -58,7 +58,7 @@ class Lora:
 
     def _require_enabled(self) -> None:
         if not self.args.enable_lora:
-            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, NOT_ENABLED)
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, LORA_NOT_ENABLED)
 
     async def load(
         self, request: pb.LoadLoRAAdapterRequest, context: grpc.aio.ServicerContext

@@ -2,7 +2,7 @@
 UpdateWeightsFromDistributed, DestroyWeightsUpdateGroup, UpdateWeightsFromTensor.
 
 The request is checked here as far as it can be without the model; each rank checks the
-manifest against its parameters (scheduler/weight_sync.py) and refuses a bad one with a
+manifest against its parameters (scheduler/weight_sync_control.py) and refuses a bad one with a
 :class:`RejectedResult`, which becomes this call's gRPC status (INVALID_ARGUMENT,
 ALREADY_EXISTS, NOT_FOUND) with the rank's reason.
 """
@@ -23,7 +23,7 @@ from sglang_admin.pb import common_pb2 as pb
 from sglang_admin.server.admin import AdminCalls, FanOut
 from sglang_admin.server.communicator import Communicator
 from sglang_admin.server.convert import ServiceError, invalid
-from sglang_admin.server.weights import weights_updated
+from sglang_admin.server.weights_service import weights_updated
 
 INIT_TIMEOUT_S = 300.0  # waits for the trainer and every other rank to join
 UPDATE_TIMEOUT_S = 600.0  # waits for running requests, then for the trainer's broadcasts

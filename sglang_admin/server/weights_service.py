@@ -13,6 +13,7 @@ import os
 import grpc
 
 from sglang_admin.config import ServerArgs
+from sglang_admin.constants import MEMORY_TAGS
 from sglang_admin.messages import (
     CheckWeightsReq,
     DigestResult,
@@ -34,7 +35,6 @@ UPDATE_TIMEOUT_S = 600.0  # waits for running requests, then reads the checkpoin
 READ_TIMEOUT_S = 60.0
 MEMORY_TIMEOUT_S = 120.0
 LOAD_FORMATS = ("", "auto", "safetensors")
-MEMORY_TAGS = ("kv_cache", "weights")
 DEFAULT_TRUNCATE = 100
 MAX_TRUNCATE = 1 << 20
 

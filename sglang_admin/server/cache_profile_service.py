@@ -2,6 +2,9 @@
 
 The profile rules (output confinement, size caps, merging, the registry of profiles this
 server started) live in server/profiles.py; this module runs the ops over the ranks.
+
+Profiling is spread over several modules; their map is in ``scheduler/profile_export.py``'s
+docstring.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from sglang_admin.server import profiles
 from sglang_admin.server.admin import AdminCalls, effective_timeout
 from sglang_admin.server.communicator import Communicator
 from sglang_admin.server.convert import ServiceError, flush_timeout_from_proto
-from sglang_admin.server.info import INFO_TIMEOUT_S
+from sglang_admin.server.info_service import INFO_TIMEOUT_S
 
 FLUSH_MARGIN_S = 30.0
 PROFILE_TIMEOUT_S = 600.0

@@ -1,0 +1,140 @@
+"""Start a worker in a subprocess on loopback and talk to it: the helpers that the tests,
+the benchmarks and the tools share (a free port, the server process, a greedy request).
+
+Torch-free; loopback only. ``tests/conftest.py`` keeps the pytest fixtures built on these.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from sglang_admin.pb import common_pb2 as pb
+from sglang_admin.pb import common_pb2_grpc as pb_grpc
+
+# The directory that holds the sglang_admin package: a worker started from it runs this code.
+PACKAGE_PARENT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerProc:
+    """A worker running in a subprocess."""
+
+    proc: subprocess.Popen
+    port: int
+    log_path: Path
+    extra_args: list[str] = field(default_factory=list)
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def channel(self, **kw) -> grpc.Channel:
+        return grpc.insecure_channel(self.target, **kw)
+
+    def stub(self) -> pb_grpc.SglangSchedulerStub:
+        return pb_grpc.SglangSchedulerStub(self.channel())
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def children(self) -> list[int]:
+        out = subprocess.run(
+            ["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True
+        ).stdout
+        return [int(p) for p in out.split()]
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        return self.proc.returncode
+
+
+def wait_serving(target: str, proc: subprocess.Popen, timeout: float = 180, **chan_kw) -> None:
+    """Block until grpc.health.v1 says SERVING (``make``: a channel factory, for TLS)."""
+    deadline = time.time() + timeout
+    with grpc.insecure_channel(target) if not chan_kw else chan_kw["make"]() as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while time.time() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode}")
+            try:
+                resp = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
+                if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+    raise TimeoutError(f"server at {target} not SERVING after {timeout}s")
+
+
+def start_server(
+    tmp_path: Path, *args: str, env: dict[str, str] | None = None, wait: bool = True,
+    port: int | None = None, make_channel=None,
+) -> ServerProc:
+    """``python -m sglang_admin serve ARGS`` on a free loopback port, its log in
+    ``tmp_path``; with ``wait``, once it is SERVING (killed, with its log, if it fails)."""
+    port = port or free_port()
+    log_path = tmp_path / f"server-{port}.log"
+    cmd = [sys.executable, "-m", "sglang_admin", "serve", "--port", str(port), *args]
+    full_env = {**os.environ, **(env or {})}
+    with open(log_path, "w") as log:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=PACKAGE_PARENT
+        )
+    server = ServerProc(proc, port, log_path, list(args))
+    if wait:
+        try:
+            if make_channel is None:
+                wait_serving(server.target, proc)
+            else:
+                wait_serving(server.target, proc, make=make_channel)
+        except Exception:
+            server.stop(signal.SIGKILL)
+            raise RuntimeError(f"server failed to start:\n{server.log()[-4000:]}") from None
+    return server
+
+
+def greedy(ids: list[int], n: int, **kw) -> pb.GenerateRequest:
+    """A greedy GenerateRequest that ignores EOS (fixed length)."""
+    return pb.GenerateRequest(
+        tokenized=pb.TokenizedInput(input_ids=ids),
+        sampling_params=pb.SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True),
+        **kw,
+    )
+
+
+def run_generate(stub: pb_grpc.SglangSchedulerStub, req: pb.GenerateRequest, **kw) -> tuple[list[int], pb.GenerateComplete]:
+    """Tokens and final message of one Generate call (streaming or not)."""
+    tokens: list[int] = []
+    complete = None
+    for resp in stub.Generate(req, **kw):
+        if resp.HasField("chunk"):
+            tokens.extend(resp.chunk.token_ids)
+        else:
+            complete = resp.complete
+    assert complete is not None
+    if not req.stream:
+        tokens = list(complete.output_ids)
+    return tokens, complete

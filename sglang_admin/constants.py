@@ -1,0 +1,43 @@
+"""The constants and naming rules that the server and the scheduler ranks must agree on.
+
+Kept here, free of torch and of the generated stubs, so that both processes import one
+definition: the server (which never imports torch) and the ranks. The wire-level ones that
+belong to a message (``GREEDY_TEMPERATURE_EPS`` and ``SamplingParams.argmax_from``, the greedy
+rule; ``PROFILE_STOPPED_BY_ITSELF``; ``GRAMMAR_KINDS``) live beside those messages in
+``sglang_admin/messages.py``, which both sides import as well.
+"""
+
+from __future__ import annotations
+
+# ----------------------------------------------------------------------------- profiling
+
+# What StartProfile records when the request names no activity (SGLang's default).
+DEFAULT_PROFILE_ACTIVITIES = ("CPU", "GPU")
+# Our stage names -> SGLang's ForwardMode names, used in per-stage file names.
+PROFILE_STAGE_NAMES = {"prefill": "EXTEND", "decode": "DECODE"}
+
+
+def profile_file_stem(profile_id: str, prefix: str) -> str:
+    """What every file of a profile starts with: ``[{prefix}-]{profile_id}``."""
+    return f"{prefix}-{profile_id}" if prefix else profile_id
+
+
+def profile_file_base(profile_id: str, prefix: str, rank: int, dp_size: int) -> str:
+    """File name base of one rank's files: ``[{prefix}-]{id}-TP-0[-DP-{rank}]`` (SGLang's)."""
+    return f"{profile_file_stem(profile_id, prefix)}-TP-0" + (
+        f"-DP-{rank}" if dp_size > 1 else "")
+
+
+# ----------------------------------------------------------------------------- weights
+
+# ReleaseMemoryOccupation / ResumeMemoryOccupation tags (empty request: all of them).
+MEMORY_TAGS = ("kv_cache", "weights")
+
+# ----------------------------------------------------------------------------- LoRA
+
+LORA_NOT_ENABLED = "LoRA is not enabled on this worker (start it with --enable-lora)"
+# A LoRA request's radix-cache keys are ``token | namespace << LORA_NAMESPACE_SHIFT``: tokens
+# are < 2**32 (uint32 on the wire), the adapter's cache namespace takes the bits above. The
+# server's KV events split them again with the mask.
+LORA_NAMESPACE_SHIFT = 32
+LORA_TOKEN_MASK = (1 << LORA_NAMESPACE_SHIFT) - 1

@@ -1,0 +1,66 @@
+"""Attention metadata: where each new token's K/V goes in the paged pool and which pool
+slots each query attends to, built once per forward by the runner and read by every layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class ExtendSeq:
+    """One extend sequence (a prefill chunk): its new tokens attend on their own, so a batch
+    of prompts costs the sum of their squared lengths, not count x longest squared."""
+
+    start: int  # its first token in the extend group
+    n: int  # its new tokens
+    # pool slots of positions [0, prefix + n); None: no cached prefix, the keys are the new
+    # tokens alone and the attention is plainly causal
+    kv_index: torch.Tensor | None = None
+    mask: torch.Tensor | None = None  # [1, 1, n, prefix + n] bool, with kv_index
+    # the same with the sliding window; None when the window is out of reach
+    swa_mask: torch.Tensor | None = None
+    # set when the CPU prefill kernel takes it: the pool slots of positions [0, prefix + n)
+    # (its table row) and the prefix
+    slots: torch.Tensor | None = None
+    prefix: int = 0
+
+
+@dataclass
+class DecodeGroup:
+    """Decode sequences of similar length, attended together: their keys are padded to the
+    group's longest sequence only (a batch's lengths spread widely; one padded group would
+    move far more K/V bytes than the sequences hold)."""
+
+    start: int  # its first sequence (= token) in the decode group
+    count: int
+    length: int  # its longest sequence
+    kv_index: torch.Tensor  # [count * length] pool slots, row-major, padded rows repeat slots
+    mask: torch.Tensor | None = None  # [count, 1, 1, length] bool; None: no padding
+    # the same with the sliding window applied; None when no query reaches the window
+    swa_mask: torch.Tensor | None = None
+
+
+@dataclass
+class AttentionMetadata:
+    """Where every new token's K/V goes and which pool slots each query attends to.
+
+    Built once per forward (see ``ModelRunner``), shared by all layers. Tokens are laid out
+    decode sequences first (``num_decode`` of them, one token each), then extend sequences.
+    """
+
+    out_slots: torch.Tensor  # [T] pool slot for each new token's K/V
+    num_decode: int = 0
+    # the decode sequences in groups of similar length, in token order
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
+    # extend group, one entry per sequence, in token order
+    extend_seqs: list[ExtendSeq] = field(default_factory=list)
+    # CPU float32 (model/cpu_kernels.py): the decode sequences attend through the kernel,
+    # in place in the pool, and decode_groups stay empty
+    decode_batch: Any = None
+    # scratch for gathered K and V rows ([rows, kv_heads * head_dim] each), reused by every
+    # layer: allocating megabytes per layer costs page faults on CPU
+    gather_k: torch.Tensor | None = None
+    gather_v: torch.Tensor | None = None

@@ -1,0 +1,92 @@
+"""The docs: every relative link resolves, and CONTRIBUTING.md's worked example is the code."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+_LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
+_EXCERPT = re.compile(r"<!-- excerpt: (\S+) -->\n```\w*\n(.*?)\n```", re.S)
+_CUT = "# ..."
+
+
+def _prose(text: str) -> str:
+    """The text outside fenced code blocks (links and headings there are not links)."""
+    out, fence = [], False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            fence = not fence
+            continue
+        if not fence:
+            out.append(line)
+    return "\n".join(out)
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def anchors(page: Path) -> set[str]:
+    """Every heading anchor of a Markdown page, duplicates numbered as GitHub numbers them."""
+    seen: dict[str, int] = {}
+    out: set[str] = set()
+    for line in _prose(page.read_text()).splitlines():
+        m = re.match(r"#{1,6} (.+)", line)
+        if not m:
+            continue
+        slug = _slug(m.group(1))
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+def test_slug_matches_github() -> None:
+    assert _slug("Serving benchmark over gRPC: `tools/bench_serving.py`") == (
+        "serving-benchmark-over-grpc-toolsbench_servingpy"
+    )
+    assert _slug("PauseGeneration / ContinueGeneration") == "pausegeneration--continuegeneration"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve(page: Path) -> None:
+    broken = []
+    for target in _LINK.findall(_prose(page.read_text())):
+        if re.match(r"[a-z]+:", target):  # http:, https:, mailto:
+            continue
+        path, _, anchor = target.partition("#")
+        dest = (page.parent / path).resolve() if path else page
+        if not dest.exists():
+            broken.append(f"{target}: no such file")
+        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+            broken.append(f"{target}: no heading with that anchor")
+    assert not broken, f"{page.relative_to(ROOT)}: " + "; ".join(broken)
+
+
+def test_readme_links_every_docs_page() -> None:
+    readme = (ROOT / "README.md").read_text()
+    missing = [p.name for p in (ROOT / "docs").glob("*.md") if f"docs/{p.name}" not in readme]
+    assert not missing, f"docs pages the README does not link: {missing}"
+
+
+def test_contributing_example_is_the_code() -> None:
+    """Each block of the worked example is, piece by piece (cut at ``# ...``), verbatim in
+    the file its marker names: renaming, re-signing or rewriting the code fails here."""
+    blocks = _EXCERPT.findall((ROOT / "CONTRIBUTING.md").read_text())
+    assert len(blocks) >= 7, "the worked example lost its excerpt markers"
+    named = {path for path, _ in blocks}
+    assert {"protos/common.proto", "sglang_admin/messages.py",
+            "sglang_admin/client/client.py"} <= named
+    for path, body in blocks:
+        source = (ROOT / path).read_text()
+        pieces = [p.strip("\n") for p in body.split(f"\n{_CUT}\n")]
+        for piece in pieces:
+            assert piece.strip(), f"an empty piece in the excerpt of {path}"
+            assert piece in source, f"CONTRIBUTING.md's excerpt of {path} drifted:\n{piece}"
