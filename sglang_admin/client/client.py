@@ -36,6 +36,10 @@ from sglang_admin.pb import common_pb2_grpc as pb_grpc
 DEFAULT_TARGET = "127.0.0.1:30000"
 # The server may send messages up to 64 MiB (its send limit); accept them.
 CHANNEL_OPTIONS: list[tuple[str, Any]] = [("grpc.max_receive_message_length", 64 << 20)]
+# Channels to one target with the same options share one connection (grpc's global
+# subchannel pool); this option gives a channel a connection of its own, e.g. to spread a
+# burst of thousands of streams over several connections (docs/bursts.md).
+OWN_CONNECTION: tuple[str, Any] = ("grpc.use_local_subchannel_pool", 1)
 
 
 @dataclass(frozen=True)

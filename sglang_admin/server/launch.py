@@ -16,7 +16,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from sglang_admin.config import ServerArgs
 from sglang_admin.pb import common_pb2, common_pb2_grpc
-from sglang_admin.server import ipc_dir
+from sglang_admin.server import admission, ipc_dir
 from sglang_admin.server.communicator import Communicator
 from sglang_admin.server.interceptors import (
     AccessLogInterceptor,
@@ -207,6 +207,7 @@ class Server:
                 ("grpc.max_receive_message_length", limit),
                 ("grpc.max_send_message_length", 64 << 20),
                 ("grpc.so_reuseport", 0),
+                *admission.core_options(),
                 *connection_options(args),
             ],
         )

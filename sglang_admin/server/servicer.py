@@ -18,6 +18,7 @@ from sglang_admin.config import ServerArgs
 from sglang_admin.pb import common_pb2 as pb
 from sglang_admin.pb import common_pb2_grpc as pb_grpc
 from sglang_admin.server.admin import AdminCalls, admin_rpc
+from sglang_admin.server.admission import GenerateAdmission
 from sglang_admin.server.cache_profile_service import CacheAndProfile
 from sglang_admin.server.communicator import Communicator
 from sglang_admin.server.convert import ServiceError
@@ -36,6 +37,8 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
     def __init__(self, args: ServerArgs, comm: Communicator) -> None:
         self.admin = AdminCalls(args, comm)
         self.generation = Generation(args, comm, self.admin)
+        self.admission = GenerateAdmission(
+            args, lambda: comm.model_info.token_capacity if comm.model_info else 0)
         self.info = Info(args, comm, self.admin)
         self.cache = CacheAndProfile(args, comm, self.admin)
         self.weights = Weights(args, comm, self.admin)
@@ -48,9 +51,11 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: Context
     ) -> AsyncIterator[pb.GenerateResponse]:
-        """Stream a chunk per step when `stream` is set, then one GenerateComplete."""
-        async for response in self.generation.generate(request, context):
-            yield response
+        """Stream a chunk per step when `stream` is set, then one GenerateComplete (or
+        RESOURCE_EXHAUSTED at once when the worker holds as many calls as it admits)."""
+        with self.admission.admit():
+            async for response in self.generation.generate(request, context):
+                yield response
 
     async def Abort(self, request: pb.AbortRequest, context: Context) -> pb.AbortResponse:
         """Abort one request by id (or, with abort_all, every request: an admin op)."""

@@ -18,6 +18,7 @@ BAD = [
     (["--port", "0"], "--port: must be a TCP port in 1..65535, got 0"),
     (["--port", "x"], "--port: must be an integer, got 'x'"),
     (["--dp-size", "0"], "--dp-size: must be a positive integer, got 0"),
+    (["--max-inflight-generate", "-1"], "--max-inflight-generate: must be an integer >= 0"),
     (["--seed", "-1"], "--seed: must be an integer in 0..2^63-1, got -1"),
     (["--grace-period", "nan"], "--grace-period: must be a finite number >= 0, got nan"),
     (["--grace-period", "-1"], "--grace-period: must be a finite number >= 0, got -1"),
@@ -25,6 +26,9 @@ BAD = [
     (["--max-connection-age", "1e12"], "--max-connection-age: must be at most"),
     (["--keepalive-time", "-3"], "--keepalive-time: must be a finite number >= 0"),
     (["--stream-buffer-tokens", "0"], "--stream-buffer-tokens: must be a positive integer"),
+    (["--stream-buffer-bytes", "0"], "--stream-buffer-bytes: must be a positive integer"),
+    (["--stream-buffer-bytes-total", "-5"],
+     "--stream-buffer-bytes-total: must be a positive integer"),
     (["--torch-threads", "-1"], "--torch-threads: must be an integer >= 0, got -1"),
 ]
 

@@ -82,7 +82,7 @@ def test_contributing_example_is_the_code() -> None:
     blocks = _EXCERPT.findall((ROOT / "CONTRIBUTING.md").read_text())
     assert len(blocks) >= 7, "the worked example lost its excerpt markers"
     named = {path for path, _ in blocks}
-    assert {"protos/common.proto", "sglang_admin/messages.py",
+    assert {"protos/common.proto", "sglang_admin/messages/types.py",
             "sglang_admin/client/client.py"} <= named
     for path, body in blocks:
         source = (ROOT / path).read_text()
