@@ -224,6 +224,11 @@ class ModelRunner:
         if self.weights_released:
             self.model.allocate_parameters(self.device)
 
+    def empty_cache(self) -> None:
+        """Hand memory the allocator keeps cached back (CUDA's cached blocks; glibc's free
+        arenas on CPU): the torch_empty_cache of ContinueGeneration and weight updates."""
+        _return_memory(self.device)
+
     def reset(self) -> None:
         """Forget every sequence's slots (cache flush); the KV tensors are left as they are."""
         self.batches.reset()
