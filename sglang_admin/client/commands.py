@@ -151,6 +151,7 @@ def render_server_info(resp: pb.GetServerInfoResponse) -> Outcome:
     details = [
         f"rank {s.dp_rank}: {s.device} running={s.num_running_reqs} "
         f"waiting={s.num_waiting_reqs} tokens={s.num_used_tokens}/{s.token_capacity} "
+        f"(cached={s.num_evictable_tokens} free={s.num_free_tokens}) "
         f"profiler={s.profiler_state}"
         for s in resp.rank_states
     ]
@@ -167,6 +168,7 @@ def render_loads(resp: pb.GetLoadsResponse) -> Outcome:
     details = [
         f"rank {x.dp_rank}: running={x.num_running_reqs} waiting={x.num_waiting_reqs} "
         f"tokens={x.num_used_tokens}/{x.max_total_num_tokens} "
+        f"(cached={x.num_evictable_tokens} free={x.num_free_tokens}) "
         f"cache_hit_rate={x.cache_hit_rate:.1%}"
         for x in resp.loads
     ]

@@ -313,8 +313,11 @@ class RankState:
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
     token_capacity: int = 0
+    # The KV pool in three parts (docs/kv-figures.md): held by requests, cached and
+    # evictable, free; they add up to token_capacity.
     num_used_tokens: int = 0
     num_evictable_tokens: int = 0
+    num_free_tokens: int = 0
     cache_hit_rate: float = 0.0
     gen_throughput: float = 0.0
     profiler_state: str = "idle"

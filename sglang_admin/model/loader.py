@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -20,6 +19,7 @@ from sglang_admin.model.embedding_spec import (
     embedding_spec,
 )
 from sglang_admin.model.llama import LlamaForCausalLM
+from sglang_admin.model.weight_names import UnknownWeightName, model_parameters, resolve
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -166,10 +166,6 @@ class WeightMismatch(ModelLoadError):
     """A tensor offered to :func:`load_weights` does not fit the served model."""
 
 
-# Checkpoint tensors the model computes itself or never reads.
-_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$|(^|\.)rotary\.inv_freq$")
-
-
 def iter_checkpoint(model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of a checkpoint's safetensors files, one at a time, as (name, tensor).
 
@@ -198,16 +194,19 @@ def load_weights(
     or a shape that differs raises :class:`WeightMismatch` naming it; tensors are cast to
     the parameter's dtype and device.
     """
-    params = dict(model.named_parameters(remove_duplicate=False))
-    tied = model.config.tie_word_embeddings
+    params = model_parameters(model)
     loaded: set[str] = set()
     with torch.no_grad():
         for name, tensor in weights:
-            if _IGNORED.search(name) or (tied and name == "lm_head.weight"):
+            try:
+                found = resolve(model, name, params)
+            except UnknownWeightName:
+                raise WeightMismatch(f"weight {name!r} is not a parameter of this model"
+                                     ) from None
+            if not found.loads:
                 continue
-            param = params.get(name)
-            if param is None:
-                raise WeightMismatch(f"weight {name!r} is not a parameter of this model")
+            param = found.param
+            assert param is not None
             if tuple(tensor.shape) != tuple(param.shape):
                 raise WeightMismatch(
                     f"weight {name!r} has shape {list(tensor.shape)}, the model's is "
@@ -220,7 +219,7 @@ def load_weights(
 
 def expected_weights(model: LlamaForCausalLM) -> set[str]:
     """The names a full checkpoint of this model must provide."""
-    return set(dict(model.named_parameters(remove_duplicate=False)))
+    return set(model_parameters(model))
 
 
 def missing_message(missing: set[str]) -> str:

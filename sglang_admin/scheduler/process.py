@@ -262,6 +262,7 @@ class RankLoop:
             token_capacity=s.allocator.capacity,
             num_used_tokens=s.num_used_tokens,
             num_evictable_tokens=s.cache.evictable_size,
+            num_free_tokens=s.num_free_tokens,
             cache_hit_rate=s.cache_hit_rate,
             gen_throughput=s.gen_throughput(),
             profiler_state=self.profiler.reported_state,
@@ -286,7 +287,8 @@ class RankLoop:
 
     def publish_state(self, force: bool = False) -> None:
         s = self.scheduler
-        key = (len(s.running), len(s.waiting), s.num_used_tokens, self.profiler.reported_state,
+        key = (len(s.running), len(s.waiting), s.num_used_tokens, s.num_free_tokens,
+               self.profiler.reported_state,
                self.quiesce.pending, s.paused, s.num_grammar_queue_reqs)
         now = time.monotonic()
         # The key fields are checked now (published below if they changed): the heartbeat

@@ -192,7 +192,16 @@ class Scheduler:
 
     @property
     def num_used_tokens(self) -> int:
-        return self.allocator.capacity - self.allocator.available
+        """KV slots held by requests (running, or forked samples waiting for their parent):
+        the pool less what is free and what the prefix cache may evict, as SGLang's
+        ``max_total_num_tokens - (available + evictable)``. 0 on an idle rank, however warm
+        its cache."""
+        return self.allocator.capacity - self.allocator.available - self.cache.evictable_size
+
+    @property
+    def num_free_tokens(self) -> int:
+        """KV slots nobody holds: neither a request nor the prefix cache."""
+        return self.allocator.available
 
     @property
     def cache_hit_rate(self) -> float:
@@ -368,8 +377,9 @@ class Scheduler:
         """Stop generation as SGLang's pause_generation; the requests it touched.
 
         ``abort``: every request in flight ends with "abort". ``retract``: running
-        requests go back to the head of the queue, their KV handed to the prefix cache (so
-        a flush can run; they recompute after :meth:`resume`). ``in_place``: running
+        requests go back to the head of the queue and their KV is freed (their prompt's
+        prefix stays cached, unlocked, so a flush can run; they recompute the rest after
+        :meth:`resume`). ``in_place``: running
         requests stay, KV and all, and simply take no step. In every mode nothing is
         admitted or stepped until :meth:`resume`; deadlines and aborts still apply.
         """
@@ -688,12 +698,14 @@ class Scheduler:
         if group is not None and all(r.done for r in group):
             del self.groups[req.rid]
 
-    def _release(self, req: Req) -> None:
-        """Hand the computed KV to the radix cache, free the rest, unlock, free the row."""
+    def _release(self, req: Req, keep: bool = True) -> None:
+        """Hand the computed KV to the radix cache (``keep``; else free it, as SGLang's
+        ``release_kv_cache(is_insert=False)``), free the rest, unlock, free the row. What
+        the tree held before (the prefix the request matched or shared) stays cached."""
         kv = req.kv_len
         seq = req.fill_ids[:kv]
         computed = req.slots[:kv]
-        if self.cache.disable:
+        if self.cache.disable or not keep:
             self.allocator.free(req.slots[req.cached_len :])
         else:
             already = self.cache.insert(cache_key(seq, req.lora_ns), computed)
@@ -732,9 +744,12 @@ class Scheduler:
         req.cached_len = kv
 
     def _retract(self, req: Req) -> None:
-        """Put a running request back at the head of the queue; its KV stays cached."""
+        """Put a running request back at the head of the queue and free its KV, as SGLang's
+        retract: the slots only it held go back to the pool, and the prefix it shares with
+        the tree (its prompt, once prefilled) is unlocked, so the cache may evict it. It
+        recomputes the rest when it is admitted again."""
         logger.info("retracting %s to free KV memory", req.rid)
-        self._release(req)
+        self._release(req, keep=False)
         self.running.remove(req)
         req.retractions += 1
         self.num_retracted += 1

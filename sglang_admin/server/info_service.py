@@ -277,6 +277,7 @@ def _rank_state_proto(s: RankState, age: float) -> pb.RankState:
         token_capacity=s.token_capacity,
         num_used_tokens=s.num_used_tokens,
         num_evictable_tokens=s.num_evictable_tokens,
+        num_free_tokens=s.num_free_tokens,
         cache_hit_rate=s.cache_hit_rate,
         gen_throughput=s.gen_throughput,
         profiler_state=s.profiler_state,
@@ -291,7 +292,6 @@ def _rank_state_proto(s: RankState, age: float) -> pb.RankState:
 
 def _load_proto(s: RankState, include: set[str], age: float) -> pb.SchedulerLoad:
     capacity = max(s.token_capacity, 1)
-    active = s.num_used_tokens - s.num_evictable_tokens
     load = pb.SchedulerLoad(
         dp_rank=s.dp_rank,
         num_running_reqs=s.num_running_reqs,
@@ -302,10 +302,12 @@ def _load_proto(s: RankState, include: set[str], age: float) -> pb.SchedulerLoad
         token_usage=s.num_used_tokens / capacity,
         gen_throughput=s.gen_throughput,
         cache_hit_rate=s.cache_hit_rate,
-        utilization=max(active, 0) / capacity,
+        utilization=s.num_used_tokens / capacity,
         max_running_requests=s.max_running_requests,
         num_waiting_uncached_tokens=s.num_waiting_uncached_tokens,
         state_age_s=age,
+        num_evictable_tokens=s.num_evictable_tokens,
+        num_free_tokens=s.num_free_tokens,
     )
     if "memory" in include:
         load.memory.CopyFrom(

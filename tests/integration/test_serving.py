@@ -17,9 +17,10 @@ from tests.conftest import ServerProc, greedy, run_generate, start_server
 
 
 def kv_in_use(stub) -> int:
-    """KV tokens held by requests (used minus cached-but-evictable), summed over ranks."""
+    """KV tokens held by requests (num_used_tokens: cached-but-evictable ones excluded),
+    summed over ranks."""
     info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
-    return sum(s.num_used_tokens - s.num_evictable_tokens for s in info.rank_states)
+    return sum(s.num_used_tokens for s in info.rank_states)
 
 
 def test_health_reflection_names_and_model_info(server: ServerProc) -> None:
