@@ -46,7 +46,8 @@ from sglang_admin.model.pooling import pool
 from sglang_admin.model.sampling import SampleRequest, SampleResult, sample
 from sglang_admin.model.step_io import InvalidSequence, SeqInput, SeqOutput
 
-__all__ = ["ForwardTimes", "InvalidSequence", "ModelRunner", "SeqInput", "SeqOutput"]
+__all__ = ["ForwardTimes", "InvalidSequence", "ModelRunner", "ResumeOutOfMemory", "SeqInput",
+           "SeqOutput"]
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +74,16 @@ def resolve_dtype(dtype: str, device: torch.device, checkpoint_dtype: str) -> to
     if checkpoint_dtype in ("float16", "bfloat16"):
         return dtype_from_name(checkpoint_dtype)
     return torch.bfloat16
+
+
+class ResumeOutOfMemory(RuntimeError):
+    """Resuming released memory ran out of it; that memory stays released."""
+
+    def __init__(self, tag: str, nbytes: int, cause: BaseException) -> None:
+        first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        super().__init__(f"resuming {tag} ({nbytes / 2**30:.2f} GiB) ran out of memory: {first}; "
+                         f"{tag} stays released: free memory on the device, then resume again")
+        self.tag = tag
 
 
 class ModelRunner:
@@ -213,9 +224,16 @@ class ModelRunner:
         return self.kv_cache_bytes
 
     def resume_kv_cache(self) -> None:
-        """Allocate the KV pool again (zeros); no-op when it is there."""
+        """Allocate the KV pool again (zeros); no-op when it is there. Raises
+        :class:`ResumeOutOfMemory` (the pool still released) when it does not fit."""
         if self._kv is None:
-            self._allocate_kv()
+            try:
+                self._allocate_kv()
+            except (torch.OutOfMemoryError, MemoryError) as exc:
+                self._kv = None
+                self.k_caches, self.v_caches = [], []
+                _return_memory(self.device)
+                raise ResumeOutOfMemory("kv_cache", self.kv_cache_bytes, exc) from None
 
     def release_weights(self) -> int:
         """Free every parameter (shapes kept); bytes released. Load weights after resuming."""
@@ -226,9 +244,16 @@ class ModelRunner:
         return self.weight_bytes
 
     def resume_weights(self) -> None:
-        """Storage for the weights again, uninitialised: the caller loads weights next."""
+        """Storage for the weights again, uninitialised: the caller loads weights next.
+        Raises :class:`ResumeOutOfMemory` (every weight released again) when they do not
+        fit."""
         if self.weights_released:
-            self.model.allocate_parameters(self.device)
+            try:
+                self.model.allocate_parameters(self.device)
+            except (torch.OutOfMemoryError, MemoryError) as exc:
+                self.model.release_parameters()  # what was allocated before the failure
+                _return_memory(self.device)
+                raise ResumeOutOfMemory("weights", self.weight_bytes, exc) from None
 
     def empty_cache(self) -> None:
         """Hand memory the allocator keeps cached back (CUDA's cached blocks; glibc's free

@@ -38,6 +38,7 @@ from sglang_admin.messages import (
     WeightValues,
 )
 from sglang_admin.model.loader import iter_checkpoint, load_weights
+from sglang_admin.model.runner import ResumeOutOfMemory
 from sglang_admin.model.weight_names import UnknownWeightName
 from sglang_admin.model.weights import (
     RefitError,
@@ -191,10 +192,18 @@ def on_resume_memory(rank: Rank, msg: ResumeMemoryReq) -> None:
         rank.reply(msg, False, refusal)
         return
     text = "memory resumed"
-    if "kv_cache" in msg.tags:
-        runner.resume_kv_cache()
-    if "weights" in msg.tags and runner.weights_released:
-        runner.resume_weights()
+    weights_back = "weights" in msg.tags and runner.weights_released
+    try:
+        if "kv_cache" in msg.tags:
+            runner.resume_kv_cache()
+        if weights_back:
+            runner.resume_weights()
+    except ResumeOutOfMemory as exc:  # what did not fit stays released; the rank serves on
+        logger.warning("rank %d: %s", rank.rank, exc)
+        rank.reply(msg, False, str(exc))
+        _lift_if_whole(rank)
+        return
+    if weights_back:
         source, expected = rank.weights_source, rank.released_digest
         rank.released_digest = None
         if source is None:

@@ -67,3 +67,44 @@ def test_misuse_is_refused_and_the_served_state_stays(wires: Wires) -> None:
     assert _ask(wires, ResumeMemoryReq("m6", ["kv_cache"])).success
     assert not runner.kv_cache_released
     assert not wires.loop.quiesce.holds  # admission is no longer held
+
+
+def test_a_resume_that_runs_out_of_memory_is_answered_and_the_rank_serves_on(
+        wires: Wires, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An allocation that fails while resuming (CUDA out of memory) is a failed answer, the
+    memory stays released as it was, and a later resume works: before, the error escaped
+    the handler and ended the rank."""
+    import torch
+
+    runner = wires.loop.runner
+    wires.received()
+    assert _ask(wires, ReleaseMemoryReq("r1", ["kv_cache", "weights"])).success
+
+    def no_room(*args: object, **kwargs: object) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(runner, "_allocate_kv", no_room)
+    reply = _ask(wires, ResumeMemoryReq("r2", ["kv_cache"]))
+    assert not reply.success
+    assert reply.message.startswith("resuming kv_cache (")
+    assert "ran out of memory: CUDA out of memory" in reply.message
+    assert runner.kv_cache_released and runner.weights_released
+
+    allocate = runner.model.allocate_parameters
+
+    def half_then_no_room(device: torch.device) -> None:
+        runner.model.to_empty(device=device)  # part of the weights got storage
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+
+    monkeypatch.undo()  # the KV pool fits again; the weights do not
+    monkeypatch.setattr(runner.model, "allocate_parameters", half_then_no_room)
+    reply = _ask(wires, ResumeMemoryReq("r3", ["kv_cache", "weights"]))
+    assert not reply.success and reply.message.startswith("resuming weights (")
+    assert not runner.kv_cache_released  # what fitted was resumed
+    assert runner.weights_released  # every weight released again, none half-allocated
+    assert all(p.is_meta for p in runner.model.parameters())
+
+    monkeypatch.setattr(runner.model, "allocate_parameters", allocate)
+    reply = _ask(wires, ResumeMemoryReq("r4", ["weights"]))
+    assert reply.success, reply.message
+    assert not runner.weights_released
