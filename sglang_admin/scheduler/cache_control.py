@@ -52,8 +52,9 @@ def flush(rank: Rank, msg: FlushCacheReq) -> None:
     if rank.scheduler.running:
         rank.reply(msg, False, busy_message(rank))
         return
-    freed = flush_now(rank)
-    rank.reply(msg, True, "Cache flushed successfully", FlushResult(freed))
+    with rank.together():  # "cleared", the state and the answer: one write to the server
+        freed = flush_now(rank)
+        rank.reply(msg, True, "Cache flushed successfully", FlushResult(freed))
 
 
 def flush_now(rank: Rank) -> int:

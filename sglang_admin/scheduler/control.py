@@ -18,6 +18,7 @@ import functools
 import re
 from collections.abc import Callable
 from concurrent.futures import Future
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol
 
 from sglang_admin.config import ServerArgs
@@ -63,6 +64,10 @@ class Rank(Protocol):
     def publish_state(self, force: bool = False) -> None: ...
 
     def flush_kv_events(self) -> None: ...
+
+    def together(self) -> AbstractContextManager[None]:
+        """Messages sent inside leave as one ZMQ message (its parts, in order)."""
+        ...
 
 
 Handler = Callable[[Rank, Any], None]

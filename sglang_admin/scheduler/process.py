@@ -13,7 +13,9 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -176,6 +178,8 @@ class RankLoop:
 
         self.args, self.rank, self.inbox, self.outbox = args, rank, inbox, outbox
         self.parent_pid = parent_pid
+        # encoded messages held to leave together (see together()); None: each goes at once
+        self.held: list[bytes] | None = None
         if args.otlp_traces_endpoint:
             from sglang_admin.otel import configure_otlp
 
@@ -252,7 +256,30 @@ class RankLoop:
     # ------------------------------------------------------------------ io
 
     def send(self, msg: Any) -> None:
-        self.outbox.send(encode(msg), copy=False)
+        data = encode(msg)
+        if self.held is not None:
+            self.held.append(data)
+        else:
+            self.outbox.send(data, copy=False)
+
+    @contextmanager
+    def together(self) -> Iterator[None]:
+        """Messages sent inside leave as the parts of one ZMQ message, in order: one write
+        and one wake-up of the server instead of one each (a step's outputs, its KV events
+        and its state; a flush's "cleared", state and answer). The server reads each part
+        as a message of its own."""
+        if self.held is not None:  # already inside: the outer block sends them
+            yield
+            return
+        self.held = []
+        try:
+            yield
+        finally:
+            held, self.held = self.held, None
+            if len(held) == 1:
+                self.outbox.send(held[0], copy=False)
+            elif held:
+                self.outbox.send_multipart(held, copy=False)
 
     def state(self) -> RankState:
         s = self.scheduler
@@ -327,9 +354,10 @@ class RankLoop:
                 self.step(batch)
                 self.step_timer.commit(batch.is_decode)
             outputs = self.scheduler.take_outputs()
-            self.send_outputs(outputs)
-            self.flush_kv_events()
-            self.publish_state(force=batch is None and bool(outputs))
+            with self.together():
+                self.send_outputs(outputs)
+                self.flush_kv_events()
+                self.publish_state(force=batch is None and bool(outputs))
             if os.getppid() != self.parent_pid:
                 logger.error("server process is gone; rank %d exits", self.rank)
                 break

@@ -37,6 +37,17 @@ _ADMIN_MARK = "_sglang_admin_rpc"
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+_SPAN_NAMES: dict[str, str] = {}  # op -> its span's name (flush_cache -> FlushCache)
+
+
+def span_name_of(op: str) -> str:
+    """The server span's name for an admin op: ``flush_cache`` -> ``FlushCache``."""
+    name = _SPAN_NAMES.get(op)
+    if name is None:
+        name = _SPAN_NAMES[op] = "".join(part.title() for part in op.split("_"))
+    return name
+
+
 def admin_rpc(method: F) -> F:
     """Mark a servicer method as an admin RPC (it changes the server for everyone)."""
     setattr(method, _ADMIN_MARK, True)
@@ -189,9 +200,8 @@ class AdminCalls:
         """
         self.require_ready()
         carrier = carrier_from_metadata(context.invocation_metadata())
-        span_name = "".join(part.title() for part in op.split("_"))
         with self.comm.metrics.admin_call(op) as outcome:  # sglang_admin:admin_calls
-            with server_span(span_name, carrier, **log_fields) as forward:
+            with server_span(span_name_of(op), carrier, **log_fields) as forward:
                 rid = self.comm.new_admin_id()
                 self.log(op, rid, carrier, **log_fields)
                 wait = effective_timeout(context, server_default)

@@ -18,7 +18,7 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import zmq
@@ -65,15 +65,17 @@ class RankFailure:
     message: str
 
 
-@dataclass
 class _AdminCall:
-    ranks: tuple[int, ...]
-    replies: dict[int, AdminReply] = field(default_factory=dict)
-    # resolved by the last reply (or a failure, or the timeout); the waiting call awaits it
-    # directly: an Event under wait_for took an extra task and two more loop iterations
-    done: asyncio.Future = field(
-        default_factory=lambda: asyncio.get_running_loop().create_future()
-    )
+    """One admin call's wait: the ranks asked, their replies so far, and the future the
+    waiting call awaits (resolved by the last reply, a failure or the timeout; an Event
+    under wait_for took an extra task and two more loop iterations)."""
+
+    __slots__ = ("ranks", "replies", "done")
+
+    def __init__(self, ranks: tuple[int, ...], loop: asyncio.AbstractEventLoop) -> None:
+        self.ranks = ranks
+        self.replies: dict[int, AdminReply] = {}
+        self.done: asyncio.Future = loop.create_future()
 
     def finish(self) -> None:
         if not self.done.done():
@@ -104,6 +106,12 @@ class Communicator:
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(args.scheduler_addr(rank))
             self.outboxes.append(sock)
+        # The same sockets without the asyncio layer: a send that the socket takes at once
+        # (nearly every one: a rank drains its inbox between steps) costs no Future, no
+        # callback and no kwargs copy; only one it cannot take goes through the layer.
+        # While a send waits in that layer, later ones queue behind it there (in order).
+        self._plain_outboxes = [zmq.Socket.shadow(sock.underlying) for sock in self.outboxes]
+        self._queued_sends = [0] * args.dp_size
         self.streams: dict[str, _Stream] = {}  # by the client's request id
         self.buffered = ByteBudget(args.stream_buffer_bytes_total)  # every stream's buffer
         self.by_wire_id: dict[str, _Stream] = {}  # by the id the rank sees
@@ -325,7 +333,7 @@ class Communicator:
         finished = False
         unfinished_samples = max(req.n, 1)  # n > 1: one finish per sample
         try:
-            await self.outboxes[rank].send(encode(req))
+            await self._send(rank, encode(req))
             while True:
                 item = await buffer.get()
                 if isinstance(item, Exception):
@@ -370,13 +378,37 @@ class Communicator:
             if not fut.cancelled() and fut.exception() is not None:
                 logger.warning("could not send %s to rank %d: %s", name, rank, fut.exception())
 
+        data = encode(msg)
+        if not self._queued_sends[rank]:
+            try:
+                self._plain_outboxes[rank].send(data, zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                pass  # the socket is full: the asyncio layer reports what becomes of it
+            except zmq.ZMQError as exc:
+                logger.warning("could not send %s to rank %d: %s", name, rank, exc)
+                return
         try:
-            fut = self.outboxes[rank].send(encode(msg), flags=zmq.NOBLOCK)
+            fut = self.outboxes[rank].send(data, flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             logger.warning("could not send %s to rank %d: %s", name, rank, exc)
             return
         if isinstance(fut, asyncio.Future):
             fut.add_done_callback(check)
+
+    async def _send(self, rank: int, data: bytes) -> None:
+        """Send ``data`` to ``rank``: at once when its socket takes it, else once it can."""
+        if not self._queued_sends[rank]:
+            try:
+                self._plain_outboxes[rank].send(data, zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                pass
+        self._queued_sends[rank] += 1
+        try:
+            await self.outboxes[rank].send(data)
+        finally:
+            self._queued_sends[rank] -= 1
 
     # ------------------------------------------------------------------ admin
 
@@ -402,7 +434,8 @@ class Communicator:
         """
         ranks = tuple(range(self.args.dp_size)) if ranks is None else ranks
         rid = rid or self.new_admin_id()
-        call = _AdminCall(ranks)
+        loop = asyncio.get_running_loop()
+        call = _AdminCall(ranks, loop)
         self.calls[rid] = call
         failures: dict[int, RankFailure] = {}
         sent: list[int] = []
@@ -413,10 +446,10 @@ class Communicator:
                 if failure is not None:
                     failures[rank] = failure
                 else:
-                    await self.outboxes[rank].send(data)
+                    await self._send(rank, data)
                     sent.append(rank)
             if len(failures) < len(ranks):
-                timer = asyncio.get_running_loop().call_later(timeout, call.finish)
+                timer = loop.call_later(timeout, call.finish)
                 try:
                     await call.done
                 finally:

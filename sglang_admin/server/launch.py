@@ -21,7 +21,7 @@ from sglang_admin.server.communicator import Communicator
 from sglang_admin.server.interceptors import (
     AccessLogInterceptor,
     AuthInterceptor,
-    ErrorInterceptor,
+    ErrorHandlingRegistry,
 )
 from sglang_admin.server.servicer import SglangSchedulerServicer
 from sglang_admin.server.watchdog import Watchdog
@@ -199,7 +199,8 @@ class Server:
             interceptors.append(auth)
         if args.log_requests:
             interceptors.append(AccessLogInterceptor())
-        interceptors.append(ErrorInterceptor())
+        # errors to statuses: wrapped into the handlers as they are registered (below), not
+        # an interceptor (with any, grpc.aio runs an interceptor chain on every call)
         limit = max_message_bytes(args)
         self.server = grpc.aio.server(
             interceptors=interceptors,
@@ -211,8 +212,9 @@ class Server:
                 *connection_options(args),
             ],
         )
-        common_pb2_grpc.add_SglangSchedulerServicer_to_server(servicer, self.server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        registry = ErrorHandlingRegistry(self.server)
+        common_pb2_grpc.add_SglangSchedulerServicer_to_server(servicer, registry)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, registry)
         # v1 is served too (grpcurl tries it first) but not listed: grpcio-reflection ships
         # only v1alpha's descriptors, and every listed service must be describable.
         names = [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME]
