@@ -263,3 +263,18 @@ class LlamaForCausalLM(nn.Module):
         if kernels is not None and weight.is_contiguous():  # a few rows: see CpuKernels.linear
             return kernels.linear(self.model.norm(hidden).contiguous(), weight)
         return F.linear(self.model.norm(hidden), weight)
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The final RMSNorm of selected hidden rows, contiguous (for :meth:`logits_into`)."""
+        return self.model.norm(hidden).contiguous()
+
+    def logits_into(self, normed: torch.Tensor, out: torch.Tensor, start: int, end: int) -> None:
+        """Vocabulary columns [start, end) of the logits of ``normed`` (:meth:`final_norm`'s)
+        written to ``out`` [N, end - start] (a column slice of the whole logits): threads
+        each computing a part of the LM head (model/runner.py)."""
+        kernels = self.model.norm.kernels
+        weight = self.output_weight()[start:end]
+        if kernels is not None and weight.is_contiguous():
+            kernels.linear(normed, weight, out=out)
+        else:
+            out.copy_(F.linear(normed, weight))

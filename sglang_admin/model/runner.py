@@ -25,6 +25,7 @@ import torch
 from sglang_admin.config import ATTENTION_BACKENDS
 from sglang_admin.model.batch import BatchBuilder, ForwardBatch
 from sglang_admin.model.cpu_kernels import CpuKernels, load_cpu_kernels
+from sglang_admin.model.lanes import DECODE_LANE_PARAMS, LM_HEAD_SPLIT_PARAMS
 from sglang_admin.model.grammar_mask import apply_grammar_masks
 from sglang_admin.model.hidden_extras import hidden_rows, input_logprobs
 from sglang_admin.model.llama import LlamaForCausalLM
@@ -150,13 +151,21 @@ class ModelRunner:
             context_length=self.context_length, token_capacity=self.token_capacity,
             sliding_window=self.sliding_window, num_heads=cfg.num_heads,
             kv_width=cfg.num_kv_heads * cfg.head_dim, cpu_kernels=self.cpu_kernels,
-            extend_kernel=extend_kernel, lanes=self.lanes)
+            extend_kernel=extend_kernel, lanes=self.lanes,
+            split_decode=self._decoder_params() >= DECODE_LANE_PARAMS)
         self.last_times = ForwardTimes()  # the last forward_step's split, for step_timing
         logger.info(
             "model %s loaded: %s on %s, %.1f MiB weights, KV pool %d tokens (%.1f MiB)",
             self.info.architectures, self.info.dtype, self.device, self.weight_bytes / 2**20,
             self.token_capacity, self.kv_cache_bytes / 2**20,
         )
+
+    def _decoder_params(self) -> int:
+        """Parameters of the decoder layers' matmuls (what a token's projections multiply)."""
+        cfg = self.model.config
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        per_layer = cfg.hidden_size * (2 * q + 2 * kv + 3 * cfg.intermediate_size)
+        return cfg.num_layers * per_layer
 
     def _cpu_kernels(self, backend: str) -> CpuKernels | None:
         """``auto``: the CPU kernels where they apply (float32 on CPU) and build;
@@ -281,7 +290,7 @@ class ModelRunner:
         if not sampled:
             self.last_times = ForwardTimes(model=time.perf_counter() - t_model)
             return self._with_extras({}, seqs, batch, hidden)
-        logits = self.model.compute_logits(
+        logits = self._compute_logits(
             hidden if batch.every_row else hidden.index_select(0, batch.select))
         if self.device.type == "cuda":  # sampling reads the tokens back anyway: no loss
             torch.cuda.synchronize(self.device)
@@ -326,6 +335,39 @@ class ModelRunner:
         """See :meth:`BatchBuilder.split_lanes`."""
         return self.batches.split_lanes(ordered)
 
+    def _compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The logits of the rows that sample; on CPU with lanes and a large LM head, its
+        vocabulary cut in one part per lane, computed at once by the lane threads (the head
+        is a step's largest matmul: 2.8 GFLOP of SmolLM2-135M's batch-32 step, one thread)."""
+        cfg = self.model.config
+        parts = self.lanes if cfg.vocab_size * cfg.hidden_size >= LM_HEAD_SPLIT_PARAMS else 1
+        if parts <= 1 or self.device.type != "cpu" or hidden.shape[0] == 0:
+            return self.model.compute_logits(hidden)
+        normed = self.model.final_norm(hidden)
+        vocab = cfg.vocab_size
+        logits = torch.empty(hidden.shape[0], vocab, dtype=normed.dtype)
+
+        def part(i: int) -> None:
+            a, b = vocab * i // parts, vocab * (i + 1) // parts
+            self.model.logits_into(normed, logits[:, a:b], a, b)
+
+        futures = [self._lanes_pool().submit(_in_inference_mode, part, i)
+                   for i in range(1, parts)]
+        part(0)
+        for f in futures:
+            f.result()
+        return logits
+
+    def _lanes_pool(self) -> ThreadPoolExecutor:
+        """The lane threads (lanes past the first), started at first use."""
+        if self._lane_pool is None:
+            # a new thread does not inherit torch's thread count: without this, each lane
+            # would start an OpenMP team of the machine's size, whose threads spin
+            self._lane_pool = ThreadPoolExecutor(
+                self.lanes - 1, thread_name_prefix="lane",
+                initializer=torch.set_num_threads, initargs=(torch.get_num_threads(),))
+        return self._lane_pool
+
     def _run_lanes(self, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states of every new token: one forward per lane, lanes past the first on
         the lane threads while this thread computes the first; joined in token order."""
@@ -338,13 +380,7 @@ class ModelRunner:
 
         if len(lanes) == 1:
             return run(0)
-        if self._lane_pool is None:
-            # a new thread does not inherit torch's thread count: without this, each lane
-            # would start an OpenMP team of the machine's size, whose threads spin
-            self._lane_pool = ThreadPoolExecutor(
-                self.lanes - 1, thread_name_prefix="lane",
-                initializer=torch.set_num_threads, initargs=(torch.get_num_threads(),))
-        futures = [self._lane_pool.submit(_in_inference_mode, run, i)
+        futures = [self._lanes_pool().submit(_in_inference_mode, run, i)
                    for i in range(1, len(lanes))]
         first = run(0)
         return torch.cat([first, *(f.result() for f in futures)])
