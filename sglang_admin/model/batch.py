@@ -17,7 +17,7 @@ import torch
 from sglang_admin.model.attention import AttentionMetadata, DecodeGroup, ExtendSeq
 from sglang_admin.model.cpu_kernels import EXTEND_MAX_TOKENS, CpuKernels, DecodeBatch
 from sglang_admin.model.host_index import StagingBuffer, host_table
-from sglang_admin.model.lanes import DECODE_LANE_ROWS, group_by_length, lane_cuts
+from sglang_admin.model.lanes import group_by_length, lane_cuts
 from sglang_admin.model.step_io import InvalidSequence, SeqInput
 
 
@@ -58,7 +58,6 @@ class BatchBuilder:
         cpu_kernels: CpuKernels | None,
         extend_kernel: bool,
         lanes: int,
-        split_decode: bool = False,
     ) -> None:
         self.device = device
         self.dtype = dtype
@@ -71,8 +70,6 @@ class BatchBuilder:
         self.cpu_kernels = cpu_kernels
         self.extend_kernel = extend_kernel  # prefill chunks may go through the CPU kernel
         self.lanes = lanes
-        # decode-only steps are cut into lanes too (a large model: model/lanes.py)
-        self.split_decode = split_decode
         self._table_words: memoryview | None = None
         self._staging: StagingBuffer | None = None
         if device.type == "cpu":
@@ -237,19 +234,12 @@ class BatchBuilder:
 
     def split_lanes(self, ordered: list[SeqInput]) -> list[tuple[int, int]]:
         """The ordered sequences cut into lanes (model/lanes.py's ``lane_cuts``); one run when
-        lanes are off or the step is decode only, unless ``split_decode`` (a large model) and
-        each lane gets ``DECODE_LANE_ROWS`` sequences: each part of a split decode step
-        streams all the weights and pays the step's fixed cost again, and the second lane
-        shares its core with the server's messages; on the toy model, served, that was slower
-        than one lane (docs/benchmarks.md), at real shapes the matmuls outweigh it."""
-        if self.lanes <= 1 or len(ordered) < 2:
-            return [(0, len(ordered))]
-        if len(ordered[-1].token_ids) == 1:  # decode only (extend sequences come last)
-            lanes = min(self.lanes, len(ordered) // DECODE_LANE_ROWS)
-            if not self.split_decode or lanes <= 1:
-                return [(0, len(ordered))]
-            return [(len(ordered) * i // lanes, len(ordered) * (i + 1) // lanes)
-                    for i in range(lanes)]
+        lanes are off or the step is decode only: each half of a split decode step streams all
+        the weights and pays the step's fixed cost again, and the second lane shares its core
+        with the server's messages; served, that was slower than one lane
+        (docs/benchmarks.md)."""
+        if self.lanes <= 1 or len(ordered) < 2 or len(ordered[-1].token_ids) == 1:
+            return [(0, len(ordered))]  # decode only (extend sequences come last)
         return lane_cuts([(len(s.token_ids), s.prefix_len) for s in ordered], self.lanes)
 
     def _metadata(self, extend: list[SeqInput], cells: torch.Tensor,

@@ -316,28 +316,26 @@ def test_lanes_change_nothing(model_dirs: dict[str, str], kind: str, torch_threa
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
-def test_large_model_lanes_split_decode_steps_and_the_lm_head_the_same(
+def test_large_model_decode_steps_cut_each_matmul_among_lanes_the_same(
         model_dirs: dict[str, str], kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """At real shapes decode-only steps are cut into lanes and the LM head into vocabulary
-    parts (model/lanes.py's thresholds, lowered here to the test model): the same tokens and
-    logprobs as one lane."""
-    from sglang_admin.model import batch as batch_module
+    """At real shapes a decode step's projections and the LM head are cut into one part of
+    the weight rows per lane thread (model/lanes.py's thresholds, lowered here to the test
+    model): the same tokens and logprobs as one lane."""
     from sglang_admin.model import runner as runner_module
 
     path = model_dirs[kind]
+    assert not _runner(path, lanes=2).split_matmuls  # the test model is far below the bar
     results = []
     for lanes in (1, 2):
         if lanes == 2:
-            monkeypatch.setattr(runner_module, "DECODE_LANE_PARAMS", 0)
+            monkeypatch.setattr(runner_module, "SPLIT_MATMUL_PARAMS", 0)
             monkeypatch.setattr(runner_module, "LM_HEAD_SPLIT_PARAMS", 0)
-            monkeypatch.setattr(batch_module, "DECODE_LANE_ROWS", 2)
         runner = _runner(path, lanes=lanes)
+        assert runner.split_matmuls == (lanes == 2)
         reqs = mixed_workload(runner.info.vocab_size)
         for r in reqs:
             r.return_logprob = True
         results.append(simulate(runner, reqs))
-    seq = SeqInput(0, 100, [1], 0, [], SamplingParams(), [], [])
-    assert runner._split_lanes([seq] * 5) == [(0, 2), (2, 5)]
     for one, laned in zip(*results):
         assert laned.out == one.out
         for a, b in zip(one.outputs, laned.outputs):
@@ -350,8 +348,7 @@ def test_steps_with_prefill_work_are_cut_into_balanced_lanes(model_dirs: dict[st
     def seq(prefix: int, new: int) -> SeqInput:
         return SeqInput(0, prefix, [1] * new, 0, [], SamplingParams(), [], [])
 
-    # decode-only steps of a small model stay on one lane (split, each half pays the weights
-    # and fixed costs)
+    # decode-only steps stay on one lane (split, each half pays the weights and fixed costs)
     assert runner._split_lanes([seq(100, 1)] * 8) == [(0, 8)]
     # two equal prompts: one each
     assert runner._split_lanes([seq(0, 200), seq(0, 200)]) == [(0, 1), (1, 2)]
