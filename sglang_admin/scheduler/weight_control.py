@@ -86,6 +86,9 @@ def _refit(rank: Rank, msg: UpdateWeightsFromDiskReq, aborted: int) -> None:
         return
     rank.weights_source = os.path.abspath(msg.model_path)
     info.model_path = rank.weights_source
+    if msg.torch_empty_cache:
+        rank.runner.empty_cache()
+        logger.info("rank %d: cached memory handed back (torch_empty_cache)", rank.rank)
     text = weights_now_served(rank, msg, "Succeeded to update model weights.")
     logger.info("rank %d: weights updated from %s in %.2fs (version %s)", rank.rank,
                 info.model_path, time.perf_counter() - t0, info.weight_version)
@@ -151,6 +154,7 @@ def on_release_memory(rank: Rank, msg: ReleaseMemoryReq) -> None:
                    f"#queue-req: {len(s.waiting)}, #running-req: {len(s.running)}")
         return
     released = 0
+    rank.weight_sync.drop_buffers()  # a trainer's receive buffers are allocated again on use
     if "kv_cache" in msg.tags and not rank.runner.kv_cache_released:
         flush_now(rank)  # the pool's contents go with it
         released += rank.runner.release_kv_cache()
