@@ -144,7 +144,10 @@ class ServerArgs:
         a rank has two cores or more. A step's sequences are cut into lanes computed by
         threads of their own that block when done, so a core the server needs now and then
         costs a step only the time the server takes (OpenMP's threads spin on each other
-        instead: docs/cpu-performance.md)."""
+        instead: docs/cpu-performance.md). A decode step of a real-sized model cuts each
+        projection's weight rows among the same threads (model/lanes.py): on a loaded
+        2-core machine torch's 2 OpenMP threads took 3x-100x one thread's time for the same
+        GEMM, the blocking lane threads do not."""
         if self.cpu_lanes:
             return self.cpu_lanes
         return 1 if self.torch_threads else min(2, self.cores_per_rank)
