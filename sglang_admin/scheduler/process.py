@@ -37,7 +37,8 @@ from sglang_admin.scheduler.control import Handler, op_name
 from sglang_admin.scheduler.grammar import GrammarQueue, XGrammarBackend
 from sglang_admin.scheduler.heartbeat import HeartbeatThread
 from sglang_admin.scheduler.quiesce import Quiesce
-from sglang_admin.scheduler.scheduler import Batch, Scheduler, SchedulerConfig
+from sglang_admin.scheduler.request import Batch
+from sglang_admin.scheduler.scheduler import Scheduler, SchedulerConfig
 from sglang_admin.scheduler.step_timing import StepTimer
 from sglang_admin.scheduler.stop_strings import stop_string_detokenizer
 from sglang_admin.tracing import child_span, trace_id_of
@@ -151,6 +152,7 @@ def batch_inputs(batch: Batch) -> list[SeqInput]:
             # prompt logprobs only while the span still covers prompt tokens
             req.logprob_start_len if start < len(prompt) else -1,
             req.token_ids_logprob, req.return_hidden_states, req.grammar, req.argmax_from,
+            req.embed,  # issue 32: an Embed request's pooling progress
         ))
     return inputs
 
@@ -196,6 +198,7 @@ class RankLoop:
             attention_backend=args.attention_backend,
             gpu_index=args.gpu_index(rank),
             mem_fraction_static=args.mem_fraction_static,
+            is_embedding=args.is_embedding,
         )
         info = self.runner.info
         self.kv_events: list[list[Any]] = []
@@ -207,6 +210,7 @@ class RankLoop:
                 max_prefill_tokens=args.max_prefill_tokens,
                 context_length=info.context_length,
                 eos_token_ids=tuple(info.eos_token_ids),
+                pools_every_token=info.pooling in ("CLS", "MEAN"),
             ),
             on_kv_event=self.kv_events.append,
             grammar_queue=grammar_queue_for(args, info),
@@ -259,6 +263,7 @@ class RankLoop:
             token_capacity=s.allocator.capacity,
             num_used_tokens=s.num_used_tokens,
             num_evictable_tokens=s.cache.evictable_size,
+            num_free_tokens=s.num_free_tokens,
             cache_hit_rate=s.cache_hit_rate,
             gen_throughput=s.gen_throughput(),
             profiler_state=self.profiler.reported_state,
@@ -283,7 +288,8 @@ class RankLoop:
 
     def publish_state(self, force: bool = False) -> None:
         s = self.scheduler
-        key = (len(s.running), len(s.waiting), s.num_used_tokens, self.profiler.reported_state,
+        key = (len(s.running), len(s.waiting), s.num_used_tokens, s.num_free_tokens,
+               self.profiler.reported_state,
                self.quiesce.pending, s.paused, s.num_grammar_queue_reqs)
         now = time.monotonic()
         # The key fields are checked now (published below if they changed): the heartbeat

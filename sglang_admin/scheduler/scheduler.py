@@ -12,131 +12,23 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from sglang_admin.messages import ARGMAX_NEVER, GenerateReq, ReqOutput, SamplingParams
+from sglang_admin.messages import GenerateReq, ReqOutput
 from sglang_admin.scheduler import output_extras
-from sglang_admin.scheduler.grammar import GrammarQueue, GrammarState
+from sglang_admin.scheduler.embedding import EmbedProgress, reusable_prefix
+from sglang_admin.scheduler.grammar import GrammarQueue
 from sglang_admin.scheduler.kv_pool import TokenAllocator
 from sglang_admin.scheduler.lora_registry import LoraRegistry, LoraUnavailable, cache_key
 from sglang_admin.scheduler.parallel_sampling import fork_ready, sample_key
-from sglang_admin.scheduler.radix_cache import RadixCache, TreeNode
+from sglang_admin.scheduler.radix_cache import RadixCache
+from sglang_admin.scheduler.request import Batch, Req, Span
 from sglang_admin.scheduler.stop_strings import Detokenize, find_stop
 
 logger = logging.getLogger(__name__)
 
 THROUGHPUT_WINDOW_S = 5.0
 PAUSE_MODES = ("abort", "retract", "in_place")
-
-
-@dataclass(eq=False, slots=True)
-class Req:
-    """A request's life inside one rank."""
-
-    rid: str
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    return_logprob: bool = False
-    top_logprobs_num: int = 0
-    deadline: float | None = None
-    trace_id: str = ""
-    output_ids: list[int] = field(default_factory=list)
-    slots: list[int] = field(default_factory=list)  # KV slots of the first kv_len tokens
-    kv_len: int = 0  # tokens whose KV is in the pool
-    cached_len: int = 0  # of `slots`, the prefix owned by the radix tree (locked)
-    cached_tokens: int = -1  # reported prompt tokens served from cache (first admission)
-    last_node: TreeNode | None = None
-    req_idx: int = -1  # row in the model's request-to-token table
-    table_synced: int = 0  # entries of `slots` already written into that row
-    aborted: str | None = None  # reason, once an abort arrived
-    retractions: int = 0
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    sent_tokens: int = 0  # output tokens already reported
-    sent_logprobs: int = 0
-    arrived: float = field(default_factory=time.monotonic)
-    queue_time_s: float = 0.0  # from arrival to the first admission (sglang:queue_time)
-    lora_id: str = ""  # the adapter it holds (released when it ends); "": the base model
-    lora_slot: int = -1  # that adapter's slot in the model's LoRA buffers
-    lora_ns: int = 0  # its radix cache namespace (lora_registry.cache_key)
-    # issue 10: parallel sampling, stop strings, prompt logprobs, hidden states
-    index: int = 0  # sample index among the request's n
-    key: str = ""  # rank-side key (parallel_sampling.sample_key); rid for sample 0
-    fork_of: Req | None = None  # the sample that prefills the shared prompt
-    done: bool = False
-    stop: list[str] = field(default_factory=list)
-    no_stop_trim: bool = False
-    logprob_start_len: int = -1
-    token_ids_logprob: list[int] = field(default_factory=list)
-    return_hidden_states: bool = False
-    input_logprobs: list[float | None] = field(default_factory=list)
-    input_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    token_ids_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    hidden_states: list[list[float]] = field(default_factory=list)
-    sent_extras: int = 0
-
-    grammar: GrammarState | None = None  # its own matcher, when constrained (n > 1: fork())
-    # from this output length on its token is the logits' argmax alone (model/step_io.py's
-    # SeqInput.argmax_from), worked out once
-    argmax_from: int = field(init=False, default=ARGMAX_NEVER)
-    # a decode step gives it a token and nothing more to keep (no logprobs, prompt logprobs,
-    # hidden states or grammar): postprocess's short path
-    token_only: bool = field(init=False, default=False)
-
-    def __post_init__(self) -> None:
-        if not self.key:
-            self.key = self.rid
-        # hidden states, prompt logprobs or a grammar: every sampled row goes through sample()
-        beyond_token = bool(self.return_hidden_states or self.logprob_start_len >= 0
-                            or self.sampling.grammar_kind)
-        if not beyond_token:
-            self.argmax_from = self.sampling.argmax_from(
-                self.return_logprob or self.top_logprobs_num > 0)
-        self.token_only = not (beyond_token or self.return_logprob
-                               or self.sampling.max_new_tokens <= 0)
-
-    @property
-    def fill_ids(self) -> list[int]:
-        """Every token of the sequence so far: prompt then output."""
-        return self.prompt_ids + self.output_ids
-
-    @property
-    def seq_len(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
-
-    def tokens(self, start: int, end: int) -> list[int]:
-        """``fill_ids[start:end]`` without building the whole sequence (a decode step takes
-        one token of it per request)."""
-        prompt = len(self.prompt_ids)
-        if start >= prompt:
-            return self.output_ids[start - prompt : end - prompt]
-        if end <= prompt:
-            return self.prompt_ids[start:end]
-        return self.prompt_ids[start:] + self.output_ids[: end - prompt]
-
-
-@dataclass(slots=True)
-class Span:
-    """The work of one request in one step: run tokens [start, end) of its sequence."""
-
-    req: Req
-    start: int
-    end: int
-    table_start: int
-    sample: bool
-
-
-@dataclass
-class Batch:
-    spans: list[Span]
-
-    @property
-    def is_decode(self) -> bool:
-        return all(s.end - s.start == 1 and s.start > 0 for s in self.spans)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.end - s.start for s in self.spans)
 
 
 @dataclass
@@ -147,6 +39,7 @@ class SchedulerConfig:
     context_length: int
     eos_token_ids: tuple[int, ...]
     disable_radix_cache: bool = False
+    pools_every_token: bool = False  # an embedding model pooling CLS or MEAN (issue 32)
 
 
 class Scheduler:
@@ -189,7 +82,16 @@ class Scheduler:
 
     @property
     def num_used_tokens(self) -> int:
-        return self.allocator.capacity - self.allocator.available
+        """KV slots held by requests (running, or forked samples waiting for their parent):
+        the pool less what is free and what the prefix cache may evict, as SGLang's
+        ``max_total_num_tokens - (available + evictable)``. 0 on an idle rank, however warm
+        its cache."""
+        return self.allocator.capacity - self.allocator.available - self.cache.evictable_size
+
+    @property
+    def num_free_tokens(self) -> int:
+        """KV slots nobody holds: neither a request nor the prefix cache."""
+        return self.allocator.available
 
     @property
     def cache_hit_rate(self) -> float:
@@ -260,6 +162,7 @@ class Scheduler:
                 logprob_start_len=msg.logprob_start_len if index == 0 else -1,
                 token_ids_logprob=msg.token_ids_logprob,
                 return_hidden_states=msg.return_hidden_states,
+                embed=EmbedProgress() if msg.embed else None,
             )
             samples.append(req)
         if msg.lora_id and not self._acquire_lora(samples, msg.lora_id):
@@ -364,8 +267,9 @@ class Scheduler:
         """Stop generation as SGLang's pause_generation; the requests it touched.
 
         ``abort``: every request in flight ends with "abort". ``retract``: running
-        requests go back to the head of the queue, their KV handed to the prefix cache (so
-        a flush can run; they recompute after :meth:`resume`). ``in_place``: running
+        requests go back to the head of the queue and their KV is freed (their prompt's
+        prefix stays cached, unlocked, so a flush can run; they recompute the rest after
+        :meth:`resume`). ``in_place``: running
         requests stay, KV and all, and simply take no step. In every mode nothing is
         admitted or stepped until :meth:`resume`; deadlines and aborts still apply.
         """
@@ -474,7 +378,7 @@ class Scheduler:
         """Match the cached prefix, lock it and give the request a table row."""
         seq = req.fill_ids
         match = self.cache.match_prefix(cache_key(seq[:-1], req.lora_ns))
-        reuse = len(match.slots)
+        reuse = reusable_prefix(req.embed, len(match.slots), self.config.pools_every_token)
         if req.logprob_start_len >= 0 and not req.output_ids:
             # prompt logprobs need the logits from position logprob_start_len - 1 on
             reuse = min(reuse, max(req.logprob_start_len - 1, 0))
@@ -684,12 +588,14 @@ class Scheduler:
         if group is not None and all(r.done for r in group):
             del self.groups[req.rid]
 
-    def _release(self, req: Req) -> None:
-        """Hand the computed KV to the radix cache, free the rest, unlock, free the row."""
+    def _release(self, req: Req, keep: bool = True) -> None:
+        """Hand the computed KV to the radix cache (``keep``; else free it, as SGLang's
+        ``release_kv_cache(is_insert=False)``), free the rest, unlock, free the row. What
+        the tree held before (the prefix the request matched or shared) stays cached."""
         kv = req.kv_len
         seq = req.fill_ids[:kv]
         computed = req.slots[:kv]
-        if self.cache.disable:
+        if self.cache.disable or not keep:
             self.allocator.free(req.slots[req.cached_len :])
         else:
             already = self.cache.insert(cache_key(seq, req.lora_ns), computed)
@@ -728,9 +634,12 @@ class Scheduler:
         req.cached_len = kv
 
     def _retract(self, req: Req) -> None:
-        """Put a running request back at the head of the queue; its KV stays cached."""
+        """Put a running request back at the head of the queue and free its KV, as SGLang's
+        retract: the slots only it held go back to the pool, and the prefix it shares with
+        the tree (its prompt, once prefilled) is unlocked, so the cache may evict it. It
+        recomputes the rest when it is admitted again."""
         logger.info("retracting %s to free KV memory", req.rid)
-        self._release(req)
+        self._release(req, keep=False)
         self.running.remove(req)
         req.retractions += 1
         self.num_retracted += 1
