@@ -179,6 +179,9 @@ def load_weights(
     params = dict(model.named_parameters(remove_duplicate=False))
     tied = model.config.tie_word_embeddings
     loaded: set[str] = set()
+    tensor_parallel = getattr(model, "tensor_parallel", None)
+    if tensor_parallel is not None:  # --tp-size > 1: keep this rank's shard of each tensor
+        weights = tensor_parallel.shard_weights(weights)
     with torch.no_grad():
         for name, tensor in weights:
             if _IGNORED.search(name) or (tied and name == "lm_head.weight"):
@@ -214,16 +217,23 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     context_length: int | None = None,
+    tensor_parallel: Any = None,
 ) -> tuple[LlamaForCausalLM, ModelInfo]:
     """Build the model from a Hugging Face directory, weights cast to dtype on device.
 
     The parameters are allocated once (uninitialised), the projections fused, and the
     checkpoint copied in through :func:`load_weights`, the path weight updates take too.
+    ``tensor_parallel`` (model/tensor_parallel.py's, tp > 1): this rank's shard only.
     """
     info = load_model_info(model_path, context_length)
     lcfg = parse_config(model_path, read_hf_config(model_path))
+    if tensor_parallel is not None:
+        tensor_parallel.full_config = lcfg
+        lcfg = tensor_parallel.shard_config()
     with torch.device("meta"):
         model = LlamaForCausalLM(lcfg).to(dtype)
+    if tensor_parallel is not None:
+        tensor_parallel.install(model)
     model.allocate_parameters(device)
     model.eval()
     model.requires_grad_(False)

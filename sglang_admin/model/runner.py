@@ -93,6 +93,7 @@ class ModelRunner:
         lora_slots: tuple[int, int] | None = None,
         lanes: int = 1,
         attention_backend: str = "auto",
+        tensor_parallel: object = None,
     ) -> None:
         if model_path is None:
             from sglang_admin.model.default_model import ensure_default_model
@@ -103,8 +104,11 @@ class ModelRunner:
         self.dtype = resolve_dtype(dtype, self.device, probe.dtype)
         self.model: LlamaForCausalLM
         self.model, self.info = load_model(
-            model_path, dtype=self.dtype, device=self.device, context_length=context_length
+            model_path, dtype=self.dtype, device=self.device, context_length=context_length,
+            tensor_parallel=tensor_parallel,
         )
+        if tensor_parallel is not None:  # the C decode layer has no all-reduce: torch's ops
+            attention_backend = "torch_native"
         self.weight_bytes = self.info.weight_bytes
         self.context_length = self.info.context_length
         self.max_running_requests = max_running_requests

@@ -121,6 +121,8 @@ def run_scheduler(args: ServerArgs, rank: int, parent_pid: int) -> None:
     heartbeat.start()
     try:
         loop.run()
+        if loop.tensor_parallel is not None:  # a clean stop: the TP followers stop too
+            loop.runner.stop_followers()
     finally:
         heartbeat.stop()
         loop.weight_sync.close()  # leave the trainers' process groups
@@ -183,9 +185,15 @@ class RankLoop:
         torch.set_num_threads(args.rank_threads)
         keep_freed_cpu_memory()
         torch.manual_seed(args.seed + rank)
+        self.tensor_parallel = None  # --tp-size > 1: this rank is TP rank 0 of its replica
+        device = args.device
+        if args.tp_size > 1:
+            from sglang_admin.scheduler.tp_worker import join_replica
+
+            device, self.tensor_parallel = join_replica(args, rank, 0)
         self.runner = ModelRunner(
             args.model_path,
-            device=args.device,
+            device=device,
             dtype=args.dtype,
             max_total_tokens=args.max_total_tokens,
             max_running_requests=args.max_running_requests,
@@ -194,7 +202,13 @@ class RankLoop:
             lora_slots=(args.max_loaded_loras, args.max_lora_rank) if args.enable_lora else None,
             lanes=args.rank_lanes,
             attention_backend=args.attention_backend,
+            tensor_parallel=self.tensor_parallel,
         )
+        if self.tensor_parallel is not None:
+            from sglang_admin.scheduler.tp_worker import LeaderRunner
+
+            self.tensor_parallel.barrier()  # every TP rank's shard is loaded
+            self.runner = LeaderRunner(self.runner, self.tensor_parallel)  # type: ignore[assignment]
         info = self.runner.info
         self.kv_events: list[list[Any]] = []
         self.trace_ids: dict[str, str] = {}  # rid -> caller's trace id (for --log-requests)
