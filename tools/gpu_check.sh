@@ -30,6 +30,13 @@ fi
 echo "== GPU-marked tests"
 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests || status=1
 
+echo "== tp 2 (nccl)"
+if "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.device_count() >= 2 else 1)'; then
+  echo "two or more GPUs: tests/integration/test_tensor_parallel.py's GPU test ran above"
+else
+  echo "one GPU: tp 2 over nccl needs two, not checked (its GPU test skips)"
+fi
+
 echo "== decode step against the bandwidth bound"
 "$PY" tools/bench_decode.py --device cuda --dtype bfloat16 --batch 1 64 --context 512 \
   --steps 32 || status=1

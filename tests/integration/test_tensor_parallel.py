@@ -219,3 +219,16 @@ def test_a_killed_tp_rank_takes_the_worker_down(tmp_path: Path) -> None:
         assert "TP rank 1" in srv.log()
     finally:
         srv.stop(signal.SIGKILL)
+
+
+@pytest.mark.gpu
+def test_tp2_on_two_gpus_equals_transformers(tmp_path: Path) -> None:
+    """tools/gpu_check.sh: the same equality over nccl, one GPU per TP rank."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("tp 2 over nccl needs two CUDA devices")
+    path = build_checkpoint("llama", tmp_path / "ckpt")
+    srv = start_tp(tmp_path, path, 1, "--device", "cuda")
+    try:
+        assert_equal_to_transformers(srv, hf_model(path), 1)
+    finally:
+        assert srv.stop() == 0, srv.log()[-3000:]
