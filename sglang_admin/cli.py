@@ -10,6 +10,7 @@ from typing import NoReturn
 
 from sglang_admin.config import (
     ATTENTION_BACKENDS,
+    DEFAULT_MEM_FRACTION_STATIC,
     DEFAULT_PROFILE_MAX_STEPS,
     ServerArgs,
     default_profile_dir,
@@ -70,6 +71,17 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _fraction(text: str) -> float:
+    """A number in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text}")
+    return value
+
+
 def _limit_seconds(text: str) -> float:
     """Seconds for a connection limit: 0 turns it off; at most 24 days (gRPC takes the
     limit in milliseconds as a 32-bit int)."""
@@ -91,6 +103,14 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="tensor-parallel ranks per replica (docs/tensor-parallel.md)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto")
+    p.add_argument("--base-gpu-id", type=_non_negative_int, default=0,
+                   help="CUDA: the GPU of rank 0 (rank r takes base + r * --gpu-id-step)")
+    p.add_argument("--gpu-id-step", type=_positive_int, default=1,
+                   help="CUDA: the step between the GPUs of consecutive ranks")
+    p.add_argument("--mem-fraction-static", type=_fraction, default=DEFAULT_MEM_FRACTION_STATIC,
+                   help="CUDA: the share of a GPU's memory that weights and KV pool may take "
+                        "(the pool's size when --max-total-tokens is not given; it is capped "
+                        "at --max-running-requests x the context length)")
     p.add_argument("--max-total-tokens", type=_positive_int, help="KV pool size per rank (tokens)")
     p.add_argument("--max-running-requests", type=_positive_int, default=64)
     p.add_argument("--max-inflight-generate", type=_non_negative_int, default=0,
@@ -143,6 +163,16 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    default=ServerArgs.stream_buffer_tokens,
                    help="tokens a Generate stream may have produced but not yet written to "
                         "a slow reader before it ends with RESOURCE_EXHAUSTED")
+    p.add_argument("--stream-buffer-bytes", type=_positive_int,
+                   default=ServerArgs.stream_buffer_bytes,
+                   help="bytes of generated output (tokens with their logprobs and hidden "
+                        "states) a Generate stream may hold in the server, waiting for a slow "
+                        "reader, before it ends with RESOURCE_EXHAUSTED")
+    p.add_argument("--stream-buffer-bytes-total", type=_positive_int,
+                   default=ServerArgs.stream_buffer_bytes_total,
+                   help="bytes all Generate streams together may hold waiting for their "
+                        "readers; while they hold more, new Generate calls are refused with "
+                        "RESOURCE_EXHAUSTED (the streams in flight keep going)")
     p.add_argument("--no-coalesce", dest="coalesce_reads", action="store_false",
                    help="do not share in-flight GetServerInfo/health round trips")
     p.add_argument("--enable-metrics", action="store_true",

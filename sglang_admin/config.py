@@ -16,6 +16,8 @@ DEFAULT_PROFILE_MAX_STEPS = 5000
 # of model/cpu_kernels.py when they build, else torch's ops),
 # torch_native (torch's ops everywhere), cpu_paged (the kernels, or refuse to start)
 ATTENTION_BACKENDS = ("auto", "torch_native", "cpu_paged")
+# --mem-fraction-static's default: the share of a GPU's memory that weights + KV pool take.
+DEFAULT_MEM_FRACTION_STATIC = 0.85
 
 
 def default_profile_dir() -> str:
@@ -57,6 +59,11 @@ class ServerArgs:
     tp_size: int = 1
     tp_ports: tuple[int, ...] = ()
     device: str = "auto"  # auto | cpu | cuda
+    # CUDA: rank r runs on GPU base_gpu_id + r * gpu_id_step (SGLang's assignment), and the
+    # KV pool's default size leaves weights + pool within mem_fraction_static of its memory.
+    base_gpu_id: int = 0
+    gpu_id_step: int = 1
+    mem_fraction_static: float = DEFAULT_MEM_FRACTION_STATIC
     dtype: str = "auto"  # auto | float32 | float16 | bfloat16
     max_total_tokens: int | None = None  # KV pool size per rank; None: derived
     max_running_requests: int = 64
@@ -90,6 +97,11 @@ class ServerArgs:
     # coalesced into the next message; past this many the request is aborted with
     # RESOURCE_EXHAUSTED (and its KV freed).
     stream_buffer_tokens: int = 4096
+    # The same bound in bytes (tokens with their logprobs and hidden states, as the buffer
+    # holds them: server/stream_buffer.py), and the bytes every stream's buffer may hold
+    # together: past it new Generate calls are refused with RESOURCE_EXHAUSTED.
+    stream_buffer_bytes: int = 256 * 1024
+    stream_buffer_bytes_total: int = 64 * 1024 * 1024
     coalesce_reads: bool = True
     # Metrics (server/metrics.py): off unless asked; the exporter listens on --host at
     # metrics_port (None: the gRPC port + 1, as SGLang's HTTP sidecar).
@@ -151,6 +163,10 @@ class ServerArgs:
         than free cores make each wait on descheduled ones: a step then takes several times
         longer (docs/cpu-performance.md)."""
         return self.torch_threads or max(1, (self.cores_per_rank - 1) // self.rank_lanes)
+
+    def gpu_index(self, rank: int) -> int:
+        """The CUDA device index of rank ``rank`` (used when the rank runs on CUDA)."""
+        return self.base_gpu_id + rank * self.gpu_id_step
 
     def replace(self, **changes: Any) -> ServerArgs:
         return dataclasses.replace(self, **changes)

@@ -41,6 +41,18 @@ class WeightPushError(ClientError):
     """A worker refused or failed a push; the message names the worker and why."""
 
 
+def workers_backend(infos: Sequence[pb.GetServerInfoResponse]) -> str:
+    """nccl when every rank of every worker runs on CUDA (as their GetServerInfo says),
+    gloo when every one runs on the CPU; a fleet that mixes them cannot share one group."""
+    devices = {s.device.split(":")[0] for i in infos for s in i.rank_states}
+    if devices == {"cuda"}:
+        return "nccl"
+    if devices <= {"cpu"}:
+        return "gloo"
+    raise WeightPushError(f"the workers' ranks run on {', '.join(sorted(devices))}: one "
+                          "process group cannot reach them all; push to each kind apart")
+
+
 class WeightPusher:
     """Join a fleet of workers into one process group and push weights to them."""
 
@@ -52,8 +64,12 @@ class WeightPusher:
         timeout_s: float = 600.0,
         bucket_bytes: int = 256 << 20,
         flatten: bool = False,
+        device: str | None = None,
     ) -> None:
+        """``device``: with nccl, the GPU the trainer sends from ("cuda:1"; default: the
+        current CUDA device); gloo sends from the CPU."""
         self.targets = list(targets)
+        self.device = device
         self.api_key = api_key
         self.timeout_s = timeout_s
         self.bucket_bytes = bucket_bytes
@@ -82,20 +98,24 @@ class WeightPusher:
     # ------------------------------------------------------------------ group
 
     def join(self, master_address: str, master_port: int, group_name: str = "weights",
-             backend: str = "gloo") -> None:
+             backend: str = "auto") -> None:
         """Host group ``group_name`` at ``master_address:master_port`` as rank 0 and have
-        every worker's ranks join it; raises :class:`WeightPushError` naming who did not."""
+        every worker's ranks join it; raises :class:`WeightPushError` naming who did not.
+        ``backend`` "auto" is nccl when every worker rank runs on CUDA, else gloo."""
         asyncio.run(self._join(master_address, master_port, group_name, backend))
 
     async def _join(self, address: str, port: int, group_name: str, backend: str) -> None:
         from sglang_admin.model.weight_push import join_as_trainer
 
         infos = await self._each(lambda c: c.server_info())
+        if backend == "auto":
+            backend = workers_backend(infos)
         sizes = [max(1, len(i.rank_states)) for i in infos]
         world = 1 + sum(sizes)
         offsets = [1 + sum(sizes[:k]) for k in range(len(sizes))]
         mine = asyncio.create_task(asyncio.to_thread(
-            join_as_trainer, address, port, world, group_name, backend, self.timeout_s))
+            join_as_trainer, address, port, world, group_name, backend, self.timeout_s,
+            self.device))
         clients = [AsyncClient(t, api_key=self.api_key, timeout=self.timeout_s)
                    for t in self.targets]
         try:

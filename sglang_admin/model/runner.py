@@ -25,6 +25,12 @@ import torch
 from sglang_admin.config import ATTENTION_BACKENDS
 from sglang_admin.model.batch import BatchBuilder, ForwardBatch
 from sglang_admin.model.cpu_kernels import CpuKernels, load_cpu_kernels
+from sglang_admin.model.device import (
+    DEFAULT_MEM_FRACTION_STATIC,
+    default_token_capacity,
+    resolve_device,
+    use_device,
+)
 from sglang_admin.model.grammar_mask import apply_grammar_masks
 from sglang_admin.model.hidden_extras import hidden_rows, input_logprobs
 from sglang_admin.model.llama import LlamaForCausalLM
@@ -42,9 +48,7 @@ __all__ = ["ForwardTimes", "InvalidSequence", "ModelRunner", "SeqInput", "SeqOut
 
 logger = logging.getLogger(__name__)
 
-_CPU_KV_BUDGET_BYTES = 1 << 30
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
-_CPU_MAX_TOKENS = 65536
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,16 +58,6 @@ class ForwardTimes:
     model: float = 0.0
     sample: float = 0.0
 
-
-
-def resolve_device(device: str) -> torch.device:
-    """"auto" -> cuda when available, else cpu; anything else as torch understands it."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ModelLoadError("device cuda requested but CUDA is not available")
-    return dev
 
 
 def resolve_dtype(dtype: str, device: torch.device, checkpoint_dtype: str) -> torch.dtype:
@@ -93,13 +87,16 @@ class ModelRunner:
         lora_slots: tuple[int, int] | None = None,
         lanes: int = 1,
         attention_backend: str = "auto",
+        gpu_index: int = 0,
+        mem_fraction_static: float = DEFAULT_MEM_FRACTION_STATIC,
         tensor_parallel: object = None,
     ) -> None:
         if model_path is None:
             from sglang_admin.model.default_model import ensure_default_model
 
             model_path = ensure_default_model()
-        self.device = resolve_device(device)
+        self.device = resolve_device(device, gpu_index)
+        use_device(self.device)
         probe = load_model_info(model_path, context_length)
         self.dtype = resolve_dtype(dtype, self.device, probe.dtype)
         self.model: LlamaForCausalLM
@@ -125,7 +122,9 @@ class ModelRunner:
         elem = torch.empty(0, dtype=self.dtype).element_size()
         per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * elem
         if max_total_tokens is None:
-            max_total_tokens = self._default_token_capacity(per_token)
+            max_total_tokens = default_token_capacity(
+                self.device, per_token, mem_fraction_static=mem_fraction_static,
+                max_useful_tokens=max_running_requests * self.context_length)
         if max_total_tokens <= 0:
             raise ValueError(f"max_total_tokens must be positive, got {max_total_tokens}")
         self.token_capacity = max_total_tokens
@@ -179,16 +178,6 @@ class ModelRunner:
         if kernel is not None:
             logger.info("CPU kernels: %s", kernel.path)
         return kernel
-
-    def _default_token_capacity(self, per_token: int) -> int:
-        if self.device.type == "cuda":
-            free, _total = torch.cuda.mem_get_info(self.device)
-            budget = int(free * 0.85) - (1 << 30)  # keep 1 GiB for activations
-            tokens = budget // per_token
-            if tokens <= 0:
-                raise ModelLoadError("not enough free GPU memory for a KV cache")
-            return int(tokens)
-        return int(min(_CPU_MAX_TOKENS, _CPU_KV_BUDGET_BYTES // per_token))
 
     def _allocate_kv(self) -> None:
         """The KV pool: one allocation; per-layer K and V are contiguous views of it."""

@@ -154,20 +154,10 @@ class TensorParallel:
             dist.destroy_process_group()
 
 
-def tp_device(device: str, dp_rank: int, tp_rank: int, tp_size: int) -> str:
-    """The device a TP rank runs on: on CUDA, one GPU per rank of the worker in order
-    (wrapping around when there are fewer); otherwise ``device`` as given."""
-    wants_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
-    if not wants_cuda or not torch.cuda.is_available():
-        return device
-    index = (dp_rank * tp_size + tp_rank) % torch.cuda.device_count()
-    torch.cuda.set_device(index)
-    return f"cuda:{index}"
-
-
-def join_tensor_parallel(port: int, tp_rank: int, tp_size: int, device: str) -> TensorParallel:
-    """Join this replica's group (every TP rank calls it; blocks until all have)."""
-    dev = torch.device(device if device != "auto" else "cpu")
+def join_tensor_parallel(port: int, tp_rank: int, tp_size: int,
+                         dev: torch.device) -> TensorParallel:
+    """Join this replica's group on ``dev`` (every TP rank calls it; blocks until all have):
+    nccl on CUDA, gloo on the CPU."""
     backend = "nccl" if dev.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}",
                             rank=tp_rank, world_size=tp_size, timeout=_IDLE_TIMEOUT)

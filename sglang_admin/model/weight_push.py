@@ -60,15 +60,17 @@ def buckets(
 
 
 def join_as_trainer(master_address: str, master_port: int, world_size: int,
-                    group_name: str, backend: str, timeout_s: float) -> WeightGroup:
-    """Host the TCPStore and join ``group_name`` as its rank 0."""
+                    group_name: str, backend: str, timeout_s: float,
+                    device: str | None = None) -> WeightGroup:
+    """Host the TCPStore and join ``group_name`` as its rank 0; with nccl, the trainer's
+    tensors are sent from ``device`` (default: the current CUDA device)."""
     return join_group(master_address, master_port, 0, world_size, group_name, backend,
-                      timeout_s)
+                      timeout_s, device)
 
 
-def _device(group: WeightGroup) -> str:
-    """Where the group's collectives take their tensors: gloo on CPU, nccl on CUDA."""
-    return "cuda" if group.backend == "nccl" else "cpu"
+def _device(group: WeightGroup) -> torch.device:
+    """Where the group's collectives take their tensors: gloo on CPU, nccl on its GPU."""
+    return group.device
 
 
 def broadcast_bucket(group: WeightGroup, bucket: Bucket, timeout_s: float) -> None:

@@ -186,14 +186,13 @@ class RankLoop:
         keep_freed_cpu_memory()
         torch.manual_seed(args.seed + rank)
         self.tensor_parallel = None  # --tp-size > 1: this rank is TP rank 0 of its replica
-        device = args.device
         if args.tp_size > 1:
             from sglang_admin.scheduler.tp_worker import join_replica
 
-            device, self.tensor_parallel = join_replica(args, rank, 0)
+            self.tensor_parallel = join_replica(args, rank, 0)
         self.runner = ModelRunner(
             args.model_path,
-            device=device,
+            device=args.device,
             dtype=args.dtype,
             max_total_tokens=args.max_total_tokens,
             max_running_requests=args.max_running_requests,
@@ -202,6 +201,8 @@ class RankLoop:
             lora_slots=(args.max_loaded_loras, args.max_lora_rank) if args.enable_lora else None,
             lanes=args.rank_lanes,
             attention_backend=args.attention_backend,
+            gpu_index=args.gpu_index(rank * args.tp_size),  # TP rank 0's GPU at tp > 1
+            mem_fraction_static=args.mem_fraction_static,
             tensor_parallel=self.tensor_parallel,
         )
         if self.tensor_parallel is not None:

@@ -70,6 +70,9 @@ MEM_HISTORY_MAX_ENTRIES = 100_000
 # The segments' traces are written as they end and joined into the session's one file.
 # 16: with stacks and shapes on a loaded 2-core CPU, a 32-step segment's stop took the loop
 # 3.2-4.1 s, past HealthCheck's 3 s per rank; freeing a segment's events is bounded the same.
+# On CUDA a session is one segment: restarting the profiler restarts CUPTI, which takes long
+# and leaves a hole in the GPU timeline at each restart; a CUDA step records few host events,
+# and --profile-max-steps bounds them.
 SEGMENT_STEPS = 16
 
 
@@ -122,11 +125,13 @@ class Profiler:
     """
 
     def __init__(
-        self, rank: int, device: str, max_steps: int = 0, segment_steps: int = SEGMENT_STEPS
+        self, rank: int, device: str, max_steps: int = 0, segment_steps: int | None = None
     ) -> None:
         self.rank = rank
         self.device = device
         self.max_steps = max_steps
+        if segment_steps is None:  # 0: one segment per session
+            segment_steps = 0 if device.startswith("cuda") else SEGMENT_STEPS
         self.segment_steps = segment_steps
         self.state = "idle"  # idle | armed | running
         self.forward_ct = 0
@@ -253,7 +258,7 @@ class Profiler:
             self.auto_stopped = (run, why)
             return self.export.submit(lambda: self.export.result(run, why)[2].files)
         if session is None or not config.num_steps or session.steps < config.num_steps:
-            if (session is not None and session.prof is not None
+            if (session is not None and session.prof is not None and self.segment_steps
                     and session.segment_steps >= self.segment_steps):
                 self._next_segment(session)
             return None

@@ -20,8 +20,9 @@ import torch
 
 from sglang_admin.config import ServerArgs
 from sglang_admin.logging_utils import setup_logging
+from sglang_admin.model.device import resolve_device, use_device
 from sglang_admin.model.runner import InvalidSequence, ModelRunner, SeqInput, SeqOutput
-from sglang_admin.model.tensor_parallel import TensorParallel, join_tensor_parallel, tp_device
+from sglang_admin.model.tensor_parallel import TensorParallel, join_tensor_parallel
 from sglang_admin.model.weights import RefitError, refit_from_disk
 
 logger = logging.getLogger(__name__)
@@ -29,10 +30,16 @@ logger = logging.getLogger(__name__)
 STEP, RESET, REFIT, STOP = "step", "reset", "refit", "stop"
 
 
-def join_replica(args: ServerArgs, dp_rank: int, tp_rank: int) -> tuple[str, TensorParallel]:
-    """(device, group) of TP rank ``tp_rank`` of replica ``dp_rank``; blocks until all join."""
-    device = tp_device(args.device, dp_rank, tp_rank, args.tp_size)
-    return device, join_tensor_parallel(args.tp_ports[dp_rank], tp_rank, args.tp_size, device)
+def gpu_index(args: ServerArgs, dp_rank: int, tp_rank: int) -> int:
+    """A TP rank's GPU on CUDA, as SGLang numbers them: base + (dp x tp + tp rank) x step."""
+    return args.gpu_index(dp_rank * args.tp_size + tp_rank)
+
+
+def join_replica(args: ServerArgs, dp_rank: int, tp_rank: int) -> TensorParallel:
+    """TP rank ``tp_rank`` of replica ``dp_rank`` joins its group; blocks until all join."""
+    dev = resolve_device(args.device, gpu_index(args, dp_rank, tp_rank))
+    use_device(dev)
+    return join_tensor_parallel(args.tp_ports[dp_rank], tp_rank, args.tp_size, dev)
 
 
 def _refit_result(runner: ModelRunner, path: str, restore_from: str | None) -> tuple[bool, str, bool]:
@@ -88,12 +95,12 @@ class LeaderRunner:
         self.tensor_parallel.close()
 
 
-def build_runner(args: ServerArgs, device: str,
-                 tensor_parallel: TensorParallel | None = None) -> ModelRunner:
-    """The ModelRunner of a rank as ``args`` ask for it (every TP rank builds it alike)."""
+def build_runner(args: ServerArgs, dp_rank: int, tp_rank: int,
+                 tensor_parallel: TensorParallel) -> ModelRunner:
+    """A follower's ModelRunner, built as RankLoop builds rank 0's (scheduler/process.py)."""
     return ModelRunner(
         args.model_path,
-        device=device,
+        device=args.device,
         dtype=args.dtype,
         max_total_tokens=args.max_total_tokens,
         max_running_requests=args.max_running_requests,
@@ -102,6 +109,8 @@ def build_runner(args: ServerArgs, device: str,
         lora_slots=(args.max_loaded_loras, args.max_lora_rank) if args.enable_lora else None,
         lanes=args.rank_lanes,
         attention_backend=args.attention_backend,
+        gpu_index=gpu_index(args, dp_rank, tp_rank),
+        mem_fraction_static=args.mem_fraction_static,
         tensor_parallel=tensor_parallel,
     )
 
@@ -137,10 +146,10 @@ def run_follower(args: ServerArgs, dp_rank: int, tp_rank: int, parent_pid: int) 
     keep_freed_cpu_memory()
     torch.manual_seed(args.seed + dp_rank)
     try:
-        device, tp = join_replica(args, dp_rank, tp_rank)
-        runner = build_runner(args, device, tp)
+        tp = join_replica(args, dp_rank, tp_rank)
+        runner = build_runner(args, dp_rank, tp_rank, tp)
         tp.barrier()
-        logger.info("TP rank %d of replica %d ready on %s", tp_rank, dp_rank, device)
+        logger.info("TP rank %d of replica %d ready on %s", tp_rank, dp_rank, runner.device)
         follow(runner, tp)
     except Exception as exc:  # noqa: BLE001 - the server sees the exit and goes down
         logger.error("TP rank %d of replica %d failed: %s: %s", tp_rank, dp_rank,

@@ -155,6 +155,7 @@ def on_release_memory(rank: Rank, msg: ReleaseMemoryReq) -> None:
                    f"#queue-req: {len(s.waiting)}, #running-req: {len(s.running)}")
         return
     released = 0
+    rank.weight_sync.drop_buffers()  # a trainer's receive buffers are allocated again on use
     if "kv_cache" in msg.tags and not rank.runner.kv_cache_released:
         flush_now(rank)  # the pool's contents go with it
         released += rank.runner.release_kv_cache()

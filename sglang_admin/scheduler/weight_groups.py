@@ -27,6 +27,11 @@ class WeightGroups:
         return (f"weights are being received from group {self.receiving!r} "
                 "(UpdateWeightsFromDistributed in progress); retry when it ends")
 
+    def drop_buffers(self) -> None:
+        """Free every group's receive buffer (memory release)."""
+        for group in self.groups.values():
+            group.drop_scratch()
+
     def close(self) -> None:
         """Leave every group (at shutdown); a receive still blocked on one then fails
         instead of holding the process's exit."""

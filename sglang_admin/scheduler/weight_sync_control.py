@@ -129,7 +129,7 @@ def on_init_group(rank: Rank, msg: InitWeightsGroupReq) -> None:
 
     def join() -> WeightGroup:
         return join_group(msg.master_address, msg.master_port, group_rank, msg.world_size,
-                          msg.group_name, backend, budget)
+                          msg.group_name, backend, budget, rank.runner.device)
 
     def finish(outcome: Any) -> tuple[bool, str, Any]:
         sync.joining.discard(msg.group_name)

@@ -3,7 +3,8 @@
 - Generate: a request goes to one rank; its outputs come back into a per-request
   OutputBuffer (server/stream_buffer.py) matched by request id, coalesced while the call
   is busy writing, and the request is aborted with RESOURCE_EXHAUSTED once more than
-  --stream-buffer-tokens wait there (a stalled reader).
+  --stream-buffer-tokens or --stream-buffer-bytes wait there (a stalled reader). Every
+  buffer counts against one ByteBudget (--stream-buffer-bytes-total).
 - Admin ops: one message to every rank under a fresh request id; the call waits for exactly
   one reply per rank, matched by that id. A reply for a call that already gave up finds no
   waiter and is dropped (and logged), so it can never be taken by the next call.
@@ -44,7 +45,7 @@ from sglang_admin.messages import (
 )
 from sglang_admin.server.kv_events import KvEventHub
 from sglang_admin.server.metrics import Metrics
-from sglang_admin.server.stream_buffer import OutputBuffer, StreamOverflow
+from sglang_admin.server.stream_buffer import ByteBudget, OutputBuffer, StreamOverflow
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +105,7 @@ class Communicator:
             sock.connect(args.scheduler_addr(rank))
             self.outboxes.append(sock)
         self.streams: dict[str, _Stream] = {}  # by the client's request id
+        self.buffered = ByteBudget(args.stream_buffer_bytes_total)  # every stream's buffer
         self.by_wire_id: dict[str, _Stream] = {}  # by the id the rank sees
         self._wire_seq = itertools.count()
         self._admin_seq = itertools.count()
@@ -241,17 +243,24 @@ class Communicator:
             self.rank_failed(msg.dp_rank, f"failed to start: {msg.error}")
 
     def _overflow(self, stream: _Stream) -> None:
-        """A reader fell more than the buffer limit behind: abort its request on the rank
+        """A reader fell more than a buffer limit behind: abort its request on the rank
         (its KV is freed) and end the call with RESOURCE_EXHAUSTED."""
-        limit = stream.buffer.max_tokens
+        buffer = stream.buffer
+        tokens, nbytes = buffer.tokens, buffer.nbytes
+        if tokens > buffer.max_tokens:
+            limit = f"{buffer.max_tokens} generated tokens were waiting to be sent " \
+                    f"(--stream-buffer-tokens)"
+        else:
+            limit = f"{buffer.max_bytes} bytes of generated output (tokens with their " \
+                    f"logprobs and hidden states) were waiting to be sent " \
+                    f"(--stream-buffer-bytes)"
         logger.warning(
-            "aborting %s: its reader fell %d tokens behind (limit %d)",
-            stream.wire_id, stream.buffer.tokens, limit,
+            "aborting %s: its reader fell %d tokens / %d bytes behind (limits %d tokens, "
+            "%s bytes)", stream.wire_id, tokens, nbytes, buffer.max_tokens, buffer.max_bytes,
         )
-        stream.buffer.fail(
+        buffer.fail(
             StreamOverflow(
-                f"request aborted: the client read its stream too slowly and more than "
-                f"{limit} generated tokens were waiting to be sent (--stream-buffer-tokens)"
+                f"request aborted: the client read its stream too slowly and more than {limit}"
             ),
             drop_pending=True,
         )
@@ -306,7 +315,9 @@ class Communicator:
         # after cancelling can never be confused with the old request still leaving the rank.
         rid = req.rid
         req.rid = f"{rid}~{next(self._wire_seq)}"
-        stream = _Stream(rank, OutputBuffer(self.args.stream_buffer_tokens), req.rid)
+        stream = _Stream(rank, OutputBuffer(self.args.stream_buffer_tokens,
+                                            self.args.stream_buffer_bytes, self.buffered),
+                         req.rid)
         buffer = stream.buffer
         self.streams[rid] = stream
         self.by_wire_id[req.rid] = stream
@@ -324,10 +335,15 @@ class Communicator:
                     unfinished_samples -= 1
                     # an error (a refusal) ends the request whatever the samples
                     finished = unfinished_samples <= 0 or item.error is not None
-                yield item
+                # no reference to the output stays in this frame while the call writes it
+                # (the caller's message has what it needs): a stalled call holds one message
+                slot = [item]
+                del item
+                yield slot.pop()
                 if finished:
                     return
         finally:
+            buffer.release()
             self.inflight[rank] -= 1
             self.streams.pop(rid, None)
             self.by_wire_id.pop(req.rid, None)

@@ -83,6 +83,12 @@ class Generation:
             raise invalid(
                 "sampling_params.stop needs the model's tokenizer and this worker has none "
                 "(start it with --tokenizer-path); use stop_token_ids")
+        if self.comm.buffered.spent:
+            raise ServiceError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the server is holding {self.comm.buffered.used} bytes of output for slow "
+                f"readers (--stream-buffer-bytes-total {self.comm.buffered.limit}); new "
+                f"Generate calls are refused until they read it: retry later")
         remaining = context.time_remaining()
         if remaining is not None:
             req.deadline = time.time() + remaining
@@ -99,8 +105,10 @@ class Generation:
                     if out.error:
                         code = getattr(grpc.StatusCode, out.error_code or "INTERNAL")
                         raise ServiceError(code, out.error)
-                    for message in answer.feed(out):
-                        yield message
+                    messages = answer.feed(out)
+                    del out  # not kept while gRPC writes (a stalled call holds one message)
+                    while messages:
+                        yield messages.pop(0)
                     if answer.finished:
                         break
             except RankUnavailable as exc:

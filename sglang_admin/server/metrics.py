@@ -262,7 +262,9 @@ class Metrics:
         try:
             async for out in outputs:
                 self._on_output(clock, out, labels)
-                yield out
+                slot = [out]  # nothing of the output kept here while the call writes it
+                del out
+                yield slot.pop()
         finally:
             # closed with this wrapper, not later by the collector: a call that ends early
             # aborts its request on the rank at once, as without metrics

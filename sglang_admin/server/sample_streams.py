@@ -53,7 +53,8 @@ class _Part:
 
 @dataclass
 class _Sample:
-    all: _Part = field(default_factory=_Part)
+    all: _Part = field(default_factory=_Part)  # not streaming: every token, for the answer
+    tokens: int = 0  # output tokens received
     pending: _Part = field(default_factory=_Part)  # streaming: not sent in a chunk yet
     sent: int = 0  # output tokens already streamed
     done: bool = False
@@ -78,7 +79,7 @@ class SampleStreams:
 
     @property
     def completion_tokens(self) -> int:
-        return sum(len(s.all.ids) for s in self.samples)
+        return sum(s.tokens for s in self.samples)
 
     def feed(self, out: ReqOutput) -> list[pb.GenerateResponse]:
         """The messages this output produces (none, chunks and/or a complete)."""
@@ -87,14 +88,14 @@ class SampleStreams:
         sample = self.samples[out.index]
         if self.tokens_only and out.finish_reason is None and not sample.pending.ids:
             ids = out.new_token_ids  # what _due and _chunk make of it, without the copies
-            sample.all.ids.extend(ids)
+            sample.tokens += len(ids)
             sample.sent += len(ids)
             return [pb.GenerateResponse(request_id=self.rid, chunk=pb.GenerateStreamChunk(
                 token_ids=ids, prompt_tokens=out.prompt_tokens, completion_tokens=sample.sent,
                 cached_tokens=out.cached_tokens, index=out.index))]
-        sample.all.add(out)
+        sample.tokens += len(out.new_token_ids)
         answers: list[pb.GenerateResponse] = []
-        if self.req.stream:
+        if self.req.stream:  # streamed tokens are not kept once sent (a call's memory)
             sample.pending.add(out)
             final = out.finish_reason is not None
             last = _Part()
@@ -103,8 +104,10 @@ class SampleStreams:
                 last, sample.sent = part, sample.sent + len(part.ids)
             if final:
                 answers.append(self._complete(out, last, sample.sent - len(last.ids)))
-        elif out.finish_reason is not None:
-            keep = stop_trimmed(out, len(sample.all.ids))
+        else:
+            sample.all.add(out)
+        if not self.req.stream and out.finish_reason is not None:
+            keep = stop_trimmed(out, sample.tokens)
             answers.append(self._complete(out, sample.all.cut(keep), 0))
         if out.finish_reason is not None and not sample.done:
             sample.done = True

@@ -80,3 +80,110 @@ def test_overflow_message_names_the_limit(tmp_path: Path) -> None:
             assert 0 < got < 3000
     finally:
         srv.stop()
+
+
+def test_logprob_heavy_stalled_streams_at_default_client_settings_stay_bounded(
+        tmp_path: Path) -> None:
+    """Issue 33: streams with 20 top logprobs a token, 8 read one message a second and 8
+    never read, on a channel with grpc's default settings (its receive window grows, so a
+    stalled reader does not stall the server's writes for a long time). The server kept
+    every streamed token's logprobs as Python objects (~2.5 KB a token): it grew 98 MiB in
+    this test's 30 s; now what a call holds is bounded in bytes and sent tokens are let go."""
+    srv = start_server(tmp_path, "--dp-size", "2")
+    try:
+        report = slow_readers.run(
+            srv.target, seconds=30, slow=8, stalled=8, max_new_tokens=6000,
+            server_pid=srv.proc.pid, top_logprobs=20, probe_interval=1.0,
+        )
+        assert report.serving_after
+        assert report.rss_max_growth_mib < 10.0, report
+        assert report.probes_failed == 0 and report.probes_ok > 0, report  # others served
+        with srv.channel() as ch:
+            stub = pb_grpc.SglangSchedulerStub(ch)
+            deadline = time.time() + 30
+            while kv_in_use(stub) and time.time() < deadline:
+                time.sleep(0.2)
+            assert kv_in_use(stub) == 0  # every call ended, its KV freed
+    finally:
+        srv.stop()
+
+
+def _heavy(ids: list[int], n: int) -> pb.GenerateRequest:
+    return greedy(ids, n, stream=True, return_logprob=True, top_logprobs_num=20)
+
+
+def test_the_byte_bound_ends_a_logprob_heavy_stalled_stream(tmp_path: Path) -> None:
+    """A stalled reader of a logprob-heavy stream passes --stream-buffer-bytes long before
+    --stream-buffer-tokens: RESOURCE_EXHAUSTED naming the byte limit, its KV freed."""
+    srv = start_server(tmp_path, "--stream-buffer-bytes", "16384")
+    try:
+        with grpc.insecure_channel(
+            srv.target,
+            options=[("grpc.http2.lookahead_bytes", CLIENT_WINDOW), ("grpc.http2.bdp_probe", 0)],
+        ) as ch:
+            stub = pb_grpc.SglangSchedulerStub(ch)
+            call = stub.Generate(_heavy([1, 2, 3], 3000), timeout=120)
+            deadline = time.time() + 60
+            while "its reader fell" not in srv.log() and time.time() < deadline:
+                time.sleep(0.2)
+            got = 0
+            try:
+                for resp in call:
+                    got += len(resp.chunk.token_ids) + len(resp.complete.output_ids)
+                    assert len(resp.chunk.output_logprobs.top_logprobs[0].values) == 20
+                raise AssertionError("the stream ended OK")
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
+                assert "more than 16384 bytes of generated output" in exc.details()
+                assert "--stream-buffer-bytes" in exc.details()
+            assert 0 < got < 200  # 16 KiB is ~100 tokens with 20 alternatives each
+            deadline = time.time() + 30
+            while kv_in_use(stub) and time.time() < deadline:
+                time.sleep(0.2)
+            assert kv_in_use(stub) == 0
+    finally:
+        srv.stop()
+
+
+def test_new_streams_are_refused_while_the_server_wide_budget_is_spent(tmp_path: Path) -> None:
+    """Stalled readers holding --stream-buffer-bytes-total between them: a new Generate is
+    refused with RESOURCE_EXHAUSTED (saying why), a slow reader already in flight keeps
+    getting its tokens, and new calls are served again once the stalled calls are gone."""
+    srv = start_server(tmp_path, "--stream-buffer-bytes", "65536",
+                       "--stream-buffer-bytes-total", "40000")
+    small = [("grpc.http2.lookahead_bytes", CLIENT_WINDOW), ("grpc.http2.bdp_probe", 0)]
+    try:
+        with grpc.insecure_channel(srv.target, options=small) as stalled_ch, \
+                grpc.insecure_channel(srv.target) as ch:
+            stub = pb_grpc.SglangSchedulerStub(ch)
+            slow = stub.Generate(_heavy([9, 8, 7], 400), timeout=120)
+            first = next(slow)
+            stalled = [pb_grpc.SglangSchedulerStub(stalled_ch).Generate(
+                _heavy([i, 2, 3], 3000), timeout=120) for i in range(2)]
+            refused = None
+            deadline = time.time() + 60
+            while refused is None and time.time() < deadline:
+                try:
+                    run_generate(stub, greedy([4, 5, 6], 2, stream=True), timeout=30)
+                    time.sleep(0.2)
+                except grpc.RpcError as exc:
+                    refused = exc
+            assert refused is not None, "no call was refused"
+            assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "--stream-buffer-bytes-total 40000" in refused.details()
+            # the slow reader in flight is not refused anything: it reads to its end
+            answers = [first, *slow]
+            assert sum(len(r.chunk.token_ids) for r in answers) == 400
+            assert answers[-1].complete.finish_reason == "length"
+            for call in stalled:
+                call.cancel()
+            deadline = time.time() + 30
+            while time.time() < deadline:
+                try:
+                    tokens, _ = run_generate(stub, greedy([4, 5, 6], 5, stream=True), timeout=30)
+                    break
+                except grpc.RpcError:
+                    time.sleep(0.5)
+            assert len(tokens) == 5
+    finally:
+        srv.stop()

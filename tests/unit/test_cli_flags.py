@@ -26,6 +26,9 @@ BAD = [
     (["--max-connection-age", "1e12"], "--max-connection-age: must be at most"),
     (["--keepalive-time", "-3"], "--keepalive-time: must be a finite number >= 0"),
     (["--stream-buffer-tokens", "0"], "--stream-buffer-tokens: must be a positive integer"),
+    (["--stream-buffer-bytes", "0"], "--stream-buffer-bytes: must be a positive integer"),
+    (["--stream-buffer-bytes-total", "-5"],
+     "--stream-buffer-bytes-total: must be a positive integer"),
     (["--torch-threads", "-1"], "--torch-threads: must be an integer >= 0, got -1"),
 ]
 

@@ -22,7 +22,12 @@ import torch
 from sglang_admin.config import ServerArgs
 from sglang_admin.messages import ProfileStopResult, StartProfileReq
 from sglang_admin.pb import common_pb2 as pb
-from sglang_admin.scheduler.profiler import ALREADY_RUNNING, NOT_RUNNING, Profiler
+from sglang_admin.scheduler.profiler import (
+    ALREADY_RUNNING,
+    NOT_RUNNING,
+    SEGMENT_STEPS,
+    Profiler,
+)
 from sglang_admin.server import profiles
 from sglang_admin.server.admin import rank_failure_text
 from sglang_admin.server.communicator import RankFailure
@@ -52,7 +57,9 @@ def step(prof: Profiler, stage: str = "prefill") -> list[str] | None:
 def labels(path: str) -> list[str]:
     with gzip.open(path, "rt") as f:
         data = json.load(f)
-    return sorted(e["name"] for e in data["traceEvents"] if e["name"].startswith("forward_"))
+    # on CUDA each labelled range also has a gpu_user_annotation copy: counted once
+    return sorted(e["name"] for e in data["traceEvents"]
+                  if e["name"].startswith("forward_") and e.get("cat") != "gpu_user_annotation")
 
 
 def test_start_stop_writes_one_trace(tmp_path: Path) -> None:
@@ -241,6 +248,22 @@ def test_segments_are_joined_into_one_trace(tmp_path: Path, by_stage: bool) -> N
     assert data.files == [str(tmp_path / name)]
     assert labels(data.files[0]) == [f"forward_extend_bs{i}" for i in range(1, 6)]
     assert sorted(p.name for p in tmp_path.iterdir()) == [name]
+
+
+def test_a_cuda_rank_records_a_session_in_one_segment(tmp_path: Path) -> None:
+    """Restarting the profiler on CUDA restarts CUPTI (slow, and a hole in the GPU timeline
+    each time), so a CUDA rank does not segment; a CPU rank does. Checked on the state
+    machine: a rank named cuda records 40 steps without ending a segment."""
+    assert Profiler(0, "cpu").segment_steps == SEGMENT_STEPS
+    prof = Profiler(0, "cuda:0")
+    assert prof.segment_steps == 0
+    assert prof.start(req(tmp_path))[0]
+    for _ in range(2 * SEGMENT_STEPS + 8):
+        assert step(prof) is None
+        assert prof.session is not None and prof.session.parts == []
+    ok, text, data = prof.stop()
+    assert ok, text
+    assert len(labels(data.files[0])) == 2 * SEGMENT_STEPS + 8
 
 
 def test_export_runs_in_the_background_while_steps_go_on(tmp_path: Path) -> None:

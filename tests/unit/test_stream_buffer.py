@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 from sglang_admin.messages import ReqOutput
-from sglang_admin.server.stream_buffer import OutputBuffer, StreamOverflow
+from sglang_admin.server.stream_buffer import (
+    MESSAGE_BYTES,
+    ByteBudget,
+    OutputBuffer,
+    StreamOverflow,
+)
 
 
 def out(tokens: list[int], done: int, finish: str | None = None) -> ReqOutput:
@@ -60,5 +66,122 @@ def test_an_end_comes_after_the_pending_output() -> None:
         buf.fail(RuntimeError("rank died"))
         first, second = await buf.get(), await buf.get()
         assert isinstance(first, ReqOutput) and isinstance(second, RuntimeError)
+
+    asyncio.run(go())
+
+
+def heavy(first: int, count: int, done: int, top: int = 20,
+          finish: str | None = None) -> ReqOutput:
+    """`count` tokens from `first`, each with its logprob and `top` alternatives."""
+    ids = list(range(first, first + count))
+    return ReqOutput("r", ids, 3, done, 0, logprobs=[-0.25] * count,
+                     top_logprobs=[[(t + k, -0.5 * k) for k in range(top)] for t in ids],
+                     finish_reason=finish)
+
+
+def test_a_logprob_heavy_backlog_is_held_compactly_and_comes_back_equal() -> None:
+    """Coalesced outputs keep every id and value (float32 on the wire: these are exact)."""
+    async def go() -> None:
+        buf = OutputBuffer(max_tokens=10_000, max_bytes=1 << 20)
+        for i in range(10):
+            assert buf.push(heavy(i, 1, i + 1, finish="length" if i == 9 else None))
+        # 10 tokens x (id + logprob + 20 alternatives of 8 bytes)
+        assert buf.nbytes == 10 * (4 + 4 + 20 * 8)
+        got = await buf.get()
+        assert isinstance(got, ReqOutput)
+        want = heavy(0, 10, 10, finish="length")
+        assert got.new_token_ids == want.new_token_ids and got.logprobs == want.logprobs
+        assert got.top_logprobs == want.top_logprobs
+        assert (got.completion_tokens, got.finish_reason) == (10, "length")
+        assert buf.nbytes == 10 * 168  # in gRPC's hands until the next take
+        buf.release()
+        assert buf.nbytes == 0
+
+    asyncio.run(go())
+
+
+def test_a_large_backlog_leaves_in_messages_of_bounded_size() -> None:
+    """What piled up for a slow reader is sent MESSAGE_BYTES at a time, in order; the
+    finish goes with the last part and the counters add up."""
+    async def go() -> None:
+        buf = OutputBuffer(max_tokens=10_000, max_bytes=1 << 20)
+        total = 1000
+        for i in range(total):
+            buf.push(heavy(i, 1, i + 1, finish="length" if i == total - 1 else None))
+        parts = []
+        while True:
+            got = await buf.get()
+            assert isinstance(got, ReqOutput)
+            assert buf.in_flight <= MESSAGE_BYTES
+            parts.append(got)
+            if got.finish_reason:
+                break
+        assert len(parts) >= total * 168 // MESSAGE_BYTES
+        ids = [t for p in parts for t in p.new_token_ids]
+        assert ids == list(range(total))
+        assert [p.completion_tokens for p in parts] == list(
+            itertools.accumulate(len(p.new_token_ids) for p in parts))
+        assert all(p.finish_reason is None for p in parts[:-1])
+        assert [r for p in parts for r in p.top_logprobs] == heavy(0, total, total).top_logprobs
+        assert buf.pending is None
+
+    asyncio.run(go())
+
+
+def test_the_byte_limit_counts_what_tokens_carry() -> None:
+    """A few tokens with 20 alternatives each pass the byte limit long before the token
+    limit; what was taken last (still in gRPC's hands) counts too."""
+    async def go() -> None:
+        buf = OutputBuffer(max_tokens=4096, max_bytes=100 * 168)
+        buf.push(heavy(0, 50, 50))
+        await buf.get()  # 50 tokens now in flight
+        assert buf.push(heavy(50, 50, 100))
+        assert not buf.push(heavy(100, 1, 101))
+        plain = OutputBuffer(max_tokens=4096, max_bytes=100 * 168)
+        assert all(plain.push(out([i], i + 1)) for i in range(1000))  # 8 bytes a token
+
+    asyncio.run(go())
+
+
+def test_the_server_wide_budget_sums_every_buffer() -> None:
+    async def go() -> None:
+        budget = ByteBudget(limit=3 * 168)
+        a, b = (OutputBuffer(4096, 1 << 20, budget) for _ in range(2))
+        a.push(heavy(0, 1, 1))
+        b.push(heavy(0, 1, 1))
+        assert budget.used == 2 * 168 and not budget.spent
+        a.push(heavy(1, 1, 2))
+        assert budget.spent
+        await a.get()  # taken: still held until a's next take
+        assert budget.spent
+        a.fail(StreamOverflow("too slow"), drop_pending=True)
+        a.release()
+        assert budget.used == 168 and not budget.spent
+        b.release()
+        assert budget.used == 0
+
+    asyncio.run(go())
+
+
+def test_the_prompt_logprobs_leave_with_the_last_part_uncounted() -> None:
+    """The prompt's logprobs come with the final output; split, they go with the part that
+    carries the finish. Their size is the prompt's, not the reader's: not counted."""
+    async def go() -> None:
+        buf = OutputBuffer(max_tokens=10_000, max_bytes=300 * 168)
+        for i in range(299):
+            assert buf.push(heavy(i, 1, i + 1))
+        final = heavy(299, 1, 300, finish="length")
+        final.input_logprobs = [None] + [-1.0] * 4999
+        final.input_top_logprobs = [[(1, -1.0)] * 20] * 5000
+        assert buf.push(final)  # 5000 prompt positions with 20 alternatives: not counted
+        parts = []
+        while not parts or parts[-1].finish_reason is None:
+            got = await buf.get()
+            assert isinstance(got, ReqOutput)
+            parts.append(got)
+        assert len(parts) > 1
+        assert all(not p.input_logprobs for p in parts[:-1])
+        assert parts[-1].input_logprobs == final.input_logprobs
+        assert len(parts[-1].input_top_logprobs) == 5000
 
     asyncio.run(go())
