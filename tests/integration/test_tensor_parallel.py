@@ -132,9 +132,23 @@ def test_ops_without_tp_support_are_refused(tp_server) -> None:
                                     timeout=10)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "not yet supported with --tp-size > 1" in err.value.details()
-    # the server keeps serving
+    # a bad request fails alone
+    with pytest.raises(grpc.RpcError) as err:
+        run_generate(srv.stub(), pb.GenerateRequest(
+            tokenized=pb.TokenizedInput(input_ids=[5, 6]),
+            sampling_params=pb.SamplingParams(top_p=1.5, max_new_tokens=3)), timeout=60)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # the server keeps serving: greedy, and sampling with penalties, n = 2 (the followers
+    # sample too and discard it)
     tokens, _ = run_generate(srv.stub(), greedy([5, 6, 7], 3), timeout=60)
     assert len(tokens) == 3
+    sampled = pb.GenerateRequest(
+        tokenized=pb.TokenizedInput(input_ids=[5, 6, 7]),
+        sampling_params=pb.SamplingParams(temperature=0.9, top_p=0.9, repetition_penalty=1.2,
+                                          max_new_tokens=6, ignore_eos=True, n=2))
+    completes = [r.complete for r in srv.stub().Generate(sampled, timeout=60)
+                 if r.HasField("complete")]
+    assert sorted(len(c.output_ids) for c in completes) == [6, 6]
 
 
 def test_update_weights_from_disk_reaches_every_tp_rank(tmp_path: Path) -> None:
