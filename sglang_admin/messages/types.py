@@ -164,11 +164,12 @@ class PauseReq:
 
 @dataclass(slots=True)
 class ContinueReq:
-    """ContinueGeneration."""
+    """ContinueGeneration; ``torch_empty_cache`` hands the device's cached memory back."""
 
     rid: str
     deadline: float | None = None
     trace: TraceCarrier = field(default_factory=dict)
+    torch_empty_cache: bool = False
 
 
 @dataclass(slots=True)
@@ -182,6 +183,7 @@ class UpdateWeightsFromDiskReq:
     flush_cache: bool = True
     deadline: float | None = None
     trace: TraceCarrier = field(default_factory=dict)
+    torch_empty_cache: bool = False  # hand the device's cached memory back after the load
 
 
 @dataclass(slots=True)

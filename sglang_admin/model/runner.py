@@ -24,6 +24,7 @@ import torch
 
 from sglang_admin.config import ATTENTION_BACKENDS
 from sglang_admin.model.batch import BatchBuilder, ForwardBatch
+from sglang_admin.model.cpu_dtype import auto_cpu_dtype
 from sglang_admin.model.cpu_kernels import CpuKernels, load_cpu_kernels
 from sglang_admin.model.device import (
     DEFAULT_MEM_FRACTION_STATIC,
@@ -61,11 +62,13 @@ class ForwardTimes:
 
 
 def resolve_dtype(dtype: str, device: torch.device, checkpoint_dtype: str) -> torch.dtype:
-    """"auto" -> float32 on CPU; on CUDA the checkpoint's half dtype, else bfloat16."""
+    """"auto" -> on CPU, model/cpu_dtype.py's rule (bfloat16 for a half-precision checkpoint
+    on a CPU with native bfloat16, else float32); on CUDA the checkpoint's half dtype, else
+    bfloat16."""
     if dtype != "auto":
         return dtype_from_name(dtype)
     if device.type != "cuda":
-        return torch.float32
+        return auto_cpu_dtype(checkpoint_dtype)
     if checkpoint_dtype in ("float16", "bfloat16"):
         return dtype_from_name(checkpoint_dtype)
     return torch.bfloat16
@@ -228,6 +231,11 @@ class ModelRunner:
         if self.weights_released:
             self.model.allocate_parameters(self.device)
 
+    def empty_cache(self) -> None:
+        """Hand memory the allocator keeps cached back (CUDA's cached blocks; glibc's free
+        arenas on CPU): the torch_empty_cache of ContinueGeneration and weight updates."""
+        _return_memory(self.device)
+
     def reset(self) -> None:
         """Forget every sequence's slots (cache flush); the KV tensors are left as they are."""
         self.batches.reset()
@@ -296,7 +304,7 @@ class ModelRunner:
         """sample()'s answer when every row is greedy, without building its requests."""
         tokens = (self.cpu_kernels.argmax(logits)
                   if self.cpu_kernels is not None and logits.is_contiguous()
-                  else logits.argmax(dim=-1).tolist())
+                  else logits.float().argmax(dim=-1).tolist())  # torch's bf16 argmax is slow
         return [SeqOutput(token) for token in tokens]
 
     def _sample_batch(self, logits: torch.Tensor,

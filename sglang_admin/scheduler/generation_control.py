@@ -61,6 +61,9 @@ def on_pause(rank: Rank, msg: PauseReq) -> None:
 def on_continue(rank: Rank, msg: ContinueReq) -> None:
     was = rank.scheduler.paused
     rank.scheduler.resume()
+    if msg.torch_empty_cache:
+        rank.runner.empty_cache()
+        logger.info("rank %d: cached memory handed back (torch_empty_cache)", rank.rank)
     rank.publish_state(force=True)
     rank.reply(msg, True, "Generation continued" if was else "Generation was not paused")
 

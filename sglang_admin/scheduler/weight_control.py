@@ -90,6 +90,9 @@ def _refit(rank: Rank, msg: UpdateWeightsFromDiskReq, aborted: int) -> None:
         return
     rank.weights_source = os.path.abspath(msg.model_path)
     info.model_path = rank.weights_source
+    if msg.torch_empty_cache:
+        rank.runner.empty_cache()
+        logger.info("rank %d: cached memory handed back (torch_empty_cache)", rank.rank)
     text = weights_now_served(rank, msg, "Succeeded to update model weights.")
     logger.info("rank %d: weights updated from %s in %.2fs (version %s)", rank.rank,
                 info.model_path, time.perf_counter() - t0, info.weight_version)

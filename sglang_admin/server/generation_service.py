@@ -159,9 +159,12 @@ class Generation:
     async def resume(
         self, request: pb.ContinueGenerationRequest, context: grpc.aio.ServicerContext
     ) -> pb.AdminResponse:
+        empty = request.torch_empty_cache if request.HasField("torch_empty_cache") else False
         out = await self.admin.fan_out(
             context, "continue_generation",
-            lambda rid, deadline, trace: ContinueReq(rid, deadline, trace), CONTROL_TIMEOUT_S,
+            lambda rid, deadline, trace: ContinueReq(rid, deadline, trace,
+                                                     torch_empty_cache=empty),
+            CONTROL_TIMEOUT_S,
         )
         return pb.AdminResponse(success=out.ok, message=out.message("Generation continued"),
                                 rank_results=out.rank_results())

@@ -8,6 +8,7 @@ so GetModelInfo and GetServerInfo report what the ranks serve.
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 import grpc
@@ -26,15 +27,16 @@ from sglang_admin.messages import (
     WeightsResult,
     WeightValues,
 )
+from sglang_admin.model.gguf import GGUF_LOAD_FORMAT, GgufError, resolve_model_path
 from sglang_admin.pb import common_pb2 as pb
 from sglang_admin.server.admin import AdminCalls, FanOut
 from sglang_admin.server.communicator import Communicator
-from sglang_admin.server.convert import invalid
+from sglang_admin.server.convert import ServiceError, invalid
 
 UPDATE_TIMEOUT_S = 600.0  # waits for running requests, then reads the checkpoint
 READ_TIMEOUT_S = 60.0
 MEMORY_TIMEOUT_S = 120.0
-LOAD_FORMATS = ("", "auto", "safetensors")
+LOAD_FORMATS = ("", "auto", "safetensors", GGUF_LOAD_FORMAT)
 DEFAULT_TRUNCATE = 100
 MAX_TRUNCATE = 1 << 20
 
@@ -94,14 +96,18 @@ class Weights:
             raise invalid("model_path must name a checkpoint directory")
         if request.load_format not in LOAD_FORMATS:
             raise invalid(f"load_format {request.load_format!r} is not supported; "
-                          "use auto or safetensors")
+                          "use auto, safetensors or gguf")
         path = os.path.abspath(request.model_path)  # noqa: ASYNC240 - no I/O; ranks check it
+        try:  # a GGUF file is converted here, once, and the ranks load the converted copy
+            path = await asyncio.to_thread(resolve_model_path, path, request.load_format)
+        except GgufError as exc:
+            raise ServiceError(getattr(grpc.StatusCode, exc.code), str(exc)) from None
         flush = request.flush_cache if request.HasField("flush_cache") else True
         out = await self.admin.fan_out(
             context, "update_weights_from_disk",
             lambda rid, deadline, trace: UpdateWeightsFromDiskReq(
                 rid, path, request.abort_all_requests, request.weight_version, flush,
-                deadline, trace),
+                deadline, trace, torch_empty_cache=request.torch_empty_cache),
             UPDATE_TIMEOUT_S, model_path=path,
         )
         return weights_updated(self.comm, out, "Succeeded to update model weights.")

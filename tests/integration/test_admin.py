@@ -225,3 +225,36 @@ def test_a_rank_that_does_not_answer_is_named(dp2: ServerProc) -> None:
     assert resp.success and len(resp.rank_results) == 2
     assert stub.HealthCheck(pb.HealthCheckRequest(), timeout=5).healthy
     assert "dropping late reply from rank 1" in dp2.log()
+
+
+def test_torch_empty_cache_reaches_every_rank(dp2: ServerProc, tmp_path_factory) -> None:
+    """ContinueGeneration's and UpdateWeightsFromDisk's torch_empty_cache is carried to each
+    rank, which hands its cached memory back (and says so in the log); unset, it is not."""
+    stub = dp2.stub()
+    line = "cached memory handed back (torch_empty_cache)"
+
+    def said() -> int:
+        return dp2.log().count(line)
+
+    before = said()
+    assert stub.ContinueGeneration(pb.ContinueGenerationRequest(), timeout=30).success
+    assert stub.ContinueGeneration(
+        pb.ContinueGenerationRequest(torch_empty_cache=False), timeout=30).success
+    time.sleep(0.5)
+    assert said() == before
+    assert stub.ContinueGeneration(
+        pb.ContinueGenerationRequest(torch_empty_cache=True), timeout=30).success
+    deadline = time.time() + 10
+    while said() < before + 2 and time.time() < deadline:
+        time.sleep(0.1)
+    assert said() == before + 2  # once per rank
+    for rank in (0, 1):
+        assert f"rank {rank}: {line}" in dp2.log()
+    info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+    resp = stub.UpdateWeightsFromDisk(pb.UpdateWeightsFromDiskRequest(
+        model_path=info.model_path, torch_empty_cache=True), timeout=120)
+    assert resp.success, resp.message
+    deadline = time.time() + 10
+    while said() < before + 4 and time.time() < deadline:
+        time.sleep(0.1)
+    assert said() == before + 4
