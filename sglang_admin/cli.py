@@ -220,6 +220,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="the largest adapter rank r accepted")
     p.add_argument("--lora-paths", nargs="+", default=None, metavar="NAME=PATH",
                    help="adapters loaded at start (lora_id = NAME); implies --enable-lora")
+    p.add_argument("--is-embedding", action="store_true",
+                   help="serve a decoder checkpoint (e.g. Qwen3ForCausalLM) as an embedding "
+                        "model: Embed answers, Generate is refused (base-model and "
+                        "*ForSequenceClassification checkpoints are embedding models anyway)")
     p.set_defaults(func=run_serve)
 
 

@@ -121,6 +121,8 @@ class ServerArgs:
     max_loaded_loras: int = 8
     max_lora_rank: int = 16
     lora_paths: tuple[tuple[str, str], ...] = ()
+    # issue 32: serve a decoder checkpoint as an embedding model (Embed, not Generate)
+    is_embedding: bool = False
     ipc_dir: str = ""  # set by launch: a fresh private directory per instance
 
     def scheduler_addr(self, rank: int) -> str:

@@ -22,7 +22,13 @@ passed (whichever comes first), a random mix (``--seed``) of these case kinds:
 - ``malformed``: random bytes sent to random methods, which must end INVALID_ARGUMENT;
 - ``cancelled``: a stream cancelled by the client after its first message;
 - ``dropped``: a call whose channel is closed under it;
-- ``admin``: FlushCache, GetLoads, GetServerInfo, StartProfile and StopProfile.
+- ``admin``: FlushCache, GetLoads, GetServerInfo, StartProfile and StopProfile;
+- ``embed-ordinary``: valid Embed requests of random lengths, that must end OK;
+- ``embed-invalid``: Embed with an empty input, an id outside the vocabulary, an input over
+  the context, mm_inputs, is_cross_encoder or a request_id too long: INVALID_ARGUMENT.
+
+On a generation model every Embed must end FAILED_PRECONDITION, and on an embedding model
+(GetModelInfo.is_generation false) every Generate.
 
 It stops early once 20 calls ended UNAVAILABLE (the worker is down or going down).
 It prints a table of statuses per case kind (markdown, ready to paste) and then checks
@@ -60,7 +66,8 @@ from tools.soak import check_loopback
 SERVICE = "/sglang.grpc.scheduler.SglangScheduler/"
 KINDS = (
     "generate-ordinary", "generate-extreme", "generate-invalid", "malformed", "cancelled",
-    "dropped", "admin", "generate-constrained", "constraint-garbage",
+    "dropped", "admin", "generate-constrained", "constraint-garbage", "embed-ordinary",
+    "embed-invalid",
 )
 # Random bytes that happen to decode as the method's request are counted apart.
 DECODED = "malformed-decoded"
@@ -72,7 +79,12 @@ EXPECTED = {
     "malformed": {"INVALID_ARGUMENT"},
     "generate-constrained": {"OK"},
     "constraint-garbage": {"OK", "INVALID_ARGUMENT"},
+    "embed-ordinary": {"OK"},
+    "embed-invalid": {"INVALID_ARGUMENT"},
 }
+EMBED_KINDS = ("embed-ordinary", "embed-invalid")
+GENERATE_KINDS = ("generate-ordinary", "generate-extreme", "generate-invalid",
+                  "generate-constrained", "constraint-garbage")
 CONSTRAINTS = (  # (SamplingParams field, text) that compile
     ("regex", r"[a-z]{1,6}@[a-z]{2,4}\.(com|org)"),
     ("regex", r"(yes|no|maybe)!?"),
@@ -103,6 +115,7 @@ RAW_METHODS = (  # (method, request type, server-streaming)
     ("StartProfile", pb.StartProfileRequest, False),
     ("DownloadProfile", pb.DownloadProfileRequest, True),
     ("GetModelInfo", pb.GetModelInfoRequest, False),
+    ("Embed", pb.EmbedRequest, False),
 )
 
 
@@ -123,12 +136,14 @@ class Tally:
     bad: list[str] = field(default_factory=list)
     # (kind, status) -> (how many, the first one's details)
     unexpected_seen: dict[tuple[str, str], list] = field(default_factory=dict)
+    # what each kind must end with (see :func:`expectations`)
+    expected: dict[str, set[str]] = field(default_factory=lambda: dict(EXPECTED))
 
     def add(self, kind: str, status: str, details: str = "") -> None:
         self.counts[kind][status] += 1
         if status in FAILING_STATUSES and len(self.bad) < 50:
             self.bad.append(f"{kind}: {status} {details[:200]}")
-        elif kind in EXPECTED and status not in EXPECTED[kind]:
+        elif kind in self.expected and status not in self.expected[kind]:
             seen = self.unexpected_seen.setdefault((kind, status), [0, details[:200]])
             seen[0] += 1
 
@@ -164,12 +179,14 @@ class Tally:
 class Fuzzer:
     """Generates and runs the cases against one worker."""
 
-    def __init__(self, target: str, seed: int, vocab: int, dp_size: int) -> None:
+    def __init__(self, target: str, seed: int, vocab: int, dp_size: int,
+                 context_length: int = 512, is_generation: bool = True) -> None:
         self.target = target
         self.rng = random.Random(seed)
         self.vocab = vocab
         self.dp_size = dp_size
-        self.tally = Tally()
+        self.context_length = context_length
+        self.tally = Tally(expected=expectations(is_generation))
         self.channel = grpc.aio.insecure_channel(target)
         self.stub = pb_grpc.SglangSchedulerStub(self.channel)
         self.seq = 0
@@ -317,7 +334,42 @@ class Fuzzer:
                 text)
         return req
 
+    def embed_ordinary(self) -> pb.EmbedRequest:
+        r = self.rng
+        ids = self.prompt() if r.random() < 0.8 else [
+            r.randrange(self.vocab) for _ in range(r.randint(25, min(300, self.context_length)))]
+        return pb.EmbedRequest(tokenized=pb.TokenizedInput(input_ids=ids),
+                               request_id=f"fuzz-embed-{r.getrandbits(48):x}"
+                               if r.random() < 0.3 else "")
+
+    def embed_invalid(self) -> pb.EmbedRequest:
+        r = self.rng
+        req = self.embed_ordinary()
+        choice = r.randrange(6)
+        ids = req.tokenized.input_ids
+        if choice == 0:
+            del ids[:]
+        elif choice == 1:
+            ids.insert(r.randrange(len(ids) + 1), self.vocab + r.randrange(2**31))
+        elif choice == 2:
+            ids.extend([1] * (self.context_length + 1 - len(ids)))
+        elif choice == 3:
+            req.mm_inputs.SetInParent()
+        elif choice == 4:
+            req.is_cross_encoder = True
+        else:
+            req.request_id = "x" * 513
+        return req
+
     # ------------------------------------------------------------------ cases
+
+    async def _embed(self, kind: str, req: pb.EmbedRequest) -> None:
+        try:
+            await self.stub.Embed(req, timeout=CALL_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            self.tally.add(kind, exc.code().name, exc.details() or "")
+        else:
+            self.tally.add(kind, "OK", f"input_ids={list(req.tokenized.input_ids)[-3:]}")
 
     async def _generate(self, kind: str, req: pb.GenerateRequest) -> None:
         try:
@@ -421,6 +473,10 @@ class Fuzzer:
             await self.cancelled()
         elif kind == "dropped":
             await self.dropped()
+        elif kind == "embed-ordinary":
+            await self._embed(kind, self.embed_ordinary())
+        elif kind == "embed-invalid":
+            await self._embed(kind, self.embed_invalid())
         else:
             await self.admin()
 
@@ -442,6 +498,14 @@ class Fuzzer:
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         return started
+
+
+def expectations(is_generation: bool) -> dict[str, set[str]]:
+    """What each kind must end with on this model: the kinds of the other model type are
+    refused with FAILED_PRECONDITION (Embed on a generation model, Generate on an
+    embedding model)."""
+    refused = EMBED_KINDS if is_generation else GENERATE_KINDS
+    return {**EXPECTED, **{kind: {"FAILED_PRECONDITION"} for kind in refused}}
 
 
 def _describe(req: pb.GenerateRequest) -> str:
@@ -481,7 +545,8 @@ async def fuzz(args: argparse.Namespace) -> int:
         info = await pb_grpc.SglangSchedulerStub(ch).GetModelInfo(
             pb.GetModelInfoRequest(), timeout=10
         )
-    fuzzer = Fuzzer(args.target, args.seed, info.vocab_size, len(pids))
+    fuzzer = Fuzzer(args.target, args.seed, info.vocab_size, len(pids),
+                    info.max_context_length, info.is_generation)
     t0 = time.monotonic()
     try:
         ran = await fuzzer.run(args.kinds, args.requests, args.seconds, args.concurrency)

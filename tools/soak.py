@@ -559,7 +559,7 @@ class Soak:
                 "waiting": s.num_waiting_reqs,
                 "used_tokens": s.num_used_tokens,
                 "evictable_tokens": s.num_evictable_tokens,
-                "held_tokens": s.num_used_tokens - s.num_evictable_tokens,
+                "held_tokens": s.num_used_tokens,
                 "capacity": s.token_capacity,
                 "pid": s.pid,
             }
@@ -659,7 +659,9 @@ class Soak:
                 "ranks": ranks_end,
                 "final_flush": {"success": after_flush.success,
                                 "message": after_flush.message},
-                "used_tokens_after_flush": sum(r["used_tokens"] for r in ranks_flushed),
+                # held or cached: a flush must empty the pool
+                "used_tokens_after_flush": sum(r["used_tokens"] + r["evictable_tokens"]
+                                               for r in ranks_flushed),
             },
             "rss": rss.summary(load_s, args.rss_window),
             "notes": self.notes,

@@ -457,6 +457,14 @@ class AsyncClient:
         finally:
             call.cancel()
 
+    async def embed(self, input_ids: Sequence[int], *,
+                    request_id: str = "") -> pb.EmbedResponse:
+        """Embed: the model's vector for tokenized input (an embedding model's pooled,
+        usually normalized hidden state; a classifier's score logits)."""
+        req = pb.EmbedRequest(request_id=request_id,
+                              tokenized=pb.TokenizedInput(input_ids=list(input_ids)))
+        return await self.stub.Embed(req, **self._call_options())
+
     async def generate_tokens(
         self,
         input_ids: Sequence[int],

@@ -151,6 +151,7 @@ def render_server_info(resp: pb.GetServerInfoResponse) -> Outcome:
     details = [
         f"rank {s.dp_rank}: {s.device} running={s.num_running_reqs} "
         f"waiting={s.num_waiting_reqs} tokens={s.num_used_tokens}/{s.token_capacity} "
+        f"(cached={s.num_evictable_tokens} free={s.num_free_tokens}) "
         f"profiler={s.profiler_state}"
         for s in resp.rank_states
     ]
@@ -167,6 +168,7 @@ def render_loads(resp: pb.GetLoadsResponse) -> Outcome:
     details = [
         f"rank {x.dp_rank}: running={x.num_running_reqs} waiting={x.num_waiting_reqs} "
         f"tokens={x.num_used_tokens}/{x.max_total_num_tokens} "
+        f"(cached={x.num_evictable_tokens} free={x.num_free_tokens}) "
         f"cache_hit_rate={x.cache_hit_rate:.1%}"
         for x in resp.loads
     ]
@@ -278,6 +280,18 @@ def constraint_params(ns: argparse.Namespace) -> pb.SamplingParams | None:
     return None
 
 
+async def call_embed(client: AsyncClient, ns: argparse.Namespace) -> pb.EmbedResponse:
+    return await client.embed(ns.input_ids)
+
+
+def render_embed(resp: pb.EmbedResponse) -> Outcome:
+    values = ",".join(f"{v:.6g}" for v in resp.embedding)
+    text = f"embedding_dim={resp.embedding_dim} prompt_tokens={resp.prompt_tokens} [{values}]"
+    return Outcome(True, text, {"embedding_dim": resp.embedding_dim,
+                                "prompt_tokens": resp.prompt_tokens,
+                                "embedding": list(resp.embedding)})
+
+
 async def call_services(client: AsyncClient, ns: argparse.Namespace) -> dict[str, list[str]]:
     return await client.services()
 
@@ -358,6 +372,10 @@ def _loads_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dp-rank", type=int)
 
 
+def _embed_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--input-ids", type=_token_ids, required=True, metavar="1,2,3")
+
+
 def _generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-ids", type=_token_ids, required=True, metavar="1,2,3")
     p.add_argument("--max-new-tokens", type=int, help="default: the server's (128)")
@@ -396,6 +414,8 @@ COMMANDS: list[Command] = [
             "SglangScheduler/GetMetrics", call_metrics, render_metrics),
     Command("generate", "generate tokens for a tokenized prompt",
             "SglangScheduler/Generate", call_generate, render_generate, _generate_arguments),
+    Command("embed", "the vector (embedding model) or logits (classifier) of tokenized input",
+            "SglangScheduler/Embed", call_embed, render_embed, _embed_arguments),
     Command("services", "list services and methods (server reflection)",
             None, call_services, render_services),
     *REFIT_COMMANDS,

@@ -79,6 +79,7 @@ class GenerateReq:
     logprob_start_len: int = -1  # >= 0: input logprobs of prompt[logprob_start_len:]
     token_ids_logprob: list[int] = field(default_factory=list)  # logprobs of these ids
     return_hidden_states: bool = False  # last layer's hidden state per output token
+    embed: bool = False  # issue 32: prefill only, answered with the pooled vector
 
 
 @dataclass(slots=True)
@@ -312,8 +313,11 @@ class RankState:
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
     token_capacity: int = 0
+    # The KV pool in three parts (docs/kv-figures.md): held by requests, cached and
+    # evictable, free; they add up to token_capacity.
     num_used_tokens: int = 0
     num_evictable_tokens: int = 0
+    num_free_tokens: int = 0
     cache_hit_rate: float = 0.0
     gen_throughput: float = 0.0
     profiler_state: str = "idle"
@@ -361,6 +365,12 @@ class ModelInfo:
     kv_cache_bytes: int = 0
     device: str = "cpu"
     weight_version: str = "default"
+    # issue 32 (Embed): what the model serves (model/embedding_spec.py)
+    is_generation: bool = True
+    num_labels: int = 0  # a classifier's labels; 0 otherwise
+    id2label: dict[str, str] = field(default_factory=dict)
+    embedding_dim: int = 0  # the length of an Embed answer; 0 for a generation model
+    pooling: str = ""  # LAST | CLS | MEAN for an embedding model
 
     def to_dict(self) -> dict[str, Any]:
         """A plain dict (JSON and msgpack friendly)."""
@@ -417,6 +427,7 @@ class ReqOutput:
     input_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     token_ids_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     hidden_states: list[list[float]] = field(default_factory=list)  # per new output token
+    embedding: list[float] = field(default_factory=list)  # an Embed request's vector (final)
 
 
 @dataclass(slots=True)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -13,7 +12,14 @@ from safetensors import safe_open
 
 from sglang_admin.messages import ModelInfo
 from sglang_admin.model.config import LlamaConfig
+from sglang_admin.model.embedding_spec import (
+    EmbeddingSpec,
+    SpecError,
+    causal_architecture,
+    embedding_spec,
+)
 from sglang_admin.model.llama import LlamaForCausalLM
+from sglang_admin.model.weight_names import UnknownWeightName, model_parameters, resolve
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -80,15 +86,26 @@ def _checkpoint_dtype(cfg: dict[str, Any]) -> str:
 def parse_config(model_path: str, cfg: dict[str, Any]) -> LlamaConfig:
     """LlamaConfig from config.json, with errors as ModelLoadError."""
     try:
-        return LlamaConfig.from_hf(cfg)
+        return LlamaConfig.from_hf(causal_architecture(cfg))  # an embedding model's decoder
     except ValueError as exc:
         raise ModelLoadError(f"{model_path}: {exc}") from None
 
 
-def load_model_info(model_path: str, context_length: int | None = None) -> ModelInfo:
+def read_embedding_spec(model_path: str, cfg: dict[str, Any],
+                        is_embedding: bool) -> EmbeddingSpec:
+    """model/embedding_spec.py's answer, with errors as ModelLoadError."""
+    try:
+        return embedding_spec(model_path, cfg, is_embedding)
+    except SpecError as exc:
+        raise ModelLoadError(f"{model_path}: {exc}") from None
+
+
+def load_model_info(model_path: str, context_length: int | None = None,
+                    is_embedding: bool = False) -> ModelInfo:
     """ModelInfo from config.json and generation_config.json, without loading weights."""
     cfg = read_hf_config(model_path)
     lcfg = parse_config(model_path, cfg)
+    spec = read_embedding_spec(model_path, cfg, is_embedding)
     gen_path = os.path.join(model_path, "generation_config.json")
     gen = _read_json(gen_path) if os.path.isfile(gen_path) else {}
     eos: list[int] = []
@@ -119,6 +136,11 @@ def load_model_info(model_path: str, context_length: int | None = None) -> Model
         head_dim=lcfg.head_dim,
         hidden_size=lcfg.hidden_size,
         dtype=_checkpoint_dtype(cfg),
+        is_generation=spec.is_generation,
+        num_labels=spec.num_labels,
+        id2label=dict(spec.id2label),
+        embedding_dim=0 if spec.is_generation else (spec.num_labels or lcfg.hidden_size),
+        pooling="" if spec.is_generation else spec.pooling.name,
     )
 
 
@@ -142,10 +164,6 @@ def weight_files(model_path: str) -> list[str]:
 
 class WeightMismatch(ModelLoadError):
     """A tensor offered to :func:`load_weights` does not fit the served model."""
-
-
-# Checkpoint tensors the model computes itself or never reads.
-_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$|(^|\.)rotary\.inv_freq$")
 
 
 def iter_checkpoint(model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -176,19 +194,22 @@ def load_weights(
     or a shape that differs raises :class:`WeightMismatch` naming it; tensors are cast to
     the parameter's dtype and device.
     """
-    params = dict(model.named_parameters(remove_duplicate=False))
-    tied = model.config.tie_word_embeddings
+    params = model_parameters(model)
     loaded: set[str] = set()
     tensor_parallel = getattr(model, "tensor_parallel", None)
     if tensor_parallel is not None:  # --tp-size > 1: keep this rank's shard of each tensor
         weights = tensor_parallel.shard_weights(weights)
     with torch.no_grad():
         for name, tensor in weights:
-            if _IGNORED.search(name) or (tied and name == "lm_head.weight"):
+            try:
+                found = resolve(model, name, params)
+            except UnknownWeightName:
+                raise WeightMismatch(f"weight {name!r} is not a parameter of this model"
+                                     ) from None
+            if not found.loads:
                 continue
-            param = params.get(name)
-            if param is None:
-                raise WeightMismatch(f"weight {name!r} is not a parameter of this model")
+            param = found.param
+            assert param is not None
             if tuple(tensor.shape) != tuple(param.shape):
                 raise WeightMismatch(
                     f"weight {name!r} has shape {list(tensor.shape)}, the model's is "
@@ -201,7 +222,7 @@ def load_weights(
 
 def expected_weights(model: LlamaForCausalLM) -> set[str]:
     """The names a full checkpoint of this model must provide."""
-    return set(dict(model.named_parameters(remove_duplicate=False)))
+    return set(model_parameters(model))
 
 
 def missing_message(missing: set[str]) -> str:
@@ -217,21 +238,33 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     context_length: int | None = None,
+    is_embedding: bool = False,
     tensor_parallel: Any = None,
 ) -> tuple[LlamaForCausalLM, ModelInfo]:
     """Build the model from a Hugging Face directory, weights cast to dtype on device.
 
     The parameters are allocated once (uninitialised), the projections fused, and the
     checkpoint copied in through :func:`load_weights`, the path weight updates take too.
-    ``tensor_parallel`` (model/tensor_parallel.py's, tp > 1): this rank's shard only.
+    An embedding or classification checkpoint (or ``is_embedding``) builds
+    model/embedding_model.py's LlamaForEmbedding. ``tensor_parallel``
+    (model/tensor_parallel.py's, tp > 1): this rank's shard only (causal LMs only).
     """
-    info = load_model_info(model_path, context_length)
-    lcfg = parse_config(model_path, read_hf_config(model_path))
+    info = load_model_info(model_path, context_length, is_embedding)
+    cfg = read_hf_config(model_path)
+    lcfg = parse_config(model_path, cfg)
+    spec = read_embedding_spec(model_path, cfg, is_embedding)
     if tensor_parallel is not None:
+        if not spec.is_generation:
+            raise ModelLoadError("embedding models are not yet supported with --tp-size > 1")
         tensor_parallel.full_config = lcfg
         lcfg = tensor_parallel.shard_config()
     with torch.device("meta"):
-        model = LlamaForCausalLM(lcfg).to(dtype)
+        if spec.is_generation:
+            model = LlamaForCausalLM(lcfg).to(dtype)
+        else:
+            from sglang_admin.model.embedding_model import LlamaForEmbedding
+
+            model = LlamaForEmbedding(lcfg, spec).to(dtype)
     if tensor_parallel is not None:
         tensor_parallel.install(model)
     model.allocate_parameters(device)

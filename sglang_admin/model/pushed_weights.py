@@ -3,9 +3,9 @@ process group or read from a shared-memory segment on this host.
 
 Both paths take a manifest (names, dtypes, shapes; offsets for shared memory) that
 :func:`check_manifest` validates before a byte moves: every name a parameter of the served
-model (the checkpoint's names; an untied ``lm_head.weight`` of a tied model and rotary
-``inv_freq`` buffers are accepted and dropped, as a checkpoint's are), every shape the
-parameter's, every dtype a floating one. Nothing from the client is ever unpickled: the
+model as model/weight_names.py resolves it (the checkpoint's names; ``lm_head.weight`` of a
+tied model, the embedding's other name, and rotary ``inv_freq`` buffers are accepted and
+dropped, as a checkpoint's are), every shape the parameter's, every dtype a floating one. Nothing from the client is ever unpickled: the
 segment is mapped read-only and viewed as raw bytes at the offsets the manifest gives.
 """
 
@@ -22,7 +22,8 @@ import torch
 
 from sglang_admin.model.dist_group import WeightGroup, broadcast_from_trainer
 from sglang_admin.model.llama import LlamaForCausalLM
-from sglang_admin.model.loader import _IGNORED, load_weights
+from sglang_admin.model.loader import load_weights
+from sglang_admin.model.weight_names import UnknownWeightName, model_parameters, resolve
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -76,8 +77,7 @@ def check_manifest(
     if not (len(names) == len(dtypes) == len(shapes)):
         raise ManifestError(f"names, dtypes and shapes must have one entry per tensor; got "
                             f"{len(names)}, {len(dtypes)} and {len(shapes)}")
-    params = dict(model.named_parameters(remove_duplicate=False))
-    tied = model.config.tie_word_embeddings
+    params = model_parameters(model)
     specs: list[TensorSpec] = []
     seen: set[str] = set()
     for name, dtype_text, shape in zip(names, dtypes, shapes, strict=True):
@@ -87,13 +87,14 @@ def check_manifest(
         dtype = parse_dtype(dtype_text)
         if any(d < 0 for d in shape):
             raise ManifestError(f"weight {name!r} has a negative dimension in {list(shape)}")
-        param = params.get(name)
-        if param is None and not (_IGNORED.search(name) or (tied and name == "lm_head.weight")):
-            raise ManifestError(f"weight {name!r} is not a parameter of this model")
-        if param is not None and tuple(shape) != tuple(param.shape):
+        try:
+            found = resolve(model, name, params)
+        except UnknownWeightName:
+            raise ManifestError(f"weight {name!r} is not a parameter of this model") from None
+        if found.param is not None and tuple(shape) != tuple(found.param.shape):
             raise ManifestError(f"weight {name!r} has shape {list(shape)}, the model's is "
-                                f"{list(param.shape)}")
-        specs.append(TensorSpec(name, dtype, tuple(shape), param))
+                                f"{list(found.param.shape)}")
+        specs.append(TensorSpec(name, dtype, tuple(shape), found.param if found.loads else None))
     if load_format == FLATTENED_BUCKET and len({s.dtype for s in specs}) > 1:
         raise ManifestError("a flattened bucket holds tensors of one dtype; this one mixes "
                             f"{', '.join(sorted({str(s.dtype) for s in specs}))}")

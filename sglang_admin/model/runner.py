@@ -42,10 +42,12 @@ from sglang_admin.model.loader import (
     load_model_info,
 )
 from sglang_admin.model.lora import LoraBuffers
+from sglang_admin.model.pooling import pool
 from sglang_admin.model.sampling import SampleRequest, SampleResult, sample
 from sglang_admin.model.step_io import InvalidSequence, SeqInput, SeqOutput
 
-__all__ = ["ForwardTimes", "InvalidSequence", "ModelRunner", "SeqInput", "SeqOutput"]
+__all__ = ["ForwardTimes", "InvalidSequence", "ModelRunner", "ResumeOutOfMemory", "SeqInput",
+           "SeqOutput"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +76,16 @@ def resolve_dtype(dtype: str, device: torch.device, checkpoint_dtype: str) -> to
     return torch.bfloat16
 
 
+class ResumeOutOfMemory(RuntimeError):
+    """Resuming released memory ran out of it; that memory stays released."""
+
+    def __init__(self, tag: str, nbytes: int, cause: BaseException) -> None:
+        first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        super().__init__(f"resuming {tag} ({nbytes / 2**30:.2f} GiB) ran out of memory: {first}; "
+                         f"{tag} stays released: free memory on the device, then resume again")
+        self.tag = tag
+
+
 class ModelRunner:
     """Forward + sampling for a continuous batch over a paged KV pool."""
 
@@ -92,6 +104,7 @@ class ModelRunner:
         attention_backend: str = "auto",
         gpu_index: int = 0,
         mem_fraction_static: float = DEFAULT_MEM_FRACTION_STATIC,
+        is_embedding: bool = False,
         tensor_parallel: object = None,
     ) -> None:
         if model_path is None:
@@ -105,7 +118,7 @@ class ModelRunner:
         self.model: LlamaForCausalLM
         self.model, self.info = load_model(
             model_path, dtype=self.dtype, device=self.device, context_length=context_length,
-            tensor_parallel=tensor_parallel,
+            is_embedding=is_embedding, tensor_parallel=tensor_parallel,
         )
         if tensor_parallel is not None:  # the C decode layer has no all-reduce: torch's ops
             attention_backend = "torch_native"
@@ -214,9 +227,16 @@ class ModelRunner:
         return self.kv_cache_bytes
 
     def resume_kv_cache(self) -> None:
-        """Allocate the KV pool again (zeros); no-op when it is there."""
+        """Allocate the KV pool again (zeros); no-op when it is there. Raises
+        :class:`ResumeOutOfMemory` (the pool still released) when it does not fit."""
         if self._kv is None:
-            self._allocate_kv()
+            try:
+                self._allocate_kv()
+            except (torch.OutOfMemoryError, MemoryError) as exc:
+                self._kv = None
+                self.k_caches, self.v_caches = [], []
+                _return_memory(self.device)
+                raise ResumeOutOfMemory("kv_cache", self.kv_cache_bytes, exc) from None
 
     def release_weights(self) -> int:
         """Free every parameter (shapes kept); bytes released. Load weights after resuming."""
@@ -227,9 +247,16 @@ class ModelRunner:
         return self.weight_bytes
 
     def resume_weights(self) -> None:
-        """Storage for the weights again, uninitialised: the caller loads weights next."""
+        """Storage for the weights again, uninitialised: the caller loads weights next.
+        Raises :class:`ResumeOutOfMemory` (every weight released again) when they do not
+        fit."""
         if self.weights_released:
-            self.model.allocate_parameters(self.device)
+            try:
+                self.model.allocate_parameters(self.device)
+            except (torch.OutOfMemoryError, MemoryError) as exc:
+                self.model.release_parameters()  # what was allocated before the failure
+                _return_memory(self.device)
+                raise ResumeOutOfMemory("weights", self.weight_bytes, exc) from None
 
     def empty_cache(self) -> None:
         """Hand memory the allocator keeps cached back (CUDA's cached blocks; glibc's free
@@ -379,6 +406,8 @@ class ModelRunner:
         the token: hidden states of sampled rows and prompt logprobs (model/hidden_extras.py;
         a sequence that sampled nothing gets an output only for its prompt logprobs)."""
         ordered, sampled = batch.ordered, batch.sampled
+        if not self.info.is_generation:  # issue 32: Embed requests' vectors (model/pooling.py)
+            self._pool(by_seq, ordered, batch.offsets, hidden)
         if not any(s.return_hidden_states or s.logprob_start_len >= 0 for s in ordered):
             return [by_seq.get(id(s)) for s in seqs]
         if any(s.return_hidden_states for s in sampled):
@@ -389,6 +418,22 @@ class ModelRunner:
             for key, entries in input_logprobs(self.model, hidden, ordered, batch.offsets).items():
                 by_seq.setdefault(key, SeqOutput(-1)).input_logprobs = entries
         return [by_seq.get(id(s)) for s in seqs]
+
+    def _pool(self, by_seq: dict[int, SeqOutput], ordered: list[SeqInput], offsets: list[int],
+              hidden: torch.Tensor) -> None:
+        """Each embed sequence's vector at its last chunk; a failure of pooling fails the
+        step's embed sequences alone (INTERNAL)."""
+        try:
+            pooled = pool(self.model, hidden, ordered, offsets)
+        except Exception as exc:  # noqa: BLE001 - the embed requests fail, the rank serves
+            logger.exception("pooling failed")
+            pooled = {id(s): f"pooling failed: {type(exc).__name__}: {exc}"
+                      for s in ordered if s.embed is not None}
+        for key, value in pooled.items():
+            if isinstance(value, str):
+                by_seq[key] = SeqOutput(-1, error=value, error_code="INTERNAL")
+            else:
+                by_seq[key] = SeqOutput(-1, embedding=value)
 
 
 def _seq_output(result: SampleResult, i: int) -> SeqOutput:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from sglang_admin.messages import ARGMAX_NEVER, SamplingParams
 from sglang_admin.model.grammar_mask import TokenMatcher
+from sglang_admin.model.pooling import PoolProgress
 
 
 @dataclass(slots=True)
@@ -33,6 +34,8 @@ class SeqInput:
     # (ARGMAX_NEVER: never); None: worked out from the fields above (the scheduler passes its
     # request's, worked out once)
     argmax_from: int | None = None
+    # issue 32: an Embed request's pooling progress (model/pooling.py); None: not an embed
+    embed: PoolProgress | None = None
 
     def __post_init__(self) -> None:
         if self.argmax_from is None:
@@ -60,6 +63,7 @@ class SeqOutput:
     input_logprobs: list[tuple[int, float | None, list[tuple[int, float]]]] | None = None
     token_ids_logprobs: list[tuple[int, float]] | None = None
     hidden_state: list[float] | None = None
+    embedding: list[float] | None = None  # an Embed request's vector, at its last chunk
 
 
 class InvalidSequence(ValueError):

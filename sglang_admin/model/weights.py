@@ -31,6 +31,7 @@ from sglang_admin.model.loader import (
     read_hf_config,
     weight_files,
 )
+from sglang_admin.model.weight_names import UnknownWeightName, model_parameters, resolve
 
 # LlamaConfig fields that may differ between two checkpoints of one served model.
 _FREE_FIELDS = frozenset({"max_position_embeddings"})
@@ -61,22 +62,23 @@ def check_checkpoint(model: LlamaForCausalLM, model_path: str) -> None:
                 f"{model_path}: config.json has {key} = {value!r}, the served model "
                 f"{served[key]!r}"
             )
-    params = dict(model.named_parameters(remove_duplicate=False))
+    params = model_parameters(model)
     seen: set[str] = set()
     for path in weight_files(model_path):
         try:
             with safe_open(path, framework="pt", device="cpu") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
-                    param = params.get(name)
-                    if param is None:
-                        if name == "lm_head.weight" and model.config.tie_word_embeddings:
-                            continue
-                        if name.endswith("inv_freq"):
-                            continue
+                    try:
+                        found = resolve(model, name, params)
+                    except UnknownWeightName:
                         raise ModelLoadError(
                             f"{os.path.basename(path)}: tensor {name!r} is not a parameter "
                             "of the served model"
-                        )
+                        ) from None
+                    if not found.loads:
+                        continue
+                    param = found.param
+                    assert param is not None
                     shape = list(f.get_slice(name).get_shape())
                     if tensor_parallel is not None:
                         shape = list(tensor_parallel.shard(
@@ -126,7 +128,7 @@ def refit_from_disk(model: LlamaForCausalLM, model_path: str, restore_from: str 
 def weights_digest(model: LlamaForCausalLM) -> str:
     """SHA-256 over every parameter's name, dtype, shape and bytes, in name order."""
     digest = hashlib.sha256()
-    for name, param in sorted(model.named_parameters(remove_duplicate=False)):
+    for name, param in sorted(model_parameters(model).items()):
         data = param.detach().to("cpu").contiguous()
         digest.update(f"{name}|{data.dtype}|{list(data.shape)}\n".encode())
         digest.update(data.view(torch.uint8).numpy().tobytes())
@@ -136,11 +138,13 @@ def weights_digest(model: LlamaForCausalLM) -> str:
 def weight_values(model: LlamaForCausalLM, name: str, truncate_size: int) -> tuple[list[int], list[float]]:
     """(shape, first ``truncate_size`` values of the flattened parameter) as floats.
 
-    KeyError when the model has no parameter of that name.
+    ``name`` resolves as every by-name path resolves it (model/weight_names.py): the LM head
+    of a tied model answers with the embedding. :class:`UnknownWeightName` (a KeyError)
+    when it names no parameter.
     """
-    params = dict(model.named_parameters(remove_duplicate=False))
-    if name not in params:
-        raise KeyError(name)
-    param = params[name].detach()
+    found = resolve(model, name)
+    if found.param is None:
+        raise UnknownWeightName(name)  # a computed buffer, not a weight
+    param = found.param.detach()
     flat = param.reshape(-1)[: max(truncate_size, 0)]
     return list(param.shape), flat.to("cpu", torch.float32).tolist()

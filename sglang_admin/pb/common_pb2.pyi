@@ -487,7 +487,7 @@ class GetServerInfoResponse(_message.Message):
     def __init__(self, server_args: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., scheduler_info: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., active_requests: _Optional[int] = ..., is_paused: _Optional[bool] = ..., last_receive_timestamp: _Optional[float] = ..., uptime_seconds: _Optional[float] = ..., sglang_version: _Optional[str] = ..., server_type: _Optional[str] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., max_total_num_tokens: _Optional[int] = ..., rank_states: _Optional[_Iterable[_Union[RankState, _Mapping]]] = ...) -> None: ...
 
 class RankState(_message.Message):
-    __slots__ = ("dp_rank", "num_running_reqs", "num_waiting_reqs", "token_capacity", "num_used_tokens", "num_evictable_tokens", "cache_hit_rate", "gen_throughput", "profiler_state", "last_step_time_s", "forward_steps", "device", "pid", "flush_pending", "state_age_s")
+    __slots__ = ("dp_rank", "num_running_reqs", "num_waiting_reqs", "token_capacity", "num_used_tokens", "num_evictable_tokens", "cache_hit_rate", "gen_throughput", "profiler_state", "last_step_time_s", "forward_steps", "device", "pid", "flush_pending", "state_age_s", "num_free_tokens")
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_REQS_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_REQS_FIELD_NUMBER: _ClassVar[int]
@@ -503,6 +503,7 @@ class RankState(_message.Message):
     PID_FIELD_NUMBER: _ClassVar[int]
     FLUSH_PENDING_FIELD_NUMBER: _ClassVar[int]
     STATE_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     dp_rank: int
     num_running_reqs: int
     num_waiting_reqs: int
@@ -518,7 +519,8 @@ class RankState(_message.Message):
     pid: int
     flush_pending: bool
     state_age_s: float
-    def __init__(self, dp_rank: _Optional[int] = ..., num_running_reqs: _Optional[int] = ..., num_waiting_reqs: _Optional[int] = ..., token_capacity: _Optional[int] = ..., num_used_tokens: _Optional[int] = ..., num_evictable_tokens: _Optional[int] = ..., cache_hit_rate: _Optional[float] = ..., gen_throughput: _Optional[float] = ..., profiler_state: _Optional[str] = ..., last_step_time_s: _Optional[float] = ..., forward_steps: _Optional[int] = ..., device: _Optional[str] = ..., pid: _Optional[int] = ..., flush_pending: _Optional[bool] = ..., state_age_s: _Optional[float] = ...) -> None: ...
+    num_free_tokens: int
+    def __init__(self, dp_rank: _Optional[int] = ..., num_running_reqs: _Optional[int] = ..., num_waiting_reqs: _Optional[int] = ..., token_capacity: _Optional[int] = ..., num_used_tokens: _Optional[int] = ..., num_evictable_tokens: _Optional[int] = ..., cache_hit_rate: _Optional[float] = ..., gen_throughput: _Optional[float] = ..., profiler_state: _Optional[str] = ..., last_step_time_s: _Optional[float] = ..., forward_steps: _Optional[int] = ..., device: _Optional[str] = ..., pid: _Optional[int] = ..., flush_pending: _Optional[bool] = ..., state_age_s: _Optional[float] = ..., num_free_tokens: _Optional[int] = ...) -> None: ...
 
 class GetLoadsRequest(_message.Message):
     __slots__ = ("dp_rank", "include")
@@ -543,7 +545,7 @@ class GetLoadsResponse(_message.Message):
     def __init__(self, timestamp: _Optional[str] = ..., version: _Optional[str] = ..., dp_rank_count: _Optional[int] = ..., loads: _Optional[_Iterable[_Union[SchedulerLoad, _Mapping]]] = ..., aggregate: _Optional[_Union[AggregateMetrics, _Mapping]] = ...) -> None: ...
 
 class SchedulerLoad(_message.Message):
-    __slots__ = ("dp_rank", "num_running_reqs", "num_waiting_reqs", "num_total_reqs", "num_used_tokens", "max_total_num_tokens", "token_usage", "gen_throughput", "cache_hit_rate", "utilization", "max_running_requests", "num_waiting_uncached_tokens", "memory", "speculative", "lora", "disaggregation", "queues", "state_age_s")
+    __slots__ = ("dp_rank", "num_running_reqs", "num_waiting_reqs", "num_total_reqs", "num_used_tokens", "max_total_num_tokens", "token_usage", "gen_throughput", "cache_hit_rate", "utilization", "max_running_requests", "num_waiting_uncached_tokens", "memory", "speculative", "lora", "disaggregation", "queues", "state_age_s", "num_evictable_tokens", "num_free_tokens")
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_REQS_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_REQS_FIELD_NUMBER: _ClassVar[int]
@@ -562,6 +564,8 @@ class SchedulerLoad(_message.Message):
     DISAGGREGATION_FIELD_NUMBER: _ClassVar[int]
     QUEUES_FIELD_NUMBER: _ClassVar[int]
     STATE_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    NUM_EVICTABLE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     dp_rank: int
     num_running_reqs: int
     num_waiting_reqs: int
@@ -580,7 +584,9 @@ class SchedulerLoad(_message.Message):
     disaggregation: DisaggregationMetrics
     queues: QueueMetrics
     state_age_s: float
-    def __init__(self, dp_rank: _Optional[int] = ..., num_running_reqs: _Optional[int] = ..., num_waiting_reqs: _Optional[int] = ..., num_total_reqs: _Optional[int] = ..., num_used_tokens: _Optional[int] = ..., max_total_num_tokens: _Optional[int] = ..., token_usage: _Optional[float] = ..., gen_throughput: _Optional[float] = ..., cache_hit_rate: _Optional[float] = ..., utilization: _Optional[float] = ..., max_running_requests: _Optional[int] = ..., num_waiting_uncached_tokens: _Optional[int] = ..., memory: _Optional[_Union[MemoryMetrics, _Mapping]] = ..., speculative: _Optional[_Union[SpeculativeMetrics, _Mapping]] = ..., lora: _Optional[_Union[LoRAMetrics, _Mapping]] = ..., disaggregation: _Optional[_Union[DisaggregationMetrics, _Mapping]] = ..., queues: _Optional[_Union[QueueMetrics, _Mapping]] = ..., state_age_s: _Optional[float] = ...) -> None: ...
+    num_evictable_tokens: int
+    num_free_tokens: int
+    def __init__(self, dp_rank: _Optional[int] = ..., num_running_reqs: _Optional[int] = ..., num_waiting_reqs: _Optional[int] = ..., num_total_reqs: _Optional[int] = ..., num_used_tokens: _Optional[int] = ..., max_total_num_tokens: _Optional[int] = ..., token_usage: _Optional[float] = ..., gen_throughput: _Optional[float] = ..., cache_hit_rate: _Optional[float] = ..., utilization: _Optional[float] = ..., max_running_requests: _Optional[int] = ..., num_waiting_uncached_tokens: _Optional[int] = ..., memory: _Optional[_Union[MemoryMetrics, _Mapping]] = ..., speculative: _Optional[_Union[SpeculativeMetrics, _Mapping]] = ..., lora: _Optional[_Union[LoRAMetrics, _Mapping]] = ..., disaggregation: _Optional[_Union[DisaggregationMetrics, _Mapping]] = ..., queues: _Optional[_Union[QueueMetrics, _Mapping]] = ..., state_age_s: _Optional[float] = ..., num_evictable_tokens: _Optional[int] = ..., num_free_tokens: _Optional[int] = ...) -> None: ...
 
 class MemoryMetrics(_message.Message):
     __slots__ = ("weight_gb", "kv_cache_gb", "graph_gb", "token_capacity")

@@ -28,8 +28,9 @@ def on_generate(rank: Rank, msg: GenerateReq) -> None:
     trace_id = trace_id_of(msg.trace)
     if rank.args.log_requests:
         logger.info(
-            "generate rid=%s prompt_tokens=%d max_new_tokens=%d%s",
-            msg.rid, len(msg.input_ids), msg.sampling.max_new_tokens,
+            "%s rid=%s prompt_tokens=%d max_new_tokens=%d%s",
+            "embed" if msg.embed else "generate", msg.rid, len(msg.input_ids),
+            msg.sampling.max_new_tokens,
             f" trace_id={trace_id}" if trace_id else "",
         )
     if trace_id:

@@ -70,7 +70,7 @@ def on_load(rank: Rank, msg: LoadLoraReq) -> None:
         _fail(rank, msg, LORA_NOT_ENABLED, "FAILED_PRECONDITION")
         return
     try:
-        slot, evict = registry.plan_load(msg.lora_id, msg.lora_name)
+        slot, evict = registry.plan_load(msg.lora_id, msg.lora_name, msg.pinned)
     except ValueError as exc:
         code = "ALREADY_EXISTS" if "already loaded" in str(exc) else "RESOURCE_EXHAUSTED"
         _fail(rank, msg, str(exc), code)

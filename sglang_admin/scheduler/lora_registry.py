@@ -8,7 +8,8 @@ under an adapter unloaded and loaded again with other weights) never share KV.
 A request acquires its adapter when it is queued and releases it when it ends. An adapter
 in use is never evicted; an unload of it waits (new requests for it are refused meanwhile)
 and completes when its last user ends. Loading into a full registry evicts the least
-recently used adapter that is neither pinned nor in use.
+recently used adapter that is neither pinned nor in use. As in SGLang, pinned adapters may
+take every slot but one, so unpinned adapters always have a slot to take turns in.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ def cache_key(tokens: list[int], namespace: int) -> list[int]:
         return tokens
     high = namespace << LORA_NAMESPACE_SHIFT
     return [t | high for t in tokens]
+
+
+class PinRefused(ValueError):
+    """A pinned load that would leave no slot for unpinned adapters (SGLang's starvation rule)."""
 
 
 class LoraUnavailable(Exception):
@@ -74,6 +79,11 @@ class LoraRegistry:
     def used(self) -> int:
         return len(self.by_id)
 
+    @property
+    def pinned(self) -> int:
+        """How many loaded adapters are pinned."""
+        return sum(1 for a in self.by_id.values() if a.pinned)
+
     # ------------------------------------------------------------------ requests
 
     def acquire(self, lora_id: str) -> Adapter:
@@ -100,16 +110,26 @@ class LoraRegistry:
 
     # ------------------------------------------------------------------ load / unload
 
-    def plan_load(self, lora_id: str, lora_name: str) -> tuple[int, list[Adapter]]:
+    def plan_load(self, lora_id: str, lora_name: str, pinned: bool = False
+                  ) -> tuple[int, list[Adapter]]:
         """The slot a new adapter goes to and the adapters to evict first (in LRU order).
 
-        Raises ValueError when the id or name is taken, or when every slot holds a pinned
-        or busy adapter.
+        Raises ValueError when the id or name is taken, when every slot holds a pinned
+        or busy adapter, and :class:`PinRefused` when a pinned adapter would leave no slot
+        for unpinned ones.
         """
         if lora_id in self.by_id:
             raise ValueError(f"lora_id {lora_id!r} is already loaded")
         if any(a.lora_name == lora_name for a in self.by_id.values()):
             raise ValueError(f"an adapter named {lora_name!r} is already loaded")
+        if pinned and self.pinned + 1 >= self.slots:
+            raise PinRefused(
+                f"Failed to load LoRA adapter {lora_name} as a pinned adapter. It is not "
+                "allowed to pin all slots in the LoRA memory pool to avoid starvation for "
+                "unpinned adapters and base models. Please increase your `--max-loaded-loras` "
+                "or load it as unpinned LoRA adapters."
+                f" ({self.pinned} of {self.slots} slots hold pinned adapters)"
+            )
         taken = {a.slot for a in self.by_id.values()}
         free = [s for s in range(self.slots) if s not in taken]
         if free:

@@ -22,11 +22,15 @@ class StepExtras(Protocol):
     input_logprobs: list[tuple[int, float | None, TopList]] | None  # (prompt pos, lp, top)
     token_ids_logprobs: TopList | None
     hidden_state: list[float] | None
+    embedding: list[float] | None  # an Embed request's vector (issue 32)
 
 
 def absorb_prompt(req: Any, extra: StepExtras | None) -> None:
     """Keep the input logprobs of prompt positions not seen yet (a retracted request
-    recomputes positions it already reported: those are skipped)."""
+    recomputes positions it already reported: those are skipped), and an Embed request's
+    vector."""
+    if extra is not None and extra.embedding is not None and req.embed is not None:
+        req.embed.vector = extra.embedding
     if extra is None or not extra.input_logprobs or req.logprob_start_len < 0:
         return
     for pos, value, top in extra.input_logprobs:
@@ -52,6 +56,8 @@ def attach(req: Any, out: ReqOutput, final: bool) -> None:
     out.token_ids_logprobs = req.token_ids_logprobs[start:]
     out.hidden_states = req.hidden_states[start:]
     req.sent_extras = max(len(req.token_ids_logprobs), len(req.hidden_states))
+    if final and req.embed is not None and req.embed.vector is not None:
+        out.embedding = req.embed.vector
     if final:
         out.input_logprobs = list(req.input_logprobs)
         out.input_top_logprobs = list(req.input_top_logprobs)

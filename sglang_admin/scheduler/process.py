@@ -153,6 +153,7 @@ def batch_inputs(batch: Batch) -> list[SeqInput]:
             # prompt logprobs only while the span still covers prompt tokens
             req.logprob_start_len if start < len(prompt) else -1,
             req.token_ids_logprob, req.return_hidden_states, req.grammar, req.argmax_from,
+            req.embed,  # issue 32: an Embed request's pooling progress
         ))
     return inputs
 
@@ -203,6 +204,7 @@ class RankLoop:
             attention_backend=args.attention_backend,
             gpu_index=args.gpu_index(rank * args.tp_size),  # TP rank 0's GPU at tp > 1
             mem_fraction_static=args.mem_fraction_static,
+            is_embedding=args.is_embedding,
             tensor_parallel=self.tensor_parallel,
         )
         if self.tensor_parallel is not None:
@@ -220,6 +222,7 @@ class RankLoop:
                 max_prefill_tokens=args.max_prefill_tokens,
                 context_length=info.context_length,
                 eos_token_ids=tuple(info.eos_token_ids),
+                pools_every_token=info.pooling in ("CLS", "MEAN"),
             ),
             on_kv_event=self.kv_events.append,
             grammar_queue=grammar_queue_for(args, info),
@@ -272,6 +275,7 @@ class RankLoop:
             token_capacity=s.allocator.capacity,
             num_used_tokens=s.num_used_tokens,
             num_evictable_tokens=s.cache.evictable_size,
+            num_free_tokens=s.num_free_tokens,
             cache_hit_rate=s.cache_hit_rate,
             gen_throughput=s.gen_throughput(),
             profiler_state=self.profiler.reported_state,
@@ -296,7 +300,8 @@ class RankLoop:
 
     def publish_state(self, force: bool = False) -> None:
         s = self.scheduler
-        key = (len(s.running), len(s.waiting), s.num_used_tokens, self.profiler.reported_state,
+        key = (len(s.running), len(s.waiting), s.num_used_tokens, s.num_free_tokens,
+               self.profiler.reported_state,
                self.quiesce.pending, s.paused, s.num_grammar_queue_reqs)
         now = time.monotonic()
         # The key fields are checked now (published below if they changed): the heartbeat

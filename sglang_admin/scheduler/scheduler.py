@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from sglang_admin.messages import ARGMAX_NEVER, GenerateReq, ReqOutput, SamplingParams
 from sglang_admin.scheduler import output_extras
+from sglang_admin.scheduler.embedding import EmbedProgress, reusable_prefix
 from sglang_admin.scheduler.grammar import GrammarQueue, GrammarState
 from sglang_admin.scheduler.kv_pool import TokenAllocator
 from sglang_admin.scheduler.lora_registry import LoraRegistry, LoraUnavailable, cache_key
@@ -74,6 +75,7 @@ class Req:
     token_ids_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     hidden_states: list[list[float]] = field(default_factory=list)
     sent_extras: int = 0
+    embed: EmbedProgress | None = None  # issue 32: an Embed request's pooling
 
     grammar: GrammarState | None = None  # its own matcher, when constrained (n > 1: fork())
     # from this output length on its token is the logits' argmax alone (model/step_io.py's
@@ -147,6 +149,7 @@ class SchedulerConfig:
     context_length: int
     eos_token_ids: tuple[int, ...]
     disable_radix_cache: bool = False
+    pools_every_token: bool = False  # an embedding model pooling CLS or MEAN (issue 32)
 
 
 class Scheduler:
@@ -189,7 +192,16 @@ class Scheduler:
 
     @property
     def num_used_tokens(self) -> int:
-        return self.allocator.capacity - self.allocator.available
+        """KV slots held by requests (running, or forked samples waiting for their parent):
+        the pool less what is free and what the prefix cache may evict, as SGLang's
+        ``max_total_num_tokens - (available + evictable)``. 0 on an idle rank, however warm
+        its cache."""
+        return self.allocator.capacity - self.allocator.available - self.cache.evictable_size
+
+    @property
+    def num_free_tokens(self) -> int:
+        """KV slots nobody holds: neither a request nor the prefix cache."""
+        return self.allocator.available
 
     @property
     def cache_hit_rate(self) -> float:
@@ -260,6 +272,7 @@ class Scheduler:
                 logprob_start_len=msg.logprob_start_len if index == 0 else -1,
                 token_ids_logprob=msg.token_ids_logprob,
                 return_hidden_states=msg.return_hidden_states,
+                embed=EmbedProgress() if msg.embed else None,
             )
             samples.append(req)
         if msg.lora_id and not self._acquire_lora(samples, msg.lora_id):
@@ -364,8 +377,9 @@ class Scheduler:
         """Stop generation as SGLang's pause_generation; the requests it touched.
 
         ``abort``: every request in flight ends with "abort". ``retract``: running
-        requests go back to the head of the queue, their KV handed to the prefix cache (so
-        a flush can run; they recompute after :meth:`resume`). ``in_place``: running
+        requests go back to the head of the queue and their KV is freed (their prompt's
+        prefix stays cached, unlocked, so a flush can run; they recompute the rest after
+        :meth:`resume`). ``in_place``: running
         requests stay, KV and all, and simply take no step. In every mode nothing is
         admitted or stepped until :meth:`resume`; deadlines and aborts still apply.
         """
@@ -474,7 +488,7 @@ class Scheduler:
         """Match the cached prefix, lock it and give the request a table row."""
         seq = req.fill_ids
         match = self.cache.match_prefix(cache_key(seq[:-1], req.lora_ns))
-        reuse = len(match.slots)
+        reuse = reusable_prefix(req.embed, len(match.slots), self.config.pools_every_token)
         if req.logprob_start_len >= 0 and not req.output_ids:
             # prompt logprobs need the logits from position logprob_start_len - 1 on
             reuse = min(reuse, max(req.logprob_start_len - 1, 0))
@@ -684,12 +698,14 @@ class Scheduler:
         if group is not None and all(r.done for r in group):
             del self.groups[req.rid]
 
-    def _release(self, req: Req) -> None:
-        """Hand the computed KV to the radix cache, free the rest, unlock, free the row."""
+    def _release(self, req: Req, keep: bool = True) -> None:
+        """Hand the computed KV to the radix cache (``keep``; else free it, as SGLang's
+        ``release_kv_cache(is_insert=False)``), free the rest, unlock, free the row. What
+        the tree held before (the prefix the request matched or shared) stays cached."""
         kv = req.kv_len
         seq = req.fill_ids[:kv]
         computed = req.slots[:kv]
-        if self.cache.disable:
+        if self.cache.disable or not keep:
             self.allocator.free(req.slots[req.cached_len :])
         else:
             already = self.cache.insert(cache_key(seq, req.lora_ns), computed)
@@ -728,9 +744,12 @@ class Scheduler:
         req.cached_len = kv
 
     def _retract(self, req: Req) -> None:
-        """Put a running request back at the head of the queue; its KV stays cached."""
+        """Put a running request back at the head of the queue and free its KV, as SGLang's
+        retract: the slots only it held go back to the pool, and the prefix it shares with
+        the tree (its prompt, once prefilled) is unlocked, so the cache may evict it. It
+        recomputes the rest when it is admitted again."""
         logger.info("retracting %s to free KV memory", req.rid)
-        self._release(req)
+        self._release(req, keep=False)
         self.running.remove(req)
         req.retractions += 1
         self.num_retracted += 1

@@ -115,6 +115,7 @@ def build_runner(args: ServerArgs, dp_rank: int, tp_rank: int,
         attention_backend=args.attention_backend,
         gpu_index=gpu_index(args, dp_rank, tp_rank),
         mem_fraction_static=args.mem_fraction_static,
+        is_embedding=args.is_embedding,
         tensor_parallel=tensor_parallel,
     )
 

@@ -9,8 +9,9 @@ with FAILED_PRECONDITION until a refit succeeds. model_path and the version chan
 success; the prefix cache is flushed after a load when asked, since its KV was computed
 with the old weights.
 
-Memory release needs an idle rank; while anything is released, admission is held (new
-requests wait, as while paused). Resuming the weights reloads them from the checkpoint they
+Releasing a tag that is already released, or resuming one that is not, is refused as SGLang
+refuses it, before anything moves (scheduler/memory_tags.py). Memory release needs an idle
+rank; while anything is released, admission is held (new requests wait, as while paused). Resuming the weights reloads them from the checkpoint they
 came from and checks them against the digest taken at release, so the worker serves exactly
 what it served before; weights that came from no checkpoint, or whose checkpoint changed
 meanwhile, cannot be restored, and the rank refuses Generate until weights are pushed.
@@ -23,6 +24,7 @@ import os
 import time
 from typing import Any
 
+from sglang_admin.constants import MEMORY_TAGS
 from sglang_admin.messages import (
     CheckWeightsReq,
     DigestResult,
@@ -36,6 +38,8 @@ from sglang_admin.messages import (
     WeightValues,
 )
 from sglang_admin.model.loader import iter_checkpoint, load_weights
+from sglang_admin.model.runner import ResumeOutOfMemory
+from sglang_admin.model.weight_names import UnknownWeightName
 from sglang_admin.model.weights import (
     RefitError,
     refit_from_disk,
@@ -45,6 +49,7 @@ from sglang_admin.model.weights import (
 from sglang_admin.scheduler.cache_control import flush_now
 from sglang_admin.scheduler.control import Rank
 from sglang_admin.scheduler.generation_control import WEIGHTS_INVALID
+from sglang_admin.scheduler.memory_tags import release_refusal, resume_refusal
 
 logger = logging.getLogger(__name__)
 
@@ -134,8 +139,8 @@ def on_get_weights(rank: Rank, msg: GetWeightsReq) -> None:
         return
     try:
         shape, values = weight_values(rank.runner.model, msg.name, msg.truncate_size)
-    except KeyError:
-        rank.reply(msg, False, f"the model has no parameter named {msg.name!r}")
+    except UnknownWeightName as exc:
+        rank.reply(msg, False, str(exc))
         return
     rank.reply(msg, True, "", WeightValues(shape, values))
 
@@ -147,8 +152,19 @@ def on_check_weights(rank: Rank, msg: CheckWeightsReq) -> None:
     rank.reply(msg, True, "", DigestResult(weights_digest(rank.runner.model)))
 
 
+def released_tags(rank: Rank) -> set[str]:
+    """The memory tags this rank holds released now."""
+    runner = rank.runner
+    flags = {"kv_cache": runner.kv_cache_released, "weights": runner.weights_released}
+    return {tag for tag in MEMORY_TAGS if flags[tag]}
+
+
 def on_release_memory(rank: Rank, msg: ReleaseMemoryReq) -> None:
     s = rank.scheduler
+    refusal = release_refusal(released_tags(rank), msg.tags)
+    if refusal is not None:
+        rank.reply(msg, False, refusal)
+        return
     busy = rank.weight_sync.busy()
     if busy is not None:
         rank.reply(msg, False, busy)
@@ -175,11 +191,23 @@ def on_release_memory(rank: Rank, msg: ReleaseMemoryReq) -> None:
 
 def on_resume_memory(rank: Rank, msg: ResumeMemoryReq) -> None:
     runner = rank.runner
+    refusal = resume_refusal(released_tags(rank), msg.tags)
+    if refusal is not None:
+        rank.reply(msg, False, refusal)
+        return
     text = "memory resumed"
-    if "kv_cache" in msg.tags:
-        runner.resume_kv_cache()
-    if "weights" in msg.tags and runner.weights_released:
-        runner.resume_weights()
+    weights_back = "weights" in msg.tags and runner.weights_released
+    try:
+        if "kv_cache" in msg.tags:
+            runner.resume_kv_cache()
+        if weights_back:
+            runner.resume_weights()
+    except ResumeOutOfMemory as exc:  # what did not fit stays released; the rank serves on
+        logger.warning("rank %d: %s", rank.rank, exc)
+        rank.reply(msg, False, str(exc))
+        _lift_if_whole(rank)
+        return
+    if weights_back:
         source, expected = rank.weights_source, rank.released_digest
         rank.released_digest = None
         if source is None:

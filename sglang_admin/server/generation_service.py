@@ -20,6 +20,7 @@ from sglang_admin.server.convert import (
     generate_from_proto,
     invalid,
 )
+from sglang_admin.server.embedding_service import refuse_generate
 from sglang_admin.server.generation_features import FeatureError, stream_interval_of
 from sglang_admin.server.sample_streams import SampleStreams
 from sglang_admin.server.stream_buffer import StreamOverflow
@@ -67,6 +68,7 @@ class Generation:
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         self.admin.require_ready()
+        refuse_generate(self.args, self.comm.model_info)  # an embedding model (issue 32)
         rid = request.request_id or uuid.uuid4().hex
         if self.comm.is_inflight(rid):
             raise ServiceError(

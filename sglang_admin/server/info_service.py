@@ -4,6 +4,7 @@ SubscribeKvEvents."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -80,7 +81,9 @@ class Info:
         return pb.GetModelInfoResponse(
             model_path=info.model_path,
             tokenizer_path=tokenizer_dir(self.args.tokenizer_path, info.tokenizer_path) or "",
-            is_generation=True,
+            is_generation=info.is_generation,
+            num_labels=info.num_labels,
+            id2label_json=json.dumps(info.id2label) if info.id2label else "",
             weight_version=info.weight_version,
             served_model_name=self.served_model_name,
             max_context_length=info.context_length,
@@ -110,7 +113,7 @@ class Info:
             context_length=info.context_length,
             max_total_tokens=info.token_capacity,
             disaggregation_mode="null",
-            is_embedding=False,
+            is_embedding=not info.is_generation,
             vocab_size=info.vocab_size,
             weight_version=info.weight_version,
             device=info.device,
@@ -136,7 +139,7 @@ class Info:
                     "max_running_requests": self.args.max_running_requests,
                     "max_req_input_len": info.context_length - 1,
                     "context_length": info.context_length,
-                    "is_generation": True,
+                    "is_generation": info.is_generation,
                     "dp_size": self.args.dp_size,
                     "tp_size": self.args.tp_size,
                     "model": dataclasses.asdict(info),
@@ -275,6 +278,7 @@ def _rank_state_proto(s: RankState, age: float) -> pb.RankState:
         token_capacity=s.token_capacity,
         num_used_tokens=s.num_used_tokens,
         num_evictable_tokens=s.num_evictable_tokens,
+        num_free_tokens=s.num_free_tokens,
         cache_hit_rate=s.cache_hit_rate,
         gen_throughput=s.gen_throughput,
         profiler_state=s.profiler_state,
@@ -289,7 +293,6 @@ def _rank_state_proto(s: RankState, age: float) -> pb.RankState:
 
 def _load_proto(s: RankState, include: set[str], age: float) -> pb.SchedulerLoad:
     capacity = max(s.token_capacity, 1)
-    active = s.num_used_tokens - s.num_evictable_tokens
     load = pb.SchedulerLoad(
         dp_rank=s.dp_rank,
         num_running_reqs=s.num_running_reqs,
@@ -300,10 +303,12 @@ def _load_proto(s: RankState, include: set[str], age: float) -> pb.SchedulerLoad
         token_usage=s.num_used_tokens / capacity,
         gen_throughput=s.gen_throughput,
         cache_hit_rate=s.cache_hit_rate,
-        utilization=max(active, 0) / capacity,
+        utilization=s.num_used_tokens / capacity,
         max_running_requests=s.max_running_requests,
         num_waiting_uncached_tokens=s.num_waiting_uncached_tokens,
         state_age_s=age,
+        num_evictable_tokens=s.num_evictable_tokens,
+        num_free_tokens=s.num_free_tokens,
     )
     if "memory" in include:
         load.memory.CopyFrom(

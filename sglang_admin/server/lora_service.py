@@ -3,7 +3,8 @@
 Each fans out to every rank (scheduler/lora_control.py does the work there), with one
 result per rank. The caller mints ``lora_id``; ``GenerateRequest.lora_id`` then selects the
 adapter. A failure that every rank reports alike becomes the call's status (the adapter does
-not fit the base model: INVALID_ARGUMENT; every slot pinned or busy: RESOURCE_EXHAUSTED;
+not fit the base model: INVALID_ARGUMENT; every slot pinned or busy, or a pinned load
+that would pin the last slot: RESOURCE_EXHAUSTED;
 unknown adapter: NOT_FOUND; id taken: ALREADY_EXISTS); a failure on some ranks only is an
 unsuccessful response whose rank results say which.
 """

@@ -61,7 +61,7 @@ RANK_GAUGES: tuple[tuple[str, str, Callable[[RankState], float]], ...] = (
      lambda s: s.num_waiting_reqs),
     ("num_grammar_queue_reqs", "The number of requests in the grammar waiting queue.",
      lambda s: s.num_grammar_queue_reqs),
-    ("num_used_tokens", "The number of used tokens (KV pool).",
+    ("num_used_tokens", "The number of KV tokens held by requests (not the evictable cache).",
      lambda s: s.num_used_tokens),
     ("token_usage", "The token usage (used / capacity of the KV pool).",
      lambda s: s.num_used_tokens / max(s.token_capacity, 1)),

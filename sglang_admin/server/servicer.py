@@ -3,14 +3,13 @@
 Each RPC is a few lines that hand the call to its domain: generation (Generate, Abort,
 pause), info (health, model, server, loads, tokenizer, KV events), cache and profile,
 weights (from disk), weight sync (from a trainer's process group or shared memory), LoRA
-adapters, metrics. Admin RPCs are marked :func:`~sglang_admin.server.admin.admin_rpc`; the auth
-interceptor reads the mark (with ``--admin-api-key`` only that key opens them).
+adapters, metrics, embedding (Embed). Admin RPCs are marked
+:func:`~sglang_admin.server.admin.admin_rpc`; the auth interceptor reads the mark (with ``--admin-api-key`` only that key opens them).
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
 
 import grpc
 
@@ -21,7 +20,7 @@ from sglang_admin.server.admin import AdminCalls, admin_rpc
 from sglang_admin.server.admission import GenerateAdmission
 from sglang_admin.server.cache_profile_service import CacheAndProfile
 from sglang_admin.server.communicator import Communicator
-from sglang_admin.server.convert import ServiceError
+from sglang_admin.server.embedding_service import Embedding
 from sglang_admin.server.generation_service import Generation
 from sglang_admin.server.info_service import Info
 from sglang_admin.server.lora_service import Lora
@@ -37,6 +36,7 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
     def __init__(self, args: ServerArgs, comm: Communicator) -> None:
         self.admin = AdminCalls(args, comm)
         self.generation = Generation(args, comm, self.admin)
+        self.embedding = Embedding(args, comm, self.admin)
         self.admission = GenerateAdmission(
             args, lambda: comm.model_info.token_capacity if comm.model_info else 0)
         self.info = Info(args, comm, self.admin)
@@ -204,11 +204,11 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
     ) -> pb.UpdateWeightsResponse:
         return await self.weight_sync.update_from_tensor(request, context)
 
-    # ------------------------------------------------------------------ not served
+    # ------------------------------------------------------------------ embedding
 
-    async def Embed(self, request: pb.EmbedRequest, context: Context) -> Any:
-        raise ServiceError(grpc.StatusCode.UNIMPLEMENTED,
-                           "Embed: this worker serves a generation model only")
+    async def Embed(self, request: pb.EmbedRequest, context: Context) -> pb.EmbedResponse:
+        """One vector (embedding model) or score logits (classifier) for tokenized input."""
+        return await self.embedding.embed(request, context)
 
     # ------------------------------------------------------------------ LoRA adapters
 

@@ -255,7 +255,7 @@ def test_fan_out_skips_a_missing_rpc_and_caches_reflection(
     asyncio.run(run())
 
 
-def test_fan_out_reports_unimplemented_per_target(servers: tuple[ServerProc, ServerProc]) -> None:
+def test_fan_out_reports_a_refusal_per_target(servers: tuple[ServerProc, ServerProc]) -> None:
     a, b = servers
 
     async def embed(client: AsyncClient) -> pb.EmbedResponse:
@@ -264,7 +264,8 @@ def test_fan_out_reports_unimplemented_per_target(servers: tuple[ServerProc, Ser
     results = asyncio.run(
         fan_out([a.target, b.target], embed, "SglangScheduler/Embed", api_key=KEY, timeout=30)
     )
-    assert [r.code for r in results] == ["UNIMPLEMENTED", "UNIMPLEMENTED"]
+    # Embed on a generation model: refused by each target
+    assert [r.code for r in results] == ["FAILED_PRECONDITION", "FAILED_PRECONDITION"]
     assert all(r.error for r in results)
 
 

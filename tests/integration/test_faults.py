@@ -60,7 +60,7 @@ def held_kv(stub: pb_grpc.SglangSchedulerStub) -> tuple[int, int, int]:
     """(KV tokens held by requests, running, waiting), summed over ranks."""
     info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
     return (
-        sum(s.num_used_tokens - s.num_evictable_tokens for s in info.rank_states),
+        sum(s.num_used_tokens for s in info.rank_states),
         sum(s.num_running_reqs for s in info.rank_states),
         sum(s.num_waiting_reqs for s in info.rank_states),
     )

@@ -17,9 +17,10 @@ from tests.conftest import ServerProc, greedy, run_generate, start_server
 
 
 def kv_in_use(stub) -> int:
-    """KV tokens held by requests (used minus cached-but-evictable), summed over ranks."""
+    """KV tokens held by requests (num_used_tokens: cached-but-evictable ones excluded),
+    summed over ranks."""
     info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
-    return sum(s.num_used_tokens - s.num_evictable_tokens for s in info.rank_states)
+    return sum(s.num_used_tokens for s in info.rank_states)
 
 
 def test_health_reflection_names_and_model_info(server: ServerProc) -> None:
@@ -196,9 +197,10 @@ def test_unsupported_features_are_refused_by_name(server: ServerProc) -> None:
             run_generate(stub, req, timeout=10)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert needle in err.value.details()
-    with pytest.raises(grpc.RpcError) as err:
+    with pytest.raises(grpc.RpcError) as err:  # a generation model (docs/embed.md)
         stub.Embed(pb.EmbedRequest(), timeout=10)
-    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "--is-embedding" in err.value.details()
     # Still serving.
     assert len(run_generate(stub, greedy([1, 2], 3), timeout=30)[0]) == 3
 

@@ -7,7 +7,12 @@ import pytest
 
 from sglang_admin.messages import GenerateReq, SamplingParams
 from sglang_admin.scheduler.kv_pool import TokenAllocator
-from sglang_admin.scheduler.lora_registry import LoraRegistry, LoraUnavailable, cache_key
+from sglang_admin.scheduler.lora_registry import (
+    LoraRegistry,
+    LoraUnavailable,
+    PinRefused,
+    cache_key,
+)
 from sglang_admin.scheduler.radix_cache import RadixCache
 from sglang_admin.server.kv_events import RankBlockIndex
 from tests.unit.test_scheduler import assert_no_leak, drive, make, req
@@ -19,7 +24,7 @@ def _registry(slots: int = 2) -> tuple[LoraRegistry, list[int]]:
 
 
 def _load(reg: LoraRegistry, lora_id: str, pinned: bool = False) -> None:
-    slot, evict = reg.plan_load(lora_id, lora_id)
+    slot, evict = reg.plan_load(lora_id, lora_id, pinned)
     reg.evict(evict)
     reg.add(lora_id, lora_id, f"/{lora_id}", pinned, slot)
 
@@ -131,3 +136,23 @@ def test_parallel_samples_each_hold_the_adapter_and_share_its_prefix() -> None:
                                   n=2))
     assert [o.error_code for o in sched.take_outputs()] == ["INVALID_ARGUMENT"]
     assert reg.find("a").users == 0 and sched.is_idle
+
+
+
+def test_pinning_is_refused_when_it_would_leave_no_unpinned_slot() -> None:
+    """SGLang's rule: pinned adapters may take every slot but one, so unpinned adapters (and
+    requests of the base model mixed with them) never starve."""
+    reg, _ = _registry(slots=3)
+    _load(reg, "p1", pinned=True)
+    _load(reg, "u", pinned=False)
+    _load(reg, "p2", pinned=True)  # two of three slots pinned: one left for unpinned ones
+    with pytest.raises(PinRefused) as err:
+        reg.plan_load("p3", "p3", pinned=True)
+    assert "It is not allowed to pin all slots" in str(err.value)
+    assert "starvation" in str(err.value) and "--max-loaded-loras" in str(err.value)
+    assert sorted(a.lora_id for a in reg.adapters()) == ["p1", "p2", "u"]  # nothing moved
+    slot, evict = reg.plan_load("u2", "u2")  # unpinned: takes the unpinned one's turn
+    assert [a.lora_id for a in evict] == ["u"] and slot == reg.find("u").slot
+    one, _ = _registry(slots=1)
+    with pytest.raises(PinRefused):  # one slot: nothing may be pinned
+        one.plan_load("p", "p", pinned=True)

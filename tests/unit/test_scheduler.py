@@ -103,7 +103,8 @@ def assert_no_leak(sched: Scheduler) -> None:
     assert sched.is_idle
     assert sched.cache.protected_size == 0
     assert sched.allocator.available + sched.cache.total_size() == sched.allocator.capacity
-    assert sched.num_used_tokens == sched.cache.evictable_size
+    assert sched.num_used_tokens == 0  # an idle rank holds no KV for requests, warm or not
+    assert sched.num_free_tokens + sched.cache.evictable_size == sched.allocator.capacity
 
 
 def test_single_request_matches_solo() -> None:
@@ -443,4 +444,41 @@ def test_plain_requests_and_ones_that_keep_more_share_steps_unchanged() -> None:
     assert tokens["prefill-only"] == [] and finals["prefill-only"].finish_reason == "length"
     assert {rid: f.finish_reason for rid, f in finals.items()} == {
         "plain": "length", "logprobs": "length", "prefill-only": "length"}
+    assert_no_leak(sched)
+
+
+def test_kv_figures_mean_what_sglang_means_and_retract_frees_the_kv() -> None:
+    """used = capacity - (free + evictable): the tokens requests hold; a warm idle rank
+    uses none, and a retract frees what the retracted requests held (SGLang's
+    release_kv_cache(is_insert=False): their own slots go back to the pool, their prompt's
+    cached prefix becomes evictable)."""
+    sched, runner = make()
+    cap = sched.allocator.capacity
+
+    def figures() -> tuple[int, int, int]:
+        used, evictable, free = (sched.num_used_tokens, sched.cache.evictable_size,
+                                 sched.num_free_tokens)
+        assert used + evictable + free == cap
+        return used, evictable, free
+
+    prompts = {f"r{i}": [i + 1] * (5 + i) for i in range(4)}  # no shared prefix
+    for rid, prompt in prompts.items():
+        sched.add_request(req(rid, prompt, 12))
+    tokens: dict[str, list[int]] = {}
+    _steps(sched, runner, 4, tokens)  # the prefill and three decode steps
+    used, evictable, free = figures()
+    held = sum(len(r.slots) for r in sched.running)
+    own = sum(len(r.slots) - r.cached_len for r in sched.running)  # not in the tree
+    assert used == held > 0 and own > 0
+
+    assert sched.pause("retract") == 4
+    after = figures()
+    assert after == (0, evictable + held - own, free + own), (used, evictable, free)
+
+    sched.resume()
+    result = drive(sched, runner)
+    for rid, prompt in prompts.items():
+        assert tokens[rid] + result["tokens"].get(rid, []) == solo(prompt, 12)
+    used, evictable, free = figures()
+    assert used == 0 and evictable > 0  # idle, cache warm: nothing used
     assert_no_leak(sched)
