@@ -37,7 +37,8 @@ from sglang_admin.scheduler.control import Handler, op_name
 from sglang_admin.scheduler.grammar import GrammarQueue, XGrammarBackend
 from sglang_admin.scheduler.heartbeat import HeartbeatThread
 from sglang_admin.scheduler.quiesce import Quiesce
-from sglang_admin.scheduler.scheduler import Batch, Scheduler, SchedulerConfig
+from sglang_admin.scheduler.request import Batch
+from sglang_admin.scheduler.scheduler import Scheduler, SchedulerConfig
 from sglang_admin.scheduler.step_timing import StepTimer
 from sglang_admin.scheduler.stop_strings import stop_string_detokenizer
 from sglang_admin.tracing import child_span, trace_id_of

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from sglang_admin.messages import GenerateReq, SamplingParams
 from sglang_admin.scheduler.parallel_sampling import sample_key
-from sglang_admin.scheduler.scheduler import Batch, Scheduler
+from sglang_admin.scheduler.request import Batch
+from sglang_admin.scheduler.scheduler import Scheduler
 from sglang_admin.scheduler.stop_strings import find_stop
 from tests.unit.test_scheduler import FakeRunner, assert_no_leak, make, solo
 

@@ -27,7 +27,8 @@ from sglang_admin.scheduler.grammar import (
     GrammarState,
     XGrammarBackend,
 )
-from sglang_admin.scheduler.scheduler import Batch, Scheduler, SchedulerConfig
+from sglang_admin.scheduler.request import Batch
+from sglang_admin.scheduler.scheduler import Scheduler, SchedulerConfig
 
 VOCAB = 261  # the default model: 256 byte tokens and 5 specials
 EOS = (257, 259)

@@ -13,7 +13,8 @@ import random
 import pytest
 
 from sglang_admin.messages import GenerateReq, SamplingParams
-from sglang_admin.scheduler.scheduler import Batch, Scheduler, SchedulerConfig
+from sglang_admin.scheduler.request import Batch
+from sglang_admin.scheduler.scheduler import Scheduler, SchedulerConfig
 
 VOCAB = 97
 EOS = 0
@@ -408,7 +409,7 @@ def test_an_exception_in_postprocessing_fails_that_request_alone(
 def test_req_tokens_slices_the_sequence_like_fill_ids() -> None:
     """Req.tokens (what a step feeds the model) equals fill_ids[start:end] everywhere: in
     the prompt, across its end, in the output, empty and past the end."""
-    from sglang_admin.scheduler.scheduler import Req
+    from sglang_admin.scheduler.request import Req
 
     req = Req("r", [1, 2, 3, 4], SamplingParams())
     req.output_ids.extend([7, 8, 9])
