@@ -105,6 +105,7 @@ class ModelRunner:
         gpu_index: int = 0,
         mem_fraction_static: float = DEFAULT_MEM_FRACTION_STATIC,
         is_embedding: bool = False,
+        tensor_parallel: object = None,
     ) -> None:
         if model_path is None:
             from sglang_admin.model.default_model import ensure_default_model
@@ -117,8 +118,10 @@ class ModelRunner:
         self.model: LlamaForCausalLM
         self.model, self.info = load_model(
             model_path, dtype=self.dtype, device=self.device, context_length=context_length,
-            is_embedding=is_embedding,
+            is_embedding=is_embedding, tensor_parallel=tensor_parallel,
         )
+        if tensor_parallel is not None:  # the C decode layer has no all-reduce: torch's ops
+            attention_backend = "torch_native"
         self.weight_bytes = self.info.weight_bytes
         self.context_length = self.info.context_length
         self.max_running_requests = max_running_requests

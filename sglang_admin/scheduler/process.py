@@ -122,6 +122,8 @@ def run_scheduler(args: ServerArgs, rank: int, parent_pid: int) -> None:
     heartbeat.start()
     try:
         loop.run()
+        if loop.tensor_parallel is not None:  # a clean stop: the TP followers stop too
+            loop.runner.stop_followers()
     finally:
         heartbeat.stop()
         loop.weight_sync.close()  # leave the trainers' process groups
@@ -185,6 +187,11 @@ class RankLoop:
         torch.set_num_threads(args.rank_threads)
         keep_freed_cpu_memory()
         torch.manual_seed(args.seed + rank)
+        self.tensor_parallel = None  # --tp-size > 1: this rank is TP rank 0 of its replica
+        if args.tp_size > 1:
+            from sglang_admin.scheduler.tp_worker import join_replica
+
+            self.tensor_parallel = join_replica(args, rank, 0)
         self.runner = ModelRunner(
             args.model_path,
             device=args.device,
@@ -196,10 +203,16 @@ class RankLoop:
             lora_slots=(args.max_loaded_loras, args.max_lora_rank) if args.enable_lora else None,
             lanes=args.rank_lanes,
             attention_backend=args.attention_backend,
-            gpu_index=args.gpu_index(rank),
+            gpu_index=args.gpu_index(rank * args.tp_size),  # TP rank 0's GPU at tp > 1
             mem_fraction_static=args.mem_fraction_static,
             is_embedding=args.is_embedding,
+            tensor_parallel=self.tensor_parallel,
         )
+        if self.tensor_parallel is not None:
+            from sglang_admin.scheduler.tp_worker import LeaderRunner
+
+            self.tensor_parallel.barrier()  # every TP rank's shard is loaded
+            self.runner = LeaderRunner(self.runner, self.tensor_parallel)  # type: ignore[assignment]
         info = self.runner.info
         self.kv_events: list[list[Any]] = []
         self.trace_ids: dict[str, str] = {}  # rid -> caller's trace id (for --log-requests)
