@@ -7,7 +7,6 @@ forward + sample -> send outputs. It blocks on the inbox only when there is no w
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -36,6 +35,7 @@ from sglang_admin.messages import (
 from sglang_admin.scheduler.control import Handler, op_name
 from sglang_admin.scheduler.grammar import GrammarQueue, XGrammarBackend
 from sglang_admin.scheduler.heartbeat import HeartbeatThread
+from sglang_admin.scheduler.lifetime import die_with_parent
 from sglang_admin.scheduler.quiesce import Quiesce
 from sglang_admin.scheduler.request import Batch
 from sglang_admin.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -85,18 +85,9 @@ def grammar_queue_for(args: ServerArgs, info: ModelInfo) -> GrammarQueue:
     return GrammarQueue.for_backend(backend)
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when the server process dies (no orphans)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 def run_scheduler(args: ServerArgs, rank: int, parent_pid: int) -> None:
     """Entry point of a scheduler process (spawned by the server)."""
-    _die_with_parent()
+    die_with_parent()
     # The server decides when we stop: a terminal's Ctrl-C (SIGINT to the process group) or
     # a supervisor that signals the whole group (systemd's KillMode=control-group sends
     # SIGTERM to every process) must not cut the streams the server is draining. The server

@@ -141,9 +141,9 @@ def follow(runner: ModelRunner, tp: TensorParallel) -> None:
 def run_follower(args: ServerArgs, dp_rank: int, tp_rank: int, parent_pid: int) -> None:
     """Entry point of TP rank ``tp_rank`` (> 0) of replica ``dp_rank`` (spawned by launch)."""
     from sglang_admin.model.runner import keep_freed_cpu_memory
-    from sglang_admin.scheduler.process import _die_with_parent
+    from sglang_admin.scheduler.lifetime import die_with_parent
 
-    _die_with_parent()
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server decides when we stop
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     setup_logging(args.log_level, prefix=f"rank{dp_rank}-tp{tp_rank}")
