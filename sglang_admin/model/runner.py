@@ -107,6 +107,7 @@ class ModelRunner:
         gpu_index: int = 0,
         mem_fraction_static: float = DEFAULT_MEM_FRACTION_STATIC,
         is_embedding: bool = False,
+        tensor_parallel: object = None,
     ) -> None:
         if model_path is None:
             from sglang_admin.model.default_model import ensure_default_model
@@ -119,8 +120,10 @@ class ModelRunner:
         self.model: LlamaForCausalLM
         self.model, self.info = load_model(
             model_path, dtype=self.dtype, device=self.device, context_length=context_length,
-            is_embedding=is_embedding,
+            is_embedding=is_embedding, tensor_parallel=tensor_parallel,
         )
+        if tensor_parallel is not None:  # the C decode layer has no all-reduce: torch's ops
+            attention_backend = "torch_native"
         self.weight_bytes = self.info.weight_bytes
         self.context_length = self.info.context_length
         self.max_running_requests = max_running_requests
@@ -170,7 +173,9 @@ class ModelRunner:
             kv_width=cfg.num_kv_heads * cfg.head_dim, cpu_kernels=self.cpu_kernels,
             extend_kernel=extend_kernel, lanes=self.lanes)
         # decode-only steps of a large model: each projection cut among the lane threads
+        # (not under tensor parallelism: its all-reduces hang on the projection modules)
         self.split_matmuls = (self.lanes > 1 and self.device.type == "cpu"
+                              and tensor_parallel is None
                               and self._decoder_params() >= SPLIT_MATMUL_PARAMS)
         self.last_times = ForwardTimes()  # the last forward_step's split, for step_timing
         logger.info(
