@@ -104,6 +104,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=_port, default=30000, help="TCP port, 1..65535")
     p.add_argument("--dp-size", type=_positive_int, default=1, help="scheduler ranks")
+    p.add_argument("--tp-size", type=_positive_int, default=1,
+                   help="tensor-parallel ranks per replica (docs/tensor-parallel.md)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto",
                    help="auto: on CPU bfloat16 for a bfloat16/float16 checkpoint on a CPU with "
@@ -296,6 +298,9 @@ def run_serve(ns: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     fields["enable_lora"] = ns.enable_lora or bool(fields["lora_paths"])
+    if ns.tp_size > 1 and fields["enable_lora"]:
+        print("error: LoRA is not yet supported with --tp-size > 1", file=sys.stderr)
+        return 2
     if ns.otlp_traces_endpoint:
         from sglang_admin.otel import configure_otlp
 

@@ -53,6 +53,11 @@ class ServerArgs:
     host: str = "127.0.0.1"
     port: int = 30000
     dp_size: int = 1
+    # tensor parallelism (model/tensor_parallel.py): ranks per model replica; the server
+    # runs dp_size x tp_size rank processes. tp_ports: one rendezvous port per replica on
+    # 127.0.0.1, chosen by launch when tp_size > 1.
+    tp_size: int = 1
+    tp_ports: tuple[int, ...] = ()
     device: str = "auto"  # auto | cpu | cuda
     # CUDA: rank r runs on GPU base_gpu_id + r * gpu_id_step (SGLang's assignment), and the
     # KV pool's default size leaves weights + pool within mem_fraction_static of its memory.
@@ -137,7 +142,7 @@ class ServerArgs:
     @property
     def cores_per_rank(self) -> int:
         """The cores this process may run on, shared among the ranks (at least 1)."""
-        return max(1, available_cores() // self.dp_size)
+        return max(1, available_cores() // (self.dp_size * self.tp_size))
 
     @property
     def rank_lanes(self) -> int:
@@ -146,7 +151,12 @@ class ServerArgs:
         a rank has two cores or more. A step's sequences are cut into lanes computed by
         threads of their own that block when done, so a core the server needs now and then
         costs a step only the time the server takes (OpenMP's threads spin on each other
-        instead: docs/cpu-performance.md)."""
+        instead: docs/cpu-performance.md). A decode step of a real-sized model cuts each
+        projection's weight rows among the same threads (model/lanes.py): on a loaded
+        2-core machine torch's 2 OpenMP threads took 3x-100x one thread's time for the same
+        GEMM, the blocking lane threads do not."""
+        if self.tp_size > 1:  # every TP rank's all-reduces must come in one order: one lane
+            return 1
         if self.cpu_lanes:
             return self.cpu_lanes
         return 1 if self.torch_threads else min(2, self.cores_per_rank)

@@ -10,7 +10,8 @@ back to the host, so the timing covers the device work). One line per batch size
     batch 64: step 3.10 ms (median of 32), bound 0.29 ms (1.37 GB at 4800 GB/s), 10.7x
 
 Usage: python tools/bench_decode.py [--device cuda] [--dtype bfloat16] [--batch 1 64]
-       [--context 512] [--steps 32] [--bandwidth-gbs N] [--shape qwen2.5-0.5b|tiny]
+       [--context 512] [--steps 32] [--bandwidth-gbs N] [--shape qwen2.5-0.5b|smollm2-135m|tiny]
+       [--threads N] [--lanes N] [--profile]
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ from sglang_admin.scheduler.process import batch_inputs  # noqa: E402
 from sglang_admin.scheduler.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 
 SHAPES: dict[str, dict[str, int | float | bool]] = {
+    "smollm2-135m": {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+                     "num_attention_heads": 9, "num_key_value_heads": 3,
+                     "vocab_size": 49152, "tie_word_embeddings": True, "llama": True},
     "qwen2.5-0.5b": {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
                      "num_attention_heads": 14, "num_key_value_heads": 2,
                      "vocab_size": 151936, "tie_word_embeddings": True},
@@ -46,11 +50,15 @@ BANDWIDTH_GBS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0, "L40S": 864.0, 
 
 
 def write_checkpoint(directory: Path, shape: dict, dtype: torch.dtype) -> None:
-    """A random Qwen2 checkpoint (config.json + model.safetensors) of the given shape."""
+    """A random checkpoint (config.json + model.safetensors) of the given shape: Qwen2 (q/k/v
+    biases), or Llama where the shape says ``llama``."""
+    shape = dict(shape)
+    llama = bool(shape.pop("llama", False))
     hidden, inter = int(shape["hidden_size"]), int(shape["intermediate_size"])
     heads, kv_heads = int(shape["num_attention_heads"]), int(shape["num_key_value_heads"])
     head_dim = hidden // heads
-    config = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **shape,
+    arch, model_type = ("LlamaForCausalLM", "llama") if llama else ("Qwen2ForCausalLM", "qwen2")
+    config = {"architectures": [arch], "model_type": model_type, **shape,
               "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
               "max_position_embeddings": 32768, "torch_dtype": str(dtype).split(".")[1],
               "bos_token_id": 0, "eos_token_id": 1}
@@ -77,6 +85,9 @@ def write_checkpoint(directory: Path, shape: dict, dtype: torch.dtype) -> None:
             p + "mlp.up_proj.weight": rand(inter, hidden),
             p + "mlp.down_proj.weight": rand(hidden, inter),
         })
+        if llama:  # no attention biases
+            for name in ("q", "k", "v"):
+                del tensors[p + f"self_attn.{name}_proj.bias"]
     if not shape.get("tie_word_embeddings"):
         tensors["lm_head.weight"] = rand(int(shape["vocab_size"]), hidden)
     directory.mkdir(parents=True, exist_ok=True)
@@ -84,8 +95,10 @@ def write_checkpoint(directory: Path, shape: dict, dtype: torch.dtype) -> None:
     save_file(tensors, str(directory / "model.safetensors"))
 
 
-def time_decode(runner: ModelRunner, batch_size: int, context: int, steps: int) -> list[float]:
-    """Seconds of each of ``steps`` decode steps of ``batch_size`` sequences at ``context``."""
+def time_decode(runner: ModelRunner, batch_size: int, context: int, steps: int,
+                profile: bool = False) -> list[float]:
+    """Seconds of each of ``steps`` decode steps of ``batch_size`` sequences at ``context``;
+    ``profile``: torch.profiler over the timed steps, its top ops printed."""
     info = runner.info
     sched = Scheduler(SchedulerConfig(
         token_capacity=runner.token_capacity, max_running_requests=runner.max_running_requests,
@@ -97,15 +110,22 @@ def time_decode(runner: ModelRunner, batch_size: int, context: int, steps: int) 
         sched.add_request(GenerateReq(f"r{i}", prompt, SamplingParams(
             max_new_tokens=steps + 4, ignore_eos=True, temperature=0.0)))
     times: list[float] = []
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
     while not sched.is_idle:
         batch = sched.schedule()
         if batch is None:
             continue
+        timed = batch.is_decode and len(batch.spans) == batch_size
+        if profile and timed and len(times) == 2:
+            prof.__enter__()
         t0 = time.perf_counter()
         results = runner.forward_step(batch_inputs(batch))  # reads the tokens back: synchronous
         elapsed = time.perf_counter() - t0
-        if batch.is_decode and len(batch.spans) == batch_size:
+        if timed:
             times.append(elapsed)
+            if profile and len(times) == 2 + steps:
+                prof.__exit__(None, None, None)
+                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
         sched.postprocess(batch, [r.token_id if r else None for r in results])
     return times[2 : 2 + steps]  # the first decode steps warm up (allocator, kernels)
 
@@ -120,7 +140,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=32, help="timed decode steps per batch size")
     p.add_argument("--bandwidth-gbs", type=float, default=None,
                    help="peak memory bandwidth for the bound (default: by device name)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--lanes", type=int, default=1, help="the runner's CPU lanes")
+    p.add_argument("--profile", action="store_true", help="torch.profiler's top ops")
     ns = p.parse_args(argv)
+    if ns.threads:
+        torch.set_num_threads(ns.threads)
     dtype = getattr(torch, ns.dtype)
     bandwidth = ns.bandwidth_gbs
     name = "cpu"
@@ -133,13 +158,13 @@ def main(argv: list[str] | None = None) -> int:
         longest = ns.context + ns.steps + 8
         runner = ModelRunner(tmp, device=ns.device, dtype=ns.dtype,
                              max_running_requests=max(ns.batch),
-                             max_total_tokens=max(ns.batch) * longest + 64)
+                             max_total_tokens=max(ns.batch) * longest + 64, lanes=ns.lanes)
         cfg = runner.model.config
         kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
         print(f"{ns.shape} ({runner.weight_bytes / 1e9:.2f} GB of {ns.dtype} weights) on "
               f"{name}, context {ns.context}, {ns.steps} timed steps per batch size")
         for b in ns.batch:
-            times = time_decode(runner, b, ns.context, ns.steps)
+            times = time_decode(runner, b, ns.context, ns.steps, ns.profile)
             runner.reset()
             step = statistics.median(times)
             read = runner.weight_bytes + b * (ns.context + ns.steps // 2) * kv_per_token

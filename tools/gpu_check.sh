@@ -43,6 +43,13 @@ else
   echo "== dp 2 and an nccl push between GPUs: skipped, one GPU visible"
 fi
 
+echo "== tp 2 (nccl)"
+if [ "$gpus" -ge 2 ]; then
+  echo "two or more GPUs: tests/integration/test_tensor_parallel.py's GPU test ran above"
+else
+  echo "one GPU: tp 2 over nccl needs two, not checked (its GPU test skips)"
+fi
+
 echo "== decode step against the bandwidth bound"
 "$PY" tools/bench_decode.py --device cuda --dtype bfloat16 --batch 1 64 --context 512 \
   --steps 32 || status=1

@@ -128,21 +128,27 @@ class CpuKernels:
         self._silu_mul(gate_up.data_ptr(), rows, half, out.data_ptr())
         return out
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
         """``F.linear(x, weight, bias)`` of a contiguous float32 x [M, K], weight [N, K]: a
-        few rows at a time against each block of weight rows (what decode batches need)."""
+        few rows at a time against each block of weight rows (what decode batches need).
+        ``out``: where to write it, an [M, N] float32 whose rows may be a wider tensor's (a
+        column slice: threads each writing their part of the logits)."""
         if not (x.dim() == 2 and x.is_contiguous() and weight.is_contiguous()
                 and weight.shape[1] == x.shape[1]
                 and (bias is None or (bias.is_contiguous() and bias.numel() == weight.shape[0]))):
             raise ValueError("linear kernel: a tensor is not laid out as expected")
         rows, k = x.shape
         n = weight.shape[0]
-        out = torch.empty(rows, n, dtype=torch.float32)
+        if out is None:
+            out = torch.empty(rows, n, dtype=torch.float32)
+        elif not (out.shape == (rows, n) and out.dtype == torch.float32
+                  and (n <= 1 or out.stride(1) == 1)):
+            raise ValueError("linear kernel: out is not laid out as expected")
         pack = torch.empty(_packed_floats(rows, k), dtype=torch.float32)
         self._linear(x.data_ptr(), k, rows, k, weight.data_ptr(), n,
-                     None if bias is None else bias.data_ptr(), out.data_ptr(), n, 0,
-                     pack.data_ptr())
+                     None if bias is None else bias.data_ptr(), out.data_ptr(),
+                     out.stride(0) if rows > 1 else n, 0, pack.data_ptr())
         return out
 
     def argmax(self, x: torch.Tensor) -> list[int]:

@@ -16,6 +16,16 @@ import itertools
 # the least work (in tokens) worth a lane of its own
 ATTENTION_KEYS_PER_TOKEN = 256.0
 MIN_LANE_WORK = 4.0
+# A decode-only step of a model this large (decoder matmul weights, in parameters) has each
+# projection's weight rows cut among the lane threads (model/runner.py), each thread streaming
+# its part of the weights for all the step's sequences. Cutting the sequences into lanes
+# instead streams every weight once per lane: 30 layers of SmolLM2-135M's MLP at 32 rows, two
+# threads, loaded machine: one thread 442 ms, sequences cut 496 ms, weight rows cut 222 ms
+# (2026-12-02). On the toy (2.8M) a step's fixed costs and the C decode layer win.
+SPLIT_MATMUL_PARAMS = 16_000_000
+# An LM head this large (vocabulary x hidden) is cut in one part per lane (model/runner.py):
+# SmolLM2-135M's (28M) at batch 32 is ~32 ms of one thread; the toy's (1M) is not worth it.
+LM_HEAD_SPLIT_PARAMS = 8_000_000
 # the K/V rows whose gather and attention cost about as much as one more group's ops, and
 # the most groups per lane
 GROUP_OVERHEAD_ROWS = 1024

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -56,9 +57,20 @@ class MLP(nn.Module):
             self.gate_proj.bias = nn.Parameter(gate_b, requires_grad=False)
             self.up_proj.bias = nn.Parameter(up_b, requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, linear: Callable[..., torch.Tensor] | None = None
+                ) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]; ``linear``: the matmul in place of ``F.linear``
+        (model/llama.py's ``Linear``), where the weights are fused and there is no LoRA."""
         if self.lora is not None:
             return self._forward_lora(x)
+        if linear is not None and self.gate_up_weight is not None:
+            gate_up = linear(x, self.gate_up_weight, self.gate_up_bias)
+            if self.kernels is not None:
+                h = self.kernels.silu_mul(gate_up)
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+                h = F.silu(gate) * up
+            return linear(h, self.down_proj.weight, self.down_proj.bias)
         if self.gate_up_weight is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)

@@ -14,6 +14,7 @@ axis, decode sequences (one new token each) first, then extend sequences (prefil
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,6 +26,9 @@ from sglang_admin.model.config import LlamaConfig
 from sglang_admin.model.cpu_kernels import DecodeLayerWeights
 from sglang_admin.model.layers import MLP, RMSNorm
 from sglang_admin.model.rotary import RotaryEmbedding, apply_rope, rope_inv_freq
+
+# F.linear's signature: (x [M, K], weight [N, K], bias [N] or None) -> [M, N]
+Linear = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 __all__ = ["Attention", "DecoderLayer", "LlamaConfig", "LlamaForCausalLM", "LlamaModel"]
 
@@ -75,11 +79,16 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
+        linear: Linear | None = None,
     ) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden]; writes the new K/V into the pool first."""
+        """x [T, hidden] -> [T, hidden]; writes the new K/V into the pool first. ``linear``:
+        what computes the projections in place of ``F.linear`` (the runner's, cut among
+        threads), where there is no LoRA."""
         n_tok = x.shape[0]
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        if self.qkv_weight is not None:
+        if linear is not None and self.lora is None and self.qkv_weight is not None:
+            qkv = linear(x, self.qkv_weight, self.qkv_bias)
+        elif self.qkv_weight is not None:
             qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
         else:
             qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
@@ -99,6 +108,8 @@ class Attention(nn.Module):
                               self.kernels)
         if self.lora is not None:
             return self.lora.delta("o", out, self.o_proj(out))
+        if linear is not None:
+            return linear(out, self.o_proj.weight, self.o_proj.bias)
         return self.o_proj(out)
 
 
@@ -120,9 +131,10 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
+        linear: Linear | None = None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, k_cache, v_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, k_cache, v_cache, linear)
+        return x + self.mlp(self.post_attention_layernorm(x), linear)
 
     def decode_weights(self) -> DecodeLayerWeights | None:
         """This layer as ``CpuKernels.decode_layer`` reads it; None where that does not apply
@@ -239,12 +251,16 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         k_caches: list[torch.Tensor],
         v_caches: list[torch.Tensor],
+        linear: Linear | None = None,
     ) -> torch.Tensor:
-        """Hidden states [T, hidden] (before the final norm) of the flattened new tokens."""
+        """Hidden states [T, hidden] (before the final norm) of the flattened new tokens.
+        ``linear``: the projections' matmul in place of ``F.linear`` (the runner's, which cuts
+        each weight's rows among threads at real shapes); a decode step then takes the
+        per-op path, each op through the CPU kernels where they apply."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
         batch = meta.decode_batch
-        if batch is not None and meta.num_decode == x.shape[0]:
+        if batch is not None and meta.num_decode == x.shape[0] and linear is None:
             # decode only, CPU kernels: each layer in one call (no per-op dispatch)
             layers = self.decode_layers()
             if layers is not None:
@@ -253,7 +269,7 @@ class LlamaForCausalLM(nn.Module):
                                               meta.out_slots, batch)
                 return x
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, meta, k_caches[i], v_caches[i])
+            x = layer(x, cos, sin, meta, k_caches[i], v_caches[i], linear)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -263,3 +279,18 @@ class LlamaForCausalLM(nn.Module):
         if kernels is not None and weight.is_contiguous():  # a few rows: see CpuKernels.linear
             return kernels.linear(self.model.norm(hidden).contiguous(), weight)
         return F.linear(self.model.norm(hidden), weight)
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The final RMSNorm of selected hidden rows, contiguous (for :meth:`logits_into`)."""
+        return self.model.norm(hidden).contiguous()
+
+    def logits_into(self, normed: torch.Tensor, out: torch.Tensor, start: int, end: int) -> None:
+        """Vocabulary columns [start, end) of the logits of ``normed`` (:meth:`final_norm`'s)
+        written to ``out`` [N, end - start] (a column slice of the whole logits): threads
+        each computing a part of the LM head (model/runner.py)."""
+        kernels = self.model.norm.kernels
+        weight = self.output_weight()[start:end]
+        if kernels is not None and weight.is_contiguous():
+            kernels.linear(normed, weight, out=out)
+        else:
+            out.copy_(F.linear(normed, weight))

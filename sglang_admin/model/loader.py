@@ -196,6 +196,9 @@ def load_weights(
     """
     params = model_parameters(model)
     loaded: set[str] = set()
+    tensor_parallel = getattr(model, "tensor_parallel", None)
+    if tensor_parallel is not None:  # --tp-size > 1: keep this rank's shard of each tensor
+        weights = tensor_parallel.shard_weights(weights)
     with torch.no_grad():
         for name, tensor in weights:
             try:
@@ -236,18 +239,25 @@ def load_model(
     device: torch.device,
     context_length: int | None = None,
     is_embedding: bool = False,
+    tensor_parallel: Any = None,
 ) -> tuple[LlamaForCausalLM, ModelInfo]:
     """Build the model from a Hugging Face directory, weights cast to dtype on device.
 
     The parameters are allocated once (uninitialised), the projections fused, and the
     checkpoint copied in through :func:`load_weights`, the path weight updates take too.
     An embedding or classification checkpoint (or ``is_embedding``) builds
-    model/embedding_model.py's LlamaForEmbedding.
+    model/embedding_model.py's LlamaForEmbedding. ``tensor_parallel``
+    (model/tensor_parallel.py's, tp > 1): this rank's shard only (causal LMs only).
     """
     info = load_model_info(model_path, context_length, is_embedding)
     cfg = read_hf_config(model_path)
     lcfg = parse_config(model_path, cfg)
     spec = read_embedding_spec(model_path, cfg, is_embedding)
+    if tensor_parallel is not None:
+        if not spec.is_generation:
+            raise ModelLoadError("embedding models are not yet supported with --tp-size > 1")
+        tensor_parallel.full_config = lcfg
+        lcfg = tensor_parallel.shard_config()
     with torch.device("meta"):
         if spec.is_generation:
             model = LlamaForCausalLM(lcfg).to(dtype)
@@ -255,6 +265,8 @@ def load_model(
             from sglang_admin.model.embedding_model import LlamaForEmbedding
 
             model = LlamaForEmbedding(lcfg, spec).to(dtype)
+    if tensor_parallel is not None:
+        tensor_parallel.install(model)
     model.allocate_parameters(device)
     model.eval()
     model.requires_grad_(False)

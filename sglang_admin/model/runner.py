@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from sglang_admin.config import ATTENTION_BACKENDS
 from sglang_admin.model.batch import BatchBuilder, ForwardBatch
@@ -34,7 +35,8 @@ from sglang_admin.model.device import (
 )
 from sglang_admin.model.grammar_mask import apply_grammar_masks
 from sglang_admin.model.hidden_extras import hidden_rows, input_logprobs
-from sglang_admin.model.llama import LlamaForCausalLM
+from sglang_admin.model.lanes import LM_HEAD_SPLIT_PARAMS, SPLIT_MATMUL_PARAMS
+from sglang_admin.model.llama import Linear, LlamaForCausalLM
 from sglang_admin.model.loader import (
     ModelLoadError,
     dtype_from_name,
@@ -105,6 +107,7 @@ class ModelRunner:
         gpu_index: int = 0,
         mem_fraction_static: float = DEFAULT_MEM_FRACTION_STATIC,
         is_embedding: bool = False,
+        tensor_parallel: object = None,
     ) -> None:
         if model_path is None:
             from sglang_admin.model.default_model import ensure_default_model
@@ -117,8 +120,10 @@ class ModelRunner:
         self.model: LlamaForCausalLM
         self.model, self.info = load_model(
             model_path, dtype=self.dtype, device=self.device, context_length=context_length,
-            is_embedding=is_embedding,
+            is_embedding=is_embedding, tensor_parallel=tensor_parallel,
         )
+        if tensor_parallel is not None:  # the C decode layer has no all-reduce: torch's ops
+            attention_backend = "torch_native"
         self.weight_bytes = self.info.weight_bytes
         self.context_length = self.info.context_length
         self.max_running_requests = max_running_requests
@@ -167,12 +172,24 @@ class ModelRunner:
             sliding_window=self.sliding_window, num_heads=cfg.num_heads,
             kv_width=cfg.num_kv_heads * cfg.head_dim, cpu_kernels=self.cpu_kernels,
             extend_kernel=extend_kernel, lanes=self.lanes)
+        # decode-only steps of a large model: each projection cut among the lane threads
+        # (not under tensor parallelism: its all-reduces hang on the projection modules)
+        self.split_matmuls = (self.lanes > 1 and self.device.type == "cpu"
+                              and tensor_parallel is None
+                              and self._decoder_params() >= SPLIT_MATMUL_PARAMS)
         self.last_times = ForwardTimes()  # the last forward_step's split, for step_timing
         logger.info(
             "model %s loaded: %s on %s, %.1f MiB weights, KV pool %d tokens (%.1f MiB)",
             self.info.architectures, self.info.dtype, self.device, self.weight_bytes / 2**20,
             self.token_capacity, self.kv_cache_bytes / 2**20,
         )
+
+    def _decoder_params(self) -> int:
+        """Parameters of the decoder layers' matmuls (what a token's projections multiply)."""
+        cfg = self.model.config
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        per_layer = cfg.hidden_size * (2 * q + 2 * kv + 3 * cfg.intermediate_size)
+        return cfg.num_layers * per_layer
 
     def _cpu_kernels(self, backend: str) -> CpuKernels | None:
         """``auto``: the CPU kernels where they apply (float32 on CPU) and build;
@@ -306,7 +323,7 @@ class ModelRunner:
         if not sampled:
             self.last_times = ForwardTimes(model=time.perf_counter() - t_model)
             return self._with_extras({}, seqs, batch, hidden)
-        logits = self.model.compute_logits(
+        logits = self._compute_logits(
             hidden if batch.every_row else hidden.index_select(0, batch.select))
         if self.device.type == "cuda":  # sampling reads the tokens back anyway: no loss
             torch.cuda.synchronize(self.device)
@@ -351,25 +368,86 @@ class ModelRunner:
         """See :meth:`BatchBuilder.split_lanes`."""
         return self.batches.split_lanes(ordered)
 
-    def _run_lanes(self, batch: ForwardBatch) -> torch.Tensor:
-        """Hidden states of every new token: one forward per lane, lanes past the first on
-        the lane threads while this thread computes the first; joined in token order."""
-        lanes, offsets, metas = batch.lanes, batch.offsets, batch.metas
-        ids, positions = batch.input_ids, batch.positions
+    def _compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The logits of the rows that sample; on CPU with lanes and a large LM head, its
+        vocabulary cut in one part per lane, computed at once by the lane threads (the head
+        is a step's largest matmul: 2.8 GFLOP of SmolLM2-135M's batch-32 step, one thread)."""
+        cfg = self.model.config
+        parts = self.lanes if cfg.vocab_size * cfg.hidden_size >= LM_HEAD_SPLIT_PARAMS else 1
+        if parts <= 1 or self.device.type != "cpu" or hidden.shape[0] == 0:
+            return self.model.compute_logits(hidden)
+        normed = self.model.final_norm(hidden)
+        vocab = cfg.vocab_size
+        logits = torch.empty(hidden.shape[0], vocab, dtype=normed.dtype)
 
-        def run(i: int) -> torch.Tensor:
-            a, b = offsets[lanes[i][0]], offsets[lanes[i][1]]
-            return self.model(ids[a:b], positions[a:b], metas[i], self.k_caches, self.v_caches)
+        def part(i: int) -> None:
+            a, b = vocab * i // parts, vocab * (i + 1) // parts
+            self.model.logits_into(normed, logits[:, a:b], a, b)
 
-        if len(lanes) == 1:
-            return run(0)
+        futures = [self._lanes_pool().submit(_in_inference_mode, part, i)
+                   for i in range(1, parts)]
+        part(0)
+        for f in futures:
+            f.result()
+        return logits
+
+    def _split_linear(self, x: torch.Tensor, weight: torch.Tensor,
+                      bias: torch.Tensor | None) -> torch.Tensor:
+        """``F.linear(x, weight, bias)`` with the weight's rows cut in one part per lane, the
+        parts computed at once by the lane threads and this one (each streams its part of
+        the weights once for every row of x): the C projection in float32, where it measured
+        faster than torch's one-thread GEMM at these shapes (SmolLM2-135M's gate/up at 32
+        rows: 1.85 vs 2.78 ms of CPU time), torch's elsewhere (bfloat16: oneDNN)."""
+        parts, n = self.lanes, weight.shape[0]
+        cuts = [n * i // parts for i in range(parts + 1)]
+        kernels = self.cpu_kernels
+        x = x.contiguous()
+        in_c = kernels is not None and x.dtype == torch.float32 and weight.is_contiguous()
+        if in_c:
+            out = torch.empty(x.shape[0], n, dtype=torch.float32)
+
+            def part(i: int) -> None:
+                a, b = cuts[i], cuts[i + 1]
+                kernels.linear(x, weight[a:b], None if bias is None else bias[a:b],
+                               out=out[:, a:b])
+        else:
+            outs: list[torch.Tensor | None] = [None] * parts
+
+            def part(i: int) -> None:
+                a, b = cuts[i], cuts[i + 1]
+                outs[i] = F.linear(x, weight[a:b], None if bias is None else bias[a:b])
+        futures = [self._lanes_pool().submit(_in_inference_mode, part, i)
+                   for i in range(1, parts)]
+        part(0)
+        for f in futures:
+            f.result()
+        return out if in_c else torch.cat(outs, dim=1)  # type: ignore[arg-type]
+
+    def _lanes_pool(self) -> ThreadPoolExecutor:
+        """The lane threads (lanes past the first), started at first use."""
         if self._lane_pool is None:
             # a new thread does not inherit torch's thread count: without this, each lane
             # would start an OpenMP team of the machine's size, whose threads spin
             self._lane_pool = ThreadPoolExecutor(
                 self.lanes - 1, thread_name_prefix="lane",
                 initializer=torch.set_num_threads, initargs=(torch.get_num_threads(),))
-        futures = [self._lane_pool.submit(_in_inference_mode, run, i)
+        return self._lane_pool
+
+    def _run_lanes(self, batch: ForwardBatch) -> torch.Tensor:
+        """Hidden states of every new token: one forward per lane, lanes past the first on
+        the lane threads while this thread computes the first; joined in token order."""
+        lanes, offsets, metas = batch.lanes, batch.offsets, batch.metas
+        ids, positions = batch.input_ids, batch.positions
+
+        def run(i: int, linear: Linear | None = None) -> torch.Tensor:
+            a, b = offsets[lanes[i][0]], offsets[lanes[i][1]]
+            return self.model(ids[a:b], positions[a:b], metas[i], self.k_caches, self.v_caches,
+                              linear)
+
+        if len(lanes) == 1:
+            decode_only = ids.shape[0] == len(batch.ordered)
+            return run(0, self._split_linear if self.split_matmuls and decode_only else None)
+        futures = [self._lanes_pool().submit(_in_inference_mode, run, i)
                    for i in range(1, len(lanes))]
         first = run(0)
         return torch.cat([first, *(f.result() for f in futures)])

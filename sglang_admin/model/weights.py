@@ -53,7 +53,9 @@ def check_checkpoint(model: LlamaForCausalLM, model_path: str) -> None:
     or one the model does not have.
     """
     new = parse_config(model_path, read_hf_config(model_path))
-    served = dataclasses.asdict(model.config)
+    tensor_parallel = getattr(model, "tensor_parallel", None)  # tp > 1: shards are served
+    served = dataclasses.asdict(
+        model.config if tensor_parallel is None else tensor_parallel.full_config)
     for key, value in dataclasses.asdict(new).items():
         if key not in _FREE_FIELDS and served[key] != value:
             raise ModelLoadError(
@@ -78,6 +80,9 @@ def check_checkpoint(model: LlamaForCausalLM, model_path: str) -> None:
                     param = found.param
                     assert param is not None
                     shape = list(f.get_slice(name).get_shape())
+                    if tensor_parallel is not None:
+                        shape = list(tensor_parallel.shard(
+                            name, torch.empty(shape, device="meta")).shape)
                     if shape != list(param.shape):
                         raise ModelLoadError(
                             f"{os.path.basename(path)}: {name} has shape {shape}, the served "

@@ -1,0 +1,1 @@
+"""A scheduler rank: its loop, batching policy, radix cache and the per-domain control handlers."""

@@ -7,7 +7,6 @@ forward + sample -> send outputs. It blocks on the inbox only when there is no w
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -38,6 +37,7 @@ from sglang_admin.messages import (
 from sglang_admin.scheduler.control import Handler, op_name
 from sglang_admin.scheduler.grammar import GrammarQueue, XGrammarBackend
 from sglang_admin.scheduler.heartbeat import HeartbeatThread
+from sglang_admin.scheduler.lifetime import die_with_parent
 from sglang_admin.scheduler.quiesce import Quiesce
 from sglang_admin.scheduler.request import Batch
 from sglang_admin.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -87,18 +87,9 @@ def grammar_queue_for(args: ServerArgs, info: ModelInfo) -> GrammarQueue:
     return GrammarQueue.for_backend(backend)
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when the server process dies (no orphans)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 def run_scheduler(args: ServerArgs, rank: int, parent_pid: int) -> None:
     """Entry point of a scheduler process (spawned by the server)."""
-    _die_with_parent()
+    die_with_parent()
     # The server decides when we stop: a terminal's Ctrl-C (SIGINT to the process group) or
     # a supervisor that signals the whole group (systemd's KillMode=control-group sends
     # SIGTERM to every process) must not cut the streams the server is draining. The server
@@ -124,6 +115,8 @@ def run_scheduler(args: ServerArgs, rank: int, parent_pid: int) -> None:
     heartbeat.start()
     try:
         loop.run()
+        if loop.tensor_parallel is not None:  # a clean stop: the TP followers stop too
+            loop.runner.stop_followers()
     finally:
         heartbeat.stop()
         loop.weight_sync.close()  # leave the trainers' process groups
@@ -189,6 +182,11 @@ class RankLoop:
         torch.set_num_threads(args.rank_threads)
         keep_freed_cpu_memory()
         torch.manual_seed(args.seed + rank)
+        self.tensor_parallel = None  # --tp-size > 1: this rank is TP rank 0 of its replica
+        if args.tp_size > 1:
+            from sglang_admin.scheduler.tp_worker import join_replica
+
+            self.tensor_parallel = join_replica(args, rank, 0)
         self.runner = ModelRunner(
             args.model_path,
             device=args.device,
@@ -200,10 +198,16 @@ class RankLoop:
             lora_slots=(args.max_loaded_loras, args.max_lora_rank) if args.enable_lora else None,
             lanes=args.rank_lanes,
             attention_backend=args.attention_backend,
-            gpu_index=args.gpu_index(rank),
+            gpu_index=args.gpu_index(rank * args.tp_size),  # TP rank 0's GPU at tp > 1
             mem_fraction_static=args.mem_fraction_static,
             is_embedding=args.is_embedding,
+            tensor_parallel=self.tensor_parallel,
         )
+        if self.tensor_parallel is not None:
+            from sglang_admin.scheduler.tp_worker import LeaderRunner
+
+            self.tensor_parallel.barrier()  # every TP rank's shard is loaded
+            self.runner = LeaderRunner(self.runner, self.tensor_parallel)  # type: ignore[assignment]
         info = self.runner.info
         self.kv_events: list[list[Any]] = []
         self.trace_ids: dict[str, str] = {}  # rid -> caller's trace id (for --log-requests)

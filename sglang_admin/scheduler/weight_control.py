@@ -82,7 +82,11 @@ def _refit(rank: Rank, msg: UpdateWeightsFromDiskReq, aborted: int) -> None:
     info = rank.model_info
     t0 = time.perf_counter()
     try:
-        refit_from_disk(rank.runner.model, msg.model_path, restore_from=rank.weights_source)
+        tp_refit = getattr(rank.runner, "refit_from_disk", None)  # --tp-size > 1
+        if tp_refit is not None:
+            tp_refit(msg.model_path, rank.weights_source)
+        else:
+            refit_from_disk(rank.runner.model, msg.model_path, restore_from=rank.weights_source)
     except RefitError as exc:
         if not exc.restored:
             _invalidate(rank)

@@ -1,0 +1,1 @@
+"""The server process: grpc.aio servicer, interceptors, communicator and the per-domain services."""

@@ -108,7 +108,7 @@ class Info:
             model_path=info.model_path,
             served_model_name=self.served_model_name,
             tokenizer_path=tokenizer_dir(self.args.tokenizer_path, info.tokenizer_path) or "",
-            tp_size=1,
+            tp_size=self.args.tp_size,
             pp_size=1,
             context_length=info.context_length,
             max_total_tokens=info.token_capacity,
@@ -141,6 +141,7 @@ class Info:
                     "context_length": info.context_length,
                     "is_generation": info.is_generation,
                     "dp_size": self.args.dp_size,
+                    "tp_size": self.args.tp_size,
                     "model": dataclasses.asdict(info),
                 }
             )

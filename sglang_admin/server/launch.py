@@ -9,6 +9,7 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
+import socket
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -40,6 +41,20 @@ def run_rank(args: ServerArgs, rank: int, parent_pid: int) -> None:
     from sglang_admin.scheduler.process import run_scheduler
 
     run_scheduler(args, rank, parent_pid)
+
+
+def run_tp_follower(args: ServerArgs, dp_rank: int, tp_rank: int, parent_pid: int) -> None:
+    """A TP follower's entry point (--tp-size > 1; scheduler/tp_worker.py)."""
+    from sglang_admin.scheduler.tp_worker import run_follower
+
+    run_follower(args, dp_rank, tp_rank, parent_pid)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now (a TP replica's rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
 
 
 class StartupError(Exception):
@@ -134,6 +149,8 @@ class Server:
         self.health = health.aio.HealthServicer()
         self.comm: Communicator | None = None
         self.server: grpc.aio.Server | None = None
+        # --tp-size > 1: (dp rank, tp rank, process) of every TP rank past the first
+        self.tp_procs: list[tuple[int, int, mp.process.BaseProcess]] = []
         self.stuck_ranks: set[int] = set()  # killed at shutdown: they cannot stop themselves
         self._tasks: set[asyncio.Task] = set()
 
@@ -152,6 +169,15 @@ class Server:
             )
             proc.start()
             self.procs.append(proc)
+            for tp_rank in range(1, self.args.tp_size):
+                follower = ctx.Process(
+                    target=run_tp_follower,
+                    args=(self.args, rank, tp_rank, os.getpid()),
+                    name=f"sglang-admin-rank{rank}-tp{tp_rank}",
+                    daemon=True,
+                )
+                follower.start()
+                self.tp_procs.append((rank, tp_rank, follower))
 
     def _rank_down(self, rank: int, why: str) -> None:
         """A rank exited or is stuck: its calls fail, health turns NOT_SERVING at once, and
@@ -184,6 +210,10 @@ class Server:
             for rank, proc in enumerate(self.procs):
                 if not proc.is_alive() and rank not in self.comm.dead_ranks:
                     self._rank_down(rank, f"exited with code {proc.exitcode}")
+            for rank, tp_rank, proc in self.tp_procs:
+                if not proc.is_alive() and rank not in self.comm.dead_ranks:
+                    self._rank_down(rank, f"(TP rank {tp_rank}) exited with code "
+                                          f"{proc.exitcode}")
             await asyncio.sleep(RANK_POLL_S)
 
     async def run(self) -> int:
@@ -294,7 +324,7 @@ class Server:
         if self.comm is not None:
             self.comm.metrics.stop_exporter()
             await self.comm.close()
-        for proc in self.procs:
+        for proc in [*self.procs, *(p for _, _, p in self.tp_procs)]:
             proc.join(timeout=5)
             if proc.is_alive():
                 proc.kill()
@@ -307,6 +337,8 @@ def serve(args: ServerArgs) -> int:
     ipc_dir.remove_stale()
     ipc_path = ipc_dir.create()
     args = args.replace(ipc_dir=ipc_path)
+    if args.tp_size > 1 and not args.tp_ports:  # one rendezvous per replica
+        args = args.replace(tp_ports=tuple(free_port() for _ in range(args.dp_size)))
     try:
         return asyncio.run(Server(args).run())
     except StartupError as exc:

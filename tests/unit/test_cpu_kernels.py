@@ -46,12 +46,13 @@ def _case(heads: int, kv_heads: int, dim: int, lens: list[int], seed: int = 0):
 @needs_kernel
 @pytest.mark.parametrize(
     "heads,kv_heads,dim",
-    [(8, 2, 32), (14, 2, 64), (4, 4, 128), (6, 3, 16), (3, 1, 12), (16, 8, 128)],
+    [(8, 2, 32), (14, 2, 64), (4, 4, 128), (6, 3, 16), (3, 1, 12), (16, 8, 128),
+     (9, 3, 64), (7, 1, 32), (5, 1, 64)],  # groups of 3, 7, 5: SmolLM2's, Qwen's
 )
 @pytest.mark.parametrize("window", [None, 1, 7, 300])
 def test_kernel_matches_torch(heads: int, kv_heads: int, dim: int, window: int | None) -> None:
-    """Vector (D % 8 == 0, 4 query heads per kv head) and plain paths, GQA and MHA, windows
-    shorter and longer than the sequences, a sequence of one token."""
+    """Vector (D % 8 == 0, any group: 4 query heads at a time, then the rest) and plain paths,
+    GQA and MHA, windows shorter and longer than the sequences, a sequence of one token."""
     lens = [1, 2, 9, 33, 100, 257]
     q, k, v, table, rows, lens_t = _case(heads, kv_heads, dim, lens)
     scores = torch.empty(heads * max(lens))
@@ -235,6 +236,19 @@ def test_elementwise_kernels_match_torch() -> None:
         kernel.silu_mul(torch.randn(4, 7))
     with pytest.raises(ValueError, match="laid out"):
         kernel.linear(torch.randn(4, 8), torch.randn(8, 5))
+
+
+@needs_kernel
+def test_linear_writes_a_column_slice_of_a_wider_output() -> None:
+    """The LM head cut among lane threads: each part written into its columns of the logits,
+    the rest of the tensor untouched."""
+    x, w = torch.randn(20, 24), torch.randn(50, 24)
+    out = torch.full((20, 70), 7.0)
+    kernel.linear(x, w[10:40].contiguous(), out=out[:, 5:35])
+    torch.testing.assert_close(out[:, 5:35], F.linear(x, w[10:40]), atol=1e-5, rtol=1e-4)
+    assert (out[:, :5] == 7.0).all() and (out[:, 35:] == 7.0).all()
+    with pytest.raises(ValueError, match="out"):
+        kernel.linear(x, w, out=torch.empty(20, 49))
 
 
 @needs_kernel

@@ -315,6 +315,33 @@ def test_lanes_change_nothing(model_dirs: dict[str, str], kind: str, torch_threa
             assert b.logprob == pytest.approx(a.logprob, abs=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_large_model_decode_steps_cut_each_matmul_among_lanes_the_same(
+        model_dirs: dict[str, str], kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At real shapes a decode step's projections and the LM head are cut into one part of
+    the weight rows per lane thread (model/lanes.py's thresholds, lowered here to the test
+    model): the same tokens and logprobs as one lane."""
+    from sglang_admin.model import runner as runner_module
+
+    path = model_dirs[kind]
+    assert not _runner(path, lanes=2).split_matmuls  # the test model is far below the bar
+    results = []
+    for lanes in (1, 2):
+        if lanes == 2:
+            monkeypatch.setattr(runner_module, "SPLIT_MATMUL_PARAMS", 0)
+            monkeypatch.setattr(runner_module, "LM_HEAD_SPLIT_PARAMS", 0)
+        runner = _runner(path, lanes=lanes)
+        assert runner.split_matmuls == (lanes == 2)
+        reqs = mixed_workload(runner.info.vocab_size)
+        for r in reqs:
+            r.return_logprob = True
+        results.append(simulate(runner, reqs))
+    for one, laned in zip(*results):
+        assert laned.out == one.out
+        for a, b in zip(one.outputs, laned.outputs):
+            assert b.logprob == pytest.approx(a.logprob, abs=1e-5)
+
+
 def test_steps_with_prefill_work_are_cut_into_balanced_lanes(model_dirs: dict[str, str]) -> None:
     runner = _runner(model_dirs["llama"], lanes=2)
 

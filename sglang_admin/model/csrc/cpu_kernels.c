@@ -48,10 +48,11 @@ static inline void token_scores(const float *qi, const float *kr, int64_t H, int
                                 int64_t D, float scale, float *sc, int64_t L) {
     const int64_t G = H / KV;
 #ifdef HAVE_AVX2
-    if (D % 8 == 0 && G % 4 == 0) {
+    if (D % 8 == 0) { /* any group: 4 heads at a time, then the rest one by one */
         for (int64_t h = 0; h < KV; h++) {
             const float *kh = kr + h * D;
-            for (int64_t g0 = 0; g0 < G; g0 += 4) {
+            int64_t g0 = 0;
+            for (; g0 + 4 <= G; g0 += 4) {
                 const int64_t hq = h * G + g0;
                 const float *q0 = qi + hq * D;
                 __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -72,6 +73,17 @@ static inline void token_scores(const float *qi, const float *kr, int64_t H, int
                 sc[(hq + 1) * L] = four[1];
                 sc[(hq + 2) * L] = four[2];
                 sc[(hq + 3) * L] = four[3];
+            }
+            for (; g0 < G; g0++) { /* a group of 3 or 7 (SmolLM2, Qwen2.5-0.5B): its tail */
+                const int64_t hq = h * G + g0;
+                const float *qh = qi + hq * D;
+                __m256 a = _mm256_setzero_ps();
+                for (int64_t d = 0; d < D; d += 8)
+                    a = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), _mm256_loadu_ps(kh + d), a);
+                const __m128 q4 = _mm_add_ps(_mm256_castps256_ps128(a),
+                                             _mm256_extractf128_ps(a, 1));
+                const __m128 q2 = _mm_hadd_ps(q4, q4);
+                sc[hq * L] = _mm_cvtss_f32(_mm_hadd_ps(q2, q2)) * scale;
             }
         }
         return;
@@ -148,10 +160,12 @@ static void weighted_values(const float *scores, const float *v, const int64_t *
                             float *oi, int64_t row) {
     const int64_t G = H / KV;
 #ifdef HAVE_AVX2
-    if (D % 32 == 0 && G % 2 == 0) {
-        /* two query heads x 32 dims in 8 registers, over all the sequence's tokens */
+    if (D % 32 == 0) {
+        /* two query heads x 32 dims in 8 registers, over all the sequence's tokens; an odd
+         * group's last head alone */
         for (int64_t h = 0; h < KV; h++) {
-            for (int64_t g0 = 0; g0 < G; g0 += 2) {
+            int64_t g0 = 0;
+            for (; g0 + 2 <= G; g0 += 2) {
                 const int64_t hq = h * G + g0;
                 const float *s0 = scores + hq * L, *s1 = s0 + L;
                 for (int64_t d0 = 0; d0 < D; d0 += 32) {
@@ -164,6 +178,23 @@ static void weighted_values(const float *scores, const float *v, const int64_t *
                     }
                     store_scaled(oi + hq * D + d0, a, inv[hq]);
                     store_scaled(oi + (hq + 1) * D + d0, b, inv[hq + 1]);
+                }
+            }
+            if (g0 < G) {
+                const int64_t hq = h * G + g0;
+                const float *s0 = scores + hq * L;
+                for (int64_t d0 = 0; d0 < D; d0 += 32) {
+                    __m256 a[4];
+                    for (int i = 0; i < 4; i++) a[i] = _mm256_setzero_ps();
+                    for (int64_t j = 0; j < L; j++) {
+                        if (j + PREFETCH_AHEAD < L)
+                            __builtin_prefetch(v + slots[j + PREFETCH_AHEAD] * row + h * D + d0);
+                        const float *vr = v + slots[j] * row + h * D + d0;
+                        const __m256 w0 = _mm256_broadcast_ss(s0 + j);
+                        for (int i = 0; i < 4; i++)
+                            a[i] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(vr + 8 * i), a[i]);
+                    }
+                    store_scaled(oi + hq * D + d0, a, inv[hq]);
                 }
             }
         }

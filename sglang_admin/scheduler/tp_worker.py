@@ -1,0 +1,163 @@
+"""The TP ranks of one replica (--tp-size > 1): the leader's runner and the followers' loop.
+
+TP rank 0 runs the replica's whole rank loop (scheduler/process.py) with its ModelRunner
+wrapped in :class:`LeaderRunner`, which sends every command that touches the model to the
+other TP ranks first (the step's batch, a cache reset, a refit, stop). TP ranks 1..N-1
+run :func:`run_follower`: they own no socket and no scheduler, only a shard of the model
+and a KV pool of the same slots, and do what rank 0 broadcasts, in the order it does it,
+so every forward's all-reduces meet. Why one scheduler per replica: model/tensor_parallel.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import signal
+import sys
+from typing import Any
+
+import torch
+
+from sglang_admin.config import ServerArgs
+from sglang_admin.logging_utils import setup_logging
+from sglang_admin.model.device import resolve_device, use_device
+from sglang_admin.model.runner import InvalidSequence, ModelRunner, SeqInput, SeqOutput
+from sglang_admin.model.tensor_parallel import TensorParallel, join_tensor_parallel
+from sglang_admin.model.weights import RefitError, refit_from_disk
+
+logger = logging.getLogger(__name__)
+
+STEP, RESET, REFIT, STOP = "step", "reset", "refit", "stop"
+
+
+def gpu_index(args: ServerArgs, dp_rank: int, tp_rank: int) -> int:
+    """A TP rank's GPU on CUDA, as SGLang numbers them: base + (dp x tp + tp rank) x step."""
+    return args.gpu_index(dp_rank * args.tp_size + tp_rank)
+
+
+def join_replica(args: ServerArgs, dp_rank: int, tp_rank: int) -> TensorParallel:
+    """TP rank ``tp_rank`` of replica ``dp_rank`` joins its group; blocks until all join."""
+    dev = resolve_device(args.device, gpu_index(args, dp_rank, tp_rank))
+    use_device(dev)
+    return join_tensor_parallel(args.tp_ports[dp_rank], tp_rank, args.tp_size, dev)
+
+
+def _refit_result(runner: ModelRunner, path: str, restore_from: str | None) -> tuple[bool, str, bool]:
+    """(ok, reason, restored) of one rank's refit of its shard."""
+    try:
+        refit_from_disk(runner.model, path, restore_from)
+    except RefitError as exc:
+        return False, str(exc), exc.restored
+    return True, "", True
+
+
+class LeaderRunner:
+    """TP rank 0's ModelRunner: each model command goes to the followers, then runs here.
+
+    Everything else (sizes, info, the model for read-only use) is the wrapped runner's.
+    """
+
+    def __init__(self, runner: ModelRunner, tp: TensorParallel) -> None:
+        self._runner = runner
+        self.tensor_parallel = tp
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._runner, name)
+
+    def forward_step(self, seqs: list[SeqInput]) -> list[SeqOutput | None]:
+        """Broadcast the batch (grammar matchers stay here: the followers' sampling is
+        discarded), then run it; an InvalidSequence raises on every rank alike."""
+        shared = [s if s.grammar is None else dataclasses.replace(s, grammar=None) for s in seqs]
+        self.tensor_parallel.broadcast((STEP, shared))
+        return self._runner.forward_step(seqs)
+
+    def reset(self) -> None:
+        self.tensor_parallel.broadcast((RESET,))
+        self._runner.reset()
+
+    def refit_from_disk(self, path: str, restore_from: str | None) -> None:
+        """Every TP rank loads its shard of ``path``; RefitError when any rank failed
+        (restored only when every rank put its old weights back)."""
+        self.tensor_parallel.broadcast((REFIT, path, restore_from))
+        results = self.tensor_parallel.gather(_refit_result(self._runner, path, restore_from))
+        failed = [(i, why, restored) for i, (ok, why, restored) in enumerate(results) if not ok]
+        if not failed:
+            return
+        tp_rank, why, _ = failed[0]
+        restored = len(failed) == len(results) and all(r for _, _, r in failed)
+        if len(failed) != len(results):
+            why += "; the other TP ranks loaded the new weights, so they are mixed"
+        raise RefitError(f"TP rank {tp_rank}: {why}", restored)
+
+    def stop_followers(self) -> None:
+        """Let the followers leave the group and exit (a clean shutdown; followers already
+        gone with the server are left to it)."""
+        try:
+            self.tensor_parallel.broadcast((STOP,))
+            self.tensor_parallel.close()
+        except RuntimeError as exc:  # gloo/nccl: a peer is gone
+            logger.warning("TP followers not stopped cleanly: %s", exc)
+
+
+def build_runner(args: ServerArgs, dp_rank: int, tp_rank: int,
+                 tensor_parallel: TensorParallel) -> ModelRunner:
+    """A follower's ModelRunner, built as RankLoop builds rank 0's (scheduler/process.py)."""
+    return ModelRunner(
+        args.model_path,
+        device=args.device,
+        dtype=args.dtype,
+        max_total_tokens=args.max_total_tokens,
+        max_running_requests=args.max_running_requests,
+        context_length=args.context_length,
+        seed=args.seed,
+        lora_slots=(args.max_loaded_loras, args.max_lora_rank) if args.enable_lora else None,
+        lanes=args.rank_lanes,
+        attention_backend=args.attention_backend,
+        gpu_index=gpu_index(args, dp_rank, tp_rank),
+        mem_fraction_static=args.mem_fraction_static,
+        is_embedding=args.is_embedding,
+        tensor_parallel=tensor_parallel,
+    )
+
+
+def follow(runner: ModelRunner, tp: TensorParallel) -> None:
+    """Run rank 0's commands until it says stop."""
+    while True:
+        command = tp.broadcast()
+        kind = command[0]
+        if kind == STEP:
+            try:
+                runner.forward_step(command[1])
+            except InvalidSequence:
+                pass  # rank 0 raised the same before any device work: it drops and resends
+        elif kind == RESET:
+            runner.reset()
+        elif kind == REFIT:
+            tp.gather(_refit_result(runner, command[1], command[2]))
+        elif kind == STOP:
+            return
+
+
+def run_follower(args: ServerArgs, dp_rank: int, tp_rank: int, parent_pid: int) -> None:
+    """Entry point of TP rank ``tp_rank`` (> 0) of replica ``dp_rank`` (spawned by launch)."""
+    from sglang_admin.model.runner import keep_freed_cpu_memory
+    from sglang_admin.scheduler.lifetime import die_with_parent
+
+    die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server decides when we stop
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    setup_logging(args.log_level, prefix=f"rank{dp_rank}-tp{tp_rank}")
+    torch.set_num_threads(args.rank_threads)
+    keep_freed_cpu_memory()
+    torch.manual_seed(args.seed + dp_rank)
+    try:
+        tp = join_replica(args, dp_rank, tp_rank)
+        runner = build_runner(args, dp_rank, tp_rank, tp)
+        tp.barrier()
+        logger.info("TP rank %d of replica %d ready on %s", tp_rank, dp_rank, runner.device)
+        follow(runner, tp)
+    except Exception as exc:  # noqa: BLE001 - the server sees the exit and goes down
+        logger.error("TP rank %d of replica %d failed: %s: %s", tp_rank, dp_rank,
+                     type(exc).__name__, exc)
+        sys.exit(1)
+    tp.close()
