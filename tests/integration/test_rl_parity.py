@@ -71,6 +71,10 @@ def test_kv_figures_on_a_warm_idle_worker_and_across_a_retract(worker) -> None:
         assert time.time() < deadline and not any(s.error for s in streams)
         time.sleep(0.02)
     before = _load(stub)
+    while before.num_running_reqs < 4:  # the rank publishes its state at most every 50 ms
+        assert time.time() < deadline, before
+        time.sleep(0.02)
+        before = _load(stub)
     assert before.num_used_tokens >= 4 * 20
     try:
         paused = stub.PauseGeneration(pb.PauseGenerationRequest(mode="retract"), timeout=30)
