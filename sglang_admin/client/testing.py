@@ -61,6 +61,7 @@ class ServerProc:
         return [int(p) for p in out.split()]
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+        """Signal the worker and wait for its exit (killed after ``timeout``); its exit code."""
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
             try:
@@ -69,6 +70,28 @@ class ServerProc:
                 self.proc.kill()
                 self.proc.wait(10)
         return self.proc.returncode
+
+    def stop_later(self) -> None:
+        """SIGTERM without waiting for the exit: the caller goes on while the worker drains
+        its ranks and stops (seconds). :func:`reap_stopping` waits for every such worker;
+        for a caller that does not look at the exit code (a fixture's teardown)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            _STOPPING.append(self)
+
+
+_STOPPING: list[ServerProc] = []
+
+
+def reap_stopping(timeout: float = 60) -> list[ServerProc]:
+    """Wait for every worker handed to :meth:`ServerProc.stop_later` (each killed if it is
+    still running after ``timeout``); returns those that exited with a non-zero code."""
+    failed = []
+    while _STOPPING:
+        server = _STOPPING.pop()
+        if server.stop(timeout=timeout) != 0:
+            failed.append(server)
+    return failed
 
 
 def wait_serving(target: str, proc: subprocess.Popen, timeout: float = 180, **chan_kw) -> None:
@@ -114,6 +137,16 @@ def start_server(
             server.stop(signal.SIGKILL)
             raise RuntimeError(f"server failed to start:\n{server.log()[-4000:]}") from None
     return server
+
+
+def wait_started(server: ServerProc, timeout: float = 180) -> None:
+    """Block until a worker started with ``wait=False`` is SERVING (several then start side
+    by side); one that fails is killed and its log's end raised."""
+    try:
+        wait_serving(server.target, server.proc, timeout)
+    except Exception:
+        server.stop(signal.SIGKILL)
+        raise RuntimeError(f"server failed to start:\n{server.log()[-4000:]}") from None
 
 
 def greedy(ids: list[int], n: int, **kw) -> pb.GenerateRequest:

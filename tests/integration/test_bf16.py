@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from sglang_admin.pb import common_pb2 as pb
-from tests.conftest import ServerProc, greedy, run_generate, start_server
+from tests.conftest import ServerProc, greedy, run_generate, start_server, wait_started
 from tests.lora_models import build_adapter, build_base, peft_model
 
 torch = pytest.importorskip("torch")
@@ -103,7 +103,7 @@ def bf16_worker(request, tmp_path_factory) -> Iterator[tuple[ServerProc, Path]]:
     srv = start_server(root, "--model-path", str(base), "--dtype", "bfloat16",
                        "--max-prefill-tokens", "64")
     yield srv, base
-    srv.stop()
+    srv.stop_later()
 
 
 def test_greedy_bfloat16_matches_transformers_bfloat16(bf16_worker) -> None:
@@ -151,7 +151,7 @@ def bf16_lora(tmp_path_factory) -> Iterator[tuple[ServerProc, dict[str, Path]]]:
                        f"mlp={adapters['mlp']}")
     adapters["base"] = base
     yield srv, adapters
-    srv.stop()
+    srv.stop_later()
 
 
 def test_lora_in_bfloat16_matches_peft_in_bfloat16(bf16_lora) -> None:
@@ -224,7 +224,7 @@ def test_refit_in_bfloat16_from_float32_and_bfloat16_checkpoints(checkpoints, tm
             want = safetensors_torch.load_file(checkpoints["B"] / "model.safetensors")[name]
             assert list(got.values) == want.to(torch.bfloat16).float().flatten()[:8].tolist()
     finally:
-        srv.stop()
+        srv.stop_later()
 
 
 def _push(stub: Any, path: Path, dtype: torch.dtype) -> None:
@@ -260,20 +260,21 @@ def test_auto_serves_a_bfloat16_checkpoint_in_bfloat16_where_the_cpu_has_it(
     from sglang_admin.model.cpu_dtype import cpu_has_native_bf16
 
     expected = "bfloat16" if cpu_has_native_bf16() else "float32"
-    half = start_server(tmp_path, "--model-path", str(checkpoints["B16"]))
+    # both workers start side by side
+    half = start_server(tmp_path, "--model-path", str(checkpoints["B16"]), wait=False)
+    full = start_server(tmp_path, "--model-path", str(checkpoints["A"]), wait=False)
     try:
+        for srv in (half, full):
+            wait_started(srv)
         assert server_dtype(half) == expected
         ours = served(half.stub(), PROMPTS[:4], NEW_TOKENS)
         if expected == "bfloat16":
             assert compare(ours, hf_model(checkpoints["B16"]), PROMPTS[:4], NEW_TOKENS,
                            "auto") >= 2
-    finally:
-        half.stop()
-    full = start_server(tmp_path, "--model-path", str(checkpoints["A"]))
-    try:
         assert server_dtype(full) == "float32"  # a float32 checkpoint stays float32
     finally:
-        full.stop()
+        half.stop_later()
+        full.stop_later()
 
 
 # ---------------------------------------------------------------- fuzzing
@@ -294,4 +295,4 @@ def test_brief_fuzz_run_in_bfloat16_finds_no_death(tmp_path, capsys) -> None:
         assert "FAIL status" not in out and "DEATH" not in out
         assert "unexpected:" not in out, out
     finally:
-        srv.stop()
+        srv.stop_later()

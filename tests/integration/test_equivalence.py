@@ -54,7 +54,7 @@ def tiny(request, tmp_path_factory) -> Iterator[tuple[ServerProc, object]]:
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.eval()
     yield srv, model
-    srv.stop()
+    srv.stop_later()
 
 
 def _reference(model, prompt: list[int], n: int) -> tuple[list[int], list[float]]:

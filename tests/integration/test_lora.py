@@ -41,7 +41,7 @@ def lora_worker(request, tmp_path_factory) -> Iterator[tuple[str, ServerProc, di
                        "--lora-paths", f"attn={adapters['attn']}")
     adapters["base"] = base
     yield request.param, srv, adapters
-    srv.stop()
+    srv.stop_later()
 
 
 def _load(stub, name: str, path: Path, lora_id: str = "", pinned: bool = False):
@@ -309,4 +309,4 @@ def test_dp2_loads_on_every_rank_behind_the_admin_key(tmp_path: Path) -> None:
                                       metadata=key)
         assert resp.success and len(resp.rank_results) == 2 and not resp.loaded_lora_ids
     finally:
-        srv.stop()
+        srv.stop_later()

@@ -40,7 +40,7 @@ def dp2(tmp_path_factory: pytest.TempPathFactory, root: Path) -> Iterator[Server
         tmp_path_factory.mktemp("isolation"), "--dp-size", "2", "--profile-dir", str(root)
     )
     yield srv
-    srv.stop()
+    srv.stop_later()
 
 
 def rank_pids(srv: ServerProc) -> dict[int, int]:

@@ -14,7 +14,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -217,7 +216,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         if router is not None:
             stop_router(router)
         for w in workers:
-            w.stop(signal.SIGTERM, timeout=30)
+            w.stop_later()
 
 
 # ---------------------------------------------------------------------- tests
