@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from sglang_admin.client.testing import (  # noqa: F401  (re-exported for the tests)
+    Prestart,
     ServerProc,
     free_port,
     greedy,

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -83,9 +84,40 @@ class ServerProc:
 _STOPPING: list[ServerProc] = []
 
 
+class Prestart:
+    """The workers of a parametrized fixture, started one parameter ahead: the next
+    parameter's worker boots (seconds of CPU, mostly on one core) while the tests of this
+    one run. ``start(param)`` starts one with ``wait=False`` and returns it."""
+
+    def __init__(self, params: list[str], start: Callable[[str], ServerProc]) -> None:
+        self.params = list(params)
+        self.start = start
+        self.started: dict[str, ServerProc] = {}
+
+    def take(self, param: str) -> ServerProc:
+        """``param``'s worker, SERVING; the next parameter's starts now beside it. One the
+        tests never take is stopped by :func:`reap_stopping`."""
+        server = self.started.pop(param, None) or self.start(param)
+        i = self.params.index(param)
+        following = self.params[i + 1] if i + 1 < len(self.params) else None
+        if following is not None and following not in self.started:
+            self.started[following] = self.start(following)
+            _UNTAKEN.append(self.started[following])
+        if server in _UNTAKEN:
+            _UNTAKEN.remove(server)
+        wait_started(server)
+        return server
+
+
+_UNTAKEN: list[ServerProc] = []  # started by a Prestart, never taken (yet)
+
+
 def reap_stopping(timeout: float = 60) -> list[ServerProc]:
     """Wait for every worker handed to :meth:`ServerProc.stop_later` (each killed if it is
-    still running after ``timeout``); returns those that exited with a non-zero code."""
+    still running after ``timeout``), after stopping those a :class:`Prestart` started for
+    nobody; returns those that exited with a non-zero code."""
+    while _UNTAKEN:
+        _UNTAKEN.pop().stop_later()
     failed = []
     while _STOPPING:
         server = _STOPPING.pop()

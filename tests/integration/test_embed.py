@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from sglang_admin.pb import common_pb2 as pb
-from tests.conftest import ServerProc, free_port, greedy, start_server
+from tests.conftest import Prestart, ServerProc, free_port, greedy, start_server
 from tests.embed_checkpoints import KINDS, Reference, build, server_flags
 
 torch = pytest.importorskip("torch")
@@ -52,13 +52,26 @@ def assert_close(served: list[float], expected: list[float], what: str) -> None:
     assert diff <= TOLERANCE, f"{what}: max difference {diff:.2e}"
 
 
+@pytest.fixture(scope="module")
+def kinds_ahead(tmp_path_factory) -> tuple[Prestart, dict[str, Path]]:
+    """Each kind's checkpoint and worker, the next kind's started while one's tests run."""
+    paths: dict[str, Path] = {}
+
+    def start(kind: str) -> ServerProc:
+        paths[kind] = build(kind, tmp_path_factory.mktemp(kind))
+        return start_server(tmp_path_factory.mktemp(f"{kind}-srv"), "--model-path",
+                            str(paths[kind]), "--dtype", "float32", "--max-prefill-tokens",
+                            "64", *server_flags(kind), wait=False)
+
+    return Prestart(list(KINDS), start), paths
+
+
 @pytest.fixture(scope="module", params=list(KINDS))
-def served(request, tmp_path_factory) -> Iterator[tuple[str, Path, ServerProc]]:
+def served(request, kinds_ahead) -> Iterator[tuple[str, Path, ServerProc]]:
     kind = request.param
-    path = build(kind, tmp_path_factory.mktemp(kind))
-    srv = start_server(tmp_path_factory.mktemp(f"{kind}-srv"), "--model-path", str(path),
-                       "--dtype", "float32", "--max-prefill-tokens", "64", *server_flags(kind))
-    yield kind, path, srv
+    prestart, paths = kinds_ahead
+    srv = prestart.take(kind)
+    yield kind, paths[kind], srv
     srv.stop_later()
 
 
