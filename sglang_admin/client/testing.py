@@ -93,14 +93,17 @@ class Prestart:
         self.params = list(params)
         self.start = start
         self.started: dict[str, ServerProc] = {}
+        self.taken: set[str] = set()  # handed out once: not started ahead again
 
     def take(self, param: str) -> ServerProc:
         """``param``'s worker, SERVING; the next parameter's starts now beside it. One the
         tests never take is stopped by :func:`reap_stopping`."""
         server = self.started.pop(param, None) or self.start(param)
+        self.taken.add(param)
         i = self.params.index(param)
         following = self.params[i + 1] if i + 1 < len(self.params) else None
-        if following is not None and following not in self.started:
+        if following is not None and following not in self.started \
+                and following not in self.taken:
             self.started[following] = self.start(following)
             _UNTAKEN.append(self.started[following])
         if server in _UNTAKEN:
