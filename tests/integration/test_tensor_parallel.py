@@ -228,13 +228,39 @@ SYNC_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def sync_worker(tmp_path_factory) -> Iterator[tuple[ServerProc, Path]]:
-    """One tp 2 worker (Qwen2: its one KV head replicated on both TP ranks) for the
-    weight-sync tests."""
-    path = build_checkpoint("qwen2", tmp_path_factory.mktemp("sync") / "ckpt", seed=3)
-    srv = start_tp(tmp_path_factory.mktemp("sync-srv"), path)
-    yield srv, path
+def sync_worker(tmp_path_factory) -> Iterator[tuple[ServerProc, Path, dict[str, Path]]]:
+    """One tp 2 worker for the weight-sync, memory and LoRA tests: test_lora.py's Llama
+    base (2 KV heads split, untied LM head) with LoRA on, its "attn" adapter (q/k/v/o)
+    given at start and "mlp" (gate/up/down and q) loaded at run time. Each test starts by
+    loading the base checkpoint from disk, whatever ran before."""
+    from tests.integration.test_lora import SERVER_ARGS
+    from tests.lora_models import build_adapter, build_base
+
+    root = tmp_path_factory.mktemp("sync")
+    base = build_base("llama", root / "base")
+    adapters = {name: build_adapter(base, name, root / name, seed)
+                for seed, name in enumerate(["attn", "mlp"], start=1)}
+    srv = start_server(root, "--model-path", str(base), *SERVER_ARGS, "--tp-size", "2",
+                       "--lora-paths", f"attn={adapters['attn']}")
+    adapters["base"] = base
+    yield srv, base, adapters
     assert srv.stop() == 0, srv.log()[-3000:]
+
+
+def load_base(srv: ServerProc, ckpt: Path) -> None:
+    refit = srv.stub().UpdateWeightsFromDisk(
+        pb.UpdateWeightsFromDiskRequest(model_path=str(ckpt)), timeout=120)
+    assert refit.success, refit.message
+
+
+def test_lora_at_tp2_equals_peft_token_for_token(sync_worker) -> None:
+    """test_lora.py's mixed batch (the base model and two adapters in one batch, logprobs
+    within 1e-4 of peft's) with A/B cut as their base layers are."""
+    from tests.integration.test_lora import test_mixed_batch_equals_peft_token_for_token as same
+
+    srv, ckpt, adapters = sync_worker
+    load_base(srv, ckpt)
+    same(("llama-tp2", srv, adapters))
 
 
 def sync_outputs(srv: ServerProc) -> list[list[int]]:
@@ -257,7 +283,8 @@ def test_a_trainer_pushes_to_every_tp_rank_as_a_refit_from_disk_would(
     memory. Each time the worker answers as transformers on the trained model does, and
     after the first push each TP rank holds exactly what a refit from disk of the same
     weights loads (CheckWeights' per-rank digests)."""
-    srv, ckpt = sync_worker
+    srv, ckpt, _ = sync_worker
+    load_base(srv, ckpt)
     stub = srv.stub()
     before = sync_outputs(srv)
     log = tmp_path / "trainer.log"
@@ -319,11 +346,9 @@ def test_a_trainer_pushes_to_every_tp_rank_as_a_refit_from_disk_would(
 def test_memory_release_and_resume_on_every_tp_rank(sync_worker) -> None:
     """Both TP ranks free their KV pool and their shard; a resume reloads every shard from
     the checkpoint and checks the replica's digest: the same weights, the same tokens."""
-    srv, ckpt = sync_worker
+    srv, ckpt, _ = sync_worker
     stub = srv.stub()
-    refit = stub.UpdateWeightsFromDisk(  # whatever ran before: weights from the checkpoint
-        pb.UpdateWeightsFromDiskRequest(model_path=str(ckpt)), timeout=120)
-    assert refit.success, refit.message
+    load_base(srv, ckpt)
     before, digests = sync_outputs(srv), check_digests(srv)
     released = stub.ReleaseMemoryOccupation(pb.ReleaseMemoryOccupationRequest(), timeout=60)
     assert released.success, released.message
@@ -338,32 +363,6 @@ def test_memory_release_and_resume_on_every_tp_rank(sync_worker) -> None:
     assert "weights reloaded" in resumed.rank_results[0].message
     assert check_digests(srv) == digests
     assert sync_outputs(srv) == before
-
-
-@pytest.fixture(scope="module")
-def tp_lora_worker(tmp_path_factory) -> Iterator[tuple[str, ServerProc, dict[str, Path]]]:
-    """A tp 2 worker with LoRA (test_lora.py's Llama base and adapters: q/k/v/o, and
-    gate/up/down with q; one given at start, one loaded at run time)."""
-    from tests.integration.test_lora import SERVER_ARGS
-    from tests.lora_models import build_adapter, build_base
-
-    root = tmp_path_factory.mktemp("tp-lora")
-    base = build_base("llama", root / "base")
-    adapters = {name: build_adapter(base, name, root / name, seed)
-                for seed, name in enumerate(["attn", "mlp"], start=1)}
-    srv = start_server(root, "--model-path", str(base), *SERVER_ARGS, "--tp-size", "2",
-                       "--lora-paths", f"attn={adapters['attn']}")
-    adapters["base"] = base
-    yield "llama-tp2", srv, adapters
-    assert srv.stop() == 0, srv.log()[-3000:]
-
-
-def test_lora_at_tp2_equals_peft_token_for_token(tp_lora_worker) -> None:
-    """test_lora.py's mixed batch (the base model and two adapters in one batch, logprobs
-    within 1e-4 of peft's) with A/B cut as their base layers are."""
-    from tests.integration.test_lora import test_mixed_batch_equals_peft_token_for_token as same
-
-    same(tp_lora_worker)
 
 
 def test_update_weights_from_disk_reaches_every_tp_rank(tmp_path: Path) -> None:
