@@ -2,10 +2,13 @@
 
 TP rank 0 runs the replica's whole rank loop (scheduler/process.py) with its ModelRunner
 wrapped in :class:`LeaderRunner`, which sends every command that touches the model to the
-other TP ranks first (the step's batch, a cache reset, a refit, stop). TP ranks 1..N-1
-run :func:`run_follower`: they own no socket and no scheduler, only a shard of the model
-and a KV pool of the same slots, and do what rank 0 broadcasts, in the order it does it,
-so every forward's all-reduces meet. Why one scheduler per replica: model/tensor_parallel.py.
+other TP ranks first (the step's batch, a cache reset, a refit, a memory release or
+resume, a LoRA adapter written or cleared, stop; the weight-sync and read-back commands are
+scheduler/tp_weights.py's, the profile ones scheduler/tp_profile.py's). TP ranks 1..N-1 run
+:func:`run_follower`: they own no scheduler and no socket but their heartbeat's, only a
+shard of the model and a KV pool of the same slots, and do what rank 0 broadcasts, in the
+order it does it, so every forward's all-reduces meet. Why one scheduler per replica:
+model/tensor_parallel.py.
 """
 
 from __future__ import annotations
