@@ -16,9 +16,9 @@ from sglang_admin.client.testing import (  # noqa: F401  (re-exported for the te
     ServerProc,
     free_port,
     greedy,
-    reap_stopping,
     run_generate,
     start_server,
+    stop_untaken,
     wait_serving,
     wait_started,
 )
@@ -31,10 +31,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
     """One worker on the embedded default model, shared by the tests that only read."""
     srv = start_server(tmp_path_factory.mktemp("server"), "--log-requests")
     yield srv
-    srv.stop_later()
+    srv.stop()
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Wait for the workers that fixtures stopped without waiting (ServerProc.stop_later):
-    none outlives the run."""
-    reap_stopping()
+    """No worker started ahead (Prestart) outlives the run."""
+    stop_untaken()

@@ -72,17 +72,6 @@ class ServerProc:
                 self.proc.wait(10)
         return self.proc.returncode
 
-    def stop_later(self) -> None:
-        """SIGTERM without waiting for the exit: the caller goes on while the worker drains
-        its ranks and stops (seconds). :func:`reap_stopping` waits for every such worker;
-        for a caller that does not look at the exit code (a fixture's teardown)."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            _STOPPING.append(self)
-
-
-_STOPPING: list[ServerProc] = []
-
 
 class Prestart:
     """The workers of a parametrized fixture, started one parameter ahead: the next
@@ -97,7 +86,7 @@ class Prestart:
 
     def take(self, param: str) -> ServerProc:
         """``param``'s worker, SERVING; the next parameter's starts now beside it. One the
-        tests never take is stopped by :func:`reap_stopping`."""
+        tests never take is stopped by :func:`stop_untaken`."""
         server = self.started.pop(param, None) or self.start(param)
         self.taken.add(param)
         i = self.params.index(param)
@@ -115,18 +104,10 @@ class Prestart:
 _UNTAKEN: list[ServerProc] = []  # started by a Prestart, never taken (yet)
 
 
-def reap_stopping(timeout: float = 60) -> list[ServerProc]:
-    """Wait for every worker handed to :meth:`ServerProc.stop_later` (each killed if it is
-    still running after ``timeout``), after stopping those a :class:`Prestart` started for
-    nobody; returns those that exited with a non-zero code."""
+def stop_untaken() -> None:
+    """Stop the workers a :class:`Prestart` started that no test took (deselected)."""
     while _UNTAKEN:
-        _UNTAKEN.pop().stop_later()
-    failed = []
-    while _STOPPING:
-        server = _STOPPING.pop()
-        if server.stop(timeout=timeout) != 0:
-            failed.append(server)
-    return failed
+        _UNTAKEN.pop().stop()
 
 
 def wait_serving(target: str, proc: subprocess.Popen, timeout: float = 180, **chan_kw) -> None:

@@ -24,7 +24,7 @@ def dp2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
     srv = start_server(tmp_path_factory.mktemp("dp2"), "--dp-size", "2", "--log-requests",
                        "--watchdog-probe-timeout", "120")
     yield srv
-    srv.stop_later()
+    srv.stop()
 
 
 def rank_pids(srv: ServerProc) -> dict[int, int]:

@@ -25,7 +25,7 @@ CONTEXT = 8192
 def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
     server = start_server(tmp_path_factory.mktemp("bad_input"), "--dp-size", "2")
     yield server
-    server.stop_later()
+    server.stop()
 
 
 @pytest.fixture(scope="module")

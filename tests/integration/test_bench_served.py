@@ -20,7 +20,7 @@ def metrics_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerP
     tmp: Path = tmp_path_factory.mktemp("served")
     srv = start_server(tmp, "--enable-metrics", "--metrics-port", str(free_port()))
     yield srv
-    srv.stop_later()
+    srv.stop()
 
 
 @pytest.mark.parametrize("concurrency", [0, 2])

@@ -36,7 +36,7 @@ def bench_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Ser
     profile_root.mkdir()
     srv = start_server(tmp, "--profile-dir", str(profile_root))
     yield srv, profile_root
-    srv.stop_later()
+    srv.stop()
 
 
 def run_bench(*args: str) -> subprocess.CompletedProcess:
@@ -213,4 +213,4 @@ def test_api_keys_are_sent(tmp_path: Path) -> None:
         assert out.returncode == 0, out.stderr
         assert "Successful requests:                     2" in out.stdout
     finally:
-        srv.stop_later()
+        srv.stop()

@@ -103,7 +103,7 @@ def bf16_worker(request, tmp_path_factory) -> Iterator[tuple[ServerProc, Path]]:
     srv = start_server(root, "--model-path", str(base), "--dtype", "bfloat16",
                        "--max-prefill-tokens", "64")
     yield srv, base
-    srv.stop_later()
+    srv.stop()
 
 
 def test_greedy_bfloat16_matches_transformers_bfloat16(bf16_worker) -> None:
@@ -151,7 +151,7 @@ def bf16_lora(tmp_path_factory) -> Iterator[tuple[ServerProc, dict[str, Path]]]:
                        f"mlp={adapters['mlp']}")
     adapters["base"] = base
     yield srv, adapters
-    srv.stop_later()
+    srv.stop()
 
 
 def test_lora_in_bfloat16_matches_peft_in_bfloat16(bf16_lora) -> None:
@@ -224,7 +224,7 @@ def test_refit_in_bfloat16_from_float32_and_bfloat16_checkpoints(checkpoints, tm
             want = safetensors_torch.load_file(checkpoints["B"] / "model.safetensors")[name]
             assert list(got.values) == want.to(torch.bfloat16).float().flatten()[:8].tolist()
     finally:
-        srv.stop_later()
+        srv.stop()
 
 
 def _push(stub: Any, path: Path, dtype: torch.dtype) -> None:
@@ -273,8 +273,8 @@ def test_auto_serves_a_bfloat16_checkpoint_in_bfloat16_where_the_cpu_has_it(
                            "auto") >= 2
         assert server_dtype(full) == "float32"  # a float32 checkpoint stays float32
     finally:
-        half.stop_later()
-        full.stop_later()
+        half.stop()
+        full.stop()
 
 
 # ---------------------------------------------------------------- fuzzing
@@ -295,4 +295,4 @@ def test_brief_fuzz_run_in_bfloat16_finds_no_death(tmp_path, capsys) -> None:
         assert "FAIL status" not in out and "DEATH" not in out
         assert "unexpected:" not in out, out
     finally:
-        srv.stop_later()
+        srv.stop()

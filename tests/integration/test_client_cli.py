@@ -41,8 +41,8 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerPr
                 raise RuntimeError(f"server failed to start:\n{srv.log()[-4000:]}") from None
         yield a, b
     finally:
-        a.stop_later()
-        b.stop_later()
+        a.stop()
+        b.stop()
 
 
 @pytest.fixture(scope="module")

@@ -64,7 +64,7 @@ def test_idle_connection_closed_but_a_long_stream_is_not(tmp_path: Path) -> None
             time.sleep(IDLE_S * 3)
             assert stub.HealthCheck(pb.HealthCheckRequest(), timeout=20).healthy
     finally:
-        srv.stop_later()
+        srv.stop()
 
 
 def test_default_server_keeps_an_idle_connection(server: ServerProc) -> None:

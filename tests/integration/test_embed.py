@@ -72,7 +72,7 @@ def served(request, kinds_ahead) -> Iterator[tuple[str, Path, ServerProc]]:
     prestart, paths = kinds_ahead
     srv = prestart.take(kind)
     yield kind, paths[kind], srv
-    srv.stop_later()
+    srv.stop()
 
 
 def test_vectors_equal_transformers_for_a_mixed_batch(served) -> None:
@@ -150,7 +150,7 @@ def qwen3(tmp_path_factory) -> Iterator[tuple[Path, ServerProc]]:
                        "--metrics-port", str(free_port()), "--profile-dir",
                        str(tmp_path_factory.mktemp("qwen3-profiles")))
     yield path, srv
-    srv.stop_later()
+    srv.stop()
 
 
 @pytest.mark.parametrize("ids, words", [
@@ -333,7 +333,7 @@ def reward(tmp_path_factory) -> Iterator[tuple[dict[str, Path], ServerProc]]:
     srv = start_server(fresh(root, "srv"), "--model-path", str(paths["a"]), "--dtype",
                        "float32", "--max-prefill-tokens", "32")
     yield paths, srv
-    srv.stop_later()
+    srv.stop()
 
 
 def serve_a(paths: dict[str, Path], srv: ServerProc) -> None:

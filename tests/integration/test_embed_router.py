@@ -70,7 +70,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     finally:
         stop_router(router)
         for w in workers:
-            w.stop_later()
+            w.stop()
 
 
 def test_workers_register_as_embedding_models(gateway: Gateway) -> None:

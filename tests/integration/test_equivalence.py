@@ -71,7 +71,7 @@ def tiny(request, kinds_ahead) -> Iterator[tuple[ServerProc, object]]:
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.eval()
     yield srv, model
-    srv.stop_later()
+    srv.stop()
 
 
 def _reference(model, prompt: list[int], n: int) -> tuple[list[int], list[float]]:

@@ -116,7 +116,7 @@ def small(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
     """Two running requests at most, so a third one queues."""
     srv = start_server(tmp_path_factory.mktemp("faults"), "--max-running-requests", "2")
     yield srv
-    srv.stop_later()
+    srv.stop()
 
 
 @pytest.fixture(scope="module")

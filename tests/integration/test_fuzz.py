@@ -22,7 +22,7 @@ def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
     tmp = tmp_path_factory.mktemp("fuzz")
     server = start_server(tmp, "--dp-size", "2", "--profile-dir", str(tmp / "profiles"))
     yield server
-    server.stop_later()
+    server.stop()
 
 
 def test_brief_fuzz_run_finds_no_death(srv: ServerProc, capsys: pytest.CaptureFixture[str]) -> None:

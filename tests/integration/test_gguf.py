@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -96,7 +97,7 @@ def on_gguf(files, cache, tmp_path_factory) -> Iterator[tuple[ServerProc, dict]]
                        str(files["a"].parent), "--dtype", "float32",
                        env={"SGLANG_ADMIN_CACHE_DIR": str(cache)})
     yield srv, ref
-    srv.stop_later()
+    srv.stop()
 
 
 def outputs(stub, prompts: list[list[int]]) -> list[list[int]]:
@@ -172,7 +173,7 @@ def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Se
     path = smollm2_file()
     srv = start_server(tmp_path_factory.mktemp("smollm2"), "--model-path", "smollm2")
     yield path, srv
-    srv.stop_later()
+    srv.stop(signal.SIGTERM, timeout=30)
 
 
 @pytest.mark.slow

@@ -115,7 +115,7 @@ def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerUnderTest]:
     profile_root.mkdir()
     proc = start_server(tmp, "--profile-dir", str(profile_root))
     yield ServerUnderTest(proc, profile_root)
-    proc.stop_later()
+    proc.stop()
 
 
 def test_list_shows_every_service(srv: ServerUnderTest) -> None:

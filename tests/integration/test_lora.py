@@ -57,7 +57,7 @@ def lora_worker(request, kinds_ahead) -> Iterator[tuple[str, ServerProc, dict[st
     prestart, files = kinds_ahead
     srv = prestart.take(request.param)
     yield request.param, srv, files[request.param]
-    srv.stop_later()
+    srv.stop()
 
 
 def _load(stub, name: str, path: Path, lora_id: str = "", pinned: bool = False):
@@ -325,4 +325,4 @@ def test_dp2_loads_on_every_rank_behind_the_admin_key(tmp_path: Path) -> None:
                                       metadata=key)
         assert resp.success and len(resp.rank_results) == 2 and not resp.loaded_lora_ids
     finally:
-        srv.stop_later()
+        srv.stop()

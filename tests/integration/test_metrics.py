@@ -57,7 +57,7 @@ def metered(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerPr
     srv = start_server(tmp_path_factory.mktemp("metrics"), "--dp-size", "2",
                        "--enable-metrics", "--metrics-port", str(port))
     yield srv, port
-    srv.stop_later()
+    srv.stop()
 
 
 def scrape(port: int) -> str:
@@ -268,7 +268,7 @@ def test_a_long_prefill_is_never_flagged(tmp_path: Path) -> None:
         if max(ages) <= 0.3:
             pytest.skip(f"the 4k prefill step took under the 0.3 s probe timeout here: {ages}")
     finally:
-        srv.stop_later()
+        srv.stop()
 
 
 def test_the_exporter_and_get_metrics_honour_the_api_key(tmp_path: Path) -> None:
@@ -296,4 +296,4 @@ def test_the_exporter_and_get_metrics_honour_the_api_key(tmp_path: Path) -> None
                                metadata=[("authorization", "Bearer k1")]).text
         assert "sglang:num_running_reqs" in text
     finally:
-        srv.stop_later()
+        srv.stop()

@@ -33,7 +33,7 @@ def srv(tmp_path_factory: pytest.TempPathFactory, root: Path) -> Iterator[Server
         tmp_path_factory.mktemp("profile-server"), "--dp-size", "2", "--profile-dir", str(root)
     )
     yield server
-    server.stop_later()
+    server.stop()
 
 
 @pytest.fixture
@@ -269,4 +269,4 @@ def test_a_profile_left_running_stops_at_its_step_cap(tmp_path: Path) -> None:
         assert len(events(Path(stop.files[0]))) == 3
         assert stub.StopProfile(pb.StopProfileRequest(), timeout=TIMEOUT).message == NOT_RUNNING
     finally:
-        server.stop_later()
+        server.stop()

@@ -40,7 +40,7 @@ def dp2(tmp_path_factory: pytest.TempPathFactory, root: Path) -> Iterator[Server
         tmp_path_factory.mktemp("isolation"), "--dp-size", "2", "--profile-dir", str(root)
     )
     yield srv
-    srv.stop_later()
+    srv.stop()
 
 
 def rank_pids(srv: ServerProc) -> dict[int, int]:

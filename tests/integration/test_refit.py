@@ -112,7 +112,7 @@ def dp2(ckpts: Checkpoints, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         "--dtype", "float32", "--log-requests",
     )
     yield srv
-    srv.stop_later()
+    srv.stop()
 
 
 # ---------------------------------------------------------------- helpers
@@ -521,4 +521,4 @@ def test_release_memory_lowers_rss_and_resume_serves_the_same(tmp_path: Path) ->
         assert after == before
         assert complete.finish_reason == "length"
     finally:
-        srv.stop_later()
+        srv.stop()

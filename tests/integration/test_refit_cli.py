@@ -50,7 +50,7 @@ def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerPr
         yield procs[0], procs[1]
     finally:
         for srv in procs:
-            srv.stop_later()
+            srv.stop()
 
 
 def cli(*args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:

@@ -31,7 +31,7 @@ def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerPro
     srv = start_server(root, "--model-path", str(base), "--dtype", "float32",
                        "--enable-lora", "--max-loaded-loras", "2", "--max-lora-rank", "8")
     yield srv, base, adapter
-    srv.stop_later()
+    srv.stop()
 
 
 def _load(stub) -> pb.SchedulerLoad:

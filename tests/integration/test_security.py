@@ -175,7 +175,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
         raise RuntimeError(f"servers failed to start:\n{logs}") from None
     yield Servers(*started, pki=pki)
     for s in started:
-        s.stop_later()
+        s.stop()
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -216,7 +217,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         if router is not None:
             stop_router(router)
         for w in workers:
-            w.stop_later()
+            w.stop(signal.SIGTERM, timeout=30)
 
 
 # ---------------------------------------------------------------------- tests

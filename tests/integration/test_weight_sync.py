@@ -46,7 +46,7 @@ def worker(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ser
     srv = start_server(tmp_path_factory.mktemp("sync-dp2"), "--model-path", str(ckpt),
                        "--dp-size", "2", "--dtype", "float32")
     yield srv
-    srv.stop_later()
+    srv.stop()
 
 
 def worker_outputs(stub: pb_grpc.SglangSchedulerStub) -> list[list[int]]:
