@@ -40,6 +40,9 @@ class Req:
     sent_logprobs: int = 0
     arrived: float = field(default_factory=time.monotonic)
     queue_time_s: float = 0.0  # from arrival to the first admission (sglang:queue_time)
+    # issue 33 (preemption.py): when it last joined the waiting queue / the running batch
+    waiting_since: float = 0.0
+    running_since: float = 0.0
     lora_id: str = ""  # the adapter it holds (released when it ends); "": the base model
     lora_slot: int = -1  # that adapter's slot in the model's LoRA buffers
     lora_ns: int = 0  # its radix cache namespace (lora_registry.cache_key)

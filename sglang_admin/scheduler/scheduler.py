@@ -21,6 +21,7 @@ from sglang_admin.scheduler.grammar import GrammarQueue
 from sglang_admin.scheduler.kv_pool import TokenAllocator
 from sglang_admin.scheduler.lora_registry import LoraRegistry, LoraUnavailable, cache_key
 from sglang_admin.scheduler.parallel_sampling import fork_ready, sample_key
+from sglang_admin.scheduler.preemption import plan_turns
 from sglang_admin.scheduler.radix_cache import RadixCache
 from sglang_admin.scheduler.request import Batch, Req, Span
 from sglang_admin.scheduler.stop_strings import Detokenize, find_stop
@@ -40,6 +41,9 @@ class SchedulerConfig:
     eos_token_ids: tuple[int, ...]
     disable_radix_cache: bool = False
     pools_every_token: bool = False  # an embedding model pooling CLS or MEAN (issue 32)
+    # issue 33: a request waiting this long for a place preempts the longest-running
+    # decode (preemption.py); 0: never (a full rank admits nothing until a request ends)
+    preempt_wait_s: float = 0.0
 
 
 class Scheduler:
@@ -64,6 +68,8 @@ class Scheduler:
         self.paused: str | None = None  # the PauseGeneration mode while paused
         self.pending_outputs: list[ReqOutput] = []  # made outside postprocess (abort, expiry)
         self.num_retracted = 0
+        self.num_preempted = 0  # running requests that gave their place to a waiting one
+        self.clock = time.monotonic  # the time preemption goes by (a test sets its own)
         self.lora: LoraRegistry | None = None  # set by the rank when LoRA is enabled
         self.groups: dict[str, list[Req]] = {}  # rid -> its samples, for n > 1
         self.detokenize: Detokenize | None = None  # for stop strings (set by the rank)
@@ -169,6 +175,7 @@ class Scheduler:
             return
         for req in samples:
             self.by_rid[req.key] = req
+            req.waiting_since = self.clock()
             self._enqueue(req)
         if len(samples) > 1:
             self.groups[msg.rid] = samples
@@ -224,6 +231,7 @@ class Scheduler:
                 self._finish(req, "abort", error=done.error, code=done.code)
                 continue
             req.grammar = done.state
+            req.waiting_since = self.clock()
             self.waiting.append(req)
 
     def refuse(self, rid: str, message: str, code: str) -> None:
@@ -299,6 +307,7 @@ class Scheduler:
         self._drop_aborted_and_expired(now)
         if self.paused is not None:
             return None
+        self._take_turns()
         budget = self.config.max_prefill_tokens
         spans = self._decode_all()
 
@@ -343,6 +352,48 @@ class Scheduler:
             spans.append(self._span(req, n, req.seq_len))
             budget -= n
         return Batch(spans) if spans else None
+
+    def _take_turns(self) -> None:
+        """Preempt running decodes for requests that waited ``preempt_wait_s`` for a place
+        (preemption.py): those go to the head of the queue, their victims to its tail."""
+        wait_s = self.config.preempt_wait_s
+        if wait_s <= 0 or not self.waiting or self.admission_paused:
+            return
+        now = self.clock()
+        memory = (self.allocator.available + self.cache.evictable_size
+                  - (len(self.running) + 1))
+        turns = plan_turns(
+            self.waiting, self.running, now, wait_s,
+            rows_free=min(self.config.max_running_requests - len(self.running),
+                          len(self.free_rows)),
+            memory_free=memory, need=self._admission_need, sharing=not self.cache.disable,
+        )
+        if not turns.first:
+            return
+        for victim in turns.victims:
+            self._preempt(victim, now)
+        first = set(map(id, turns.first))
+        rest = [r for r in self.waiting if id(r) not in first]
+        self.waiting.clear()
+        self.waiting.extend([*turns.first, *rest])
+
+    def _admission_need(self, req: Req) -> int:
+        """KV slots admitting ``req`` takes now: its sequence less the prefix cached."""
+        seq = req.fill_ids
+        cached = len(self.cache.match_prefix(cache_key(seq[:-1], req.lora_ns)).slots)
+        return len(seq) - cached
+
+    def _preempt(self, req: Req, now: float) -> None:
+        """Give a running decode's place up: its computed KV goes to the radix cache
+        (unlocked, so evictable; it matches it back when admitted again) and it waits at
+        the tail of the queue."""
+        logger.debug("preempting %s after %.1f s running, for a waiting request", req.rid,
+                     now - req.running_since)
+        self._release(req, keep=True)
+        self.running.remove(req)
+        self.num_preempted += 1
+        req.waiting_since = now
+        self.waiting.append(req)
 
     def _decode_all(self) -> list[Span]:
         """The spans of a step in which every running request decodes one token and the
@@ -396,6 +447,7 @@ class Scheduler:
         req.kv_len = req.cached_len = reuse
         req.req_idx = self.free_rows.pop()
         req.table_synced = 0
+        req.running_since = self.clock()
         if req.cached_tokens < 0:  # first admission: account the prompt
             req.cached_tokens = min(reuse, len(req.prompt_ids))
             req.queue_time_s = time.monotonic() - req.arrived
@@ -643,6 +695,7 @@ class Scheduler:
         self.running.remove(req)
         req.retractions += 1
         self.num_retracted += 1
+        req.waiting_since = self.clock()
         self.waiting.appendleft(req)
 
     def _drop_aborted_and_expired(self, now: float) -> None:
