@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import threading
 import time
@@ -58,6 +59,7 @@ class SlowReadersReport:
     probes_ok: int = 0
     probes_failed: int = 0
     probe_max_s: float = 0.0
+    probe_median_s: float = 0.0
     serving_after: bool = False
 
     @property
@@ -163,6 +165,8 @@ def run(
             got = sum(n for t, n in healthy_tokens if t0 <= t < t1)
         return got / (t1 - t0) if t1 > t0 else 0.0
 
+    probe_times: list[float] = []
+
     def prober() -> None:
         with grpc.insecure_channel(target) as ch:
             probe_stub = pb_grpc.SglangSchedulerStub(ch)
@@ -176,7 +180,8 @@ def run(
                     report.probes_ok += 1
                 except grpc.RpcError:
                     report.probes_failed += 1
-                report.probe_max_s = max(report.probe_max_s, time.monotonic() - began)
+                probe_times.append(time.monotonic() - began)
+                report.probe_max_s = max(report.probe_max_s, probe_times[-1])
 
     def slow_reader(i: int) -> None:
         seq = 0
@@ -256,6 +261,8 @@ def run(
     channel.close()
     healthy_channel.close()
     report.statuses = {k: dict(v) for k, v in counts.items()}
+    if probe_times:
+        report.probe_median_s = round(statistics.median(probe_times), 2)
     if samples:
         report.rss_start_mib = samples[0] / 1024
         report.rss_max_mib = max(samples) / 1024

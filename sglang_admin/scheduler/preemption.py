@@ -3,14 +3,16 @@ running batch takes the place of the decoding request that has run longest (issu
 
 Without it a rank whose running batch (``--max-running-requests``) or KV pool is full of
 long streams admits nothing until one of them ends, which for thousands of tokens on a CPU
-is minutes: a one-token request waits behind them. With it, the rank time-shares its
-decode places: the oldest overdue requests go to the head of the queue, and for each one
-that would not fit, the running request that has run longest (at least ``wait_s`` since
-its last admission) is *preempted*: its computed KV goes to the radix cache (unlocked, so
-evictable) and it waits at the queue's tail. Admitted again, it matches its own KV back
-from the cache and goes on where it stopped (or, when memory pressure evicted that KV
-meanwhile, recomputes it as a retracted request does). Nothing here touches memory: the
-plan says who moves; ``Scheduler`` moves them. No torch here.
+is minutes: a one-token request waits behind them. With it, an overdue request goes to the
+head of the queue and, when it would not fit, the running request that has run longest
+(at least ``wait_s`` since its last admission) is *preempted*: its computed KV goes to the
+radix cache (unlocked, so evictable) and it waits at the queue's tail. Admitted again, it
+matches its own KV back from the cache and goes on where it stopped. A stopped stream
+takes its turn back only while that KV is still cached: when the pool cannot hold every
+stream, turns would evict and recompute them over and over, so it then waits for a place
+as SGLang's requests do (and recomputes what was evicted, once, as a retracted request
+does). A new request always gets its turn. The plan says who moves; ``Scheduler`` moves
+them. No torch here.
 """
 
 from __future__ import annotations
@@ -31,9 +33,9 @@ RESUME_TOKENS = 32
 
 @dataclass
 class Turns:
-    """One step's plan: ``first`` (overdue requests given room, oldest wait first) go to
-    the head of the queue; ``victims`` (running requests, longest run first) give their
-    place up."""
+    """One step's plan: ``first`` (overdue requests given room, in :func:`overdue`'s
+    order) go to the head of the queue; ``victims`` (running requests, longest run first)
+    give their place up."""
 
     first: list[Req] = field(default_factory=list)
     victims: list[Req] = field(default_factory=list)
@@ -47,10 +49,11 @@ def is_decoding(req: Req) -> bool:
 
 
 def overdue(waiting: Iterable[Req], now: float, wait_s: float, sharing: bool) -> list[Req]:
-    """Waiting requests that may be admitted and have waited ``wait_s`` or longer, the
-    longest wait first."""
+    """Waiting requests that may be admitted and have waited ``wait_s`` or longer: those
+    with no output yet first (a new request's first token before a stopped stream's
+    next), each kind the longest wait first."""
     late = [r for r in waiting if now - r.waiting_since >= wait_s and fork_ready(r, sharing)]
-    late.sort(key=lambda r: r.waiting_since)
+    late.sort(key=lambda r: (bool(r.output_ids), r.waiting_since))
     return late
 
 
