@@ -112,6 +112,7 @@ def run(
     healthy: int = 0,
     healthy_alone_s: float = 10.0,
     probe_interval: float = 0.0,
+    drain_s: float = DRAIN_S,
 ) -> SlowReadersReport:
     """Run the readers for `seconds` against `target` (loopback only) and report.
 
@@ -121,7 +122,9 @@ def run(
     stalled stream logprob-heavy. `healthy` streams (on their own channel, reading as fast
     as they can, same request kind) run `healthy_alone_s` alone first and then beside the
     slow ones: their token rates give ``healthy_rate_ratio``. `probe_interval` > 0 sends a
-    short Generate (8 tokens, own channel) that often and records how each fared."""
+    short Generate (8 tokens, own channel) that often and records how each fared.
+    `drain_s`: how long the stalled calls are read at the end to learn how they ended
+    (0: cancelled at once; their statuses then say "still running at the end")."""
     check_loopback(target)
     report = SlowReadersReport(seconds=seconds, top_logprobs=top_logprobs)
     counts: dict[str, Counter] = {"slow": Counter(), "stalled": Counter()}
@@ -238,8 +241,8 @@ def run(
     for t in threads + healthy_threads:
         t.join(read_interval + 30)
     # Read what piled up, to learn how each stalled call ended; one still generating after
-    # DRAIN_S is cancelled and counted as such.
-    timers = [threading.Timer(DRAIN_S, call.cancel) for call in stalled_calls]
+    # drain_s is cancelled and counted as such.
+    timers = [threading.Timer(drain_s, call.cancel) for call in stalled_calls]
     for timer in timers:
         timer.start()
     for call in stalled_calls:
