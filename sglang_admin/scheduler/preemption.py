@@ -12,16 +12,21 @@ takes its turn back only while that KV is still cached: when the pool cannot hol
 stream, turns would evict and recompute them over and over, so it then waits for a place
 as SGLang's requests do (and recomputes what was evicted, once, as a retracted request
 does). A new request always gets its turn. The plan says who moves; ``Scheduler`` moves
-them. No torch here.
+them (:func:`take_turns`). No torch here.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from sglang_admin.scheduler.lora_registry import cache_key
 from sglang_admin.scheduler.parallel_sampling import fork_ready
 from sglang_admin.scheduler.request import Req
+from sglang_admin.scheduler.state import SchedulerState
+
+logger = logging.getLogger(__name__)
 
 # Overdue requests considered per step: bounds the work of one step's planning (and the
 # churn) when many requests are overdue at once; the rest get their turn next steps.
@@ -44,7 +49,7 @@ class Turns:
 def is_decoding(req: Req) -> bool:
     """A running request between two decode steps: its prompt and every output token but
     the last are in the KV pool (not one still prefilling, nor an Embed request)."""
-    return (req.embed is None and not req.aborted and req.sampling.max_new_tokens > 0
+    return (req.embed is None and not req.aborted and req.sampling.params.max_new_tokens > 0
             and req.kv_len >= len(req.prompt_ids) and req.kv_len == req.seq_len - 1)
 
 
@@ -109,3 +114,49 @@ def plan_turns(
         turns.victims += taken
         rows_free, memory_free = rows - 1, memory - wanted - 1  # and its own headroom
     return turns
+
+
+def take_turns(state: SchedulerState) -> None:
+    """Before a step is planned: preempt running decodes for the requests that waited
+    ``preempt_wait_s`` for a place; those go to the head of the queue, their victims to
+    its tail."""
+    wait_s = state.config.preempt_wait_s
+    if wait_s <= 0 or not state.waiting or state.admission_paused:
+        return
+    now = state.clock()
+    memory = state.allocator.available + state.cache.evictable_size - (len(state.running) + 1)
+    turns = plan_turns(
+        state.waiting, state.running, now, wait_s,
+        rows_free=min(state.config.max_running_requests - len(state.running),
+                      len(state.memory.free_rows)),
+        memory_free=memory, need=lambda req: admission_need(state, req),
+        sharing=not state.cache.disable,
+    )
+    if not turns.first:
+        return
+    for victim in turns.victims:
+        preempt(state, victim, now)
+    first = set(map(id, turns.first))
+    rest = [r for r in state.waiting if id(r) not in first]
+    state.waiting.clear()
+    state.waiting.extend([*turns.first, *rest])
+
+
+def admission_need(state: SchedulerState, req: Req) -> int:
+    """KV slots admitting ``req`` takes now: its sequence less the prefix cached."""
+    seq = req.fill_ids
+    cached = state.cache.match_prefix(cache_key(seq[:-1], req.lora.namespace)).slots
+    return len(seq) - len(cached)
+
+
+def preempt(state: SchedulerState, req: Req, now: float) -> None:
+    """A running decode gives its place up: its computed KV goes to the radix cache
+    (unlocked, so evictable; it matches it back when admitted again) and it waits at the
+    tail of the queue."""
+    logger.debug("preempting %s after %.1f s running, for a waiting request", req.rid,
+                 now - req.running_since)
+    state.memory.release(req, keep=True)
+    state.running.remove(req)
+    state.num_preempted += 1
+    req.waiting_since = now
+    state.waiting.append(req)

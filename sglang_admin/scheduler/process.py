@@ -136,18 +136,28 @@ def batch_inputs(batch: Batch) -> list[SeqInput]:
     inputs = []
     for sp in batch.spans:
         req = sp.req
-        prompt = req.prompt_ids
         start, end = sp.start, sp.end
-        # positional, in SeqInput's field order: a decode step builds one per request, and
-        # keywords cost ~2 us more each (test_rank_loop.py pins every field's value)
+        sampling, logprob = req.sampling, req.logprob
         inputs.append(SeqInput(
-            req.req_idx, start, req.tokens(start, end), sp.table_start,
-            req.slots[sp.table_start : end], req.sampling, prompt, req.output_ids, sp.sample,
-            req.return_logprob, req.top_logprobs_num, req.lora_slot,
+            req_idx=req.req_idx,
+            prefix_len=start,
+            token_ids=req.tokens(start, end),
+            table_start=sp.table_start,
+            table_slots=req.slots[sp.table_start : end],
+            sampling=sampling.params,
+            prompt_ids=req.prompt_ids,
+            output_ids=req.output_ids,
+            sample=sp.sample,
+            return_logprob=logprob.return_logprob,
+            top_logprobs_num=logprob.top_logprobs_num,
+            lora_slot=req.lora.slot,
             # prompt logprobs only while the span still covers prompt tokens
-            req.logprob_start_len if start < len(prompt) else -1,
-            req.token_ids_logprob, req.return_hidden_states, req.grammar, req.argmax_from,
-            req.embed,  # issue 32: an Embed request's pooling progress
+            logprob_start_len=logprob.logprob_start_len if start < len(req.prompt_ids) else -1,
+            token_ids_logprob=logprob.token_ids_logprob,
+            return_hidden_states=req.hidden.wanted,
+            grammar=sampling.grammar,
+            argmax_from=req.argmax_from,
+            embed=req.embed,  # issue 32: an Embed request's pooling progress
         ))
     return inputs
 
@@ -433,24 +443,7 @@ class RankLoop:
         self.last_step_time = time.perf_counter() - t0
         self.step_timer.forward(self.runner.last_times)
         self.forward_steps += 1
-        tokens: list[int | None] = []
-        logprobs: list[float | None] = []
-        tops: list[list[tuple[int, float]] | None] = []
-        errors: list[tuple[str, str] | None] | None = None
-        for i, (r, sp) in enumerate(zip(results, batch.spans)):
-            if r is None:
-                tokens.append(None)
-                logprobs.append(None)
-                tops.append(None)
-                continue
-            tokens.append(r.token_id if sp.sample else None)
-            logprobs.append(r.logprob)
-            tops.append(r.top_logprobs)
-            if r.error is not None:
-                if errors is None:
-                    errors = [None] * len(results)
-                errors[i] = (r.error, r.error_code or "INTERNAL")
-        outputs = self.scheduler.postprocess(batch, tokens, logprobs, tops, errors, results)
+        outputs = self.scheduler.postprocess(batch, results)
         self.step_timer.lap("postprocess")
         # What arrived during the forward pass is handled before the step's outputs go out:
         # an admin call's answer then reaches the server ahead of the step's stream messages,

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import random
 
-from sglang_admin.messages import GenerateReq
+from sglang_admin.messages import GenerateReq, SamplingParams
 from sglang_admin.scheduler.preemption import is_decoding, plan_turns
-from sglang_admin.scheduler.request import Req
+from sglang_admin.scheduler.request import Req, SamplingState
 from sglang_admin.scheduler.scheduler import Scheduler, SchedulerConfig
 from tests.unit.test_scheduler import EOS, FakeRunner, assert_no_leak, req, solo
 
@@ -157,7 +157,8 @@ def test_constant_churn_never_corrupts_or_leaks() -> None:
 
 
 def _running(rid: str, prompt: int, out: int, since: float) -> Req:
-    r = Req(rid, list(range(1, prompt + 1)), req(rid, [1], 100).sampling)
+    r = Req(rid, list(range(1, prompt + 1)),
+            SamplingState(SamplingParams(max_new_tokens=100, ignore_eos=True)))
     r.output_ids = list(range(out))
     r.kv_len = prompt + out - 1
     r.running_since = since
