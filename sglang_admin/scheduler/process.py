@@ -175,8 +175,9 @@ class RankLoop:
     ) -> None:
         import torch
 
-        from sglang_admin.model.runner import ModelRunner, keep_freed_cpu_memory
+        from sglang_admin.model.runner import keep_freed_cpu_memory
         from sglang_admin.scheduler.profiler import Profiler
+        from sglang_admin.scheduler.tp_worker import build_runner
         from sglang_admin.scheduler.weight_groups import WeightGroups
 
         self.args, self.rank, self.inbox, self.outbox = args, rank, inbox, outbox
@@ -197,22 +198,7 @@ class RankLoop:
             from sglang_admin.scheduler.tp_worker import join_replica
 
             self.tensor_parallel = join_replica(args, rank, 0)
-        self.runner = ModelRunner(
-            args.model_path,
-            device=args.device,
-            dtype=args.dtype,
-            max_total_tokens=args.max_total_tokens,
-            max_running_requests=args.max_running_requests,
-            context_length=args.context_length,
-            seed=args.seed,
-            lora_slots=(args.max_loaded_loras, args.max_lora_rank) if args.enable_lora else None,
-            lanes=args.rank_lanes,
-            attention_backend=args.attention_backend,
-            gpu_index=args.gpu_index(rank * args.tp_size),  # TP rank 0's GPU at tp > 1
-            mem_fraction_static=args.mem_fraction_static,
-            is_embedding=args.is_embedding,
-            tensor_parallel=self.tensor_parallel,
-        )
+        self.runner = build_runner(args, rank, 0, self.tensor_parallel)  # TP rank 0's
         if self.tensor_parallel is not None:
             from sglang_admin.scheduler.tp_worker import LeaderRunner
 
