@@ -11,8 +11,9 @@ matches its own KV back from the cache and goes on where it stopped. A stopped s
 takes its turn back only while that KV is still cached: when the pool cannot hold every
 stream, turns would evict and recompute them over and over, so it then waits for a place
 as SGLang's requests do (and recomputes what was evicted, once, as a retracted request
-does). A new request always gets its turn. The plan says who moves; ``Scheduler`` moves
-them (:func:`take_turns`). No torch here.
+does). A new request always gets its turn. :func:`plan_turns` says who moves;
+:func:`take_turns` moves them, before each step is planned (``Scheduler.schedule``).
+No torch here.
 """
 
 from __future__ import annotations
