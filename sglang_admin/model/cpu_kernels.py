@@ -43,7 +43,10 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
 # tried in order: the machine's vector units first (AVX2 + glibc's vector expf), then plain C;
 # no fused multiply-adds but the written ones, so that a*b + c*d rounds as torch's ops do
+# OpenMP (bfloat16 decode attention's tasks) binds at load to the libgomp torch has loaded
 _FLAG_SETS = (
+    (["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"],
+     ["-lmvec", "-lm"]),
     (["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off"], ["-lmvec", "-lm"]),
     (["-O3", "-fno-math-errno", "-ffp-contract=off"], ["-lm"]),
 )
@@ -118,7 +121,7 @@ class CpuKernels:
         self._attend_bf16 = lib.decode_attention_bf16
         self._attend_bf16.restype = None
         self._attend_bf16.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64,
-                                      _I64, _I64, _I64, ctypes.c_float, _I64, _PTR, _PTR]
+                                      _I64, _I64, ctypes.c_float, _I64, _PTR, _I64, _PTR]
         # whether the bfloat16 kernels agreed with torch at load (load_cpu_kernels sets it)
         self.bf16 = False
         self._layer = lib.decode_layer
@@ -314,7 +317,9 @@ class CpuKernels:
         """q [n, H, D] (heads contiguous), pools [slots, KV, D], table [R, ctx] int64 slots,
         rows/lens [n] int64 (each sequence's table row and length, its new token included),
         scores a float32 scratch of at least H * max(lens) -> [n, H * D]. q and the pools in
-        float32, or all three in bfloat16 (computed in float32, the output rounded).
+        float32, or all three in bfloat16 (computed in float32, the output rounded; each
+        sequence x kv head a task, spread over torch's threads: as many as the scores scratch
+        holds G * max(lens) floats for, so the kv heads at least).
 
         The caller guarantees what C cannot check: CPU tensors, rows and slots in range, lens
         within the table's width (the runner validates every sequence first).
@@ -330,8 +335,8 @@ class CpuKernels:
         if n and q.dtype == torch.bfloat16:
             self._attend_bf16(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                               table.data_ptr(), table.shape[1], rows.data_ptr(), lens.data_ptr(),
-                              0, n, heads, kv_heads, dim, scale, window or 0, scores.data_ptr(),
-                              out.data_ptr())
+                              n, heads, kv_heads, dim, scale, window or 0, scores.data_ptr(),
+                              scores.numel(), out.data_ptr())
         elif n:
             self._fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                      table.data_ptr(), table.shape[1], rows.data_ptr(), lens.data_ptr(), n,

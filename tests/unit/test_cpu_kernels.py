@@ -573,6 +573,26 @@ def test_runner_in_bf16_uses_the_kernels_and_decodes_as_torchs_ops(
     slow = ModelRunner(None, device="cpu", dtype="bfloat16", max_total_tokens=1024,
                        max_running_requests=4, attention_backend="torch_native")
     assert fast.cpu_kernels is not None and slow.cpu_kernels is None
+    calls.clear()  # a first load checks every kernel against torch
     assert _greedy(fast, prompts, 12) == _greedy(slow, prompts, 12)
     assert {"attend", "rope_store", "add_rms_norm", "silu_mul", "argmax"} <= set(calls)
     assert not {"decode_layer", "linear", "extend_attend"} & set(calls)
+
+
+@needs_kernel
+def test_bf16_attention_spread_over_threads_is_bit_equal_to_one_thread() -> None:
+    """Each sequence x kv head is a task of its own on torch's threads: the same sums as one
+    thread, whatever the team (a scratch for two teams' scores, or one)."""
+    lens = [3, 40, 17, 64, 1, 29]
+    q, k, v, table, rows, lens_t = _case(9, 3, 64, lens, seed=7)
+    q, k, v = q.to(BF16), k.to(BF16), v.to(BF16)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernel.attend(q, k, v, table, rows, lens_t, 0.125, None, torch.empty(9 * 64))
+        torch.set_num_threads(2)
+        for scores in (torch.empty(9 * 64), torch.empty(3 * 64)):
+            got = kernel.attend(q, k, v, table, rows, lens_t, 0.125, None, scores)
+            assert torch.equal(got, one)
+    finally:
+        torch.set_num_threads(before)

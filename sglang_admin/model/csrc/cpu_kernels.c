@@ -28,6 +28,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -1013,36 +1016,71 @@ static void weighted_values_bf16(const float *scores, const uint16_t *v, const i
         for (int64_t d = 0; d < D; d++) oi[hq * D + d] *= inv[hq];
 }
 
-/* decode_attention over a bfloat16 pool: q [n, H, D] and out [n, H, D] bfloat16, sequences
- * [i0, i1) of the batch only (threads may each take a range; scores: this caller's scratch) */
+/* one sequence's queries of one kv head: G query heads (qi, bfloat16) against the keys and
+ * values of kv head h at `slots` (L of them), into oi (bfloat16, G heads); scores: G * L */
+static void attend_group_bf16(const uint16_t *qi, const uint16_t *k, const uint16_t *v,
+                              const int64_t *slots, int64_t L, int64_t G, int64_t D,
+                              int64_t row, float scale, float *scores, uint16_t *oi) {
+    float qf[G * D], of[G * D], inv[G];
+    for (int64_t e = 0; e < G * D; e++) qf[e] = bf16_f32(qi[e]);
+    for (int64_t j = 0; j < L; j++) {
+        if (j + PREFETCH_AHEAD < L) {
+            prefetch_bytes(k + slots[j + PREFETCH_AHEAD] * row, D * 2);
+            prefetch_bytes(v + slots[j + PREFETCH_AHEAD] * row, D * 2);
+        }
+        token_scores_bf16(qf, k + slots[j] * row, G, 1, D, scale, scores + j, L);
+    }
+    for (int64_t g = 0; g < G; g++) inv[g] = softmax_row(scores + g * L, L);
+    weighted_values_bf16(scores, v, slots, L, G, 1, D, inv, of, row);
+    int64_t e = 0;
+#ifdef HAVE_AVX2
+    for (; e + 8 <= G * D; e += 8) store8_bf16(oi + e, _mm256_loadu_ps(of + e));
+#endif
+    for (; e < G * D; e++) oi[e] = f32_bf16(of[e]);
+}
+
+/*
+ * decode_attention over a bfloat16 pool: q [n, H, D] and out [n, H, D] bfloat16, the rest as
+ * decode_attention. Each (sequence, kv head) pair is a task of its own, spread over the
+ * calling thread's OpenMP team where the build has OpenMP (torch's own runtime: the library
+ * binds to the libgomp torch loaded, so torch.set_num_threads sizes the team, and its
+ * threads, spinning after torch's last op, start at once); each thread uses its own
+ * G * max(L) floats of scores, so the team is at most scores_len / (G * max(L)).
+ */
 void decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k,
                            const uint16_t *v, const int64_t *table, int64_t ctx,
-                           const int64_t *rows, const int64_t *lens, int64_t i0, int64_t i1,
-                           int64_t H, int64_t KV, int64_t D, float scale, int64_t window,
-                           float *scores, uint16_t *out) {
-    const int64_t row = KV * D; /* elements per pool slot */
-    float qf[H * D], of[H * D], inv[H];
-    for (int64_t i = i0; i < i1; i++) {
-        const int64_t len = lens[i];
-        const int64_t start = (window > 0 && len > window) ? len - window : 0;
-        const int64_t L = len - start;
-        const int64_t *slots = table + rows[i] * ctx + start;
-        const uint16_t *qi = q + i * q_stride;
-        for (int64_t e = 0; e < H * D; e++) qf[e] = bf16_f32(qi[e]);
-        for (int64_t j = 0; j < L; j++) {
-            if (j + PREFETCH_AHEAD < L) {
-                prefetch_bytes(k + slots[j + PREFETCH_AHEAD] * row, row * 2);
-                prefetch_bytes(v + slots[j + PREFETCH_AHEAD] * row, row * 2);
-            }
-            token_scores_bf16(qf, k + slots[j] * row, H, KV, D, scale, scores + j, L);
-        }
-        for (int64_t hq = 0; hq < H; hq++) inv[hq] = softmax_row(scores + hq * L, L);
-        weighted_values_bf16(scores, v, slots, L, H, KV, D, inv, of, row);
-        uint16_t *oi = out + i * H * D;
-        int64_t e = 0;
-#ifdef HAVE_AVX2
-        for (; e + 8 <= H * D; e += 8) store8_bf16(oi + e, _mm256_loadu_ps(of + e));
+                           const int64_t *rows, const int64_t *lens, int64_t n, int64_t H,
+                           int64_t KV, int64_t D, float scale, int64_t window,
+                           float *scores, int64_t scores_len, uint16_t *out) {
+    const int64_t G = H / KV, row = KV * D, tasks = n * KV;
+    int64_t longest = 1;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t L = (window > 0 && lens[i] > window) ? window : lens[i];
+        longest = L > longest ? L : longest;
+    }
+    const int64_t stride = G * longest;
+    int64_t team = scores_len / stride;
+#ifdef _OPENMP
+    const int64_t most = omp_get_max_threads();
+    team = team < most ? team : most;
+#else
+    team = 1;
 #endif
-        for (; e < H * D; e++) oi[e] = f32_bf16(of[e]);
+    team = team < tasks ? team : tasks;
+    team = team > 1 ? team : 1;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(dynamic, 1) num_threads((int)team) if (team > 1)
+#endif
+    for (int64_t task = 0; task < tasks; task++) {
+#ifdef _OPENMP
+        float *sc = scores + (int64_t)omp_get_thread_num() * stride;
+#else
+        float *sc = scores;
+#endif
+        const int64_t i = task / KV, h = task % KV, len = lens[i];
+        const int64_t start = (window > 0 && len > window) ? len - window : 0;
+        attend_group_bf16(q + i * q_stride + h * G * D, k + h * D, v + h * D,
+                          table + rows[i] * ctx + start, len - start, G, D, row, scale, sc,
+                          out + (i * H + h * G) * D);
     }
 }
