@@ -349,10 +349,17 @@ _DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _check_dtypes(name: str, first: torch.Tensor, *others: torch.Tensor) -> None:
-    """Every tensor float32, or every one bfloat16; ValueError otherwise."""
-    if first.dtype not in _DTYPES or any(t.dtype != first.dtype for t in others):
-        raise ValueError(f"{name} kernel: float32 or bfloat16 tensors of one dtype, got "
-                         f"{', '.join(str(t.dtype) for t in (first, *others))}")
+    """Every tensor float32, or every one bfloat16; ValueError otherwise (a plain loop: it
+    runs before every kernel call of a bfloat16 step)."""
+    dtype = first.dtype
+    if dtype is torch.float32 or dtype is torch.bfloat16:
+        for t in others:
+            if t.dtype is not dtype:
+                break
+        else:
+            return
+    raise ValueError(f"{name} kernel: float32 or bfloat16 tensors of one dtype, got "
+                     f"{', '.join(str(t.dtype) for t in (first, *others))}")
 
 
 def _packed_floats(rows: int, width: int) -> int:

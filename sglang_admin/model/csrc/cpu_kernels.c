@@ -1030,7 +1030,17 @@ static void attend_group_bf16(const uint16_t *qi, const uint16_t *k, const uint1
         }
         token_scores_bf16(qf, k + slots[j] * row, G, 1, D, scale, scores + j, L);
     }
-    for (int64_t g = 0; g < G; g++) inv[g] = softmax_row(scores + g * L, L);
+    for (int64_t g = 0; g < G; g++) {
+        /* as torch's flash attention in bfloat16: the sum of the float32 exponentials, the
+         * values weighted by the exponentials rounded to bfloat16 */
+        float *sg = scores + g * L;
+        inv[g] = softmax_row(sg, L);
+        int64_t j = 0;
+#ifdef HAVE_AVX2
+        for (; j + 8 <= L; j += 8) _mm256_storeu_ps(sg + j, round8_bf16(_mm256_loadu_ps(sg + j)));
+#endif
+        for (; j < L; j++) sg[j] = bf16_round(sg[j]);
+    }
     weighted_values_bf16(scores, v, slots, L, G, 1, D, inv, of, row);
     int64_t e = 0;
 #ifdef HAVE_AVX2
