@@ -276,6 +276,7 @@ def test_plain_c_build_matches_torch() -> None:
     _check_elementwise(plain)
     _check_decode_layer(plain, 5)
     _check_argmax(plain)
+    assert cpu_kernels._bf16_agrees_with_torch(plain)  # bfloat16's scalar loops too
     assert not plain.extend_applies(32)  # no prefill kernel without AVX2: torch's attention
     pool = torch.randn(20, 2, 32)
     with pytest.raises(ValueError, match="no fast path"):
@@ -599,5 +600,18 @@ def test_bf16_attention_spread_over_threads_is_bit_equal_to_one_thread() -> None
         for scores in (torch.empty(9 * 64), torch.empty(3 * 64)):
             got = kernel.attend(q, k, v, table, rows, lens_t, 0.125, None, scores)
             assert torch.equal(got, one)
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_kernel
+def test_bf16_silu_mul_spread_over_threads_is_bit_equal_to_one_thread() -> None:
+    gate_up = (torch.randn(32, 2 * 1536, generator=torch.Generator().manual_seed(5)) * 4).to(BF16)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernel.silu_mul(gate_up)
+        torch.set_num_threads(2)
+        assert torch.equal(kernel.silu_mul(gate_up), one)
     finally:
         torch.set_num_threads(before)

@@ -840,8 +840,13 @@ void add_rms_norm_bf16(uint16_t *x, const uint16_t *delta, const uint16_t *w, in
     }
 }
 
-/* out[t, i] = silu(gu[t, i]) * gu[t, I + i], each rounded */
+/* out[t, i] = silu(gu[t, i]) * gu[t, I + i], each rounded; rows spread over the calling
+ * thread's OpenMP team when there are enough of them (an exp per element: the costliest of
+ * these elementwise kernels) */
 void silu_mul_bf16(const uint16_t *gu, int64_t T, int64_t I, uint16_t *out) {
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) if (T > 1 && T * I >= 32768)
+#endif
     for (int64_t t = 0; t < T; t++) {
         const uint16_t *g = gu + t * 2 * I, *u = g + I;
         uint16_t *o = out + t * I;
