@@ -85,6 +85,35 @@ static inline void store8_bf16(uint16_t *p, __m256 x) {
 }
 #endif
 
+#if defined(HAVE_AVX2) && defined(__AVX512F__)
+/* the same 16 lanes at a time where the CPU has AVX-512 (silu_mul_bf16's exp) */
+#define HAVE_AVX512 1
+extern __m512 _ZGVeN16v_expf(__m512);
+
+static inline __m512 load16_bf16(const uint16_t *p) {
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+
+static inline __m512i round16_bits(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    return _mm512_mask_blend_epi32(nan, r, _mm512_set1_epi32(0x7fc00000));
+}
+
+static inline __m512 round16_bf16(__m512 x) {
+    return _mm512_castsi512_ps(
+        _mm512_and_si512(round16_bits(x), _mm512_set1_epi32((int)0xffff0000u)));
+}
+
+static inline void store16_bf16(uint16_t *p, __m512 x) {
+    const __m512i r = _mm512_srli_epi32(round16_bits(x), 16);
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(r));
+}
+#endif
+
 #define PREFETCH_AHEAD 16 /* tokens: the slots are scattered, the hardware cannot guess */
 
 static inline void prefetch_row(const float *base, int64_t row_floats) {
@@ -851,6 +880,15 @@ void silu_mul_bf16(const uint16_t *gu, int64_t T, int64_t I, uint16_t *out) {
         const uint16_t *g = gu + t * 2 * I, *u = g + I;
         uint16_t *o = out + t * I;
         int64_t i = 0;
+#ifdef HAVE_AVX512
+        const __m512 one16 = _mm512_set1_ps(1.f), zero16 = _mm512_setzero_ps();
+        for (; i + 16 <= I; i += 16) {
+            const __m512 g16 = load16_bf16(g + i);
+            const __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(zero16, g16));
+            const __m512 s = round16_bf16(_mm512_div_ps(g16, _mm512_add_ps(one16, e)));
+            store16_bf16(o + i, _mm512_mul_ps(s, load16_bf16(u + i)));
+        }
+#endif
 #ifdef HAVE_AVX2
         const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
         for (; i + 8 <= I; i += 8) {
