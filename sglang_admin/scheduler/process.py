@@ -197,6 +197,7 @@ class RankLoop:
             seed=args.seed,
             lora_slots=(args.max_loaded_loras, args.max_lora_rank) if args.enable_lora else None,
             lanes=args.rank_lanes,
+            lanes_as_threads=not (args.cpu_lanes or args.torch_threads),
             attention_backend=args.attention_backend,
             gpu_index=args.gpu_index(rank * args.tp_size),  # TP rank 0's GPU at tp > 1
             mem_fraction_static=args.mem_fraction_static,
