@@ -298,9 +298,6 @@ def run_serve(ns: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     fields["enable_lora"] = ns.enable_lora or bool(fields["lora_paths"])
-    if ns.tp_size > 1 and fields["enable_lora"]:
-        print("error: LoRA is not yet supported with --tp-size > 1", file=sys.stderr)
-        return 2
     if ns.otlp_traces_endpoint:
         from sglang_admin.otel import configure_otlp
 

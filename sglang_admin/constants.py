@@ -22,9 +22,11 @@ def profile_file_stem(profile_id: str, prefix: str) -> str:
     return f"{prefix}-{profile_id}" if prefix else profile_id
 
 
-def profile_file_base(profile_id: str, prefix: str, rank: int, dp_size: int) -> str:
-    """File name base of one rank's files: ``[{prefix}-]{id}-TP-0[-DP-{rank}]`` (SGLang's)."""
-    return f"{profile_file_stem(profile_id, prefix)}-TP-0" + (
+def profile_file_base(profile_id: str, prefix: str, rank: int, dp_size: int,
+                      tp_rank: int = 0) -> str:
+    """File name base of one rank's files: ``[{prefix}-]{id}-TP-{tp_rank}[-DP-{rank}]``
+    (SGLang's)."""
+    return f"{profile_file_stem(profile_id, prefix)}-TP-{tp_rank}" + (
         f"-DP-{rank}" if dp_size > 1 else "")
 
 

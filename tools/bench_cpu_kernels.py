@@ -60,7 +60,7 @@ class DecodeLoop:
         t0 = time.perf_counter()
         results = self.runner.forward_step(seqs)
         seconds = time.perf_counter() - t0
-        self.sched.postprocess(batch, [r.token_id if r else None for r in results])
+        self.sched.postprocess(batch, results)
         self.sched.take_outputs()
         return seconds
 

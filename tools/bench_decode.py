@@ -126,7 +126,7 @@ def time_decode(runner: ModelRunner, batch_size: int, context: int, steps: int,
             if profile and len(times) == 2 + steps:
                 prof.__exit__(None, None, None)
                 print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
-        sched.postprocess(batch, [r.token_id if r else None for r in results])
+        sched.postprocess(batch, results)
     return times[2 : 2 + steps]  # the first decode steps warm up (allocator, kernels)
 
 

@@ -61,7 +61,7 @@ def run_engine(runner: ModelRunner, work: Workload, max_running: int) -> tuple[f
             continue
         seqs = batch_inputs(batch)  # exactly as the rank builds them
         results = runner.forward_step(seqs)
-        for out in sched.postprocess(batch, [r.token_id if r else None for r in results]):
+        for out in sched.postprocess(batch, results):
             outputs.setdefault(out.rid, []).extend(out.new_token_ids)
     elapsed = time.perf_counter() - t0
     return elapsed, [outputs[f"r{i}"] for i in range(len(work.prompts))]

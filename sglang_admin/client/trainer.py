@@ -53,6 +53,11 @@ def workers_backend(infos: Sequence[pb.GetServerInfoResponse]) -> str:
                           "process group cannot reach them all; push to each kind apart")
 
 
+def worker_tp_size(info: pb.GetServerInfoResponse) -> int:
+    """A worker's TP ranks per replica (each joins a trainer's group at its own rank)."""
+    return max(1, int(info.server_args["tp_size"])) if "tp_size" in info.server_args else 1
+
+
 class WeightPusher:
     """Join a fleet of workers into one process group and push weights to them."""
 
@@ -110,7 +115,7 @@ class WeightPusher:
         infos = await self._each(lambda c: c.server_info())
         if backend == "auto":
             backend = workers_backend(infos)
-        sizes = [max(1, len(i.rank_states)) for i in infos]
+        sizes = [max(1, len(i.rank_states)) * worker_tp_size(i) for i in infos]
         world = 1 + sum(sizes)
         offsets = [1 + sum(sizes[:k]) for k in range(len(sizes))]
         mine = asyncio.create_task(asyncio.to_thread(

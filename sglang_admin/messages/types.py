@@ -488,6 +488,7 @@ class WeightValues:
 @dataclass(slots=True)
 class DigestResult:
     digest: str = ""
+    tp_digests: list[str] = field(default_factory=list)  # tp > 1: each TP rank's, in order
 
 
 @dataclass(slots=True)
@@ -522,6 +523,7 @@ class Heartbeat:
     step_started: float
     forward_steps: int
     state_confirmed: float
+    tp_rank: int = 0  # --tp-size > 1: a TP follower of replica dp_rank beats too
 
 
 @dataclass(slots=True)

@@ -22,7 +22,9 @@ import json
 import math
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -40,6 +42,9 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "down": ("down_proj",),
 }
 _GROUP_OF = {t: g for g, ts in GROUPS.items() for t in ts}
+# --tp-size > 1: groups whose base projection is split by its input (rows of the math, the
+# columns of the weight) and summed over the TP ranks; their LoRA delta is summed too.
+ROW_PARALLEL = frozenset({"o", "down"})
 _KEY = re.compile(
     r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$"
 )
@@ -59,6 +64,13 @@ class AdapterWeights:
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(
         default_factory=dict
     )
+
+
+def served_config(model: LlamaForCausalLM) -> LlamaConfig:
+    """The config adapters are checked against: the checkpoint's whole one (at
+    --tp-size > 1 the model is built from a shard's)."""
+    tensor_parallel = getattr(model, "tensor_parallel", None)
+    return model.config if tensor_parallel is None else tensor_parallel.full_config
 
 
 def target_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, int]]:
@@ -212,8 +224,10 @@ class LayerLora:
     def __init__(
         self, batch: LoraBatch, slots: int, rank: int,
         a: dict[str, torch.Tensor], b: dict[str, list[tuple[int, int, torch.Tensor]]],
+        reduce: Callable[[torch.Tensor], Any] | None = None,
     ) -> None:
         self.batch = batch
+        self.reduce = reduce  # --tp-size > 1: sums a row-parallel group's delta over ranks
         self.slots = slots
         self.rank = rank
         self.a = a  # group -> [in, k * slots * R]
@@ -230,6 +244,13 @@ class LayerLora:
         targets = self.b[group]
         h = torch.mm(x, self.a[group]).view(n, len(targets), self.slots, self.rank)
         h = (h * onehot).view(n, len(targets), self.slots * self.rank)
+        if self.reduce is not None and group in ROW_PARALLEL:
+            # this rank's input is a slice: its delta is a part, summed over the TP ranks
+            # (the base output it adds to was summed already)
+            (_, _, b), = targets
+            part = torch.mm(h[:, 0], b)
+            self.reduce(part)
+            return out.add_(part)
         for j, (start, size, b) in enumerate(targets):
             out[:, start : start + size].addmm_(h[:, j], b)
         return out
@@ -243,6 +264,7 @@ class LoraBuffers:
         dtype: torch.dtype, device: torch.device,
     ) -> None:
         self.cfg = model.config
+        self.tensor_parallel = getattr(model, "tensor_parallel", None)  # tp > 1: cut A/B
         self.slots, self.max_rank = slots, max_rank
         self.dtype, self.device = dtype, device
         self.batch = LoraBatch()
@@ -262,7 +284,8 @@ class LoraBuffers:
                     b[group].append((start, size, torch.zeros(width, size, dtype=dtype,
                                                               device=device)))
                     start += size
-            hook = LayerLora(self.batch, slots, max_rank, a, b)
+            reduce = None if self.tensor_parallel is None else self.tensor_parallel.all_reduce
+            hook = LayerLora(self.batch, slots, max_rank, a, b, reduce)
             self.layers.append(hook)
             layer.self_attn.lora = hook
             layer.mlp.lora = hook
@@ -281,6 +304,7 @@ class LoraBuffers:
         width = self.slots * self.max_rank
         with torch.no_grad():
             for (layer, target), (a, b) in adapter.weights.items():
+                a, b = self._shard(layer, target, a, b)
                 group = _GROUP_OF[target]
                 j = GROUPS[group].index(target)
                 hook = self.layers[layer]
@@ -289,6 +313,20 @@ class LoraBuffers:
                 hook.b[group][j][2][rows : rows + r] = b.t().to(self.dtype)
         self.slot_targets[slot] = adapter.targets
         self._count(adapter.targets, +1)
+
+    def _shard(self, layer: int, target: str, a: torch.Tensor,
+               b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This TP rank's part of a target's (A, B), cut as the base weight is: B's rows
+        for a column-parallel projection (q/k/v, gate/up), A's columns for a row-parallel
+        one (o, down); the whole pair at tp 1."""
+        tp = self.tensor_parallel
+        if tp is None:
+            return a, b
+        module = "self_attn" if target in GROUPS["qkv"] or target == "o_proj" else "mlp"
+        base = f"model.layers.{layer}.{module}.{target}.weight"
+        if _GROUP_OF[target] in ROW_PARALLEL:
+            return tp.shard(base, a), b
+        return a, tp.shard(base, b)
 
     def clear(self, slot: int) -> None:
         """Zero a slot and stop counting its targets."""

@@ -23,6 +23,7 @@ import torch
 from sglang_admin.model.dist_group import WeightGroup, broadcast_from_trainer
 from sglang_admin.model.llama import LlamaForCausalLM
 from sglang_admin.model.loader import load_weights
+from sglang_admin.model.tensor_parallel import TensorParallel
 from sglang_admin.model.weight_names import UnknownWeightName, model_parameters, resolve
 
 DTYPES: dict[str, torch.dtype] = {
@@ -78,6 +79,7 @@ def check_manifest(
         raise ManifestError(f"names, dtypes and shapes must have one entry per tensor; got "
                             f"{len(names)}, {len(dtypes)} and {len(shapes)}")
     params = model_parameters(model)
+    tensor_parallel = getattr(model, "tensor_parallel", None)  # tp > 1: full shapes come
     specs: list[TensorSpec] = []
     seen: set[str] = set()
     for name, dtype_text, shape in zip(names, dtypes, shapes, strict=True):
@@ -91,9 +93,13 @@ def check_manifest(
             found = resolve(model, name, params)
         except UnknownWeightName:
             raise ManifestError(f"weight {name!r} is not a parameter of this model") from None
-        if found.param is not None and tuple(shape) != tuple(found.param.shape):
-            raise ManifestError(f"weight {name!r} has shape {list(shape)}, the model's is "
-                                f"{list(found.param.shape)}")
+        if found.param is not None:
+            want = tuple(found.param.shape)
+            if tensor_parallel is not None:
+                want = tensor_parallel.full_shape(found.param_name or name, want)
+            if tuple(shape) != want:
+                raise ManifestError(f"weight {name!r} has shape {list(shape)}, the model's "
+                                    f"is {list(want)}")
         specs.append(TensorSpec(name, dtype, tuple(shape), found.param if found.loads else None))
     if load_format == FLATTENED_BUCKET and len({s.dtype for s in specs}) > 1:
         raise ManifestError("a flattened bucket holds tensors of one dtype; this one mixes "
@@ -110,15 +116,21 @@ def _left(until: float) -> float:
 
 def receive_weights(
     group: WeightGroup, specs: list[TensorSpec], load_format: str, timeout_s: float,
-    device: torch.device | None = None,
+    device: torch.device | None = None, tensor_parallel: TensorParallel | None = None,
 ) -> int:
     """Receive every tensor from the group's rank 0, in manifest order, and load it; the
     bytes received. A tensor whose dtype and layout are the parameter's lands in it
     directly; others are received aside (on ``device``, the model's: nccl moves CUDA
     tensors), then cast in. All of it within ``timeout_s``.
-    Raises on a failed or late broadcast (the weights are then partially updated)."""
+    Raises on a failed or late broadcast (the weights are then partially updated).
+    ``tensor_parallel`` (tp > 1): every rank receives each whole tensor and keeps its shard,
+    as SGLang's TP ranks do."""
     until = time.monotonic() + timeout_s
     total = 0
+
+    def keep(spec: TensorSpec, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if tensor_parallel is None else tensor_parallel.shard(spec.name, tensor)
+
     with torch.no_grad():
         if load_format == FLATTENED_BUCKET:
             if not specs:
@@ -130,18 +142,18 @@ def receive_weights(
                 part = flat[start:start + spec.numel].view(spec.shape)
                 start += spec.numel
                 if spec.target is not None:
-                    spec.target.copy_(part)
+                    spec.target.copy_(keep(spec, part))
             return flat.numel() * flat.element_size()
         for spec in specs:
             target = spec.target
-            direct = (target is not None and target.dtype == spec.dtype
-                      and target.is_contiguous())
+            direct = (tensor_parallel is None and target is not None
+                      and target.dtype == spec.dtype and target.is_contiguous())
             buf = target if direct else torch.empty(spec.shape, dtype=spec.dtype,
                                                     device=device)
             assert buf is not None
             broadcast_from_trainer(group, buf, _left(until))
             if not direct and target is not None:
-                target.copy_(buf)
+                target.copy_(keep(spec, buf))
             total += spec.nbytes
     return total
 

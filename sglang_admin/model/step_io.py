@@ -1,13 +1,16 @@
 """The runner's step interface: one sequence's input, its output, and the error that names
-an invalid sequence of a batch."""
+an invalid sequence of a batch. No torch here: the scheduler's tests build these records."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from sglang_admin.messages import ARGMAX_NEVER, SamplingParams
-from sglang_admin.model.grammar_mask import TokenMatcher
-from sglang_admin.model.pooling import PoolProgress
+
+if TYPE_CHECKING:
+    from sglang_admin.model.grammar_mask import TokenMatcher
+    from sglang_admin.model.pooling import PoolProgress
 
 
 @dataclass(slots=True)

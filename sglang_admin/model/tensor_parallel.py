@@ -5,7 +5,7 @@ process group (gloo on CPU, nccl on CUDA) at ``tcp://127.0.0.1:PORT``, a fresh p
 replica chosen by the server at launch. TP rank 0 owns the replica's scheduler, its ZMQ
 sockets and every decision: each step it broadcasts the step's batch (the ``SeqInput``
 list, pickled by ``broadcast_object_list``) and every other TP rank runs the same forward
-on its shard and discards what it sampled (scheduler/tp_follower.py). SGLang instead runs
+on its shard and discards what it sampled (scheduler/tp_worker.py). SGLang instead runs
 the whole scheduler on every TP rank with rank 0's inputs broadcast; here one scheduler per
 replica is simpler and cannot drift: the followers hold no scheduling state at all, only
 the KV pool slots the batch names. Every forward then runs its all-reduces in one order
@@ -108,6 +108,42 @@ class TensorParallel:
             return tensor.narrow(1, r * cols, cols)
         return tensor  # q_norm / k_norm (per head_dim): replicated
 
+    def full_shape(self, name: str, shard_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The full checkpoint shape of ``name``, whose shard on this rank is
+        ``shard_shape`` (the shape a trainer sends: every rank receives the whole tensor)."""
+        match = _LAYER.match(name)
+        if match is None:
+            return tuple(shard_shape)
+        proj, kind = match.group(2), match.group(3)
+        cfg, n, shape = self.full_config, self.size, list(shard_shape)
+        if proj in ("q_proj", "gate_proj", "up_proj"):
+            shape[0] *= n
+        elif proj in ("k_proj", "v_proj"):
+            shape[0] = cfg.num_kv_heads * cfg.head_dim
+        elif proj in ("o_proj", "down_proj") and kind == "weight":
+            shape[1] *= n
+        return tuple(shape)
+
+    def is_split(self, name: str) -> bool:
+        """Whether ranks hold different parts of ``name`` (else each holds all of it)."""
+        match = _LAYER.match(name)
+        return match is not None and match.group(2) in (
+            "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "o_proj", "down_proj")
+
+    def unshard(self, name: str, shards: list[torch.Tensor]) -> torch.Tensor:
+        """The full tensor ``name`` from every rank's shard (TP rank order): the inverse
+        of :meth:`shard` (GetWeightsByName reads it whole)."""
+        match = _LAYER.match(name)
+        if match is None or not self.is_split(name):
+            return shards[0]
+        proj, kind = match.group(2), match.group(3)
+        if proj in ("o_proj", "down_proj"):
+            return shards[0] if kind == "bias" else torch.cat(shards, dim=1)
+        kv, n = self.full_config.num_kv_heads, self.size
+        if proj in ("k_proj", "v_proj") and kv < n:  # replicated: one copy per KV head
+            return torch.cat([shards[i * (n // kv)] for i in range(kv)], dim=0)
+        return torch.cat(shards, dim=0)
+
     def shard_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]]
     ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -128,6 +164,10 @@ class TensorParallel:
     def _sum_output(self, _module: Any, _inputs: Any, output: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(output, group=self.group)
         return output
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` over the group, in place (a row-parallel LoRA delta)."""
+        dist.all_reduce(tensor, group=self.group)
 
     # ---------------------------------------------------------------- control
 

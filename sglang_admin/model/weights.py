@@ -145,6 +145,10 @@ def weight_values(model: LlamaForCausalLM, name: str, truncate_size: int) -> tup
     found = resolve(model, name)
     if found.param is None:
         raise UnknownWeightName(name)  # a computed buffer, not a weight
-    param = found.param.detach()
-    flat = param.reshape(-1)[: max(truncate_size, 0)]
-    return list(param.shape), flat.to("cpu", torch.float32).tolist()
+    return truncated(found.param.detach(), truncate_size)
+
+
+def truncated(tensor: torch.Tensor, truncate_size: int) -> tuple[list[int], list[float]]:
+    """(shape, first ``truncate_size`` values of the flattened ``tensor``) as floats."""
+    flat = tensor.reshape(-1)[: max(truncate_size, 0)]
+    return list(tensor.shape), flat.to("cpu", torch.float32).tolist()

@@ -683,7 +683,7 @@ class FlushCacheResponse(_message.Message):
     def __init__(self, success: _Optional[bool] = ..., message: _Optional[str] = ..., rank_results: _Optional[_Iterable[_Union[RankResult, _Mapping]]] = ...) -> None: ...
 
 class RankResult(_message.Message):
-    __slots__ = ("dp_rank", "success", "message", "tokens_freed", "files", "num_paused_requests", "digest", "bytes_released")
+    __slots__ = ("dp_rank", "success", "message", "tokens_freed", "files", "num_paused_requests", "digest", "bytes_released", "tp_rank")
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
     SUCCESS_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
@@ -692,6 +692,7 @@ class RankResult(_message.Message):
     NUM_PAUSED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     BYTES_RELEASED_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
     dp_rank: int
     success: bool
     message: str
@@ -700,7 +701,8 @@ class RankResult(_message.Message):
     num_paused_requests: int
     digest: str
     bytes_released: int
-    def __init__(self, dp_rank: _Optional[int] = ..., success: _Optional[bool] = ..., message: _Optional[str] = ..., tokens_freed: _Optional[int] = ..., files: _Optional[_Iterable[str]] = ..., num_paused_requests: _Optional[int] = ..., digest: _Optional[str] = ..., bytes_released: _Optional[int] = ...) -> None: ...
+    tp_rank: int
+    def __init__(self, dp_rank: _Optional[int] = ..., success: _Optional[bool] = ..., message: _Optional[str] = ..., tokens_freed: _Optional[int] = ..., files: _Optional[_Iterable[str]] = ..., num_paused_requests: _Optional[int] = ..., digest: _Optional[str] = ..., bytes_released: _Optional[int] = ..., tp_rank: _Optional[int] = ...) -> None: ...
 
 class AdminResponse(_message.Message):
     __slots__ = ("success", "message", "rank_results")

@@ -37,9 +37,11 @@ def beat_interval(args: ServerArgs) -> float:
 class HeartbeatThread(threading.Thread):
     """Sends :class:`Heartbeat` for ``rank`` until :meth:`stop`."""
 
-    def __init__(self, ctx: zmq.Context, args: ServerArgs, rank: int, clock: StepClock) -> None:
+    def __init__(self, ctx: zmq.Context, args: ServerArgs, rank: int, clock: StepClock,
+                 tp_rank: int = 0) -> None:
         super().__init__(name=f"heartbeat-rank{rank}", daemon=True)
         self.rank = rank
+        self.tp_rank = tp_rank  # a TP follower's beats name it (scheduler/tp_worker.py)
         self.clock = clock
         self.interval = beat_interval(args)
         self.stopped = threading.Event()
@@ -53,7 +55,7 @@ class HeartbeatThread(threading.Thread):
             while not self.stopped.wait(self.interval):
                 clock = self.clock
                 beat = Heartbeat(self.rank, clock.step_started, clock.forward_steps,
-                                 clock.state_confirmed)
+                                 clock.state_confirmed, self.tp_rank)
                 try:
                     self.sock.send(encode(beat), flags=zmq.NOBLOCK)
                 except zmq.Again:

@@ -20,7 +20,7 @@ from sglang_admin.messages import (
     LoraResult,
     UnloadLoraReq,
 )
-from sglang_admin.model.lora import LoraAdapterError, LoraBuffers, read_adapter
+from sglang_admin.model.lora import LoraAdapterError, LoraBuffers, read_adapter, served_config
 from sglang_admin.scheduler.control import Rank
 from sglang_admin.scheduler.lora_registry import Adapter, LoraRegistry
 
@@ -41,7 +41,7 @@ def setup_lora(rank: Any) -> LoraRegistry | None:
     rank.scheduler.lora = registry
     for name, path in args.lora_paths:
         try:
-            adapter = read_adapter(path, runner.model.config, args.max_lora_rank)
+            adapter = read_adapter(path, served_config(runner.model), args.max_lora_rank)
         except LoraAdapterError as exc:
             raise RuntimeError(f"--lora-paths {name}={path}: {exc}") from None
         slot, _ = registry.plan_load(name, name)
@@ -76,7 +76,8 @@ def on_load(rank: Rank, msg: LoadLoraReq) -> None:
         _fail(rank, msg, str(exc), code)
         return
     try:
-        weights = read_adapter(msg.lora_path, rank.runner.model.config, rank.args.max_lora_rank)
+        weights = read_adapter(msg.lora_path, served_config(rank.runner.model),
+                               rank.args.max_lora_rank)
     except LoraAdapterError as exc:
         _fail(rank, msg, f"adapter {msg.lora_name!r} at {msg.lora_path}: {exc}",
               "INVALID_ARGUMENT")

@@ -2,8 +2,9 @@
 
 The scheduler queues the n samples of a request as n rank-side requests. Sample 0 (the
 *parent*) is admitted first and prefills the prompt; its prefilled KV goes into the radix
-cache as soon as its prefill completes (``Scheduler._cache_unfinished``). The other samples
-wait in the queue until then and are admitted with the prompt's KV matched from the cache:
+cache as soon as its prefill completes (kv_memory.py's ``RequestMemory.share_prefilled``).
+The other samples wait in the queue until then and are admitted with the prompt's KV
+matched from the cache:
 each computes only the prompt's last token (to sample its own first token) and from there
 on decodes on its own, with its own output, penalties and logprobs. Without a radix cache
 (``SchedulerConfig.disable_radix_cache``) nothing can be shared: the samples prefill

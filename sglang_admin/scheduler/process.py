@@ -136,18 +136,28 @@ def batch_inputs(batch: Batch) -> list[SeqInput]:
     inputs = []
     for sp in batch.spans:
         req = sp.req
-        prompt = req.prompt_ids
         start, end = sp.start, sp.end
-        # positional, in SeqInput's field order: a decode step builds one per request, and
-        # keywords cost ~2 us more each (test_rank_loop.py pins every field's value)
+        sampling, logprob = req.sampling, req.logprob
         inputs.append(SeqInput(
-            req.req_idx, start, req.tokens(start, end), sp.table_start,
-            req.slots[sp.table_start : end], req.sampling, prompt, req.output_ids, sp.sample,
-            req.return_logprob, req.top_logprobs_num, req.lora_slot,
+            req_idx=req.req_idx,
+            prefix_len=start,
+            token_ids=req.tokens(start, end),
+            table_start=sp.table_start,
+            table_slots=req.slots[sp.table_start : end],
+            sampling=sampling.params,
+            prompt_ids=req.prompt_ids,
+            output_ids=req.output_ids,
+            sample=sp.sample,
+            return_logprob=logprob.return_logprob,
+            top_logprobs_num=logprob.top_logprobs_num,
+            lora_slot=req.lora.slot,
             # prompt logprobs only while the span still covers prompt tokens
-            req.logprob_start_len if start < len(prompt) else -1,
-            req.token_ids_logprob, req.return_hidden_states, req.grammar, req.argmax_from,
-            req.embed,  # issue 32: an Embed request's pooling progress
+            logprob_start_len=logprob.logprob_start_len if start < len(req.prompt_ids) else -1,
+            token_ids_logprob=logprob.token_ids_logprob,
+            return_hidden_states=req.hidden.wanted,
+            grammar=sampling.grammar,
+            argmax_from=req.argmax_from,
+            embed=req.embed,  # issue 32: an Embed request's pooling progress
         ))
     return inputs
 
@@ -165,8 +175,9 @@ class RankLoop:
     ) -> None:
         import torch
 
-        from sglang_admin.model.runner import ModelRunner, keep_freed_cpu_memory
+        from sglang_admin.model.runner import keep_freed_cpu_memory
         from sglang_admin.scheduler.profiler import Profiler
+        from sglang_admin.scheduler.tp_worker import build_runner
         from sglang_admin.scheduler.weight_groups import WeightGroups
 
         self.args, self.rank, self.inbox, self.outbox = args, rank, inbox, outbox
@@ -187,23 +198,7 @@ class RankLoop:
             from sglang_admin.scheduler.tp_worker import join_replica
 
             self.tensor_parallel = join_replica(args, rank, 0)
-        self.runner = ModelRunner(
-            args.model_path,
-            device=args.device,
-            dtype=args.dtype,
-            max_total_tokens=args.max_total_tokens,
-            max_running_requests=args.max_running_requests,
-            context_length=args.context_length,
-            seed=args.seed,
-            lora_slots=(args.max_loaded_loras, args.max_lora_rank) if args.enable_lora else None,
-            lanes=args.rank_lanes,
-            lanes_as_threads=not (args.cpu_lanes or args.torch_threads),
-            attention_backend=args.attention_backend,
-            gpu_index=args.gpu_index(rank * args.tp_size),  # TP rank 0's GPU at tp > 1
-            mem_fraction_static=args.mem_fraction_static,
-            is_embedding=args.is_embedding,
-            tensor_parallel=self.tensor_parallel,
-        )
+        self.runner = build_runner(args, rank, 0, self.tensor_parallel)  # TP rank 0's
         if self.tensor_parallel is not None:
             from sglang_admin.scheduler.tp_worker import LeaderRunner
 
@@ -433,24 +428,7 @@ class RankLoop:
         self.last_step_time = time.perf_counter() - t0
         self.step_timer.forward(self.runner.last_times)
         self.forward_steps += 1
-        tokens: list[int | None] = []
-        logprobs: list[float | None] = []
-        tops: list[list[tuple[int, float]] | None] = []
-        errors: list[tuple[str, str] | None] | None = None
-        for i, (r, sp) in enumerate(zip(results, batch.spans)):
-            if r is None:
-                tokens.append(None)
-                logprobs.append(None)
-                tops.append(None)
-                continue
-            tokens.append(r.token_id if sp.sample else None)
-            logprobs.append(r.logprob)
-            tops.append(r.top_logprobs)
-            if r.error is not None:
-                if errors is None:
-                    errors = [None] * len(results)
-                errors[i] = (r.error, r.error_code or "INTERNAL")
-        outputs = self.scheduler.postprocess(batch, tokens, logprobs, tops, errors, results)
+        outputs = self.scheduler.postprocess(batch, results)
         self.step_timer.lap("postprocess")
         # What arrived during the forward pass is handled before the step's outputs go out:
         # an admin call's answer then reaches the server ahead of the step's stream messages,

@@ -15,9 +15,10 @@ StopProfile arrives or when it stops by itself after ``num_steps`` forward steps
   when the other stage's first batch comes while it still runs, it ends there (as SGLang
   does, so both stages always get a trace); batches of a finished stage that run inside the
   other stage's session are recorded in that session but not counted.
-- A session writes ``{stem}-TP-0[-DP-{rank}][-{STAGE}].trace.json.gz`` (``stem`` is the
-  profile id, or ``{prefix}-{profile id}``; the DP part only when dp_size > 1), and, for MEM
-  on CUDA, a memory snapshot ``{stem}-TP-0[-DP-{rank}]-memory[-{STAGE}].pickle``.
+- A session writes ``{stem}-TP-{tp}[-DP-{rank}][-{STAGE}].trace.json.gz`` (``stem`` is the
+  profile id, or ``{prefix}-{profile id}``; the DP part only when dp_size > 1; ``tp`` is 0
+  but on a TP follower, scheduler/tp_worker.py), and, for MEM on CUDA, a memory snapshot
+  ``{stem}-TP-{tp}[-DP-{rank}]-memory[-{STAGE}].pickle``.
 - Size cap (``max_bytes``, this rank's share of the profile's cap): checked after each file
   is written. A file that takes the rank's total over the cap is deleted, the profile stops
   there, and the reason is returned by StopProfile (or logged when it stopped by itself).
@@ -125,9 +126,11 @@ class Profiler:
     """
 
     def __init__(
-        self, rank: int, device: str, max_steps: int = 0, segment_steps: int | None = None
+        self, rank: int, device: str, max_steps: int = 0, segment_steps: int | None = None,
+        tp_rank: int = 0,
     ) -> None:
         self.rank = rank
+        self.tp_rank = tp_rank  # --tp-size > 1: a TP follower's profiler names its files
         self.device = device
         self.max_steps = max_steps
         if segment_steps is None:  # 0: one segment per session
@@ -305,7 +308,8 @@ class Profiler:
         return _Config(
             profile_id=req.profile_id,
             output_dir=req.output_dir,
-            base=profile_file_base(req.profile_id, req.profile_prefix, self.rank, req.dp_size),
+            base=profile_file_base(req.profile_id, req.profile_prefix, self.rank, req.dp_size,
+                                   self.tp_rank),
             torch_activities=activities,
             with_stack=req.with_stack,
             record_shapes=req.record_shapes,

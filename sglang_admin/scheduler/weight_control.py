@@ -43,6 +43,7 @@ from sglang_admin.model.weight_names import UnknownWeightName
 from sglang_admin.model.weights import (
     RefitError,
     refit_from_disk,
+    truncated,
     weight_values,
     weights_digest,
 )
@@ -50,6 +51,7 @@ from sglang_admin.scheduler.cache_control import flush_now
 from sglang_admin.scheduler.control import Rank
 from sglang_admin.scheduler.generation_control import WEIGHTS_INVALID
 from sglang_admin.scheduler.memory_tags import release_refusal, resume_refusal
+from sglang_admin.scheduler.tp_weights import followers_of, replica_digest
 
 logger = logging.getLogger(__name__)
 
@@ -137,11 +139,15 @@ def on_get_weights(rank: Rank, msg: GetWeightsReq) -> None:
     if rank.runner.weights_released:
         rank.reply(msg, False, "the weights are released")
         return
+    model = rank.runner.model
     try:
-        shape, values = weight_values(rank.runner.model, msg.name, msg.truncate_size)
+        shape, values = weight_values(model, msg.name, msg.truncate_size)
     except UnknownWeightName as exc:
         rank.reply(msg, False, str(exc))
         return
+    followers = followers_of(rank.runner)
+    if followers is not None:  # the full tensor, joined from every TP rank's shard
+        shape, values = truncated(followers.read(model, msg.name), msg.truncate_size)
     rank.reply(msg, True, "", WeightValues(shape, values))
 
 
@@ -149,7 +155,21 @@ def on_check_weights(rank: Rank, msg: CheckWeightsReq) -> None:
     if rank.runner.weights_released:
         rank.reply(msg, False, "the weights are released")
         return
-    rank.reply(msg, True, "", DigestResult(weights_digest(rank.runner.model)))
+    followers = followers_of(rank.runner)
+    if followers is None:
+        rank.reply(msg, True, "", DigestResult(weights_digest(rank.runner.model)))
+        return
+    digests = followers.digests(rank.runner.model)  # one per TP rank: each holds its shard
+    rank.reply(msg, True, "", DigestResult(replica_digest(digests), digests))
+
+
+def served_digest(rank: Rank) -> str:
+    """The digest of the weights this rank serves (at tp > 1: its replica's, over every TP
+    rank's shard)."""
+    followers = followers_of(rank.runner)
+    if followers is None:
+        return weights_digest(rank.runner.model)
+    return replica_digest(followers.digests(rank.runner.model))
 
 
 def released_tags(rank: Rank) -> set[str]:
@@ -180,7 +200,7 @@ def on_release_memory(rank: Rank, msg: ReleaseMemoryReq) -> None:
         released += rank.runner.release_kv_cache()
     if "weights" in msg.tags and not rank.runner.weights_released:
         # What resume must restore; a checkpoint rewritten meanwhile would not be it.
-        rank.released_digest = weights_digest(rank.runner.model) if rank.weights_valid else None
+        rank.released_digest = served_digest(rank) if rank.weights_valid else None
         released += rank.runner.release_weights()
     if rank.runner.kv_cache_released or rank.runner.weights_released:
         rank.quiesce.hold(RELEASED)
@@ -216,8 +236,12 @@ def on_resume_memory(rank: Rank, msg: ResumeMemoryReq) -> None:
                     "is refused until UpdateWeightsFromDisk")
         else:
             try:
-                load_weights(runner.model, iter_checkpoint(source))
-                if expected is not None and weights_digest(runner.model) != expected:
+                followers = followers_of(runner)
+                if followers is None:
+                    load_weights(runner.model, iter_checkpoint(source))
+                else:  # every TP rank reloads its shard
+                    followers.load(runner.model, source)
+                if expected is not None and served_digest(rank) != expected:
                     raise ValueError(f"{source} changed since the weights were released, so "
                                      "they cannot be restored")
             except Exception as exc:  # noqa: BLE001 - the checkpoint moved, broke or changed

@@ -41,6 +41,15 @@ from sglang_admin.model.pushed_weights import (
     receive_weights,
 )
 from sglang_admin.scheduler.control import Rank
+from sglang_admin.scheduler.tp_weights import (
+    DESTROY,
+    JOIN,
+    RECEIVE,
+    SEGMENT,
+    first_failure,
+    followers_of,
+    group_rank,
+)
 from sglang_admin.scheduler.weight_control import weights_now_served
 
 logger = logging.getLogger(__name__)
@@ -123,21 +132,34 @@ def on_init_group(rank: Rank, msg: InitWeightsGroupReq) -> None:
                 f"weight update group {msg.group_name!r} already exists; "
                 "DestroyWeightsUpdateGroup it first or use another name")
         return
-    group_rank = msg.rank_offset + rank.rank
+    tp_size = rank.args.tp_size
+    base = group_rank(msg.rank_offset, rank.rank, tp_size, 0)  # TP rank 0's; followers follow
     sync.joining.add(msg.group_name)
     budget = _budget_s(msg.deadline)
+    followers = followers_of(rank.runner)
+    if followers is not None:  # each TP rank joins at its own rank, on its own thread
+        followers.send(JOIN, msg.group_name, msg.master_address, msg.master_port, base,
+                       msg.world_size, backend, budget)
 
     def join() -> WeightGroup:
-        return join_group(msg.master_address, msg.master_port, group_rank, msg.world_size,
+        return join_group(msg.master_address, msg.master_port, base, msg.world_size,
                           msg.group_name, backend, budget, rank.runner.device)
 
     def finish(outcome: Any) -> tuple[bool, str, Any]:
         sync.joining.discard(msg.group_name)
+        if followers is not None:  # the replica is in the group whole or not at all
+            failed = first_failure(followers.collect(budget))
+            if failed is not None or not isinstance(outcome, WeightGroup):
+                followers.send(DESTROY, msg.group_name)
+            if failed is not None and isinstance(outcome, WeightGroup):
+                outcome.destroy()
+                outcome = GroupJoinError(failed)
         if isinstance(outcome, WeightGroup):
             sync.groups[msg.group_name] = outcome
             logger.info("rank %d joined weight group %s as rank %d of %d", rank.rank,
-                        msg.group_name, group_rank, msg.world_size)
-            return True, (f"joined group {msg.group_name!r} as rank {group_rank} of "
+                        msg.group_name, base, msg.world_size)
+            ranks = str(base) if tp_size == 1 else f"{base}..{base + tp_size - 1}"
+            return True, (f"joined group {msg.group_name!r} as rank {ranks} of "
                           f"{msg.world_size}"), None
         text = str(outcome) if isinstance(outcome, GroupJoinError) else (
             f"{type(outcome).__name__}: {outcome}")
@@ -153,6 +175,9 @@ def on_destroy_group(rank: Rank, msg: DestroyWeightsGroupReq) -> None:
     if group is None:
         _reject(rank, msg, "NOT_FOUND", f"no weight update group named {msg.group_name!r}")
         return
+    followers = followers_of(rank.runner)
+    if followers is not None:
+        followers.send(DESTROY, msg.group_name)
 
     def finish(outcome: Any) -> tuple[bool, str, Any]:
         if isinstance(outcome, BaseException):
@@ -213,16 +238,23 @@ def on_update_from_distributed(rank: Rank, msg: UpdateWeightsFromDistributedReq)
                 "InitWeightsUpdateGroup first")
         return
 
+    followers = followers_of(rank.runner)
+
     def start(aborted: int) -> None:
         rank.weight_sync.receiving = msg.group_name
         rank.quiesce.hold(RECEIVING)
         rank.publish_state(force=True)
+        budget = _budget_s(msg.deadline)
+        if followers is not None:  # every TP rank receives each tensor and keeps its shard
+            followers.send(RECEIVE, msg.group_name, msg.names, msg.dtypes, msg.shapes,
+                           msg.load_format, budget)
 
         def receive() -> _Outcome:
             t0 = time.perf_counter()
             try:
-                nbytes = receive_weights(group, specs, msg.load_format,
-                                         _budget_s(msg.deadline), rank.runner.device)
+                nbytes = receive_weights(group, specs, msg.load_format, budget,
+                                         rank.runner.device,
+                                         getattr(rank.runner.model, "tensor_parallel", None))
             except Exception as exc:  # noqa: BLE001 - gloo's errors are RuntimeErrors
                 return _Outcome(False, f"receiving from group {msg.group_name!r} failed: "
                                 f"{str(exc).strip().splitlines()[0] if str(exc) else exc!r}")
@@ -234,6 +266,10 @@ def on_update_from_distributed(rank: Rank, msg: UpdateWeightsFromDistributedReq)
             rank.publish_state(force=True)
             if not isinstance(outcome, _Outcome):
                 outcome = _Outcome(False, f"{type(outcome).__name__}: {outcome}")
+            failed = None if followers is None else first_failure(followers.collect(budget))
+            if outcome.ok and failed is not None:
+                outcome = _Outcome(False, f"receiving from group {msg.group_name!r} failed "
+                                   f"on {failed}")
             if not outcome.ok:
                 return _failed(rank, aborted, outcome.error)
             return _succeeded(rank, msg, aborted, f"received {len(specs)} tensors "
@@ -258,15 +294,29 @@ def on_update_from_tensor(rank: Rank, msg: UpdateWeightsFromTensorReq) -> None:
         _reject(rank, msg, "INVALID_ARGUMENT", str(exc))
         return
 
+    followers = followers_of(rank.runner)
+
     def run(aborted: int) -> None:
         t0 = time.perf_counter()
+        if followers is not None:  # every TP rank reads the segment and keeps its shard
+            followers.send(SEGMENT, msg.shm_name, msg.names, msg.dtypes, msg.shapes,
+                           msg.offsets)
+        unchanged, error = False, None  # unchanged: refused before a byte was copied
         try:
             nbytes = load_from_segment(rank.runner.model, msg.shm_name, specs, msg.offsets)
         except ManifestError as exc:  # the segment changed since it was checked
-            rank.reply(msg, False, str(exc), WeightsResult(rank.model_info, aborted))
-            return
+            unchanged, error = True, str(exc)
         except Exception as exc:  # noqa: BLE001 - whatever broke, nothing half-updated serves
-            rank.reply(msg, *_failed(rank, aborted, f"{type(exc).__name__}: {exc}"))
+            error = f"{type(exc).__name__}: {exc}"
+        if followers is not None:  # the other TP ranks may have loaded theirs: all or none
+            failed = first_failure(followers.gather(error)[1:])
+            unchanged = False
+            error = error if error is not None else failed
+        if error is not None and unchanged:
+            rank.reply(msg, False, error, WeightsResult(rank.model_info, aborted))
+            return
+        if error is not None:
+            rank.reply(msg, *_failed(rank, aborted, error))
             return
         rank.reply(msg, *_succeeded(rank, msg, aborted, f"loaded {len(specs)} tensors "
                                     f"({nbytes} bytes) from shared memory in "

@@ -33,14 +33,6 @@ from sglang_admin.tracing import carrier_from_metadata, server_span, trace_id_of
 request_log = logging.getLogger("sglang_admin.server.servicer")
 
 DEADLINE_MARGIN_S = 0.25
-# Admin ops that need every TP rank's part and do not have it yet (docs/tensor-parallel.md):
-# refused with FAILED_PRECONDITION at --tp-size > 1.
-NOT_YET_WITH_TP = frozenset({
-    "start_profile", "load_lora_adapter", "unload_lora_adapter", "init_weights_update_group",
-    "destroy_weights_update_group", "update_weights_from_distributed",
-    "update_weights_from_tensor", "get_weights_by_name", "check_weights",
-    "release_memory_occupation", "resume_memory_occupation",
-})
 _ADMIN_MARK = "_sglang_admin_rpc"
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -207,9 +199,6 @@ class AdminCalls:
         is in the FanOut.
         """
         self.require_ready()
-        if self.args.tp_size > 1 and op in NOT_YET_WITH_TP:
-            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
-                               f"{op} is not yet supported with --tp-size > 1")
         carrier = carrier_from_metadata(context.invocation_metadata())
         with self.comm.metrics.admin_call(op) as outcome:  # sglang_admin:admin_calls
             with server_span(span_name_of(op), carrier, **log_fields) as forward:

@@ -123,6 +123,8 @@ class Communicator:
         # Each rank's last heartbeat and when it arrived (monotonic): server/watchdog.py
         self.heartbeats: list[Heartbeat | None] = [None] * args.dp_size
         self.heard_at: list[float] = [0.0] * args.dp_size
+        # --tp-size > 1: when each TP follower's heartbeat last arrived, by (dp, tp) rank
+        self.follower_heard_at: dict[tuple[int, int], float] = {}
         self.model_info: ModelInfo | None = None  # rank 0's, once the ranks are ready
         self.ready_ranks: set[int] = set()
         self.ready = asyncio.Event()
@@ -223,6 +225,9 @@ class Communicator:
         elif isinstance(msg, StateUpdate):
             self.rank_states[msg.state.dp_rank] = msg.state
         elif isinstance(msg, Heartbeat):
+            if msg.tp_rank:
+                self.follower_heard_at[msg.dp_rank, msg.tp_rank] = time.monotonic()
+                return
             self.heartbeats[msg.dp_rank] = msg
             self.heard_at[msg.dp_rank] = time.monotonic()
         elif isinstance(msg, AdminReply):
@@ -243,6 +248,8 @@ class Communicator:
             self.ready_ranks.add(msg.dp_rank)
             self.rank_states[msg.dp_rank] = msg.state
             self.heard_at[msg.dp_rank] = time.monotonic()
+            for tp_rank in range(1, self.args.tp_size):  # loaded: the replica's barrier
+                self.follower_heard_at[msg.dp_rank, tp_rank] = time.monotonic()
             if msg.dp_rank == 0 or self.model_info is None:
                 self.model_info = msg.model_info
             if len(self.ready_ranks) == self.args.dp_size:

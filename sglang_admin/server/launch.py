@@ -322,6 +322,11 @@ class Server:
         for rank in self.stuck_ranks:  # a stopped process never reads ShutdownReq
             logger.error("killing stuck scheduler rank %d (pid %s)", rank, self.procs[rank].pid)
             self.procs[rank].kill()
+            for dp_rank, tp_rank, follower in self.tp_procs:  # its TP ranks, stopped or not
+                if dp_rank == rank and follower.is_alive():
+                    logger.error("killing TP rank %d of stuck replica %d (pid %s)", tp_rank,
+                                 rank, follower.pid)
+                    follower.kill()
         await self.health.enter_graceful_shutdown()
         if self.comm is not None:
             self.comm.kv_hub.close()  # KV event streams never end by themselves: end them now

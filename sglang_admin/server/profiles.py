@@ -105,10 +105,11 @@ class StartPlan:
     profile_by_stage: bool
     profile_stages: list[str]
     merge: bool
-    max_bytes: int
+    max_bytes: int  # each (dp, tp) rank's share of the cap
     dp_size: int
     root: str
     notes: list[str]
+    tp_size: int = 1
 
     def message(self, rid: str, deadline: float, trace: dict[str, str]) -> StartProfileReq:
         return StartProfileReq(
@@ -134,7 +135,7 @@ class StartPlan:
     def record(self) -> ProfileRecord:
         return ProfileRecord(
             self.profile_id, profile_file_stem(self.profile_id, self.prefix), self.output_dir,
-            self.merge, self.max_bytes * self.dp_size,
+            self.merge, self.max_bytes * self.dp_size * self.tp_size,
         )
 
     def started_message(self) -> str:
@@ -203,8 +204,10 @@ def plan_start(
         profile_by_stage=request.profile_by_stage or bool(stages),
         profile_stages=stages,
         merge=request.merge_profiles,
-        max_bytes=max(1, args.profile_max_bytes // max(args.dp_size, 1)),
+        # each (dp, tp) rank writes its own traces: an even share each
+        max_bytes=max(1, args.profile_max_bytes // max(args.dp_size * args.tp_size, 1)),
         dp_size=args.dp_size,
+        tp_size=args.tp_size,
         root=os.path.realpath(args.profile_dir),
         notes=notes,
     )

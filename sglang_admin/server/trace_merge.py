@@ -53,6 +53,9 @@ def merge(output_dir: str, stem: str, max_bytes: int, files: list[str]) -> tuple
         for path, data in loaded:
             match = re.search(r"-DP-(\d+)", os.path.basename(path))
             label = f"DP-{match.group(1)}" if match else "DP-0"
+            tp = re.search(r"-TP-(\d+)", os.path.basename(path))
+            if tp and tp.group(1) != "0":  # a TP follower's trace (--tp-size > 1)
+                label += f" TP-{tp.group(1)}"
             shift_us = (int(data.get("baseTimeNanoseconds", 0)) - base) / 1000.0
             for ev in data.get("traceEvents", []):
                 if shift_us and isinstance(ev.get("ts"), (int, float)):

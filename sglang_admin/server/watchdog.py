@@ -1,8 +1,9 @@
 """The watchdog: a rank that stops making progress fails the server, as a dead rank does.
 
 Every rank's heartbeat thread (scheduler/heartbeat.py) beats a few times per
-``--watchdog-probe-timeout`` and says whether the rank is inside a forward step. A rank is
-stuck when
+``--watchdog-probe-timeout`` and says whether the rank is inside a forward step (at
+--tp-size > 1 every TP follower beats too, and a silent one makes its replica stuck). A
+rank is stuck when
 
 - no heartbeat arrived for ``--watchdog-probe-timeout`` seconds: the process is stopped
   (SIGSTOP) or frozen, busy or idle alike; or
@@ -77,9 +78,21 @@ class Watchdog:
                 continue
             why = stuck_reason(
                 self.args, self.comm.heartbeats[rank], mono - self.comm.heard_at[rank], now
-            )
+            ) or self.follower_stuck(rank, mono)
             if why is not None:
                 self.on_stuck(rank, why)
+
+    def follower_stuck(self, rank: int, mono: float) -> str | None:
+        """Why a TP follower of replica ``rank`` counts as stuck (no heartbeat for the probe
+        timeout: stopped or frozen; the replica's rank 0 then waits in a collective)."""
+        for tp_rank in range(1, self.args.tp_size):
+            heard = self.comm.follower_heard_at.get((rank, tp_rank))
+            if heard is None:
+                continue
+            why = stuck_reason(self.args, None, mono - heard, 0.0)
+            if why is not None:
+                return f"(TP rank {tp_rank}) {why}"
+        return None
 
     async def run(self, stop: asyncio.Event) -> None:
         """Check until ``stop`` is set."""

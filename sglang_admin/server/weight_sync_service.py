@@ -81,14 +81,14 @@ class WeightSync:
             raise invalid("group_name must not be empty")
         if request.backend not in BACKENDS:
             raise invalid(f"backend {request.backend!r} is not supported; use gloo or nccl")
-        dp = self.args.dp_size
+        ranks = self.args.dp_size * self.args.tp_size  # each TP rank joins at its own rank
         if request.rank_offset < 1:
             raise invalid(f"rank_offset must be at least 1 (rank 0 is the trainer), got "
                           f"{request.rank_offset}")
-        if request.rank_offset + dp > request.world_size:
+        if request.rank_offset + ranks > request.world_size:
             raise invalid(
-                f"world_size {request.world_size} cannot hold this worker's {dp} rank(s) at "
-                f"ranks {request.rank_offset}..{request.rank_offset + dp - 1}")
+                f"world_size {request.world_size} cannot hold this worker's {ranks} rank(s) at "
+                f"ranks {request.rank_offset}..{request.rank_offset + ranks - 1}")
         out = await self.admin.fan_out(
             context, "init_weights_update_group",
             lambda rid, deadline, trace: InitWeightsGroupReq(

@@ -81,6 +81,22 @@ def _tags(tags: list[str]) -> list[str]:
     return list(dict.fromkeys(tags)) or list(MEMORY_TAGS)
 
 
+def _per_tp_rank(out: FanOut, results: list[pb.RankResult]) -> list[pb.RankResult]:
+    """CheckWeights at --tp-size > 1: one result per (dp, tp) rank, each with the digest of
+    that TP rank's shard (a replica that did not answer keeps its one result)."""
+    expanded: list[pb.RankResult] = []
+    for res in results:
+        found = out.result(res.dp_rank)
+        if not isinstance(found, DigestResult) or not found.tp_digests:
+            expanded.append(res)
+            continue
+        for tp_rank, digest in enumerate(found.tp_digests):
+            expanded.append(pb.RankResult(dp_rank=res.dp_rank, tp_rank=tp_rank,
+                                          success=res.success, message=res.message,
+                                          digest=digest))
+    return expanded
+
+
 class Weights:
     """Refit, inspect and release the weights of every rank."""
 
@@ -170,13 +186,13 @@ class Weights:
             found = out.result(res.dp_rank)
             if isinstance(found, DigestResult):
                 res.digest = found.digest
-        digests = {r.digest for r in results}
+        digests = {r.digest for r in results}  # at tp > 1: each replica's digest of digests
         same = out.ok and len(digests) == 1
         message = out.message("every rank holds the same weights")
         if out.ok and not same:
             message = "the ranks hold different weights"
         return pb.CheckWeightsResponse(
-            success=same, message=message, rank_results=results,
+            success=same, message=message, rank_results=_per_tp_rank(out, results),
             digest=results[0].digest if same else "",
         )
 

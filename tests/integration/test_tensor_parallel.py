@@ -8,6 +8,8 @@ from __future__ import annotations
 import concurrent.futures as cf
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -18,7 +20,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sglang_admin.pb import common_pb2 as pb
-from tests.conftest import ServerProc, greedy, run_generate, start_server
+from tests.conftest import ROOT, ServerProc, free_port, greedy, run_generate, start_server
 from tests.integration.test_faults import assert_gone, wait_for
 
 torch = pytest.importorskip("torch")
@@ -78,7 +80,8 @@ def hf_model(path: Path):
 def start_tp(tmp: Path, path: Path, dp: int = 1, *extra: str) -> ServerProc:
     return start_server(tmp, "--model-path", str(path), "--dtype", "float32",
                         "--max-prefill-tokens", "64", "--tp-size", "2", "--dp-size", str(dp),
-                        "--max-total-tokens", "2048", *extra)
+                        "--max-total-tokens", "2048", "--profile-dir", str(tmp / "profiles"),
+                        *extra)
 
 
 def assert_equal_to_transformers(srv: ServerProc, model, dp: int) -> None:
@@ -125,14 +128,8 @@ def test_greedy_tokens_and_logprobs_equal_transformers(tp_server) -> None:
     assert_equal_to_transformers(srv, model, dp)
 
 
-def test_ops_without_tp_support_are_refused(tp_server) -> None:
+def test_a_bad_request_fails_alone(tp_server) -> None:
     srv, _, _, _ = tp_server
-    with pytest.raises(grpc.RpcError) as err:
-        srv.stub().GetWeightsByName(pb.GetWeightsByNameRequest(name="lm_head.weight"),
-                                    timeout=10)
-    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert "not yet supported with --tp-size > 1" in err.value.details()
-    # a bad request fails alone
     with pytest.raises(grpc.RpcError) as err:
         run_generate(srv.stub(), pb.GenerateRequest(
             tokenized=pb.TokenizedInput(input_ids=[5, 6]),
@@ -149,6 +146,223 @@ def test_ops_without_tp_support_are_refused(tp_server) -> None:
     completes = [r.complete for r in srv.stub().Generate(sampled, timeout=60)
                  if r.HasField("complete")]
     assert sorted(len(c.output_ids) for c in completes) == [6, 6]
+
+
+def test_profiles_are_written_by_every_tp_rank(tp_server) -> None:
+    """SGLang's names, {id}-TP-{tp}[-DP-{dp}]; num_steps ends the profile on the same step
+    on both TP ranks (each counts rank 0's steps), and StopProfile hands over every file."""
+    srv, _, dp, path = tp_server
+    if path.name.startswith("qwen2"):
+        pytest.skip("the file names do not depend on the architecture: llama covers them")
+    stub = srv.stub()
+    dp_part = [f"-DP-{r}" if dp > 1 else "" for r in range(dp)]
+    start = stub.StartProfile(pb.StartProfileRequest(output_dir="tp"), timeout=60)
+    assert start.success, start.message
+    for rank in range(dp):
+        run_generate(stub, greedy([9, 8, 7, rank], 6, data_parallel_rank=rank), timeout=60)
+    stop = stub.StopProfile(pb.StopProfileRequest(), timeout=120)
+    assert stop.success, stop.message
+    assert sorted(os.path.basename(f) for f in stop.files) == sorted(
+        f"{start.profile_id}-TP-{t}{part}.trace.json.gz" for part in dp_part for t in range(2))
+    assert all(os.path.getsize(f) > 0 for f in stop.files)
+    assert [len(r.files) for r in stop.rank_results] == [2] * dp
+    # num_steps: every TP rank stops by itself after the same 3 steps and writes its trace
+    root = Path(srv.extra_args[srv.extra_args.index("--profile-dir") + 1])
+    start = stub.StartProfile(pb.StartProfileRequest(output_dir="steps", num_steps=3),
+                              timeout=60)
+    assert start.success, start.message
+    for rank in range(dp):
+        run_generate(stub, greedy([9, 8, 6, rank], 6, data_parallel_rank=rank), timeout=60)
+    want = {f"{start.profile_id}-TP-{t}{part}.trace.json.gz" for part in dp_part
+            for t in range(2)}
+    steps = root / "steps"
+    wait_for(lambda: steps.is_dir() and want <= set(os.listdir(steps)), 60,
+             "every TP rank's trace")
+    stop = stub.StopProfile(pb.StopProfileRequest(), timeout=120)
+    assert not stop.success and "not in progress" in stop.message  # it ended by itself
+
+
+def checkpoint_tensors(path: Path) -> dict[str, object]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "model.safetensors"))
+
+
+def test_get_weights_by_name_gathers_the_full_tensor_and_check_weights_is_per_rank(
+    tp_server,
+) -> None:
+    srv, _, dp, path = tp_server
+    stub = srv.stub()
+    full = checkpoint_tensors(path)
+    # split by rows (q, k/v: split on Llama, one replicated KV head on Qwen2; gate/up), by
+    # columns (o_proj, down_proj), a row-split bias, the replicated embedding
+    names = ["model.layers.1.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
+             "model.layers.0.self_attn.v_proj.weight", "model.layers.1.mlp.up_proj.weight",
+             "model.layers.0.self_attn.o_proj.weight", "model.layers.1.mlp.down_proj.weight",
+             "model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.bias",
+             "model.layers.1.mlp.down_proj.bias", "model.layers.0.input_layernorm.weight"]
+    for name in names:
+        if name not in full:
+            continue  # the other architecture's bias
+        want = full[name]
+        resp = stub.GetWeightsByName(pb.GetWeightsByNameRequest(
+            name=name, truncate_size=want.numel()), timeout=30)
+        assert resp.success, (name, resp.message)
+        assert list(resp.shape) == list(want.shape), name
+        assert torch.equal(torch.tensor(list(resp.values)), want.reshape(-1).float()), name
+    unknown = stub.GetWeightsByName(pb.GetWeightsByNameRequest(name="model.nope.weight"),
+                                    timeout=30)
+    assert not unknown.success and "model.nope.weight" in unknown.message
+    check = stub.CheckWeights(pb.CheckWeightsRequest(), timeout=60)
+    assert check.success, check.message
+    assert [(r.dp_rank, r.tp_rank) for r in check.rank_results] == [
+        (d, t) for d in range(dp) for t in range(2)]
+    by_tp = [{r.digest for r in check.rank_results if r.tp_rank == t} for t in range(2)]
+    assert all(len(d) == 1 for d in by_tp)  # the replicas agree, TP rank by TP rank ...
+    assert by_tp[0] != by_tp[1]  # ... and each TP rank holds its own shard
+    assert len(check.digest) == 64
+
+
+TRAINER = [sys.executable, "-m", "tests.integration.sglang_trainer"]
+SYNC_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def sync_worker(tmp_path_factory) -> Iterator[tuple[ServerProc, Path, dict[str, Path]]]:
+    """One tp 2 worker for the weight-sync, memory and LoRA tests: test_lora.py's Llama
+    base (2 KV heads split, untied LM head) with LoRA on, its "attn" adapter (q/k/v/o)
+    given at start and "mlp" (gate/up/down and q) loaded at run time. Each test starts by
+    loading the base checkpoint from disk, whatever ran before."""
+    from tests.integration.test_lora import SERVER_ARGS
+    from tests.lora_models import build_adapter, build_base
+
+    root = tmp_path_factory.mktemp("sync")
+    base = build_base("llama", root / "base")
+    adapters = {name: build_adapter(base, name, root / name, seed)
+                for seed, name in enumerate(["attn", "mlp"], start=1)}
+    srv = start_server(root, "--model-path", str(base), *SERVER_ARGS, "--tp-size", "2",
+                       "--lora-paths", f"attn={adapters['attn']}")
+    adapters["base"] = base
+    yield srv, base, adapters
+    assert srv.stop() == 0, srv.log()[-3000:]
+
+
+def load_base(srv: ServerProc, ckpt: Path) -> None:
+    refit = srv.stub().UpdateWeightsFromDisk(
+        pb.UpdateWeightsFromDiskRequest(model_path=str(ckpt)), timeout=120)
+    assert refit.success, refit.message
+
+
+def test_lora_at_tp2_equals_peft_token_for_token(sync_worker) -> None:
+    """test_lora.py's mixed batch (the base model and two adapters in one batch, logprobs
+    within 1e-4 of peft's) with A/B cut as their base layers are."""
+    from tests.integration.test_lora import test_mixed_batch_equals_peft_token_for_token as same
+
+    srv, ckpt, adapters = sync_worker
+    load_base(srv, ckpt)
+    same(("llama-tp2", srv, adapters))
+
+
+def sync_outputs(srv: ServerProc) -> list[list[int]]:
+    return [run_generate(srv.stub(), greedy(p[:12], SYNC_TOKENS), timeout=120)[0]
+            for p in PROMPTS]
+
+
+def check_digests(srv: ServerProc) -> list[str]:
+    resp = srv.stub().CheckWeights(pb.CheckWeightsRequest(), timeout=60)
+    assert resp.success, resp.message
+    return [r.digest for r in resp.rank_results]
+
+
+def test_a_trainer_pushes_to_every_tp_rank_as_a_refit_from_disk_would(
+    sync_worker, tmp_path: Path
+) -> None:
+    """tests/integration/sglang_trainer.py (world 3: the trainer and the two TP ranks at
+    rank_offset 1 and 2, SGLang's convention) pushes three times: SGLang's helper, one
+    broadcast per tensor; our WeightPusher, flattened buckets then per tensor; shared
+    memory. Each time the worker answers as transformers on the trained model does, and
+    after the first push each TP rank holds exactly what a refit from disk of the same
+    weights loads (CheckWeights' per-rank digests)."""
+    srv, ckpt, _ = sync_worker
+    load_base(srv, ckpt)
+    stub = srv.stub()
+    before = sync_outputs(srv)
+    log = tmp_path / "trainer.log"
+    with open(log, "w") as err:
+        trainer = subprocess.Popen(
+            [*TRAINER, "sglang", srv.target, str(ckpt), str(tmp_path), str(free_port())],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+    def expect(line: str) -> None:
+        assert trainer.stdout is not None
+        while (got := trainer.stdout.readline()) and got.strip() != line:
+            pass
+        assert got, f"trainer ended before {line!r}:\n{log.read_text()[-4000:]}"
+
+    def next_phase() -> None:
+        assert trainer.stdin is not None
+        trainer.stdin.write("next\n")
+        trainer.stdin.flush()
+
+    try:
+        expect("pushed sglang")
+        pushed = sync_outputs(srv)
+        expected = [reference(hf_model(tmp_path / "sglang"), p[:12], SYNC_TOKENS)[0]
+                    for p in PROMPTS]
+        assert pushed == expected != before
+        assert stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10).weight_version == \
+            "sglang-1"
+        digests = check_digests(srv)
+        refit = stub.UpdateWeightsFromDisk(
+            pb.UpdateWeightsFromDiskRequest(model_path=str(tmp_path / "sglang")), timeout=120)
+        assert refit.success, refit.message
+        assert check_digests(srv) == digests  # bit for bit, on each TP rank
+        assert sync_outputs(srv) == pushed
+        next_phase()
+        expect("pushed helper")
+        assert sync_outputs(srv) == [
+            reference(hf_model(tmp_path / "helper"), p[:12], SYNC_TOKENS)[0] for p in PROMPTS]
+        next_phase()
+        expect("pushed shm")
+        assert sync_outputs(srv) == [
+            reference(hf_model(tmp_path / "shm"), p[:12], SYNC_TOKENS)[0] for p in PROMPTS]
+        assert stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10).weight_version == \
+            "shm-3"
+        assert trainer.wait(120) == 0, log.read_text()[-4000:]
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+        trainer.wait(60)
+    # a manifest of shard shapes (not the full ones a trainer sends) is refused clearly
+    with pytest.raises(grpc.RpcError) as err:
+        stub.UpdateWeightsFromDistributed(pb.UpdateWeightsFromDistributedRequest(
+            names=["model.layers.0.mlp.up_proj.weight"], dtypes=["float32"],
+            shapes=[pb.TensorShape(dims=[64, 64])], group_name="helper-group"), timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "the model's is [128, 64]" in err.value.details()
+
+
+def test_memory_release_and_resume_on_every_tp_rank(sync_worker) -> None:
+    """Both TP ranks free their KV pool and their shard; a resume reloads every shard from
+    the checkpoint and checks the replica's digest: the same weights, the same tokens."""
+    srv, ckpt, _ = sync_worker
+    stub = srv.stub()
+    load_base(srv, ckpt)
+    before, digests = sync_outputs(srv), check_digests(srv)
+    released = stub.ReleaseMemoryOccupation(pb.ReleaseMemoryOccupationRequest(), timeout=60)
+    assert released.success, released.message
+    # both TP ranks' shards and pools: more than the whole model (the embedding is on both)
+    model_bytes = sum(t.numel() * t.element_size() for t in checkpoint_tensors(ckpt).values())
+    assert released.rank_results[0].bytes_released > model_bytes
+    again = stub.ReleaseMemoryOccupation(
+        pb.ReleaseMemoryOccupationRequest(tags=["weights"]), timeout=60)
+    assert not again.success and "weights" in again.message
+    resumed = stub.ResumeMemoryOccupation(pb.ResumeMemoryOccupationRequest(), timeout=120)
+    assert resumed.success, resumed.message
+    assert "weights reloaded" in resumed.rank_results[0].message
+    assert check_digests(srv) == digests
+    assert sync_outputs(srv) == before
 
 
 def test_update_weights_from_disk_reaches_every_tp_rank(tmp_path: Path) -> None:
@@ -187,9 +401,12 @@ def _tp_follower_pids(srv: ServerProc) -> list[int]:
     return pids
 
 
-def test_a_killed_tp_rank_takes_the_worker_down(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
+def test_a_killed_or_stopped_tp_rank_takes_the_worker_down(tmp_path: Path, sig: int) -> None:
+    """SIGKILL: the server sees the exit; SIGSTOP: the follower's heartbeat falls silent
+    (--watchdog-probe-timeout 2) while rank 0 waits for it in an all-reduce."""
     path = build_checkpoint("qwen2", tmp_path / "ckpt")
-    srv = start_tp(tmp_path, path)
+    srv = start_tp(tmp_path, path, 1, "--watchdog-probe-timeout", "2")
     try:
         children = srv.children()
         stub = srv.stub()
@@ -222,7 +439,7 @@ def test_a_killed_tp_rank_takes_the_worker_down(tmp_path: Path) -> None:
         caller.start()
         time.sleep(0.5)
         killed = time.time()
-        os.kill(followers[0], signal.SIGKILL)
+        os.kill(followers[0], sig)
         caller.join(max(0.0, killed + 10 - time.time()))
         assert not caller.is_alive(), "the call still hangs 10 s after the TP rank died"
         assert result.get("code") == grpc.StatusCode.UNAVAILABLE, result

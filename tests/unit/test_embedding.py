@@ -19,6 +19,7 @@ from sglang_admin.model.embedding_spec import (
     embedding_spec,
 )
 from sglang_admin.model.pooling import pool
+from sglang_admin.model.step_io import SeqOutput
 from sglang_admin.scheduler.embedding import EmbedProgress, reusable_prefix
 from sglang_admin.scheduler.scheduler import Scheduler, SchedulerConfig
 
@@ -152,20 +153,14 @@ def test_an_embed_request_finishes_after_its_prefill_with_its_vector() -> None:
     sched.add_request(GenerateReq("e", list(range(2, 22)), SamplingParams(max_new_tokens=0),
                                   embed=True))
 
-    @dataclass
-    class Extra:
-        input_logprobs: object = None
-        token_ids_logprobs: object = None
-        hidden_state: object = None
-        embedding: list[float] | None = None
-
     outputs = []
     for _ in range(3):  # 20 tokens in chunks of 8
         batch = sched.schedule()
         assert batch is not None and not any(s.sample for s in batch.spans)
         last = batch.spans[0].end == 20
-        extras = [Extra(embedding=[0.5, 0.25] if last else None)]
-        outputs += sched.postprocess(batch, [None], extras=extras)
+        # a span that does not sample: its token means nothing, its embedding counts
+        results = [SeqOutput(0, embedding=[0.5, 0.25] if last else None)]
+        outputs += sched.postprocess(batch, results)
     assert sched.schedule() is None and sched.is_idle
     (final,) = [o for o in outputs if o.finish_reason]
     assert final.embedding == [0.5, 0.25] and final.prompt_tokens == 20

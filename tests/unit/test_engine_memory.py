@@ -42,12 +42,13 @@ def _drive(runner: ModelRunner, sched: Scheduler) -> dict[str, list[int]]:
         if batch is not None:
             seqs = [
                 SeqInput(sp.req.req_idx, sp.start, sp.req.fill_ids[sp.start:sp.end],
-                         sp.table_start, sp.req.slots[sp.table_start:sp.end], sp.req.sampling,
+                         sp.table_start, sp.req.slots[sp.table_start:sp.end],
+                         sp.req.sampling.params,
                          sp.req.prompt_ids, sp.req.output_ids, sample=sp.sample)
                 for sp in batch.spans
             ]
             results = runner.forward_step(seqs)
-            updates += sched.postprocess(batch, [r.token_id if r else None for r in results])
+            updates += sched.postprocess(batch, results)
         for u in updates:
             assert u.error is None, u.error
             out.setdefault(u.rid, []).extend(u.new_token_ids)

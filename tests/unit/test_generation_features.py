@@ -5,6 +5,7 @@ limit. Driven by the fake model of test_scheduler (it checks every KV slot it re
 from __future__ import annotations
 
 from sglang_admin.messages import GenerateReq, SamplingParams
+from sglang_admin.model.step_io import SeqOutput
 from sglang_admin.scheduler.parallel_sampling import sample_key
 from sglang_admin.scheduler.request import Batch
 from sglang_admin.scheduler.scheduler import Scheduler
@@ -19,7 +20,7 @@ class CountingRunner(FakeRunner):
         super().__init__(*args)
         self.computed = 0
 
-    def run(self, batch: Batch) -> list[int | None]:
+    def run(self, batch: Batch) -> list[SeqOutput | None]:
         self.computed += batch.num_tokens
         return super().run(batch)
 

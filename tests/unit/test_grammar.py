@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from sglang_admin.messages import GenerateReq, SamplingParams
 from sglang_admin.model.default_model import ensure_default_model
 from sglang_admin.model.grammar_mask import allocate_bitmask, apply_bitmask, apply_grammar_masks
+from sglang_admin.model.step_io import SeqOutput
 from sglang_admin.scheduler.grammar import (
     GrammarError,
     GrammarQueue,
@@ -250,16 +251,16 @@ class MaskedFakeRunner:
     def __init__(self) -> None:
         self.steps = 0
 
-    def run(self, batch: Batch) -> list[int | None]:
+    def run(self, batch: Batch) -> list[SeqOutput | None]:
         self.steps += 1
         sampled = [sp for sp in batch.spans if sp.sample]
         logits = torch.zeros(len(sampled), VOCAB)
         for i, sp in enumerate(sampled):
             logits[i] = torch.arange(VOCAB, dtype=torch.float32) / VOCAB
             logits[i, preferred(sp.req.fill_ids[: sp.end])] = 10.0
-        apply_grammar_masks(logits, [sp.req.grammar for sp in sampled])
+        apply_grammar_masks(logits, [sp.req.sampling.grammar for sp in sampled])
         picks = iter(logits.argmax(dim=1).tolist())
-        return [next(picks) if sp.sample else None for sp in batch.spans]
+        return [SeqOutput(next(picks)) if sp.sample else None for sp in batch.spans]
 
 
 def make_scheduler(queue: GrammarQueue) -> Scheduler:
@@ -466,7 +467,8 @@ def test_requests_sharing_a_grammar_share_the_compile_not_the_matcher(
             if batch is None:
                 time.sleep(0.002)
                 continue
-            states += [sp.req.grammar for sp in batch.spans if sp.req.grammar not in states]
+            states += [sp.req.sampling.grammar for sp in batch.spans
+                       if sp.req.sampling.grammar not in states]
             for out in sched.postprocess(batch, runner.run(batch)):
                 tokens.setdefault(out.rid, []).extend(out.new_token_ids)
                 if out.finish_reason:

@@ -79,3 +79,48 @@ def test_the_graph_sees_the_known_edges() -> None:
     graph = import_graph()
     assert "sglang_admin.scheduler.scheduler" in graph["sglang_admin.scheduler.process"]
     assert "sglang_admin.pb.common_pb2" in graph["sglang_admin.server.servicer"]
+
+
+def _imports_outside_type_checking(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
+    """The import statements a module runs (those under ``if TYPE_CHECKING:`` never run)."""
+    found: list[ast.Import | ast.ImportFrom] = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING":
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found.append(node)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def test_the_batching_policy_imports_no_torch() -> None:
+    """scheduler/scheduler.py and every module it imports, at any depth, run without torch
+    (so the policy is tested with a fake model): none of them imports torch or numpy."""
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    seen: set[str] = set()
+    todo = ["sglang_admin.scheduler.scheduler"]
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in modules:
+            continue
+        seen.add(name)
+        for node in _imports_outside_type_checking(ast.parse(modules[name].read_text())):
+            names = ([node.module or ""] if isinstance(node, ast.ImportFrom)
+                     else [a.name for a in node.names])
+            for imported in names:
+                assert imported.split(".")[0] not in ("torch", "numpy"), (
+                    f"{name} imports {imported}")
+            if isinstance(node, ast.ImportFrom) and node.module:
+                todo.append(node.module)
+                todo += [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                todo += [a.name for a in node.names]
+    # the policy's own modules were walked
+    assert {"sglang_admin.scheduler.step_plan", "sglang_admin.scheduler.postprocess",
+            "sglang_admin.scheduler.kv_memory", "sglang_admin.scheduler.request"} <= seen

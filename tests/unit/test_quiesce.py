@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+from sglang_admin.model.step_io import SeqOutput
 from sglang_admin.scheduler.quiesce import Quiesce
 from tests.unit.test_scheduler import drive, make, req, solo
 
@@ -40,7 +41,7 @@ def test_a_late_or_cancelled_op_gives_up_and_admission_reopens() -> None:
     sched, _ = make()
     quiesce = Quiesce(sched)
     sched.add_request(req("old", [1, 2, 3], 40))
-    sched.postprocess(sched.schedule(), [7])
+    sched.postprocess(sched.schedule(), [SeqOutput(7)])
     reasons: list[str] = []
     quiesce.when_drained("late", "op", 0.0, lambda: reasons.append("ran"), reasons.append)
     quiesce.when_drained("gone", "flush", 60.0, lambda: reasons.append("ran"), reasons.append)
@@ -66,7 +67,7 @@ def test_a_hold_closes_admission_until_lifted() -> None:
 def test_a_pause_counts_as_drained() -> None:
     sched, _ = make()
     sched.add_request(req("held", [1, 2, 3], 40))
-    sched.postprocess(sched.schedule(), [7])
+    sched.postprocess(sched.schedule(), [SeqOutput(7)])
     sched.pause("in_place")
     ran: list[str] = []
     Quiesce(sched).when_drained("op", "op", 5.0, lambda: ran.append("op"), ran.append)

@@ -170,9 +170,9 @@ def test_the_scheduler_never_claims_a_plain_argmax_the_fields_do_not(req: Genera
 
 
 def test_batch_inputs_fills_every_field_of_the_sequence_with_its_request_s_value() -> None:
-    """batch_inputs builds SeqInput positionally (a decode step builds one per request, and
-    keywords cost about 2 us more each); every field must still get the request's own value,
-    compared here with the same sequence built by keyword."""
+    """batch_inputs gives every field of SeqInput its request's own value (the request's
+    state sits in groups: sampling, LoRA, logprobs, hidden states), compared here with the
+    same sequence built by keyword from the request."""
     from sglang_admin.model.step_io import SeqInput
     from sglang_admin.scheduler.process import batch_inputs
     from sglang_admin.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -189,7 +189,7 @@ def test_batch_inputs_fills_every_field_of_the_sequence_with_its_request_s_value
     req = span.req
     assert seq == SeqInput(
         req_idx=req.req_idx, prefix_len=0, token_ids=[1, 2, 3], table_start=span.table_start,
-        table_slots=req.slots[span.table_start : 3], sampling=req.sampling,
+        table_slots=req.slots[span.table_start : 3], sampling=req.sampling.params,
         prompt_ids=[1, 2, 3], output_ids=[], sample=True, return_logprob=True,
         top_logprobs_num=3, lora_slot=-1, logprob_start_len=1, token_ids_logprob=[5, 6],
         return_hidden_states=False, grammar=None, argmax_from=req.argmax_from)

@@ -13,6 +13,8 @@ import random
 import pytest
 
 from sglang_admin.messages import GenerateReq, SamplingParams
+from sglang_admin.model.step_io import SeqOutput
+from sglang_admin.scheduler import postprocess, step_plan
 from sglang_admin.scheduler.request import Batch
 from sglang_admin.scheduler.scheduler import Scheduler, SchedulerConfig
 
@@ -44,9 +46,10 @@ class FakeRunner:
         self.table = [[0] * context for _ in range(rows)]
         self.steps = 0
 
-    def run(self, batch: Batch) -> list[int | None]:
+    def run(self, batch: Batch) -> list[SeqOutput | None]:
+        """One result per span: the next token of each span that samples."""
         self.steps += 1
-        out: list[int | None] = []
+        out: list[SeqOutput | None] = []
         for sp in batch.spans:
             req = sp.req
             row = self.table[req.req_idx]
@@ -61,7 +64,7 @@ class FakeRunner:
             # The KV read back must be exactly this sequence's tokens at their positions.
             assert [s[0] for s in seen] == fill[: sp.end], f"corrupt KV for {req.rid}"
             assert [s[1] for s in seen] == list(range(sp.end))
-            out.append(next_token(fill[: sp.end]) if sp.sample else None)
+            out.append(SeqOutput(next_token(fill[: sp.end])) if sp.sample else None)
         return out
 
 
@@ -248,12 +251,12 @@ def test_the_all_decode_step_schedules_what_the_general_loop_does(
     seed: int, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """schedule() takes a step in which every running request decodes with one allocation
-    (_decode_all); under a random mix with evictions and retractions, a scheduler without
-    that shortcut must give every step the same spans and slots."""
+    (step_plan.decode_all); under a random mix with evictions and retractions, a scheduler
+    without that shortcut must give every step the same spans and slots."""
     def run(shortcut: bool) -> list[list[tuple]]:
         sched, runner = make(capacity=300, rows=12, prefill=64)
-        if not shortcut:
-            monkeypatch.setattr(sched, "_decode_all", lambda: [])
+        monkeypatch.setattr(step_plan, "decode_all",
+                            real_decode_all if shortcut else lambda state: [])
         rng = random.Random(seed)
         steps = []
         for step in range(300):
@@ -270,6 +273,7 @@ def test_the_all_decode_step_schedules_what_the_general_loop_does(
         assert_no_leak(sched)
         return steps
 
+    real_decode_all = step_plan.decode_all
     with_shortcut = run(True)
     assert with_shortcut == run(False)
     assert sum(all(e - s == 1 for _, s, e, *_ in step) for step in with_shortcut) > 50
@@ -349,13 +353,12 @@ def _drive_with_faults(sched: Scheduler, runner: FakeRunner, errors_for: dict[st
         batch = sched.schedule()
         outs = sched.take_outputs()
         if batch is not None:
-            sampled = runner.run(batch)
-            errors = [
-                ("no token left", "INVALID_ARGUMENT")
-                if sp.sample and errors_for.get(sp.req.rid) == len(sp.req.output_ids) else None
-                for sp in batch.spans
-            ]
-            outs += sched.postprocess(batch, sampled, errors=errors)
+            results = runner.run(batch)
+            for sp, result in zip(batch.spans, results):
+                if sp.sample and errors_for.get(sp.req.rid) == len(sp.req.output_ids):
+                    assert result is not None
+                    result.error, result.error_code = "no token left", "INVALID_ARGUMENT"
+            outs += sched.postprocess(batch, results)
         for o in outs:
             tokens.setdefault(o.rid, []).extend(o.new_token_ids)
             if o.finish_reason is not None:
@@ -389,14 +392,14 @@ def test_an_exception_in_postprocessing_fails_that_request_alone(
     prompts = {f"r{i}": [9, 8 + i, 7] for i in range(3)}
     for rid, prompt in prompts.items():
         sched.add_request(req(rid, prompt, 4))
-    real = sched._check_finished
+    real = postprocess.check_finished
 
-    def check(r, token: int) -> None:
+    def check(state, r, token: int) -> None:
         if r.rid == "r1" and len(r.output_ids) == 2:
             raise RuntimeError("boom")
-        real(r, token)
+        real(state, r, token)
 
-    monkeypatch.setattr(sched, "_check_finished", check)
+    monkeypatch.setattr(postprocess, "check_finished", check)
     got = drive(sched, runner)
     assert got["tokens"]["r0"] == solo(prompts["r0"], 4)
     assert got["tokens"]["r2"] == solo(prompts["r2"], 4)
@@ -409,9 +412,9 @@ def test_an_exception_in_postprocessing_fails_that_request_alone(
 def test_req_tokens_slices_the_sequence_like_fill_ids() -> None:
     """Req.tokens (what a step feeds the model) equals fill_ids[start:end] everywhere: in
     the prompt, across its end, in the output, empty and past the end."""
-    from sglang_admin.scheduler.request import Req
+    from sglang_admin.scheduler.request import Req, SamplingState
 
-    req = Req("r", [1, 2, 3, 4], SamplingParams())
+    req = Req("r", [1, 2, 3, 4], SamplingState(SamplingParams()))
     req.output_ids.extend([7, 8, 9])
     for start in range(0, 9):
         for end in range(start, 9):
@@ -433,8 +436,11 @@ def test_plain_requests_and_ones_that_keep_more_share_steps_unchanged() -> None:
         batch = sched.schedule()
         if batch is None:
             break
-        step_logprobs = [-float(len(sp.req.output_ids) + 1) for sp in batch.spans]
-        for o in sched.postprocess(batch, runner.run(batch), step_logprobs):
+        results = runner.run(batch)
+        for sp, result in zip(batch.spans, results):
+            if result is not None:
+                result.logprob = -float(len(sp.req.output_ids) + 1)
+        for o in sched.postprocess(batch, results):
             tokens.setdefault(o.rid, []).extend(o.new_token_ids)
             logprobs.setdefault(o.rid, []).extend(o.logprobs)
             if o.finish_reason is not None:

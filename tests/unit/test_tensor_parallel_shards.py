@@ -54,3 +54,31 @@ def test_sizes_that_do_not_divide_are_refused() -> None:
         tp(0, 3, config()).shard_config()
     with pytest.raises(TensorParallelError, match="KV heads"):
         tp(0, 4, config(heads=12, kv=3, inter=128)).shard_config()
+
+
+@pytest.mark.parametrize(("heads", "kv", "size"), [(4, 2, 2), (4, 1, 2), (8, 2, 4)],
+                         ids=["kv-split", "kv-replicated", "tp4-kv-replicated"])
+def test_unshard_inverts_shard_and_full_shape_names_the_whole(heads: int, kv: int,
+                                                              size: int) -> None:
+    """GetWeightsByName joins the shards back (a replicated KV head counted once); a
+    trainer's manifest is checked against the full shapes each rank receives."""
+    cfg = config(heads=heads, kv=kv)
+    ranks = [tp(r, size, cfg) for r in range(size)]
+    full = {
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(heads * 16, 64),
+        "model.layers.0.self_attn.k_proj.weight": torch.randn(kv * 16, 64),
+        "model.layers.0.self_attn.v_proj.bias": torch.randn(kv * 16),
+        "model.layers.0.self_attn.o_proj.weight": torch.randn(64, heads * 16),
+        "model.layers.0.mlp.up_proj.weight": torch.randn(128, 64),
+        "model.layers.0.mlp.down_proj.weight": torch.randn(64, 128),
+        "model.layers.0.mlp.down_proj.bias": torch.randn(64),
+        "model.embed_tokens.weight": torch.randn(32, 64),
+        "model.layers.0.input_layernorm.weight": torch.randn(64),
+    }
+    for name, whole in full.items():
+        shards = [t.shard(name, whole) for t in ranks]
+        assert torch.equal(ranks[0].unshard(name, shards), whole), name
+        for t, shard in zip(ranks, shards):
+            assert t.full_shape(name, tuple(shard.shape)) == tuple(whole.shape), name
+    assert not ranks[0].is_split("model.embed_tokens.weight")
+    assert ranks[0].is_split("model.layers.0.mlp.down_proj.bias")

@@ -36,6 +36,14 @@ def test_every_ranks_events_in_one_trace_labelled_by_rank(tmp_path: Path) -> Non
     assert [(e["name"], e["ts"]) for e in events if e["ph"] == "X"] == [("a", 5.0), ("b", 7.0)]
 
 
+def test_a_tp_followers_trace_is_labelled_with_its_tp_rank(tmp_path: Path) -> None:
+    files = [_trace(tmp_path / f"p1-TP-{t}-DP-1.trace.json.gz", 1000, [f"t{t}"])
+             for t in (0, 1)]
+    merged, _ = profiles.merge_traces(_record(tmp_path), files)
+    events = json.loads(gzip.decompress(Path(merged[0]).read_bytes()))["traceEvents"]
+    assert [e["args"]["labels"] for e in events if e["ph"] == "M"] == ["DP-1", "DP-1 TP-1"]
+
+
 def test_over_the_cap_nothing_is_written_and_the_note_says_why(tmp_path: Path) -> None:
     files = [_trace(tmp_path / "p1-TP-0-DP-0.trace.json.gz", 0, ["a"])]
     merged, note = profiles.merge_traces(_record(tmp_path, cap=1), files)
