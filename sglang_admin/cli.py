@@ -127,6 +127,13 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                         "dp-size x min(4 x --max-running-requests, KV pool tokens / 32)")
     p.add_argument("--max-prefill-tokens", type=_positive_int, default=4096,
                    help="prompt tokens prefilled per step (longer prompts are chunked)")
+    p.add_argument("--preempt-wait", type=_seconds, default=ServerArgs.preempt_wait_s,
+                   dest="preempt_wait_s",
+                   help="seconds a request may wait for a place in a rank whose running batch "
+                        "or KV pool is full before the request that has run longest gives "
+                        "its place up (it resumes later from its cached KV; "
+                        "docs/slow-readers.md); 0: never, a full rank admits nothing until "
+                        "a request ends")
     p.add_argument("--context-length", type=_positive_int, help="override the model's")
     p.add_argument("--load-balance-method", choices=["least_loaded", "round_robin"],
                    default="least_loaded")

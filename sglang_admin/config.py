@@ -72,6 +72,9 @@ class ServerArgs:
     # --max-running-requests and the KV pool.
     max_inflight_generate: int = 0
     max_prefill_tokens: int = 4096  # prompt tokens prefilled in one step (chunked beyond)
+    # A request that waits this long for a place in a full rank (running batch or KV pool)
+    # preempts the decode that has run longest (scheduler/preemption.py); 0: never.
+    preempt_wait_s: float = 1.0
     context_length: int | None = None  # None: the model's
     log_level: str = "info"
     log_requests: bool = False

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import threading
 import time
@@ -58,6 +59,7 @@ class SlowReadersReport:
     probes_ok: int = 0
     probes_failed: int = 0
     probe_max_s: float = 0.0
+    probe_median_s: float = 0.0
     serving_after: bool = False
 
     @property
@@ -110,6 +112,7 @@ def run(
     healthy: int = 0,
     healthy_alone_s: float = 10.0,
     probe_interval: float = 0.0,
+    drain_s: float = DRAIN_S,
 ) -> SlowReadersReport:
     """Run the readers for `seconds` against `target` (loopback only) and report.
 
@@ -119,7 +122,9 @@ def run(
     stalled stream logprob-heavy. `healthy` streams (on their own channel, reading as fast
     as they can, same request kind) run `healthy_alone_s` alone first and then beside the
     slow ones: their token rates give ``healthy_rate_ratio``. `probe_interval` > 0 sends a
-    short Generate (8 tokens, own channel) that often and records how each fared."""
+    short Generate (8 tokens, own channel) that often and records how each fared.
+    `drain_s`: how long the stalled calls are read at the end to learn how they ended
+    (0: cancelled at once; their statuses then say "still running at the end")."""
     check_loopback(target)
     report = SlowReadersReport(seconds=seconds, top_logprobs=top_logprobs)
     counts: dict[str, Counter] = {"slow": Counter(), "stalled": Counter()}
@@ -163,6 +168,8 @@ def run(
             got = sum(n for t, n in healthy_tokens if t0 <= t < t1)
         return got / (t1 - t0) if t1 > t0 else 0.0
 
+    probe_times: list[float] = []
+
     def prober() -> None:
         with grpc.insecure_channel(target) as ch:
             probe_stub = pb_grpc.SglangSchedulerStub(ch)
@@ -176,7 +183,8 @@ def run(
                     report.probes_ok += 1
                 except grpc.RpcError:
                     report.probes_failed += 1
-                report.probe_max_s = max(report.probe_max_s, time.monotonic() - began)
+                probe_times.append(time.monotonic() - began)
+                report.probe_max_s = max(report.probe_max_s, probe_times[-1])
 
     def slow_reader(i: int) -> None:
         seq = 0
@@ -233,8 +241,8 @@ def run(
     for t in threads + healthy_threads:
         t.join(read_interval + 30)
     # Read what piled up, to learn how each stalled call ended; one still generating after
-    # DRAIN_S is cancelled and counted as such.
-    timers = [threading.Timer(DRAIN_S, call.cancel) for call in stalled_calls]
+    # drain_s is cancelled and counted as such.
+    timers = [threading.Timer(drain_s, call.cancel) for call in stalled_calls]
     for timer in timers:
         timer.start()
     for call in stalled_calls:
@@ -256,6 +264,8 @@ def run(
     channel.close()
     healthy_channel.close()
     report.statuses = {k: dict(v) for k, v in counts.items()}
+    if probe_times:
+        report.probe_median_s = round(statistics.median(probe_times), 2)
     if samples:
         report.rss_start_mib = samples[0] / 1024
         report.rss_max_mib = max(samples) / 1024

@@ -215,6 +215,7 @@ class RankLoop:
                 context_length=info.context_length,
                 eos_token_ids=tuple(info.eos_token_ids),
                 pools_every_token=info.pooling in ("CLS", "MEAN"),
+                preempt_wait_s=args.preempt_wait_s,
             ),
             on_kv_event=self.kv_events.append,
             grammar_queue=grammar_queue_for(args, info),

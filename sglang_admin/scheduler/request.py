@@ -100,6 +100,9 @@ class Req:
     arrived: float = field(default_factory=time.monotonic)
     cached_tokens: int = -1  # reported prompt tokens served from cache (first admission)
     queue_time_s: float = 0.0  # from arrival to the first admission (sglang:queue_time)
+    # turns (preemption.py): when it last joined the waiting queue / the running batch
+    waiting_since: float = 0.0
+    running_since: float = 0.0
     aborted: str | None = None  # reason, once an abort arrived
     retractions: int = 0
     done: bool = False

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from sglang_admin.messages import GenerateReq, ReqOutput
 from sglang_admin.scheduler import postprocess as step_results
-from sglang_admin.scheduler import request_end, step_plan
+from sglang_admin.scheduler import preemption, request_end, step_plan
 from sglang_admin.scheduler.lora_registry import LoraUnavailable
 from sglang_admin.scheduler.output_extras import StepResult
 from sglang_admin.scheduler.request import Batch, Req, samples_of
@@ -44,6 +44,7 @@ class Scheduler(SchedulerState):
             return
         for req in samples:
             self.by_rid[req.key] = req
+            req.waiting_since = self.clock()
             self._enqueue(req)
         if len(samples) > 1:
             self.groups[msg.rid] = samples
@@ -102,6 +103,7 @@ class Scheduler(SchedulerState):
                 request_end.finish(self, req, "abort", error=done.error, code=done.code)
                 continue
             req.sampling.grammar = done.state
+            req.waiting_since = self.clock()
             self.waiting.append(req)
 
     def refuse(self, rid: str, message: str, code: str) -> None:
@@ -166,11 +168,12 @@ class Scheduler(SchedulerState):
     def schedule(self) -> Batch | None:
         """Pick the next step's work: every running request, then new admissions; None
         when there is none (or generation is paused). Ends aborted and expired requests
-        first."""
+        first, and lets requests that waited too long for a place take one (preemption.py)."""
         self._take_compiled_grammars()
         request_end.drop_aborted_and_expired(self, time.time())
         if self.paused is not None:
             return None
+        preemption.take_turns(self)
         return step_plan.plan_step(self)
 
     def postprocess(

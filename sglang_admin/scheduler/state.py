@@ -30,6 +30,9 @@ class SchedulerConfig:
     eos_token_ids: tuple[int, ...]
     disable_radix_cache: bool = False
     pools_every_token: bool = False  # an embedding model pooling CLS or MEAN (issue 32)
+    # issue 33: a request waiting this long for a place preempts the longest-running
+    # decode (preemption.py); 0: never (a full rank admits nothing until a request ends)
+    preempt_wait_s: float = 0.0
 
 
 class SchedulerState:
@@ -56,6 +59,8 @@ class SchedulerState:
         self.paused: str | None = None  # the PauseGeneration mode while paused
         self.pending_outputs: list[ReqOutput] = []  # made outside postprocess (abort, expiry)
         self.num_retracted = 0
+        self.num_preempted = 0  # running requests that gave their place to a waiting one
+        self.clock: Callable[[], float] = time.monotonic  # what turns go by (tests set theirs)
         self.lora: LoraRegistry | None = None  # set by the rank when LoRA is enabled
         self.detokenize: Detokenize | None = None  # for stop strings (set by the rank)
         self.reset_counters()

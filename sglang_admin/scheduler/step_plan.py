@@ -111,6 +111,7 @@ def admit(state: SchedulerState, req: Req) -> bool:
         req.queue_time_s = time.monotonic() - req.arrived
         state.prompt_tokens_total += len(req.prompt_ids)
         state.cached_tokens_total += req.cached_tokens
+    req.running_since = state.clock()
     return True
 
 
@@ -134,4 +135,5 @@ def retract(state: SchedulerState, req: Req) -> None:
     state.running.remove(req)
     req.retractions += 1
     state.num_retracted += 1
+    req.waiting_since = state.clock()
     state.waiting.appendleft(req)

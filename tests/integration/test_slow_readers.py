@@ -4,6 +4,7 @@ its KV freed). Before, every step's output queued without bound (issue 17, findi
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -18,6 +19,8 @@ BUFFER_TOKENS = 64
 # The readers' HTTP/2 window is made small so that a stalled reader stalls the server's
 # writes after a few messages (with the default window this takes minutes on a CPU).
 CLIENT_WINDOW = 1024
+# A stream that holds its place for tens of seconds on a 2-core CPU.
+LONG_TOKENS = 4000
 
 
 def kv_in_use(stub: pb_grpc.SglangSchedulerStub) -> int:
@@ -94,6 +97,7 @@ def test_logprob_heavy_stalled_streams_at_default_client_settings_stay_bounded(
         report = slow_readers.run(
             srv.target, seconds=30, slow=8, stalled=8, max_new_tokens=6000,
             server_pid=srv.proc.pid, top_logprobs=20, probe_interval=1.0,
+            drain_s=0,  # how the stalled calls end is not what this test is about
         )
         assert report.serving_after
         assert report.rss_max_growth_mib < 10.0, report
@@ -185,5 +189,67 @@ def test_new_streams_are_refused_while_the_server_wide_budget_is_spent(tmp_path:
                 except grpc.RpcError:
                     time.sleep(0.5)
             assert len(tokens) == 5
+    finally:
+        srv.stop()
+
+
+def test_a_short_request_gets_a_place_while_long_streams_hold_every_one(
+        tmp_path: Path) -> None:
+    """Issue 33: a rank whose running batch is full of long streams (2 places, 3 streams of
+    LONG_TOKENS) serves a new short request within seconds, and the stream left waiting
+    starts long before either of the others could end: a request that waited
+    --preempt-wait (1 s by default) takes the place of the one that has run longest, which
+    goes on later from its cached KV. Before, both waited for a long stream to end. The
+    three streams ask the same prompt, so whoever was preempted when, what each received
+    is the same tokens."""
+    srv = start_server(tmp_path, "--max-running-requests", "2")
+    streams: list[dict] = [{"tokens": []} for _ in range(3)]
+    stop = threading.Event()
+
+    def read(i: int, stub: pb_grpc.SglangSchedulerStub) -> None:
+        got = streams[i]
+        call = stub.Generate(greedy([5, 6, 7], LONG_TOKENS, stream=True), timeout=120)
+        try:
+            for resp in call:
+                got.setdefault("first", time.monotonic())
+                got["tokens"] += list(resp.chunk.token_ids)
+                if stop.is_set():
+                    call.cancel()
+        except grpc.RpcError as exc:
+            got["status"] = exc.code()
+
+    try:
+        with srv.channel() as ch:
+            stub = pb_grpc.SglangSchedulerStub(ch)
+            threads = [threading.Thread(target=read, args=(i, stub)) for i in range(3)]
+            started = time.monotonic()
+            for t in threads:
+                t.start()
+            deadline = time.time() + 30
+            while time.time() < deadline:
+                state = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10).rank_states[0]
+                if state.num_running_reqs == 2 and state.num_waiting_reqs == 1:
+                    break
+                time.sleep(0.05)
+            began = time.monotonic()
+            tokens, _ = run_generate(stub, greedy([1, 2, 3], 8, stream=True), timeout=60)
+            served = time.monotonic() - began
+            time.sleep(3.0)  # the three take turns meanwhile
+            stop.set()
+            for t in threads:
+                t.join(60)
+            assert len(tokens) == 8
+            assert served < 6.0, served  # about 1 s of waiting, then 8 steps
+            # every stream was served early (a stream ends after LONG_TOKENS, tens of s)
+            assert all("first" in s and s["first"] - started < 8.0 for s in streams), streams
+            assert all(s.get("status") == grpc.StatusCode.CANCELLED for s in streams)
+            shortest = min(len(s["tokens"]) for s in streams)
+            assert 100 <= shortest < LONG_TOKENS
+            assert streams[0]["tokens"][:shortest] == streams[1]["tokens"][:shortest] \
+                == streams[2]["tokens"][:shortest]
+            deadline = time.time() + 30
+            while kv_in_use(stub) and time.time() < deadline:
+                time.sleep(0.2)
+            assert kv_in_use(stub) == 0
     finally:
         srv.stop()

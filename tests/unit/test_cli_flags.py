@@ -30,6 +30,7 @@ BAD = [
     (["--stream-buffer-bytes-total", "-5"],
      "--stream-buffer-bytes-total: must be a positive integer"),
     (["--torch-threads", "-1"], "--torch-threads: must be an integer >= 0, got -1"),
+    (["--preempt-wait", "-1"], "--preempt-wait: must be a finite number >= 0, got -1"),
 ]
 
 
