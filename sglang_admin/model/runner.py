@@ -171,12 +171,12 @@ class ModelRunner:
             torch.set_num_threads(self.lanes * torch.get_num_threads())
             self.lanes = 1
         self._lane_pool: ThreadPoolExecutor | None = None
-        # CPU float32: decode attention read in place from the pool; RMSNorm, RoPE and
-        # SwiGLU in one pass each (model/cpu_kernels.py)
+        # CPU float32 and bfloat16: decode attention read in place from the pool; RMSNorm,
+        # RoPE and SwiGLU in one pass each (model/cpu_kernels.py)
         self.cpu_kernels = self._cpu_kernels(attention_backend)
         self.model.use_cpu_kernels(self.cpu_kernels)
         # whether prefill chunks may go through the kernel (this build, this head size)
-        extend_kernel = (self.cpu_kernels is not None
+        extend_kernel = (self.cpu_kernels is not None and self.dtype == torch.float32
                          and self.cpu_kernels.extend_applies(cfg.head_dim))
         # the request-to-token table and the step's index tensors (model/batch.py)
         self.batches = BatchBuilder(
@@ -206,19 +206,21 @@ class ModelRunner:
         return cfg.num_layers * per_layer
 
     def _cpu_kernels(self, backend: str) -> CpuKernels | None:
-        """``auto``: the CPU kernels where they apply (float32 on CPU) and build;
+        """``auto``: the CPU kernels where they apply (float32 or bfloat16 on CPU) and build;
         ``torch_native``: never; ``cpu_paged``: required (ModelLoadError otherwise)."""
         if backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention backend {backend!r} is not one of "
                              f"{', '.join(ATTENTION_BACKENDS)}")
         if backend == "torch_native":
             return None
-        applies = self.device.type == "cpu" and self.dtype == torch.float32
+        applies = self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16)
         kernel = load_cpu_kernels() if applies else None
+        if kernel is not None and self.dtype == torch.bfloat16 and not kernel.bf16:
+            kernel = None  # its bfloat16 half disagreed with torch at load (logged)
         if backend == "cpu_paged" and kernel is None:
             raise ModelLoadError(
-                "attention backend cpu_paged needs float32 on CPU and a C compiler that "
-                "builds model/csrc/cpu_kernels.c (see the log); use auto or torch_native")
+                "attention backend cpu_paged needs float32 or bfloat16 on CPU and a C compiler "
+                "that builds model/csrc/cpu_kernels.c (see the log); use auto or torch_native")
         if kernel is not None:
             logger.info("CPU kernels: %s", kernel.path)
         return kernel
