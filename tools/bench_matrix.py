@@ -231,21 +231,29 @@ def linear_shapes(config: dict[str, Any]) -> tuple[list[tuple[int, int]], tuple[
 
 
 def matmul_seconds(batch: int, k: int, n: int, dtype: Any, reps: int) -> float:
-    """Best seconds of torch's ``F.linear`` of (batch x k) by an (n x k) weight (the floor is
-    what torch reaches at best: the least disturbed repetition)."""
+    """Best seconds of torch's fastest CPU GEMM of (batch x k) by an (n x k) weight: the
+    better of ``F.linear`` and oneDNN on a packed weight (model/packed_linear.py), the least
+    disturbed repetition (the floor is what torch reaches at best)."""
     import torch
     import torch.nn.functional as F
 
+    from sglang_admin.model.packed_linear import packed_linear, packing_available
+
     x = torch.randn(batch, k).to(dtype)
     w = (torch.randn(n, k) * 0.02).to(dtype)
-    for _ in range(3):
-        F.linear(x, w)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        F.linear(x, w)
-        times.append(time.perf_counter() - t0)
-    return min(times)
+    candidates = [lambda: F.linear(x, w)]
+    if packing_available():
+        part = (torch.ops.mkldnn._reorder_linear_weight(w, batch), None)
+        candidates.append(lambda: packed_linear(x, part))
+    best = float("inf")
+    for gemm in candidates:
+        for _ in range(3):
+            gemm()
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            gemm()
+            best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def floor_main(model_path: str, dtype: str, threads: int, server_args: list[str], batch: int,
@@ -284,8 +292,8 @@ def floor_main(model_path: str, dtype: str, threads: int, server_args: list[str]
     times = time_decode(runner, batch, context, steps)
     print(json.dumps({"step_s": min(times), "step_median_s": statistics.median(times),
                       "floor_s": floor, "flops": flops,
-                      "matmuls": per_shape, "lanes": args.rank_lanes,
-                      "threads": args.rank_threads}))
+                      "matmuls": per_shape, "lanes": runner.lanes,
+                      "threads": torch.get_num_threads()}))
 
 
 # ------------------------------------------------------------------------ the driver

@@ -1,5 +1,7 @@
 """CPU kernels of the forward pass in float32: decode attention, RMSNorm, RoPE, silu * up,
-small-batch projections, and a decode step's whole decoder layer in one call.
+small-batch projections, and a decode step's whole decoder layer in one call; and in
+bfloat16 the non-matmul ops of a layer (decode attention read in place from the pool,
+RMSNorm, RoPE with the new K/V written, SwiGLU's product) and argmax.
 
 Torch's decode path gathers every sequence's K and V rows into padded tensors and runs
 ``scaled_dot_product_attention`` per group of similar length: on a CPU step that copy and the
@@ -41,7 +43,10 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
 # tried in order: the machine's vector units first (AVX2 + glibc's vector expf), then plain C;
 # no fused multiply-adds but the written ones, so that a*b + c*d rounds as torch's ops do
+# OpenMP (bfloat16 decode attention's tasks) binds at load to the libgomp torch has loaded
 _FLAG_SETS = (
+    (["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"],
+     ["-lmvec", "-lm"]),
     (["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off"], ["-lmvec", "-lm"]),
     (["-O3", "-fno-math-errno", "-ffp-contract=off"], ["-lm"]),
 )
@@ -90,6 +95,35 @@ class CpuKernels:
         self._extend_applies = lib.extend_attention_applies
         self._extend_applies.restype = ctypes.c_int
         self._extend_applies.argtypes = [_I64]
+        self._rope_store = lib.rope_store
+        self._rope_store.restype = None
+        self._rope_store.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR,
+                                     _PTR, _PTR]
+        self._add_norm = lib.add_rms_norm
+        self._add_norm.restype = None
+        self._add_norm.argtypes = [_PTR, _PTR, _PTR, _I64, _I64, ctypes.c_float, _PTR]
+        # bfloat16 (uint16 storage), float32 inside (csrc/cpu_kernels.c's second half)
+        self._norm_bf16 = lib.rms_norm_bf16
+        self._norm_bf16.restype = None
+        self._norm_bf16.argtypes = self._norm.argtypes
+        self._add_norm_bf16 = lib.add_rms_norm_bf16
+        self._add_norm_bf16.restype = None
+        self._add_norm_bf16.argtypes = self._add_norm.argtypes
+        self._silu_mul_bf16 = lib.silu_mul_bf16
+        self._silu_mul_bf16.restype = None
+        self._silu_mul_bf16.argtypes = self._silu_mul.argtypes
+        self._rope_store_bf16 = lib.rope_store_bf16
+        self._rope_store_bf16.restype = None
+        self._rope_store_bf16.argtypes = self._rope_store.argtypes
+        self._argmax_bf16 = lib.argmax_rows_bf16
+        self._argmax_bf16.restype = None
+        self._argmax_bf16.argtypes = self._argmax.argtypes
+        self._attend_bf16 = lib.decode_attention_bf16
+        self._attend_bf16.restype = None
+        self._attend_bf16.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64,
+                                      _I64, _I64, ctypes.c_float, _I64, _PTR, _I64, _PTR]
+        # whether the bfloat16 kernels agreed with torch at load (load_cpu_kernels sets it)
+        self.bf16 = False
         self._layer = lib.decode_layer
         self._layer.restype = None
         self._layer.argtypes = ([_PTR, _I64, _I64, _I64, ctypes.c_float] + [_PTR] * 16
@@ -97,35 +131,90 @@ class CpuKernels:
                                    _PTR, _PTR])
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """``weight * (x * rsqrt(mean(x**2, -1) + eps))`` of a contiguous float32 x."""
+        """``weight * (x * rsqrt(mean(x**2, -1) + eps))`` of a contiguous float32 or bfloat16
+        x (bfloat16: normalised in float32, rounded, then times the weight, as
+        transformers' LlamaRMSNorm)."""
+        fn = self._norm if x.dtype == torch.float32 else self._norm_bf16
+        _check_dtypes("rms_norm", x, weight)
         if not (x.is_contiguous() and weight.is_contiguous()) or weight.numel() != x.shape[-1]:
             raise ValueError("rms_norm kernel: a tensor is not laid out as expected")
         out = torch.empty_like(x)
         dim = x.shape[-1]
-        self._norm(x.data_ptr(), weight.data_ptr(), x.numel() // dim if dim else 0, dim, eps,
-                   out.data_ptr())
+        fn(x.data_ptr(), weight.data_ptr(), x.numel() // dim if dim else 0, dim, eps,
+           out.data_ptr())
+        return out
+
+    def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+        """The residual add and the next norm in one pass: ``x += delta`` in place (rounded
+        as torch's add in x's dtype), then :meth:`rms_norm` of the new x. x, delta [T, D]
+        contiguous, float32 or bfloat16."""
+        fn = self._add_norm if x.dtype == torch.float32 else self._add_norm_bf16
+        _check_dtypes("add_rms_norm", x, delta, weight)
+        if not (x.is_contiguous() and delta.is_contiguous() and weight.is_contiguous()
+                and delta.shape == x.shape and weight.numel() == x.shape[-1]):
+            raise ValueError("add_rms_norm kernel: a tensor is not laid out as expected")
+        out = torch.empty_like(x)
+        dim = x.shape[-1]
+        fn(x.data_ptr(), delta.data_ptr(), weight.data_ptr(), x.numel() // dim if dim else 0,
+           dim, eps, out.data_ptr())
         return out
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """rotary.apply_rope: x [T, H, D] (heads contiguous, any token stride), cos and signed
-        sin [T, 1, D] contiguous -> a contiguous [T, H, D]."""
+        sin [T, 1, D] contiguous -> a contiguous [T, H, D]; float32 or bfloat16 (each
+        product and the sum rounded, as torch's bfloat16 ops)."""
         tokens, heads, dim = x.shape
+        _check_dtypes("rope", x, cos, sin)
         if not (x.stride(2) == 1 and x.stride(1) == dim and dim % 2 == 0
                 and cos.is_contiguous() and sin.is_contiguous()
                 and cos.numel() == tokens * dim == sin.numel()):
             raise ValueError("rope kernel: a tensor is not laid out as expected")
-        out = torch.empty(tokens, heads, dim, dtype=torch.float32)
-        self._rope(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), tokens, heads,
-                   dim, out.data_ptr())
+        out = torch.empty(tokens, heads, dim, dtype=x.dtype)
+        if x.dtype == torch.float32:
+            self._rope(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), tokens, heads,
+                       dim, out.data_ptr())
+        else:
+            self._rope_store_bf16(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(),
+                                  tokens, heads, 0, dim, out.data_ptr(), None, None, None)
+        return out
+
+    def rope_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   out_slots: torch.Tensor) -> torch.Tensor:
+        """A fused qkv [T, H + 2 KV, D] (heads contiguous, any token stride): its q and k heads
+        rotated (:meth:`rope`) -> a contiguous [T, H + KV, D], and the rotated k and the v
+        heads written to the pools [slots, KV, D] at ``out_slots`` [T] (int64). The caller
+        guarantees the slots are in the pools (the runner validated the table)."""
+        tokens, width, dim = qkv.shape
+        kv_heads = k_cache.shape[1]
+        _check_dtypes("rope_store", qkv, cos, sin, k_cache, v_cache)
+        if not (qkv.stride(2) == 1 and qkv.stride(1) == dim and dim % 2 == 0
+                and width == heads + 2 * kv_heads and k_cache.is_contiguous()
+                and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
+                and k_cache.shape[2] == dim and cos.is_contiguous() and sin.is_contiguous()
+                and cos.numel() == tokens * dim == sin.numel()
+                and out_slots.dtype == torch.int64 and out_slots.is_contiguous()
+                and out_slots.numel() == tokens):
+            raise ValueError("rope_store kernel: a tensor is not laid out as expected")
+        rotated = heads + kv_heads
+        out = torch.empty(tokens, rotated, dim, dtype=qkv.dtype)
+        fn = self._rope_store if qkv.dtype == torch.float32 else self._rope_store_bf16
+        fn(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), tokens, rotated,
+           kv_heads, dim, out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+           out_slots.data_ptr())
         return out
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """``silu(gate) * up`` of a contiguous [T, 2 * I] float32 (gate first) -> [T, I]."""
+        """``silu(gate) * up`` of a contiguous [T, 2 * I] float32 or bfloat16 (gate first) ->
+        [T, I] (bfloat16: silu rounded, then the product)."""
+        _check_dtypes("silu_mul", gate_up)
         if not gate_up.is_contiguous() or gate_up.dim() != 2 or gate_up.shape[1] % 2:
             raise ValueError("silu_mul kernel: a tensor is not laid out as expected")
         rows, half = gate_up.shape[0], gate_up.shape[1] // 2
-        out = torch.empty(rows, half, dtype=torch.float32)
-        self._silu_mul(gate_up.data_ptr(), rows, half, out.data_ptr())
+        out = torch.empty(rows, half, dtype=gate_up.dtype)
+        fn = self._silu_mul if gate_up.dtype == torch.float32 else self._silu_mul_bf16
+        fn(gate_up.data_ptr(), rows, half, out.data_ptr())
         return out
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -152,13 +241,14 @@ class CpuKernels:
         return out
 
     def argmax(self, x: torch.Tensor) -> list[int]:
-        """``x.argmax(dim=-1).tolist()`` of a contiguous float32 x [R, C] (the greedy tokens
-        of a step's logits), without torch's per-row reduction cost."""
-        if not (x.dim() == 2 and x.is_contiguous() and x.dtype == torch.float32):
+        """``x.argmax(dim=-1).tolist()`` of a contiguous float32 or bfloat16 x [R, C] (the
+        greedy tokens of a step's logits), without torch's per-row reduction cost."""
+        if not (x.dim() == 2 and x.is_contiguous() and x.dtype in _DTYPES):
             raise ValueError("argmax kernel: a tensor is not laid out as expected")
         rows = x.shape[0]
         out = (ctypes.c_int64 * rows)()
-        self._argmax(x.data_ptr(), rows, x.shape[1], out)
+        fn = self._argmax if x.dtype == torch.float32 else self._argmax_bf16
+        fn(x.data_ptr(), rows, x.shape[1], out)
         return list(out)
 
     def extend_applies(self, head_dim: int) -> bool:
@@ -226,24 +316,50 @@ class CpuKernels:
                window: int | None, scores: torch.Tensor) -> torch.Tensor:
         """q [n, H, D] (heads contiguous), pools [slots, KV, D], table [R, ctx] int64 slots,
         rows/lens [n] int64 (each sequence's table row and length, its new token included),
-        scores a float32 scratch of at least H * max(lens) -> [n, H * D].
+        scores a float32 scratch of at least H * max(lens) -> [n, H * D]. q and the pools in
+        float32, or all three in bfloat16 (computed in float32, the output rounded; each
+        sequence x kv head a task, spread over torch's threads: as many as the scores scratch
+        holds G * max(lens) floats for, so the kv heads at least).
 
-        The caller guarantees what C cannot check: float32 CPU tensors, rows and slots in
-        range, lens within the table's width (the runner validates every sequence first).
+        The caller guarantees what C cannot check: CPU tensors, rows and slots in range, lens
+        within the table's width (the runner validates every sequence first).
         """
         n, heads, dim = q.shape
         kv_heads = k_cache.shape[1]
+        _check_dtypes("attention", q, k_cache, v_cache)
         if not (q.stride(2) == 1 and q.stride(1) == dim and k_cache.is_contiguous()
                 and v_cache.is_contiguous() and table.is_contiguous()
                 and rows.is_contiguous() and lens.is_contiguous()):
             raise ValueError("cpu kernels: a tensor is not laid out as expected")
-        out = torch.empty(n, heads * dim, dtype=torch.float32)
-        if n:
+        out = torch.empty(n, heads * dim, dtype=q.dtype)
+        if n and q.dtype == torch.bfloat16:
+            self._attend_bf16(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                              table.data_ptr(), table.shape[1], rows.data_ptr(), lens.data_ptr(),
+                              n, heads, kv_heads, dim, scale, window or 0, scores.data_ptr(),
+                              scores.numel(), out.data_ptr())
+        elif n:
             self._fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                      table.data_ptr(), table.shape[1], rows.data_ptr(), lens.data_ptr(), n,
                      heads, kv_heads, dim, scale, window or 0, scores.data_ptr(),
                      out.data_ptr())
         return out
+
+
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _check_dtypes(name: str, first: torch.Tensor, *others: torch.Tensor) -> None:
+    """Every tensor float32, or every one bfloat16; ValueError otherwise (a plain loop: it
+    runs before every kernel call of a bfloat16 step)."""
+    dtype = first.dtype
+    if dtype is torch.float32 or dtype is torch.bfloat16:
+        for t in others:
+            if t.dtype is not dtype:
+                break
+        else:
+            return
+    raise ValueError(f"{name} kernel: float32 or bfloat16 tensors of one dtype, got "
+                     f"{', '.join(str(t.dtype) for t in (first, *others))}")
 
 
 def _packed_floats(rows: int, width: int) -> int:
@@ -452,6 +568,60 @@ def _agrees_with_torch(kernel: CpuKernels) -> bool:
     return True
 
 
+def _bf16_agrees_with_torch(kernel: CpuKernels) -> bool:
+    """The bfloat16 kernels against torch's bfloat16 ops on small cases (within bfloat16's
+    rounding: the kernels sum in another order): attention with GQA and a window, RMSNorm
+    with the residual add, RoPE with the K/V write, silu(gate) * up, argmax."""
+    gen = torch.Generator().manual_seed(1)
+    bf = torch.bfloat16
+
+    def close(got: torch.Tensor, want: torch.Tensor) -> bool:
+        return got.dtype == bf and torch.allclose(got.float(), want.float(), atol=1e-2,
+                                                  rtol=1.6e-2)
+
+    heads, kv_heads, dim, slots = 6, 2, 32, 64
+    k = torch.randn(slots, kv_heads, dim, generator=gen).to(bf)
+    v = torch.randn(slots, kv_heads, dim, generator=gen).to(bf)
+    table = torch.randperm(slots, generator=gen).view(2, 32).clone()
+    rows, lens = torch.tensor([1, 0, 1]), torch.tensor([32, 9, 1])
+    q = torch.randn(3, heads, dim, generator=gen).to(bf)
+    for window in (None, 5):
+        got = kernel.attend(q, k, v, table, rows, lens, 0.17, window, torch.empty(heads * 32))
+        want = reference_attend(q.float(), k.float(), v.float(), table, rows, lens, 0.17, window)
+        if not close(got, want):
+            return False
+    x = torch.randn(5, 21, generator=gen).to(bf)
+    delta = torch.randn(5, 21, generator=gen).to(bf)
+    w = torch.randn(21, generator=gen).to(bf)
+
+    def norm(h: torch.Tensor) -> torch.Tensor:
+        f = h.float()
+        return w * (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + 1e-6)).to(bf)
+
+    if not close(kernel.rms_norm(x, w, 1e-6), norm(x)):
+        return False
+    summed = x + delta
+    if not (close(kernel.add_rms_norm(x, delta, w, 1e-6), norm(summed))
+            and torch.equal(x, summed)):
+        return False
+    gate_up = (torch.randn(3, 2 * 19, generator=gen) * 4).to(bf)
+    gate, up = gate_up.chunk(2, dim=-1)
+    if not close(kernel.silu_mul(gate_up), F.silu(gate) * up):
+        return False
+    qkv = torch.randn(4, 7, 16, generator=gen).to(bf)  # 3 q heads, 2 k, 2 v
+    cos, sin = (torch.randn(4, 1, 16, generator=gen).to(bf) for _ in range(2))
+    pool_k, pool_v = torch.zeros(9, 2, 16, dtype=bf), torch.zeros(9, 2, 16, dtype=bf)
+    out_slots = torch.tensor([8, 2, 5, 1])
+    want = qkv[:, :5] * cos + qkv[:, :5].roll(8, dims=-1) * sin
+    got = kernel.rope_store(qkv, cos, sin, 3, pool_k, pool_v, out_slots)
+    if not (close(got, want) and torch.equal(pool_k[out_slots], got[:, 3:])
+            and torch.equal(pool_v[out_slots], qkv[:, 5:])):
+        return False
+    logits = torch.randn(3, 37, generator=gen).to(bf)
+    logits[1, 30] = logits[1, 5] = 9.0
+    return kernel.argmax(logits) == logits.argmax(dim=-1).tolist()
+
+
 @functools.cache
 def load_cpu_kernels() -> CpuKernels | None:
     """The kernels, built once per machine and loaded once per process; None when they cannot
@@ -473,4 +643,8 @@ def load_cpu_kernels() -> CpuKernels | None:
         if not _agrees_with_torch(kernel):
             logger.warning("cpu kernels %s disagree with torch; not used", kernel.path)
             return None
+        kernel.bf16 = _bf16_agrees_with_torch(kernel)
+        if not kernel.bf16:
+            logger.warning("cpu kernels %s: the bfloat16 ones disagree with torch; bfloat16 "
+                           "keeps torch's ops", kernel.path)
     return kernel

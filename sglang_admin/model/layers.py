@@ -19,7 +19,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.kernels: Any = None  # model/cpu_kernels.py's CpuKernels (CPU float32 only)
+        self.kernels: Any = None  # model/cpu_kernels.py's CpuKernels (CPU float32, bfloat16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None and x.is_contiguous():
@@ -42,7 +42,7 @@ class MLP(nn.Module):
         self.gate_up_weight: torch.Tensor | None = None
         self.gate_up_bias: torch.Tensor | None = None
         self.lora: Any = None  # model/lora.py's LayerLora once LoRA is enabled
-        self.kernels: Any = None  # model/cpu_kernels.py's CpuKernels (CPU float32 only)
+        self.kernels: Any = None  # model/cpu_kernels.py's CpuKernels (CPU float32, bfloat16)
 
     def fuse(self) -> None:
         """Concatenate gate/up weights into one matrix; the HF-named params become views."""

@@ -56,7 +56,7 @@ class Attention(nn.Module):
         self.qkv_weight: torch.Tensor | None = None
         self.qkv_bias: torch.Tensor | None = None
         self.lora: Any = None  # model/lora.py's LayerLora once LoRA is enabled
-        self.kernels: Any = None  # model/cpu_kernels.py's CpuKernels (CPU float32 only)
+        self.kernels: Any = None  # model/cpu_kernels.py's CpuKernels (CPU float32, bfloat16)
 
     def fuse(self) -> None:
         """Concatenate q/k/v weights into one matrix; the HF-named params become views of it."""
@@ -96,14 +96,19 @@ class Attention(nn.Module):
             qkv = self.lora.delta("qkv", x, qkv)
         qkv = qkv.view(n_tok, h + 2 * kv, d)
         v = qkv[:, h + kv :]
-        rope = apply_rope if self.kernels is None else self.kernels.rope
-        if self.qk_norm:
-            q = rope(self.q_norm(qkv[:, :h]), cos, sin)
-            k = rope(self.k_norm(qkv[:, h : h + kv]), cos, sin)
-        else:  # rotate q and k heads in one go
-            q, k = rope(qkv[:, : h + kv], cos, sin).split([h, kv], dim=1)
-        k_cache.index_copy_(0, meta.out_slots, k)
-        v_cache.index_copy_(0, meta.out_slots, v)
+        if self.kernels is not None and not self.qk_norm:
+            # q and k rotated and the new k and v written to the pool, in one pass
+            rotated = self.kernels.rope_store(qkv, cos, sin, h, k_cache, v_cache, meta.out_slots)
+            q, k = rotated.split([h, kv], dim=1)
+        else:
+            rope = apply_rope if self.kernels is None else self.kernels.rope
+            if self.qk_norm:
+                q = rope(self.q_norm(qkv[:, :h]), cos, sin)
+                k = rope(self.k_norm(qkv[:, h : h + kv]), cos, sin)
+            else:  # rotate q and k heads in one go
+                q, k = rope(qkv[:, : h + kv], cos, sin).split([h, kv], dim=1)
+            k_cache.index_copy_(0, meta.out_slots, k)
+            v_cache.index_copy_(0, meta.out_slots, v)
         out = paged_attention(q, k, v, meta, k_cache, v_cache, self.scale, self.sliding_window,
                               self.kernels)
         if self.lora is not None:
@@ -133,15 +138,23 @@ class DecoderLayer(nn.Module):
         v_cache: torch.Tensor,
         linear: Linear | None = None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, k_cache, v_cache, linear)
-        return x + self.mlp(self.post_attention_layernorm(x), linear)
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, meta, k_cache, v_cache, linear)
+        norm = self.post_attention_layernorm
+        if norm.kernels is not None and x.is_contiguous() and attn.is_contiguous():
+            # the residual add and the norm in one pass, x updated in place (a fresh tensor:
+            # the embedding's output or the previous layer's sum)
+            h = norm.kernels.add_rms_norm(x, attn, norm.weight, norm.eps)
+            return x.add_(self.mlp(h, linear))
+        x = x + attn
+        return x + self.mlp(norm(x), linear)
 
     def decode_weights(self) -> DecodeLayerWeights | None:
         """This layer as ``CpuKernels.decode_layer`` reads it; None where that does not apply
         (torch's ops, LoRA, per-head q/k norms, weights not fused or not contiguous)."""
         attn, mlp = self.self_attn, self.mlp
         if (attn.kernels is None or attn.lora is not None or mlp.lora is not None
-                or attn.qk_norm or attn.qkv_weight is None or mlp.gate_up_weight is None):
+                or attn.qk_norm or attn.qkv_weight is None or mlp.gate_up_weight is None
+                or attn.qkv_weight.dtype != torch.float32):  # its projections: float32 only
             return None
         weights = DecodeLayerWeights(
             self.input_layernorm.weight, attn.qkv_weight, attn.qkv_bias, attn.o_proj.weight,
@@ -218,7 +231,7 @@ class LlamaForCausalLM(nn.Module):
 
     def use_cpu_kernels(self, kernels: Any) -> None:
         """RMSNorm, RoPE and SwiGLU through model/cpu_kernels.py's CpuKernels (None: torch's
-        ops). The caller checks that they apply: float32 weights on the CPU."""
+        ops). The caller checks that they apply: float32 or bfloat16 weights on the CPU."""
         for module in self.modules():
             if isinstance(module, (RMSNorm, Attention, MLP)):
                 module.kernels = kernels
@@ -276,7 +289,8 @@ class LlamaForCausalLM(nn.Module):
         """Logits [N, vocab] for selected hidden rows (applies the final norm)."""
         kernels = self.model.norm.kernels
         weight = self.output_weight()
-        if kernels is not None and weight.is_contiguous():  # a few rows: see CpuKernels.linear
+        if (kernels is not None and weight.is_contiguous()
+                and weight.dtype == torch.float32):  # a few rows: see CpuKernels.linear
             return kernels.linear(self.model.norm(hidden).contiguous(), weight)
         return F.linear(self.model.norm(hidden), weight)
 
@@ -290,7 +304,7 @@ class LlamaForCausalLM(nn.Module):
         each computing a part of the LM head (model/runner.py)."""
         kernels = self.model.norm.kernels
         weight = self.output_weight()[start:end]
-        if kernels is not None and weight.is_contiguous():
+        if kernels is not None and weight.is_contiguous() and weight.dtype == torch.float32:
             kernels.linear(normed, weight, out=out)
         else:
             out.copy_(F.linear(normed, weight))

@@ -44,6 +44,7 @@ from sglang_admin.model.loader import (
     load_model_info,
 )
 from sglang_admin.model.lora import LoraBuffers
+from sglang_admin.model.packed_linear import PackedWeights, packed_linear, packing_available
 from sglang_admin.model.pooling import pool
 from sglang_admin.model.sampling import SampleRequest, SampleResult, sample
 from sglang_admin.model.step_io import InvalidSequence, SeqInput, SeqOutput
@@ -108,6 +109,7 @@ class ModelRunner:
         mem_fraction_static: float = DEFAULT_MEM_FRACTION_STATIC,
         is_embedding: bool = False,
         tensor_parallel: object = None,
+        lanes_as_threads: bool = True,
     ) -> None:
         if model_path is None:
             from sglang_admin.model.default_model import ensure_default_model
@@ -157,13 +159,24 @@ class ModelRunner:
         # its own (threads that block when done, unlike OpenMP's, which spin: see
         # _split_lanes); CUDA and LoRA run one lane
         self.lanes = max(1, lanes) if self.device.type == "cpu" else 1
+        # a large model on CPU (packed projections below): with ``lanes_as_threads`` (the
+        # default unless --cpu-lanes or --torch-threads is given) its lanes become OpenMP
+        # threads of one lane, which computes its GEMMs faster than lane threads cutting the
+        # rows (docs/cpu-performance.md)
+        large_cpu = (self.device.type == "cpu" and tensor_parallel is None
+                     and self._decoder_params() >= SPLIT_MATMUL_PARAMS)
+        self.packed: PackedWeights | None = (
+            PackedWeights() if large_cpu and packing_available() else None)
+        if self.packed is not None and lanes_as_threads and self.lanes > 1:
+            torch.set_num_threads(self.lanes * torch.get_num_threads())
+            self.lanes = 1
         self._lane_pool: ThreadPoolExecutor | None = None
-        # CPU float32: decode attention read in place from the pool; RMSNorm, RoPE and
-        # SwiGLU in one pass each (model/cpu_kernels.py)
+        # CPU float32 and bfloat16: decode attention read in place from the pool; RMSNorm,
+        # RoPE and SwiGLU in one pass each (model/cpu_kernels.py)
         self.cpu_kernels = self._cpu_kernels(attention_backend)
         self.model.use_cpu_kernels(self.cpu_kernels)
         # whether prefill chunks may go through the kernel (this build, this head size)
-        extend_kernel = (self.cpu_kernels is not None
+        extend_kernel = (self.cpu_kernels is not None and self.dtype == torch.float32
                          and self.cpu_kernels.extend_applies(cfg.head_dim))
         # the request-to-token table and the step's index tensors (model/batch.py)
         self.batches = BatchBuilder(
@@ -172,11 +185,12 @@ class ModelRunner:
             sliding_window=self.sliding_window, num_heads=cfg.num_heads,
             kv_width=cfg.num_kv_heads * cfg.head_dim, cpu_kernels=self.cpu_kernels,
             extend_kernel=extend_kernel, lanes=self.lanes)
-        # decode-only steps of a large model: each projection cut among the lane threads
-        # (not under tensor parallelism: its all-reduces hang on the projection modules)
-        self.split_matmuls = (self.lanes > 1 and self.device.type == "cpu"
-                              and tensor_parallel is None
-                              and self._decoder_params() >= SPLIT_MATMUL_PARAMS)
+        # a large model on CPU: every projection and the LM head through oneDNN with packed
+        # weights (model/packed_linear.py), each weight's rows cut among the lane threads if
+        # there are several (not under tensor parallelism: its all-reduces hang on the
+        # projection modules); without packing, decode-only steps cut each projection among
+        # the lane threads
+        self.split_matmuls = self.packed is None and large_cpu and self.lanes > 1
         self.last_times = ForwardTimes()  # the last forward_step's split, for step_timing
         logger.info(
             "model %s loaded: %s on %s, %.1f MiB weights, KV pool %d tokens (%.1f MiB)",
@@ -192,19 +206,21 @@ class ModelRunner:
         return cfg.num_layers * per_layer
 
     def _cpu_kernels(self, backend: str) -> CpuKernels | None:
-        """``auto``: the CPU kernels where they apply (float32 on CPU) and build;
+        """``auto``: the CPU kernels where they apply (float32 or bfloat16 on CPU) and build;
         ``torch_native``: never; ``cpu_paged``: required (ModelLoadError otherwise)."""
         if backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention backend {backend!r} is not one of "
                              f"{', '.join(ATTENTION_BACKENDS)}")
         if backend == "torch_native":
             return None
-        applies = self.device.type == "cpu" and self.dtype == torch.float32
+        applies = self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16)
         kernel = load_cpu_kernels() if applies else None
+        if kernel is not None and self.dtype == torch.bfloat16 and not kernel.bf16:
+            kernel = None  # its bfloat16 half disagreed with torch at load (logged)
         if backend == "cpu_paged" and kernel is None:
             raise ModelLoadError(
-                "attention backend cpu_paged needs float32 on CPU and a C compiler that "
-                "builds model/csrc/cpu_kernels.c (see the log); use auto or torch_native")
+                "attention backend cpu_paged needs float32 or bfloat16 on CPU and a C compiler "
+                "that builds model/csrc/cpu_kernels.c (see the log); use auto or torch_native")
         if kernel is not None:
             logger.info("CPU kernels: %s", kernel.path)
         return kernel
@@ -256,6 +272,8 @@ class ModelRunner:
         """Free every parameter (shapes kept); bytes released. Load weights after resuming."""
         if self.weights_released:
             return 0
+        if self.packed is not None:
+            self.packed.clear()
         self.model.release_parameters()
         _return_memory(self.device)
         return self.weight_bytes
@@ -372,6 +390,9 @@ class ModelRunner:
         """The logits of the rows that sample; on CPU with lanes and a large LM head, its
         vocabulary cut in one part per lane, computed at once by the lane threads (the head
         is a step's largest matmul: 2.8 GFLOP of SmolLM2-135M's batch-32 step, one thread)."""
+        if self.packed is not None and hidden.shape[0] > 0:
+            return self._packed_linear(self.model.final_norm(hidden), self.model.output_weight(),
+                                       None)
         cfg = self.model.config
         parts = self.lanes if cfg.vocab_size * cfg.hidden_size >= LM_HEAD_SPLIT_PARAMS else 1
         if parts <= 1 or self.device.type != "cpu" or hidden.shape[0] == 0:
@@ -423,6 +444,35 @@ class ModelRunner:
             f.result()
         return out if in_c else torch.cat(outs, dim=1)  # type: ignore[arg-type]
 
+    def _packed_linear(self, x: torch.Tensor, weight: torch.Tensor,
+                       bias: torch.Tensor | None) -> torch.Tensor:
+        """``F.linear(x, weight, bias)`` with packed weights (model/packed_linear.py), the
+        weight's rows cut in one part per lane, the parts computed at once by the lane
+        threads and this one (each streams its part of the weights once)."""
+        assert self.packed is not None
+        parts = self.packed.parts(weight, bias, self.lanes)
+        x = x.contiguous()
+        if len(parts) == 1:
+            return packed_linear(x, parts[0])
+        outs: list[torch.Tensor | None] = [None] * len(parts)
+
+        def part(i: int) -> None:
+            outs[i] = packed_linear(x, parts[i])
+
+        futures = [self._lanes_pool().submit(_in_inference_mode, part, i)
+                   for i in range(1, len(parts))]
+        part(0)
+        for f in futures:
+            f.result()
+        return torch.cat(outs, dim=1)  # type: ignore[arg-type]
+
+    def _packed_whole(self, x: torch.Tensor, weight: torch.Tensor,
+                      bias: torch.Tensor | None) -> torch.Tensor:
+        """``F.linear`` with packed weights, uncut: what each lane of a step cut into lanes
+        runs."""
+        assert self.packed is not None
+        return packed_linear(x.contiguous(), self.packed.parts(weight, bias, 1)[0])
+
     def _lanes_pool(self) -> ThreadPoolExecutor:
         """The lane threads (lanes past the first), started at first use."""
         if self._lane_pool is None:
@@ -445,11 +495,14 @@ class ModelRunner:
                               linear)
 
         if len(lanes) == 1:
+            if self.packed is not None:
+                return run(0, self._packed_linear)
             decode_only = ids.shape[0] == len(batch.ordered)
             return run(0, self._split_linear if self.split_matmuls and decode_only else None)
-        futures = [self._lanes_pool().submit(_in_inference_mode, run, i)
+        whole = self._packed_whole if self.packed is not None else None
+        futures = [self._lanes_pool().submit(_in_inference_mode, run, i, whole)
                    for i in range(1, len(lanes))]
-        first = run(0)
+        first = run(0, whole)
         return torch.cat([first, *(f.result() for f in futures)])
 
     def _sample(self, logits: torch.Tensor, reqs: list[SampleRequest]) -> list[SeqOutput]:

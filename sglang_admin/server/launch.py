@@ -159,6 +159,12 @@ class Server:
             await self.health.set(name, status)
 
     def _start_ranks(self) -> None:
+        # A rank's OpenMP threads (a large model's GEMMs on CPU: model/runner.py) sleep when
+        # they wait instead of spinning, unless the user says otherwise: a spinning team
+        # whose other thread shares a core with the server or another rank waits out that
+        # thread's time slice at every barrier (docs/cpu-performance.md). Read by the OpenMP
+        # runtime when a rank imports torch, so set before they start.
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         ctx = mp.get_context("spawn")
         for rank in range(self.args.dp_size):
             proc = ctx.Process(

@@ -276,6 +276,7 @@ def test_plain_c_build_matches_torch() -> None:
     _check_elementwise(plain)
     _check_decode_layer(plain, 5)
     _check_argmax(plain)
+    assert cpu_kernels._bf16_agrees_with_torch(plain)  # bfloat16's scalar loops too
     assert not plain.extend_applies(32)  # no prefill kernel without AVX2: torch's attention
     pool = torch.randn(20, 2, 32)
     with pytest.raises(ValueError, match="no fast path"):
@@ -426,3 +427,191 @@ def _check_argmax(kernels: cpu_kernels.CpuKernels) -> None:
 @needs_kernel
 def test_argmax_is_torchs_including_ties_infinities_and_nans() -> None:
     _check_argmax(kernel)
+
+
+# ---- bfloat16: the kernels against torch's bfloat16 ops (float32 inside, rounded where
+# torch rounds), and the runner's bfloat16 path through them
+
+BF16 = torch.bfloat16
+
+
+def _bf16_close(got: torch.Tensor, want: torch.Tensor, min_exact: float) -> None:
+    """Within bfloat16's tolerance everywhere, and bit-equal for at least ``min_exact`` of the
+    elements (the kernels round where torch rounds; only a sum's order differs)."""
+    assert got.dtype == BF16 and got.shape == want.shape
+    torch.testing.assert_close(got, want.to(BF16), atol=1e-2, rtol=1.6e-2)
+    assert (got == want.to(BF16)).float().mean().item() >= min_exact
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (14, 2, 64), (8, 2, 32), (4, 4, 128),
+                                                (7, 1, 32), (6, 3, 16), (3, 1, 12)])
+@pytest.mark.parametrize("window", [None, 7])
+def test_bf16_attention_reads_the_pool_in_place_for_any_group(heads: int, kv_heads: int,
+                                                              dim: int,
+                                                              window: int | None) -> None:
+    """bfloat16 q and pool (SmolLM2's group of 3, Qwen2.5's 7, MHA, head sizes on and off the
+    vector widths) against torch's bfloat16 attention (what transformers runs), which it
+    follows: the weights rounded to bfloat16 before the values, not the sum (90% or more of
+    the outputs bit-equal); and within bfloat16's tolerance of float32 attention."""
+    lens = [1, 2, 9, 33, 100]
+    q, k, v, table, rows, lens_t = _case(heads, kv_heads, dim, lens, seed=heads)
+    q, k, v = q.to(BF16), k.to(BF16), v.to(BF16)
+    got = kernel.attend(q, k, v, table, rows, lens_t, dim**-0.5, window,
+                        torch.empty(heads * max(lens)))
+    _bf16_close(got, reference_attend(q, k, v, table, rows, lens_t, dim**-0.5, window), 0.9)
+    want = reference_attend(q.float(), k.float(), v.float(), table, rows, lens_t, dim**-0.5,
+                            window)
+    _bf16_close(got, want, min_exact=0.6)
+
+
+@needs_kernel
+def test_bf16_attention_matches_torchs_bf16_attention_on_a_strided_q() -> None:
+    """The runner's q: a view of the rotated heads; torch's bfloat16 SDPA as the reference."""
+    q, k, v, table, rows, lens_t = _case(9, 3, 64, [5, 64], seed=3)
+    qk = torch.cat([q, torch.zeros(2, 3, 64)], dim=1).to(BF16)
+    got = kernel.attend(qk[:, :9], k.to(BF16), v.to(BF16), table, rows, lens_t, 0.125, None,
+                        torch.empty(9 * 64))
+    want = reference_attend(qk[:, :9].contiguous(), k.to(BF16), v.to(BF16), table, rows,
+                            lens_t, 0.125, None)
+    _bf16_close(got, want, min_exact=0.9)
+
+
+@needs_kernel
+def test_bf16_kernels_refuse_mixed_dtypes() -> None:
+    q, k, v, table, rows, lens_t = _case(4, 2, 32, [3])
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        kernel.attend(q.to(BF16), k, v, table, rows, lens_t, 0.2, None, torch.empty(12))
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        kernel.rms_norm(torch.ones(2, 8, dtype=torch.float16), torch.ones(8, dtype=torch.float16),
+                        1e-6)
+
+
+def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """layers.RMSNorm's torch path (transformers' LlamaRMSNorm) in x's dtype."""
+    from sglang_admin.model.layers import RMSNorm
+
+    norm = RMSNorm(x.shape[-1], eps)
+    norm.weight.data = weight
+    return norm(x)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dim", [576, 21, 64])
+def test_bf16_rms_norm_and_the_fused_residual_add(dim: int) -> None:
+    gen = torch.Generator().manual_seed(dim)
+    x = (torch.randn(33, dim, generator=gen) * 3).to(BF16)
+    delta = torch.randn(33, dim, generator=gen).to(BF16)
+    weight = (1 + torch.randn(dim, generator=gen) / 4).to(BF16)
+    _bf16_close(kernel.rms_norm(x, weight, 1e-5), _torch_rms_norm(x, weight, 1e-5), 0.97)
+    summed = x + delta
+    got = kernel.add_rms_norm(x, delta, weight, 1e-5)
+    assert torch.equal(x, summed)  # the residual add in place, rounded as torch's add
+    _bf16_close(got, _torch_rms_norm(summed, weight, 1e-5), 0.97)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dim", [64, 32, 12])
+def test_bf16_rope_store_rotates_as_torch_and_writes_the_new_kv(dim: int) -> None:
+    """Bit-equal to apply_rope in bfloat16 (each product and the sum rounded), the rotated k
+    heads and the v heads written at the token's pool slots."""
+    heads, kv_heads, tokens = 9, 3, 20
+    gen = torch.Generator().manual_seed(dim)
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * dim + 8, generator=gen) * 2).to(BF16)
+    qkv = qkv[:, :-8].view(tokens, heads + 2 * kv_heads, dim)  # a token stride of its own
+    cfg = LlamaConfig("LlamaForCausalLM", "llama", vocab_size=16, hidden_size=heads * dim,
+                      intermediate_size=8, num_layers=1, num_heads=heads, num_kv_heads=kv_heads,
+                      head_dim=dim)
+    cos, sin = RotaryEmbedding(cfg)(torch.arange(100, 100 + tokens), BF16)
+    pool_k = torch.zeros(64, kv_heads, dim, dtype=BF16)
+    pool_v = torch.zeros_like(pool_k)
+    slots = torch.randperm(63, generator=gen)[:tokens] + 1
+    got = kernel.rope_store(qkv, cos, sin, heads, pool_k, pool_v, slots)
+    want = apply_rope(qkv[:, : heads + kv_heads], cos, sin)
+    assert torch.equal(got, want)
+    assert torch.equal(pool_k[slots], want[:, heads:])
+    assert torch.equal(pool_v[slots], qkv[:, heads + kv_heads :])
+    assert torch.equal(kernel.rope(qkv[:, :heads], cos, sin), want[:, :heads])
+
+
+@needs_kernel
+@pytest.mark.parametrize("width", [1536, 19])
+def test_bf16_silu_mul(width: int) -> None:
+    gen = torch.Generator().manual_seed(width)
+    gate_up = (torch.randn(17, 2 * width, generator=gen) * 4).to(BF16)
+    gate, up = gate_up.chunk(2, dim=-1)
+    _bf16_close(kernel.silu_mul(gate_up), F.silu(gate) * up, 0.99)
+
+
+@needs_kernel
+def test_bf16_argmax_is_torchs_including_ties_infinities_and_nans() -> None:
+    class AsBf16:  # the same cases as float32's, in bfloat16
+        def argmax(self, x: torch.Tensor) -> list[int]:
+            got = kernel.argmax(x.to(BF16))
+            assert got == x.to(BF16).argmax(dim=-1).tolist()
+            return x.argmax(dim=-1).tolist() if got == x.to(BF16).argmax(dim=-1).tolist() else got
+
+    _check_argmax(AsBf16())
+
+
+@needs_kernel
+def test_runner_in_bf16_uses_the_kernels_and_decodes_as_torchs_ops(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default model in bfloat16: the kernels are on (attention, norms, RoPE, SwiGLU,
+    argmax; never the float32 decode layer or projections) and greedy tokens are torch's
+    bfloat16 ops': most prompts token-equal, the others up to a near tie (both sides round
+    in bfloat16, in different orders: test_bf16.py checks the ties against transformers)."""
+    calls: list[str] = []
+    for name in ("attend", "rope_store", "add_rms_norm", "silu_mul", "argmax", "decode_layer",
+                 "linear", "extend_attend"):
+        real = getattr(cpu_kernels.CpuKernels, name)
+
+        def spy(self, *args, _real=real, _name=name, **kwargs):  # noqa: ANN001, ANN202
+            calls.append(_name)
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(cpu_kernels.CpuKernels, name, spy)
+    prompts = [[5, 9, 13, 200, 7], list(range(40, 90)), [1], list(range(100, 133))]
+    fast = ModelRunner(None, device="cpu", dtype="bfloat16", max_total_tokens=1024,
+                       max_running_requests=4)
+    slow = ModelRunner(None, device="cpu", dtype="bfloat16", max_total_tokens=1024,
+                       max_running_requests=4, attention_backend="torch_native")
+    assert fast.cpu_kernels is not None and slow.cpu_kernels is None
+    calls.clear()  # a first load checks every kernel against torch
+    ours, theirs = _greedy(fast, prompts, 12), _greedy(slow, prompts, 12)
+    assert sum(a == b for a, b in zip(ours, theirs)) >= 3
+    assert all(a[:4] == b[:4] for a, b in zip(ours, theirs))
+    assert {"attend", "rope_store", "add_rms_norm", "silu_mul", "argmax"} <= set(calls)
+    assert not {"decode_layer", "linear", "extend_attend"} & set(calls)
+
+
+@needs_kernel
+def test_bf16_attention_spread_over_threads_is_bit_equal_to_one_thread() -> None:
+    """Each sequence x kv head is a task of its own on torch's threads: the same sums as one
+    thread, whatever the team (a scratch for two teams' scores, or one)."""
+    lens = [3, 40, 17, 64, 1, 29]
+    q, k, v, table, rows, lens_t = _case(9, 3, 64, lens, seed=7)
+    q, k, v = q.to(BF16), k.to(BF16), v.to(BF16)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernel.attend(q, k, v, table, rows, lens_t, 0.125, None, torch.empty(9 * 64))
+        torch.set_num_threads(2)
+        for scores in (torch.empty(9 * 64), torch.empty(3 * 64)):
+            got = kernel.attend(q, k, v, table, rows, lens_t, 0.125, None, scores)
+            assert torch.equal(got, one)
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_kernel
+def test_bf16_silu_mul_spread_over_threads_is_bit_equal_to_one_thread() -> None:
+    gate_up = (torch.randn(32, 2 * 1536, generator=torch.Generator().manual_seed(5)) * 4).to(BF16)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernel.silu_mul(gate_up)
+        torch.set_num_threads(2)
+        assert torch.equal(kernel.silu_mul(gate_up), one)
+    finally:
+        torch.set_num_threads(before)

@@ -325,6 +325,7 @@ def test_large_model_decode_steps_cut_each_matmul_among_lanes_the_same(
 
     path = model_dirs[kind]
     assert not _runner(path, lanes=2).split_matmuls  # the test model is far below the bar
+    monkeypatch.setattr(runner_module, "packing_available", lambda: False)  # a torch without
     results = []
     for lanes in (1, 2):
         if lanes == 2:
@@ -340,6 +341,81 @@ def test_large_model_decode_steps_cut_each_matmul_among_lanes_the_same(
         assert laned.out == one.out
         for a, b in zip(one.outputs, laned.outputs):
             assert b.logprob == pytest.approx(a.logprob, abs=1e-5)
+
+
+@pytest.fixture
+def packed_runner(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A ModelRunner factory for which the test models count as large: projections and LM
+    head through oneDNN on packed weights (model/packed_linear.py); torch's thread count put
+    back after (a large model's lanes become threads)."""
+    from sglang_admin.model import runner as runner_module
+    from sglang_admin.model.packed_linear import packing_available
+
+    if not packing_available():
+        pytest.skip("this torch build does not pack linear weights (no oneDNN)")
+    def make(path: str, **kwargs: Any) -> ModelRunner:
+        with monkeypatch.context() as patch:
+            patch.setattr(runner_module, "SPLIT_MATMUL_PARAMS", 0)
+            return _runner(path, **kwargs)
+
+    threads = torch.get_num_threads()
+    yield make
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "llama_tied_llama3"])
+@pytest.mark.parametrize("lanes, as_threads", [(1, True), (2, False), (2, True)],
+                         ids=["one-lane", "rows-cut-among-lanes", "lanes-as-threads"])
+def test_packed_projections_match_transformers(model_dirs: dict[str, str], kind: str,
+                                               lanes: int, as_threads: bool,
+                                               packed_runner: Any) -> None:
+    """A large model on CPU runs every projection and the LM head on packed weights, whole
+    or cut into one part of the rows per lane: transformers' greedy tokens, and the
+    logprobs of the unpacked path within float32 rounding."""
+    path = model_dirs[kind]
+    plain = _runner(path)
+    assert plain.packed is None
+    reqs = mixed_workload(plain.info.vocab_size)
+    for r in reqs:
+        r.return_logprob = True
+    want = simulate(plain, reqs)
+    runner = packed_runner(path, lanes=lanes, lanes_as_threads=as_threads)
+    assert runner.packed is not None and not runner.split_matmuls
+    assert runner.lanes == (1 if as_threads else lanes)
+    reqs = mixed_workload(runner.info.vocab_size)
+    for r in reqs:
+        r.return_logprob = True
+    got = simulate(runner, reqs)
+    assert runner.packed.nbytes > 0  # the weights were packed, and used
+    for a, b in zip(want, got):
+        assert b.out == a.out == hf_greedy(path, a.prompt, MAX_NEW)[0]
+        for x, y in zip(a.outputs, b.outputs):
+            assert y.logprob == pytest.approx(x.logprob, abs=1e-4)
+
+
+def test_packed_weights_follow_every_weight_update(model_dirs: dict[str, str], tmp_path: Any,
+                                                   packed_runner: Any) -> None:
+    """Packed copies are made again when the weights change: a refit copied in place
+    (load_weights), and a release then resume of the weights (ReleaseMemoryOccupation),
+    which also drops the packed copies."""
+    other = str(tmp_path / "qwen2-b")
+    _build("qwen2", other, seed=99)
+    path = model_dirs["qwen2"]
+    runner = packed_runner(path, lanes=2, lanes_as_threads=False)
+    first = simulate(runner, mixed_workload(runner.info.vocab_size))
+    assert [r.out for r in first] == [hf_greedy(path, r.prompt, MAX_NEW)[0] for r in first]
+    load_weights(runner.model, iter_checkpoint(other))
+    runner.reset()
+    refit = simulate(runner, mixed_workload(runner.info.vocab_size))
+    assert [r.out for r in refit] == [hf_greedy(other, r.prompt, MAX_NEW)[0] for r in refit]
+    assert [r.out for r in refit] != [r.out for r in first]
+    assert runner.release_weights() > 0
+    assert runner.packed.nbytes == 0
+    runner.resume_weights()
+    load_weights(runner.model, iter_checkpoint(path))
+    runner.reset()
+    back = simulate(runner, mixed_workload(runner.info.vocab_size))
+    assert [r.out for r in back] == [r.out for r in first]
 
 
 def test_steps_with_prefill_work_are_cut_into_balanced_lanes(model_dirs: dict[str, str]) -> None:

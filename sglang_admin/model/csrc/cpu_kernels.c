@@ -28,12 +28,90 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define HAVE_AVX2 1
 /* glibc's vector expf (libmvec), 8 lanes */
 extern __m256 _ZGVdN8v_expf(__m256);
+#endif
+
+/*
+ * bfloat16: the upper 16 bits of a float32. Widening is a shift; narrowing rounds to nearest
+ * even, every NaN to 0x7fc0, as torch's c10::BFloat16 does, so a value rounded here is the
+ * value torch's bfloat16 op would give for the same float32 result.
+ */
+static inline float bf16_f32(uint16_t h) {
+    union { uint32_t u; float f; } c = {(uint32_t)h << 16};
+    return c.f;
+}
+
+static inline uint16_t f32_bf16(float f) {
+    union { float f; uint32_t u; } c = {f};
+    if ((c.u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
+}
+
+/* f rounded to bfloat16 and back: what a torch op in bfloat16 leaves of a float32 result */
+static inline float bf16_round(float f) { return bf16_f32(f32_bf16(f)); }
+
+#ifdef HAVE_AVX2
+static inline __m256 load8_bf16(const uint16_t *p) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+
+/* 8 floats rounded to bfloat16, still in the upper halves of 32-bit lanes */
+static inline __m256i round8_bits(__m256 x) {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc00000), nan);
+}
+
+/* bf16_round of 8 floats */
+static inline __m256 round8_bf16(__m256 x) {
+    return _mm256_castsi256_ps(_mm256_and_si256(round8_bits(x), _mm256_set1_epi32((int)0xffff0000u)));
+}
+
+static inline void store8_bf16(uint16_t *p, __m256 x) {
+    const __m256i r = _mm256_srli_epi32(round8_bits(x), 16);
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
+    _mm_storeu_si128((__m128i *)p, _mm256_castsi256_si128(packed));
+}
+#endif
+
+#if defined(HAVE_AVX2) && defined(__AVX512F__)
+/* the same 16 lanes at a time where the CPU has AVX-512 (silu_mul_bf16's exp) */
+#define HAVE_AVX512 1
+extern __m512 _ZGVeN16v_expf(__m512);
+
+static inline __m512 load16_bf16(const uint16_t *p) {
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+
+static inline __m512i round16_bits(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    return _mm512_mask_blend_epi32(nan, r, _mm512_set1_epi32(0x7fc00000));
+}
+
+static inline __m512 round16_bf16(__m512 x) {
+    return _mm512_castsi512_ps(
+        _mm512_and_si512(round16_bits(x), _mm512_set1_epi32((int)0xffff0000u)));
+}
+
+static inline void store16_bf16(uint16_t *p, __m512 x) {
+    const __m512i r = _mm512_srli_epi32(round16_bits(x), 16);
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(r));
+}
 #endif
 
 #define PREFETCH_AHEAD 16 /* tokens: the slots are scattered, the hardware cannot guess */
@@ -413,57 +491,71 @@ void silu_mul(const float *gu, int64_t T, int64_t I, float *out) {
  * torch.argmax: a NaN counts as the largest (its first one wins). Torch's reduction costs
  * ~0.4 us a row at a small vocabulary and ~1 ns an element at a large one.
  */
-void argmax_rows(const float *x, int64_t R, int64_t C, int64_t *out) {
-    for (int64_t r = 0; r < R; r++) {
-        const float *xr = x + r * C;
-        int64_t best = 0, c = 0;
-        float top = C ? xr[0] : 0.f;
-        int nan = C && xr[0] != xr[0];
+/* argmax_rows' one row, of float32 (bf = 0) or bfloat16 (bf = 1) values */
+static inline __attribute__((always_inline)) int64_t argmax_row(const void *x, int64_t C,
+                                                                const int bf) {
+#define AT(i) (bf ? bf16_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i])
 #ifdef HAVE_AVX2
-        if (!nan && C >= 16) {
-            /* per lane: its largest value and where it is (the first, as compares are strict) */
-            __m256 tops = _mm256_loadu_ps(xr);
-            __m256 unordered = _mm256_cmp_ps(tops, tops, _CMP_UNORD_Q);
-            __m256i where = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), at = where;
-            const __m256i step = _mm256_set1_epi32(8);
-            for (c = 8; c + 8 <= C; c += 8) {
-                const __m256 v = _mm256_loadu_ps(xr + c);
-                at = _mm256_add_epi32(at, step);
-                const __m256 gt = _mm256_cmp_ps(v, tops, _CMP_GT_OQ);
-                unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-                tops = _mm256_blendv_ps(tops, v, gt);
-                where = _mm256_castps_si256(_mm256_blendv_ps(
-                    _mm256_castsi256_ps(where), _mm256_castsi256_ps(at), gt));
-            }
-            if (_mm256_movemask_ps(unordered)) {
-                c = 0;  /* a NaN somewhere: the scalar loop below finds the first */
-            } else {
-                float t8[8];
-                int32_t w8[8];
-                _mm256_storeu_ps(t8, tops);
-                _mm256_storeu_si256((__m256i *)w8, where);
-                top = t8[0];
-                best = w8[0];
-                for (int l = 1; l < 8; l++)
-                    if (t8[l] > top || (t8[l] == top && w8[l] < best)) {
-                        top = t8[l];
-                        best = w8[l];
-                    }
-            }
-        }
+#define AT8(i) (bf ? load8_bf16((const uint16_t *)x + (i)) : _mm256_loadu_ps((const float *)x + (i)))
 #endif
-        for (; c < C && !nan; c++) {
-            const float v = xr[c];
-            if (v != v) {
-                best = c;
-                nan = 1;
-            } else if (v > top) {
-                top = v;
-                best = c;
-            }
+    int64_t best = 0, c = 0;
+    float top = C ? AT(0) : 0.f;
+    int nan = C && top != top;
+#ifdef HAVE_AVX2
+    if (!nan && C >= 16) {
+        /* per lane: its largest value and where it is (the first, as compares are strict) */
+        __m256 tops = AT8(0);
+        __m256 unordered = _mm256_cmp_ps(tops, tops, _CMP_UNORD_Q);
+        __m256i where = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), at = where;
+        const __m256i step = _mm256_set1_epi32(8);
+        for (c = 8; c + 8 <= C; c += 8) {
+            const __m256 v = AT8(c);
+            at = _mm256_add_epi32(at, step);
+            const __m256 gt = _mm256_cmp_ps(v, tops, _CMP_GT_OQ);
+            unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+            tops = _mm256_blendv_ps(tops, v, gt);
+            where = _mm256_castps_si256(_mm256_blendv_ps(
+                _mm256_castsi256_ps(where), _mm256_castsi256_ps(at), gt));
         }
-        out[r] = best;
+        if (_mm256_movemask_ps(unordered)) {
+            c = 0;  /* a NaN somewhere: the scalar loop below finds the first */
+        } else {
+            float t8[8];
+            int32_t w8[8];
+            _mm256_storeu_ps(t8, tops);
+            _mm256_storeu_si256((__m256i *)w8, where);
+            top = t8[0];
+            best = w8[0];
+            for (int l = 1; l < 8; l++)
+                if (t8[l] > top || (t8[l] == top && w8[l] < best)) {
+                    top = t8[l];
+                    best = w8[l];
+                }
+        }
     }
+#undef AT8
+#endif
+    for (; c < C && !nan; c++) {
+        const float v = AT(c);
+        if (v != v) {
+            best = c;
+            nan = 1;
+        } else if (v > top) {
+            top = v;
+            best = c;
+        }
+    }
+#undef AT
+    return best;
+}
+
+void argmax_rows(const float *x, int64_t R, int64_t C, int64_t *out) {
+    for (int64_t r = 0; r < R; r++) out[r] = argmax_row(x + r * C, C, 0);
+}
+
+/* argmax_rows of bfloat16 rows (the logits of a bfloat16 model) */
+void argmax_rows_bf16(const uint16_t *x, int64_t R, int64_t C, int64_t *out) {
+    for (int64_t r = 0; r < R; r++) out[r] = argmax_row(x + r * C, C, 1);
 }
 
 /*
@@ -689,4 +781,359 @@ void decode_layer(float *x, int64_t M, int64_t hidden, int64_t inter, float eps,
     linear_nt(h, hidden, M, hidden, w_gu, 2 * inter, b_gu, gu, 2 * inter, 0, pack);
     silu_mul(gu, M, inter, act);
     linear_nt(act, inter, M, inter, w_down, hidden, b_down, x, hidden, 1, pack);
+}
+
+/*
+ * The per-op layer of a decode step (the path a bfloat16 model and any step with a
+ * projection hook take: the projections stay the caller's): the new K/V written with RoPE,
+ * and the residual add fused with the next norm. float32 versions first, then bfloat16.
+ */
+
+/* rope of R heads of each token (x as rope's), out [T, R, D]; with slots, the last KV
+ * rotated heads go to k_cache[slots[t]] and the KV heads right after the R in x (the value
+ * heads of a fused qkv row) to v_cache[slots[t]] (pools [slots, KV, D]) */
+void rope_store(const float *x, int64_t x_stride, const float *cos_t, const float *sin_t,
+                int64_t T, int64_t R, int64_t KV, int64_t D, float *out, float *k_cache,
+                float *v_cache, const int64_t *slots) {
+    rope(x, x_stride, cos_t, sin_t, T, R, D, out);
+    if (!slots) return;
+    const size_t bytes = (size_t)(KV * D) * sizeof(float);
+    for (int64_t t = 0; t < T; t++) {
+        memcpy(k_cache + slots[t] * KV * D, out + (t * R + R - KV) * D, bytes);
+        memcpy(v_cache + slots[t] * KV * D, x + t * x_stride + R * D, bytes);
+    }
+}
+
+/* x[t] += delta[t] (the residual add, in place), then out = rms_norm(x, w) */
+void add_rms_norm(float *x, const float *delta, const float *w, int64_t T, int64_t D,
+                  float eps, float *out) {
+    for (int64_t e = 0; e < T * D; e++) x[e] += delta[e];
+    rms_norm(x, w, T, D, eps, out);
+}
+
+/*
+ * bfloat16 tensors, float32 inside, each result rounded where torch's bfloat16 ops (and
+ * transformers') round it: RMSNorm normalises in float32, rounds, then multiplies by the
+ * weight and rounds; RoPE rounds x * cos, rotate_half(x) * sin and their sum; SwiGLU rounds
+ * silu(gate) and its product with up. Attention reads bfloat16 q, keys and values, computes
+ * scores, softmax and the weighted sum in float32 and rounds the output.
+ */
+
+/* rms_norm of one row of D into out */
+static void rms_row_bf16(const uint16_t *xt, const uint16_t *w, int64_t D, float eps,
+                         uint16_t *ot) {
+    int64_t d = 0;
+    float sum = 0.f;
+#ifdef HAVE_AVX2
+    __m256 acc = _mm256_setzero_ps();
+    for (; d + 8 <= D; d += 8) {
+        const __m256 v8 = load8_bf16(xt + d);
+        acc = _mm256_fmadd_ps(v8, v8, acc);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, acc);
+    sum = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
+          ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+#endif
+    for (; d < D; d++) sum += bf16_f32(xt[d]) * bf16_f32(xt[d]);
+    const float rstd = 1.f / sqrtf(sum / (float)D + eps);
+    d = 0;
+#ifdef HAVE_AVX2
+    const __m256 r8 = _mm256_set1_ps(rstd);
+    for (; d + 8 <= D; d += 8) {
+        const __m256 n8 = round8_bf16(_mm256_mul_ps(load8_bf16(xt + d), r8));
+        store8_bf16(ot + d, _mm256_mul_ps(load8_bf16(w + d), n8));
+    }
+#endif
+    for (; d < D; d++) ot[d] = f32_bf16(bf16_f32(w[d]) * bf16_round(bf16_f32(xt[d]) * rstd));
+}
+
+void rms_norm_bf16(const uint16_t *x, const uint16_t *w, int64_t T, int64_t D, float eps,
+                   uint16_t *out) {
+    for (int64_t t = 0; t < T; t++) rms_row_bf16(x + t * D, w, D, eps, out + t * D);
+}
+
+/* x[t] = x[t] + delta[t] rounded (in place), then out[t] = rms_norm(x[t], w) */
+void add_rms_norm_bf16(uint16_t *x, const uint16_t *delta, const uint16_t *w, int64_t T,
+                       int64_t D, float eps, uint16_t *out) {
+    for (int64_t t = 0; t < T; t++) {
+        uint16_t *xt = x + t * D;
+        const uint16_t *dt = delta + t * D;
+        int64_t d = 0;
+#ifdef HAVE_AVX2
+        for (; d + 8 <= D; d += 8)
+            store8_bf16(xt + d, _mm256_add_ps(load8_bf16(xt + d), load8_bf16(dt + d)));
+#endif
+        for (; d < D; d++) xt[d] = f32_bf16(bf16_f32(xt[d]) + bf16_f32(dt[d]));
+        rms_row_bf16(xt, w, D, eps, out + t * D);
+    }
+}
+
+/* out[t, i] = silu(gu[t, i]) * gu[t, I + i], each rounded; rows spread over the calling
+ * thread's OpenMP team when there are enough of them (an exp per element: the costliest of
+ * these elementwise kernels) */
+void silu_mul_bf16(const uint16_t *gu, int64_t T, int64_t I, uint16_t *out) {
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) if (T > 1 && T * I >= 32768)
+#endif
+    for (int64_t t = 0; t < T; t++) {
+        const uint16_t *g = gu + t * 2 * I, *u = g + I;
+        uint16_t *o = out + t * I;
+        int64_t i = 0;
+#ifdef HAVE_AVX512
+        const __m512 one16 = _mm512_set1_ps(1.f), zero16 = _mm512_setzero_ps();
+        for (; i + 16 <= I; i += 16) {
+            const __m512 g16 = load16_bf16(g + i);
+            const __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(zero16, g16));
+            const __m512 s = round16_bf16(_mm512_div_ps(g16, _mm512_add_ps(one16, e)));
+            store16_bf16(o + i, _mm512_mul_ps(s, load16_bf16(u + i)));
+        }
+#endif
+#ifdef HAVE_AVX2
+        const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+        for (; i + 8 <= I; i += 8) {
+            const __m256 g8 = load8_bf16(g + i);
+            const __m256 e = _ZGVdN8v_expf(_mm256_sub_ps(zero, g8));
+            const __m256 s = round8_bf16(_mm256_div_ps(g8, _mm256_add_ps(one, e)));
+            store8_bf16(o + i, _mm256_mul_ps(s, load8_bf16(u + i)));
+        }
+#endif
+        for (; i < I; i++) {
+            const float gi = bf16_f32(g[i]);
+            o[i] = f32_bf16(bf16_round(gi / (1.f + expf(-gi))) * bf16_f32(u[i]));
+        }
+    }
+}
+
+/* rope_store in bfloat16: out = round(round(x * cos) + round(x_rolled * sin)) */
+void rope_store_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *cos_t,
+                     const uint16_t *sin_t, int64_t T, int64_t R, int64_t KV, int64_t D,
+                     uint16_t *out, uint16_t *k_cache, uint16_t *v_cache,
+                     const int64_t *slots) {
+    const int64_t half = D / 2;
+    for (int64_t t = 0; t < T; t++) {
+        const uint16_t *c = cos_t + t * D, *s = sin_t + t * D;
+        for (int64_t h = 0; h < R; h++) {
+            const uint16_t *xh = x + t * x_stride + h * D;
+            uint16_t *oh = out + (t * R + h) * D;
+            int64_t i = 0;
+#ifdef HAVE_AVX2
+            for (; i + 8 <= half; i += 8) {
+                const __m256 lo = load8_bf16(xh + i), hi = load8_bf16(xh + half + i);
+                const __m256 a = round8_bf16(_mm256_mul_ps(lo, load8_bf16(c + i)));
+                const __m256 b = round8_bf16(_mm256_mul_ps(hi, load8_bf16(s + i)));
+                store8_bf16(oh + i, _mm256_add_ps(a, b));
+                const __m256 a2 = round8_bf16(_mm256_mul_ps(hi, load8_bf16(c + half + i)));
+                const __m256 b2 = round8_bf16(_mm256_mul_ps(lo, load8_bf16(s + half + i)));
+                store8_bf16(oh + half + i, _mm256_add_ps(a2, b2));
+            }
+#endif
+            for (; i < half; i++) {
+                const float lo = bf16_f32(xh[i]), hi = bf16_f32(xh[half + i]);
+                oh[i] = f32_bf16(bf16_round(lo * bf16_f32(c[i])) +
+                                 bf16_round(hi * bf16_f32(s[i])));
+                oh[half + i] = f32_bf16(bf16_round(hi * bf16_f32(c[half + i])) +
+                                        bf16_round(lo * bf16_f32(s[half + i])));
+            }
+        }
+        if (slots) {
+            const size_t bytes = (size_t)(KV * D) * sizeof(uint16_t);
+            memcpy(k_cache + slots[t] * KV * D, out + (t * R + R - KV) * D, bytes);
+            memcpy(v_cache + slots[t] * KV * D, x + t * x_stride + R * D, bytes);
+        }
+    }
+}
+
+static inline void prefetch_bytes(const void *base, int64_t bytes) {
+    const char *p = (const char *)base;
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b);
+}
+
+/* pass 1 in bfloat16: the scores of all H query heads (float32 qi) against one K row */
+static inline void token_scores_bf16(const float *qi, const uint16_t *kr, int64_t H,
+                                     int64_t KV, int64_t D, float scale, float *sc, int64_t L) {
+    const int64_t G = H / KV;
+#ifdef HAVE_AVX2
+    if (D % 8 == 0) {
+        for (int64_t h = 0; h < KV; h++) {
+            const uint16_t *kh = kr + h * D;
+            int64_t g0 = 0;
+            for (; g0 + 4 <= G; g0 += 4) {
+                const int64_t hq = h * G + g0;
+                const float *q0 = qi + hq * D;
+                __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+                for (int64_t d = 0; d < D; d += 8) {
+                    const __m256 k8 = load8_bf16(kh + d);
+                    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + d), k8, a0);
+                    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + D + d), k8, a1);
+                    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + 2 * D + d), k8, a2);
+                    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + 3 * D + d), k8, a3);
+                }
+                const __m256 hh = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+                const __m128 s = _mm_mul_ps(
+                    _mm_add_ps(_mm256_castps256_ps128(hh), _mm256_extractf128_ps(hh, 1)),
+                    _mm_set1_ps(scale));
+                float four[4];
+                _mm_storeu_ps(four, s);
+                sc[hq * L] = four[0];
+                sc[(hq + 1) * L] = four[1];
+                sc[(hq + 2) * L] = four[2];
+                sc[(hq + 3) * L] = four[3];
+            }
+            for (; g0 < G; g0++) {
+                const int64_t hq = h * G + g0;
+                const float *qh = qi + hq * D;
+                __m256 a = _mm256_setzero_ps();
+                for (int64_t d = 0; d < D; d += 8)
+                    a = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), load8_bf16(kh + d), a);
+                const __m128 q4 = _mm_add_ps(_mm256_castps256_ps128(a),
+                                             _mm256_extractf128_ps(a, 1));
+                const __m128 q2 = _mm_hadd_ps(q4, q4);
+                sc[hq * L] = _mm_cvtss_f32(_mm_hadd_ps(q2, q2)) * scale;
+            }
+        }
+        return;
+    }
+#endif
+    for (int64_t hq = 0; hq < H; hq++) {
+        const float *qh = qi + hq * D;
+        const uint16_t *kh = kr + (hq / G) * D;
+        float s = 0.f;
+        for (int64_t d = 0; d < D; d++) s += qh[d] * bf16_f32(kh[d]);
+        sc[hq * L] = s * scale;
+    }
+}
+
+#ifdef HAVE_AVX2
+/* values_pair of a bfloat16 value row */
+static inline __attribute__((always_inline)) void values_pair_bf16(
+    const uint16_t *vr, const float *p0, const float *p1, __m256 *a, __m256 *b) {
+    const __m256 w0 = _mm256_broadcast_ss(p0), w1 = _mm256_broadcast_ss(p1);
+    for (int i = 0; i < 4; i++) {
+        const __m256 vi = load8_bf16(vr + 8 * i);
+        a[i] = _mm256_fmadd_ps(w0, vi, a[i]);
+        b[i] = _mm256_fmadd_ps(w1, vi, b[i]);
+    }
+}
+#endif
+
+/* pass 2 in bfloat16: oi[hq] (float32) = inv[hq] * sum_j scores[hq, j] * V[slot_j, hq / G] */
+static void weighted_values_bf16(const float *scores, const uint16_t *v, const int64_t *slots,
+                                 int64_t L, int64_t H, int64_t KV, int64_t D, const float *inv,
+                                 float *oi, int64_t row) {
+    const int64_t G = H / KV;
+#ifdef HAVE_AVX2
+    if (D % 32 == 0) {
+        for (int64_t h = 0; h < KV; h++) {
+            for (int64_t g0 = 0; g0 < G; g0 += 2) {
+                const int64_t hq = h * G + g0;
+                const int two = G - g0 >= 2;
+                const float *s0 = scores + hq * L, *s1 = two ? s0 + L : s0;
+                for (int64_t d0 = 0; d0 < D; d0 += 32) {
+                    __m256 a[4], b[4];
+                    for (int i = 0; i < 4; i++) a[i] = b[i] = _mm256_setzero_ps();
+                    for (int64_t j = 0; j < L; j++) {
+                        if (j + PREFETCH_AHEAD < L)
+                            __builtin_prefetch(v + slots[j + PREFETCH_AHEAD] * row + h * D + d0);
+                        values_pair_bf16(v + slots[j] * row + h * D + d0, s0 + j, s1 + j, a, b);
+                    }
+                    store_scaled(oi + hq * D + d0, a, inv[hq]);
+                    if (two) store_scaled(oi + (hq + 1) * D + d0, b, inv[hq + 1]);
+                }
+            }
+        }
+        return;
+    }
+#endif
+    for (int64_t x = 0; x < H * D; x++) oi[x] = 0.f;
+    for (int64_t j = 0; j < L; j++) {
+        const uint16_t *vr = v + slots[j] * row;
+        for (int64_t hq = 0; hq < H; hq++) {
+            const float p = scores[hq * L + j];
+            const uint16_t *vh = vr + (hq / G) * D;
+            float *o = oi + hq * D;
+            for (int64_t d = 0; d < D; d++) o[d] += p * bf16_f32(vh[d]);
+        }
+    }
+    for (int64_t hq = 0; hq < H; hq++)
+        for (int64_t d = 0; d < D; d++) oi[hq * D + d] *= inv[hq];
+}
+
+/* one sequence's queries of one kv head: G query heads (qi, bfloat16) against the keys and
+ * values of kv head h at `slots` (L of them), into oi (bfloat16, G heads); scores: G * L */
+static void attend_group_bf16(const uint16_t *qi, const uint16_t *k, const uint16_t *v,
+                              const int64_t *slots, int64_t L, int64_t G, int64_t D,
+                              int64_t row, float scale, float *scores, uint16_t *oi) {
+    float qf[G * D], of[G * D], inv[G];
+    for (int64_t e = 0; e < G * D; e++) qf[e] = bf16_f32(qi[e]);
+    for (int64_t j = 0; j < L; j++) {
+        if (j + PREFETCH_AHEAD < L) {
+            prefetch_bytes(k + slots[j + PREFETCH_AHEAD] * row, D * 2);
+            prefetch_bytes(v + slots[j + PREFETCH_AHEAD] * row, D * 2);
+        }
+        token_scores_bf16(qf, k + slots[j] * row, G, 1, D, scale, scores + j, L);
+    }
+    for (int64_t g = 0; g < G; g++) {
+        /* as torch's flash attention in bfloat16: the sum of the float32 exponentials, the
+         * values weighted by the exponentials rounded to bfloat16 */
+        float *sg = scores + g * L;
+        inv[g] = softmax_row(sg, L);
+        int64_t j = 0;
+#ifdef HAVE_AVX2
+        for (; j + 8 <= L; j += 8) _mm256_storeu_ps(sg + j, round8_bf16(_mm256_loadu_ps(sg + j)));
+#endif
+        for (; j < L; j++) sg[j] = bf16_round(sg[j]);
+    }
+    weighted_values_bf16(scores, v, slots, L, G, 1, D, inv, of, row);
+    int64_t e = 0;
+#ifdef HAVE_AVX2
+    for (; e + 8 <= G * D; e += 8) store8_bf16(oi + e, _mm256_loadu_ps(of + e));
+#endif
+    for (; e < G * D; e++) oi[e] = f32_bf16(of[e]);
+}
+
+/*
+ * decode_attention over a bfloat16 pool: q [n, H, D] and out [n, H, D] bfloat16, the rest as
+ * decode_attention. Each (sequence, kv head) pair is a task of its own, spread over the
+ * calling thread's OpenMP team where the build has OpenMP (torch's own runtime: the library
+ * binds to the libgomp torch loaded, so torch.set_num_threads sizes the team, and its
+ * threads, spinning after torch's last op, start at once); each thread uses its own
+ * G * max(L) floats of scores, so the team is at most scores_len / (G * max(L)).
+ */
+void decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k,
+                           const uint16_t *v, const int64_t *table, int64_t ctx,
+                           const int64_t *rows, const int64_t *lens, int64_t n, int64_t H,
+                           int64_t KV, int64_t D, float scale, int64_t window,
+                           float *scores, int64_t scores_len, uint16_t *out) {
+    const int64_t G = H / KV, row = KV * D, tasks = n * KV;
+    int64_t longest = 1;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t L = (window > 0 && lens[i] > window) ? window : lens[i];
+        longest = L > longest ? L : longest;
+    }
+    const int64_t stride = G * longest;
+    int64_t team = scores_len / stride;
+#ifdef _OPENMP
+    const int64_t most = omp_get_max_threads();
+    team = team < most ? team : most;
+#else
+    team = 1;
+#endif
+    team = team < tasks ? team : tasks;
+    team = team > 1 ? team : 1;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(dynamic, 1) num_threads((int)team) if (team > 1)
+#endif
+    for (int64_t task = 0; task < tasks; task++) {
+#ifdef _OPENMP
+        float *sc = scores + (int64_t)omp_get_thread_num() * stride;
+#else
+        float *sc = scores;
+#endif
+        const int64_t i = task / KV, h = task % KV, len = lens[i];
+        const int64_t start = (window > 0 && len > window) ? len - window : 0;
+        attend_group_bf16(q + i * q_stride + h * G * D, k + h * D, v + h * D,
+                          table + rows[i] * ctx + start, len - start, G, D, row, scale, sc,
+                          out + (i * H + h * G) * D);
+    }
 }
