@@ -12,12 +12,15 @@ from pathlib import Path
 import pytest
 
 from sglang_admin.client.testing import (  # noqa: F401  (re-exported for the tests)
+    Prestart,
     ServerProc,
     free_port,
     greedy,
     run_generate,
     start_server,
+    stop_untaken,
     wait_serving,
+    wait_started,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,3 +32,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
     srv = start_server(tmp_path_factory.mktemp("server"), "--log-requests")
     yield srv
     srv.stop()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """No worker started ahead (Prestart) outlives the run."""
+    stop_untaken()

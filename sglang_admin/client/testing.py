@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,6 +62,7 @@ class ServerProc:
         return [int(p) for p in out.split()]
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+        """Signal the worker and wait for its exit (killed after ``timeout``); its exit code."""
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
             try:
@@ -69,6 +71,43 @@ class ServerProc:
                 self.proc.kill()
                 self.proc.wait(10)
         return self.proc.returncode
+
+
+class Prestart:
+    """The workers of a parametrized fixture, started one parameter ahead: the next
+    parameter's worker boots (seconds of CPU, mostly on one core) while the tests of this
+    one run. ``start(param)`` starts one with ``wait=False`` and returns it."""
+
+    def __init__(self, params: list[str], start: Callable[[str], ServerProc]) -> None:
+        self.params = list(params)
+        self.start = start
+        self.started: dict[str, ServerProc] = {}
+        self.taken: set[str] = set()  # handed out once: not started ahead again
+
+    def take(self, param: str) -> ServerProc:
+        """``param``'s worker, SERVING; the next parameter's starts now beside it. One the
+        tests never take is stopped by :func:`stop_untaken`."""
+        server = self.started.pop(param, None) or self.start(param)
+        self.taken.add(param)
+        i = self.params.index(param)
+        following = self.params[i + 1] if i + 1 < len(self.params) else None
+        if following is not None and following not in self.started \
+                and following not in self.taken:
+            self.started[following] = self.start(following)
+            _UNTAKEN.append(self.started[following])
+        if server in _UNTAKEN:
+            _UNTAKEN.remove(server)
+        wait_started(server)
+        return server
+
+
+_UNTAKEN: list[ServerProc] = []  # started by a Prestart, never taken (yet)
+
+
+def stop_untaken() -> None:
+    """Stop the workers a :class:`Prestart` started that no test took (deselected)."""
+    while _UNTAKEN:
+        _UNTAKEN.pop().stop()
 
 
 def wait_serving(target: str, proc: subprocess.Popen, timeout: float = 180, **chan_kw) -> None:
@@ -114,6 +153,16 @@ def start_server(
             server.stop(signal.SIGKILL)
             raise RuntimeError(f"server failed to start:\n{server.log()[-4000:]}") from None
     return server
+
+
+def wait_started(server: ServerProc, timeout: float = 180) -> None:
+    """Block until a worker started with ``wait=False`` is SERVING (several then start side
+    by side); one that fails is killed and its log's end raised."""
+    try:
+        wait_serving(server.target, server.proc, timeout)
+    except Exception:
+        server.stop(signal.SIGKILL)
+        raise RuntimeError(f"server failed to start:\n{server.log()[-4000:]}") from None
 
 
 def greedy(ids: list[int], n: int, **kw) -> pb.GenerateRequest:

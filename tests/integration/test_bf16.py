@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from sglang_admin.pb import common_pb2 as pb
-from tests.conftest import ServerProc, greedy, run_generate, start_server
+from tests.conftest import ServerProc, greedy, run_generate, start_server, wait_started
 from tests.lora_models import build_adapter, build_base, peft_model
 
 torch = pytest.importorskip("torch")
@@ -260,19 +260,20 @@ def test_auto_serves_a_bfloat16_checkpoint_in_bfloat16_where_the_cpu_has_it(
     from sglang_admin.model.cpu_dtype import cpu_has_native_bf16
 
     expected = "bfloat16" if cpu_has_native_bf16() else "float32"
-    half = start_server(tmp_path, "--model-path", str(checkpoints["B16"]))
+    # both workers start side by side
+    half = start_server(tmp_path, "--model-path", str(checkpoints["B16"]), wait=False)
+    full = start_server(tmp_path, "--model-path", str(checkpoints["A"]), wait=False)
     try:
+        for srv in (half, full):
+            wait_started(srv)
         assert server_dtype(half) == expected
         ours = served(half.stub(), PROMPTS[:4], NEW_TOKENS)
         if expected == "bfloat16":
             assert compare(ours, hf_model(checkpoints["B16"]), PROMPTS[:4], NEW_TOKENS,
                            "auto") >= 2
-    finally:
-        half.stop()
-    full = start_server(tmp_path, "--model-path", str(checkpoints["A"]))
-    try:
         assert server_dtype(full) == "float32"  # a float32 checkpoint stays float32
     finally:
+        half.stop()
         full.stop()
 
 

@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from sglang_admin.pb import common_pb2 as pb
-from tests.conftest import ServerProc, free_port, greedy, start_server
+from tests.conftest import Prestart, ServerProc, free_port, greedy, start_server
 from tests.embed_checkpoints import KINDS, Reference, build, server_flags
 
 torch = pytest.importorskip("torch")
@@ -52,13 +52,26 @@ def assert_close(served: list[float], expected: list[float], what: str) -> None:
     assert diff <= TOLERANCE, f"{what}: max difference {diff:.2e}"
 
 
+@pytest.fixture(scope="module")
+def kinds_ahead(tmp_path_factory) -> tuple[Prestart, dict[str, Path]]:
+    """Each kind's checkpoint and worker, the next kind's started while one's tests run."""
+    paths: dict[str, Path] = {}
+
+    def start(kind: str) -> ServerProc:
+        paths[kind] = build(kind, tmp_path_factory.mktemp(kind))
+        return start_server(tmp_path_factory.mktemp(f"{kind}-srv"), "--model-path",
+                            str(paths[kind]), "--dtype", "float32", "--max-prefill-tokens",
+                            "64", *server_flags(kind), wait=False)
+
+    return Prestart(list(KINDS), start), paths
+
+
 @pytest.fixture(scope="module", params=list(KINDS))
-def served(request, tmp_path_factory) -> Iterator[tuple[str, Path, ServerProc]]:
+def served(request, kinds_ahead) -> Iterator[tuple[str, Path, ServerProc]]:
     kind = request.param
-    path = build(kind, tmp_path_factory.mktemp(kind))
-    srv = start_server(tmp_path_factory.mktemp(f"{kind}-srv"), "--model-path", str(path),
-                       "--dtype", "float32", "--max-prefill-tokens", "64", *server_flags(kind))
-    yield kind, path, srv
+    prestart, paths = kinds_ahead
+    srv = prestart.take(kind)
+    yield kind, paths[kind], srv
     srv.stop()
 
 
@@ -74,6 +87,20 @@ def test_vectors_equal_transformers_for_a_mixed_batch(served) -> None:
     again = embed_all(srv, PROMPTS[:3])
     for ids, out in zip(PROMPTS[:3], again):
         assert_close(list(out.embedding), reference(ids), f"{kind} cached, {len(ids)} tokens")
+    if KINDS[kind][2] is not None:  # it declares its pooling (modules.json)
+        assert_sentence_transformers_agrees(kind, path, srv)
+
+
+def assert_sentence_transformers_agrees(kind: str, path: Path, srv: ServerProc) -> None:
+    """sentence-transformers loads a checkpoint that declares its pooling (modules.json):
+    its vectors for the text equal the served ones for the same tokens."""
+    st = pytest.importorskip("sentence_transformers")
+    texts = ["hello world", "a", "an embedding of a longer sentence, prefilled at once"]
+    model = st.SentenceTransformer(str(path), device="cpu")
+    expected = model.encode(texts, convert_to_tensor=True).tolist()
+    ids = [model.tokenizer(t)["input_ids"] for t in texts]
+    for text, out, vec in zip(texts, embed_all(srv, ids), expected):
+        assert_close(list(out.embedding), vec, f"sentence-transformers, {kind}: {text!r}")
 
 
 def test_model_is_reported_as_an_embedding_model(served) -> None:
@@ -237,55 +264,6 @@ def test_refit_weight_reads_and_memory_release(qwen3, tmp_path: Path) -> None:
                              timeout=60).digest == digest_a
 
 
-def test_reward_model_refit_from_tensor_and_process_group(tmp_path: Path) -> None:
-    """A reward model (one label) refit by a trainer's tensors: shared memory
-    (UpdateWeightsFromTensor) and a gloo process group (UpdateWeightsFromDistributed)."""
-    from sglang_admin.client.trainer import WeightPusher
-
-    a = build("qwen2-reward", fresh(tmp_path, "a"))
-    b = build("qwen2-reward", fresh(tmp_path, "b"), seed=1)
-    c = build("qwen2-reward", fresh(tmp_path, "c"), seed=2)
-    srv = start_server(tmp_path, "--model-path", str(a), "--dtype", "float32")
-    try:
-        stub = srv.stub()
-        prompt = [4, 40, 44, 4]
-        pusher = WeightPusher([srv.target], timeout_s=120)
-        ref_b, ref_c = Reference("qwen2-reward", b), Reference("qwen2-reward", c)
-        pusher.push_shared(ref_b.model.named_parameters(), weight_version="b")
-        out = stub.Embed(embed_request(prompt), timeout=60)
-        assert_close(list(out.embedding), ref_b(prompt), "after UpdateWeightsFromTensor")
-        pusher.join("127.0.0.1", free_port())
-        try:
-            pusher.push(ref_c.model.named_parameters(), weight_version="c")
-        finally:
-            pusher.destroy()
-        out = stub.Embed(embed_request(prompt), timeout=60)
-        assert_close(list(out.embedding), ref_c(prompt), "after UpdateWeightsFromDistributed")
-        info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
-        assert info.weight_version == "c" and info.num_labels == 1
-    finally:
-        srv.stop()
-
-
-def test_sentence_transformers_agrees(tmp_path: Path) -> None:
-    """sentence-transformers loads the checkpoints that declare their pooling
-    (modules.json): its vectors for the text equal the served ones for the same tokens."""
-    st = pytest.importorskip("sentence_transformers")
-    texts = ["hello world", "a", "an embedding of a longer sentence, prefilled at once"]
-    for kind in ("qwen3", "qwen2-mean", "llama-cls"):
-        path = build(kind, fresh(tmp_path, kind))
-        model = st.SentenceTransformer(str(path), device="cpu")
-        expected = model.encode(texts, convert_to_tensor=True).tolist()
-        ids = [model.tokenizer(t)["input_ids"] for t in texts]
-        srv = start_server(fresh(tmp_path, f"{kind}-srv"), "--model-path", str(path),
-                           "--dtype", "float32")
-        try:
-            for text, out, vec in zip(texts, embed_all(srv, ids), expected):
-                assert_close(list(out.embedding), vec, f"{kind}: {text!r}")
-        finally:
-            srv.stop()
-
-
 def test_client_and_cli(qwen3) -> None:
     import subprocess
     import sys
@@ -306,64 +284,6 @@ def test_client_and_cli(qwen3) -> None:
     answer = json.loads(run.stdout.splitlines()[0])
     assert answer["embedding_dim"] == 64 and answer["prompt_tokens"] == 4, answer
     assert_close(answer["embedding"], expected, "sglang-admin embed")
-
-
-def test_reward_model_refit_under_load_never_mixes_weights(tmp_path: Path) -> None:
-    """Scores requested without pause while UpdateWeightsFromDisk swaps reward model A for B
-    (and back): every score is A's or B's, never a mix; those after each update are the new
-    model's."""
-    import threading
-
-    a = build("qwen2-reward", fresh(tmp_path, "a"))
-    b = build("qwen2-reward", fresh(tmp_path, "b"), seed=1)
-    srv = start_server(fresh(tmp_path, "srv"), "--model-path", str(a), "--dtype", "float32",
-                       "--max-prefill-tokens", "32")
-    prompts = [list(range(i, i + 3 + 7 * (i % 6))) for i in range(1, 25)]
-    ref = {name: [Reference("qwen2-reward", p)(ids) for ids in prompts]
-           for name, p in (("a", a), ("b", b))}
-    try:
-        stub = srv.stub()
-        stop = threading.Event()
-        seen: list[tuple[int, list[float]]] = []
-        errors: list[BaseException] = []
-
-        def load(worker: int) -> None:
-            k = worker
-            while not stop.is_set():
-                i = k % len(prompts)
-                try:
-                    out = stub.Embed(embed_request(prompts[i]), timeout=120)
-                except grpc.RpcError as exc:  # noqa: PERF203
-                    errors.append(exc)
-                    return
-                seen.append((i, list(out.embedding)))
-                k += 5
-
-        threads = [threading.Thread(target=load, args=(w,)) for w in range(6)]
-        for t in threads:
-            t.start()
-        try:
-            for name, path in (("b", b), ("a", a), ("b", b)):
-                time.sleep(1.0)
-                resp = stub.UpdateWeightsFromDisk(pb.UpdateWeightsFromDiskRequest(
-                    model_path=str(path), weight_version=name), timeout=300)
-                assert resp.success, resp.message
-                after = embed_all(srv, prompts[:6])
-                for i, out in enumerate(after):
-                    assert_close(list(out.embedding), ref[name][i], f"after refit to {name}")
-        finally:
-            stop.set()
-            for t in threads:
-                t.join(120)
-        assert not errors, errors
-        assert len(seen) > 20
-        for i, score in seen:
-            near = [name for name in ("a", "b")
-                    if max(abs(x - y) for x, y in zip(score, ref[name][i])) <= TOLERANCE]
-            assert near, f"prompt {i}: score {score} is neither A's {ref['a'][i]} nor B's " \
-                         f"{ref['b'][i]}"
-    finally:
-        srv.stop()
 
 
 def test_fuzz_run_on_an_embedding_model(qwen3, capsys: pytest.CaptureFixture[str]) -> None:
@@ -398,3 +318,105 @@ def test_grpcurl_example_of_the_docs(qwen3) -> None:
     answer = json.loads(out.stdout)
     assert answer["embedding_dim"] == 64 and answer["prompt_tokens"] == 5
     assert_close(answer["embedding"], Reference("qwen3", path)([9, 70, 11, 87, 0]), "grpcurl")
+
+
+# ---------------------------------------------------------------- a reward model, refit
+
+
+@pytest.fixture(scope="module")
+def reward(tmp_path_factory) -> Iterator[tuple[dict[str, Path], ServerProc]]:
+    """A reward model (Qwen2ForSequenceClassification, one label) served from checkpoint A,
+    with B and C (other seeds) beside it to refit to; prefill in chunks of 32 tokens."""
+    root = tmp_path_factory.mktemp("reward")
+    paths = {name: build("qwen2-reward", fresh(root, name), seed=seed)
+             for seed, name in enumerate("abc")}
+    srv = start_server(fresh(root, "srv"), "--model-path", str(paths["a"]), "--dtype",
+                       "float32", "--max-prefill-tokens", "32")
+    yield paths, srv
+    srv.stop()
+
+
+def serve_a(paths: dict[str, Path], srv: ServerProc) -> None:
+    """Back on checkpoint A, whatever the test before left (tests share the worker)."""
+    resp = srv.stub().UpdateWeightsFromDisk(pb.UpdateWeightsFromDiskRequest(
+        model_path=str(paths["a"]), weight_version="a"), timeout=300)
+    assert resp.success, resp.message
+
+
+def test_reward_model_refit_from_tensor_and_process_group(reward) -> None:
+    """A reward model (one label) refit by a trainer's tensors: shared memory
+    (UpdateWeightsFromTensor) and a gloo process group (UpdateWeightsFromDistributed)."""
+    from sglang_admin.client.trainer import WeightPusher
+
+    paths, srv = reward
+    serve_a(paths, srv)
+    stub = srv.stub()
+    prompt = [4, 40, 44, 4]
+    pusher = WeightPusher([srv.target], timeout_s=120)
+    ref_b, ref_c = Reference("qwen2-reward", paths["b"]), Reference("qwen2-reward", paths["c"])
+    pusher.push_shared(ref_b.model.named_parameters(), weight_version="b")
+    out = stub.Embed(embed_request(prompt), timeout=60)
+    assert_close(list(out.embedding), ref_b(prompt), "after UpdateWeightsFromTensor")
+    pusher.join("127.0.0.1", free_port())
+    try:
+        pusher.push(ref_c.model.named_parameters(), weight_version="c")
+    finally:
+        pusher.destroy()
+    out = stub.Embed(embed_request(prompt), timeout=60)
+    assert_close(list(out.embedding), ref_c(prompt), "after UpdateWeightsFromDistributed")
+    info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
+    assert info.weight_version == "c" and info.num_labels == 1
+
+
+def test_reward_model_refit_under_load_never_mixes_weights(reward) -> None:
+    """Scores requested without pause while UpdateWeightsFromDisk swaps reward model A for B
+    (and back): every score is A's or B's, never a mix; those after each update are the new
+    model's."""
+    import threading
+
+    paths, srv = reward
+    a, b = paths["a"], paths["b"]
+    serve_a(paths, srv)
+    prompts = [list(range(i, i + 3 + 7 * (i % 6))) for i in range(1, 25)]
+    ref = {name: [Reference("qwen2-reward", p)(ids) for ids in prompts]
+           for name, p in (("a", a), ("b", b))}
+    stub = srv.stub()
+    stop = threading.Event()
+    seen: list[tuple[int, list[float]]] = []
+    errors: list[BaseException] = []
+
+    def load(worker: int) -> None:
+        k = worker
+        while not stop.is_set():
+            i = k % len(prompts)
+            try:
+                out = stub.Embed(embed_request(prompts[i]), timeout=120)
+            except grpc.RpcError as exc:  # noqa: PERF203
+                errors.append(exc)
+                return
+            seen.append((i, list(out.embedding)))
+            k += 5
+
+    threads = [threading.Thread(target=load, args=(w,)) for w in range(6)]
+    for t in threads:
+        t.start()
+    try:
+        for name, path in (("b", b), ("a", a), ("b", b)):
+            time.sleep(1.0)
+            resp = stub.UpdateWeightsFromDisk(pb.UpdateWeightsFromDiskRequest(
+                model_path=str(path), weight_version=name), timeout=300)
+            assert resp.success, resp.message
+            after = embed_all(srv, prompts[:6])
+            for i, out in enumerate(after):
+                assert_close(list(out.embedding), ref[name][i], f"after refit to {name}")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(120)
+    assert not errors, errors
+    assert len(seen) > 20
+    for i, score in seen:
+        near = [name for name in ("a", "b")
+                if max(abs(x - y) for x, y in zip(score, ref[name][i])) <= TOLERANCE]
+        assert near, f"prompt {i}: score {score} is neither A's {ref['a'][i]} nor B's " \
+                     f"{ref['b'][i]}"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from sglang_admin.pb import common_pb2 as pb
-from tests.conftest import ServerProc, greedy, run_generate, start_server
+from tests.conftest import Prestart, ServerProc, greedy, run_generate, start_server
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -44,13 +44,30 @@ def _build(kind: str, path: Path) -> Path:
     return path
 
 
-@pytest.fixture(scope="module", params=["qwen2", "llama"])
-def tiny(request, tmp_path_factory) -> Iterator[tuple[ServerProc, object]]:
-    path = _build(request.param, tmp_path_factory.mktemp(request.param))
-    srv = start_server(
-        tmp_path_factory.mktemp(f"{request.param}-srv"),
-        "--model-path", str(path), "--dtype", "float32", "--max-prefill-tokens", "64",
-    )
+KINDS = ["qwen2", "llama"]
+
+
+@pytest.fixture(scope="module")
+def kinds_ahead(tmp_path_factory) -> tuple[Prestart, dict[str, Path]]:
+    """Each kind's checkpoint and worker, the next kind's started while one's tests run."""
+    paths: dict[str, Path] = {}
+
+    def start(kind: str) -> ServerProc:
+        paths[kind] = _build(kind, tmp_path_factory.mktemp(kind))
+        return start_server(
+            tmp_path_factory.mktemp(f"{kind}-srv"),
+            "--model-path", str(paths[kind]), "--dtype", "float32", "--max-prefill-tokens",
+            "64", wait=False,
+        )
+
+    return Prestart(KINDS, start), paths
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def tiny(request, kinds_ahead) -> Iterator[tuple[ServerProc, object]]:
+    prestart, paths = kinds_ahead
+    srv = prestart.take(request.param)
+    path = paths[request.param]
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.eval()
     yield srv, model

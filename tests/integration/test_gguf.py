@@ -166,36 +166,45 @@ QUESTIONS = ["What is the capital of France?", "Name three primary colors.",
              "Write one sentence about the sea."]
 
 
-@pytest.mark.slow
-def test_smollm2_greedy_tokens_and_chat_template_match_transformers(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, ServerProc]]:
+    """The packaged model served as ``make serve`` serves it (``--model-path smollm2``, no
+    other flag), shared by the tests of the real model: they only read."""
     path = smollm2_file()
-    tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    srv = start_server(tmp_path, "--model-path", "smollm2", "--dtype", "float32")
-    try:
-        stub = srv.stub()
-        from sglang_admin.model.gguf import resolve_model_path
-        ours = transformers.AutoTokenizer.from_pretrained(resolve_model_path(str(path)))
-        prompts = []
-        for q in QUESTIONS:
-            msgs = [{"role": "user", "content": q}]
-            text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-            assert ours.apply_chat_template(msgs, tokenize=False,
-                                            add_generation_prompt=True) == text
-            prompts.append(tok(text)["input_ids"])
-        got = outputs(stub, prompts)
-        assert got == hf_greedy(path, prompts, N)
-        assert "Paris" in tok.decode(run_generate(stub, greedy(prompts[0], 12))[0])
-    finally:
-        srv.stop()
+    srv = start_server(tmp_path_factory.mktemp("smollm2"), "--model-path", "smollm2")
+    yield path, srv
+    srv.stop(signal.SIGTERM, timeout=30)
 
 
 @pytest.mark.slow
-def test_smollm2_chat_through_the_smg_router(tmp_path: Path) -> None:
+def test_smollm2_greedy_tokens_and_chat_template_match_transformers(smollm2) -> None:
+    path, srv = smollm2
+    tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    stub = srv.stub()
+    # the converted checkpoint is float32, so --dtype auto serves it in float32: the
+    # precision of the reference below
+    info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=30)
+    assert info.server_args["dtype"] == "float32"
+    from sglang_admin.model.gguf import resolve_model_path
+    ours = transformers.AutoTokenizer.from_pretrained(resolve_model_path(str(path)))
+    prompts = []
+    for q in QUESTIONS:
+        msgs = [{"role": "user", "content": q}]
+        text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        assert ours.apply_chat_template(msgs, tokenize=False,
+                                        add_generation_prompt=True) == text
+        prompts.append(tok(text)["input_ids"])
+    got = outputs(stub, prompts)
+    assert got == hf_greedy(path, prompts, N)
+    assert "Paris" in tok.decode(run_generate(stub, greedy(prompts[0], 12))[0])
+
+
+@pytest.mark.slow
+def test_smollm2_chat_through_the_smg_router(smollm2, tmp_path: Path) -> None:
     pytest.importorskip("smg", reason="the SMG gateway (pip package `smg`) is not installed")
     from tests.integration.test_smg_router import http, stop_router, wait_for
 
-    smollm2_file()
-    srv = start_server(tmp_path, "--model-path", "smollm2")
+    _, srv = smollm2
     port = free_port()
     log = tmp_path / "router.log"
     with open(log, "w") as f:
@@ -242,4 +251,3 @@ def test_smollm2_chat_through_the_smg_router(tmp_path: Path) -> None:
         assert all(isinstance(v, str) for v in answer.values())
     finally:
         stop_router(router)
-        srv.stop(signal.SIGTERM, timeout=30)

@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from sglang_admin.pb import common_pb2 as pb
-from tests.conftest import ROOT, ServerProc, greedy, run_generate, start_server
+from tests.conftest import ROOT, Prestart, ServerProc, greedy, run_generate, start_server
 from tests.lora_models import build_adapter, build_base, peft_model, reference
 
 torch = pytest.importorskip("torch")
@@ -31,16 +31,32 @@ SERVER_ARGS = ("--dtype", "float32", "--max-prefill-tokens", "64", "--enable-lor
                "--max-loaded-loras", "2", "--max-lora-rank", "8")
 
 
-@pytest.fixture(scope="module", params=["qwen2", "llama"])
-def lora_worker(request, tmp_path_factory) -> Iterator[tuple[str, ServerProc, dict[str, Path]]]:
-    root = tmp_path_factory.mktemp(f"lora-{request.param}")
-    base = build_base(request.param, root / "base")
-    adapters = {name: build_adapter(base, name, root / name, seed)
-                for seed, name in enumerate(["attn", "mlp"], start=1)}
-    srv = start_server(root, "--model-path", str(base), *SERVER_ARGS,
-                       "--lora-paths", f"attn={adapters['attn']}")
-    adapters["base"] = base
-    yield request.param, srv, adapters
+KINDS = ["qwen2", "llama"]
+
+
+@pytest.fixture(scope="module")
+def kinds_ahead(tmp_path_factory) -> tuple[Prestart, dict[str, dict[str, Path]]]:
+    """Each kind's base, adapters and worker, the next kind's started while one's tests run."""
+    files: dict[str, dict[str, Path]] = {}
+
+    def start(kind: str) -> ServerProc:
+        root = tmp_path_factory.mktemp(f"lora-{kind}")
+        base = build_base(kind, root / "base")
+        adapters = {name: build_adapter(base, name, root / name, seed)
+                    for seed, name in enumerate(["attn", "mlp"], start=1)}
+        adapters["base"] = base
+        files[kind] = adapters
+        return start_server(root, "--model-path", str(base), *SERVER_ARGS,
+                            "--lora-paths", f"attn={adapters['attn']}", wait=False)
+
+    return Prestart(KINDS, start), files
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def lora_worker(request, kinds_ahead) -> Iterator[tuple[str, ServerProc, dict[str, Path]]]:
+    prestart, files = kinds_ahead
+    srv = prestart.take(request.param)
+    yield request.param, srv, files[request.param]
     srv.stop()
 
 
