@@ -37,17 +37,20 @@ RANK_POLL_S = 0.2
 
 def run_rank(args: ServerArgs, rank: int, parent_pid: int) -> None:
     """A rank process's entry point: the scheduler (and with it torch) is imported there,
-    never in the server's process, which would carry torch's ~190 MiB for nothing."""
+    never in the server's process, which would carry torch's ~190 MiB for nothing. A rank
+    that stopped exits without the interpreter's teardown (scheduler/lifetime.py)."""
+    from sglang_admin.scheduler.lifetime import run_then_exit
     from sglang_admin.scheduler.process import run_scheduler
 
-    run_scheduler(args, rank, parent_pid)
+    run_then_exit(functools.partial(run_scheduler, args, rank, parent_pid))
 
 
 def run_tp_follower(args: ServerArgs, dp_rank: int, tp_rank: int, parent_pid: int) -> None:
     """A TP follower's entry point (--tp-size > 1; scheduler/tp_worker.py)."""
+    from sglang_admin.scheduler.lifetime import run_then_exit
     from sglang_admin.scheduler.tp_worker import run_follower
 
-    run_follower(args, dp_rank, tp_rank, parent_pid)
+    run_then_exit(functools.partial(run_follower, args, dp_rank, tp_rank, parent_pid))
 
 
 def free_port(host: str = "127.0.0.1") -> int:
