@@ -20,7 +20,15 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sglang_admin.pb import common_pb2 as pb
-from tests.conftest import ROOT, ServerProc, free_port, greedy, run_generate, start_server
+from tests.conftest import (
+    ROOT,
+    Prestart,
+    ServerProc,
+    free_port,
+    greedy,
+    run_generate,
+    start_server,
+)
 from tests.integration.test_faults import assert_gone, wait_for
 
 torch = pytest.importorskip("torch")
@@ -77,11 +85,11 @@ def hf_model(path: Path):
     return model
 
 
-def start_tp(tmp: Path, path: Path, dp: int = 1, *extra: str) -> ServerProc:
+def start_tp(tmp: Path, path: Path, dp: int = 1, *extra: str, wait: bool = True) -> ServerProc:
     return start_server(tmp, "--model-path", str(path), "--dtype", "float32",
                         "--max-prefill-tokens", "64", "--tp-size", "2", "--dp-size", str(dp),
                         "--max-total-tokens", "2048", "--profile-dir", str(tmp / "profiles"),
-                        *extra)
+                        *extra, wait=wait)
 
 
 def assert_equal_to_transformers(srv: ServerProc, model, dp: int) -> None:
@@ -103,13 +111,30 @@ def assert_equal_to_transformers(srv: ServerProc, model, dp: int) -> None:
         assert max(abs(a - b) for a, b in zip(ours, ref_logprobs)) < 1e-4
 
 
-@pytest.fixture(scope="module", params=[("llama", 1), ("qwen2", 1), ("llama", 2), ("qwen2", 2)],
-                ids=lambda p: f"{p[0]}-tp2-dp{p[1]}")
-def tp_server(request, tmp_path_factory) -> Iterator[tuple[ServerProc, object, int, Path]]:
-    kind, dp = request.param
-    path = build_checkpoint(kind, tmp_path_factory.mktemp(kind))
-    srv = start_tp(tmp_path_factory.mktemp(f"{kind}-srv"), path, dp)
-    yield srv, hf_model(path), dp, path
+TP_WORKERS = ["llama-tp2-dp1", "qwen2-tp2-dp1", "llama-tp2-dp2", "qwen2-tp2-dp2"]
+
+
+@pytest.fixture(scope="module")
+def tp_workers_ahead(tmp_path_factory) -> tuple[Prestart, dict[str, Path]]:
+    """Each TP worker's checkpoint and worker, the next one booting while one's tests run
+    (the tests' results do not depend on how the ranks' batches were cut: greedy tokens, a
+    1e-4 logprob tolerance, files and weights)."""
+    paths: dict[str, Path] = {}
+
+    def start(name: str) -> ServerProc:
+        kind, dp = name.split("-")[0], int(name[-1])
+        paths[name] = build_checkpoint(kind, tmp_path_factory.mktemp(kind))
+        return start_tp(tmp_path_factory.mktemp(f"{kind}-srv"), paths[name], dp, wait=False)
+
+    return Prestart(TP_WORKERS, start), paths
+
+
+@pytest.fixture(scope="module", params=TP_WORKERS)
+def tp_server(request, tp_workers_ahead) -> Iterator[tuple[ServerProc, object, int, Path]]:
+    prestart, paths = tp_workers_ahead
+    srv = prestart.take(request.param)
+    path = paths[request.param]
+    yield srv, hf_model(path), int(request.param[-1]), path
     assert srv.stop() == 0, srv.log()[-3000:]
 
 
