@@ -28,10 +28,19 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
-    """One worker on the embedded default model, shared by the tests that only read."""
-    srv = start_server(tmp_path_factory.mktemp("server"), "--log-requests")
+    """One worker on the embedded default model, shared by the tests that only read (and
+    by those that profile it: each into its own directory under :func:`server_profiles`)."""
+    tmp = tmp_path_factory.mktemp("server")
+    (tmp / "profiles").mkdir()
+    srv = start_server(tmp, "--log-requests", "--profile-dir", str(tmp / "profiles"))
     yield srv
     srv.stop()
+
+
+@pytest.fixture(scope="session")
+def server_profiles(server: ServerProc) -> Path:
+    """The session ``server``'s --profile-dir: profiles may be written under it only."""
+    return Path(server.extra_args[server.extra_args.index("--profile-dir") + 1])
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

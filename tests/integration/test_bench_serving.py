@@ -6,7 +6,6 @@ import argparse
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -30,13 +29,10 @@ EXPECTED_KEYS = {
 
 
 @pytest.fixture(scope="module")
-def bench_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProc, Path]]:
-    tmp = tmp_path_factory.mktemp("bench")
-    profile_root = tmp / "profiles"
-    profile_root.mkdir()
-    srv = start_server(tmp, "--profile-dir", str(profile_root))
-    yield srv, profile_root
-    srv.stop()
+def bench_server(server: ServerProc, server_profiles: Path) -> tuple[ServerProc, Path]:
+    """The session worker (default flags, --profile-dir), its profiles written under a
+    directory of this module's own."""
+    return server, server_profiles
 
 
 def run_bench(*args: str) -> subprocess.CompletedProcess:

@@ -12,14 +12,13 @@ import os
 import re
 import shutil
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from sglang_admin.pb import common_pb2 as pb
-from tests.conftest import ServerProc, greedy, run_generate, start_server
+from tests.conftest import ServerProc, greedy, run_generate
 
 SERVICE = "sglang.grpc.scheduler.SglangScheduler"
 VOCAB_SIZE = 261  # the embedded default model
@@ -109,13 +108,9 @@ def parse_json_stream(text: str) -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerUnderTest]:
-    tmp = tmp_path_factory.mktemp("grpcurl")
-    profile_root = tmp / "profiles"
-    profile_root.mkdir()
-    proc = start_server(tmp, "--profile-dir", str(profile_root))
-    yield ServerUnderTest(proc, profile_root)
-    proc.stop()
+def srv(server: ServerProc, server_profiles: Path) -> ServerUnderTest:
+    """The session worker (default flags, --profile-dir): these tests leave it as found."""
+    return ServerUnderTest(server, server_profiles)
 
 
 def test_list_shows_every_service(srv: ServerUnderTest) -> None:
