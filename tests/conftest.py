@@ -43,6 +43,23 @@ def server_profiles(server: ServerProc) -> Path:
     return Path(server.extra_args[server.extra_args.index("--profile-dir") + 1])
 
 
+@pytest.fixture(scope="session")
+def dp2_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
+    """One ``--dp-size 2`` worker (embedded model, --profile-dir), shared by the modules
+    that need two ranks and no other flag (bad input, profiles, rank isolation): each
+    leaves it as it found it (no profile running, nothing in flight, every rank up)."""
+    tmp = tmp_path_factory.mktemp("dp2-server")
+    srv = start_server(tmp, "--dp-size", "2", "--profile-dir", str(tmp / "profiles"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def dp2_profiles(dp2_server: ServerProc) -> Path:
+    """The session ``dp2_server``'s --profile-dir (created by its first profile)."""
+    return Path(dp2_server.extra_args[dp2_server.extra_args.index("--profile-dir") + 1])
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """No worker started ahead (Prestart) outlives the run."""
     stop_untaken()

@@ -12,7 +12,7 @@ import pytest
 
 from sglang_admin.pb import common_pb2 as pb
 from sglang_admin.pb import common_pb2_grpc as pb_grpc
-from tests.conftest import ServerProc, greedy, run_generate, start_server
+from tests.conftest import ServerProc, greedy, run_generate
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 NAN = float("nan")
@@ -22,10 +22,9 @@ CONTEXT = 8192
 
 
 @pytest.fixture(scope="module")
-def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
-    server = start_server(tmp_path_factory.mktemp("bad_input"), "--dp-size", "2")
-    yield server
-    server.stop()
+def srv(dp2_server: ServerProc) -> ServerProc:
+    """The session's --dp-size 2 worker: bad input fails its request alone."""
+    return dp2_server
 
 
 @pytest.fixture(scope="module")

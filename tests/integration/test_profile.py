@@ -23,17 +23,14 @@ TIMEOUT = 120
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("profiles") / "root"
+def root(dp2_profiles: Path) -> Path:
+    return dp2_profiles
 
 
 @pytest.fixture(scope="module")
-def srv(tmp_path_factory: pytest.TempPathFactory, root: Path) -> Iterator[ServerProc]:
-    server = start_server(
-        tmp_path_factory.mktemp("profile-server"), "--dp-size", "2", "--profile-dir", str(root)
-    )
-    yield server
-    server.stop()
+def srv(dp2_server: ServerProc) -> ServerProc:
+    """The session's --dp-size 2 worker; the stub fixture leaves no profile running."""
+    return dp2_server
 
 
 @pytest.fixture

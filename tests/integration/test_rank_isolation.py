@@ -10,7 +10,6 @@ import concurrent.futures as cf
 import random
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -18,7 +17,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sglang_admin.pb import common_pb2 as pb
-from tests.conftest import ServerProc, greedy, run_generate, start_server
+from tests.conftest import ServerProc, greedy, run_generate
 
 VOCAB = 261  # the embedded default model's vocabulary
 NORMAL_STREAMS = 8
@@ -30,17 +29,14 @@ WORKER_FAULTS = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.Sta
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("isolation-profiles")
+def root(dp2_profiles: Path) -> Path:
+    return dp2_profiles
 
 
 @pytest.fixture(scope="module")
-def dp2(tmp_path_factory: pytest.TempPathFactory, root: Path) -> Iterator[ServerProc]:
-    srv = start_server(
-        tmp_path_factory.mktemp("isolation"), "--dp-size", "2", "--profile-dir", str(root)
-    )
-    yield srv
-    srv.stop()
+def dp2(dp2_server: ServerProc) -> ServerProc:
+    """The session's --dp-size 2 worker: every test here leaves both ranks up and idle."""
+    return dp2_server
 
 
 def rank_pids(srv: ServerProc) -> dict[int, int]:
