@@ -21,28 +21,26 @@ import pytest
 from sglang_admin.client import SKIPPED, AsyncClient, Client, DownloadError, FanOut, fan_out
 from sglang_admin.client.download import ProfileWriter
 from sglang_admin.pb import common_pb2 as pb
-from tests.conftest import ROOT, ServerProc, free_port, start_server, wait_serving
+from tests.conftest import ROOT, ServerProc, free_port, start_server, wait_started
 
 KEY = "client-test-key"
 PROMPT = [5, 17, 42, 9, 3]
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProc, ServerProc]]:
-    """Worker A (--api-key) and worker B (--dp-size 2), started side by side."""
-    tmp = tmp_path_factory.mktemp("client")
-    a = start_server(tmp, "--api-key", KEY, "--device", "cpu", wait=False)
-    b = start_server(tmp, "--dp-size", "2", "--device", "cpu", wait=False)
+def servers(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[tuple[ServerProc, ServerProc]]:
+    """Worker A (--api-key) and worker B (--dp-size 2: the session's, left as found; it
+    boots beside A when no earlier module started it)."""
+    a = start_server(tmp_path_factory.mktemp("client"), "--api-key", KEY, "--device", "cpu",
+                     wait=False)
     try:
-        for srv in (a, b):
-            try:
-                wait_serving(srv.target, srv.proc)
-            except Exception:
-                raise RuntimeError(f"server failed to start:\n{srv.log()[-4000:]}") from None
+        b = request.getfixturevalue("dp2_server")
+        wait_started(a)
         yield a, b
     finally:
         a.stop()
-        b.stop()
 
 
 @pytest.fixture(scope="module")
