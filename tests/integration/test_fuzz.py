@@ -69,9 +69,9 @@ def test_a_death_is_reported(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     server = start_server(tmp_path, "--dp-size", "2")
     try:
         ranks = server.children()
-        killer = threading.Timer(2.0, lambda: [os.kill(p, signal.SIGKILL) for p in ranks])
+        killer = threading.Timer(1.5, lambda: [os.kill(p, signal.SIGKILL) for p in ranks])
         killer.start()
-        code = fuzz.main(["--target", server.target, "--requests", "100000", "--seconds", "8",
+        code = fuzz.main(["--target", server.target, "--requests", "100000", "--seconds", "4",
                           "--concurrency", "4", "--kinds", "generate-ordinary,admin"])
         killer.join()
         out = capsys.readouterr().out
