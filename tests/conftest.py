@@ -6,7 +6,16 @@ they are re-exported here for the tests that import them from ``tests.conftest``
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import os
+
+# torch's OpenMP threads in this process (transformers' references, the unit tests' runners)
+# sleep when they wait instead of spinning, as a worker's ranks do (server/launch.py): with
+# the default active wait, 32 greedy transformers calls on a tiny model took 10 s of CPU on
+# 2 threads of the loaded 2-core machine instead of 0.6 s. Read when torch is imported, so
+# set before any test module imports it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from collections.abc import Iterator  # noqa: E402
 from pathlib import Path
 
 import pytest

@@ -21,7 +21,7 @@ import pytest
 
 from sglang_admin.pb import common_pb2 as pb
 from sglang_admin.pb import common_pb2_grpc as pb_grpc
-from tests.conftest import ServerProc, greedy, run_generate, start_server
+from tests.conftest import ServerProc, greedy, run_generate, start_server, wait_started
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -79,8 +79,18 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
+@dataclass
+class CheckpointFiles:
+    a: Path
+    b: Path
+    llama: Path
+    truncated: Path
+    prompts: list[list[int]]
+
+
 @pytest.fixture(scope="module")
-def ckpts(tmp_path_factory: pytest.TempPathFactory) -> Checkpoints:
+def files(tmp_path_factory: pytest.TempPathFactory) -> CheckpointFiles:
+    """The checkpoints on disk and the prompts (what the worker needs to start)."""
     root = tmp_path_factory.mktemp("ckpts")
     a = build_qwen2(root / "A", seed=1)
     b = build_qwen2(root / "B", seed=2)
@@ -94,6 +104,14 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> Checkpoints:
     rng = random.Random(11)
     prompts = [[rng.randrange(2, VOCAB) for _ in range(rng.randrange(3, 24))]
                for _ in range(NUM_STREAMS)]
+    return CheckpointFiles(a, b, llama, truncated, prompts)
+
+
+@pytest.fixture(scope="module")
+def ckpts(files: CheckpointFiles) -> Checkpoints:
+    """The files with transformers' greedy continuations on A and B (64 generate calls:
+    computed while the dp 2 worker boots, see ``dp2``)."""
+    a, b, prompts = files.a, files.b, files.prompts
     models = {}
     for key, path in (("A", a), ("B", b)):
         m = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -102,17 +120,23 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> Checkpoints:
     ref_b = [hf_greedy(models["B"], p, CHECK_TOKENS) for p in prompts]
     # Otherwise "equals A or B, never a mix" would prove nothing.
     assert sum(x != y for x, y in zip(ref_a, ref_b)) >= NUM_STREAMS * 3 // 4
-    return Checkpoints(a, b, llama, truncated, prompts, ref_a, ref_b, models["A"], models["B"])
+    return Checkpoints(a, b, files.llama, files.truncated, prompts, ref_a, ref_b, models["A"],
+                       models["B"])
 
 
 @pytest.fixture(scope="module")
-def dp2(ckpts: Checkpoints, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
+def dp2(files: CheckpointFiles, tmp_path_factory: pytest.TempPathFactory,
+        request: pytest.FixtureRequest) -> Iterator[ServerProc]:
     srv = start_server(
-        tmp_path_factory.mktemp("refit-dp2"), "--model-path", str(ckpts.a), "--dp-size", "2",
-        "--dtype", "float32", "--log-requests",
+        tmp_path_factory.mktemp("refit-dp2"), "--model-path", str(files.a), "--dp-size", "2",
+        "--dtype", "float32", "--log-requests", wait=False,
     )
-    yield srv
-    srv.stop()
+    try:
+        request.getfixturevalue("ckpts")  # transformers' references while the worker boots
+        wait_started(srv)
+        yield srv
+    finally:
+        srv.stop()
 
 
 # ---------------------------------------------------------------- helpers
