@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from sglang_admin.pb import common_pb2 as pb
-from tests.conftest import ROOT, ServerProc, free_port, start_server
+from tests.conftest import ROOT, ServerProc, free_port, start_server, wait_started
 from tests.embed_checkpoints import Reference, build
 from tests.integration.test_smg_router import http, stop_router, wait_for
 
@@ -40,7 +40,15 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     for kind in ("qwen3", "llama-classify"):
         (tmp / kind).mkdir()
         paths.append(build(kind, tmp / kind))
-    workers = [start_server(tmp, "--model-path", str(p), "--dtype", "float32") for p in paths]
+    workers = [start_server(tmp, "--model-path", str(p), "--dtype", "float32", wait=False)
+               for p in paths]
+    try:
+        for w in workers:  # they boot side by side
+            wait_started(w)
+    except Exception:
+        for w in workers:
+            w.stop()
+        raise
     port = free_port()
     log_path = tmp / "router.log"
     cmd = [sys.executable, "-m", "smg.launch_router",

@@ -320,8 +320,9 @@ def test_bad_update_from_tensor(worker: ServerProc, segment: shared_memory.Share
 
 def test_init_fails_by_its_deadline_naming_who_did_not_join(worker: ServerProc) -> None:
     stub = worker.stub()
-    # Nobody listens on the port: every rank gives up before the call's deadline.
-    resp = stub.InitWeightsUpdateGroup(init_req(group_name="lonely"), timeout=8)
+    # Nobody listens on the port: every rank gives up before the call's deadline (5 s: the
+    # ranks wait 4 s for nobody and keep the same 1 s to answer as with a longer one).
+    resp = stub.InitWeightsUpdateGroup(init_req(group_name="lonely"), timeout=5)
     assert not resp.success
     assert "nothing listens at tcp://127.0.0.1:" in resp.message
     assert "rank 0 (the trainer" in resp.message
@@ -335,7 +336,7 @@ def test_init_fails_by_its_deadline_naming_who_did_not_join(worker: ServerProc) 
     def host() -> None:
         try:
             init_custom_process_group(backend="gloo", init_method=f"tcp://127.0.0.1:{port}",
-                                      timeout=timedelta(seconds=8), world_size=4, rank=0,
+                                      timeout=timedelta(seconds=5), world_size=4, rank=0,
                                       group_name="short")
         except Exception:  # noqa: BLE001 - it times out waiting for rank 3, as expected
             pass
@@ -343,7 +344,7 @@ def test_init_fails_by_its_deadline_naming_who_did_not_join(worker: ServerProc) 
     t = threading.Thread(target=host, daemon=True)
     t.start()
     resp = stub.InitWeightsUpdateGroup(init_req(master_port=port, world_size=4,
-                                                group_name="short"), timeout=8)
+                                                group_name="short"), timeout=5)
     t.join(30)
     assert not resp.success
     assert "ranks that did not join: 0, 3" in resp.message
