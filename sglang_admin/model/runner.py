@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from sglang_admin.config import ATTENTION_BACKENDS
+from sglang_admin.model.attention.choice import cuda_attention_applies
 from sglang_admin.model.batch import BatchBuilder, ForwardBatch
 from sglang_admin.model.cpu_dtype import auto_cpu_dtype
 from sglang_admin.model.cpu_kernels import CpuKernels, load_cpu_kernels
@@ -124,6 +125,8 @@ class ModelRunner:
             model_path, dtype=self.dtype, device=self.device, context_length=context_length,
             is_embedding=is_embedding, tensor_parallel=tensor_parallel,
         )
+        # CUDA: the Triton decode kernel and mask-free prefix prefill (model/attention/choice.py)
+        cuda_attention = cuda_attention_applies(self.device, attention_backend)
         if tensor_parallel is not None:  # the C decode layer has no all-reduce: torch's ops
             attention_backend = "torch_native"
         self.weight_bytes = self.info.weight_bytes
@@ -184,7 +187,7 @@ class ModelRunner:
             context_length=self.context_length, token_capacity=self.token_capacity,
             sliding_window=self.sliding_window, num_heads=cfg.num_heads,
             kv_width=cfg.num_kv_heads * cfg.head_dim, cpu_kernels=self.cpu_kernels,
-            extend_kernel=extend_kernel, lanes=self.lanes)
+            extend_kernel=extend_kernel, lanes=self.lanes, cuda_attention=cuda_attention)
         # a large model on CPU: every projection and the LM head through oneDNN with packed
         # weights (model/packed_linear.py), each weight's rows cut among the lane threads if
         # there are several (not under tensor parallelism: its all-reduces hang on the

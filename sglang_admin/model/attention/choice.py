@@ -1,0 +1,44 @@
+"""Which attention path a rank runs on CUDA, decided in this one place.
+
+On CUDA (unless ``--attention-backend torch_native``) decode sequences attend through the
+Triton paged kernel (model/attention/triton_decode.py), which reads each key through the
+request-to-token table instead of a gathered, padded copy, and an extend sequence with a
+cached prefix attends through SDPA with a bottom-right causal bias instead of a boolean mask
+(a mask rules out the flash kernel; with the bias and grouped heads SDPA takes it). A
+sliding window in reach of a prefill chunk still takes the mask.
+
+Elsewhere nothing changes: the CPU kernels (model/cpu_kernels.py) or torch's SDPA over
+gathered rows. ``torch_native`` keeps torch's path on CUDA too, which is how
+tools/check_attention.py compares the two on a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+
+import torch
+
+__all__ = ["cuda_attention_applies", "triton_available"]
+
+logger = logging.getLogger(__name__)
+
+
+@functools.cache
+def triton_available() -> bool:
+    """Whether the ``triton`` package is installed (torch's CUDA wheels ship it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def cuda_attention_applies(device: torch.device, backend: str) -> bool:
+    """True where a rank on ``device`` with ``--attention-backend backend`` runs the CUDA
+    attention path: a CUDA device, a backend other than ``torch_native``, and Triton
+    installed (without it the rank logs why and keeps torch's path)."""
+    if device.type != "cuda" or backend == "torch_native":
+        return False
+    if not triton_available():
+        logger.warning("triton is not installed: decode attention on %s runs torch's SDPA over "
+                       "a gathered copy of the KV cache (slow); install triton", device)
+        return False
+    return True

@@ -1,0 +1,144 @@
+"""The CUDA attention path (model/attention/choice.py), checked on the CPU: the Triton paged
+decode kernel, run by Triton's interpreter, and the mask-free prefix prefill must equal
+torch's path (SDPA over gathered rows) on the same pool, and a model run through them must
+produce transformers' greedy tokens."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from sglang_admin.messages import SamplingParams  # noqa: E402
+from sglang_admin.model.attention import AttentionMetadata, paged_attention  # noqa: E402
+from sglang_admin.model.attention.choice import cuda_attention_applies  # noqa: E402
+from sglang_admin.model.attention.triton_decode import split_count  # noqa: E402
+from sglang_admin.model.batch import BatchBuilder  # noqa: E402
+from sglang_admin.model.runner import SeqInput  # noqa: E402
+
+CONTEXT = 512
+CAPACITY = 4096
+HEAD_DIM = 32
+
+
+def _builder(cuda_attention: bool, heads: int, kv_heads: int, dtype: torch.dtype,
+             window: int | None) -> BatchBuilder:
+    return BatchBuilder(
+        device=torch.device("cpu"), dtype=dtype, max_running_requests=8,
+        context_length=CONTEXT, token_capacity=CAPACITY, sliding_window=window,
+        num_heads=heads, kv_width=kv_heads * HEAD_DIM, cpu_kernels=None, extend_kernel=False,
+        lanes=1, cuda_attention=cuda_attention)
+
+
+def _batch(decode_lengths: list[int], extend: list[tuple[int, int]]) -> list[SeqInput]:
+    """Decode sequences of these lengths (their new token included), then extend sequences
+    of (cached prefix, new tokens); slots interleaved across sequences, as decode steps
+    hand them out."""
+    g = torch.Generator().manual_seed(3)
+    shapes = [(length - 1, 1) for length in decode_lengths] + extend
+    total = sum(p + n for p, n in shapes)
+    slots = (torch.randperm(CAPACITY, generator=g)[:total] + 1).tolist()
+    seqs = []
+    for row, (p, n) in enumerate(shapes):
+        own, slots = slots[: p + n], slots[p + n :]
+        seqs.append(SeqInput(req_idx=row, prefix_len=p, token_ids=[5] * n, table_start=0,
+                             table_slots=own, sampling=SamplingParams(), prompt_ids=[5],
+                             output_ids=[]))
+    return seqs
+
+
+def _attend(cuda_attention: bool, seqs: list[SeqInput], heads: int, kv_heads: int,
+            dtype: torch.dtype, window: int | None) -> tuple[torch.Tensor, AttentionMetadata]:
+    """One layer's attention of the batch's new tokens over a random pool (the same pool,
+    queries and new keys for both paths)."""
+    g = torch.Generator().manual_seed(11)
+    builder = _builder(cuda_attention, heads, kv_heads, dtype, window)
+    decode = [s for s in seqs if len(s.token_ids) == 1]
+    extend = [s for s in seqs if len(s.token_ids) > 1]
+    batch = builder.prepare(list(seqs), list(decode), extend, one_lane=True)
+    meta = batch.metas[0]
+    tokens = batch.input_ids.shape[0]
+    k_cache = torch.randn(CAPACITY + 1, kv_heads, HEAD_DIM, generator=g).to(dtype)
+    v_cache = torch.randn(CAPACITY + 1, kv_heads, HEAD_DIM, generator=g).to(dtype)
+    q = torch.randn(tokens, heads, HEAD_DIM, generator=g).to(dtype)
+    k = torch.randn(tokens, kv_heads, HEAD_DIM, generator=g).to(dtype)
+    v = torch.randn(tokens, kv_heads, HEAD_DIM, generator=g).to(dtype)
+    k_cache.index_copy_(0, meta.out_slots, k)
+    v_cache.index_copy_(0, meta.out_slots, v)
+    out = paged_attention(q, k, v, meta, k_cache, v_cache, HEAD_DIM**-0.5, window, None)
+    # decode rows come in the builder's order (shortest first): back to the batch's
+    order = {id(s): i for i, s in enumerate(batch.ordered)}
+    rows = [order[id(s)] for s in decode]
+    return torch.cat([out[rows], out[len(decode):]]), meta
+
+
+# mixed lengths: one token, a block's worth, several blocks, past MIN_SPLIT_TOKENS (split)
+DECODE_LENGTHS = [1, 7, 33, 130, 300, 64]
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dtype", "window"), [
+    (4, 4, torch.float32, None),  # group 1
+    (6, 2, torch.float32, None),  # group 3
+    (14, 2, torch.float32, None),  # group 7
+    (14, 2, torch.float32, 50),  # a sliding window some sequences reach
+    (6, 2, torch.bfloat16, None),
+    (14, 2, torch.bfloat16, 50),
+], ids=["g1", "g3", "g7", "g7-window", "g3-bf16", "g7-window-bf16"])
+def test_paged_decode_kernel_equals_torchs_gathered_path(
+        heads: int, kv_heads: int, dtype: torch.dtype, window: int | None) -> None:
+    seqs = _batch(DECODE_LENGTHS, [])
+    new, meta = _attend(True, seqs, heads, kv_heads, dtype, window)
+    old, old_meta = _attend(False, seqs, heads, kv_heads, dtype, window)
+    assert meta.paged_decode is not None and not meta.decode_groups  # the kernel ran
+    assert old_meta.paged_decode is None and old_meta.decode_groups
+    assert meta.paged_decode.num_splits == 2  # the 300-long one is cut: the merge runs
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(new.float(), old.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize(("dtype", "window"), [(torch.float32, None), (torch.bfloat16, None),
+                                               (torch.float32, 40)],
+                         ids=["f32", "bf16", "window-in-reach"])
+def test_prefix_prefill_without_a_mask_equals_the_masked_path(
+        dtype: torch.dtype, window: int | None) -> None:
+    # a mixed step: two decodes, a chunk after a cached prefix, a prompt without one
+    seqs = _batch([9, 60], [(37, 11), (0, 6)])
+    new, meta = _attend(True, seqs, 14, 2, dtype, window)
+    old, _ = _attend(False, seqs, 14, 2, dtype, window)
+    prefixed = meta.extend_seqs[0]
+    # the mask is what rules out SDPA's flash kernel; past the window the mask stays
+    assert prefixed.lower_right == (window is None)
+    assert (prefixed.mask is None) == (window is None)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(new.float(), old.float(), atol=tol, rtol=tol)
+
+
+def test_the_cuda_path_is_chosen_on_cuda_alone_and_torch_native_keeps_torchs() -> None:
+    cuda = torch.device("cuda", 0)
+    assert cuda_attention_applies(cuda, "auto")
+    assert not cuda_attention_applies(cuda, "torch_native")
+    assert not cuda_attention_applies(torch.device("cpu"), "auto")
+
+
+def test_splits_fill_the_gpu_without_cutting_short_sequences_thin() -> None:
+    assert split_count(1, 2, 100) == 1  # shorter than a split's least
+    assert split_count(1, 2, 4096) == 16  # one sequence: cut to fill the GPU
+    assert split_count(1, 2, 1 << 20) == 32  # at most MAX_SPLITS
+    assert split_count(128, 8, 4096) == 1  # enough programs already
+
+
+def test_a_model_through_the_cuda_path_gives_transformers_greedy_tokens(
+        tmp_path: Any) -> None:
+    from tests.unit.test_model_runner import _build, _runner, hf_greedy, mixed_workload, simulate
+
+    path = str(tmp_path / "llama")
+    _build("llama", path)
+    runner = _runner(path, attention_backend="torch_native")
+    runner.batches.cuda_attention = True  # what a CUDA rank runs, forced on the CPU
+    max_new = 4
+    reqs = simulate(runner, mixed_workload(96), max_new)
+    for r in reqs:
+        assert r.out == hf_greedy(path, r.prompt, max_new)[0]
