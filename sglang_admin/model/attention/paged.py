@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from sglang_admin.model.attention.metadata import AttentionMetadata
 
@@ -113,6 +112,9 @@ def extend_attention(
         vs = vs.transpose(0, 1).unsqueeze(0)
         mask = seq.swa_mask if windowed and seq.swa_mask is not None else seq.mask
         if seq.lower_right and mask is None:  # CUDA: SDPA's flash kernel takes it (choice.py)
+            # imported here: torch.nn.attention.bias imports torch._dynamo (seconds)
+            from torch.nn.attention.bias import causal_lower_right
+
             out = F.scaled_dot_product_attention(
                 qs, ks, vs, attn_mask=causal_lower_right(seq.n, ks.shape[2]), scale=scale,
                 enable_gqa=True)
