@@ -75,17 +75,17 @@ def _attend(cuda_attention: bool, seqs: list[SeqInput], heads: int, kv_heads: in
     return torch.cat([out[rows], out[len(decode):]]), meta
 
 
-# mixed lengths: one token, a block's worth, several blocks, past MIN_SPLIT_TOKENS (split)
-DECODE_LENGTHS = [1, 7, 33, 130, 300, 64]
+# mixed lengths: one token, under a block, several blocks, past MIN_SPLIT_TOKENS (split)
+DECODE_LENGTHS = [1, 7, 300, 64]
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "dtype", "window"), [
-    (4, 4, torch.float32, None),  # group 1
-    (6, 2, torch.float32, None),  # group 3
+    (2, 2, torch.float32, None),  # group 1
+    (3, 1, torch.float32, None),  # group 3
     (14, 2, torch.float32, None),  # group 7
-    (14, 2, torch.float32, 50),  # a sliding window some sequences reach
-    (6, 2, torch.bfloat16, None),
-    (14, 2, torch.bfloat16, 50),
+    (7, 1, torch.float32, 50),  # a sliding window some sequences reach
+    (3, 1, torch.bfloat16, None),
+    (7, 1, torch.bfloat16, 50),
 ], ids=["g1", "g3", "g7", "g7-window", "g3-bf16", "g7-window-bf16"])
 def test_paged_decode_kernel_equals_torchs_gathered_path(
         heads: int, kv_heads: int, dtype: torch.dtype, window: int | None) -> None:
@@ -94,7 +94,7 @@ def test_paged_decode_kernel_equals_torchs_gathered_path(
     old, old_meta = _attend(False, seqs, heads, kv_heads, dtype, window)
     assert meta.paged_decode is not None and not meta.decode_groups  # the kernel ran
     assert old_meta.paged_decode is None and old_meta.decode_groups
-    assert meta.paged_decode.num_splits == 2  # the 300-long one is cut: the merge runs
+    assert meta.paged_decode.num_splits == 2  # the 300-long one is cut: the merge weighs
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(new.float(), old.float(), atol=tol, rtol=tol)
 
@@ -132,13 +132,29 @@ def test_splits_fill_the_gpu_without_cutting_short_sequences_thin() -> None:
 
 def test_a_model_through_the_cuda_path_gives_transformers_greedy_tokens(
         tmp_path: Any) -> None:
-    from tests.unit.test_model_runner import _build, _runner, hf_greedy, mixed_workload, simulate
+    from tests.unit.test_model_runner import Req, _build, _prompts, _runner, hf_greedy, simulate
 
     path = str(tmp_path / "llama")
     _build("llama", path)
     runner = _runner(path, attention_backend="torch_native")
     runner.batches.cuda_attention = True  # what a CUDA rank runs, forced on the CPU
-    max_new = 4
-    reqs = simulate(runner, mixed_workload(96), max_new)
+    p = _prompts(96)
+    reqs = [Req(p[1]), Req(p[2], chunk=16),  # a chunk after its own first: a cached prefix
+            Req(p[1][:12] + p[3][:5], arrive=1, share_from=0, share_len=12)]  # a shared one
+    max_new = 3
+    simulate(runner, reqs, max_new)
     for r in reqs:
         assert r.out == hf_greedy(path, r.prompt, max_new)[0]
+
+
+def test_the_gpu_checks_comparison_of_the_two_paths_runs_on_the_cpu(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from tools.check_attention import main
+
+    assert main(["--device", "cpu", "--dtype", "float32", "--batch", "3", "--context", "40",
+                 "--heads", "6", "--kv-heads", "2", "--head-dim", "16", "--prefix", "20",
+                 "--chunk", "5", "--iters", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines[1:]] == [
+        "PASS decode", "TIME decode torch", "TIME decode cuda-path",
+        "PASS prefill", "TIME prefill torch", "TIME prefill cuda-path"]
