@@ -84,9 +84,9 @@ def _decode_partial(
     split = tl.program_id(2)
     row = tl.load(Rows + seq)
     length = tl.load(Lens + seq)
-    first = 0
-    if window > 0:
-        first = tl.maximum(length - window, 0)
+    # a sliding window: only the last `window` positions (one type on both sides: the
+    # compiler refuses a variable whose type an `if` changes)
+    first = tl.where(window > 0, tl.maximum(length - window, 0), 0)
     per_split = (length - first + NUM_SPLITS - 1) // NUM_SPLITS
     lo = first + split * per_split
     hi = tl.minimum(lo + per_split, length)
