@@ -130,14 +130,37 @@ def test_splits_fill_the_gpu_without_cutting_short_sequences_thin() -> None:
     assert split_count(128, 8, 4096) == 1  # enough programs already
 
 
-def test_a_model_through_the_cuda_path_gives_transformers_greedy_tokens(
-        tmp_path: Any) -> None:
-    from tests.unit.test_model_runner import Req, _build, _prompts, _runner, hf_greedy, simulate
+@pytest.fixture(scope="module")
+def llama_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A 2-layer random Llama (4 heads, 2 KV heads) written by transformers."""
+    from tests.unit.test_model_runner import _build
 
-    path = str(tmp_path / "llama")
+    path = str(tmp_path_factory.mktemp("llama") / "llama")
     _build("llama", path)
+    return path
+
+
+def _greedy_through_the_cuda_path(path: str, graphs_max_bs: int) -> list[int]:
+    """Chunked prompts, a shared prefix and decode batches of 1 to 3 sequences through the
+    CUDA path forced on the CPU (and its decode graphs, run eagerly, when asked for): each
+    request's tokens must be transformers'; returns the decode batch sizes the graphs ran."""
+    from tests.unit.test_model_runner import Req, _prompts, _runner, hf_greedy, simulate
+
     runner = _runner(path, attention_backend="torch_native")
     runner.batches.cuda_attention = True  # what a CUDA rank runs, forced on the CPU
+    ran: list[int] = []
+    if graphs_max_bs:
+        runner.graphs = runner._decode_graphs(graphs_max_bs, True, None)
+        assert runner.graphs is not None
+        run = runner.graphs.run
+
+        def counted(*args: torch.Tensor) -> torch.Tensor | None:
+            out = run(*args)
+            if out is not None:
+                ran.append(args[0].shape[0])
+            return out
+
+        runner.graphs.run = counted  # type: ignore[method-assign]
     p = _prompts(96)
     reqs = [Req(p[1]), Req(p[2], chunk=16),  # a chunk after its own first: a cached prefix
             Req(p[1][:12] + p[3][:5], arrive=1, share_from=0, share_len=12)]  # a shared one
@@ -145,6 +168,31 @@ def test_a_model_through_the_cuda_path_gives_transformers_greedy_tokens(
     simulate(runner, reqs, max_new)
     for r in reqs:
         assert r.out == hf_greedy(path, r.prompt, max_new)[0]
+    return ran
+
+
+def test_a_model_through_the_cuda_path_gives_transformers_greedy_tokens(
+        llama_path: str) -> None:
+    _greedy_through_the_cuda_path(llama_path, 0)
+
+
+def test_decode_graphs_pad_a_batch_to_its_size_and_the_tokens_stay_transformers(
+        llama_path: str) -> None:
+    # sizes 1, 2, 4: a batch of 3 runs padded to 4 (the padding row writes slot 0 only)
+    ran = _greedy_through_the_cuda_path(llama_path, 4)
+    assert 3 in ran and 2 in ran
+
+
+def test_graph_sizes_and_padding() -> None:
+    from sglang_admin.model.decode_graphs import graph_sizes, padded_size
+
+    assert graph_sizes(1) == [1]
+    assert graph_sizes(4) == [1, 2, 4]
+    assert graph_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert graph_sizes(64)[-3:] == [48, 56, 64]
+    sizes = graph_sizes(20)
+    assert [padded_size(n, sizes) for n in (1, 3, 5, 9, 17, 20, 21)] == [1, 4, 8, 16, 20, 20,
+                                                                         None]
 
 
 def test_the_gpu_checks_comparison_of_the_two_paths_runs_on_the_cpu(
