@@ -14,12 +14,19 @@ outputs agree, and times one layer's attention on each, one line per check:
                                 off, so it proves that a fused kernel took it)
     TIME prefill torch: ...  /  TIME prefill bottom-right: ...
 
+With ``--graphs``, whole decode steps of a random model (tools/bench_decode.py's shapes) too,
+eager and through CUDA graphs (``--cuda-graph-max-bs``): the same tokens, and a time each:
+
+    PASS graphs: ...            both runners produced the same greedy tokens
+    TIME graphs eager bs N: ... /  TIME graphs captured bs N: ...
+
 It runs on the CPU too (the kernel in Triton's interpreter; small shapes), which is how the
 tests keep it working. Exit status 1 when a check fails.
 
 Usage: python tools/check_attention.py [--device cuda|cpu] [--dtype bfloat16] [--batch 64]
        [--context 4096] [--heads 14] [--kv-heads 2] [--head-dim 64] [--window N]
-       [--prefix 2048] [--chunk 512] [--iters 20]
+       [--prefix 2048] [--chunk 512] [--iters 20] [--graphs [--shape qwen2.5-0.5b]
+       [--graph-batch 1 64] [--graph-context 512] [--graph-steps 16]]
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -176,6 +184,55 @@ def _compare(name: str, seqs: list[SeqInput], args: argparse.Namespace, device: 
     return ok
 
 
+def _graphs(args: argparse.Namespace, dtype: torch.dtype) -> bool:
+    """Decode steps of a random model, eager and through CUDA graphs: a PASS/FAIL line on
+    their tokens, then a TIME line per batch size and runner."""
+    from sglang_admin.model.runner import ModelRunner
+    from tools.bench_decode import SHAPES, time_decode, write_checkpoint
+
+    batches = args.graph_batch
+    tokens: dict[str, list[int]] = {}
+    times: dict[tuple[str, int], float] = {}
+    with tempfile.TemporaryDirectory(prefix="check-attention-") as tmp:
+        write_checkpoint(Path(tmp), SHAPES[args.shape], dtype)
+        longest = args.graph_context + args.graph_steps + 8
+        for label, max_bs in (("eager", 0), ("captured", max(batches))):
+            runner = ModelRunner(tmp, device=args.device, dtype=args.dtype,
+                                 max_running_requests=max(batches),
+                                 max_total_tokens=max(batches) * longest + 64,
+                                 cuda_graph_max_bs=max_bs)
+            if max_bs and runner.graphs is None and runner.device.type == "cuda":
+                print("FAIL graphs: the runner did not take --cuda-graph-max-bs (see the log)")
+                return False
+            seen = tokens.setdefault(label, [])
+            step = runner.forward_step
+
+            def recorded(seqs: list, step=step, seen=seen) -> list:  # noqa: ANN001
+                outs = step(seqs)
+                seen.extend(o.token_id for o in outs if o is not None)
+                return outs
+
+            runner.forward_step = recorded  # type: ignore[method-assign]
+            for b in batches:
+                steps = time_decode(runner, b, args.graph_context, args.graph_steps)
+                times[label, b] = statistics.median(steps) * 1e3
+                runner.reset()
+            del runner
+    same = tokens["eager"] == tokens["captured"]
+    print(f"{'PASS' if same else 'FAIL'} graphs: {'the same' if same else 'different'} greedy "
+          f"tokens eager and captured ({len(tokens['eager'])} tokens, {args.shape}, "
+          f"{args.dtype})" + ("" if args.device.startswith("cuda") else
+                               " (no CUDA: both ran eagerly, the check's plumbing only)"),
+          flush=True)
+    for b in batches:
+        for label in ("eager", "captured"):
+            speed = (f", {times['eager', b] / times[label, b]:.1f}x eager"
+                     if label == "captured" else "")
+            print(f"TIME graphs {label} bs {b}: {times[label, b]:.3f} ms per decode step "
+                  f"(median of {args.graph_steps}){speed}", flush=True)
+    return same
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda")
@@ -189,6 +246,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefix", type=int, default=2048, help="the prefill chunk's cached prefix")
     p.add_argument("--chunk", type=int, default=512, help="the prefill chunk's new tokens")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--graphs", action="store_true",
+                   help="also whole decode steps, eager against CUDA graphs")
+    p.add_argument("--shape", default="qwen2.5-0.5b", help="--graphs: the model's shape "
+                   "(tools/bench_decode.py's SHAPES)")
+    p.add_argument("--graph-batch", type=int, nargs="+", default=[1, 64])
+    p.add_argument("--graph-context", type=int, default=512)
+    p.add_argument("--graph-steps", type=int, default=16)
     args = p.parse_args(argv)
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
@@ -214,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     # only; memory-efficient: no GQA), so only half types must avoid the math backend
     ok = _compare("prefill", prefill, args, device, dtype, strict_kernel=dtype != torch.float32,
                   rate=lambda ms: f"{flops / ms / 1e9:.2f} TFLOP/s") and ok
+    if args.graphs:
+        ok = _graphs(args, dtype) and ok
     return 0 if ok else 1
 
 

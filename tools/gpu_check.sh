@@ -52,7 +52,8 @@ else
 fi
 
 echo "== attention: the CUDA path (Triton paged decode, mask-free prefix prefill) against torch's"
-"$PY" tools/check_attention.py --device cuda --dtype bfloat16 --batch 64 --context 4096 || status=1
+"$PY" tools/check_attention.py --device cuda --dtype bfloat16 --batch 64 --context 4096 \
+  --graphs || status=1
 "$PY" tools/check_attention.py --device cuda --dtype bfloat16 --batch 1 --context 8192 \
   --prefix 4096 --chunk 1024 || status=1
 "$PY" tools/check_attention.py --device cuda --dtype float32 --batch 16 --context 1024 \

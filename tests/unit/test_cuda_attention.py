@@ -201,11 +201,14 @@ def test_the_gpu_checks_comparison_of_the_two_paths_runs_on_the_cpu(
 
     assert main(["--device", "cpu", "--dtype", "float32", "--batch", "3", "--context", "40",
                  "--heads", "6", "--kv-heads", "2", "--head-dim", "16", "--prefix", "20",
-                 "--chunk", "5", "--iters", "1"]) == 0
+                 "--chunk", "5", "--iters", "1", "--graphs", "--shape", "tiny",
+                 "--graph-batch", "1", "2", "--graph-context", "8", "--graph-steps", "2"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in lines[1:]] == [
         "PASS decode", "TIME decode torch", "TIME decode cuda-path",
-        "PASS prefill", "TIME prefill torch", "TIME prefill cuda-path"]
+        "PASS prefill", "TIME prefill torch", "TIME prefill cuda-path", "PASS graphs",
+        "TIME graphs eager bs 1", "TIME graphs captured bs 1", "TIME graphs eager bs 2",
+        "TIME graphs captured bs 2"]
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
