@@ -226,7 +226,7 @@ def test_the_kernels_compile_for_an_h200(dtype: str) -> None:
     pointers = {"Q": dtype, "K": dtype, "V": dtype, "Out": dtype, "Table": "i64", "Rows": "i64",
                 "Lens": "i64", "PartOut": "fp32", "PartLse": "fp32"}
     constants = {"GROUP": 7, "BLOCK_H": 16, "BLOCK_N": triton_decode.BLOCK_N, "HEAD_DIM": 64,
-                 "BLOCK_D": 64, "NUM_SPLITS": 4, "BLOCK_S": 4, "UPCAST": False}
+                 "BLOCK_D": 64, "BLOCK_S": 4, "UPCAST": False}
     for fn in (triton_decode._decode_partial, triton_decode._decode_merge):
         names = list(inspect.signature(fn).parameters)
         signature = {name: ("constexpr" if name in constants else f"*{pointers[name]}"

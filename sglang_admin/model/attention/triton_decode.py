@@ -17,7 +17,8 @@ Two kernels per layer (flash-decoding):
 On CUDA the kernels are compiled by Triton (shipped with torch's CUDA wheels); on CPU tensors
 they run in Triton's interpreter, which is how the tests check them against torch's path.
 The grid depends on the batch and the split count only, and nothing reads back to the host,
-so a launch can be captured in a CUDA graph.
+so a launch can be captured in a CUDA graph. The split count is a runtime argument: a new
+count compiles nothing new (the merge compiles once per power of two above it).
 """
 
 from __future__ import annotations
@@ -74,9 +75,9 @@ def _decode_partial(
     Q, K, V, Table, Rows, Lens, PartOut, PartLse,  # noqa: N803 - kernel pointers
     stride_q_tok, stride_q_head, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
     stride_table, stride_po_tok, stride_po_head, stride_po_split, stride_pl_tok, stride_pl_head,
-    scale, window,
+    scale, window, num_splits,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,  # noqa: N803
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,  # noqa: N803
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,  # noqa: N803
     UPCAST: tl.constexpr,  # noqa: N803 - q, K, V to float32 as loaded (the interpreter's bf16)
 ):
     seq = tl.program_id(0)
@@ -87,7 +88,7 @@ def _decode_partial(
     # a sliding window: only the last `window` positions (one type on both sides: the
     # compiler refuses a variable whose type an `if` changes)
     first = tl.where(window > 0, tl.maximum(length - window, 0), 0)
-    per_split = (length - first + NUM_SPLITS - 1) // NUM_SPLITS
+    per_split = (length - first + num_splits - 1) // num_splits
     lo = first + split * per_split
     hi = tl.minimum(lo + per_split, length)
 
@@ -136,14 +137,13 @@ def _decode_partial(
 def _decode_merge(
     PartOut, PartLse, Out,  # noqa: N803 - kernel pointers
     stride_po_tok, stride_po_head, stride_po_split, stride_pl_tok, stride_pl_head,
-    stride_o_tok, stride_o_head,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,  # noqa: N803
-    BLOCK_S: tl.constexpr,  # noqa: N803
+    stride_o_tok, stride_o_head, num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,  # noqa: N803
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     sp = tl.arange(0, BLOCK_S)
-    s_ok = sp < NUM_SPLITS
+    s_ok = sp < num_splits
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     lse = tl.load(PartLse + seq * stride_pl_tok + head * stride_pl_head + sp, mask=s_ok,
@@ -202,16 +202,15 @@ def decode_attention(
         v_cache.stride(0), v_cache.stride(1), table.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
-        scale, sliding_window or 0,
+        scale, sliding_window or 0, num_splits,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=BLOCK_N,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits, UPCAST=interpret,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, UPCAST=interpret,
     )
     merge[(batch, heads)](
         part_out, part_lse, out,
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
-        part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits,
-        BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+        part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1), num_splits,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
     )
     return out.view(batch, heads * head_dim)
 
