@@ -1,11 +1,10 @@
 """The CUDA attention path (model/attention/choice.py), checked on the CPU: the Triton paged
 decode kernel, run by Triton's interpreter, and the mask-free prefix prefill must equal
 torch's path (SDPA over gathered rows) on the same pool, and a model run through them must
-produce transformers' greedy tokens."""
+produce transformers' greedy tokens, eagerly and through the decode graphs' static buffers.
+The kernels are also compiled for an H200 (no GPU needed to compile)."""
 
 from __future__ import annotations
-
-from typing import Any
 
 import pytest
 import torch

@@ -71,14 +71,18 @@ _MAX = getattr(tl.standard, "_elementwise_max", _max_combine)
 _SUM = getattr(tl.standard, "_sum_combine", _sum_combine)
 
 
+# One program per (sequence, kv head, split): the online softmax of the split's positions for
+# the kv head's GROUP query heads (rows of BLOCK_H, padded to what tl.dot takes), written as
+# the split's normalised output and log-sum-exp. (Kernel arguments carry no annotations:
+# Triton reads them as specialisation hints.)
 def _decode_partial(
-    Q, K, V, Table, Rows, Lens, PartOut, PartLse,  # noqa: N803 - kernel pointers
+    Q, K, V, Table, Rows, Lens, PartOut, PartLse,  # pointers
     stride_q_tok, stride_q_head, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
     stride_table, stride_po_tok, stride_po_head, stride_po_split, stride_pl_tok, stride_pl_head,
     scale, window, num_splits,
-    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,  # noqa: N803
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,  # noqa: N803
-    UPCAST: tl.constexpr,  # noqa: N803 - q, K, V to float32 as loaded (the interpreter's bf16)
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr,  # q, K, V to float32 as loaded (the interpreter's bf16)
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -134,11 +138,12 @@ def _decode_partial(
     tl.store(PartLse + seq * stride_pl_tok + heads * stride_pl_head + split, lse, mask=h_ok)
 
 
+# One program per (sequence, query head): the splits' outputs, weighted by exp(lse - max).
 def _decode_merge(
-    PartOut, PartLse, Out,  # noqa: N803 - kernel pointers
+    PartOut, PartLse, Out,  # pointers
     stride_po_tok, stride_po_head, stride_po_split, stride_pl_tok, stride_pl_head,
     stride_o_tok, stride_o_head, num_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,  # noqa: N803
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
