@@ -35,8 +35,11 @@ from sglang_admin.model.attention.metadata import PagedDecode
 
 __all__ = ["BLOCK_N", "decode_attention", "paged_decode", "split_count"]
 
-# keys per loop step of a program
-BLOCK_N = 32
+# keys per loop step of a program, and the launch's warps and pipeline stages (usual values
+# for a memory-bound kernel of this size; not yet tuned on a GPU)
+BLOCK_N = 64
+NUM_WARPS = 4
+NUM_STAGES = 2
 # the fewest positions a split is given, and the programs a launch aims for (two per SM of
 # an H200, 132 SMs): short batches split their sequences until the GPU is busy
 MIN_SPLIT_TOKENS = 256
@@ -210,6 +213,7 @@ def decode_attention(
         scale, sliding_window or 0, num_splits,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=BLOCK_N,
         HEAD_DIM=head_dim, BLOCK_D=block_d, UPCAST=interpret,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     merge[(batch, heads)](
         part_out, part_lse, out,
