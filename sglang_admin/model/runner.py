@@ -128,7 +128,9 @@ class ModelRunner:
             is_embedding=is_embedding, tensor_parallel=tensor_parallel,
         )
         # CUDA: the Triton decode kernel and mask-free prefix prefill (model/attention/choice.py)
-        cuda_attention = cuda_attention_applies(self.device, attention_backend)
+        mcfg = self.model.config
+        cuda_attention = cuda_attention_applies(self.device, attention_backend, mcfg.num_heads,
+                                                mcfg.num_kv_heads, mcfg.head_dim, self.dtype)
         if tensor_parallel is not None:  # the C decode layer has no all-reduce: torch's ops
             attention_backend = "torch_native"
         self.weight_bytes = self.info.weight_bytes

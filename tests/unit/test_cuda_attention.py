@@ -115,11 +115,47 @@ def test_prefix_prefill_without_a_mask_equals_the_masked_path(
     torch.testing.assert_close(new.float(), old.float(), atol=tol, rtol=tol)
 
 
-def test_the_cuda_path_is_chosen_on_cuda_alone_and_torch_native_keeps_torchs() -> None:
-    cuda = torch.device("cuda", 0)
-    assert cuda_attention_applies(cuda, "auto")
-    assert not cuda_attention_applies(cuda, "torch_native")
-    assert not cuda_attention_applies(torch.device("cpu"), "auto")
+def test_the_cuda_path_is_chosen_on_cuda_alone_and_torch_native_keeps_torchs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from sglang_admin.model.attention import choice
+
+    checked: list[tuple] = []
+    monkeypatch.setattr(choice, "kernel_problem", lambda *a: checked.append(a))  # passes
+    cuda, shape = torch.device("cuda", 0), (14, 2, 64, torch.bfloat16)
+    assert cuda_attention_applies(cuda, "auto", *shape)
+    assert checked == [(cuda, *shape)]  # the start-up check ran, for the model's heads
+    assert not cuda_attention_applies(cuda, "torch_native", *shape)
+    assert not cuda_attention_applies(torch.device("cpu"), "auto", *shape)
+    assert len(checked) == 1
+
+
+def test_a_kernel_that_fails_its_start_up_check_leaves_torchs_path_with_the_reason(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from sglang_admin.model.attention import choice, triton_decode
+
+    cpu = torch.device("cpu")
+    # the real check, on the CPU through the interpreter: the kernel passes it
+    assert choice.kernel_problem(cpu, 6, 2, 32, torch.float32) is None
+    assert choice.kernel_problem(cpu, 6, 2, 32, torch.bfloat16) is None
+
+    def wrong(*args: object) -> torch.Tensor:
+        return torch.zeros(2, 6 * 32)
+
+    monkeypatch.setattr(triton_decode, "decode_attention", wrong)
+    assert "differs from torch's" in (choice.kernel_problem(cpu, 6, 2, 32, torch.float32) or "")
+
+    def broken(*args: object) -> torch.Tensor:
+        raise RuntimeError("no compiler to build the launcher")
+
+    monkeypatch.setattr(triton_decode, "decode_attention", broken)
+    problem = choice.kernel_problem(cpu, 6, 2, 32, torch.float32)
+    assert problem == "RuntimeError: no compiler to build the launcher"
+    # on a CUDA rank that answer keeps torch's path, the reason logged
+    monkeypatch.setattr(choice, "kernel_problem", lambda *args: problem)
+    with caplog.at_level("WARNING"):
+        assert not cuda_attention_applies(torch.device("cuda", 0), "auto", 6, 2, 32,
+                                          torch.float32)
+    assert "start-up check" in caplog.text and problem in caplog.text
 
 
 def test_splits_fill_the_gpu_without_cutting_short_sequences_thin() -> None:
@@ -234,5 +270,7 @@ def test_the_kernels_compile_for_an_h200(dtype: str) -> None:
         compiled = triton.compile(
             ASTSource(triton.jit(fn), signature, {n: constants[n] for n in names
                                                   if n in constants}),
-            target=GPUTarget("cuda", 90, 32))
+            target=GPUTarget("cuda", 90, 32),
+            options={"num_warps": triton_decode.NUM_WARPS,
+                     "num_stages": triton_decode.NUM_STAGES})
         assert compiled.asm["cubin"]

@@ -20,7 +20,7 @@ import logging
 
 import torch
 
-__all__ = ["cuda_attention_applies", "triton_available"]
+__all__ = ["cuda_attention_applies", "kernel_problem", "triton_available"]
 
 logger = logging.getLogger(__name__)
 
@@ -31,14 +31,32 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def cuda_attention_applies(device: torch.device, backend: str) -> bool:
+def cuda_attention_applies(device: torch.device, backend: str, heads: int, kv_heads: int,
+                           head_dim: int, dtype: torch.dtype) -> bool:
     """True where a rank on ``device`` with ``--attention-backend backend`` runs the CUDA
-    attention path: a CUDA device, a backend other than ``torch_native``, and Triton
-    installed (without it the rank logs why and keeps torch's path)."""
+    attention path: a CUDA device, a backend other than ``torch_native``, Triton installed,
+    and the decode kernel passing its start-up check for the model's heads and dtype (it
+    compiles, runs and agrees with torch); otherwise the rank logs why and keeps torch's
+    path."""
     if device.type != "cuda" or backend == "torch_native":
         return False
     if not triton_available():
         logger.warning("triton is not installed: decode attention on %s runs torch's SDPA over "
                        "a gathered copy of the KV cache (slow); install triton", device)
         return False
+    problem = kernel_problem(device, heads, kv_heads, head_dim, dtype)
+    if problem is not None:
+        logger.warning("the Triton decode kernel failed its start-up check on %s (%s): decode "
+                       "attention runs torch's SDPA over a gathered copy of the KV cache",
+                       device, problem)
+        return False
     return True
+
+
+def kernel_problem(device: torch.device, heads: int, kv_heads: int, head_dim: int,
+                   dtype: torch.dtype) -> str | None:
+    """model/attention/triton_decode.py's ``startup_check`` (imported here: only a rank
+    that may run the kernel imports triton)."""
+    from sglang_admin.model.attention.triton_decode import startup_check
+
+    return startup_check(device, heads, kv_heads, head_dim, dtype)

@@ -33,7 +33,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from sglang_admin.model.attention.metadata import PagedDecode
 
-__all__ = ["BLOCK_N", "decode_attention", "paged_decode", "split_count"]
+__all__ = ["BLOCK_N", "decode_attention", "paged_decode", "split_count", "startup_check"]
 
 # keys per loop step of a program, and the launch's warps and pipeline stages (usual values
 # for a memory-bound kernel of this size; not yet tuned on a GPU)
@@ -246,3 +246,42 @@ def paged_decode(
     return decode_attention(q, k_cache, v_cache, decode.table, decode.rows, decode.lengths,
                             scale, sliding_window, decode.num_splits, decode.part_out,
                             decode.part_lse)
+
+
+def startup_check(device: torch.device, heads: int, kv_heads: int, head_dim: int,
+                  dtype: torch.dtype) -> str | None:
+    """None when the kernels compile and run on ``device`` for this head layout and dtype and
+    agree with torch's attention on a small batch (two sequences, two splits each); else
+    what went wrong, in a line. A rank runs it once at start (model/attention/choice.py):
+    a machine where Triton cannot build or launch a kernel keeps torch's path."""
+    try:
+        gen = torch.Generator().manual_seed(0)
+        slots, longest = 300, 128
+        k_cache = torch.randn(slots, kv_heads, head_dim, generator=gen).to(device, dtype)
+        v_cache = torch.randn(slots, kv_heads, head_dim, generator=gen).to(device, dtype)
+        q = torch.randn(2, heads, head_dim, generator=gen).to(device, dtype)
+        table = (torch.randperm(slots - 1, generator=gen)[: 2 * longest] + 1).view(2, longest)
+        rows, lengths = torch.tensor([1, 0]), torch.tensor([longest, 37])
+        table, rows, lengths = table.to(device), rows.to(device), lengths.to(device)
+        splits = 2
+        part_out = torch.empty(2, heads, splits, head_dim, dtype=torch.float32, device=device)
+        part_lse = torch.empty(2, heads, splits, dtype=torch.float32, device=device)
+        scale = head_dim**-0.5
+        out = decode_attention(q, k_cache, v_cache, table, rows, lengths, scale, None, splits,
+                               part_out, part_lse)
+        group = heads // kv_heads
+        worst = 0.0
+        for i in range(2):
+            index = table[rows[i], : lengths[i]]
+            ref = torch.nn.functional.scaled_dot_product_attention(
+                q[i].float().view(kv_heads, group, head_dim),
+                k_cache[index].float().transpose(0, 1), v_cache[index].float().transpose(0, 1),
+                scale=scale)
+            worst = max(worst, (out[i].float() - ref.reshape(-1)).abs().max().item())
+    except Exception as exc:  # noqa: BLE001 - whatever stops the kernel is the answer
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return f"{type(exc).__name__}: {first}"
+    tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+    if not worst <= tolerance:
+        return f"its output differs from torch's by {worst:.2e} (tolerance {tolerance:.0e})"
+    return None
