@@ -128,8 +128,14 @@ class DecodeGraphs:
         size = padded_size(n, self.sizes)
         if size is None:
             return None
-        if self.capture_enabled and not self.graphs:
-            self.capture()
+        if self.capture_enabled and not self.graphs:  # dropped by a memory release
+            try:
+                self.capture()
+            except Exception as exc:  # noqa: BLE001 - run eagerly rather than fail the step
+                logger.warning("CUDA graph capture failed (%s: %s): decode steps run eagerly",
+                               type(exc).__name__, exc)
+                self.capture_enabled = False
+                self.drop()
         for i, values in enumerate((ids, positions, out_slots, rows, lengths)):
             self.inputs[i, :n].copy_(values, non_blocking=True)
         self._pad(n, size)

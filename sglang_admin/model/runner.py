@@ -227,8 +227,13 @@ class ModelRunner:
             self.batches.req_to_token, min(max_bs, self.max_running_requests),
             lambda size: split_count(size, cfg.num_kv_heads, self.context_length),
             cfg.num_heads, cfg.head_dim, self.device, capture=self.device.type == "cuda")
-        with torch.inference_mode():
-            graphs.capture()
+        try:
+            with torch.inference_mode():
+                graphs.capture()
+        except Exception as exc:  # noqa: BLE001 - an opt-in speed-up: the rank serves without
+            logger.warning("CUDA graph capture failed (%s: %s): decode steps run eagerly",
+                           type(exc).__name__, exc)
+            return None
         return graphs
 
     def _decoder_params(self) -> int:
