@@ -50,6 +50,8 @@ def cuda_attention_applies(device: torch.device, backend: str, heads: int, kv_he
                        "attention runs torch's SDPA over a gathered copy of the KV cache",
                        device, problem)
         return False
+    logger.info("attention on %s: decode through the Triton paged kernel, prefill after a "
+                "cached prefix without a mask (--attention-backend torch_native: torch's)", device)
     return True
 
 
