@@ -14,6 +14,8 @@ import threading
 from collections.abc import Callable
 from typing import NoReturn
 
+logger = logging.getLogger(__name__)
+
 
 def die_with_parent() -> None:
     """Ask Linux to SIGKILL this process when the server process dies (no orphans)."""
@@ -35,6 +37,8 @@ def exit_stopped(code: int) -> NoReturn:
     non-daemon threads finish (a profile trace being written; thread pools end as they do
     at exit), multiprocessing's finalizers and the atexit handlers run, the logs and stdio
     are flushed."""
+    logger.info("process %d exits with code %d, skipping the interpreter's teardown",
+                os.getpid(), code)
     multiprocessing.util._exit_function()  # as multiprocessing's Process._bootstrap does
     threading._shutdown()  # joins non-daemon threads; the pools' exit hooks run here
     atexit._run_exitfuncs()  # logging.shutdown() is one of them
