@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import os
 
-from sglang_admin.constants import RANK_OPENMP_DEFAULTS
+from sglang_admin.constants import rank_openmp_environment
 
 # torch's OpenMP threads in this process (transformers' references, the unit tests' runners)
-# take a rank's settings (sleep when they wait instead of spinning): with the default active
-# wait, 32 greedy transformers calls on a tiny model took 10 s of CPU on 2 threads of the
-# loaded 2-core machine instead of 0.6 s. Read when torch is imported, so set before any
-# test module imports it.
-for _name, _value in RANK_OPENMP_DEFAULTS.items():
-    os.environ.setdefault(_name, _value)
+# take a rank's settings (constants.RANK_OPENMP_DEFAULTS: a short spin, then sleep): with
+# libgomp's default wait, 32 greedy transformers calls on a tiny model took 10 s of CPU on
+# 2 threads of the loaded 2-core machine instead of 0.6 s. Read when torch is imported, so
+# set before any test module imports it; the workers the tests start inherit the same.
+os.environ.update(rank_openmp_environment(dict(os.environ)))
 
 from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
