@@ -8,14 +8,19 @@ from __future__ import annotations
 
 import os
 
-from sglang_admin.constants import rank_openmp_environment
+from sglang_admin.constants import RANK_OPENMP_DEFAULTS
 
-# torch's OpenMP threads in this process (transformers' references, the unit tests' runners)
-# take a rank's settings (constants.RANK_OPENMP_DEFAULTS: a short spin, then sleep): with
-# libgomp's default wait, 32 greedy transformers calls on a tiny model took 10 s of CPU on
-# 2 threads of the loaded 2-core machine instead of 0.6 s. Read when torch is imported, so
-# set before any test module imports it; the workers the tests start inherit the same.
-os.environ.update(rank_openmp_environment(dict(os.environ)))
+# OpenMP threads that sleep as soon as they wait, in the test process (transformers'
+# references, the unit tests' runners, the gloo peers they spawn) and in the workers the tests
+# start (a setting of the user's: the ranks keep it instead of RANK_OPENMP_DEFAULTS). On the
+# loaded 2-core machine any spinning costs the cores that the test process, the server and the
+# ranks share: 32 greedy transformers calls on a tiny model took 10 s of CPU on 2 threads with
+# libgomp's default wait, 1.7 s with the ranks' short spin and 0.6 s sleeping, and the unit
+# suite ran 211 s with the ranks' setting (the gloo push test timing out) against 50 s.
+# Read by the OpenMP runtime when torch is imported, so set before any test module imports it;
+# a variable the user set wins.
+if not any(name in os.environ for name in RANK_OPENMP_DEFAULTS):
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
 from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
