@@ -218,6 +218,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                         "kernels built at start with the machine's compiler), elsewhere "
                         "torch's ops; torch_native: torch's ops everywhere; cpu_paged: the "
                         "kernels or refuse to start")
+    p.add_argument("--cuda-graph-max-bs", type=_non_negative_int, default=0, metavar="N",
+                   help="on CUDA, capture decode steps of up to N sequences as CUDA graphs "
+                        "(docs/gpu.md; not yet run on a GPU); 0, the default: off")
     p.add_argument("--seed", type=_seed, default=0)
     p.add_argument("--enable-lora", action="store_true",
                    help="serve LoRA adapters (LoadLoRAAdapter, GenerateRequest.lora_id)")

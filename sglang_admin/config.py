@@ -117,6 +117,7 @@ class ServerArgs:
     torch_threads: int = 0  # per lane of a rank; 0: see rank_threads
     cpu_lanes: int = 0  # threads that compute parts of a CPU step at once; 0: see rank_lanes
     attention_backend: str = "auto"  # one of ATTENTION_BACKENDS
+    cuda_graph_max_bs: int = 0  # CUDA graphs for decode batches up to this size; 0: off
     seed: int = 0
     # LoRA (scheduler/lora_control.py): adapters live in --max-loaded-loras slots of rank
     # up to --max-lora-rank; lora_paths are (name, path) pairs loaded at start.

@@ -43,3 +43,13 @@ LORA_NOT_ENABLED = "LoRA is not enabled on this worker (start it with --enable-l
 # server's KV events split them again with the mask.
 LORA_NAMESPACE_SHIFT = 32
 LORA_TOKEN_MASK = (1 << LORA_NAMESPACE_SHIFT) - 1
+
+
+# ------------------------------------------------------------------------------- threads
+
+# The OpenMP settings a rank process starts with unless the user set them (read by the
+# OpenMP runtime when the rank imports torch; docs/cpu-performance.md). A large model's GEMMs
+# on CPU run on a team of OpenMP threads (model/runner.py): a team that spins at its barriers
+# waits out a time slice whenever its other thread shares a core with the server or another
+# rank, and one that sleeps pays a wake-up at each of the step's ~300 parallel regions.
+RANK_OPENMP_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}

@@ -12,13 +12,18 @@ published config with transformers, cached under --cache-dir) and every dtype:
   sides may use (--cores: both are pinned to the same cores; default all of this process's);
 - the two alternate, --rounds rounds each; the best round of each side counts, the ratio is
   served / transformers (output tokens asked for, per second from the first send);
-- the decode step's matmul floor: the FLOPs of a batch-32 decode step (every projection and
-  the LM head; attention at a 48-token context is left out) divided by torch's own
-  ``F.linear`` GFLOP/s measured at those shapes in that dtype with that thread count, in this
-  run; beside it our step, the real ModelRunner driven in-process at batch 32 with the
-  worker's default lanes and threads (tools/bench_decode.py's ``time_decode``). The table
-  prints step / floor, both the best of their repetitions (this machine is shared: the
-  least disturbed repetition is the closest to what the code costs).
+- the decode step's matmul floor: the matmuls of a batch-32 decode step alone (every
+  projection of every layer and the LM head; attention at a 48-token context is left out),
+  run back to back as a step runs them, each layer's weights tensors of their own (a real
+  model's weights do not fit in cache: they stream from memory in a step, and so here),
+  each shape through torch's faster GEMM there (``F.linear`` or oneDNN on a packed weight),
+  in that dtype with that thread count, in this run. Printed beside it: the "hot" figure,
+  the sum of each shape's GEMM timed on one weight repeated (in cache; no step can reach
+  it). Our step: the real ModelRunner driven in-process at batch 32 with the worker's
+  default lanes and threads, under the OpenMP settings the worker gives its ranks
+  (tools/bench_decode.py's ``time_decode``). The table prints step / floor, both the best
+  of their repetitions (this machine is shared: the least disturbed repetition is the
+  closest to what the code costs).
 
 Workloads (tools/workloads.py, fixed seeds): mixed (64 requests, prompts 16..256, outputs
 8..128), chat (32 at once, prompts 30..60, outputs 64..256), long (8 prompts of 1..2k tokens,
@@ -50,6 +55,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from sglang_admin.constants import RANK_OPENMP_DEFAULTS  # noqa: E402
 from tools.workloads import (  # noqa: E402
     Workload,
     chat_workload,
@@ -230,35 +236,101 @@ def linear_shapes(config: dict[str, Any]) -> tuple[list[tuple[int, int]], tuple[
     return layer, (hidden, config["vocab_size"]), config["num_hidden_layers"]
 
 
-def matmul_seconds(batch: int, k: int, n: int, dtype: Any, reps: int) -> float:
-    """Best seconds of torch's fastest CPU GEMM of (batch x k) by an (n x k) weight: the
-    better of ``F.linear`` and oneDNN on a packed weight (model/packed_linear.py), the least
-    disturbed repetition (the floor is what torch reaches at best)."""
+def _gemms(batch: int, k: int, n: int,
+           dtype: Any) -> list[tuple[Callable[[Any], Any], Callable[[Any, Any], Any]]]:
+    """torch's CPU GEMMs of (batch x k) by an (n x k) weight, as (prepare, run) pairs: plain
+    ``F.linear``, and oneDNN on a weight packed once (model/packed_linear.py) where torch
+    has it."""
     import torch
     import torch.nn.functional as F
 
     from sglang_admin.model.packed_linear import packed_linear, packing_available
 
+    gemms: list[tuple[Callable[[Any], Any], Callable[[Any, Any], Any]]] = [
+        (lambda w: w, F.linear)]
+    if packing_available():
+        gemms.append((lambda w: (torch.ops.mkldnn._reorder_linear_weight(w, batch), None),
+                      packed_linear))
+    return gemms
+
+
+def matmul_seconds(batch: int, k: int, n: int, dtype: Any, reps: int) -> tuple[float, int]:
+    """Best seconds of torch's fastest CPU GEMM of (batch x k) by an (n x k) weight, the
+    weight hot in cache (the same one repeated), and which of ``_gemms`` it was."""
+    import torch
+
     x = torch.randn(batch, k).to(dtype)
     w = (torch.randn(n, k) * 0.02).to(dtype)
-    candidates = [lambda: F.linear(x, w)]
-    if packing_available():
-        part = (torch.ops.mkldnn._reorder_linear_weight(w, batch), None)
-        candidates.append(lambda: packed_linear(x, part))
-    best = float("inf")
-    for gemm in candidates:
+    best, which = float("inf"), 0
+    for i, (prepare, run) in enumerate(_gemms(batch, k, n, dtype)):
+        weight = prepare(w)
         for _ in range(3):
-            gemm()
+            run(x, weight)
         for _ in range(reps):
             t0 = time.perf_counter()
-            gemm()
-            best = min(best, time.perf_counter() - t0)
+            run(x, weight)
+            seconds = time.perf_counter() - t0
+            if seconds < best:
+                best, which = seconds, i
+    return best, which
+
+
+def step_matmuls_seconds(shapes: list[tuple[int, int, int, int]], batch: int, dtype: Any,
+                         reps: int) -> float:
+    """Best seconds of one decode step's matmuls alone, run back to back as a step runs them:
+    (k, n, count, gemm) per shape, each of the ``count`` weights a tensor of its own (so the
+    weights stream from memory as in a step: a real model's do not fit in cache), through
+    the GEMM ``_gemms`` index ``gemm``."""
+    import torch
+
+    plan = []
+    for k, n, count, which in shapes:
+        prepare, run = _gemms(batch, k, n, dtype)[which]
+        x = torch.randn(batch, k).to(dtype)
+        weights = [prepare((torch.randn(n, k) * 0.02).to(dtype)) for _ in range(count)]
+        plan.append((x, run, weights))
+    layers = max(len(w) for _, _, w in plan)
+    order = [(x, run, w[i]) for i in range(layers) for x, run, w in plan if i < len(w)]
+    best = float("inf")
+    for _ in range(reps + 1):  # the first pass warms up
+        t0 = time.perf_counter()
+        for x, run, weight in order:
+            run(x, weight)
+        best = min(best, time.perf_counter() - t0)
     return best
 
 
-def floor_main(model_path: str, dtype: str, threads: int, server_args: list[str], batch: int,
-               steps: int) -> None:
-    """Print one JSON line: our batch-``batch`` decode step and its matmul floor (seconds)."""
+def floor_main(model_path: str, dtype: str, threads: int, batch: int) -> None:
+    """Print one JSON line: the matmul floor of a batch-``batch`` decode step (seconds), in
+    a process of torch's default OpenMP settings (the floor is what torch reaches at best)."""
+    import torch
+
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    torch_dtype = getattr(torch, dtype)
+    torch.set_num_threads(threads)  # torch's best use of the cores both sides get
+    layer, head, layers = linear_shapes(config)
+    reps = 20 if config["num_hidden_layers"] > 2 else 5
+    per_shape = []
+    hot_floor = 0.0
+    flops = 0.0
+    plan = []
+    for (k, n), count in [*((s, layers) for s in layer), (head, 1)]:
+        seconds, which = matmul_seconds(batch, k, n, torch_dtype, reps)
+        f = 2.0 * batch * k * n
+        per_shape.append({"k": k, "n": n, "count": count, "gflops": f / seconds / 1e9,
+                          "gemm": ["F.linear", "packed"][which]})
+        hot_floor += count * seconds
+        flops += count * f
+        plan.append((k, n, count, which))
+    print(json.dumps({"floor_s": step_matmuls_seconds(plan, batch, torch_dtype, reps=5),
+                      "hot_floor_s": hot_floor, "flops": flops, "matmuls": per_shape}))
+
+
+def step_main(model_path: str, dtype: str, server_args: list[str], batch: int,
+              steps: int) -> None:
+    """Print one JSON line: our batch-``batch`` decode step (seconds), with the lanes and
+    threads the worker's flags give a rank on these cores (run under the ranks' OpenMP
+    settings: the caller passes RANK_OPENMP_DEFAULTS)."""
     import torch
 
     from sglang_admin.cli import build_parser
@@ -266,22 +338,6 @@ def floor_main(model_path: str, dtype: str, threads: int, server_args: list[str]
     from sglang_admin.model.runner import ModelRunner
     from tools.bench_decode import time_decode
 
-    config = json.loads((Path(model_path) / "config.json").read_text())
-    torch_dtype = getattr(torch, dtype)
-    # the matmul floor: torch's best use of the cores both sides get
-    torch.set_num_threads(threads)
-    layer, head, layers = linear_shapes(config)
-    reps = 20 if config["num_hidden_layers"] > 2 else 5
-    per_shape = []
-    floor = 0.0
-    flops = 0.0
-    for (k, n), count in [*((s, layers) for s in layer), (head, 1)]:
-        seconds = matmul_seconds(batch, k, n, torch_dtype, reps)
-        f = 2.0 * batch * k * n
-        per_shape.append({"k": k, "n": n, "count": count, "gflops": f / seconds / 1e9})
-        floor += count * seconds
-        flops += count * f
-    # our step, with the worker's own lanes and threads for these flags on these cores
     ns = build_parser().parse_args(["serve", *server_args])
     args = ServerArgs(dp_size=ns.dp_size, torch_threads=ns.torch_threads, cpu_lanes=ns.cpu_lanes)
     torch.set_num_threads(args.rank_threads)
@@ -291,9 +347,7 @@ def floor_main(model_path: str, dtype: str, threads: int, server_args: list[str]
                          lanes=args.rank_lanes, attention_backend=ns.attention_backend)
     times = time_decode(runner, batch, context, steps)
     print(json.dumps({"step_s": min(times), "step_median_s": statistics.median(times),
-                      "floor_s": floor, "flops": flops,
-                      "matmuls": per_shape, "lanes": runner.lanes,
-                      "threads": torch.get_num_threads()}))
+                      "lanes": runner.lanes, "threads": torch.get_num_threads()}))
 
 
 # ------------------------------------------------------------------------ the driver
@@ -316,9 +370,10 @@ class Cell:
             else 0.0
 
 
-def _run_child(*args: str, timeout: float = 7200) -> dict[str, Any]:
+def _run_child(*args: str, timeout: float = 7200,
+               env: dict[str, str] | None = None) -> dict[str, Any]:
     out = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True,
-                         cwd=ROOT, timeout=timeout)
+                         cwd=ROOT, timeout=timeout, env=env)
     if out.returncode != 0:
         raise RuntimeError(f"{args[1]} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -416,14 +471,17 @@ def run_matrix(ns: argparse.Namespace) -> dict[str, Any]:
             try:
                 floors[(shape, dtype)] = _run_child(
                     "--role", "floor", "--model-path", str(path), "--dtype-one", dtype,
-                    "--threads", str(threads), "--steps", str(ns.floor_steps),
-                    *(f"--server-arg={a}" for a in ns.server_arg))
+                    "--threads", str(threads)) | _run_child(
+                    "--role", "step", "--model-path", str(path), "--dtype-one", dtype,
+                    "--steps", str(ns.floor_steps),
+                    *(f"--server-arg={a}" for a in ns.server_arg),
+                    env=RANK_OPENMP_DEFAULTS | dict(os.environ))  # the ranks' OpenMP settings
                 f = floors[(shape, dtype)]
                 print(f"  {shape} {dtype} decode step at batch 32: {f['step_s'] * 1e3:.1f} ms "
                       f"({f['lanes']} lane(s) x {f['threads']} thread(s)), matmul floor "
                       f"{f['floor_s'] * 1e3:.1f} ms ({f['flops'] / 1e9:.2f} GFLOP at "
-                      f"{f['flops'] / f['floor_s'] / 1e9:.0f} GFLOP/s, {threads} threads)",
-                      flush=True)
+                      f"{f['flops'] / f['floor_s'] / 1e9:.0f} GFLOP/s, {threads} threads; "
+                      f"weights in cache: {f['hot_floor_s'] * 1e3:.1f} ms)", flush=True)
             except Exception as exc:
                 floors[(shape, dtype)] = {"error": str(exc).splitlines()[0][:200]}
                 print(f"  {shape} {dtype} floor: error {exc}", flush=True)
@@ -471,7 +529,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="extra worker flag (repeatable), e.g. --server-arg=--torch-threads=2")
     p.add_argument("--json", default=None, help="also write the results to this file")
     # the child processes
-    p.add_argument("--role", choices=["client", "transformers", "floor"], help=argparse.SUPPRESS)
+    p.add_argument("--role", choices=["client", "transformers", "floor", "step"],
+                   help=argparse.SUPPRESS)
     p.add_argument("--target", help=argparse.SUPPRESS)
     p.add_argument("--workload", help=argparse.SUPPRESS)
     p.add_argument("--vocab", type=int, help=argparse.SUPPRESS)
@@ -488,7 +547,10 @@ def main(argv: list[str] | None = None) -> int:
         transformers_main(ns.model_path, ns.dtype_one, ns.threads, ns.vocab, ns.small)
         return 0
     if ns.role == "floor":
-        floor_main(ns.model_path, ns.dtype_one, ns.threads, ns.server_arg, 32, ns.steps)
+        floor_main(ns.model_path, ns.dtype_one, ns.threads, 32)
+        return 0
+    if ns.role == "step":
+        step_main(ns.model_path, ns.dtype_one, ns.server_arg, 32, ns.steps)
         return 0
     if ns.quick:
         ns.shapes = ns.shapes or ["smollm2-135m"]

@@ -3,6 +3,7 @@
 # install what is missing, run the GPU-marked tests, check a served worker on the GPU end to
 # end (tools/gpu_check.py: greedy tokens equal transformers, logprobs, sampling, json_schema,
 # LoRA, refit, memory release, a profile, a weight push; dp 2 too when two GPUs are visible),
+# check the CUDA attention path against torch's and time both (tools/check_attention.py),
 # then time the decode step against the memory-bandwidth bound (tools/bench_decode.py).
 # One line per check, a summary at the end. Without a GPU it says so in one line.
 #
@@ -49,6 +50,14 @@ if [ "$gpus" -ge 2 ]; then
 else
   echo "one GPU: tp 2 over nccl needs two, not checked (its GPU test skips)"
 fi
+
+echo "== attention: the CUDA path (Triton paged decode, mask-free prefix prefill) against torch's"
+"$PY" tools/check_attention.py --device cuda --dtype bfloat16 --batch 64 --context 4096 \
+  --graphs || status=1
+"$PY" tools/check_attention.py --device cuda --dtype bfloat16 --batch 1 --context 8192 \
+  --prefix 4096 --chunk 1024 || status=1
+"$PY" tools/check_attention.py --device cuda --dtype float32 --batch 16 --context 1024 \
+  --heads 8 --kv-heads 2 --head-dim 32 --window 256 --iters 5 || status=1
 
 echo "== decode step against the bandwidth bound"
 "$PY" tools/bench_decode.py --device cuda --dtype bfloat16 --batch 1 64 --context 512 \

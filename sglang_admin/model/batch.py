@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sglang_admin.model.attention import AttentionMetadata, DecodeGroup, ExtendSeq
+from sglang_admin.model.attention import AttentionMetadata, DecodeGroup, ExtendSeq, PagedDecode
 from sglang_admin.model.cpu_kernels import EXTEND_MAX_TOKENS, CpuKernels, DecodeBatch
 from sglang_admin.model.host_index import StagingBuffer, host_table
 from sglang_admin.model.lanes import group_by_length, lane_cuts
@@ -58,6 +58,7 @@ class BatchBuilder:
         cpu_kernels: CpuKernels | None,
         extend_kernel: bool,
         lanes: int,
+        cuda_attention: bool = False,
     ) -> None:
         self.device = device
         self.dtype = dtype
@@ -70,6 +71,9 @@ class BatchBuilder:
         self.cpu_kernels = cpu_kernels
         self.extend_kernel = extend_kernel  # prefill chunks may go through the CPU kernel
         self.lanes = lanes
+        # CUDA (model/attention/choice.py): decode through the Triton kernel, a cached
+        # prefix's extend without a mask; tests set it on CPU to check those paths' numerics
+        self.cuda_attention = cuda_attention
         self._table_words: memoryview | None = None
         self._staging: StagingBuffer | None = None
         if device.type == "cpu":
@@ -260,7 +264,10 @@ class BatchBuilder:
             longest = max(dec_lens)
             meta.decode_batch = DecodeBatch(self.cpu_kernels, table, dec_rows, t_dec_lens,
                                             longest, self._scores_scratch(lane, longest))
-        groups = group_by_length(dec_lens) if self.cpu_kernels is None else []
+        if self.cuda_attention and nd:  # the Triton kernel reads the table itself
+            meta.paged_decode = PagedDecode(table, dec_rows, t_dec_lens, max(dec_lens))
+        groups = (group_by_length(dec_lens)
+                  if self.cpu_kernels is None and not self.cuda_attention else [])
         for a, b in groups:
             length = dec_lens[b - 1]  # the lengths are ascending (sorted for torch's path)
             group = DecodeGroup(a, b - a, length,
@@ -288,6 +295,10 @@ class BatchBuilder:
                 seq.slots, seq.prefix = table[s.req_idx, : p + n], p
                 continue
             in_window = window is not None and p + n > window
+            if p and self.cuda_attention and not in_window:  # no mask: see ExtendSeq
+                seq.kv_index, seq.lower_right = table[s.req_idx, : p + n], True
+                gathered = max(gathered, p + n)
+                continue
             if p or in_window:
                 qpos = self._arange[p : p + n].unsqueeze(1)  # [n, 1]
                 keys = self._arange[: p + n].unsqueeze(0)

@@ -24,9 +24,11 @@ import torch
 import torch.nn.functional as F
 
 from sglang_admin.config import ATTENTION_BACKENDS
+from sglang_admin.model.attention.choice import cuda_attention_applies
 from sglang_admin.model.batch import BatchBuilder, ForwardBatch
 from sglang_admin.model.cpu_dtype import auto_cpu_dtype
 from sglang_admin.model.cpu_kernels import CpuKernels, load_cpu_kernels
+from sglang_admin.model.decode_graphs import DecodeGraphs
 from sglang_admin.model.device import (
     DEFAULT_MEM_FRACTION_STATIC,
     default_token_capacity,
@@ -110,6 +112,7 @@ class ModelRunner:
         is_embedding: bool = False,
         tensor_parallel: object = None,
         lanes_as_threads: bool = True,
+        cuda_graph_max_bs: int = 0,
     ) -> None:
         if model_path is None:
             from sglang_admin.model.default_model import ensure_default_model
@@ -124,6 +127,10 @@ class ModelRunner:
             model_path, dtype=self.dtype, device=self.device, context_length=context_length,
             is_embedding=is_embedding, tensor_parallel=tensor_parallel,
         )
+        # CUDA: the Triton decode kernel and mask-free prefix prefill (model/attention/choice.py)
+        mcfg = self.model.config
+        cuda_attention = cuda_attention_applies(self.device, attention_backend, mcfg.num_heads,
+                                                mcfg.num_kv_heads, mcfg.head_dim, self.dtype)
         if tensor_parallel is not None:  # the C decode layer has no all-reduce: torch's ops
             attention_backend = "torch_native"
         self.weight_bytes = self.info.weight_bytes
@@ -184,7 +191,7 @@ class ModelRunner:
             context_length=self.context_length, token_capacity=self.token_capacity,
             sliding_window=self.sliding_window, num_heads=cfg.num_heads,
             kv_width=cfg.num_kv_heads * cfg.head_dim, cpu_kernels=self.cpu_kernels,
-            extend_kernel=extend_kernel, lanes=self.lanes)
+            extend_kernel=extend_kernel, lanes=self.lanes, cuda_attention=cuda_attention)
         # a large model on CPU: every projection and the LM head through oneDNN with packed
         # weights (model/packed_linear.py), each weight's rows cut among the lane threads if
         # there are several (not under tensor parallelism: its all-reduces hang on the
@@ -192,11 +199,42 @@ class ModelRunner:
         # the lane threads
         self.split_matmuls = self.packed is None and large_cpu and self.lanes > 1
         self.last_times = ForwardTimes()  # the last forward_step's split, for step_timing
+        # CUDA graphs for decode batches (model/decode_graphs.py), off unless asked for
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graph_max_bs > 0:
+            self.graphs = self._decode_graphs(cuda_graph_max_bs, cuda_attention, tensor_parallel)
         logger.info(
             "model %s loaded: %s on %s, %.1f MiB weights, KV pool %d tokens (%.1f MiB)",
             self.info.architectures, self.info.dtype, self.device, self.weight_bytes / 2**20,
             self.token_capacity, self.kv_cache_bytes / 2**20,
         )
+
+    def _decode_graphs(self, max_bs: int, cuda_attention: bool,
+                       tensor_parallel: object) -> DecodeGraphs | None:
+        """Decode graphs up to ``max_bs`` sequences, captured now (on CUDA; on CPU they run
+        eagerly, for the tests): where the Triton decode kernel runs, without LoRA or tensor
+        parallelism; else None (logged)."""
+        if not cuda_attention or self.lora is not None or tensor_parallel is not None:
+            logger.info("CUDA graphs off: they need the CUDA attention path, no LoRA and no "
+                        "tensor parallelism")
+            return None
+        from sglang_admin.model.attention.triton_decode import split_count
+
+        cfg = self.model.config
+        graphs = DecodeGraphs(
+            lambda ids, positions, meta: self.model(ids, positions, meta, self.k_caches,
+                                                    self.v_caches),
+            self.batches.req_to_token, min(max_bs, self.max_running_requests),
+            lambda size: split_count(size, cfg.num_kv_heads, self.context_length),
+            cfg.num_heads, cfg.head_dim, self.device, capture=self.device.type == "cuda")
+        try:
+            with torch.inference_mode():
+                graphs.capture()
+        except Exception as exc:  # noqa: BLE001 - an opt-in speed-up: the rank serves without
+            logger.warning("CUDA graph capture failed (%s: %s): decode steps run eagerly",
+                           type(exc).__name__, exc)
+            return None
+        return graphs
 
     def _decoder_params(self) -> int:
         """Parameters of the decoder layers' matmuls (what a token's projections multiply)."""
@@ -251,6 +289,8 @@ class ModelRunner:
             return 0
         self._kv = None
         self.k_caches, self.v_caches = [], []
+        if self.graphs is not None:  # they point at the pool: captured again after resume
+            self.graphs.drop()
         self.batches.drop_scratch()
         self.reset()
         _return_memory(self.device)
@@ -274,6 +314,8 @@ class ModelRunner:
             return 0
         if self.packed is not None:
             self.packed.clear()
+        if self.graphs is not None:  # they point at the weights: captured again after resume
+            self.graphs.drop()
         self.model.release_parameters()
         _return_memory(self.device)
         return self.weight_bytes
@@ -488,6 +530,12 @@ class ModelRunner:
         the lane threads while this thread computes the first; joined in token order."""
         lanes, offsets, metas = batch.lanes, batch.offsets, batch.metas
         ids, positions = batch.input_ids, batch.positions
+        decode = metas[0].paged_decode
+        if self.graphs is not None and decode is not None and metas[0].num_decode == len(ids):
+            hidden = self.graphs.run(ids, positions, metas[0].out_slots, decode.rows,
+                                     decode.lengths)
+            if hidden is not None:  # a decode batch no larger than the graphs' largest
+                return hidden
 
         def run(i: int, linear: Linear | None = None) -> torch.Tensor:
             a, b = offsets[lanes[i][0]], offsets[lanes[i][1]]

@@ -16,6 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from sglang_admin.config import ServerArgs
+from sglang_admin.constants import RANK_OPENMP_DEFAULTS
 from sglang_admin.pb import common_pb2, common_pb2_grpc
 from sglang_admin.server import admission, ipc_dir
 from sglang_admin.server.communicator import Communicator
@@ -159,12 +160,9 @@ class Server:
             await self.health.set(name, status)
 
     def _start_ranks(self) -> None:
-        # A rank's OpenMP threads (a large model's GEMMs on CPU: model/runner.py) sleep when
-        # they wait instead of spinning, unless the user says otherwise: a spinning team
-        # whose other thread shares a core with the server or another rank waits out that
-        # thread's time slice at every barrier (docs/cpu-performance.md). Read by the OpenMP
-        # runtime when a rank imports torch, so set before they start.
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        # read by the OpenMP runtime when a rank imports torch, so set before they start
+        for name, value in RANK_OPENMP_DEFAULTS.items():
+            os.environ.setdefault(name, value)
         ctx = mp.get_context("spawn")
         for rank in range(self.args.dp_size):
             proc = ctx.Process(

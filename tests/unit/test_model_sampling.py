@@ -265,3 +265,40 @@ def test_argmax_from_is_where_the_token_becomes_the_plain_argmax(
         req = SampleRequest(sp, [1, 2], [4] * expected, return_logprob=False)
         result = sample(logits, [req], [0], torch.Generator())
         assert result.token_ids == [int(logits.argmax())]
+
+
+def test_draw_follows_the_distribution_and_never_picks_a_zero() -> None:
+    """The cumulative-sum draw that replaced torch.multinomial: frequencies match the
+    probabilities, and a token of probability 0 (first, middle or last) is never drawn."""
+    from sglang_admin.model.sampling import _draw
+
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.3, 0.2, 0.0]).expand(20000, 6).contiguous()
+    drawn = _draw(probs, torch.Generator().manual_seed(3)).squeeze(1)
+    freq = torch.bincount(drawn, minlength=6).float() / 20000
+    assert freq[[0, 2, 5]].sum() == 0
+    assert torch.allclose(freq, probs[0], atol=0.015)
+    one_hot = torch.zeros(4, 6)
+    one_hot[torch.arange(4), torch.tensor([0, 5, 2, 5])] = 1.0
+    assert _draw(one_hot, None).squeeze(1).tolist() == [0, 5, 2, 5]
+
+
+@pytest.mark.parametrize("params", [
+    {"top_p": 0.9}, {"top_k": 50}, {"top_k": 3000}, {"min_p": 0.05}, {"top_p": 0.5, "top_k": 20},
+    {"top_p": 0.999}, {"top_k": 3000, "top_p": 0.06},
+])
+@pytest.mark.parametrize("shape", ["peaked", "flat"])
+def test_truncation_among_candidates_equals_a_full_sort(monkeypatch: pytest.MonkeyPatch,
+                                                        params: dict, shape: str) -> None:
+    """Top-k/top-p/min-p look at the best few tokens first (TRUNCATION_WIDTHS) and sort the
+    whole row only when the kept set may reach beyond them: the same seed draws the same
+    tokens either way (peaked rows stay among the candidates, flat ones fall back)."""
+    import sglang_admin.model.sampling as sampling
+
+    vocab = 5000
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(64, vocab, generator=gen) * (6.0 if shape == "peaked" else 0.3)
+    reqs = [SampleRequest(SamplingParams(temperature=1.0, **params), [], [])] * 64
+    fast = sample(logits, reqs, EOS, torch.Generator().manual_seed(11)).token_ids
+    monkeypatch.setattr(sampling, "TRUNCATION_WIDTHS", ())  # always the full sort
+    full = sample(logits, reqs, EOS, torch.Generator().manual_seed(11)).token_ids
+    assert fast == full

@@ -22,6 +22,9 @@ class ExtendSeq:
     mask: torch.Tensor | None = None  # [1, 1, n, prefix + n] bool, with kv_index
     # the same with the sliding window; None when the window is out of reach
     swa_mask: torch.Tensor | None = None
+    # CUDA, a cached prefix and no sliding window in reach: mask is None and the queries
+    # attend causally from the bottom right (query i sees keys [0, prefix + i])
+    lower_right: bool = False
     # set when the CPU prefill kernel takes it: the pool slots of positions [0, prefix + n)
     # (its table row) and the prefix
     slots: torch.Tensor | None = None
@@ -44,6 +47,23 @@ class DecodeGroup:
 
 
 @dataclass
+class PagedDecode:
+    """The decode sequences of a CUDA forward, for the Triton kernel
+    (model/attention/triton_decode.py), which reads their keys through the table itself."""
+
+    table: torch.Tensor  # the request-to-token table [rows, context]
+    rows: torch.Tensor  # [count] each sequence's table row
+    lengths: torch.Tensor  # [count] its positions, the new token's included
+    longest: int  # the largest of lengths
+    # set by the first layer's call, shared by the others: the splits each sequence's
+    # positions are cut into and their float32 scratch, [count, heads, splits, head_dim] and
+    # [count, heads, splits]
+    num_splits: int = 0
+    part_out: torch.Tensor | None = None
+    part_lse: torch.Tensor | None = None
+
+
+@dataclass
 class AttentionMetadata:
     """Where every new token's K/V goes and which pool slots each query attends to.
 
@@ -60,6 +80,9 @@ class AttentionMetadata:
     # CPU float32 (model/cpu_kernels.py): the decode sequences attend through the kernel,
     # in place in the pool, and decode_groups stay empty
     decode_batch: Any = None
+    # CUDA (model/attention/choice.py): the decode sequences attend through the Triton
+    # kernel, and decode_groups stay empty
+    paged_decode: PagedDecode | None = None
     # scratch for gathered K and V rows ([rows, kv_heads * head_dim] each), reused by every
     # layer: allocating megabytes per layer costs page faults on CPU
     gather_k: torch.Tensor | None = None

@@ -1,5 +1,7 @@
 """Paged attention over the KV pool: decode groups and extend sequences through torch's
-scaled-dot-product attention, or through the CPU kernels where the runner chose them.
+scaled-dot-product attention, or through the CPU kernels where the runner chose them, or on
+CUDA (model/attention/choice.py) decode through the Triton kernel and a cached prefix's
+extend through SDPA's bottom-right causal form.
 
 Head counts come from the tensors (q: [T, heads, D], the pool: [slots, kv_heads, D]), so a
 rank holding a slice of the heads calls the same functions.
@@ -50,6 +52,11 @@ def paged_attention(
     nd = meta.num_decode
     if meta.decode_batch is not None:
         parts.append(meta.decode_batch.attend(q[:nd], k_cache, v_cache, scale, sliding_window))
+    if meta.paged_decode is not None:  # CUDA: the Triton kernel reads the pool (choice.py)
+        from sglang_admin.model.attention.triton_decode import paged_decode
+
+        parts.append(paged_decode(q[:nd], k_cache, v_cache, meta.paged_decode, scale,
+                                  sliding_window))
     for group in meta.decode_groups:
         # queries of one kv head form the "query length" axis: no K/V repeat needed
         a, n, length = group.start, group.count, group.length
@@ -104,7 +111,14 @@ def extend_attention(
         ks = ks.transpose(0, 1).unsqueeze(0)
         vs = vs.transpose(0, 1).unsqueeze(0)
         mask = seq.swa_mask if windowed and seq.swa_mask is not None else seq.mask
-        if mask is None:
+        if seq.lower_right and mask is None:  # CUDA: SDPA's flash kernel takes it (choice.py)
+            # imported here: torch.nn.attention.bias imports torch._dynamo (seconds)
+            from torch.nn.attention.bias import causal_lower_right
+
+            out = F.scaled_dot_product_attention(
+                qs, ks, vs, attn_mask=causal_lower_right(seq.n, ks.shape[2]), scale=scale,
+                enable_gqa=True)
+        elif mask is None:
             out = F.scaled_dot_product_attention(
                 qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True
             )
