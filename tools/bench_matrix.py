@@ -55,7 +55,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from sglang_admin.constants import RANK_OPENMP_DEFAULTS  # noqa: E402
+from sglang_admin.constants import rank_openmp_environment  # noqa: E402
 from tools.workloads import (  # noqa: E402
     Workload,
     chat_workload,
@@ -330,7 +330,7 @@ def step_main(model_path: str, dtype: str, server_args: list[str], batch: int,
               steps: int) -> None:
     """Print one JSON line: our batch-``batch`` decode step (seconds), with the lanes and
     threads the worker's flags give a rank on these cores (run under the ranks' OpenMP
-    settings: the caller passes RANK_OPENMP_DEFAULTS)."""
+    settings: the caller passes rank_openmp_environment)."""
     import torch
 
     from sglang_admin.cli import build_parser
@@ -475,7 +475,7 @@ def run_matrix(ns: argparse.Namespace) -> dict[str, Any]:
                     "--role", "step", "--model-path", str(path), "--dtype-one", dtype,
                     "--steps", str(ns.floor_steps),
                     *(f"--server-arg={a}" for a in ns.server_arg),
-                    env=RANK_OPENMP_DEFAULTS | dict(os.environ))  # the ranks' OpenMP settings
+                    env=rank_openmp_environment(dict(os.environ)))  # the ranks' OpenMP settings
                 f = floors[(shape, dtype)]
                 print(f"  {shape} {dtype} decode step at batch 32: {f['step_s'] * 1e3:.1f} ms "
                       f"({f['lanes']} lane(s) x {f['threads']} thread(s)), matmul floor "
