@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 from opentelemetry import context as otel_context
@@ -57,16 +57,39 @@ def trace_id_of(carrier: dict[str, str] | None) -> str:
     return ""
 
 
-@contextmanager
-def server_span(name: str, carrier: dict[str, str], /, **attributes: Any) -> Iterator[dict[str, str]]:
+class _NoSpan:
+    """What :func:`server_span` is when there is nothing to trace: a fresh empty carrier,
+    no generator (most calls of an untraced server)."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> dict[str, str]:
+        return {}
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_NO_SPAN = _NoSpan()
+
+
+def server_span(
+    name: str, carrier: dict[str, str], /, **attributes: Any
+) -> AbstractContextManager[dict[str, str]]:
     """Open a server span as a child of the caller's context; yield the carrier to forward.
 
     The forwarded carrier holds the span's own context when an SDK records it, else the
     caller's headers unchanged, so the scheduler always sees the caller's trace id.
     """
     if not carrier and not _recording():
-        yield {}
-        return
+        return _NO_SPAN
+    return _server_span(name, carrier, attributes)
+
+
+@contextmanager
+def _server_span(
+    name: str, carrier: dict[str, str], attributes: dict[str, Any]
+) -> Iterator[dict[str, str]]:
     parent_ctx = propagate.extract(carrier)
     with _get_tracer().start_as_current_span(
         name, context=parent_ctx, kind=trace.SpanKind.SERVER, attributes=attributes

@@ -25,6 +25,13 @@ figure is a ratio against a reference taken at the same time, with calls interle
    Prometheus would, while it streams) beside the plain dp 1 worker: the idle GetServerInfo
    and FlushCache p50 (calls interleaved) and figure 5's streaming tok/s (rounds alternating)
    within 3% of metrics off.
+8. Streaming at 32 and 64 streams: output tokens/s of the gRPC clients against the engine
+   in-process (same workload, same threads): ratio >= 0.9 each; the server process's own CPU
+   (/proc/PID/stat of the server, not its ranks) over the clients' run, as a share of one
+   core and per token, and projected to the engine's token rate: < 60% of a core. Then the
+   first-token latency of a new request (a fresh prompt) while 64 streams decode, beside the
+   same probe on the idle server and the rank's step period (the figure to compare between
+   trees: tools/ab_admin.py --ttft).
 
 Usage: python tools/bench_admin.py [--samples N] [--quick] [--metrics] [--json FILE]
 """
@@ -63,6 +70,11 @@ STREAMS = 32
 PROMPT_LEN = 64
 OUTPUT_LEN = 256  # figure 5: tokens per stream
 LOAD_OUTPUT_LEN = 1024  # figure 4: long outputs, so streams rarely restart (prefill steps)
+STREAM_COUNTS = (32, 64)  # figure 8
+TTFT_STREAMS = 64  # figure 8: streams decoding while a new request's first token is timed
+# figure 8's worker admits more than 64 requests, so that the probe runs beside the 64 streams
+# instead of waiting in the queue for one of them to finish
+FIG8_MAX_RUNNING = 80
 CONCURRENCY = 200
 INFO = pb.GetServerInfoRequest()
 FLUSH = pb.FlushCacheRequest(timeout_s=0)
@@ -156,11 +168,19 @@ def floor_main(port: int, payload_file: str) -> None:
 # ====================================================================== streaming clients
 
 
+def process_cpu(pid: int) -> float:
+    """CPU seconds (user + system) of one process, every thread of it (not its children)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 async def _streams_async(
-    target: str, streams: int, prompt_len: int, output_len: int, duration: float, seed: int
+    target: str, streams: int, prompt_len: int, output_len: int, duration: float, seed: int,
+    cpu_pid: int = 0,
 ) -> dict[str, Any]:
-    """32 streaming Generate calls. duration 0: one request each, all at once; else each
-    stream starts a new request when its last one finishes, until duration has passed."""
+    """`streams` streaming Generate calls. duration 0: one request each, all at once; else
+    each stream starts a new request when its last one finishes, until duration has passed.
+    With `cpu_pid`, also the CPU seconds that process used from the first send to the end."""
     rng = random.Random(seed)
     tokens = 0
     first_send = 0.0
@@ -190,24 +210,32 @@ async def _streams_async(
                 if time.perf_counter() >= stop_at:
                     return
 
+        cpu0 = process_cpu(cpu_pid) if cpu_pid else 0.0
         first_send = time.perf_counter()
         await asyncio.gather(*(one(i) for i in range(streams)))
+        end = time.perf_counter()
+        cpu = process_cpu(cpu_pid) - cpu0 if cpu_pid else 0.0
     elapsed = last_token - first_send
-    return {"tokens": tokens, "seconds": elapsed, "tok_s": tokens / elapsed if elapsed else 0.0}
+    return {"tokens": tokens, "seconds": elapsed, "tok_s": tokens / elapsed if elapsed else 0.0,
+            "cpu_s": cpu, "cpu_wall_s": end - first_send}
 
 
 def streams_main(ns: argparse.Namespace) -> None:
     result = asyncio.run(
-        _streams_async(ns.target, ns.streams, ns.prompt_len, ns.output_len, ns.duration, ns.seed)
+        _streams_async(ns.target, ns.streams, ns.prompt_len, ns.output_len, ns.duration, ns.seed,
+                       ns.cpu_pid)
     )
     print(json.dumps(result), flush=True)
 
 
-def start_streams(target: str, output_len: int, duration: float, seed: int) -> subprocess.Popen:
+def start_streams(target: str, output_len: int, duration: float, seed: int,
+                  streams: int = STREAMS, cpu_pid: int = 0) -> subprocess.Popen:
+    """The streaming clients in a process of their own (`streams` concurrent calls); with
+    `cpu_pid`, they also report that process's CPU over their run."""
     return subprocess.Popen(
-        [sys.executable, __file__, "streams", "--target", target, "--streams", str(STREAMS),
+        [sys.executable, __file__, "streams", "--target", target, "--streams", str(streams),
          "--prompt-len", str(PROMPT_LEN), "--output-len", str(output_len),
-         "--duration", str(duration), "--seed", str(seed)],
+         "--duration", str(duration), "--seed", str(seed), "--cpu-pid", str(cpu_pid)],
         stdout=subprocess.PIPE, text=True,
     )
 
@@ -329,7 +357,7 @@ def wait_idle(stub: pb_grpc.SglangSchedulerStub, timeout: float = 120) -> None:
     raise TimeoutError("server did not go idle")
 
 
-def engine_tok_s(threads: int, output_len: int, seed: int) -> float:
+def engine_tok_s(threads: int, output_len: int, seed: int, streams: int = STREAMS) -> float:
     """The scheduler + model runner driven in-process (as a rank drives them), same workload."""
     import torch
 
@@ -345,11 +373,80 @@ def engine_tok_s(threads: int, output_len: int, seed: int) -> float:
                              max_running_requests=args.max_running_requests, seed=args.seed)
         engine_tok_s.runner = runner  # type: ignore[attr-defined]
     rng = random.Random(seed)
-    prompts = [[rng.randrange(3, 256) for _ in range(PROMPT_LEN)] for _ in range(STREAMS)]
-    work = Workload("streams", prompts, [output_len] * STREAMS)
+    prompts = [[rng.randrange(3, 256) for _ in range(PROMPT_LEN)] for _ in range(streams)]
+    work = Workload("streams", prompts, [output_len] * streams)
     runner.reset()
     seconds, _ = run_engine(runner, work, args.max_running_requests)
     return work.output_tokens / seconds
+
+
+def first_token_latencies(target: str, count: int, seed: int) -> list[float]:
+    """Seconds from sending a new streaming request (a fresh prompt, so no cached prefix) to
+    its first chunk, for `count` requests one after another (each read to its end)."""
+    rng = random.Random(seed)
+    times = []
+    with grpc.insecure_channel(target) as channel:
+        stub = pb_grpc.SglangSchedulerStub(channel)
+        for _ in range(count):
+            req = pb.GenerateRequest(
+                tokenized=pb.TokenizedInput(
+                    input_ids=[rng.randrange(3, 256) for _ in range(PROMPT_LEN)]),
+                sampling_params=pb.SamplingParams(
+                    temperature=0.0, max_new_tokens=2, ignore_eos=True),
+                stream=True,
+            )
+            t0 = time.perf_counter()
+            first = None
+            for resp in stub.Generate(req, timeout=60):
+                if first is None and resp.HasField("chunk"):
+                    first = time.perf_counter() - t0
+            if first is None:
+                raise RuntimeError("a probe request ended without a chunk")
+            times.append(first)
+    return times
+
+
+def step_period_ms(stub: pb_grpc.SglangSchedulerStub, seconds: float) -> float:
+    """The rank's mean loop period over `seconds` (from forward_steps), in ms."""
+    a = stub.GetServerInfo(INFO, timeout=10).rank_states[0].forward_steps
+    t0 = time.perf_counter()
+    time.sleep(seconds)
+    b = stub.GetServerInfo(INFO, timeout=10).rank_states[0].forward_steps
+    return (time.perf_counter() - t0) / max(b - a, 1) * 1e3
+
+
+def streams_and_first_token(ns: argparse.Namespace, server: Any, threads: int,
+                            log: Callable[[str], None]) -> dict[str, Any]:
+    """Figure 8: 32 and 64 streams against the engine, the server process's CPU over the
+    gRPC runs, and the first-token latency of a new request while 64 streams decode."""
+    stub = server.stub()
+    pid = server.proc.pid  # the server process itself; its ranks are its children
+    out: dict[str, Any] = {}
+    for streams in STREAM_COUNTS:
+        log(f"streaming: {streams} streams x {OUTPUT_LEN} tokens, engine in-process vs gRPC "
+            f"clients (server CPU from /proc/{pid}/stat), {ns.stream_rounds} rounds")
+        engine_runs, grpc_runs = [], []
+        for r in range(ns.stream_rounds):
+            engine_runs.append(engine_tok_s(threads, OUTPUT_LEN, seed=100 + r, streams=streams))
+            stub.FlushCache(pb.FlushCacheRequest(timeout_s=30), timeout=60)
+            grpc_runs.append(stream_result(start_streams(
+                server.target, OUTPUT_LEN, 0, seed=100 + r, streams=streams, cpu_pid=pid), 300))
+        out[str(streams)] = {"engine_tok_s": engine_runs, "grpc": grpc_runs}
+    stub.FlushCache(pb.FlushCacheRequest(timeout_s=30), timeout=60)
+    idle = first_token_latencies(server.target, ns.ttft_samples, seed=7)
+    log(f"first token of a new request while {TTFT_STREAMS} streams decode: "
+        f"{ns.ttft_samples} probes")
+    load = start_streams(server.target, LOAD_OUTPUT_LEN, 1e9, seed=2000, streams=TTFT_STREAMS)
+    try:
+        wait_running(stub, TTFT_STREAMS)
+        period = step_period_ms(stub, 1.0)
+        busy = first_token_latencies(server.target, ns.ttft_samples, seed=8)
+    finally:
+        load.send_signal(signal.SIGTERM)
+        load.wait(30)
+    wait_idle(stub)
+    out["ttft"] = {"idle": idle, "busy": busy, "step_period_ms": period}
+    return out
 
 
 # ====================================================================== the benchmark
@@ -376,8 +473,20 @@ def bench(ns: argparse.Namespace) -> dict[str, Any]:
         print(f"[{time.perf_counter() - t_start:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
     try:
+        if ns.streams_only:
+            from sglang_admin.config import ServerArgs
+
+            log(f"starting dp1 (--max-running-requests {FIG8_MAX_RUNNING}); figure 8 only")
+            servers["dp1"] = start_server(tmp, "--max-running-requests", str(FIG8_MAX_RUNNING),
+                                          port=free_port())
+            threads = ServerArgs().rank_threads
+            engine_tok_s(threads, 8, seed=99)  # warm up (model load, first steps)
+            stream_result(start_streams(servers["dp1"].target, 8, 0, seed=99), 300)
+            out["streams"] = streams_and_first_token(ns, servers["dp1"], threads, log)
+            return out
         log("starting servers: dp1, dp4, dp1 --no-coalesce")
-        servers["dp1"] = start_server(tmp, port=free_port(), wait=False)
+        servers["dp1"] = start_server(tmp, "--max-running-requests", str(FIG8_MAX_RUNNING),
+                                      port=free_port(), wait=False)
         servers["dp4"] = start_server(tmp, "--dp-size", "4", port=free_port(), wait=False)
         servers["nocoal"] = start_server(tmp, "--no-coalesce", port=free_port(), wait=False)
         for srv in servers.values():
@@ -471,6 +580,9 @@ def bench(ns: argparse.Namespace) -> dict[str, Any]:
                 servers["dp1"].target, OUTPUT_LEN, 0, seed=r), 300)["tok_s"])
         out["streaming"] = {"engine_tok_s": engine_runs, "grpc_tok_s": grpc_runs}
 
+        # ---- 8: 32 and 64 streams, the server process's CPU, first token under 64 streams
+        out["streams"] = streams_and_first_token(ns, servers["dp1"], threads, log)
+
         # ---- 4: latency while 32 streams decode (dp1), floor interleaved under the same load
         log(f"under load: {STREAMS} streams decoding, {ns.load_samples} calls of each pair")
         stub1.FlushCache(pb.FlushCacheRequest(timeout_s=30), timeout=60)
@@ -507,8 +619,8 @@ def bench(ns: argparse.Namespace) -> dict[str, Any]:
                     proc.wait(10)
                 except subprocess.TimeoutExpired:
                     proc.kill()
-    out["load_after"] = os.getloadavg()
-    out["seconds"] = time.perf_counter() - t_start
+        out["load_after"] = os.getloadavg()
+        out["seconds"] = time.perf_counter() - t_start
     return out
 
 
@@ -581,6 +693,38 @@ def report_metrics(m: dict[str, Any], met: list[bool]) -> None:
           f"{off:.0f} tok/s = {on / off:.3f}x (target >= 0.97x) met: {'yes' if ok else 'NO'}")
     print(f"  runs: on {[round(x) for x in m['streaming']['metrics']]}, "
           f"off {[round(x) for x in m['streaming']['dp1']]}")
+
+
+def report_streams(st: dict[str, Any], met: list[bool]) -> None:
+    """Figure 8's lines: 32 and 64 streams against the engine with the server process's
+    CPU, then the first-token latency under 64 streams."""
+    print(f"\n8 streaming x {OUTPUT_LEN} tokens (best of {len(st['32']['grpc'])}), the server "
+          f"process's CPU over the gRPC run (/proc/PID/stat of the server, not its ranks):")
+    for streams in STREAM_COUNTS:
+        runs = st[str(streams)]
+        best = max(runs["grpc"], key=lambda x: x["tok_s"])
+        eng = max(runs["engine_tok_s"])
+        ok = best["tok_s"] >= 0.9 * eng
+        share = best["cpu_s"] / best["cpu_wall_s"]
+        us_token = best["cpu_s"] / best["tokens"] * 1e6
+        at_engine = us_token * eng / 1e6
+        cpu_ok = max(share, at_engine) < 0.6
+        met += [ok, cpu_ok]
+        print(f"  {streams} streams: gRPC {best['tok_s']:.0f} tok/s vs engine {eng:.0f} tok/s "
+              f"= {best['tok_s'] / eng:.2f}x (target >= 0.9x) met: {'yes' if ok else 'NO'}")
+        print(f"     server CPU {share * 100:.0f}% of a core over the run, {us_token:.0f} us a "
+              f"token = {at_engine * 100:.0f}% at the engine's rate (target < 60%) met: "
+              f"{'yes' if cpu_ok else 'NO'}")
+        print(f"     runs: gRPC {[round(x['tok_s']) for x in runs['grpc']]}, "
+              f"engine {[round(x) for x in runs['engine_tok_s']]}")
+    t = st["ttft"]
+    idle = [x * 1e3 for x in t["idle"]]
+    busy = [x * 1e3 for x in t["busy"]]
+    print(f"  first token of a new request ({PROMPT_LEN}-token prompt), {len(busy)} probes: "
+          f"while {TTFT_STREAMS} streams decode p50 {percentile(busy, 50):.1f} ms, p90 "
+          f"{percentile(busy, 90):.1f} ms; idle p50 {percentile(idle, 50):.1f} ms; the rank's "
+          f"step period under that load {t['step_period_ms']:.1f} ms (compare trees: "
+          f"tools/ab_admin.py --ttft)")
 
 
 def report(r: dict[str, Any]) -> list[bool]:
@@ -657,6 +801,7 @@ def report(r: dict[str, Any]) -> list[bool]:
           f"{'yes' if ok else 'NO'}")
     if "metrics" in r:
         report_metrics(r["metrics"], met)
+    report_streams(r["streams"], met)
     la, lb = r["load_before"], r["load_after"]
     print(f"\nload average before {la[0]:.2f} {la[1]:.2f} {la[2]:.2f}, after "
           f"{lb[0]:.2f} {lb[1]:.2f} {lb[2]:.2f}; {os.cpu_count()} CPUs; "
@@ -681,6 +826,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=OUTPUT_LEN)
     p.add_argument("--duration", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cpu-pid", type=int, default=0)
     parser.add_argument("--samples", type=int, default=400,
                         help="idle calls per (server, op) pair")
     parser.add_argument("--load-samples", type=int, default=300,
@@ -691,6 +837,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer samples (a smoke run)")
     parser.add_argument("--metrics", action="store_true",
                         help="also compare a worker with --enable-metrics against dp 1 (7)")
+    parser.add_argument("--ttft-samples", type=int, default=40,
+                        help="first-token probes, idle and under 64 streams (figure 8)")
+    parser.add_argument("--streams-only", action="store_true",
+                        help="figure 8 alone (streaming at 32 and 64, server CPU, first token)")
     parser.add_argument("--json", help="also write the raw figures to this file")
     ns = parser.parse_args(argv)
     if ns.mode == "floor":
@@ -705,11 +855,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if ns.quick:
         ns.samples, ns.load_samples, ns.rounds, ns.tput_seconds = 60, 60, 1, 0.5
-        ns.stream_rounds = 1
+        ns.stream_rounds, ns.ttft_samples = 1, 15
     result = bench(ns)
     if ns.json:
         Path(ns.json).write_text(json.dumps(result, indent=1))
-    report(result)
+    if ns.streams_only:
+        met: list[bool] = []
+        report_streams(result["streams"], met)
+        print(f"targets met: {sum(met)}/{len(met)}")
+    else:
+        report(result)
     return 0
 
 

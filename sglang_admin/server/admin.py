@@ -105,16 +105,25 @@ class FanOut:
 
     def rank_results(self) -> list[pb.RankResult]:
         """One RankResult per rank, in rank order; the response fills in op specifics."""
+        return [pb.RankResult(dp_rank=rank, success=ok, message=text)
+                for rank, ok, text in self._outcomes()]
+
+    def add_rank_results(self, field: Any) -> Any:
+        """:meth:`rank_results` made in place in a response's repeated ``rank_results``
+        ``field`` (passing a list to a response copies every entry); returns the field."""
+        for rank, ok, text in self._outcomes():
+            field.add(dp_rank=rank, success=ok, message=text)
+        return field
+
+    def _outcomes(self) -> list[tuple[int, bool, str]]:
         out = []
         for rank in range(self.dp_size):
             reply = self.replies.get(rank)
             if reply is not None:
-                out.append(pb.RankResult(dp_rank=rank, success=reply.success,
-                                         message=reply.message))
+                out.append((rank, reply.success, reply.message))
             else:
                 failure = self.failures.get(rank)
-                out.append(pb.RankResult(dp_rank=rank, success=False,
-                                         message=failure.message if failure else "no answer"))
+                out.append((rank, False, failure.message if failure else "no answer"))
         return out
 
     def failure_message(self) -> str:

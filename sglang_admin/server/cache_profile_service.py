@@ -50,15 +50,13 @@ class CacheAndProfile:
             lambda rid, deadline, trace: FlushCacheReq(rid, timeout_s, deadline, trace),
             max(timeout_s, 0.0) + FLUSH_MARGIN_S, timeout_s=timeout_s,
         )
-        results = out.rank_results()
-        for res in results:
+        response = pb.FlushCacheResponse(
+            success=out.ok, message=out.message("Cache flushed successfully"))
+        for res in out.add_rank_results(response.rank_results):
             found = out.result(res.dp_rank)
             if res.success and isinstance(found, FlushResult):
                 res.tokens_freed = found.tokens_freed
-        return pb.FlushCacheResponse(
-            success=out.ok, message=out.message("Cache flushed successfully"),
-            rank_results=results,
-        )
+        return response
 
     async def start_profile(
         self, request: pb.StartProfileRequest, context: grpc.aio.ServicerContext

@@ -88,6 +88,7 @@ class _Stream:
     buffer: OutputBuffer
     wire_id: str
     abort_claimed: bool = False  # an Abort RPC already took this request
+    heard: bool = False  # an output of this request arrived already
 
 
 class Communicator:
@@ -218,10 +219,7 @@ class Communicator:
     def _dispatch(self, msg: Any) -> None:
         if isinstance(msg, BatchOutput):
             self.last_receive_time = time.time()
-            for out in msg.outputs:
-                stream = self.by_wire_id.get(out.rid)
-                if stream is not None and not stream.buffer.push(out):
-                    self._overflow(stream)
+            self._file_outputs(msg.outputs)
         elif isinstance(msg, StateUpdate):
             self.rank_states[msg.state.dp_rank] = msg.state
         elif isinstance(msg, Heartbeat):
@@ -256,6 +254,25 @@ class Communicator:
                 self.ready.set()
         elif isinstance(msg, FailedMsg):
             self.rank_failed(msg.dp_rank, f"failed to start: {msg.error}")
+
+    def _file_outputs(self, outputs: list[ReqOutput]) -> None:
+        """File a step's outputs in their calls' buffers: first the outputs of requests not
+        heard of before (a new request's first token is written ahead of the step's other
+        streams, not behind all of them), then the others, each request's in order."""
+        later: list[tuple[_Stream, ReqOutput]] = []
+        for out in outputs:
+            stream = self.by_wire_id.get(out.rid)
+            if stream is None:
+                continue
+            if stream.heard:
+                later.append((stream, out))
+                continue
+            stream.heard = True
+            if not stream.buffer.push(out):
+                self._overflow(stream)
+        for stream, out in later:
+            if not stream.buffer.push(out):
+                self._overflow(stream)
 
     def _overflow(self, stream: _Stream) -> None:
         """A reader fell more than a buffer limit behind: abort its request on the rank

@@ -26,6 +26,18 @@ MAX_CONSTRAINT_CHARS = 1 << 20  # regex / json_schema / ebnf_grammar / structura
 MAX_FLUSH_TIMEOUT_S = 3600.0  # FlushCache.timeout_s; a flush waits at most an hour for idle
 
 
+class Serialized:
+    """A response already in its wire form (``data``): the server's handlers send it as it
+    is (see ``interceptors.passing_serialized``). An answer whose bulk never changes keeps
+    that part serialized once and appends what does change (protobuf merges concatenated
+    messages)."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+
 class ServiceError(Exception):
     """A refusal with a gRPC status code and a message for the caller."""
 

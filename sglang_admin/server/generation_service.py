@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import nullcontext
 
 import grpc
 
@@ -13,6 +14,7 @@ from sglang_admin.config import ServerArgs
 from sglang_admin.messages import AbortAllReq, ContinueReq, CountResult, PauseReq
 from sglang_admin.pb import common_pb2 as pb
 from sglang_admin.server.admin import AdminCalls, FanOut
+from sglang_admin.server.admission import GenerateAdmission
 from sglang_admin.server.communicator import Communicator, RankUnavailable
 from sglang_admin.server.convert import (
     Limits,
@@ -47,10 +49,13 @@ def _with_counts(out: FanOut) -> list[pb.RankResult]:
 class Generation:
     """Generate and the ops that act on requests in flight."""
 
-    def __init__(self, args: ServerArgs, comm: Communicator, admin: AdminCalls) -> None:
+    def __init__(self, args: ServerArgs, comm: Communicator, admin: AdminCalls,
+                 admission: GenerateAdmission | None = None) -> None:
         self.args = args
         self.comm = comm
         self.admin = admin
+        # the calls admitted at once (None: every call, for a caller that admits itself)
+        self.admission = admission
 
     @property
     def limits(self) -> Limits:
@@ -67,58 +72,60 @@ class Generation:
     async def generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        self.admin.require_ready()
-        refuse_generate(self.args, self.comm.model_info)  # an embedding model (issue 32)
-        rid = request.request_id or uuid.uuid4().hex
-        if self.comm.is_inflight(rid):
-            raise ServiceError(
-                grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already in flight"
-            )
-        req = generate_from_proto(request, rid, self.limits)
-        try:
-            interval = stream_interval_of(request)
-        except FeatureError as exc:
-            raise invalid(str(exc)) from None
-        info = self.comm.model_info
-        has_tokenizer = info and tokenizer_dir(self.args.tokenizer_path, info.tokenizer_path)
-        if req.stop and not has_tokenizer:
-            raise invalid(
-                "sampling_params.stop needs the model's tokenizer and this worker has none "
-                "(start it with --tokenizer-path); use stop_token_ids")
-        if self.comm.buffered.spent:
-            raise ServiceError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"the server is holding {self.comm.buffered.used} bytes of output for slow "
-                f"readers (--stream-buffer-bytes-total {self.comm.buffered.limit}); new "
-                f"Generate calls are refused until they read it: retry later")
-        remaining = context.time_remaining()
-        if remaining is not None:
-            req.deadline = time.time() + remaining
-        rank = self.comm.pick_rank(
-            request.data_parallel_rank if request.HasField("data_parallel_rank") else None
-        )
-        carrier = carrier_from_metadata(context.invocation_metadata())
-        with server_span("Generate", carrier, request_id=rid) as forward:
-            req.trace = forward
-            self.admin.log("generate", rid, carrier, rank=rank, prompt_tokens=len(req.input_ids))
-            answer = SampleStreams(rid, req, interval)
+        """Generate's answer, a place held for the call in ``admission`` while it lasts."""
+        with self.admission.admit() if self.admission is not None else nullcontext():
+            self.admin.require_ready()
+            refuse_generate(self.args, self.comm.model_info)  # an embedding model (issue 32)
+            rid = request.request_id or uuid.uuid4().hex
+            if self.comm.is_inflight(rid):
+                raise ServiceError(
+                    grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already in flight"
+                )
+            req = generate_from_proto(request, rid, self.limits)
             try:
-                async for out in self.comm.metrics.observe(self.comm.generate(req, rank), rank):
-                    if out.error:
-                        code = getattr(grpc.StatusCode, out.error_code or "INTERNAL")
-                        raise ServiceError(code, out.error)
-                    messages = answer.feed(out)
-                    del out  # not kept while gRPC writes (a stalled call holds one message)
-                    while messages:
-                        yield messages.pop(0)
-                    if answer.finished:
-                        break
-            except RankUnavailable as exc:
-                raise ServiceError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
-            except StreamOverflow as exc:
-                raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None
-            self.admin.log("generate_done", rid, carrier,
-                           completion_tokens=answer.completion_tokens)
+                interval = stream_interval_of(request)
+            except FeatureError as exc:
+                raise invalid(str(exc)) from None
+            info = self.comm.model_info
+            has_tokenizer = info and tokenizer_dir(self.args.tokenizer_path, info.tokenizer_path)
+            if req.stop and not has_tokenizer:
+                raise invalid(
+                    "sampling_params.stop needs the model's tokenizer and this worker has none "
+                    "(start it with --tokenizer-path); use stop_token_ids")
+            if self.comm.buffered.spent:
+                raise ServiceError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"the server is holding {self.comm.buffered.used} bytes of output for slow "
+                    f"readers (--stream-buffer-bytes-total {self.comm.buffered.limit}); new "
+                    f"Generate calls are refused until they read it: retry later")
+            remaining = context.time_remaining()
+            if remaining is not None:
+                req.deadline = time.time() + remaining
+            rank = self.comm.pick_rank(
+                request.data_parallel_rank if request.HasField("data_parallel_rank") else None
+            )
+            carrier = carrier_from_metadata(context.invocation_metadata())
+            with server_span("Generate", carrier, request_id=rid) as forward:
+                req.trace = forward
+                self.admin.log("generate", rid, carrier, rank=rank, prompt_tokens=len(req.input_ids))
+                answer = SampleStreams(rid, req, interval)
+                try:
+                    async for out in self.comm.metrics.observe(self.comm.generate(req, rank), rank):
+                        if out.error:
+                            code = getattr(grpc.StatusCode, out.error_code or "INTERNAL")
+                            raise ServiceError(code, out.error)
+                        messages = answer.feed(out)
+                        del out  # not kept while gRPC writes (a stalled call holds one message)
+                        while messages:
+                            yield messages.pop(0)
+                        if answer.finished:
+                            break
+                except RankUnavailable as exc:
+                    raise ServiceError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+                except StreamOverflow as exc:
+                    raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None
+                self.admin.log("generate_done", rid, carrier,
+                               completion_tokens=answer.completion_tokens)
 
     async def abort(
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext

@@ -18,7 +18,7 @@ from sglang_admin.messages import ModelInfo, RankState, StateReq
 from sglang_admin.pb import common_pb2 as pb
 from sglang_admin.server.admin import AdminCalls, effective_timeout, rank_failure_text
 from sglang_admin.server.communicator import Communicator, RankFailure
-from sglang_admin.server.convert import ServiceError, invalid
+from sglang_admin.server.convert import Serialized, ServiceError, invalid
 from sglang_admin.server.tokenizer_bundle import (
     NoTokenizerFiles,
     bundle_for,
@@ -41,7 +41,7 @@ class Info:
         self.comm = comm
         self.admin = admin
         self.start_time = time.time()
-        self._static: tuple[ModelInfo, tuple] | None = None  # see _static_info
+        self._static: tuple[ModelInfo, bytes] | None = None  # see _static_info
 
     @property
     def model(self) -> ModelInfo:
@@ -122,10 +122,11 @@ class Info:
         out.pop("ipc_dir", None)
         return out
 
-    def _static_info(self) -> tuple[struct_pb2.Struct, struct_pb2.Struct, timestamp_pb2.Timestamp]:
-        """server_args, scheduler_info and start_time of GetServerInfo. They change only with
-        the model info the ranks report (a new object after every weight op), so they are
-        built once per model info (filling the Structs cost most of an answer)."""
+    def _static_info(self) -> bytes:
+        """The part of GetServerInfo's answer that changes only with the model info the ranks
+        report (a new object after every weight op): server_args, scheduler_info, start_time,
+        the version and the token capacity, serialized once per model info (filling and then
+        copying and serializing the Structs cost most of an answer)."""
         info = self.model
         if self._static is not None and self._static[0] is info:
             return self._static[1]
@@ -148,12 +149,22 @@ class Info:
         )
         start = timestamp_pb2.Timestamp()
         start.FromSeconds(int(self.start_time))
-        self._static = (info, (server_args, scheduler_info, start))
-        return self._static[1]
+        static = pb.GetServerInfoResponse(
+            server_args=server_args,
+            scheduler_info=scheduler_info,
+            sglang_version=__version__,
+            server_type="grpc",
+            start_time=start,
+            max_total_num_tokens=info.token_capacity,
+        ).SerializeToString()
+        self._static = (info, static)
+        return static
 
     async def server_info(
         self, request: pb.GetServerInfoRequest, context: grpc.aio.ServicerContext
-    ) -> pb.GetServerInfoResponse:
+    ) -> Serialized:
+        """GetServerInfo's answer, in wire form: the static part serialized once
+        (:meth:`_static_info`), then what each call finds."""
         self.admin.require_ready()
         states, failures = await self.rank_states(effective_timeout(context, INFO_TIMEOUT_S))
         if failures:
@@ -162,20 +173,17 @@ class Info:
                 grpc.StatusCode.DEADLINE_EXCEEDED if late else grpc.StatusCode.UNAVAILABLE,
                 rank_failure_text({r: f.message for r, f in failures.items()}),
             )
-        server_args, scheduler_info, start = self._static_info()
-        return pb.GetServerInfoResponse(
-            server_args=server_args,
-            scheduler_info=scheduler_info,
+        static = self._static_info()
+        now = time.time()
+        live = pb.GetServerInfoResponse(
             active_requests=len(self.comm.streams),
             is_paused=any(s.flush_pending or s.paused for s in states),
             last_receive_timestamp=self.comm.last_receive_time,
-            uptime_seconds=time.time() - self.start_time,
-            sglang_version=__version__,
-            server_type="grpc",
-            start_time=start,
-            max_total_num_tokens=self.model.token_capacity,
-            rank_states=[_rank_state_proto(s, time.time() - s.timestamp) for s in states],
+            uptime_seconds=now - self.start_time,
         )
+        for state in states:
+            _add_rank_state(live.rank_states, state, now - state.timestamp)
+        return Serialized(static + live.SerializeToString())
 
     async def loads(
         self, request: pb.GetLoadsRequest, context: grpc.aio.ServicerContext
@@ -270,8 +278,9 @@ def _jsonable(obj: Any) -> Any:
     return str(obj)
 
 
-def _rank_state_proto(s: RankState, age: float) -> pb.RankState:
-    return pb.RankState(
+def _add_rank_state(states: Any, s: RankState, age: float) -> None:
+    """Append rank state ``s`` to a repeated RankState field (made in place, not copied)."""
+    states.add(
         dp_rank=s.dp_rank,
         num_running_reqs=s.num_running_reqs,
         num_waiting_reqs=s.num_waiting_reqs,

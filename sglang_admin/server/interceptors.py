@@ -13,7 +13,7 @@ from typing import Any
 import grpc
 
 from sglang_admin.server.admin import admin_methods
-from sglang_admin.server.convert import ServiceError
+from sglang_admin.server.convert import Serialized, ServiceError
 from sglang_admin.server.servicer import SglangSchedulerServicer
 from sglang_admin.tracing import carrier_from_metadata, trace_id_of
 
@@ -38,19 +38,34 @@ def _wrap(
     """Rebuild a method handler with its behaviour (and optionally its request
     deserializer) wrapped."""
     deserializer = deserializer or handler.request_deserializer
+    serializer = passing_serialized(handler.response_serializer)
     if handler.unary_unary:
         return grpc.unary_unary_rpc_method_handler(
             wrap_unary(handler.unary_unary),
             request_deserializer=deserializer,
-            response_serializer=handler.response_serializer,
+            response_serializer=serializer,
         )
     if handler.unary_stream:
         return grpc.unary_stream_rpc_method_handler(
             wrap_stream(handler.unary_stream),
             request_deserializer=deserializer,
-            response_serializer=handler.response_serializer,
+            response_serializer=serializer,
         )
     return handler  # streaming requests: none in this service
+
+
+def passing_serialized(serialize: Callable[[Any], bytes] | None) -> Callable[[Any], bytes] | None:
+    """``serialize``, except that a :class:`Serialized` response goes out as it is."""
+    if serialize is None or getattr(serialize, "passes_serialized", False):
+        return serialize
+
+    def serializer(response: Any) -> bytes:
+        if type(response) is Serialized:
+            return response.data
+        return serialize(response)
+
+    serializer.passes_serialized = True  # type: ignore[attr-defined]
+    return serializer
 
 
 class MalformedRequest:
@@ -198,15 +213,17 @@ def error_wrapped(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethod
         return call
 
     def wrap_stream(fn: Callable) -> Callable:
-        # an async generator is iterated directly: one generator less on every message
-        # of every stream (Generate's chunks) than going through _stream
-        direct = inspect.isasyncgenfunction(fn)
-
+        # what the behaviour returns is iterated here, not through _stream: one generator
+        # less on every message of every stream (Generate's chunks)
         async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
             if isinstance(request, MalformedRequest):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
             try:
-                items = fn(request, context) if direct else _stream(fn, request, context)
+                items = fn(request, context)
+                if inspect.isawaitable(items):  # a coroutine that raises or context.write()s
+                    items = await items
+                if items is None:
+                    return
                 async for item in items:
                     yield item
             except ServiceError as exc:

@@ -20,6 +20,7 @@ from sglang_admin.server.admin import AdminCalls, admin_rpc
 from sglang_admin.server.admission import GenerateAdmission
 from sglang_admin.server.cache_profile_service import CacheAndProfile
 from sglang_admin.server.communicator import Communicator
+from sglang_admin.server.convert import Serialized
 from sglang_admin.server.embedding_service import Embedding
 from sglang_admin.server.generation_service import Generation
 from sglang_admin.server.info_service import Info
@@ -35,10 +36,10 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
 
     def __init__(self, args: ServerArgs, comm: Communicator) -> None:
         self.admin = AdminCalls(args, comm)
-        self.generation = Generation(args, comm, self.admin)
-        self.embedding = Embedding(args, comm, self.admin)
         self.admission = GenerateAdmission(
             args, lambda: comm.model_info.token_capacity if comm.model_info else 0)
+        self.generation = Generation(args, comm, self.admin, self.admission)
+        self.embedding = Embedding(args, comm, self.admin)
         self.info = Info(args, comm, self.admin)
         self.cache = CacheAndProfile(args, comm, self.admin)
         self.weights = Weights(args, comm, self.admin)
@@ -48,14 +49,13 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
 
     # ------------------------------------------------------------------ generation
 
-    async def Generate(
+    def Generate(
         self, request: pb.GenerateRequest, context: Context
     ) -> AsyncIterator[pb.GenerateResponse]:
         """Stream a chunk per step when `stream` is set, then one GenerateComplete (or
-        RESOURCE_EXHAUSTED at once when the worker holds as many calls as it admits)."""
-        with self.admission.admit():
-            async for response in self.generation.generate(request, context):
-                yield response
+        RESOURCE_EXHAUSTED at once when the worker holds as many calls as it admits).
+        Generation's own stream, handed to gRPC as it is (a generator less per message)."""
+        return self.generation.generate(request, context)
 
     async def Abort(self, request: pb.AbortRequest, context: Context) -> pb.AbortResponse:
         """Abort one request by id (or, with abort_all, every request: an admin op)."""
@@ -87,7 +87,8 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
 
     async def GetServerInfo(
         self, request: pb.GetServerInfoRequest, context: Context
-    ) -> pb.GetServerInfoResponse:
+    ) -> Serialized:
+        """A GetServerInfoResponse, in wire form (see :class:`Serialized`)."""
         return await self.info.server_info(request, context)
 
     async def GetLoads(self, request: pb.GetLoadsRequest, context: Context) -> pb.GetLoadsResponse:

@@ -113,45 +113,72 @@ class _Floats:
         return len(self.counts)
 
 
-class Backlog:
-    """One sample's coalesced outputs: the tokens and what they carry in flat arrays; the
-    latest output's counters and finish; the prompt logprobs (they come with the final
-    output and leave with the last part) as they came."""
+def _has_extras(out: ReqOutput) -> bool:
+    """Whether an output carries anything per token beside its token ids."""
+    return bool(out.logprobs or out.top_logprobs or out.token_ids_logprobs or out.hidden_states)
 
-    __slots__ = ("last", "ids", "logprobs", "tops", "by_ids", "hidden", "input_logprobs",
-                 "input_top_logprobs", "nbytes", "aligned")
 
-    def __init__(self, first: ReqOutput) -> None:
-        self.ids = array("I")
+class _Extras:
+    """What a backlog's tokens carry beside their ids (logprobs, top logprobs, logprobs of
+    chosen ids, hidden states), flat; made only once an output carries any of it."""
+
+    __slots__ = ("logprobs", "tops", "by_ids", "hidden")
+
+    def __init__(self) -> None:
         self.logprobs = array("f")
         self.tops = _Rows()
         self.by_ids = _Rows()
         self.hidden = _Floats()
+
+    def add(self, out: ReqOutput) -> None:
+        self.logprobs.extend(out.logprobs)
+        self.tops.add(out.top_logprobs)
+        self.by_ids.add(out.token_ids_logprobs)
+        self.hidden.add(out.hidden_states)
+
+    def aligned(self, tokens: int) -> bool:
+        """Every field has one entry per token, or none."""
+        return all(len(part) in (0, tokens)
+                   for part in (self.logprobs, self.tops, self.by_ids, self.hidden))
+
+
+class Backlog:
+    """One sample's coalesced outputs: the tokens and what they carry in flat arrays; the
+    latest output's counters and finish; the prompt logprobs (they come with the final
+    output and leave with the last part) as they came. Tokens that carry nothing else (most
+    streams) cost one array: the others are made when an output first carries them."""
+
+    __slots__ = ("last", "ids", "extras", "input_logprobs", "input_top_logprobs", "nbytes",
+                 "aligned")
+
+    def __init__(self, first: ReqOutput, size: int | None = None) -> None:
+        self.ids = array("I")
+        self.extras: _Extras | None = None
         self.input_logprobs: list[float | None] = []
         self.input_top_logprobs: list[list[tuple[int, float]]] = []
         self.nbytes = 0
         self.aligned = True  # every per-token field has one entry per token (or none)
         self.last = first
-        self.add(first)
+        self.add(first, size)
 
-    def add(self, out: ReqOutput) -> None:
-        """Append ``out``, a later step of the same sample (its counters and finish win)."""
+    def add(self, out: ReqOutput, size: int | None = None) -> None:
+        """Append ``out``, a later step of the same sample (its counters and finish win);
+        ``size`` is its :func:`output_bytes` when the caller has it."""
         self.ids.extend(out.new_token_ids)
-        self.logprobs.extend(out.logprobs)
-        self.tops.add(out.top_logprobs)
-        self.by_ids.add(out.token_ids_logprobs)
-        self.hidden.add(out.hidden_states)
+        extras = self.extras
+        if extras is None and _has_extras(out):
+            extras = self.extras = _Extras()
+        if extras is not None:
+            extras.add(out)
+            self.aligned = self.aligned and extras.aligned(len(self.ids))
         if out.input_logprobs:
             self.input_logprobs = out.input_logprobs
             self.input_top_logprobs = out.input_top_logprobs
-        error = self.last.error, self.last.error_code
+        last = self.last
+        if out.error is None and last.error is not None:
+            out.error, out.error_code = last.error, last.error_code
         self.last = out
-        if out.error is None and error[0] is not None:
-            out.error, out.error_code = error
-        self.nbytes += output_bytes(out)
-        n = len(self.ids)
-        self.aligned = self.aligned and all(
-            len(part) in (0, n) for part in (self.logprobs, self.tops, self.by_ids, self.hidden))
+        self.nbytes += output_bytes(out) if size is None else size
 
     @property
     def tokens(self) -> int:
@@ -174,12 +201,15 @@ class Backlog:
             cached_tokens=last.cached_tokens,
             queue_time_s=last.queue_time_s,
             index=last.index,
-            logprobs=self.logprobs[:count].tolist(),
-            top_logprobs=self.tops.take(count),
-            token_ids_logprobs=self.by_ids.take(count),
-            hidden_states=self.hidden.take(count),
         )
-        del self.ids[:count], self.logprobs[:count]
+        del self.ids[:count]
+        extras = self.extras
+        if extras is not None:
+            part.logprobs = extras.logprobs[:count].tolist()
+            del extras.logprobs[:count]
+            part.top_logprobs = extras.tops.take(count)
+            part.token_ids_logprobs = extras.by_ids.take(count)
+            part.hidden_states = extras.hidden.take(count)
         if count == total:
             part.input_logprobs, part.input_top_logprobs = (self.input_logprobs,
                                                             self.input_top_logprobs)
@@ -214,7 +244,7 @@ class OutputBuffer:
     taken (in gRPC's hands until the next take) and, once known, how the call ends."""
 
     __slots__ = ("max_tokens", "max_bytes", "by_index", "end", "in_flight", "budget",
-                 "_held", "_waiter")
+                 "_held", "_tokens", "_waiter")
 
     def __init__(self, max_tokens: int, max_bytes: int | None = None,
                  budget: ByteBudget | None = None) -> None:
@@ -227,6 +257,7 @@ class OutputBuffer:
         self.end: Exception | None = None  # taken after the pending output
         self.in_flight = 0  # bytes of the output last taken
         self._held = 0  # bytes of by_index
+        self._tokens = 0  # tokens of by_index
         self._waiter: asyncio.Future | None = None
 
     @property
@@ -237,8 +268,7 @@ class OutputBuffer:
     @property
     def tokens(self) -> int:
         """Tokens received and not yet taken."""
-        return sum(held.tokens if isinstance(held, Backlog) else len(held.new_token_ids)
-                   for held in self.by_index.values())
+        return self._tokens
 
     @property
     def nbytes(self) -> int:
@@ -254,16 +284,17 @@ class OutputBuffer:
         size = output_bytes(out)
         if held is None:
             self.by_index[out.index] = out
-        elif isinstance(held, Backlog):
-            held.add(out)
+        elif type(held) is Backlog:
+            held.add(out, size)
         else:
-            self.by_index[out.index] = Backlog(held)
-            self.by_index[out.index].add(out)
+            backlog = self.by_index[out.index] = Backlog(held)
+            backlog.add(out, size)
+        self._tokens += len(out.new_token_ids)
         self._grow(size)
         self._wake()
         if self.max_bytes is not None and self.nbytes > self.max_bytes:
             return False
-        return self.tokens <= self.max_tokens
+        return self._tokens <= self.max_tokens
 
     def fail(self, exc: Exception, drop_pending: bool = False) -> None:
         """End the call with `exc` (after the pending output unless `drop_pending`)."""
@@ -272,12 +303,14 @@ class OutputBuffer:
         self.end = exc
         if drop_pending:
             self.by_index = {}
+            self._tokens = 0
             self._grow(-self._held)
         self._wake()
 
     def release(self) -> None:
         """The call is over: what it held no longer counts."""
         self.by_index = {}
+        self._tokens = 0
         self._grow(-self._held)
         self._set_in_flight(0)
 
@@ -297,6 +330,7 @@ class OutputBuffer:
                 else:
                     del self.by_index[index]
                     out, size = held, output_bytes(held)
+                self._tokens -= len(out.new_token_ids)
                 self._grow(-size)
                 self._set_in_flight(size)
                 return out

@@ -185,3 +185,42 @@ def test_the_prompt_logprobs_leave_with_the_last_part_uncounted() -> None:
         assert len(parts[-1].input_top_logprobs) == 5000
 
     asyncio.run(go())
+
+
+def test_plain_tokens_then_logprobs_come_out_whole_in_one_output() -> None:
+    """A backlog of plain tokens makes its logprob arrays only when an output brings some;
+    fields that no longer have one entry per token make it leave whole, as they came."""
+
+    async def go() -> None:
+        buf = OutputBuffer(max_tokens=100)
+        buf.push(ReqOutput("r", [1], 3, 1, 0))
+        buf.push(ReqOutput("r", [2], 3, 2, 0))
+        buf.push(ReqOutput("r", [3], 3, 3, 0, logprobs=[-1.0]))
+        assert buf.tokens == 3
+        got = await buf.get()
+        assert isinstance(got, ReqOutput)
+        assert got.new_token_ids == [1, 2, 3] and got.logprobs == [-1.0]
+        assert got.completion_tokens == 3 and buf.tokens == 0
+
+    asyncio.run(go())
+
+
+def test_the_token_count_follows_every_way_out() -> None:
+    """Taken, failed with the pending dropped, released: the count the limit checks
+    against is what is still held."""
+
+    async def go() -> None:
+        buf = OutputBuffer(max_tokens=4)
+        assert buf.push(ReqOutput("r", [1, 2], 3, 2, 0))
+        assert buf.push(ReqOutput("r", [3, 4], 3, 4, 0, index=1))
+        assert not buf.push(ReqOutput("r", [5], 3, 3, 0))  # 5 > 4 held
+        await buf.get()  # sample 0: three tokens
+        assert buf.tokens == 2
+        buf.fail(StreamOverflow("x"), drop_pending=True)
+        assert buf.tokens == 0
+        other = OutputBuffer(max_tokens=4)
+        other.push(ReqOutput("r", [1], 3, 1, 0))
+        other.release()
+        assert other.tokens == 0 and other.push(ReqOutput("r", [1, 2, 3, 4], 3, 4, 0))
+
+    asyncio.run(go())

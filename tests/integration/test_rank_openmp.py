@@ -1,0 +1,22 @@
+"""A served rank process runs with the OpenMP settings the launcher gives it."""
+
+from __future__ import annotations
+
+import os
+
+from sglang_admin.client.testing import ServerProc
+from sglang_admin.constants import RANK_OPENMP_DEFAULTS, rank_openmp_environment
+from sglang_admin.pb import common_pb2 as pb
+
+
+def test_rank_processes_start_with_the_spin_setting(server: ServerProc) -> None:
+    info = server.stub().GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
+    pids = [s.pid for s in info.rank_states]
+    assert pids
+    # the worker inherits this process's environment; a user's own setting would win
+    want = {k: v for k, v in rank_openmp_environment(dict(os.environ)).items()
+            if k in RANK_OPENMP_DEFAULTS}
+    for pid in pids:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(item.decode().split("=", 1) for item in f.read().split(b"\0") if b"=" in item)
+        assert {k: env.get(k) for k in RANK_OPENMP_DEFAULTS} == want, pid
