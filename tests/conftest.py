@@ -11,15 +11,16 @@ import os
 from sglang_admin.constants import RANK_OPENMP_DEFAULTS
 
 # OpenMP threads that sleep as soon as they wait, in the test process (transformers'
-# references, the unit tests' runners, the gloo peers they spawn) and in the workers the tests
-# start (a setting of the user's: the ranks keep it instead of RANK_OPENMP_DEFAULTS). On the
-# loaded 2-core machine any spinning costs the cores that the test process, the server and the
-# ranks share: 32 greedy transformers calls on a tiny model took 10 s of CPU on 2 threads with
-# libgomp's default wait, 1.7 s with the ranks' short spin and 0.6 s sleeping, and the unit
-# suite ran 211 s with the ranks' setting (the gloo push test timing out) against 50 s.
-# Read by the OpenMP runtime when torch is imported, so set before any test module imports it;
-# a variable the user set wins.
-if not any(name in os.environ for name in RANK_OPENMP_DEFAULTS):
+# references, the unit tests' runners): on the loaded 2-core machine any spinning costs the
+# cores that the test process, the servers and the ranks share. 32 greedy transformers calls
+# on a tiny model took 10 s of CPU on 2 threads with libgomp's default wait, 1.7 s with the
+# ranks' short spin, 0.6 s sleeping; the unit tests 130-146 s against 50 s. Read by the
+# OpenMP runtime when torch is imported (the test modules import it at collection), so set
+# here and taken back once collection is done (pytest_collection_finish): the workers and
+# processes the tests start get the environment they would get without it (the ranks their
+# own RANK_OPENMP_DEFAULTS, which test_rank_openmp.py checks). A variable the user set wins.
+_PASSIVE_HERE = not any(name in os.environ for name in RANK_OPENMP_DEFAULTS)
+if _PASSIVE_HERE:
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
 from collections.abc import Iterator  # noqa: E402
@@ -74,6 +75,12 @@ def dp2_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]
 def dp2_profiles(dp2_server: ServerProc) -> Path:
     """The session ``dp2_server``'s --profile-dir (created by its first profile)."""
     return Path(dp2_server.extra_args[dp2_server.extra_args.index("--profile-dir") + 1])
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The test process's OpenMP setting stays in this process (see the top of this file)."""
+    if _PASSIVE_HERE:
+        os.environ.pop("OMP_WAIT_POLICY", None)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
