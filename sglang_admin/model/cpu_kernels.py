@@ -95,6 +95,13 @@ class CpuKernels:
         self._extend_applies = lib.extend_attention_applies
         self._extend_applies.restype = ctypes.c_int
         self._extend_applies.argtypes = [_I64]
+        self._extend_bf16 = lib.extend_attention_bf16
+        self._extend_bf16.restype = ctypes.c_int
+        self._extend_bf16.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64,
+                                      ctypes.c_float, _I64, _PTR]
+        self._extend_bf16_applies = lib.extend_attention_bf16_applies
+        self._extend_bf16_applies.restype = ctypes.c_int
+        self._extend_bf16_applies.argtypes = [_I64]
         self._rope_store = lib.rope_store
         self._rope_store.restype = None
         self._rope_store.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR,
@@ -251,10 +258,13 @@ class CpuKernels:
         fn(x.data_ptr(), rows, x.shape[1], out)
         return list(out)
 
-    def extend_applies(self, head_dim: int) -> bool:
-        """Whether :meth:`extend_attend` runs for this head size in this build (AVX2, a
-        multiple of 32)."""
-        return bool(self._extend_applies(head_dim))
+    def extend_applies(self, head_dim: int, dtype: torch.dtype = torch.float32) -> bool:
+        """Whether :meth:`extend_attend` runs for this head size and dtype in this build:
+        float32 with AVX2 and a multiple of 32; bfloat16 with AVX512_BF16, a multiple of 32 up
+        to 256, and the bfloat16 kernels checked against torch at load (``bf16``)."""
+        if dtype == torch.bfloat16:
+            return self.bf16 and bool(self._extend_bf16_applies(head_dim))
+        return dtype == torch.float32 and bool(self._extend_applies(head_dim))
 
     def extend_attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       slots: torch.Tensor, prefix: int, scale: float,
@@ -263,11 +273,18 @@ class CpuKernels:
         contiguous) at positions prefix..prefix+n-1 against the keys and values of positions
         [0, prefix + n), read from the pools [slots, KV, D] (the chunk's rows already written)
         at ``slots`` (int64, the sequence's table row) -> [n, H * D]; a sliding window keeps
-        each query's last ``window`` keys. One thread, where :meth:`extend_applies` (else
-        ValueError); when it is the faster path is the caller's to decide
-        (``EXTEND_MAX_TOKENS``). The caller guarantees the slots are in the pools (the runner
-        validated them when it wrote the table)."""
+        each query's last ``window`` keys. Where :meth:`extend_applies` (else ValueError);
+        when it is the faster path is the caller's to decide (``EXTEND_MAX_TOKENS``).
+
+        float32: one thread. bfloat16 (q and pools): a flash-attention kernel on AVX512_BF16
+        spread over torch's threads, with the numerics of torch's CPU flash kernel in
+        bfloat16 (float32 scores and softmax, probabilities rounded to bfloat16 for P.V, the
+        output rounded once) -> [n, H * D] bfloat16.
+
+        The caller guarantees the slots are in the pools (the runner validated them when it
+        wrote the table)."""
         n, heads, dim = q.shape
+        _check_dtypes("extend attention", q, k_cache, v_cache)
         kv_heads = k_cache.shape[1]
         length = prefix + n
         if not (q.stride(2) == 1 and q.stride(1) == dim and k_cache.is_contiguous()
@@ -276,6 +293,16 @@ class CpuKernels:
                 and slots.dtype == torch.int64 and slots.is_contiguous()
                 and slots.numel() == length and prefix >= 0):
             raise ValueError("extend attention kernel: a tensor is not laid out as expected")
+        if q.dtype == torch.bfloat16:
+            out = torch.empty(n, heads * dim, dtype=torch.bfloat16)
+            if not (n and heads % max(kv_heads, 1) == 0 and self.extend_applies(dim, q.dtype)
+                    and self._extend_bf16(q.data_ptr(), q.stride(0), k_cache.data_ptr(),
+                                          v_cache.data_ptr(), slots.data_ptr(), prefix, n,
+                                          heads, kv_heads, dim, scale, window or 0,
+                                          out.data_ptr())):
+                raise ValueError(f"extend attention kernel: no bfloat16 path for {n} tokens of "
+                                 f"{heads} heads of {dim} over {kv_heads} kv heads here")
+            return out
         padded = -(-length // 16) * 16
         group = heads // max(kv_heads, 1)
         scratch = torch.empty(dim * padded + dim * length + group * padded, dtype=torch.float32)

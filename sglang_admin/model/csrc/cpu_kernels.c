@@ -1137,3 +1137,287 @@ void decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *
                           out + (i * H + h * G) * D);
     }
 }
+
+/*
+ * Prefill attention in bfloat16: extend_attention's task (one sequence's n new tokens at
+ * positions p..p+n-1, causal over the keys of positions [0, p + n) read from the pool through
+ * `slots`, a sliding window keeping each query's last `window`) as a flash-attention kernel
+ * on AVX512_BF16, with the numerics of torch's CPU flash kernel in bfloat16: scores in float32
+ * (bfloat16 products, float32 sums), the online softmax in float32, the probabilities rounded
+ * to bfloat16 for the P.V product, the output accumulated in float32 and rounded once.
+ *
+ * A task is one kv head x a block of EXT_BQ query tokens; its rows are (token, query head)
+ * pairs, the G query heads of the kv head together, so each block of EXT_BK keys, packed once
+ * (key j's dims 2i, 2i+1 side by side, 16 keys a vector: the pair layout _mm512_dpbf16_ps
+ * wants; values likewise with keys 2i, 2i+1 side by side), serves G * EXT_BQ query rows.
+ * Rows go EXT_R at a time against the whole key block with their sums in registers; the
+ * running output of the task's rows lives in a float32 buffer per thread. Tasks are spread
+ * over the calling thread's OpenMP team (torch's libgomp, as decode_attention_bf16), dynamic,
+ * the longest (last) query blocks first: causal blocks are uneven.
+ *   q      [n, H, D] bfloat16, token i at q + i * q_stride (heads contiguous)
+ *   k, v   [slots, KV, D] bfloat16 (the pool of one layer), the new tokens' rows written
+ *   slots  [p + n] int64 pool slots of positions 0..p+n-1
+ *   out    [n, H, D] bfloat16
+ * Returns 1, or 0 with nothing written where !extend_attention_bf16_applies(D) or a thread's
+ * buffer could not be allocated.
+ */
+#if defined(HAVE_AVX512) && defined(__AVX512BF16__)
+#define HAVE_AVX512BF16 1
+#endif
+
+int extend_attention_bf16_applies(int64_t D) {
+#ifdef HAVE_AVX512BF16
+    return D > 0 && D % 32 == 0 && D <= 256;
+#else
+    (void)D;
+    return 0;
+#endif
+}
+
+#ifdef HAVE_AVX512BF16
+#include <stdlib.h>
+
+#define EXT_BQ 64 /* query tokens of a task */
+#define EXT_BK 64 /* keys of a packed block: 4 vectors of 16 scores a row */
+#define EXT_R 6   /* query rows a register block: 24 accumulators */
+
+/* keys [j0, j0 + EXT_BK) of kv head h packed: kp32[(jv * D/2 + i) * 16 + jj] holds dims
+ * 2i, 2i+1 of key 16 jv + jj; values: vp32[(i * D/16 + dv) * 16 + dd] holds dim 16 dv + dd of
+ * keys 2i, 2i+1. Keys at or past L are zeros. */
+static void pack_block_bf16(const uint16_t *k, const uint16_t *v, const int64_t *slots,
+                            int64_t j0, int64_t L, int64_t D, int64_t row, int64_t h,
+                            uint32_t *kp32, uint32_t *vp32) {
+    const int64_t D2 = D / 2, DV = D / 16;
+    for (int64_t j = 0; j < EXT_BK; j++) {
+        uint32_t *dst = kp32 + (j / 16) * D2 * 16 + (j % 16);
+        if (j0 + j < L) {
+            const uint32_t *src = (const uint32_t *)(k + slots[j0 + j] * row + h * D);
+            for (int64_t i = 0; i < D2; i++) dst[i * 16] = src[i];
+        } else {
+            for (int64_t i = 0; i < D2; i++) dst[i * 16] = 0;
+        }
+    }
+    for (int64_t i = 0; i < EXT_BK / 2; i++) {
+        const int64_t ja = j0 + 2 * i, jb = ja + 1;
+        uint32_t *dst = vp32 + i * DV * 16;
+        if (jb < L) {
+            const uint16_t *va = v + slots[ja] * row + h * D, *vb = v + slots[jb] * row + h * D;
+            for (int64_t dv = 0; dv < DV; dv++) {
+                const __m512i a = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(va + dv * 16)));
+                const __m512i b = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vb + dv * 16)));
+                _mm512_storeu_si512(dst + dv * 16, _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
+            }
+        } else if (ja < L) {
+            const uint16_t *va = v + slots[ja] * row + h * D;
+            for (int64_t dv = 0; dv < DV; dv++)
+                _mm512_storeu_si512(dst + dv * 16, _mm512_cvtepu16_epi32(
+                    _mm256_loadu_si256((const __m256i *)(va + dv * 16))));
+        } else {
+            for (int64_t dv = 0; dv < DV; dv++) _mm512_storeu_si512(dst + dv * 16, _mm512_setzero_si512());
+        }
+    }
+}
+
+/* raw scores of R rows (qr[r]: D bfloat16) against the packed key block: s[r][0..EXT_BK) */
+static inline __attribute__((always_inline)) void block_scores_bf16(
+    const int R, const uint16_t *const *qr, const uint32_t *kp32, int64_t D, float *s) {
+    const int64_t D2 = D / 2;
+    __m512 acc[EXT_R][4];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < D2; i++) {
+        const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kp32 + (0 * D2 + i) * 16);
+        const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kp32 + (1 * D2 + i) * 16);
+        const __m512bh k2 = (__m512bh)_mm512_loadu_si512(kp32 + (2 * D2 + i) * 16);
+        const __m512bh k3 = (__m512bh)_mm512_loadu_si512(kp32 + (3 * D2 + i) * 16);
+        for (int r = 0; r < R; r++) {
+            const __m512bh qb = (__m512bh)_mm512_set1_epi32(((const int32_t *)qr[r])[i]);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], qb, k0);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], qb, k1);
+            acc[r][2] = _mm512_dpbf16_ps(acc[r][2], qb, k2);
+            acc[r][3] = _mm512_dpbf16_ps(acc[r][3], qb, k3);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(s + r * EXT_BK + c * 16, acc[r][c]);
+}
+
+/* o[r][d0 .. d0 + 16 NV) = alpha[r] * o[r][...] + sum_{pairs i < np} P[r][2i, 2i+1] . V pairs */
+static inline __attribute__((always_inline)) void block_values_bf16(
+    const int R, const int NV, const uint16_t *p, const uint32_t *vp32, int64_t DV, int64_t d0,
+    int64_t np, const float *alpha, float *const *o) {
+    __m512 acc[EXT_R][4];
+    for (int r = 0; r < R; r++) {
+        const __m512 a = _mm512_set1_ps(alpha[r]);
+        for (int c = 0; c < NV; c++) acc[r][c] = _mm512_mul_ps(a, _mm512_loadu_ps(o[r] + d0 + c * 16));
+    }
+    const uint32_t *vb = vp32 + (d0 / 16) * 16;
+    for (int64_t i = 0; i < np; i++) {
+        __m512bh vv[4];
+        for (int c = 0; c < NV; c++) vv[c] = (__m512bh)_mm512_loadu_si512(vb + (i * DV + c) * 16);
+        for (int r = 0; r < R; r++) {
+            const __m512bh pb = (__m512bh)_mm512_set1_epi32(((const int32_t *)(p + r * EXT_BK))[i]);
+            for (int c = 0; c < NV; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pb, vv[c]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < NV; c++) _mm512_storeu_ps(o[r] + d0 + c * 16, acc[r][c]);
+}
+
+static void block_values_any(int R, const uint16_t *p, const uint32_t *vp32, int64_t D,
+                             int64_t np, const float *alpha, float *const *o) {
+    const int64_t DV = D / 16;
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+        const int NV = D - d0 >= 64 ? 4 : 2; /* D is a multiple of 32 */
+#define EXT_VALUES(RR)                                                                    \
+    (NV == 4 ? block_values_bf16(RR, 4, p, vp32, DV, d0, np, alpha, o)                    \
+             : block_values_bf16(RR, 2, p, vp32, DV, d0, np, alpha, o))
+        switch (R) {
+        case 6: EXT_VALUES(6); break;
+        case 5: EXT_VALUES(5); break;
+        case 4: EXT_VALUES(4); break;
+        case 3: EXT_VALUES(3); break;
+        case 2: EXT_VALUES(2); break;
+        default: EXT_VALUES(1);
+        }
+#undef EXT_VALUES
+    }
+}
+
+/* one task: query tokens [t0, t1) of kv head h; buf: the thread's buffer */
+static void extend_task_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k,
+                             const uint16_t *v, const int64_t *slots, int64_t p, int64_t t0,
+                             int64_t t1, int64_t H, int64_t KV, int64_t D, float scale,
+                             int64_t window, int64_t h, void *buf, uint16_t *out) {
+    const int64_t G = H / KV, row = KV * D, rows = (t1 - t0) * G, L = p + t1;
+    uint32_t *kp32 = (uint32_t *)buf;                 /* EXT_BK * D / 2 words */
+    uint32_t *vp32 = kp32 + EXT_BK * D / 2;           /* the same */
+    float *o = (float *)(vp32 + EXT_BK * D / 2);      /* rows * D */
+    float *m = o + rows * D, *l = m + rows;           /* rows each */
+    float *s = l + rows;                              /* EXT_R * EXT_BK */
+    uint16_t *pr = (uint16_t *)(s + EXT_R * EXT_BK);  /* EXT_R * EXT_BK */
+    for (int64_t r = 0; r < rows; r++) { m[r] = -INFINITY; l[r] = 0.f; }
+    memset(o, 0, (size_t)(rows * D) * sizeof(float));
+    /* the task's keys: from the first query's window start to the last query's position */
+    const int64_t first_lo = (window > 0 && p + t0 + 1 > window) ? p + t0 + 1 - window : 0;
+    const __m512 sv = _mm512_set1_ps(scale);
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int64_t j0 = first_lo / EXT_BK * EXT_BK; j0 < L; j0 += EXT_BK) {
+        pack_block_bf16(k, v, slots, j0, L, D, row, h, kp32, vp32);
+        for (int64_t r0 = 0; r0 < rows; r0 += EXT_R) {
+            const int R = rows - r0 >= EXT_R ? EXT_R : (int)(rows - r0);
+            /* rows r0.. are tokens (r0 + r) / G, heads (r0 + r) % G */
+            const int64_t t_first = t0 + r0 / G, t_last = t0 + (r0 + R - 1) / G;
+            const int64_t lo_first = (window > 0 && p + t_first + 1 > window) ? p + t_first + 1 - window : 0;
+            if (p + t_last + 1 <= j0 || lo_first >= j0 + EXT_BK) continue; /* none of its keys here */
+            const uint16_t *qr[EXT_R];
+            float *orow[EXT_R], alpha[EXT_R];
+            for (int r = 0; r < R; r++) {
+                const int64_t rr = r0 + r;
+                qr[r] = q + (t0 + rr / G) * q_stride + (h * G + rr % G) * D;
+                orow[r] = o + rr * D;
+            }
+            switch (R) {
+            case 6: block_scores_bf16(6, qr, kp32, D, s); break;
+            case 5: block_scores_bf16(5, qr, kp32, D, s); break;
+            case 4: block_scores_bf16(4, qr, kp32, D, s); break;
+            case 3: block_scores_bf16(3, qr, kp32, D, s); break;
+            case 2: block_scores_bf16(2, qr, kp32, D, s); break;
+            default: block_scores_bf16(1, qr, kp32, D, s);
+            }
+            int64_t used = 0; /* keys of the block any row uses: [0, used) */
+            for (int r = 0; r < R; r++) {
+                const int64_t rr = r0 + r, pos = p + t0 + rr / G;
+                const int64_t lo = (window > 0 && pos + 1 > window) ? pos + 1 - window : 0;
+                const int64_t a = lo > j0 ? lo - j0 : 0, b = pos + 1 - j0 < EXT_BK ? pos + 1 - j0 : EXT_BK;
+                float *sr = s + r * EXT_BK;
+                uint16_t *pp = pr + r * EXT_BK;
+                if (b <= a) { /* no key of this row in the block: it stays as it was */
+                    alpha[r] = 1.f;
+                    memset(pp, 0, EXT_BK * sizeof(uint16_t));
+                    continue;
+                }
+                used = b > used ? b : used;
+                __m512 x[4];
+                __mmask16 keep[4];
+                __m512 mx = _mm512_set1_ps(-INFINITY);
+                for (int c = 0; c < 4; c++) {
+                    const __m512i jj = _mm512_add_epi32(lane, _mm512_set1_epi32(c * 16));
+                    keep[c] = _mm512_cmpge_epi32_mask(jj, _mm512_set1_epi32((int)a))
+                              & _mm512_cmplt_epi32_mask(jj, _mm512_set1_epi32((int)b));
+                    x[c] = _mm512_mul_ps(_mm512_loadu_ps(sr + c * 16), sv);
+                    mx = _mm512_mask_max_ps(mx, keep[c], mx, x[c]);
+                }
+                const float bmax = _mm512_reduce_max_ps(mx);
+                const float mnew = bmax > m[rr] ? bmax : m[rr];
+                alpha[r] = expf(m[rr] - mnew); /* 0 at the row's first block */
+                const __m512 mv = _mm512_set1_ps(mnew);
+                __m512 sum = _mm512_setzero_ps();
+                for (int c = 0; c < 4; c++) {
+                    const __m512 e = _mm512_maskz_mov_ps(keep[c], _ZGVeN16v_expf(_mm512_sub_ps(x[c], mv)));
+                    sum = _mm512_add_ps(sum, e);
+                    _mm256_storeu_si256((__m256i *)(pp + c * 16), (__m256i)_mm512_cvtneps_pbh(e));
+                }
+                l[rr] = l[rr] * alpha[r] + _mm512_reduce_add_ps(sum);
+                m[rr] = mnew;
+            }
+            block_values_any(R, pr, vp32, D, (used + 1) / 2, alpha, orow);
+        }
+    }
+    for (int64_t rr = 0; rr < rows; rr++) {
+        const int64_t t = t0 + rr / G;
+        uint16_t *dst = out + (t * H + h * G + rr % G) * D;
+        const __m512 inv = _mm512_set1_ps(1.f / l[rr]);
+        for (int64_t d = 0; d < D; d += 16)
+            _mm256_storeu_si256((__m256i *)(dst + d),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(o + rr * D + d), inv)));
+    }
+}
+#endif
+
+int extend_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k,
+                          const uint16_t *v, const int64_t *slots, int64_t p, int64_t n,
+                          int64_t H, int64_t KV, int64_t D, float scale, int64_t window,
+                          uint16_t *out) {
+#ifdef HAVE_AVX512BF16
+    if (!extend_attention_bf16_applies(D) || KV <= 0 || H % KV != 0 || n <= 0) return 0;
+    const int64_t G = H / KV, blocks = (n + EXT_BQ - 1) / EXT_BQ, tasks = KV * blocks;
+    const size_t bytes = (size_t)EXT_BK * D * 2 * sizeof(uint16_t)
+                         + (size_t)EXT_BQ * G * (D + 2) * sizeof(float)
+                         + (size_t)EXT_R * EXT_BK * (sizeof(float) + sizeof(uint16_t)) + 64;
+    int failed = 0;
+    int64_t team = 1;
+#ifdef _OPENMP
+    team = omp_get_max_threads();
+    team = team < tasks ? team : tasks;
+    team = team > 1 ? team : 1;
+#pragma omp parallel num_threads((int)team) if (team > 1)
+#endif
+    {
+        void *buf = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        if (buf == NULL) {
+#ifdef _OPENMP
+#pragma omp atomic write
+#endif
+            failed = 1;
+        }
+#ifdef _OPENMP
+#pragma omp for schedule(dynamic, 1)
+#endif
+        for (int64_t task = 0; task < tasks; task++) {
+            /* the last query blocks (the most keys) first */
+            const int64_t b = blocks - 1 - task / KV, h = task % KV;
+            const int64_t t0 = b * EXT_BQ, t1 = t0 + EXT_BQ < n ? t0 + EXT_BQ : n;
+            if (buf != NULL)
+                extend_task_bf16(q, q_stride, k, v, slots, p, t0, t1, H, KV, D, scale, window,
+                                 h, buf, out);
+        }
+        free(buf);
+    }
+    return failed ? 0 : 1;
+#else
+    (void)q; (void)q_stride; (void)k; (void)v; (void)slots; (void)p; (void)n; (void)H;
+    (void)KV; (void)D; (void)scale; (void)window; (void)out;
+    return 0;
+#endif
+}
