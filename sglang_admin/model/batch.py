@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from sglang_admin.model.attention import AttentionMetadata, DecodeGroup, ExtendSeq, PagedDecode
-from sglang_admin.model.cpu_kernels import EXTEND_MAX_TOKENS, CpuKernels, DecodeBatch
+from sglang_admin.model.cpu_kernels import CpuKernels, DecodeBatch, extend_kernel_takes
 from sglang_admin.model.host_index import StagingBuffer, host_table
 from sglang_admin.model.lanes import group_by_length, lane_cuts
 from sglang_admin.model.step_io import InvalidSequence, SeqInput
@@ -282,16 +282,18 @@ class BatchBuilder:
             meta.decode_groups.append(group)
             gathered = max(gathered, (b - a) * length)
         # each extend sequence attends on its own, unpadded (see ExtendSeq); through the
-        # prefill kernel (one thread, reading the pool through the table) where it is faster
-        # than torch's: chunks up to EXTEND_MAX_TOKENS, and torch on one thread as well
-        kernel_extend = self.extend_kernel and torch.get_num_threads() == 1
+        # prefill kernel (reading the pool through the table) where it is faster than
+        # torch's: in float32 (one thread) chunks up to EXTEND_MAX_TOKENS with torch on one
+        # thread as well; in bfloat16 (torch's threads) every chunk (extend_kernel_takes)
+        kernel_extend = self.extend_kernel and (self.dtype == torch.bfloat16
+                                                or torch.get_num_threads() == 1)
         start = 0
         for s in extend:
             p, n = s.prefix_len, len(s.token_ids)
             seq = ExtendSeq(start, n)
             meta.extend_seqs.append(seq)
             start += n
-            if kernel_extend and n <= EXTEND_MAX_TOKENS:  # no masks or gathers to build
+            if kernel_extend and extend_kernel_takes(self.dtype, p, n):  # no masks or gathers
                 seq.slots, seq.prefix = table[s.req_idx, : p + n], p
                 continue
             in_window = window is not None and p + n > window

@@ -59,6 +59,17 @@ _PTR = ctypes.c_void_p
 EXTEND_MAX_TOKENS = 1024
 
 
+def extend_kernel_takes(dtype: torch.dtype, prefix: int, n: int) -> bool:
+    """Whether a prefill chunk of ``n`` new tokens after ``prefix`` cached ones goes through
+    :meth:`CpuKernels.extend_attend` rather than torch's SDPA (where the build has the
+    kernel): float32 chunks up to ``EXTEND_MAX_TOKENS``; bfloat16 chunks of any length (the
+    flash kernel measured 2-3.5x torch's bfloat16 SDPA from 16 to 2048 new tokens at the
+    SmolLM2-135M and Qwen2.5-0.5B shapes on 2 threads, docs/cpu-performance.md)."""
+    if dtype == torch.bfloat16:
+        return n > 0
+    return n <= EXTEND_MAX_TOKENS
+
+
 class CpuKernels:
     """The built library: decode attention (``attend``), prefill attention
     (``extend_attend``), ``rms_norm``, ``rope``, ``silu_mul``, ``linear`` (small
@@ -274,7 +285,7 @@ class CpuKernels:
         [0, prefix + n), read from the pools [slots, KV, D] (the chunk's rows already written)
         at ``slots`` (int64, the sequence's table row) -> [n, H * D]; a sliding window keeps
         each query's last ``window`` keys. Where :meth:`extend_applies` (else ValueError);
-        when it is the faster path is the caller's to decide (``EXTEND_MAX_TOKENS``).
+        when it is the faster path is the caller's to decide (:func:`extend_kernel_takes`).
 
         float32: one thread. bfloat16 (q and pools): a flash-attention kernel on AVX512_BF16
         spread over torch's threads, with the numerics of torch's CPU flash kernel in

@@ -183,8 +183,8 @@ class ModelRunner:
         self.cpu_kernels = self._cpu_kernels(attention_backend)
         self.model.use_cpu_kernels(self.cpu_kernels)
         # whether prefill chunks may go through the kernel (this build, this head size)
-        extend_kernel = (self.cpu_kernels is not None and self.dtype == torch.float32
-                         and self.cpu_kernels.extend_applies(cfg.head_dim))
+        extend_kernel = (self.cpu_kernels is not None
+                         and self.cpu_kernels.extend_applies(cfg.head_dim, self.dtype))
         # the request-to-token table and the step's index tensors (model/batch.py)
         self.batches = BatchBuilder(
             device=self.device, dtype=self.dtype, max_running_requests=max_running_requests,

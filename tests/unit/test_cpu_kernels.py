@@ -351,7 +351,8 @@ def test_runner_sends_prefill_chunks_to_the_kernel_where_it_is_faster(
             ])
             assert calls == [c for c in want for _ in range(layers)]
         # a build or head size without the kernel: torch's attention for every chunk
-        monkeypatch.setattr(cpu_kernels.CpuKernels, "extend_applies", lambda self, dim: False)
+        monkeypatch.setattr(cpu_kernels.CpuKernels, "extend_applies",
+                            lambda self, dim, dtype=torch.float32: False)
         torch.set_num_threads(1)
         plain = ModelRunner(None, device="cpu", dtype="float32", max_total_tokens=4096,
                             max_running_requests=4)
@@ -615,3 +616,99 @@ def test_bf16_silu_mul_spread_over_threads_is_bit_equal_to_one_thread() -> None:
         assert torch.equal(kernel.silu_mul(gate_up), one)
     finally:
         torch.set_num_threads(before)
+
+
+def flash_bf16_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         slots: torch.Tensor, prefix: int, scale: float, window: int | None,
+                         block: int = 64) -> torch.Tensor:
+    """The bfloat16 prefill kernel's arithmetic, written with torch ops over the same blocks of
+    64 keys (what torch's CPU flash kernel does over its own blocks): float32 scores of the
+    bfloat16 q and k, an online softmax in float32, each block's probabilities rounded to
+    bfloat16 before the values, the output accumulated in float32 and rounded once."""
+    n, heads, dim = q.shape
+    group = heads // k_cache.shape[1]
+    length = prefix + n
+    k = k_cache[slots].float().repeat_interleave(group, dim=1)  # [L, H, D]
+    v = v_cache[slots].float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("nhd,lhd->hnl", q.float(), k) * scale
+    keys = torch.arange(length)[None, :]
+    pos = torch.arange(prefix, length)[:, None]
+    mask = keys <= pos
+    if window is not None:
+        mask &= keys > pos - window
+    scores = scores.masked_fill(~mask, float("-inf"))
+    m = torch.full((heads, n), float("-inf"))
+    total = torch.zeros(heads, n)
+    out = torch.zeros(heads, n, dim)
+    for j0 in range(0, length, block):
+        s = scores[..., j0 : j0 + block]
+        new_m = torch.maximum(m, s.amax(-1))
+        started = torch.isfinite(new_m)
+        alpha = torch.where(torch.isfinite(m), torch.exp(m - new_m), torch.zeros_like(m))
+        alpha = torch.where(started, alpha, torch.ones_like(m))
+        p = torch.exp(s - torch.where(started, new_m, torch.zeros_like(new_m))[..., None])
+        total = total * alpha + p.sum(-1)
+        out = out * alpha[..., None] + p.to(BF16).float() @ v[j0 : j0 + block].transpose(0, 1)
+        m = new_m
+    return (out / total[..., None]).to(BF16).transpose(0, 1).reshape(n, heads * dim)
+
+
+def _bf16_steps(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """|got - want| of two bfloat16 tensors in bfloat16 steps (its spacing at the larger of
+    the two magnitudes: 8 significant bits)."""
+    g, w = got.float(), want.float()
+    top = torch.maximum(g.abs(), w.abs()).clamp_min(2.0**-100)
+    return (g - w).abs() / torch.exp2(torch.floor(torch.log2(top)) - 7)
+
+
+needs_bf16_prefill = pytest.mark.skipif(
+    kernel is None or not kernel.extend_applies(64, BF16),
+    reason="no bfloat16 prefill kernel in this build (AVX512_BF16)")
+
+
+@needs_bf16_prefill
+@pytest.mark.parametrize(("prefix", "n", "heads", "kv_heads", "dim", "window"), [
+    (0, 150, 14, 2, 64, None),   # Qwen2.5-0.5B's group of 7, lengths off the 64 blocks
+    (37, 70, 9, 3, 64, None),    # SmolLM2-135M's group of 3 after a cached prefix
+    (0, 1, 14, 2, 64, None),     # one token
+    (200, 1, 9, 3, 64, None),    # one token after a prefix (a decode-like chunk)
+    (5, 67, 4, 4, 128, None),    # MHA, head size 128
+    (100, 130, 6, 2, 32, 17),    # a sliding window shorter than a block
+    (0, 300, 8, 1, 64, 100),     # a window over several blocks, a group of 8
+    (70, 64, 16, 8, 128, 64),
+])
+def test_bf16_prefill_kernel_is_torchs_flash_arithmetic(prefix: int, n: int, heads: int,
+                                                        kv_heads: int, dim: int,
+                                                        window: int | None) -> None:
+    """bfloat16 prefill attention through scattered pool slots: against the same arithmetic
+    written in torch (flash_bf16_reference) bit-equal but for rare ties of the roundings (the
+    scores' sums run in another order: 99.9% equal, none over 2 bfloat16 steps; without
+    the bfloat16 rounding of the probabilities many differ); against torch's own bfloat16
+    SDPA (other blocks, so other roundings of P) within 2 steps or 2^-10 max |v|, mostly
+    equal (80-100% at these cases); and within bfloat16 rounding of float32 attention."""
+    gen = torch.Generator().manual_seed(prefix + n + heads)
+    length = prefix + n
+    k_pool = torch.randn(length + 9, kv_heads, dim, generator=gen).to(BF16)
+    v_pool = torch.randn(length + 9, kv_heads, dim, generator=gen).to(BF16)
+    slots = torch.randperm(length + 9, generator=gen)[:length]
+    # q as the layer hands it: a view with a token stride of its own; scores far apart
+    q = (torch.randn(n, heads + 2 * kv_heads, dim, generator=gen) * 3).to(BF16)[:, :heads]
+    scale = dim**-0.5
+    got = kernel.extend_attend(q, k_pool, v_pool, slots, prefix, scale, window)
+    assert got.dtype == BF16 and got.shape == (n, heads * dim)
+    emulated = flash_bf16_reference(q, k_pool, v_pool, slots, prefix, scale, window)
+    assert _bf16_steps(got, emulated).max().item() <= 2.0
+    assert (got == emulated).float().mean().item() >= 0.999
+    sdpa = cpu_kernels.reference_extend(q, k_pool, v_pool, slots, prefix, scale, window)
+    # two steps, or (near zero, where the weighted values cancel) P's other roundings
+    torch.testing.assert_close(got.float(), sdpa.float(), rtol=2.0**-6,
+                               atol=2.0**-10 * v_pool.float().abs().max().item())
+    assert (got == sdpa).float().mean().item() >= 0.75
+    exact = cpu_kernels.reference_extend(q.float(), k_pool.float(), v_pool.float(), slots,
+                                         prefix, scale, window)
+    # the output's rounding (half a step) and P's (2^-9 of each weight: 2^-9 of max |v|),
+    # and no further from float32 than torch's bfloat16 SDPA is (to within a step)
+    bound = exact.abs() * 2.0**-8 + 2.0**-9 * v_pool.float().abs().max()
+    assert ((got.float() - exact).abs() <= bound).all()
+    ours, torchs = (got.float() - exact).abs().max(), (sdpa.float() - exact).abs().max()
+    assert ours <= torchs + 2.0**-7 * exact.abs().max()

@@ -1158,8 +1158,8 @@ void decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *
  *   k, v   [slots, KV, D] bfloat16 (the pool of one layer), the new tokens' rows written
  *   slots  [p + n] int64 pool slots of positions 0..p+n-1
  *   out    [n, H, D] bfloat16
- * Returns 1, or 0 with nothing written where !extend_attention_bf16_applies(D) or a thread's
- * buffer could not be allocated.
+ * Returns 1; 0 where !extend_attention_bf16_applies(D) (nothing written) or a thread's buffer
+ * could not be allocated (out incomplete).
  */
 #if defined(HAVE_AVX512) && defined(__AVX512BF16__)
 #define HAVE_AVX512BF16 1
@@ -1382,8 +1382,9 @@ int extend_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k
 #ifdef HAVE_AVX512BF16
     if (!extend_attention_bf16_applies(D) || KV <= 0 || H % KV != 0 || n <= 0) return 0;
     const int64_t G = H / KV, blocks = (n + EXT_BQ - 1) / EXT_BQ, tasks = KV * blocks;
+    const int64_t bq = n < EXT_BQ ? n : EXT_BQ; /* query tokens of the largest task */
     const size_t bytes = (size_t)EXT_BK * D * 2 * sizeof(uint16_t)
-                         + (size_t)EXT_BQ * G * (D + 2) * sizeof(float)
+                         + (size_t)bq * G * (D + 2) * sizeof(float)
                          + (size_t)EXT_R * EXT_BK * (sizeof(float) + sizeof(uint16_t)) + 64;
     int failed = 0;
     int64_t team = 1;
