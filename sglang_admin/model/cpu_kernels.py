@@ -306,7 +306,7 @@ class CpuKernels:
             raise ValueError("extend attention kernel: a tensor is not laid out as expected")
         if q.dtype == torch.bfloat16:
             out = torch.empty(n, heads * dim, dtype=torch.bfloat16)
-            if not (n and heads % max(kv_heads, 1) == 0 and self.extend_applies(dim, q.dtype)
+            if not (n and heads % max(kv_heads, 1) == 0 and self._extend_bf16_applies(dim)
                     and self._extend_bf16(q.data_ptr(), q.stride(0), k_cache.data_ptr(),
                                           v_cache.data_ptr(), slots.data_ptr(), prefix, n,
                                           heads, kv_heads, dim, scale, window or 0,
@@ -608,8 +608,8 @@ def _agrees_with_torch(kernel: CpuKernels) -> bool:
 
 def _bf16_agrees_with_torch(kernel: CpuKernels) -> bool:
     """The bfloat16 kernels against torch's bfloat16 ops on small cases (within bfloat16's
-    rounding: the kernels sum in another order): attention with GQA and a window, RMSNorm
-    with the residual add, RoPE with the K/V write, silu(gate) * up, argmax."""
+    rounding: the kernels sum in another order): decode and prefill attention with GQA and a
+    window, RMSNorm with the residual add, RoPE with the K/V write, silu(gate) * up, argmax."""
     gen = torch.Generator().manual_seed(1)
     bf = torch.bfloat16
 
@@ -657,7 +657,18 @@ def _bf16_agrees_with_torch(kernel: CpuKernels) -> bool:
         return False
     logits = torch.randn(3, 37, generator=gen).to(bf)
     logits[1, 30] = logits[1, 5] = 9.0
-    return kernel.argmax(logits) == logits.argmax(dim=-1).tolist()
+    if kernel.argmax(logits) != logits.argmax(dim=-1).tolist():
+        return False
+    if not kernel._extend_bf16_applies(32):
+        return True  # a build without the bfloat16 prefill kernel: torch's attention
+    q = torch.randn(19, 6, 32, generator=gen).to(bf)  # G = 3, a 7-token prefix, 19 new
+    pool = torch.randn(2, 40, 2, 32, generator=gen).to(bf)
+    slots = torch.randperm(40, generator=gen)[:26]
+    for window in (None, 5):
+        got = kernel.extend_attend(q, pool[0], pool[1], slots, 7, 0.17, window)
+        if not close(got, reference_extend(q, pool[0], pool[1], slots, 7, 0.17, window)):
+            return False
+    return True
 
 
 @functools.cache

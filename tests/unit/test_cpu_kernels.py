@@ -559,7 +559,8 @@ def test_bf16_argmax_is_torchs_including_ties_infinities_and_nans() -> None:
 def test_runner_in_bf16_uses_the_kernels_and_decodes_as_torchs_ops(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The default model in bfloat16: the kernels are on (attention, norms, RoPE, SwiGLU,
-    argmax; never the float32 decode layer or projections) and greedy tokens are torch's
+    argmax, prefill attention where the build has it; never the float32 decode layer or
+    projections) and greedy tokens are torch's
     bfloat16 ops': most prompts token-equal, the others up to a near tie (both sides round
     in bfloat16, in different orders: test_bf16.py checks the ties against transformers)."""
     calls: list[str] = []
@@ -583,7 +584,10 @@ def test_runner_in_bf16_uses_the_kernels_and_decodes_as_torchs_ops(
     assert sum(a == b for a, b in zip(ours, theirs)) >= 3
     assert all(a[:4] == b[:4] for a, b in zip(ours, theirs))
     assert {"attend", "rope_store", "add_rms_norm", "silu_mul", "argmax"} <= set(calls)
-    assert not {"decode_layer", "linear", "extend_attend"} & set(calls)
+    assert not {"decode_layer", "linear"} & set(calls)
+    # prefill attention: the flash kernel where the build has it (AVX512_BF16)
+    head_dim = fast.model.config.head_dim
+    assert ("extend_attend" in calls) == fast.cpu_kernels.extend_applies(head_dim, BF16)
 
 
 @needs_kernel
@@ -712,3 +716,37 @@ def test_bf16_prefill_kernel_is_torchs_flash_arithmetic(prefix: int, n: int, hea
     assert ((got.float() - exact).abs() <= bound).all()
     ours, torchs = (got.float() - exact).abs().max(), (sdpa.float() - exact).abs().max()
     assert ours <= torchs + 2.0**-7 * exact.abs().max()
+
+
+@needs_bf16_prefill
+def test_bf16_prefill_kernel_spread_over_threads_is_bit_equal_to_one_thread() -> None:
+    """Each kv head x block of 64 queries is a task of its own: the same sums on any team."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(200, 14, 64, generator=gen).to(BF16)
+    pool = torch.randn(2, 260, 2, 64, generator=gen).to(BF16)
+    slots = torch.randperm(260, generator=gen)[:250]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernel.extend_attend(q, pool[0], pool[1], slots, 50, 0.125, None)
+        torch.set_num_threads(2)
+        assert torch.equal(kernel.extend_attend(q, pool[0], pool[1], slots, 50, 0.125, None), one)
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_bf16_prefill
+def test_bf16_prefill_kernel_refuses_what_it_does_not_cover() -> None:
+    """Head sizes off 32 or over 256 (the runner keeps torch's SDPA), mixed dtypes, a head
+    count no multiple of the kv heads: a clear error, nothing computed."""
+    assert not kernel.extend_applies(48, BF16) and not kernel.extend_applies(512, BF16)
+    pool = torch.zeros(40, 2, 48, dtype=BF16)
+    with pytest.raises(ValueError, match="no bfloat16 path"):
+        kernel.extend_attend(torch.zeros(8, 8, 48, dtype=BF16), pool, pool, torch.arange(8), 0,
+                             0.2, None)
+    pool = torch.zeros(40, 2, 64, dtype=BF16)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        kernel.extend_attend(torch.zeros(8, 8, 64), pool, pool, torch.arange(8), 0, 0.2, None)
+    with pytest.raises(ValueError, match="no bfloat16 path"):
+        kernel.extend_attend(torch.zeros(8, 7, 64, dtype=BF16), pool, pool, torch.arange(8), 0,
+                             0.2, None)
