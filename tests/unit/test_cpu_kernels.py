@@ -657,14 +657,6 @@ def flash_bf16_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     return (out / total[..., None]).to(BF16).transpose(0, 1).reshape(n, heads * dim)
 
 
-def _bf16_steps(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
-    """|got - want| of two bfloat16 tensors in bfloat16 steps (its spacing at the larger of
-    the two magnitudes: 8 significant bits)."""
-    g, w = got.float(), want.float()
-    top = torch.maximum(g.abs(), w.abs()).clamp_min(2.0**-100)
-    return (g - w).abs() / torch.exp2(torch.floor(torch.log2(top)) - 7)
-
-
 needs_bf16_prefill = pytest.mark.skipif(
     kernel is None or not kernel.extend_applies(64, BF16),
     reason="no bfloat16 prefill kernel in this build (AVX512_BF16)")
@@ -686,7 +678,7 @@ def test_bf16_prefill_kernel_is_torchs_flash_arithmetic(prefix: int, n: int, hea
                                                         window: int | None) -> None:
     """bfloat16 prefill attention through scattered pool slots: against the same arithmetic
     written in torch (flash_bf16_reference) bit-equal but for rare ties of the roundings (the
-    scores' sums run in another order: 99.9% equal, none over 2 bfloat16 steps; without
+    scores' sums run in another order: 99.9% equal, the rest within a step or 2^-10 max |v|; without
     the bfloat16 rounding of the probabilities many differ); against torch's own bfloat16
     SDPA (other blocks, so other roundings of P) within 2 steps or 2^-10 max |v|, mostly
     equal (80-100% at these cases); and within bfloat16 rounding of float32 attention."""
@@ -701,12 +693,15 @@ def test_bf16_prefill_kernel_is_torchs_flash_arithmetic(prefix: int, n: int, hea
     got = kernel.extend_attend(q, k_pool, v_pool, slots, prefix, scale, window)
     assert got.dtype == BF16 and got.shape == (n, heads * dim)
     emulated = flash_bf16_reference(q, k_pool, v_pool, slots, prefix, scale, window)
-    assert _bf16_steps(got, emulated).max().item() <= 2.0
+    v_max = v_pool.float().abs().max().item()
+    # where a probability rounds the other way (its score summed in another order): a step
+    # of that weight times its value, 2^-9 x 2^-1 x max |v| at most
+    torch.testing.assert_close(got.float(), emulated.float(), rtol=2.0**-7,
+                               atol=2.0**-10 * v_max)
     assert (got == emulated).float().mean().item() >= 0.999
     sdpa = cpu_kernels.reference_extend(q, k_pool, v_pool, slots, prefix, scale, window)
     # two steps, or (near zero, where the weighted values cancel) P's other roundings
-    torch.testing.assert_close(got.float(), sdpa.float(), rtol=2.0**-6,
-                               atol=2.0**-10 * v_pool.float().abs().max().item())
+    torch.testing.assert_close(got.float(), sdpa.float(), rtol=2.0**-6, atol=2.0**-10 * v_max)
     assert (got == sdpa).float().mean().item() >= 0.75
     exact = cpu_kernels.reference_extend(q.float(), k_pool.float(), v_pool.float(), slots,
                                          prefix, scale, window)

@@ -1181,6 +1181,25 @@ int extend_attention_bf16_applies(int64_t D) {
 #define EXT_BK 64 /* keys of a packed block: 4 vectors of 16 scores a row */
 #define EXT_R 6   /* query rows a register block: 24 accumulators */
 
+/* exp of 16 floats x <= 0 to within a few float32 ulps (2^n by the nearest n, then a degree-6
+ * Taylor polynomial of the rest, |r| <= ln2 / 2: error below 2e-7 relative): the softmax's
+ * exponentials, cheaper than glibc's vector expf */
+static inline __m512 exp16_neg(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-104.f)); /* exp(-104) is 0 in float32; -inf too */
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x); /* ln2, high bits */
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);  /* and the rest */
+    __m512 p = _mm512_set1_ps(1.f / 720.f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
 /* keys [j0, j0 + EXT_BK) of kv head h packed: kp32[(jv * D/2 + i) * 16 + jj] holds dims
  * 2i, 2i+1 of key 16 jv + jj; values: vp32[(i * D/16 + dv) * 16 + dd] holds dim 16 dv + dd of
  * keys 2i, 2i+1. Keys at or past L are zeros. */
@@ -1354,7 +1373,7 @@ static void extend_task_bf16(const uint16_t *q, int64_t q_stride, const uint16_t
                 const __m512 mv = _mm512_set1_ps(mnew);
                 __m512 sum = _mm512_setzero_ps();
                 for (int c = 0; c < 4; c++) {
-                    const __m512 e = _mm512_maskz_mov_ps(keep[c], _ZGVeN16v_expf(_mm512_sub_ps(x[c], mv)));
+                    const __m512 e = _mm512_maskz_mov_ps(keep[c], exp16_neg(_mm512_sub_ps(x[c], mv)));
                     sum = _mm512_add_ps(sum, e);
                     _mm256_storeu_si256((__m256i *)(pp + c * 16), (__m256i)_mm512_cvtneps_pbh(e));
                 }
