@@ -1146,10 +1146,12 @@ void decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *
  * (bfloat16 products, float32 sums), the online softmax in float32, the probabilities rounded
  * to bfloat16 for the P.V product, the output accumulated in float32 and rounded once.
  *
- * A task is one kv head x a block of EXT_BQ query tokens; its rows are (token, query head)
- * pairs, the G query heads of the kv head together, so each block of EXT_BK keys, packed once
- * (key j's dims 2i, 2i+1 side by side, 16 keys a vector: the pair layout _mm512_dpbf16_ps
- * wants; values likewise with keys 2i, 2i+1 side by side), serves G * EXT_BQ query rows.
+ * First every kv head's keys are packed, once per call, in blocks of EXT_BK (key j's dims 2i,
+ * 2i+1 side by side, 16 keys a vector: the pair layout _mm512_dpbf16_ps wants; values likewise
+ * with keys 2i, 2i+1 side by side): reading through the slots costs nothing extra there. A
+ * task is then one kv head x a block of EXT_BQ query tokens; its rows are (token, query head)
+ * pairs, the G query heads of the kv head together, so each packed block serves G * EXT_BQ
+ * query rows.
  * Rows go EXT_R at a time against the whole key block with their sums in registers; the
  * running output of the task's rows lives in a float32 buffer per thread. Tasks are spread
  * over the calling thread's OpenMP team (torch's libgomp, as decode_attention_bf16), dynamic,
@@ -1303,15 +1305,14 @@ static void block_values_any(int R, const uint16_t *p, const uint32_t *vp32, int
     }
 }
 
-/* one task: query tokens [t0, t1) of kv head h; buf: the thread's buffer */
-static void extend_task_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k,
-                             const uint16_t *v, const int64_t *slots, int64_t p, int64_t t0,
-                             int64_t t1, int64_t H, int64_t KV, int64_t D, float scale,
-                             int64_t window, int64_t h, void *buf, uint16_t *out) {
-    const int64_t G = H / KV, row = KV * D, rows = (t1 - t0) * G, L = p + t1;
-    uint32_t *kp32 = (uint32_t *)buf;                 /* EXT_BK * D / 2 words */
-    uint32_t *vp32 = kp32 + EXT_BK * D / 2;           /* the same */
-    float *o = (float *)(vp32 + EXT_BK * D / 2);      /* rows * D */
+/* one task: query tokens [t0, t1) of kv head h against its packed key and value blocks
+ * (kpk, vpk: EXT_BK * D / 2 words a block); buf: the thread's buffer */
+static void extend_task_bf16(const uint16_t *q, int64_t q_stride, const uint32_t *kpk,
+                             const uint32_t *vpk, int64_t p, int64_t t0, int64_t t1, int64_t H,
+                             int64_t KV, int64_t D, float scale, int64_t window, int64_t h,
+                             void *buf, uint16_t *out) {
+    const int64_t G = H / KV, rows = (t1 - t0) * G, L = p + t1;
+    float *o = (float *)buf;                          /* rows * D */
     float *m = o + rows * D, *l = m + rows;           /* rows each */
     float *s = l + rows;                              /* EXT_R * EXT_BK */
     uint16_t *pr = (uint16_t *)(s + EXT_R * EXT_BK);  /* EXT_R * EXT_BK */
@@ -1322,7 +1323,8 @@ static void extend_task_bf16(const uint16_t *q, int64_t q_stride, const uint16_t
     const __m512 sv = _mm512_set1_ps(scale);
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for (int64_t j0 = first_lo / EXT_BK * EXT_BK; j0 < L; j0 += EXT_BK) {
-        pack_block_bf16(k, v, slots, j0, L, D, row, h, kp32, vp32);
+        const uint32_t *kp32 = kpk + (j0 / EXT_BK) * EXT_BK * D / 2;
+        const uint32_t *vp32 = vpk + (j0 / EXT_BK) * EXT_BK * D / 2;
         for (int64_t r0 = 0; r0 < rows; r0 += EXT_R) {
             const int R = rows - r0 >= EXT_R ? EXT_R : (int)(rows - r0);
             /* rows r0.. are tokens (r0 + r) / G, heads (r0 + r) % G */
@@ -1402,14 +1404,18 @@ int extend_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k
     if (!extend_attention_bf16_applies(D) || KV <= 0 || H % KV != 0 || n <= 0) return 0;
     const int64_t G = H / KV, blocks = (n + EXT_BQ - 1) / EXT_BQ, tasks = KV * blocks;
     const int64_t bq = n < EXT_BQ ? n : EXT_BQ; /* query tokens of the largest task */
-    const size_t bytes = (size_t)EXT_BK * D * 2 * sizeof(uint16_t)
-                         + (size_t)bq * G * (D + 2) * sizeof(float)
+    const int64_t L = p + n, kblocks = (L + EXT_BK - 1) / EXT_BK, words = EXT_BK * D / 2;
+    /* every kv head's keys and values packed once, shared by its query blocks */
+    uint32_t *kpk = aligned_alloc(64, (size_t)(2 * KV * kblocks * words) * sizeof(uint32_t));
+    if (kpk == NULL) return 0;
+    uint32_t *vpk = kpk + KV * kblocks * words;
+    const size_t bytes = (size_t)bq * G * (D + 2) * sizeof(float)
                          + (size_t)EXT_R * EXT_BK * (sizeof(float) + sizeof(uint16_t)) + 64;
     int failed = 0;
     int64_t team = 1;
 #ifdef _OPENMP
     team = omp_get_max_threads();
-    team = team < tasks ? team : tasks;
+    team = team < tasks + KV * kblocks ? team : tasks + KV * kblocks;
     team = team > 1 ? team : 1;
 #pragma omp parallel num_threads((int)team) if (team > 1)
 #endif
@@ -1422,6 +1428,12 @@ int extend_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k
             failed = 1;
         }
 #ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (int64_t blk = 0; blk < KV * kblocks; blk++)
+            pack_block_bf16(k, v, slots, (blk % kblocks) * EXT_BK, L, D, KV * D, blk / kblocks,
+                            kpk + blk * words, vpk + blk * words);
+#ifdef _OPENMP
 #pragma omp for schedule(dynamic, 1)
 #endif
         for (int64_t task = 0; task < tasks; task++) {
@@ -1429,11 +1441,12 @@ int extend_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k
             const int64_t b = blocks - 1 - task / KV, h = task % KV;
             const int64_t t0 = b * EXT_BQ, t1 = t0 + EXT_BQ < n ? t0 + EXT_BQ : n;
             if (buf != NULL)
-                extend_task_bf16(q, q_stride, k, v, slots, p, t0, t1, H, KV, D, scale, window,
-                                 h, buf, out);
+                extend_task_bf16(q, q_stride, kpk + h * kblocks * words, vpk + h * kblocks * words,
+                                 p, t0, t1, H, KV, D, scale, window, h, buf, out);
         }
         free(buf);
     }
+    free(kpk);
     return failed ? 0 : 1;
 #else
     (void)q; (void)q_stride; (void)k; (void)v; (void)slots; (void)p; (void)n; (void)H;
