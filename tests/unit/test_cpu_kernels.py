@@ -662,6 +662,18 @@ needs_bf16_prefill = pytest.mark.skipif(
     reason="no bfloat16 prefill kernel in this build (AVX512_BF16)")
 
 
+def test_the_bf16_prefill_kernel_loads_where_the_cpu_has_avx512_bf16() -> None:
+    """The tests below skip without the kernel; where the CPU has the instructions it must
+    load (the bfloat16 kernels are dropped at load when one disagrees with torch, which would
+    hide it)."""
+    from pathlib import Path
+
+    cpuinfo = Path("/proc/cpuinfo")
+    if kernel is None or not cpuinfo.exists() or "avx512_bf16" not in cpuinfo.read_text():
+        pytest.skip("no AVX512_BF16 here")
+    assert kernel.bf16 and kernel.extend_applies(64, BF16)
+
+
 @needs_bf16_prefill
 @pytest.mark.parametrize(("prefix", "n", "heads", "kv_heads", "dim", "window"), [
     (0, 150, 14, 2, 64, None),   # Qwen2.5-0.5B's group of 7, lengths off the 64 blocks
