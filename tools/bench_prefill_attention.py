@@ -5,7 +5,12 @@ one run, at real model shapes (SmolLM2-135M: 9 query / 3 kv heads; Qwen2.5-0.5B:
 head_dim 64), one sequence of 1..2048 new tokens (no cached prefix) and a chunk after a
 cached prefix; the two alternate per round, the median counts.
 
+With ``--model-path DIR`` it times instead one whole prefill step of the model runner
+(``--tokens`` new tokens, one sequence, bfloat16) with the kernel and with SDPA for the
+bfloat16 extend sequences, alternating in one process (the rule flipped per step).
+
 Usage: python tools/bench_prefill_attention.py [--threads 2] [--rounds 5] [--clock cpu]
+       python tools/bench_prefill_attention.py --model-path DIR [--tokens 1500] [--rounds 3]
 
 ``--clock cpu`` times the process's CPU seconds instead of the wall clock: with
 ``--threads 1`` a ratio that holds on a busy machine (another process's load does not count).
@@ -14,6 +19,7 @@ Usage: python tools/bench_prefill_attention.py [--threads 2] [--rounds 5] [--clo
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -48,14 +54,72 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int,
     return out[0].transpose(0, 1).reshape(n, -1)
 
 
+def _prefill_step(path: str, tokens: int, rounds: int, clock) -> int:  # noqa: ANN001
+    """One prefill step of ``tokens`` through the model runner in bfloat16, the extend
+    attention through the kernel and through SDPA alternately."""
+    from sglang_admin.messages import GenerateReq, SamplingParams
+    from sglang_admin.model import batch as batch_module
+    from sglang_admin.model.runner import ModelRunner
+    from sglang_admin.scheduler.process import batch_inputs
+    from sglang_admin.scheduler.scheduler import Scheduler, SchedulerConfig
+
+    runner = ModelRunner(path, device="cpu", dtype="bfloat16", max_running_requests=8,
+                         max_total_tokens=tokens + 64, lanes=1)
+    info = runner.info
+    rule = batch_module.extend_kernel_takes
+
+    def sdpa_rule(dtype: torch.dtype, prefix: int, n: int) -> bool:
+        return dtype != torch.bfloat16 and rule(dtype, prefix, n)
+
+    def step(kernel: bool, seed: int) -> float:
+        batch_module.extend_kernel_takes = rule if kernel else sdpa_rule
+        sched = Scheduler(SchedulerConfig(
+            token_capacity=runner.token_capacity, max_running_requests=8,
+            max_prefill_tokens=tokens + 64, context_length=info.context_length,
+            eos_token_ids=tuple(info.eos_token_ids)))
+        gen = torch.Generator().manual_seed(seed)
+        prompt = torch.randint(2, info.vocab_size, (tokens,), generator=gen).tolist()
+        sched.add_request(GenerateReq(f"p{seed}", prompt, SamplingParams(
+            max_new_tokens=1, ignore_eos=True, temperature=0.0)))
+        batch = sched.schedule()
+        seqs = batch_inputs(batch)
+        t0 = clock()
+        runner.forward_step(seqs)
+        seconds = clock() - t0
+        runner.reset()
+        return seconds
+
+    times: dict[bool, list[float]] = {False: [], True: []}
+    try:
+        with torch.inference_mode():
+            step(True, 0)
+            step(False, 0)
+            for r in range(rounds):
+                for kernel in (False, True):
+                    times[kernel].append(step(kernel, r + 1))
+    finally:
+        batch_module.extend_kernel_takes = rule
+    a, b = statistics.median(times[False]), statistics.median(times[True])
+    print(f"bfloat16 prefill step of {tokens} tokens, {torch.get_num_threads()} threads, "
+          f"median of {rounds}: SDPA {a * 1e3:.0f} ms, kernel {b * 1e3:.0f} ms: "
+          f"{a / b:.3f}x, {(1 - b / a) * 100:.1f}% less time")
+    print("  SDPA", [round(t * 1e3) for t in times[False]],
+          "kernel", [round(t * 1e3) for t in times[True]])
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall")
+    p.add_argument("--model-path", help="a checkpoint: time its whole prefill step instead")
+    p.add_argument("--tokens", type=int, default=1500, help="the prefill's new tokens")
     ns = p.parse_args(argv)
     clock = time.perf_counter if ns.clock == "wall" else time.process_time
     torch.set_num_threads(ns.threads)
+    if ns.model_path:
+        return _prefill_step(ns.model_path, ns.tokens, ns.rounds, clock)
     kernels = load_cpu_kernels()
     if kernels is None or not kernels.extend_applies(64, torch.bfloat16):
         print("no bfloat16 prefill kernel in this build (needs AVX512_BF16): nothing to compare")
@@ -77,11 +141,9 @@ def main(argv: list[str] | None = None) -> int:
                 scale = dim ** -0.5
                 k_rows, v_rows = pool_k[slots], pool_v[slots]  # SDPA's gathered keys
 
-                def torch_op() -> torch.Tensor:
-                    return _sdpa(q, k_rows, v_rows, prefix, scale)
-
-                def kernel_op() -> torch.Tensor:
-                    return kernels.extend_attend(q, pool_k, pool_v, slots, prefix, scale, None)
+                torch_op = functools.partial(_sdpa, q, k_rows, v_rows, prefix, scale)
+                kernel_op = functools.partial(kernels.extend_attend, q, pool_k, pool_v, slots,
+                                              prefix, scale, None)
 
                 repeat = min(500, max(1, int(2e8 / (heads * n * length * dim))))
                 times: dict[str, list[float]] = {"sdpa": [], "kernel": []}
