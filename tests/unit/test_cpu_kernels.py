@@ -757,3 +757,49 @@ def test_bf16_prefill_kernel_refuses_what_it_does_not_cover() -> None:
     with pytest.raises(ValueError, match="no bfloat16 path"):
         kernel.extend_attend(torch.zeros(8, 7, 64, dtype=BF16), pool, pool, torch.arange(8), 0,
                              0.2, None)
+
+
+@needs_bf16_prefill
+def test_runner_in_bf16_sends_every_prefill_chunk_to_the_flash_kernel(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """bfloat16: every chunk goes through the flash kernel, on two torch threads, past
+    EXTEND_MAX_TOKENS, after a cached prefix; the tokens are those of torch's SDPA path."""
+    from sglang_admin.model import batch as batch_module
+
+    calls: list[tuple[int, int]] = []
+    real = cpu_kernels.CpuKernels.extend_attend
+
+    def spy(self, q, k_cache, v_cache, slots, prefix, scale, window):  # noqa: ANN001, ANN202
+        calls.append((q.shape[0], prefix))
+        return real(self, q, k_cache, v_cache, slots, prefix, scale, window)
+
+    monkeypatch.setattr(cpu_kernels.CpuKernels, "extend_attend", spy)
+    runner = ModelRunner(None, device="cpu", dtype="bfloat16", max_total_tokens=4096,
+                         max_running_requests=4)
+    layers = runner.model.config.num_layers
+    long = cpu_kernels.EXTEND_MAX_TOKENS + 1
+    greedy = SamplingParams(temperature=0.0)
+    prompt = list(range(3, 11))
+    long_prompt = [(7 * i) % (runner.info.vocab_size - 2) + 2 for i in range(long)]
+
+    def run(with_long: bool) -> list[int]:
+        runner.reset()
+        first = runner.forward_step([
+            SeqInput(0, 0, prompt[:5], 0, [1, 2, 3, 4, 5], greedy, prompt, [], False),
+            SeqInput(1, 0, long_prompt, 0, list(range(10, 10 + long)), greedy, long_prompt, []),
+        ][: 2 if with_long else 1])
+        rest = runner.forward_step([SeqInput(0, 5, prompt[5:], 5, [6, 7, 8], greedy, prompt, [])])
+        return [r.token_id for r in first[1:] + rest]
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        run(with_long=True)
+        assert calls == ([(5, 0), (long, 0)] * layers + [(3, 5)] * layers)
+        ours = run(with_long=False)
+        calls.clear()
+        monkeypatch.setattr(batch_module, "extend_kernel_takes",
+                            lambda dtype, prefix, n: dtype == torch.float32)
+        assert run(with_long=False) == ours and calls == []
+    finally:
+        torch.set_num_threads(before)
