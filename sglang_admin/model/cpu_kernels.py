@@ -1,7 +1,8 @@
 """CPU kernels of the forward pass in float32: decode attention, RMSNorm, RoPE, silu * up,
 small-batch projections, and a decode step's whole decoder layer in one call; and in
 bfloat16 the non-matmul ops of a layer (decode attention read in place from the pool,
-RMSNorm, RoPE with the new K/V written, SwiGLU's product) and argmax.
+prefill attention as a flash kernel on AVX512_BF16, RMSNorm, RoPE with the new K/V written,
+SwiGLU's product) and argmax.
 
 Torch's decode path gathers every sequence's K and V rows into padded tensors and runs
 ``scaled_dot_product_attention`` per group of similar length: on a CPU step that copy and the

@@ -2,7 +2,8 @@
  * CPU kernels of the model's forward (float32): decode attention read in place from the paged KV
  * pool; prefill attention (a cached prefix read the same way); RMSNorm, rotate-half RoPE and
  * SwiGLU's silu(gate) * up in one pass each; small-batch projections, and a whole decoder layer
- * of a decode step in one call (at the end).
+ * of a decode step in one call; then their bfloat16 counterparts, and bfloat16 prefill
+ * attention as a flash kernel on AVX512_BF16 (at the end).
  *
  * Decode attention.
  *
