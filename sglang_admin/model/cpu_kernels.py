@@ -64,8 +64,9 @@ def extend_kernel_takes(dtype: torch.dtype, prefix: int, n: int) -> bool:
     """Whether a prefill chunk of ``n`` new tokens after ``prefix`` cached ones goes through
     :meth:`CpuKernels.extend_attend` rather than torch's SDPA (where the build has the
     kernel): float32 chunks up to ``EXTEND_MAX_TOKENS``; bfloat16 chunks of any length (the
-    flash kernel measured 2-3.5x torch's bfloat16 SDPA from 16 to 2048 new tokens at the
-    SmolLM2-135M and Qwen2.5-0.5B shapes on 2 threads, docs/cpu-performance.md)."""
+    flash kernel measured faster than torch's bfloat16 SDPA from 1 to 2048 new tokens, with
+    and without a cached prefix, at the SmolLM2-135M and Qwen2.5-0.5B shapes: 2-3.5x from 16
+    tokens up, docs/cpu-performance.md)."""
     if dtype == torch.bfloat16:
         return n > 0
     return n <= EXTEND_MAX_TOKENS
