@@ -102,12 +102,32 @@ def _server_span(
         yield forward
 
 
-@contextmanager
-def child_span(name: str, carrier: dict[str, str], /, **attributes: Any) -> Iterator[None]:
+class _NoChildSpan:
+    """What :func:`child_span` is when there is nothing to trace: no generator."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_NO_CHILD_SPAN = _NoChildSpan()
+
+
+def child_span(
+    name: str, carrier: dict[str, str], /, **attributes: Any
+) -> AbstractContextManager[None]:
     """A span in the scheduler process, child of the context the server forwarded."""
     if not carrier and not _recording():
-        yield
-        return
+        return _NO_CHILD_SPAN
+    return _child_span(name, carrier, attributes)
+
+
+@contextmanager
+def _child_span(name: str, carrier: dict[str, str], attributes: dict[str, Any]) -> Iterator[None]:
     ctx = propagate.extract(carrier) if carrier else otel_context.get_current()
     with _get_tracer().start_as_current_span(name, context=ctx, attributes=attributes):
         yield

@@ -52,6 +52,10 @@ logger = logging.getLogger(__name__)
 
 STATE_PUBLISH_INTERVAL_S = 0.05
 IDLE_POLL_MS = 500
+# plain ints: pyzmq's enum constants cost an enum operation on every use
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
+_NOBLOCK = int(zmq.NOBLOCK)
 
 
 def handler_table() -> dict[type, Handler]:
@@ -184,6 +188,7 @@ class RankLoop:
         self.parent_pid = parent_pid
         # encoded messages held to leave together (see together()); None: each goes at once
         self.held: list[bytes] | None = None
+        self._recv_timeout = -1  # the inbox's RCVTIMEO (ms) as last set by _wait
         if args.otlp_traces_endpoint:
             from sglang_admin.otel import configure_otlp
 
@@ -205,6 +210,8 @@ class RankLoop:
             self.tensor_parallel.barrier()  # every TP rank's shard is loaded
             self.runner = LeaderRunner(self.runner, self.tensor_parallel)  # type: ignore[assignment]
         info = self.runner.info
+        # what every state reports and never changes, made once (not on every GetServerInfo)
+        self._device, self._pid = str(self.runner.device), os.getpid()
         self.kv_events: list[list[Any]] = []
         self.trace_ids: dict[str, str] = {}  # rid -> caller's trace id (for --log-requests)
         self.scheduler = Scheduler(
@@ -297,8 +304,8 @@ class RankLoop:
             profiler_state=self.profiler.reported_state,
             last_step_time_s=self.last_step_time,
             forward_steps=self.forward_steps,
-            device=str(self.runner.device),
-            pid=os.getpid(),
+            device=self._device,
+            pid=self._pid,
             flush_pending=self.quiesce.waiting("flush_cache"),
             paused=self.scheduler.paused or "",
             num_waiting_uncached_tokens=s.waiting_uncached_tokens(),
@@ -369,10 +376,13 @@ class RankLoop:
                       or self.scheduler.num_grammar_queue_reqs):
             timeout = 10  # come back soon to answer what is pending (or was compiled)
         while True:
-            if timeout and not self.inbox.poll(timeout):
-                self.publish_state()
-                return
-            data = self._take()
+            if timeout:
+                data = self._wait(timeout)
+                if data is None:
+                    self.publish_state()
+                    return
+            else:
+                data = self._take()
             if data is None:
                 if block and self._nothing_to_do():
                     # e.g. an admin call on an idle rank: wait for the next message right
@@ -387,10 +397,22 @@ class RankLoop:
     def _take(self) -> bytes | None:
         """The next queued message; None when there is none (asked first: most steps find
         the inbox empty, and a zmq.Again raised and caught costs more)."""
-        if not self.inbox.get(zmq.EVENTS) & zmq.POLLIN:
+        if not self.inbox.get(_EVENTS) & _POLLIN:
             return None
         try:
-            return self.inbox.recv(zmq.NOBLOCK)
+            return self.inbox.recv(_NOBLOCK)
+        except zmq.Again:
+            return None
+
+    def _wait(self, timeout_ms: int) -> bytes | None:
+        """The next message, waiting up to ``timeout_ms`` for one (None: none came). One
+        blocking receive: an idle rank that a message wakes has it in hand at once, instead
+        of a poll (a Poller made and registered each time) and then a receive."""
+        if self._recv_timeout != timeout_ms:
+            self.inbox.setsockopt(zmq.RCVTIMEO, timeout_ms)
+            self._recv_timeout = timeout_ms
+        try:
+            return self.inbox.recv()
         except zmq.Again:
             return None
 

@@ -50,6 +50,10 @@ from sglang_admin.server.stream_buffer import ByteBudget, OutputBuffer, StreamOv
 logger = logging.getLogger(__name__)
 
 READ_BATCH = 64  # messages dispatched per inbox wake-up before other callbacks get a turn
+# plain ints: pyzmq's enum constants cost an enum operation on every use
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
+_NOBLOCK = int(zmq.NOBLOCK)
 
 
 class RankUnavailable(Exception):
@@ -200,9 +204,14 @@ class Communicator:
         callbacks, gRPC writes among them, run in between)."""
         if self._loop is None:  # closed
             return
+        inbox = self.inbox
         for _ in range(READ_BATCH):
+            # asked first: a receive that finds the inbox empty raises zmq.Again, and every
+            # wake-up ends with one (an exception made, raised and caught: several us)
+            if not inbox.get(_EVENTS) & _POLLIN:
+                return
             try:
-                data = self.inbox.recv(zmq.NOBLOCK)
+                data = inbox.recv(_NOBLOCK)
             except zmq.Again:
                 return
             try:
@@ -405,7 +414,7 @@ class Communicator:
         data = encode(msg)
         if not self._queued_sends[rank]:
             try:
-                self._plain_outboxes[rank].send(data, zmq.NOBLOCK)
+                self._plain_outboxes[rank].send(data, _NOBLOCK)
                 return
             except zmq.Again:
                 pass  # the socket is full: the asyncio layer reports what becomes of it
@@ -424,7 +433,7 @@ class Communicator:
         """Send ``data`` to ``rank``: at once when its socket takes it, else once it can."""
         if not self._queued_sends[rank]:
             try:
-                self._plain_outboxes[rank].send(data, zmq.NOBLOCK)
+                self._plain_outboxes[rank].send(data, _NOBLOCK)
                 return
             except zmq.Again:
                 pass
