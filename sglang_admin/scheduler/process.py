@@ -12,9 +12,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterator
 from concurrent.futures import Future
-from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -189,6 +187,7 @@ class RankLoop:
         # encoded messages held to leave together (see together()); None: each goes at once
         self.held: list[bytes] | None = None
         self._recv_timeout = -1  # the inbox's RCVTIMEO (ms) as last set by _wait
+        self._together = _Together(self)
         if args.otlp_traces_endpoint:
             from sglang_admin.otel import configure_otlp
 
@@ -270,24 +269,28 @@ class RankLoop:
         else:
             self.outbox.send(data, copy=False)
 
-    @contextmanager
-    def together(self) -> Iterator[None]:
+    def together(self) -> _Together:
         """Messages sent inside leave as the parts of one ZMQ message, in order: one write
         and one wake-up of the server instead of one each (a step's outputs, its KV events
         and its state; a flush's "cleared", state and answer). The server reads each part
         as a message of its own."""
-        if self.held is not None:  # already inside: the outer block sends them
-            yield
-            return
+        return self._together
+
+    def _hold(self) -> bool:
+        """Start holding what is sent; False when already holding (an outer block sends)."""
+        if self.held is not None:
+            return False
         self.held = []
-        try:
-            yield
-        finally:
-            held, self.held = self.held, None
-            if len(held) == 1:
-                self.outbox.send(held[0], copy=False)
-            elif held:
-                self.outbox.send_multipart(held, copy=False)
+        return True
+
+    def _send_held(self) -> None:
+        held, self.held = self.held, None
+        if not held:
+            return
+        if len(held) == 1:
+            self.outbox.send(held[0], copy=False)
+        else:
+            self.outbox.send_multipart(held, copy=False)
 
     def state(self) -> RankState:
         s = self.scheduler
@@ -533,3 +536,21 @@ class RankLoop:
                 ok, text, result = False, f"{type(exc).__name__}: {exc}", None
             self.reply(msg, ok, text, result)
         self.deferred = still
+
+
+class _Together:
+    """The context of :meth:`RankLoop.together` (a plain class: it runs on every loop
+    iteration, where a generator-based context manager cost several times more)."""
+
+    __slots__ = ("loop", "outer")
+
+    def __init__(self, loop: RankLoop) -> None:
+        self.loop = loop
+        self.outer: list[bool] = []  # per open block: whether it is the one that sends
+
+    def __enter__(self) -> None:
+        self.outer.append(self.loop._hold())
+
+    def __exit__(self, *exc: object) -> None:
+        if self.outer.pop():
+            self.loop._send_held()
