@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
@@ -24,6 +25,8 @@ def _get_tracer() -> trace.Tracer:
 
 
 _sdk_installed = False
+# A provider named by the environment is installed by the API on first use.
+_PROVIDER_FROM_ENV = "OTEL_PYTHON_TRACER_PROVIDER" in os.environ
 
 
 def _recording() -> bool:
@@ -31,6 +34,12 @@ def _recording() -> bool:
     a span under no caller's context does nothing, so it is not made at all."""
     global _sdk_installed
     if not _sdk_installed:
+        # Until a provider is set, get_tracer_provider() looks the environment up on every
+        # call (a KeyError raised and caught, on every admin call): skipped while the API
+        # holds no provider and the environment names none. (Should the API's module
+        # variable ever go, the default sends every call down the public path.)
+        if not _PROVIDER_FROM_ENV and getattr(trace, "_TRACER_PROVIDER", True) is None:
+            return False
         _sdk_installed = not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
     return _sdk_installed
 
