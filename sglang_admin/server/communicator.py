@@ -136,6 +136,7 @@ class Communicator:
         self.startup_error: str | None = None
         self.dead_ranks: dict[int, str] = {}
         self.kv_hub = KvEventHub(args.dp_size)  # block events for SubscribeKvEvents
+        self._kv_deferred = 0  # KvEvents waiting for their turn (_dispatch)
         self.last_receive_time = 0.0
         self._rr = itertools.cycle(range(args.dp_size))
         self._shared_reads: dict[str, asyncio.Future] = {}
@@ -249,8 +250,14 @@ class Communicator:
             if len(call.replies) == len(call.ranks):
                 call.finish()
         elif isinstance(msg, KvEvents):
-            batch = self.kv_hub.publish(msg)
-            self.metrics.kv_events_published(msg.dp_rank, len(batch.events) if batch else 0)
+            if self._loop is None or (self.kv_hub.subscribers and not self._kv_deferred):
+                self._publish_kv_events(msg)
+            else:
+                # Nobody reads the events live: the answer that came with them (a flush's)
+                # goes out first, their bookkeeping (history, sequence numbers) right after
+                # it. Once one waits, later ones wait behind it: they stay in order.
+                self._kv_deferred += 1
+                self._loop.call_soon(self._publish_deferred_kv_events, msg)
         elif isinstance(msg, ReadyMsg):
             self.ready_ranks.add(msg.dp_rank)
             self.rank_states[msg.dp_rank] = msg.state
@@ -263,6 +270,14 @@ class Communicator:
                 self.ready.set()
         elif isinstance(msg, FailedMsg):
             self.rank_failed(msg.dp_rank, f"failed to start: {msg.error}")
+
+    def _publish_deferred_kv_events(self, msg: KvEvents) -> None:
+        self._kv_deferred -= 1
+        self._publish_kv_events(msg)
+
+    def _publish_kv_events(self, msg: KvEvents) -> None:
+        batch = self.kv_hub.publish(msg)
+        self.metrics.kv_events_published(msg.dp_rank, len(batch.events) if batch else 0)
 
     def _file_outputs(self, outputs: list[ReqOutput]) -> None:
         """File a step's outputs in their calls' buffers: first the outputs of requests not
