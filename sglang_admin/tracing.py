@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
@@ -24,6 +25,8 @@ def _get_tracer() -> trace.Tracer:
 
 
 _sdk_installed = False
+# A provider named by the environment is installed by the API on first use.
+_PROVIDER_FROM_ENV = "OTEL_PYTHON_TRACER_PROVIDER" in os.environ
 
 
 def _recording() -> bool:
@@ -31,6 +34,12 @@ def _recording() -> bool:
     a span under no caller's context does nothing, so it is not made at all."""
     global _sdk_installed
     if not _sdk_installed:
+        # Until a provider is set, get_tracer_provider() looks the environment up on every
+        # call (a KeyError raised and caught, on every admin call): skipped while the API
+        # holds no provider and the environment names none. (Should the API's module
+        # variable ever go, the default sends every call down the public path.)
+        if not _PROVIDER_FROM_ENV and getattr(trace, "_TRACER_PROVIDER", True) is None:
+            return False
         _sdk_installed = not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
     return _sdk_installed
 
@@ -102,12 +111,32 @@ def _server_span(
         yield forward
 
 
-@contextmanager
-def child_span(name: str, carrier: dict[str, str], /, **attributes: Any) -> Iterator[None]:
+class _NoChildSpan:
+    """What :func:`child_span` is when there is nothing to trace: no generator."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_NO_CHILD_SPAN = _NoChildSpan()
+
+
+def child_span(
+    name: str, carrier: dict[str, str], /, **attributes: Any
+) -> AbstractContextManager[None]:
     """A span in the scheduler process, child of the context the server forwarded."""
     if not carrier and not _recording():
-        yield
-        return
+        return _NO_CHILD_SPAN
+    return _child_span(name, carrier, attributes)
+
+
+@contextmanager
+def _child_span(name: str, carrier: dict[str, str], attributes: dict[str, Any]) -> Iterator[None]:
     ctx = propagate.extract(carrier) if carrier else otel_context.get_current()
     with _get_tracer().start_as_current_span(name, context=ctx, attributes=attributes):
         yield

@@ -65,6 +65,19 @@ def start(tree: str, *args: str) -> tuple[subprocess.Popen, pb_grpc.SglangSchedu
     raise SystemExit(f"{tree}: the worker did not become healthy")
 
 
+def stop(servers: list[tuple[subprocess.Popen, pb_grpc.SglangSchedulerStub]]) -> None:
+    """Stop every worker (SIGTERM to all first, so that they drain side by side); one that
+    does not exit within 20 s is killed."""
+    for proc, _ in servers:
+        proc.terminate()
+    for proc, _ in servers:
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def ttft(ns: argparse.Namespace) -> int:
     """First-token latency of new requests while 64 streams decode, tree against tree."""
     from tools.bench_admin import (
@@ -107,10 +120,7 @@ def ttft(ns: argparse.Namespace) -> int:
             print(f"{tree:40s} p50 {p50:.1f} ms   p90 {p90:.1f} ms   p50 / first tree's "
                   f"{p50 / (base * 1e3):.2f}x")
     finally:
-        for proc, _ in servers:
-            proc.terminate()
-        for proc, _ in servers:
-            proc.wait(20)
+        stop(servers)
     return 0
 
 
@@ -149,10 +159,7 @@ def main() -> int:
             print(f"{tree:40s} GetServerInfo p50 {p50['info']:.3f} ms   "
                   f"FlushCache p50 {p50['flush']:.3f} ms")
     finally:
-        for proc, _ in servers:
-            proc.terminate()
-        for proc, _ in servers:
-            proc.wait(20)
+        stop(servers)
     return 0
 
 

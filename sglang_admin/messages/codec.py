@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -159,9 +160,29 @@ def _default(obj: Any) -> msgpack.ExtType:
         values: Any = (obj.dp_rank, [_output_values(out) for out in obj.outputs])
     else:
         values = _VALUES[code](obj)
-    return msgpack.ExtType(
-        code, msgpack.packb(values, default=_default, use_bin_type=True, buf_size=_BUF_SIZE)
-    )
+    return msgpack.ExtType(code, _pack(values))
+
+
+class _Packers(threading.local):
+    """Each thread's idle Packers. Making one per packb (its buffer allocated, its options
+    parsed) cost several times the packing of a small message; a message packs its nested
+    messages with further Packers of the pool while its own is busy."""
+
+    def __init__(self) -> None:
+        self.idle: list[msgpack.Packer] = []
+
+
+_PACKERS = _Packers()
+
+
+def _pack(obj: Any) -> bytes:
+    idle = _PACKERS.idle
+    packer = idle.pop() if idle else msgpack.Packer(
+        default=_default, use_bin_type=True, buf_size=_BUF_SIZE)
+    try:
+        return packer.pack(obj)  # emptied by msgpack after packing, or after a failure
+    finally:
+        idle.append(packer)
 
 
 def _ext_hook(code: int, data: bytes) -> Any:
@@ -176,7 +197,7 @@ def _ext_hook(code: int, data: bytes) -> Any:
 
 def encode(msg: Message) -> bytes:
     """Serialize a registered message."""
-    return msgpack.packb(msg, default=_default, use_bin_type=True, buf_size=_BUF_SIZE)
+    return _pack(msg)
 
 
 def decode(data: bytes) -> Message:

@@ -12,9 +12,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterator
 from concurrent.futures import Future
-from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -52,6 +50,11 @@ logger = logging.getLogger(__name__)
 
 STATE_PUBLISH_INTERVAL_S = 0.05
 IDLE_POLL_MS = 500
+# plain ints: pyzmq's enum constants cost an enum operation on every use
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
+_NOBLOCK = int(zmq.NOBLOCK)
+_SNDMORE = int(zmq.SNDMORE)
 
 
 def handler_table() -> dict[type, Handler]:
@@ -184,6 +187,8 @@ class RankLoop:
         self.parent_pid = parent_pid
         # encoded messages held to leave together (see together()); None: each goes at once
         self.held: list[bytes] | None = None
+        self._recv_timeout = -1  # the inbox's RCVTIMEO (ms) as last set by _wait
+        self._together = _Together(self)
         if args.otlp_traces_endpoint:
             from sglang_admin.otel import configure_otlp
 
@@ -205,6 +210,8 @@ class RankLoop:
             self.tensor_parallel.barrier()  # every TP rank's shard is loaded
             self.runner = LeaderRunner(self.runner, self.tensor_parallel)  # type: ignore[assignment]
         info = self.runner.info
+        # what every state reports and never changes, made once (not on every GetServerInfo)
+        self._device, self._pid = str(self.runner.device), os.getpid()
         self.kv_events: list[list[Any]] = []
         self.trace_ids: dict[str, str] = {}  # rid -> caller's trace id (for --log-requests)
         self.scheduler = Scheduler(
@@ -263,24 +270,28 @@ class RankLoop:
         else:
             self.outbox.send(data, copy=False)
 
-    @contextmanager
-    def together(self) -> Iterator[None]:
+    def together(self) -> _Together:
         """Messages sent inside leave as the parts of one ZMQ message, in order: one write
         and one wake-up of the server instead of one each (a step's outputs, its KV events
         and its state; a flush's "cleared", state and answer). The server reads each part
         as a message of its own."""
-        if self.held is not None:  # already inside: the outer block sends them
-            yield
-            return
+        return self._together
+
+    def _hold(self) -> bool:
+        """Start holding what is sent; False when already holding (an outer block sends)."""
+        if self.held is not None:
+            return False
         self.held = []
-        try:
-            yield
-        finally:
-            held, self.held = self.held, None
-            if len(held) == 1:
-                self.outbox.send(held[0], copy=False)
-            elif held:
-                self.outbox.send_multipart(held, copy=False)
+        return True
+
+    def _send_held(self) -> None:
+        held, self.held = self.held, None
+        if not held:
+            return
+        last = held.pop()
+        for part in held:  # send_multipart's checks and enum flags cost more than the sends
+            self.outbox.send(part, _SNDMORE, copy=False)
+        self.outbox.send(last, 0, copy=False)
 
     def state(self) -> RankState:
         s = self.scheduler
@@ -297,8 +308,8 @@ class RankLoop:
             profiler_state=self.profiler.reported_state,
             last_step_time_s=self.last_step_time,
             forward_steps=self.forward_steps,
-            device=str(self.runner.device),
-            pid=os.getpid(),
+            device=self._device,
+            pid=self._pid,
             flush_pending=self.quiesce.waiting("flush_cache"),
             paused=self.scheduler.paused or "",
             num_waiting_uncached_tokens=s.waiting_uncached_tokens(),
@@ -369,10 +380,13 @@ class RankLoop:
                       or self.scheduler.num_grammar_queue_reqs):
             timeout = 10  # come back soon to answer what is pending (or was compiled)
         while True:
-            if timeout and not self.inbox.poll(timeout):
-                self.publish_state()
-                return
-            data = self._take()
+            if timeout:
+                data = self._wait(timeout)
+                if data is None:
+                    self.publish_state()
+                    return
+            else:
+                data = self._take()
             if data is None:
                 if block and self._nothing_to_do():
                     # e.g. an admin call on an idle rank: wait for the next message right
@@ -387,10 +401,22 @@ class RankLoop:
     def _take(self) -> bytes | None:
         """The next queued message; None when there is none (asked first: most steps find
         the inbox empty, and a zmq.Again raised and caught costs more)."""
-        if not self.inbox.get(zmq.EVENTS) & zmq.POLLIN:
+        if not self.inbox.get(_EVENTS) & _POLLIN:
             return None
         try:
-            return self.inbox.recv(zmq.NOBLOCK)
+            return self.inbox.recv(_NOBLOCK)
+        except zmq.Again:
+            return None
+
+    def _wait(self, timeout_ms: int) -> bytes | None:
+        """The next message, waiting up to ``timeout_ms`` for one (None: none came). One
+        blocking receive: an idle rank that a message wakes has it in hand at once, instead
+        of a poll (a Poller made and registered each time) and then a receive."""
+        if self._recv_timeout != timeout_ms:
+            self.inbox.setsockopt(zmq.RCVTIMEO, timeout_ms)
+            self._recv_timeout = timeout_ms
+        try:
+            return self.inbox.recv()
         except zmq.Again:
             return None
 
@@ -511,3 +537,21 @@ class RankLoop:
                 ok, text, result = False, f"{type(exc).__name__}: {exc}", None
             self.reply(msg, ok, text, result)
         self.deferred = still
+
+
+class _Together:
+    """The context of :meth:`RankLoop.together` (a plain class: it runs on every loop
+    iteration, where a generator-based context manager cost several times more)."""
+
+    __slots__ = ("loop", "outer")
+
+    def __init__(self, loop: RankLoop) -> None:
+        self.loop = loop
+        self.outer: list[bool] = []  # per open block: whether it is the one that sends
+
+    def __enter__(self) -> None:
+        self.outer.append(self.loop._hold())
+
+    def __exit__(self, *exc: object) -> None:
+        if self.outer.pop():
+            self.loop._send_held()

@@ -51,7 +51,7 @@ class Quiesce:
 
     def waiting(self, op: str) -> bool:
         """Whether an op of that name waits for the rank to drain."""
-        return any(w.op == op for w in self.waiters)
+        return bool(self.waiters) and any(w.op == op for w in self.waiters)
 
     def when_drained(
         self,

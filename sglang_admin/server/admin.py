@@ -12,6 +12,7 @@ could be reached: UNAVAILABLE). Everything else is a per-rank result in the resp
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import time
@@ -94,8 +95,9 @@ class FanOut:
     replies: dict[int, AdminReply]
     failures: dict[int, RankFailure]
 
-    @property
+    @functools.cached_property
     def ok(self) -> bool:
+        """Every rank answered, with success (worked out once: read several times a call)."""
         return not self.failures and all(r.success for r in self.replies.values())
 
     def result(self, rank: int) -> Any:

@@ -50,6 +50,10 @@ from sglang_admin.server.stream_buffer import ByteBudget, OutputBuffer, StreamOv
 logger = logging.getLogger(__name__)
 
 READ_BATCH = 64  # messages dispatched per inbox wake-up before other callbacks get a turn
+# plain ints: pyzmq's enum constants cost an enum operation on every use
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
+_NOBLOCK = int(zmq.NOBLOCK)
 
 
 class RankUnavailable(Exception):
@@ -132,6 +136,7 @@ class Communicator:
         self.startup_error: str | None = None
         self.dead_ranks: dict[int, str] = {}
         self.kv_hub = KvEventHub(args.dp_size)  # block events for SubscribeKvEvents
+        self._kv_deferred = 0  # KvEvents waiting for their turn (_dispatch)
         self.last_receive_time = 0.0
         self._rr = itertools.cycle(range(args.dp_size))
         self._shared_reads: dict[str, asyncio.Future] = {}
@@ -200,9 +205,14 @@ class Communicator:
         callbacks, gRPC writes among them, run in between)."""
         if self._loop is None:  # closed
             return
+        inbox = self.inbox
         for _ in range(READ_BATCH):
+            # asked first: a receive that finds the inbox empty raises zmq.Again, and every
+            # wake-up ends with one (an exception made, raised and caught: several us)
+            if not inbox.get(_EVENTS) & _POLLIN:
+                return
             try:
-                data = self.inbox.recv(zmq.NOBLOCK)
+                data = inbox.recv(_NOBLOCK)
             except zmq.Again:
                 return
             try:
@@ -240,8 +250,14 @@ class Communicator:
             if len(call.replies) == len(call.ranks):
                 call.finish()
         elif isinstance(msg, KvEvents):
-            batch = self.kv_hub.publish(msg)
-            self.metrics.kv_events_published(msg.dp_rank, len(batch.events) if batch else 0)
+            if self._loop is None or (self.kv_hub.subscribers and not self._kv_deferred):
+                self._publish_kv_events(msg)
+            else:
+                # Nobody reads the events live: the answer that came with them (a flush's)
+                # goes out first, their bookkeeping (history, sequence numbers) right after
+                # it. Once one waits, later ones wait behind it: they stay in order.
+                self._kv_deferred += 1
+                self._loop.call_soon(self._publish_deferred_kv_events, msg)
         elif isinstance(msg, ReadyMsg):
             self.ready_ranks.add(msg.dp_rank)
             self.rank_states[msg.dp_rank] = msg.state
@@ -254,6 +270,14 @@ class Communicator:
                 self.ready.set()
         elif isinstance(msg, FailedMsg):
             self.rank_failed(msg.dp_rank, f"failed to start: {msg.error}")
+
+    def _publish_deferred_kv_events(self, msg: KvEvents) -> None:
+        self._kv_deferred -= 1
+        self._publish_kv_events(msg)
+
+    def _publish_kv_events(self, msg: KvEvents) -> None:
+        batch = self.kv_hub.publish(msg)
+        self.metrics.kv_events_published(msg.dp_rank, len(batch.events) if batch else 0)
 
     def _file_outputs(self, outputs: list[ReqOutput]) -> None:
         """File a step's outputs in their calls' buffers: first the outputs of requests not
@@ -405,7 +429,7 @@ class Communicator:
         data = encode(msg)
         if not self._queued_sends[rank]:
             try:
-                self._plain_outboxes[rank].send(data, zmq.NOBLOCK)
+                self._plain_outboxes[rank].send(data, _NOBLOCK)
                 return
             except zmq.Again:
                 pass  # the socket is full: the asyncio layer reports what becomes of it
@@ -424,7 +448,7 @@ class Communicator:
         """Send ``data`` to ``rank``: at once when its socket takes it, else once it can."""
         if not self._queued_sends[rank]:
             try:
-                self._plain_outboxes[rank].send(data, zmq.NOBLOCK)
+                self._plain_outboxes[rank].send(data, _NOBLOCK)
                 return
             except zmq.Again:
                 pass

@@ -337,11 +337,20 @@ class _RankStream:
     base: int
     next_event_id: int = 1
     history: deque = field(default_factory=deque)  # recent pb.KvEventBatch, oldest first
+    history_sizes: deque = field(default_factory=deque)  # the blocks of each, counted once
     history_blocks: int = 0
 
 
-def _count_blocks(batch: pb.KvEventBatch) -> int:
-    return sum(len(e.stored.blocks) + len(e.removed.block_hashes) for e in batch.events)
+def _count_blocks(events: list[pb.KvCacheEvent]) -> int:
+    """The blocks a batch's events name (a clear names none)."""
+    count = 0
+    for e in events:
+        kind = e.WhichOneof("data")
+        if kind == "stored":
+            count += len(e.stored.blocks)
+        elif kind == "removed":
+            count += len(e.removed.block_hashes)
+    return count
 
 
 class KvEventHub:
@@ -389,12 +398,15 @@ class KvEventHub:
         batch = pb.KvEventBatch(
             sequence_number=rank.seq, timestamp=time.time(), events=events, dp_rank=dp_rank
         )
+        blocks = _count_blocks(events)
         rank.history.append(batch)
-        rank.history_blocks += _count_blocks(batch)
+        rank.history_sizes.append(blocks)
+        rank.history_blocks += blocks
         while len(rank.history) > HISTORY_BATCHES or (
             rank.history_blocks > HISTORY_BLOCKS and len(rank.history) > 1
         ):
-            rank.history_blocks -= _count_blocks(rank.history.popleft())
+            rank.history.popleft()
+            rank.history_blocks -= rank.history_sizes.popleft()
         for sub in list(self.subscribers):
             sub.offer(batch)
         return batch

@@ -295,10 +295,10 @@ class Metrics:
 
     # ------------------------------------------------------------------ admin
 
-    def admin_call(self, op: str) -> AdminTimer:
+    def admin_call(self, op: str) -> AdminTimer | _NoAdminTimer:
         """Time an admin op: ``with metrics.admin_call(op) as outcome:`` ... ``outcome(ok)``
         (True: every rank succeeded). An exception's gRPC code is its status."""
-        return AdminTimer(self if self.enabled else None, op)
+        return AdminTimer(self, op) if self.enabled else _NO_ADMIN_TIMER
 
     def _admin_done(self, op: str, status: str, seconds: float) -> None:
         counter = self._admin_counters.get((op, status))
@@ -359,3 +359,22 @@ class AdminTimer:
             code = getattr(exc, "code", None)
             self.status = code.name if isinstance(code, grpc.StatusCode) else exc_type.__name__
         self.metrics._admin_done(self.op, self.status, time.perf_counter() - self.start)
+
+
+class _NoAdminTimer:
+    """:meth:`Metrics.admin_call` with metrics off: one shared context that records nothing."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> Callable[[bool], None]:
+        return _ignore_outcome
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _ignore_outcome(ok: bool) -> None:
+    return None
+
+
+_NO_ADMIN_TIMER = _NoAdminTimer()
