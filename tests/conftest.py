@@ -62,11 +62,14 @@ def server_profiles(server: ServerProc) -> Path:
 
 @pytest.fixture(scope="session")
 def dp2_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
-    """One ``--dp-size 2`` worker (embedded model, --profile-dir), shared by the modules
-    that need two ranks and no other flag (bad input, profiles, rank isolation): each
-    leaves it as it found it (no profile running, nothing in flight, every rank up)."""
+    """One ``--dp-size 2`` worker (embedded model, --profile-dir, --log-requests), shared by
+    the modules that need two ranks and no other flag (admin ops, bad input, fuzz, profiles,
+    rank isolation, the CLI): each leaves it as it found it (no profile running, nothing in
+    flight, every rank up). ``--watchdog-probe-timeout 120``: test_admin.py stops a rank for
+    a few seconds, and it must come back to a live server on a loaded machine."""
     tmp = tmp_path_factory.mktemp("dp2-server")
-    srv = start_server(tmp, "--dp-size", "2", "--profile-dir", str(tmp / "profiles"))
+    srv = start_server(tmp, "--dp-size", "2", "--profile-dir", str(tmp / "profiles"),
+                       "--log-requests", "--watchdog-probe-timeout", "120")
     yield srv
     srv.stop()
 
