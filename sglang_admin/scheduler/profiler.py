@@ -344,6 +344,10 @@ class Profiler:
     def _start_torch_profiler(self) -> Any:
         assert self.config is not None
         c = self.config
+        # torch imports torch._dynamo (and sympy: seconds) lazily, and the rank's start no
+        # longer does: imported inside a traced window, its Python stacks make the trace so
+        # large that the profile's stop holds the GIL for longer than the heartbeat probe
+        import torch._dynamo  # noqa: F401
         prof = torch.profiler.profile(
             activities=c.torch_activities,
             with_stack=c.with_stack,
