@@ -80,13 +80,8 @@ def grammar_queue_for(args: ServerArgs, info: ModelInfo) -> GrammarQueue:
     if tokenizer_file is not None and not os.path.isfile(tokenizer_file):
         tokenizer_file = None
     backend = XGrammarBackend(tokenizer_file, info.vocab_size, tuple(info.eos_token_ids))
-    # xgrammar (and the transformers it imports) is imported here, on the rank's main thread
-    # before it serves: imported later by a compile thread while the loop ran torch ops, the
-    # import froze the rank under the fuzzer (no heartbeat for 15 s). Imported lazily by the
-    # first constrained request on the loop's own thread it froze a rank too (session 14): a
-    # profile running then traced the import with its Python stacks, and the profile's stop
-    # then held the GIL for over 15 s (test_bf16.py's fuzz run).
-    import xgrammar  # noqa: F401
+    # xgrammar is imported by the first constrained request, on this (the loop's) thread,
+    # or by the first profile before it starts tracing (scheduler/profiler.py)
     return GrammarQueue.for_backend(backend)
 
 

@@ -493,3 +493,46 @@ def test_a_model_vocabulary_smaller_than_the_tokenizer_masks_at_the_model_width(
     assert (logits[0] == 0).nonzero().flatten().tolist() == list(range(48, 58))
     assert state.accept(ord("4")) and state.accept(ord("2"))
     assert state.finished  # no stop token in this vocabulary: complete is finished
+
+
+_IMPORT_THREAD_PROBE = """
+import sys, threading
+from sglang_admin.model.default_model import ensure_default_model
+from sglang_admin.scheduler.grammar import GrammarQueue, XGrammarBackend
+
+importers = []
+
+
+class Probe:  # records the thread that imports xgrammar, finds nothing itself
+    def find_spec(self, name, path=None, target=None):
+        if name == "xgrammar":
+            importers.append(threading.current_thread().name)
+
+
+sys.meta_path.insert(0, Probe())
+backend = XGrammarBackend(f"{ensure_default_model()}/tokenizer.json", 261, (257, 259))
+queue = GrammarQueue.for_backend(backend)
+at_start = sorted(m for m in ("xgrammar", "transformers") if m in sys.modules)
+queue.submit("r", "regex", "[0-9]+")
+after_submit = "xgrammar" in sys.modules
+while not queue.poll():
+    pass
+queue.shutdown()
+print(at_start, after_submit, importers, threading.current_thread().name)
+"""
+
+
+def test_xgrammar_is_imported_by_the_first_constrained_request_on_the_loops_thread() -> None:
+    """A rank's start does not import xgrammar (and the transformers it imports: ~2 s of
+    CPU per rank start); the first constrained request imports it on the thread that
+    submits it (the rank's loop), before the compile pool runs: an import in a compile
+    thread while the loop ran torch ops froze a rank. A fresh interpreter, since this
+    process has imported xgrammar already (~3 s)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    done = subprocess.run([sys.executable, "-c", _IMPORT_THREAD_PROBE], capture_output=True,
+                          text=True, timeout=120, cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["[]", "True", "['MainThread']", "MainThread"]
