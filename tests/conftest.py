@@ -90,9 +90,16 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     if not _runs_the_integration_tests(session.config):
         return
     factory: pytest.TempPathFactory = session.config._tmp_path_factory  # the tmpdir plugin's
-    for name in SESSION_WORKERS:
-        tmp = factory.mktemp(name)
-        _BOOTING[name] = start_server(tmp, *_session_worker_args(name, tmp), wait=False)
+    # the workers get the environment they would get after collection: without this
+    # process's OpenMP setting (see the top of this file; test_rank_openmp.py checks it)
+    passive = os.environ.pop("OMP_WAIT_POLICY", None) if _PASSIVE_HERE else None
+    try:
+        for name in SESSION_WORKERS:
+            tmp = factory.mktemp(name)
+            _BOOTING[name] = start_server(tmp, *_session_worker_args(name, tmp), wait=False)
+    finally:
+        if passive is not None:
+            os.environ["OMP_WAIT_POLICY"] = passive
 
 
 @pytest.fixture(scope="session")
