@@ -88,11 +88,6 @@ class GrammarState:
         return twin
 
 
-def import_xgrammar() -> None:
-    """Import xgrammar on the calling thread (the rank's loop: see GrammarQueue.for_backend)."""
-    import xgrammar  # noqa: F401
-
-
 def compiler_message(exc: BaseException) -> str:
     """The compiler's message without xgrammar's time stamp and source location."""
     text = str(exc).strip()
@@ -248,12 +243,9 @@ class GrammarQueue(Generic[R]):
         new_state: Callable[[Any], GrammarState],
         workers: int = DEFAULT_COMPILE_WORKERS,
         cache_entries: int = DEFAULT_CACHE_ENTRIES,
-        before_first_compile: Callable[[], None] | None = None,
     ) -> None:
         self._compile = compile
         self._new_state = new_state
-        # run once, on the caller's (the loop's) thread, before the pool's first compile
-        self._before_first_compile = before_first_compile
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grammar")
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._cache_entries = cache_entries
@@ -266,14 +258,10 @@ class GrammarQueue(Generic[R]):
         cls, backend: XGrammarBackend, workers: int = DEFAULT_COMPILE_WORKERS
     ) -> GrammarQueue:
         """A queue compiling with ``backend``. The tokenizer info is built by the first
-        constrained request's compile, in the pool. xgrammar (and the transformers it
-        imports: ~2 s of CPU) is imported by the first constrained request, on the loop's
-        thread before the pool compiles: never at start (a rank that serves no constraint
-        never pays it), never in a compile thread (an import there while the loop ran torch
-        ops froze a rank), and never inside a profile's traced window (the profiler imports
-        it before it starts tracing: a traced import froze a rank at the profile's stop)."""
-        return cls(backend.compile, backend.new_state, workers=workers,
-                   before_first_compile=import_xgrammar)
+        constrained request's compile, in the pool. xgrammar itself must already be
+        imported (the rank does it on its main thread at start: an import from a compile
+        thread while the loop runs torch ops froze a rank)."""
+        return cls(backend.compile, backend.new_state, workers=workers)
 
     def __len__(self) -> int:
         """Requests waiting for a compile (GetLoads' queues.grammar)."""
@@ -291,9 +279,6 @@ class GrammarQueue(Generic[R]):
             self.cache_hits += 1
             return fut
         self.cache_misses += 1
-        if self._before_first_compile is not None:
-            prepare, self._before_first_compile = self._before_first_compile, None
-            prepare()
         fut = self._pool.submit(self._compile, kind, text)
         self._cache[key] = fut
         while len(self._cache) > self._cache_entries:

@@ -80,8 +80,10 @@ def grammar_queue_for(args: ServerArgs, info: ModelInfo) -> GrammarQueue:
     if tokenizer_file is not None and not os.path.isfile(tokenizer_file):
         tokenizer_file = None
     backend = XGrammarBackend(tokenizer_file, info.vocab_size, tuple(info.eos_token_ids))
-    # xgrammar is imported by the first constrained request, on this (the loop's) thread,
-    # or by the first profile before it starts tracing (scheduler/profiler.py)
+    # xgrammar (and the transformers it imports) is imported here, on the rank's main thread
+    # before it serves: imported later by a compile thread while the loop ran torch ops, the
+    # import froze the rank under the fuzzer (no heartbeat for 15 s).
+    import xgrammar  # noqa: F401
     return GrammarQueue.for_backend(backend)
 
 

@@ -344,15 +344,6 @@ class Profiler:
     def _start_torch_profiler(self) -> Any:
         assert self.config is not None
         c = self.config
-        # What the rank's start no longer imports (seconds each) is imported before tracing
-        # begins: torch._dynamo (torch imports it lazily) and xgrammar (the first constrained
-        # request does). Imported inside a traced window, their Python stacks made the trace
-        # so large that the profile's stop held the GIL past the heartbeat probe (15 s).
-        import torch._dynamo  # noqa: F401
-
-        from sglang_admin.scheduler.grammar import import_xgrammar
-
-        import_xgrammar()
         prof = torch.profiler.profile(
             activities=c.torch_activities,
             with_stack=c.with_stack,
