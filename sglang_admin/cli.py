@@ -319,13 +319,17 @@ def run_serve(ns: argparse.Namespace) -> int:
     return serve(ServerArgs(**fields))
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(client_commands: bool = True) -> argparse.ArgumentParser:
+    """The whole CLI; without ``client_commands`` only ``serve`` (a worker's start skips
+    importing the client's modules, which only its subcommands need)."""
     parser = OneLineErrorParser(
         prog="sglang-admin",
         description="LLM scheduler worker with a gRPC admin surface, and its client.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
     add_serve_parser(sub)
+    if not client_commands:
+        return parser
     try:
         from sglang_admin.client.commands import add_client_parsers
     except ImportError:
@@ -336,8 +340,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    ns = parser.parse_args(argv)
+    args = sys.argv[1:] if argv is None else argv
+    parser = build_parser(client_commands=args[:1] != ["serve"])
+    ns = parser.parse_args(args)
     try:
         return int(ns.func(ns) or 0)
     except KeyboardInterrupt:

@@ -43,13 +43,71 @@ from sglang_admin.client.testing import (  # noqa: F401  (re-exported for the te
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _session_worker_args(name: str, tmp: Path) -> list[str]:
+    """The flags of the session's shared workers (the fixtures below), by fixture name."""
+    if name == "server":
+        (tmp / "profiles").mkdir(exist_ok=True)
+        return ["--log-requests", "--profile-dir", str(tmp / "profiles")]
+    if name == "dp2_server":
+        return ["--dp-size", "2", "--profile-dir", str(tmp / "profiles"), "--log-requests",
+                "--watchdog-probe-timeout", "120"]
+    if name == "small_server":
+        return ["--max-running-requests", "2"]
+    raise KeyError(name)
+
+
+SESSION_WORKERS = ("server", "dp2_server", "small_server")
+_BOOTING: dict[str, ServerProc] = {}  # started during collection, not yet taken
+
+
+def _session_worker(name: str, factory: pytest.TempPathFactory) -> ServerProc:
+    """The shared worker ``name``, SERVING: the one booted during collection, or a new one."""
+    srv = _BOOTING.pop(name, None)
+    if srv is None:
+        tmp = factory.mktemp(name)
+        srv = start_server(tmp, *_session_worker_args(name, tmp), wait=False)
+    wait_started(srv)
+    return srv
+
+
+def _runs_the_integration_tests(config: pytest.Config) -> bool:
+    """The run's paths hold all of tests/integration (the whole suite, ``tests``, or
+    ``tests/integration`` itself), not a few files or tests of it."""
+    integration = ROOT / "tests" / "integration"
+    for arg in config.args:
+        path = Path(arg.split("::")[0])
+        path = (path if path.is_absolute() else Path(config.invocation_params.dir) / path)
+        if path.resolve() in (integration, *integration.parents):
+            return True
+    return False
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """A run of the integration tests boots the session's shared workers while the test
+    modules are collected (one core for ~15-30 s, importing torch, transformers and the
+    tests): a worker's start (~3 s of CPU at dp 1, ~6 at dp 2) then costs the run little
+    wall time. pytest_collection_finish stops those that no selected test uses."""
+    if not _runs_the_integration_tests(session.config):
+        return
+    factory: pytest.TempPathFactory = session.config._tmp_path_factory  # the tmpdir plugin's
+    # the workers get the environment they would get after collection: without this
+    # process's OpenMP setting (see the top of this file; test_rank_openmp.py checks it)
+    passive = os.environ.pop("OMP_WAIT_POLICY", None) if _PASSIVE_HERE else None
+    try:
+        for name in SESSION_WORKERS:
+            tmp = factory.mktemp(name)
+            _BOOTING[name] = start_server(tmp, *_session_worker_args(name, tmp), wait=False)
+    finally:
+        if passive is not None:
+            os.environ["OMP_WAIT_POLICY"] = passive
+
+
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
     """One worker on the embedded default model, shared by the tests that only read (and
-    by those that profile it: each into its own directory under :func:`server_profiles`)."""
-    tmp = tmp_path_factory.mktemp("server")
-    (tmp / "profiles").mkdir()
-    srv = start_server(tmp, "--log-requests", "--profile-dir", str(tmp / "profiles"))
+    by those that profile it: each into its own directory under :func:`server_profiles`);
+    ``--log-requests``."""
+    srv = _session_worker("server", tmp_path_factory)
     yield srv
     srv.stop()
 
@@ -62,11 +120,22 @@ def server_profiles(server: ServerProc) -> Path:
 
 @pytest.fixture(scope="session")
 def dp2_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
-    """One ``--dp-size 2`` worker (embedded model, --profile-dir), shared by the modules
-    that need two ranks and no other flag (bad input, profiles, rank isolation): each
-    leaves it as it found it (no profile running, nothing in flight, every rank up)."""
-    tmp = tmp_path_factory.mktemp("dp2-server")
-    srv = start_server(tmp, "--dp-size", "2", "--profile-dir", str(tmp / "profiles"))
+    """One ``--dp-size 2`` worker (embedded model, --profile-dir, --log-requests), shared by
+    the modules that need two ranks and no other flag (admin ops, bad input, fuzz, profiles,
+    rank isolation, the CLI): each leaves it as it found it (no profile running, nothing in
+    flight, every rank up). ``--watchdog-probe-timeout 120``: test_admin.py stops a rank for
+    a few seconds, and it must come back to a live server on a loaded machine."""
+    srv = _session_worker("dp2_server", tmp_path_factory)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def small_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
+    """One worker with ``--max-running-requests 2`` (a third request queues), shared by
+    test_faults.py's client and deadline tests and test_slow_readers.py's preemption test;
+    each leaves it idle (nothing running, no KV held)."""
+    srv = _session_worker("small_server", tmp_path_factory)
     yield srv
     srv.stop()
 
@@ -78,11 +147,17 @@ def dp2_profiles(dp2_server: ServerProc) -> Path:
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """The test process's OpenMP setting stays in this process (see the top of this file)."""
+    """The test process's OpenMP setting stays in this process (see the top of this file);
+    a shared worker booted during collection that no selected test uses is stopped."""
     if _PASSIVE_HERE:
         os.environ.pop("OMP_WAIT_POLICY", None)
+    used = {name for item in session.items for name in getattr(item, "fixturenames", ())}
+    for name in [n for n in _BOOTING if n not in used]:
+        _BOOTING.pop(name).stop()
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """No worker started ahead (Prestart) outlives the run."""
+    """No worker started ahead (Prestart, or booted during collection) outlives the run."""
     stop_untaken()
+    while _BOOTING:
+        _BOOTING.popitem()[1].stop()

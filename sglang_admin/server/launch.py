@@ -18,6 +18,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 from sglang_admin.config import ServerArgs
 from sglang_admin.constants import rank_openmp_environment
 from sglang_admin.pb import common_pb2, common_pb2_grpc
+from sglang_admin.scheduler.entry import run_rank, run_tp_follower
 from sglang_admin.server import admission, ipc_dir
 from sglang_admin.server.communicator import Communicator
 from sglang_admin.server.interceptors import (
@@ -34,24 +35,6 @@ SERVICE_NAME = common_pb2.DESCRIPTOR.services_by_name["SglangScheduler"].full_na
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
 GET_METRICS = f"/{SERVICE_NAME}/GetMetrics"  # the exporter follows this RPC's auth rule
 RANK_POLL_S = 0.2
-
-
-def run_rank(args: ServerArgs, rank: int, parent_pid: int) -> None:
-    """A rank process's entry point: the scheduler (and with it torch) is imported there,
-    never in the server's process, which would carry torch's ~190 MiB for nothing. A rank
-    that stopped exits without the interpreter's teardown (scheduler/lifetime.py)."""
-    from sglang_admin.scheduler.lifetime import run_then_exit
-    from sglang_admin.scheduler.process import run_scheduler
-
-    run_then_exit(functools.partial(run_scheduler, args, rank, parent_pid))
-
-
-def run_tp_follower(args: ServerArgs, dp_rank: int, tp_rank: int, parent_pid: int) -> None:
-    """A TP follower's entry point (--tp-size > 1; scheduler/tp_worker.py)."""
-    from sglang_admin.scheduler.lifetime import run_then_exit
-    from sglang_admin.scheduler.tp_worker import run_follower
-
-    run_then_exit(functools.partial(run_follower, args, dp_rank, tp_rank, parent_pid))
 
 
 def free_port(host: str = "127.0.0.1") -> int:

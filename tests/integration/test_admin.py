@@ -7,24 +7,24 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
 
 import grpc
 import pytest
 
 from sglang_admin.pb import common_pb2 as pb
-from tests.conftest import ServerProc, greedy, run_generate, start_server
+from tests.conftest import ServerProc, greedy, run_generate
 
 
 @pytest.fixture(scope="module")
-def dp2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
-    # A rank is stopped for a few seconds below to miss an admin call's deadline; the
-    # watchdog (which ends the server after --watchdog-probe-timeout of silence, see
-    # test_metrics.py) is given room so that the rank comes back to a live server.
-    srv = start_server(tmp_path_factory.mktemp("dp2"), "--dp-size", "2", "--log-requests",
-                       "--watchdog-probe-timeout", "120")
-    yield srv
-    srv.stop()
+def dp2(dp2_server: ServerProc) -> ServerProc:
+    """The session's dp 2 worker (--log-requests). A rank is stopped for a few seconds
+    below to miss an admin call's deadline; its --watchdog-probe-timeout of 120 (the
+    watchdog ends the server after that much silence, see test_metrics.py) gives the rank
+    room to come back to a live server."""
+    assert "--log-requests" in dp2_server.extra_args
+    assert dp2_server.extra_args[dp2_server.extra_args.index("--watchdog-probe-timeout") + 1] \
+        == "120"
+    return dp2_server
 
 
 def rank_pids(srv: ServerProc) -> dict[int, int]:

@@ -112,11 +112,9 @@ class Stream(threading.Thread):
 
 
 @pytest.fixture(scope="module")
-def small(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
-    """Two running requests at most, so a third one queues."""
-    srv = start_server(tmp_path_factory.mktemp("faults"), "--max-running-requests", "2")
-    yield srv
-    srv.stop()
+def small(small_server: ServerProc) -> ServerProc:
+    """Two running requests at most, so a third one queues (the session's small_server)."""
+    return small_server
 
 
 @pytest.fixture(scope="module")

@@ -6,11 +6,13 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from sglang_admin.pb import common_pb2 as pb
 from tests.conftest import ServerProc, start_server
 from tools import fuzz
 
@@ -18,11 +20,22 @@ KINDS = ",".join(fuzz.KINDS)
 
 
 @pytest.fixture(scope="module")
-def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
-    tmp = tmp_path_factory.mktemp("fuzz")
-    server = start_server(tmp, "--dp-size", "2", "--profile-dir", str(tmp / "profiles"))
-    yield server
-    server.stop()
+def srv(dp2_server: ServerProc) -> Iterator[ServerProc]:
+    """The session's dp 2 worker (--profile-dir: the fuzzer profiles into ``fuzz`` under
+    it), left as the run found it: no profile running or armed, nothing in flight."""
+    yield dp2_server
+    if dp2_server.proc.poll() is not None:
+        return
+    stub = dp2_server.stub()
+    stub.StopProfile(pb.StopProfileRequest(), timeout=120)  # "not in progress" is fine too
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        states = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10).rank_states
+        if all(s.profiler_state == "idle" and not s.num_running_reqs and not s.num_waiting_reqs
+               for s in states):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the fuzz run left the shared worker busy: {states}")
 
 
 def test_brief_fuzz_run_finds_no_death(srv: ServerProc, capsys: pytest.CaptureFixture[str]) -> None:

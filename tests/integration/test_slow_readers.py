@@ -12,7 +12,7 @@ import grpc
 
 from sglang_admin.pb import common_pb2 as pb
 from sglang_admin.pb import common_pb2_grpc as pb_grpc
-from tests.conftest import greedy, run_generate, start_server
+from tests.conftest import ServerProc, greedy, run_generate, start_server
 from tools import slow_readers
 
 BUFFER_TOKENS = 64
@@ -195,15 +195,15 @@ def test_new_streams_are_refused_while_the_server_wide_budget_is_spent(tmp_path:
 
 
 def test_a_short_request_gets_a_place_while_long_streams_hold_every_one(
-        tmp_path: Path) -> None:
+        small_server: ServerProc) -> None:
     """Issue 33: a rank whose running batch is full of long streams (2 places, 3 streams of
     LONG_TOKENS) serves a new short request within seconds, and the stream left waiting
     starts long before either of the others could end: a request that waited
     --preempt-wait (1 s by default) takes the place of the one that has run longest, which
     goes on later from its cached KV. Before, both waited for a long stream to end. The
     three streams ask the same prompt, so whoever was preempted when, what each received
-    is the same tokens."""
-    srv = start_server(tmp_path, "--max-running-requests", "2")
+    is the same tokens. On the session's ``--max-running-requests 2`` worker, left idle."""
+    srv = small_server
     streams: list[dict] = [{"tokens": []} for _ in range(3)]
     stop = threading.Event()
 
@@ -253,4 +253,4 @@ def test_a_short_request_gets_a_place_while_long_streams_hold_every_one(
                 time.sleep(0.2)
             assert kv_in_use(stub) == 0
     finally:
-        srv.stop()
+        stop.set()  # a failed assertion above: the streams end, the shared worker idles
