@@ -315,12 +315,8 @@ def test_runner_decodes_the_same_with_and_without_the_kernel() -> None:
 
 
 @needs_kernel
-def test_runner_sends_prefill_chunks_to_the_kernel_where_it_is_faster(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Chunks of up to EXTEND_MAX_TOKENS new tokens go through the prefill kernel when torch
-    runs one thread (a cached prefix too); longer chunks, torch on several threads (its
-    attention spreads over them, the kernel does not) or a build without the kernel, through
-    torch's attention."""
+def _spy_extend_attend(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """Record (new tokens, prefix) of every ``CpuKernels.extend_attend`` call from now on."""
     calls: list[tuple[int, int]] = []
     real = cpu_kernels.CpuKernels.extend_attend
 
@@ -329,6 +325,16 @@ def test_runner_sends_prefill_chunks_to_the_kernel_where_it_is_faster(
         return real(self, q, k_cache, v_cache, slots, prefix, scale, window)
 
     monkeypatch.setattr(cpu_kernels.CpuKernels, "extend_attend", spy)
+    return calls
+
+
+def test_runner_sends_prefill_chunks_to_the_kernel_where_it_is_faster(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks of up to EXTEND_MAX_TOKENS new tokens go through the prefill kernel when torch
+    runs one thread (a cached prefix too); longer chunks, torch on several threads (its
+    attention spreads over them, the kernel does not) or a build without the kernel, through
+    torch's attention."""
+    calls = _spy_extend_attend(monkeypatch)
     runner = ModelRunner(None, device="cpu", dtype="float32", max_total_tokens=4096,
                          max_running_requests=4)
     layers = runner.model.config.num_layers
@@ -766,14 +772,7 @@ def test_runner_in_bf16_sends_every_prefill_chunk_to_the_flash_kernel(
     EXTEND_MAX_TOKENS, after a cached prefix; the tokens are those of torch's SDPA path."""
     from sglang_admin.model import batch as batch_module
 
-    calls: list[tuple[int, int]] = []
-    real = cpu_kernels.CpuKernels.extend_attend
-
-    def spy(self, q, k_cache, v_cache, slots, prefix, scale, window):  # noqa: ANN001, ANN202
-        calls.append((q.shape[0], prefix))
-        return real(self, q, k_cache, v_cache, slots, prefix, scale, window)
-
-    monkeypatch.setattr(cpu_kernels.CpuKernels, "extend_attend", spy)
+    calls = _spy_extend_attend(monkeypatch)
     runner = ModelRunner(None, device="cpu", dtype="bfloat16", max_total_tokens=4096,
                          max_running_requests=4)
     layers = runner.model.config.num_layers
