@@ -33,7 +33,7 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -142,6 +142,11 @@ class CpuKernels:
         self._attend_bf16.restype = None
         self._attend_bf16.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64,
                                       _I64, _I64, ctypes.c_float, _I64, _PTR, _I64, _PTR]
+        self._rope_attend_bf16 = lib.rope_attend_bf16
+        self._rope_attend_bf16.restype = None
+        self._rope_attend_bf16.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR,
+                                           _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR,
+                                           ctypes.c_float, _I64, _PTR, _I64, _PTR]
         # whether the bfloat16 kernels agreed with torch at load (load_cpu_kernels sets it)
         self.bf16 = False
         self._layer = lib.decode_layer
@@ -150,31 +155,33 @@ class CpuKernels:
                                 + [_I64, _PTR, _PTR, _I64, _I64, _I64, ctypes.c_float, _I64,
                                    _PTR, _PTR])
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
         """``weight * (x * rsqrt(mean(x**2, -1) + eps))`` of a contiguous float32 or bfloat16
         x (bfloat16: normalised in float32, rounded, then times the weight, as
-        transformers' LlamaRMSNorm)."""
+        transformers' LlamaRMSNorm); ``out``: where to write it (x's shape and dtype,
+        contiguous), else a new tensor."""
         fn = self._norm if x.dtype == torch.float32 else self._norm_bf16
         _check_dtypes("rms_norm", x, weight)
         if not (x.is_contiguous() and weight.is_contiguous()) or weight.numel() != x.shape[-1]:
             raise ValueError("rms_norm kernel: a tensor is not laid out as expected")
-        out = torch.empty_like(x)
+        out = _out_like(x, out, "rms_norm")
         dim = x.shape[-1]
         fn(x.data_ptr(), weight.data_ptr(), x.numel() // dim if dim else 0, dim, eps,
            out.data_ptr())
         return out
 
     def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> torch.Tensor:
+                     eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
         """The residual add and the next norm in one pass: ``x += delta`` in place (rounded
-        as torch's add in x's dtype), then :meth:`rms_norm` of the new x. x, delta [T, D]
-        contiguous, float32 or bfloat16."""
+        as torch's add in x's dtype), then :meth:`rms_norm` of the new x (into ``out`` when
+        given). x, delta [T, D] contiguous, float32 or bfloat16."""
         fn = self._add_norm if x.dtype == torch.float32 else self._add_norm_bf16
         _check_dtypes("add_rms_norm", x, delta, weight)
         if not (x.is_contiguous() and delta.is_contiguous() and weight.is_contiguous()
                 and delta.shape == x.shape and weight.numel() == x.shape[-1]):
             raise ValueError("add_rms_norm kernel: a tensor is not laid out as expected")
-        out = torch.empty_like(x)
+        out = _out_like(x, out, "add_rms_norm")
         dim = x.shape[-1]
         fn(x.data_ptr(), delta.data_ptr(), weight.data_ptr(), x.numel() // dim if dim else 0,
            dim, eps, out.data_ptr())
@@ -225,14 +232,66 @@ class CpuKernels:
            out_slots.data_ptr())
         return out
 
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def rope_attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, out_slots: torch.Tensor,
+                    table: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor, scale: float,
+                    window: int | None, scores: torch.Tensor,
+                    rotated: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                    longest: int | None = None) -> torch.Tensor:
+        """A bfloat16 decode step's attention in one call: :meth:`rope_store` of the fused qkv
+        [n, H + 2 KV, D] (into ``rotated`` [n, H + KV, D] when given), then :meth:`attend` of
+        the rotated q heads (table, rows, lens, scores as there) -> [n, H * D] (into ``out``
+        when given); ``longest``: max(lens) where the caller knows it. The caller guarantees the slots are in the pools and the lengths within
+        the table (the runner validated them)."""
+        n, width, dim = qkv.shape
+        kv_heads = k_cache.shape[1]
+        _check_dtypes("rope_attend", qkv, cos, sin, k_cache, v_cache)
+        if not (qkv.dtype == torch.bfloat16 and qkv.stride(2) == 1 and qkv.stride(1) == dim
+                and dim % 2 == 0 and width == heads + 2 * kv_heads and kv_heads
+                and heads % kv_heads == 0 and k_cache.is_contiguous()
+                and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
+                and k_cache.shape[2] == dim and cos.is_contiguous() and sin.is_contiguous()
+                and cos.numel() == n * dim == sin.numel() and out_slots.dtype == torch.int64
+                and out_slots.is_contiguous() and out_slots.numel() == n
+                and table.is_contiguous() and rows.is_contiguous() and lens.is_contiguous()
+                and rows.numel() == n == lens.numel()):
+            raise ValueError("rope_attend kernel: a tensor is not laid out as expected")
+        if longest is None:
+            longest = int(lens.max()) if n else 0
+        if scores.numel() < (heads // kv_heads) * longest:
+            raise ValueError(f"rope_attend kernel: scores scratch of {scores.numel()} floats "
+                             f"for {heads // kv_heads} heads x {longest} keys")
+        if rotated is None:
+            rotated = torch.empty(n, heads + kv_heads, dim, dtype=qkv.dtype)
+        elif not (rotated.shape == (n, heads + kv_heads, dim) and rotated.dtype == qkv.dtype
+                  and rotated.is_contiguous()):
+            raise ValueError("rope_attend kernel: rotated is not laid out as expected")
+        if out is None:
+            out = torch.empty(n, heads * dim, dtype=qkv.dtype)
+        elif not (out.shape == (n, heads * dim) and out.dtype == qkv.dtype
+                  and out.is_contiguous()):
+            raise ValueError("rope_attend kernel: out is not laid out as expected")
+        if n:
+            self._rope_attend_bf16(
+                qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), n, heads,
+                kv_heads, dim, rotated.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                out_slots.data_ptr(), table.data_ptr(), table.shape[1], rows.data_ptr(),
+                lens.data_ptr(), scale, window or 0, scores.data_ptr(), scores.numel(),
+                out.data_ptr())
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``silu(gate) * up`` of a contiguous [T, 2 * I] float32 or bfloat16 (gate first) ->
-        [T, I] (bfloat16: silu rounded, then the product)."""
+        [T, I] (bfloat16: silu rounded, then the product), into ``out`` when given."""
         _check_dtypes("silu_mul", gate_up)
         if not gate_up.is_contiguous() or gate_up.dim() != 2 or gate_up.shape[1] % 2:
             raise ValueError("silu_mul kernel: a tensor is not laid out as expected")
         rows, half = gate_up.shape[0], gate_up.shape[1] // 2
-        out = torch.empty(rows, half, dtype=gate_up.dtype)
+        if out is None:
+            out = torch.empty(rows, half, dtype=gate_up.dtype)
+        elif not (out.shape == (rows, half) and out.dtype == gate_up.dtype
+                  and out.is_contiguous()):
+            raise ValueError("silu_mul kernel: out is not laid out as expected")
         fn = self._silu_mul if gate_up.dtype == torch.float32 else self._silu_mul_bf16
         fn(gate_up.data_ptr(), rows, half, out.data_ptr())
         return out
@@ -402,6 +461,15 @@ def _check_dtypes(name: str, first: torch.Tensor, *others: torch.Tensor) -> None
                      f"{', '.join(str(t.dtype) for t in (first, *others))}")
 
 
+def _out_like(x: torch.Tensor, out: torch.Tensor | None, name: str) -> torch.Tensor:
+    """``out`` checked to be a contiguous tensor of x's shape and dtype, or a new one."""
+    if out is None:
+        return torch.empty_like(x)
+    if not (out.shape == x.shape and out.dtype == x.dtype and out.is_contiguous()):
+        raise ValueError(f"{name} kernel: out is not laid out as expected")
+    return out
+
+
 def _packed_floats(rows: int, width: int) -> int:
     """linear_nt's scratch for ``rows`` inputs of ``width``: panels of 16 rows."""
     return -(-rows // 16) * 16 * width
@@ -447,6 +515,7 @@ class DecodeBatch:
     longest: int  # max(lens)
     scores: torch.Tensor  # float32 scratch, heads * longest at least
     scratch: torch.Tensor | None = None  # decode_layer's, shared by every layer
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # see buffer()
 
     def check_scores(self, heads: int) -> None:
         """The kernel writes heads * longest scores: refuse a scratch that cannot hold them."""
@@ -466,6 +535,27 @@ class DecodeBatch:
         self.check_scores(q.shape[1])
         return self.kernel.attend(q, k_cache, v_cache, self.table, self.rows, self.lens,
                                   scale, window, self.scores)
+
+    def buffer(self, name: str, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+        """A [rows, width] scratch tensor of this forward, the same one for every layer that
+        asks by ``name`` with this shape (each layer's use of it ends before the next's)."""
+        buf = self.buffers.get(name)
+        if buf is None or buf.shape != (rows, width) or buf.dtype != dtype:
+            buf = self.buffers[name] = torch.empty(rows, width, dtype=dtype)
+        return buf
+
+    def rope_attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, out_slots: torch.Tensor,
+                    scale: float, window: int | None) -> torch.Tensor:
+        """One bfloat16 layer's :meth:`CpuKernels.rope_attend`: the fused qkv [n, H + 2 KV, D]
+        -> [n, H * D], into this forward's buffers (valid until the next layer's call)."""
+        n, width, dim = qkv.shape
+        rotated = self.buffer("rotated", n, (width + heads) // 2 * dim, qkv.dtype)
+        out = self.buffer("attention", n, heads * dim, qkv.dtype)
+        return self.kernel.rope_attend(
+            qkv, cos, sin, heads, k_cache, v_cache, out_slots, self.table, self.rows, self.lens,
+            scale, window, self.scores, rotated.view(n, (width + heads) // 2, dim), out,
+            self.longest)
 
 
 def reference_extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

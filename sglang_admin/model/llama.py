@@ -148,6 +148,16 @@ class DecoderLayer(nn.Module):
         x = x + attn
         return x + self.mlp(norm(x), linear)
 
+    def decodes_in_bf16_kernels(self) -> bool:
+        """Whether a bfloat16 decode step can run this layer through
+        :meth:`LlamaForCausalLM.decode_bf16` (the CPU kernels, fused weights, no LoRA, no
+        per-head q/k norms)."""
+        attn, mlp = self.self_attn, self.mlp
+        return (attn.kernels is not None and attn.lora is None and mlp.lora is None
+                and not attn.qk_norm and attn.qkv_weight is not None
+                and mlp.gate_up_weight is not None
+                and attn.qkv_weight.dtype == torch.bfloat16)
+
     def decode_weights(self) -> DecodeLayerWeights | None:
         """This layer as ``CpuKernels.decode_layer`` reads it; None where that does not apply
         (torch's ops, LoRA, per-head q/k norms, weights not fused or not contiguous)."""
@@ -273,6 +283,9 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
         batch = meta.decode_batch
+        if (batch is not None and meta.num_decode == x.shape[0] and x.dtype == torch.bfloat16
+                and all([layer.decodes_in_bf16_kernels() for layer in self.model.layers])):
+            return self.decode_bf16(x, cos, sin, meta, k_caches, v_caches, linear or F.linear)
         if batch is not None and meta.num_decode == x.shape[0] and linear is None:
             # decode only, CPU kernels: each layer in one call (no per-op dispatch)
             layers = self.decode_layers()
@@ -283,6 +296,41 @@ class LlamaForCausalLM(nn.Module):
                 return x
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, meta, k_caches[i], v_caches[i], linear)
+        return x
+
+    def decode_bf16(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    meta: AttentionMetadata, k_caches: list[torch.Tensor],
+                    v_caches: list[torch.Tensor], linear: Linear) -> torch.Tensor:
+        """A bfloat16 decode step's layers through the CPU kernels, the projections through
+        ``linear``: per layer two norms, each with the residual add before it (the MLP's add
+        is the next layer's input norm's), RoPE + the K/V write + attention in one call, and
+        SwiGLU's product, all into buffers made once per step; the same arithmetic as
+        :class:`DecoderLayer` with the kernels, without its modules and per-op dispatch."""
+        batch = meta.decode_batch
+        kernels = batch.kernel
+        rows, hidden = x.shape
+        normed = batch.buffer("normed", rows, hidden, x.dtype)
+        delta: torch.Tensor | None = None
+        for i, layer in enumerate(self.model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            norm = layer.input_layernorm
+            if delta is None:
+                h = kernels.rms_norm(x, norm.weight, norm.eps, out=normed)
+            else:
+                h = kernels.add_rms_norm(x, delta, norm.weight, norm.eps, out=normed)
+            qkv = linear(h, attn.qkv_weight, attn.qkv_bias)
+            qkv = qkv.view(rows, attn.num_heads + 2 * attn.num_kv_heads, attn.head_dim)
+            out = batch.rope_attend(qkv, cos, sin, attn.num_heads, k_caches[i], v_caches[i],
+                                    meta.out_slots, attn.scale, attn.sliding_window)
+            o = linear(out, attn.o_proj.weight, attn.o_proj.bias)
+            norm = layer.post_attention_layernorm
+            h = kernels.add_rms_norm(x, o, norm.weight, norm.eps, out=normed)
+            gate_up = linear(h, mlp.gate_up_weight, mlp.gate_up_bias)
+            act = batch.buffer("swiglu", rows, gate_up.shape[1] // 2, x.dtype)
+            delta = linear(kernels.silu_mul(gate_up, out=act), mlp.down_proj.weight,
+                           mlp.down_proj.bias)
+        if delta is not None:
+            x.add_(delta)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -87,9 +87,8 @@ static inline void store8_bf16(uint16_t *p, __m256 x) {
 #endif
 
 #if defined(HAVE_AVX2) && defined(__AVX512F__)
-/* the same 16 lanes at a time where the CPU has AVX-512 (silu_mul_bf16's exp) */
+/* the same 16 lanes at a time where the CPU has AVX-512 */
 #define HAVE_AVX512 1
-extern __m512 _ZGVeN16v_expf(__m512);
 
 static inline __m512 load16_bf16(const uint16_t *p) {
     const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
@@ -113,6 +112,31 @@ static inline void store16_bf16(uint16_t *p, __m512 x) {
     const __m512i r = _mm512_srli_epi32(round16_bits(x), 16);
     _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(r));
 }
+
+/* exp of 16 floats x <= 89 to within a few float32 ulps (2^n by the nearest n, then a degree-6
+ * Taylor polynomial of the rest, |r| <= ln2 / 2: error below 2e-7 relative; past 88.7 it is
+ * inf, as expf): the softmax's and SiLU's exponentials, cheaper than glibc's vector expf */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-104.f)); /* exp(-104) is 0 in float32; -inf too */
+    x = _mm512_min_ps(x, _mm512_set1_ps(89.f));   /* inf from here (a NaN became -104) */
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x); /* ln2, high bits */
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);  /* and the rest */
+    __m512 p = _mm512_set1_ps(1.f / 720.f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+
+#if defined(HAVE_AVX512) && defined(__AVX512BF16__)
+/* bfloat16 dot products (vdpbf16ps): decode and prefill attention's scores */
+#define HAVE_AVX512BF16 1
 #endif
 
 #define PREFETCH_AHEAD 16 /* tokens: the slots are scattered, the hardware cannot guess */
@@ -502,7 +526,52 @@ static inline __attribute__((always_inline)) int64_t argmax_row(const void *x, i
     int64_t best = 0, c = 0;
     float top = C ? AT(0) : 0.f;
     int nan = C && top != top;
-#ifdef HAVE_AVX2
+#ifdef HAVE_AVX512
+#define AT16(i) (bf ? load16_bf16((const uint16_t *)x + (i)) : _mm512_loadu_ps((const float *)x + (i)))
+    if (!nan && C >= 64) {
+        /* four running (largest, where) pairs of 16 lanes, 64 values an iteration: one pair
+         * would wait on each compare; per lane the first largest (strict compares) */
+        __m512 tops[4];
+        __m512i where[4], at[4];
+        __mmask16 unordered = 0;
+        const __m512i step = _mm512_set1_epi32(64);
+        for (int a = 0; a < 4; a++) {
+            tops[a] = AT16(16 * a);
+            unordered |= _mm512_cmp_ps_mask(tops[a], tops[a], _CMP_UNORD_Q);
+            at[a] = where[a] = _mm512_add_epi32(
+                _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                _mm512_set1_epi32(16 * a));
+        }
+        for (c = 64; c + 64 <= C; c += 64) {
+            for (int a = 0; a < 4; a++) {
+                const __m512 v = AT16(c + 16 * a);
+                at[a] = _mm512_add_epi32(at[a], step);
+                const __mmask16 gt = _mm512_cmp_ps_mask(v, tops[a], _CMP_GT_OQ);
+                unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+                tops[a] = _mm512_mask_mov_ps(tops[a], gt, v);
+                where[a] = _mm512_mask_mov_epi32(where[a], gt, at[a]);
+            }
+        }
+        if (unordered) {
+            c = 0; /* a NaN somewhere: the scalar loop below finds the first */
+        } else {
+            float t16[64];
+            int32_t w16[64];
+            for (int a = 0; a < 4; a++) {
+                _mm512_storeu_ps(t16 + 16 * a, tops[a]);
+                _mm512_storeu_si512(w16 + 16 * a, where[a]);
+            }
+            top = t16[0];
+            best = w16[0];
+            for (int l = 1; l < 64; l++)
+                if (t16[l] > top || (t16[l] == top && w16[l] < best)) {
+                    top = t16[l];
+                    best = w16[l];
+                }
+        }
+    }
+#undef AT16
+#elif defined(HAVE_AVX2)
     if (!nan && C >= 16) {
         /* per lane: its largest value and where it is (the first, as compares are strict) */
         __m256 tops = AT8(0);
@@ -534,8 +603,8 @@ static inline __attribute__((always_inline)) int64_t argmax_row(const void *x, i
                 }
         }
     }
-#undef AT8
 #endif
+#undef AT8
     for (; c < C && !nan; c++) {
         const float v = AT(c);
         if (v != v) {
@@ -550,12 +619,22 @@ static inline __attribute__((always_inline)) int64_t argmax_row(const void *x, i
     return best;
 }
 
+/* rows spread over the calling thread's OpenMP team where there are a million values or more
+ * (a real vocabulary at a decode batch: a step's logits are read once, at memory speed) */
+#define ARGMAX_PARALLEL_VALUES (1 << 20)
+
 void argmax_rows(const float *x, int64_t R, int64_t C, int64_t *out) {
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) if (R > 1 && R * C >= ARGMAX_PARALLEL_VALUES)
+#endif
     for (int64_t r = 0; r < R; r++) out[r] = argmax_row(x + r * C, C, 0);
 }
 
 /* argmax_rows of bfloat16 rows (the logits of a bfloat16 model) */
 void argmax_rows_bf16(const uint16_t *x, int64_t R, int64_t C, int64_t *out) {
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) if (R > 1 && R * C >= ARGMAX_PARALLEL_VALUES)
+#endif
     for (int64_t r = 0; r < R; r++) out[r] = argmax_row(x + r * C, C, 1);
 }
 
@@ -885,7 +964,7 @@ void silu_mul_bf16(const uint16_t *gu, int64_t T, int64_t I, uint16_t *out) {
         const __m512 one16 = _mm512_set1_ps(1.f), zero16 = _mm512_setzero_ps();
         for (; i + 16 <= I; i += 16) {
             const __m512 g16 = load16_bf16(g + i);
-            const __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(zero16, g16));
+            const __m512 e = exp16(_mm512_sub_ps(zero16, g16));
             const __m512 s = round16_bf16(_mm512_div_ps(g16, _mm512_add_ps(one16, e)));
             store16_bf16(o + i, _mm512_mul_ps(s, load16_bf16(u + i)));
         }
@@ -1093,6 +1172,151 @@ static void attend_group_bf16(const uint16_t *qi, const uint16_t *k, const uint1
     for (; e < G * D; e++) oi[e] = f32_bf16(of[e]);
 }
 
+#ifdef HAVE_AVX512BF16
+/*
+ * attend_group_bf16 on AVX512_BF16 (G <= 16 query heads, D a multiple of 32 up to 256), with
+ * the same softmax and roundings:
+ *   scores: 16 keys at a time, lane j holding key j. The 16 key rows (read in place through
+ *   the slots) are transposed in registers 32 dims at a time, so that one vector holds dims
+ *   2i, 2i+1 of the 16 keys (the pair layout vdpbf16ps wants), then multiplied with every
+ *   query head's dims 2i, 2i+1 (bfloat16 products, float32 sums): each key row is read once
+ *   for all G heads, and no sum is reduced across lanes (a gather of the pairs instead was
+ *   1.5x slower: Zen 4's gathers);
+ *   values: 32 dims of up to 8 heads summed in registers, each value row read once per 32
+ *   dims for 8 heads.
+ */
+#define DEC_MAX_G 16
+
+/* a 16 x 16 matrix of 32-bit words transposed in registers: r[p] lane j <- r[j] lane p */
+static inline __attribute__((always_inline)) void transpose16_epi32(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int i = 0; i < 2; i++)
+        for (int c = 0; c < 4; c++) {
+            t[8 * i + c] = _mm512_shuffle_i32x4(r[8 * i + c], r[8 * i + 4 + c], 0x88);
+            t[8 * i + 4 + c] = _mm512_shuffle_i32x4(r[8 * i + c], r[8 * i + 4 + c], 0xdd);
+        }
+    for (int c = 0; c < 8; c++) {
+        r[c] = _mm512_shuffle_i32x4(t[c], t[8 + c], 0x88);
+        r[c + 8] = _mm512_shuffle_i32x4(t[c], t[8 + c], 0xdd);
+    }
+}
+
+/* the scores of n <= 16 keys (at `slots`, kv head base k) for G query heads (q32: their dims as
+ * pairs): each 32 dims of the 16 key rows transposed in registers into 16 vectors, vector p
+ * holding dims 2p, 2p+1 of every key (the pair layout vdpbf16ps wants, a key a lane) */
+static inline __attribute__((always_inline)) void scores16_bf16(
+    const int32_t *q32, const uint16_t *k, const int64_t *slots, int64_t n, int64_t row,
+    int64_t D2, const int G, float scale, float *sc, int64_t L) {
+    __m512 acc[8];
+    for (int g = 0; g < G; g++) acc[g] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < D2; c += 16) {
+        __m512i r[16];
+        for (int64_t j = 0; j < 16; j++)
+            r[j] = j < n ? _mm512_loadu_si512(k + slots[j] * row + 2 * c) : _mm512_setzero_si512();
+        transpose16_epi32(r);
+        for (int p = 0; p < 16; p++)
+            for (int g = 0; g < G; g++)
+                acc[g] = _mm512_dpbf16_ps(acc[g], (__m512bh)r[p],
+                                          (__m512bh)_mm512_set1_epi32(q32[g * D2 + c + p]));
+    }
+    const __m512 s = _mm512_set1_ps(scale);
+    const __mmask16 m = (__mmask16)((1u << n) - 1);
+    for (int g = 0; g < G; g++) _mm512_mask_storeu_ps(sc + g * L, m, _mm512_mul_ps(acc[g], s));
+}
+
+static inline __attribute__((always_inline)) void values32_bf16(
+    const float *p, const uint16_t *v, const int64_t *slots, int64_t L, int64_t row,
+    const int G, const float *inv, uint16_t *o, int64_t D) {
+    __m512 a[8][2];
+    for (int g = 0; g < G; g++) a[g][0] = a[g][1] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < L; j++) {
+        const uint16_t *vr = v + slots[j] * row;
+        const __m512 v0 = load16_bf16(vr), v1 = load16_bf16(vr + 16);
+        for (int g = 0; g < G; g++) {
+            const __m512 w = _mm512_set1_ps(p[g * L + j]);
+            a[g][0] = _mm512_fmadd_ps(w, v0, a[g][0]);
+            a[g][1] = _mm512_fmadd_ps(w, v1, a[g][1]);
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        const __m512 s = _mm512_set1_ps(inv[g]);
+        store16_bf16(o + g * D, _mm512_mul_ps(a[g][0], s));
+        store16_bf16(o + g * D + 16, _mm512_mul_ps(a[g][1], s));
+    }
+}
+
+/* the scores of keys [j0, j0 + 16) for G heads, G a constant where it is small */
+static void scores_block_bf16(const int32_t *q32, const uint16_t *k, const int64_t *slots,
+                              int64_t n, int64_t row, int64_t D2, int64_t G, float scale,
+                              float *sc, int64_t L) {
+    switch (G) {
+#define SC_CASE(c) case c: scores16_bf16(q32, k, slots, n, row, D2, c, scale, sc, L); return;
+        SC_CASE(1) SC_CASE(2) SC_CASE(3) SC_CASE(4) SC_CASE(5) SC_CASE(6) SC_CASE(7)
+        SC_CASE(8)
+#undef SC_CASE
+        default:
+            for (int64_t g0 = 0; g0 < G; g0 += 8) {
+                const int64_t m = G - g0 < 8 ? G - g0 : 8;
+                scores_block_bf16(q32 + g0 * D2, k, slots, n, row, D2, m, scale, sc + g0 * L, L);
+            }
+    }
+}
+
+static void values_block_bf16(const float *p, const uint16_t *v, const int64_t *slots,
+                              int64_t L, int64_t row, int64_t G, const float *inv, uint16_t *o,
+                              int64_t D) {
+    switch (G) {
+#define VA_CASE(n) case n: values32_bf16(p, v, slots, L, row, n, inv, o, D); return;
+        VA_CASE(1) VA_CASE(2) VA_CASE(3) VA_CASE(4) VA_CASE(5) VA_CASE(6) VA_CASE(7)
+        VA_CASE(8)
+#undef VA_CASE
+        default:
+            for (int64_t g0 = 0; g0 < G; g0 += 8) {
+                const int64_t n = G - g0 < 8 ? G - g0 : 8;
+                values_block_bf16(p + g0 * L, v, slots, L, row, n, inv + g0, o + g0 * D, D);
+            }
+    }
+}
+
+/* attend_group_bf16's task on AVX512_BF16 */
+static void attend_group_avx512bf16(const uint16_t *qi, const uint16_t *k, const uint16_t *v,
+                                   const int64_t *slots, int64_t L, int64_t G, int64_t D,
+                                   int64_t row, float scale, float *scores, uint16_t *oi) {
+    const int64_t D2 = D / 2;
+    const int32_t *q32 = (const int32_t *)qi;
+    for (int64_t j = 0; j < L && j < 16; j++) prefetch_bytes(k + slots[j] * row, 2 * D);
+    for (int64_t j0 = 0; j0 < L; j0 += 16) {
+        const int64_t n = L - j0 < 16 ? L - j0 : 16;
+        /* the next block's keys, this block's values (for the values pass) */
+        for (int64_t j = j0 + 16; j < L && j < j0 + 32; j++) prefetch_bytes(k + slots[j] * row, 2 * D);
+        for (int64_t j = j0; j < j0 + n; j++) prefetch_bytes(v + slots[j] * row, 2 * D);
+        scores_block_bf16(q32, k, slots + j0, n, row, D2, G, scale, scores + j0, L);
+    }
+    float inv[DEC_MAX_G];
+    for (int64_t g = 0; g < G; g++) {
+        /* as torch's flash attention in bfloat16: the sum of the float32 exponentials, the
+         * values weighted by the exponentials rounded to bfloat16 */
+        float *sg = scores + g * L;
+        inv[g] = softmax_row(sg, L);
+        int64_t j = 0;
+        for (; j + 16 <= L; j += 16) _mm512_storeu_ps(sg + j, round16_bf16(_mm512_loadu_ps(sg + j)));
+        for (; j < L; j++) sg[j] = bf16_round(sg[j]);
+    }
+    for (int64_t d0 = 0; d0 < D; d0 += 32)
+        values_block_bf16(scores, v + d0, slots, L, row, G, inv, oi + d0, D);
+}
+#endif
+
 /*
  * decode_attention over a bfloat16 pool: q [n, H, D] and out [n, H, D] bfloat16, the rest as
  * decode_attention. Each (sequence, kv head) pair is a task of its own, spread over the
@@ -1133,10 +1357,35 @@ void decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *
 #endif
         const int64_t i = task / KV, h = task % KV, len = lens[i];
         const int64_t start = (window > 0 && len > window) ? len - window : 0;
-        attend_group_bf16(q + i * q_stride + h * G * D, k + h * D, v + h * D,
-                          table + rows[i] * ctx + start, len - start, G, D, row, scale, sc,
-                          out + (i * H + h * G) * D);
+        const uint16_t *qi = q + i * q_stride + h * G * D;
+        const int64_t *slots = table + rows[i] * ctx + start;
+        uint16_t *oi = out + (i * H + h * G) * D;
+#ifdef HAVE_AVX512BF16
+        if (D % 32 == 0 && D <= 256 && G <= DEC_MAX_G) {
+            attend_group_avx512bf16(qi, k + h * D, v + h * D, slots, len - start, G, D, row,
+                                    scale, sc, oi);
+            continue;
+        }
+#endif
+        attend_group_bf16(qi, k + h * D, v + h * D, slots, len - start, G, D, row, scale, sc,
+                          oi);
     }
+}
+
+/*
+ * A bfloat16 decode step's attention in one call: rope_store_bf16 of the fused qkv [n, H + 2 KV,
+ * D] (q and k rotated into `rotated` [n, H + KV, D], the rotated k and the v written to the
+ * pools at `out_slots`), then decode_attention_bf16 of the rotated q heads into out [n, H, D].
+ */
+void rope_attend_bf16(const uint16_t *qkv, int64_t qkv_stride, const uint16_t *cos_t,
+                      const uint16_t *sin_t, int64_t n, int64_t H, int64_t KV, int64_t D,
+                      uint16_t *rotated, uint16_t *k, uint16_t *v, const int64_t *out_slots,
+                      const int64_t *table, int64_t ctx, const int64_t *rows,
+                      const int64_t *lens, float scale, int64_t window, float *scores,
+                      int64_t scores_len, uint16_t *out) {
+    rope_store_bf16(qkv, qkv_stride, cos_t, sin_t, n, H + KV, KV, D, rotated, k, v, out_slots);
+    decode_attention_bf16(rotated, (H + KV) * D, k, v, table, ctx, rows, lens, n, H, KV, D,
+                          scale, window, scores, scores_len, out);
 }
 
 /*
@@ -1164,10 +1413,6 @@ void decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *
  * Returns 1; 0 where !extend_attention_bf16_applies(D) (nothing written) or a thread's buffer
  * could not be allocated (out incomplete).
  */
-#if defined(HAVE_AVX512) && defined(__AVX512BF16__)
-#define HAVE_AVX512BF16 1
-#endif
-
 int extend_attention_bf16_applies(int64_t D) {
 #ifdef HAVE_AVX512BF16
     return D > 0 && D % 32 == 0 && D <= 256;
@@ -1184,24 +1429,6 @@ int extend_attention_bf16_applies(int64_t D) {
 #define EXT_BK 64 /* keys of a packed block: 4 vectors of 16 scores a row */
 #define EXT_R 6   /* query rows a register block: 24 accumulators */
 
-/* exp of 16 floats x <= 0 to within a few float32 ulps (2^n by the nearest n, then a degree-6
- * Taylor polynomial of the rest, |r| <= ln2 / 2: error below 2e-7 relative): the softmax's
- * exponentials, cheaper than glibc's vector expf */
-static inline __m512 exp16_neg(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-104.f)); /* exp(-104) is 0 in float32; -inf too */
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x); /* ln2, high bits */
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);  /* and the rest */
-    __m512 p = _mm512_set1_ps(1.f / 720.f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    return _mm512_scalef_ps(p, n);
-}
 
 /* keys [j0, j0 + EXT_BK) of kv head h packed: kp32[(jv * D/2 + i) * 16 + jj] holds dims
  * 2i, 2i+1 of key 16 jv + jj; values: vp32[(i * D/16 + dv) * 16 + dd] holds dim 16 dv + dd of
@@ -1376,7 +1603,7 @@ static void extend_task_bf16(const uint16_t *q, int64_t q_stride, const uint32_t
                 const __m512 mv = _mm512_set1_ps(mnew);
                 __m512 sum = _mm512_setzero_ps();
                 for (int c = 0; c < 4; c++) {
-                    const __m512 e = _mm512_maskz_mov_ps(keep[c], exp16_neg(_mm512_sub_ps(x[c], mv)));
+                    const __m512 e = _mm512_maskz_mov_ps(keep[c], exp16(_mm512_sub_ps(x[c], mv)));
                     sum = _mm512_add_ps(sum, e);
                     _mm256_storeu_si256((__m256i *)(pp + c * 16), (__m256i)_mm512_cvtneps_pbh(e));
                 }
