@@ -1182,8 +1182,8 @@ static void attend_group_bf16(const uint16_t *qi, const uint16_t *k, const uint1
  *   query head's dims 2i, 2i+1 (bfloat16 products, float32 sums): each key row is read once
  *   for all G heads, and no sum is reduced across lanes (a gather of the pairs instead was
  *   1.5x slower: Zen 4's gathers);
- *   values: 32 dims of up to 8 heads summed in registers, each value row read once per 32
- *   dims for 8 heads.
+ *   values: 32 dims of up to 8 heads summed in registers, two keys at a time (their rows
+ *   interleaved into pairs, the two weights of each head as one pair: vdpbf16ps again).
  */
 #define DEC_MAX_G 16
 
@@ -1234,24 +1234,36 @@ static inline __attribute__((always_inline)) void scores16_bf16(
     for (int g = 0; g < G; g++) _mm512_mask_storeu_ps(sc + g * L, m, _mm512_mul_ps(acc[g], s));
 }
 
+/* 32 dims of the weighted values of G <= 8 heads: two keys' rows at a time interleaved into
+ * pairs (dim d of keys j, j+1 side by side), times each head's two weights (pw: the bfloat16
+ * weights of head g at pw + g * Lp, keys as pairs, a zero past the last key) with vdpbf16ps;
+ * the interleave leaves dims 0-3, 8-11, 16-19, 24-27 in lo and 4-7, ... in hi, put back in
+ * order when stored (out = sum * inv[g], rounded) */
 static inline __attribute__((always_inline)) void values32_bf16(
-    const float *p, const uint16_t *v, const int64_t *slots, int64_t L, int64_t row,
-    const int G, const float *inv, uint16_t *o, int64_t D) {
-    __m512 a[8][2];
-    for (int g = 0; g < G; g++) a[g][0] = a[g][1] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < L; j++) {
-        const uint16_t *vr = v + slots[j] * row;
-        const __m512 v0 = load16_bf16(vr), v1 = load16_bf16(vr + 16);
+    const int32_t *pw, int64_t Lp, const uint16_t *v, const int64_t *slots, int64_t L,
+    int64_t row, const int G, const float *inv, uint16_t *o, int64_t D) {
+    __m512 lo[8], hi[8];
+    for (int g = 0; g < G; g++) lo[g] = hi[g] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < L; j += 2) {
+        const __m512i r0 = _mm512_loadu_si512(v + slots[j] * row);
+        const __m512i r1 = j + 1 < L ? _mm512_loadu_si512(v + slots[j + 1] * row)
+                                     : _mm512_setzero_si512();
+        const __m512bh a = (__m512bh)_mm512_unpacklo_epi16(r0, r1);
+        const __m512bh b = (__m512bh)_mm512_unpackhi_epi16(r0, r1);
         for (int g = 0; g < G; g++) {
-            const __m512 w = _mm512_set1_ps(p[g * L + j]);
-            a[g][0] = _mm512_fmadd_ps(w, v0, a[g][0]);
-            a[g][1] = _mm512_fmadd_ps(w, v1, a[g][1]);
+            const __m512bh w = (__m512bh)_mm512_set1_epi32(pw[g * Lp + j / 2]);
+            lo[g] = _mm512_dpbf16_ps(lo[g], a, w);
+            hi[g] = _mm512_dpbf16_ps(hi[g], b, w);
         }
     }
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29,
+                                             30, 31);
     for (int g = 0; g < G; g++) {
         const __m512 s = _mm512_set1_ps(inv[g]);
-        store16_bf16(o + g * D, _mm512_mul_ps(a[g][0], s));
-        store16_bf16(o + g * D + 16, _mm512_mul_ps(a[g][1], s));
+        store16_bf16(o + g * D, _mm512_mul_ps(_mm512_permutex2var_ps(lo[g], first, hi[g]), s));
+        store16_bf16(o + g * D + 16,
+                     _mm512_mul_ps(_mm512_permutex2var_ps(lo[g], second, hi[g]), s));
     }
 }
 
@@ -1272,18 +1284,19 @@ static void scores_block_bf16(const int32_t *q32, const uint16_t *k, const int64
     }
 }
 
-static void values_block_bf16(const float *p, const uint16_t *v, const int64_t *slots,
-                              int64_t L, int64_t row, int64_t G, const float *inv, uint16_t *o,
-                              int64_t D) {
+static void values_block_bf16(const int32_t *pw, int64_t Lp, const uint16_t *v,
+                              const int64_t *slots, int64_t L, int64_t row, int64_t G,
+                              const float *inv, uint16_t *o, int64_t D) {
     switch (G) {
-#define VA_CASE(n) case n: values32_bf16(p, v, slots, L, row, n, inv, o, D); return;
+#define VA_CASE(c) case c: values32_bf16(pw, Lp, v, slots, L, row, c, inv, o, D); return;
         VA_CASE(1) VA_CASE(2) VA_CASE(3) VA_CASE(4) VA_CASE(5) VA_CASE(6) VA_CASE(7)
         VA_CASE(8)
 #undef VA_CASE
         default:
             for (int64_t g0 = 0; g0 < G; g0 += 8) {
-                const int64_t n = G - g0 < 8 ? G - g0 : 8;
-                values_block_bf16(p + g0 * L, v, slots, L, row, n, inv + g0, o + g0 * D, D);
+                const int64_t m = G - g0 < 8 ? G - g0 : 8;
+                values_block_bf16(pw + g0 * Lp, Lp, v, slots, L, row, m, inv + g0, o + g0 * D,
+                                  D);
             }
     }
 }
@@ -1303,17 +1316,21 @@ static void attend_group_avx512bf16(const uint16_t *qi, const uint16_t *k, const
         scores_block_bf16(q32, k, slots + j0, n, row, D2, G, scale, scores + j0, L);
     }
     float inv[DEC_MAX_G];
+    /* as torch's flash attention in bfloat16: the sum of the float32 exponentials, the values
+     * weighted by the exponentials rounded to bfloat16; those are written as bfloat16 over the
+     * head's float32 scores (behind what is still to read), a zero weight past an odd last key,
+     * and read as pairs of keys: head g's at word g * L */
     for (int64_t g = 0; g < G; g++) {
-        /* as torch's flash attention in bfloat16: the sum of the float32 exponentials, the
-         * values weighted by the exponentials rounded to bfloat16 */
         float *sg = scores + g * L;
         inv[g] = softmax_row(sg, L);
+        uint16_t *pb = (uint16_t *)sg;
         int64_t j = 0;
-        for (; j + 16 <= L; j += 16) _mm512_storeu_ps(sg + j, round16_bf16(_mm512_loadu_ps(sg + j)));
-        for (; j < L; j++) sg[j] = bf16_round(sg[j]);
+        for (; j + 16 <= L; j += 16) store16_bf16(pb + j, _mm512_loadu_ps(sg + j));
+        for (; j < L; j++) pb[j] = f32_bf16(sg[j]);
+        if (L % 2) pb[L] = 0;
     }
     for (int64_t d0 = 0; d0 < D; d0 += 32)
-        values_block_bf16(scores, v + d0, slots, L, row, G, inv, oi + d0, D);
+        values_block_bf16((const int32_t *)scores, L, v + d0, slots, L, row, G, inv, oi + d0, D);
 }
 #endif
 
