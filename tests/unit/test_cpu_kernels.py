@@ -417,7 +417,7 @@ def test_bench_cpu_kernels_runs(capsys: pytest.CaptureFixture[str]) -> None:
 def _check_argmax(kernels: cpu_kernels.CpuKernels) -> None:
     """The greedy token of every row, as torch.argmax: the first of equal maxima, a NaN wins,
     at widths on and off the vector width."""
-    for cols in (1, 7, 8, 15, 16, 17, 261, 1000):
+    for cols in (1, 7, 8, 15, 16, 17, 63, 64, 65, 200, 261, 1000):
         gen = torch.Generator().manual_seed(cols)
         x = torch.randn(12, cols, generator=gen)
         x[1] = float("-inf")  # a row with nothing allowed: index 0, as torch
@@ -427,6 +427,9 @@ def _check_argmax(kernels: cpu_kernels.CpuKernels) -> None:
         x[5, min(3, cols - 1)] = float("nan")  # a NaN in the first vector
         x[6, cols // 2] = float("inf")
         x[7] = 1.0  # all equal
+        x[8, (cols * 2) // 3] = float("nan")  # a NaN inside the vector part
+        x[9, cols // 3] = x[9, (cols * 3) // 4] = 40.0  # a tie across lanes and blocks
+        x[10, 17 % cols] = x[10, 33 % cols] = 45.0  # a tie between two running maxima
         assert kernels.argmax(x) == x.argmax(dim=-1).tolist(), cols
     assert kernels.argmax(torch.empty(0, 5)) == []
 
@@ -434,6 +437,27 @@ def _check_argmax(kernels: cpu_kernels.CpuKernels) -> None:
 @needs_kernel
 def test_argmax_is_torchs_including_ties_infinities_and_nans() -> None:
     _check_argmax(kernel)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_of_a_real_vocabulary_is_torchs_on_one_or_two_threads(dtype: torch.dtype) -> None:
+    """A decode batch's logits at a real vocabulary (a million values and more: rows spread
+    over the OpenMP team), each row's maximum planted somewhere else, a tie in one row."""
+    gen = torch.Generator().manual_seed(28)
+    x = torch.randn(9, 151_936, generator=gen)
+    where = torch.randint(0, 151_936, (9,), generator=gen)
+    x[torch.arange(9), where] = 9.0
+    x[4, 151_935] = 9.0  # a tie: the first wins
+    x = x.to(dtype)
+    want = x.argmax(dim=-1).tolist()
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            assert kernel.argmax(x) == want
+    finally:
+        torch.set_num_threads(before)
 
 
 # ---- bfloat16: the kernels against torch's bfloat16 ops (float32 inside, rounded where
@@ -452,7 +476,8 @@ def _bf16_close(got: torch.Tensor, want: torch.Tensor, min_exact: float) -> None
 
 @needs_kernel
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (14, 2, 64), (8, 2, 32), (4, 4, 128),
-                                                (7, 1, 32), (6, 3, 16), (3, 1, 12)])
+                                                (7, 1, 32), (6, 3, 16), (3, 1, 12), (12, 1, 64),
+                                                (20, 1, 32), (16, 2, 256)])
 @pytest.mark.parametrize("window", [None, 7])
 def test_bf16_attention_reads_the_pool_in_place_for_any_group(heads: int, kv_heads: int,
                                                               dim: int,
@@ -542,12 +567,54 @@ def test_bf16_rope_store_rotates_as_torch_and_writes_the_new_kv(dim: int) -> Non
 
 
 @needs_kernel
+@pytest.mark.parametrize("heads,kv_heads,window", [(14, 2, None), (9, 3, 5), (4, 4, None)])
+def test_bf16_rope_attend_is_rope_store_then_attend(heads: int, kv_heads: int,
+                                                    window: int | None) -> None:
+    """The decode step's one call: bit-equal to rope_store then attend (the same pools
+    written, the same output), into the buffers it is given."""
+    dim, lens = 64, [1, 6, 40, 17]
+    gen = torch.Generator().manual_seed(heads)
+    q, k, v, table, rows, lens_t = _case(heads, kv_heads, dim, lens, seed=heads)
+    k, v = k.to(BF16), v.to(BF16)
+    n = len(lens)
+    qkv = torch.randn(n, heads + 2 * kv_heads, dim, generator=gen).to(BF16)
+    cfg = LlamaConfig("LlamaForCausalLM", "llama", vocab_size=16, hidden_size=heads * dim,
+                      intermediate_size=8, num_layers=1, num_heads=heads, num_kv_heads=kv_heads,
+                      head_dim=dim)
+    cos, sin = RotaryEmbedding(cfg)(lens_t - 1, BF16)
+    out_slots = table[rows, lens_t - 1].contiguous()  # each sequence's new token
+    scores = torch.empty(heads * max(lens))
+    k2, v2 = k.clone(), v.clone()
+    rotated = kernel.rope_store(qkv, cos, sin, heads, k, v, out_slots)
+    want = kernel.attend(rotated[:, :heads], k, v, table, rows, lens_t, 0.125, window, scores)
+    rot_buf = torch.empty(n, heads + kv_heads, dim, dtype=BF16)
+    out_buf = torch.empty(n, heads * dim, dtype=BF16)
+    got = kernel.rope_attend(qkv, cos, sin, heads, k2, v2, out_slots, table, rows, lens_t, 0.125,
+                             window, scores, rot_buf, out_buf)
+    assert got.data_ptr() == out_buf.data_ptr()
+    assert torch.equal(got, want) and torch.equal(rot_buf, rotated)
+    assert torch.equal(k2, k) and torch.equal(v2, v)
+    with pytest.raises(ValueError, match="scores scratch"):
+        kernel.rope_attend(qkv, cos, sin, heads, k2, v2, out_slots, table, rows, lens_t, 0.125,
+                           window, torch.empty(8))
+    with pytest.raises(ValueError, match="not laid out"):
+        kernel.rope_attend(qkv, cos, sin, heads, k2, v2, out_slots[:2], table, rows, lens_t,
+                           0.125, window, scores)
+
+
+@needs_kernel
 @pytest.mark.parametrize("width", [1536, 19])
 def test_bf16_silu_mul(width: int) -> None:
     gen = torch.Generator().manual_seed(width)
     gate_up = (torch.randn(17, 2 * width, generator=gen) * 4).to(BF16)
+    # where exp(-gate) overflows or vanishes (the inline exp's clamps), zeros, a tiny value
+    ends = torch.tensor([-200.0, -100.0, -89.0, -88.0, 88.0, 89.0, 100.0, 0.0, -1e30, 1e-30,
+                         -30.0, 30.0, -1e-3, 1e-3, 17.0, -3e38, 1e30, -0.5, 3.0])
+    gate_up[0, : min(width, ends.numel())] = ends[:width].to(BF16)
     gate, up = gate_up.chunk(2, dim=-1)
-    _bf16_close(kernel.silu_mul(gate_up), F.silu(gate) * up, 0.99)
+    got = kernel.silu_mul(gate_up)
+    _bf16_close(got, F.silu(gate) * up, 0.99)
+    assert torch.equal(got[0], (F.silu(gate) * up)[0])  # the ends, bit-equal
 
 
 @needs_kernel
@@ -571,7 +638,7 @@ def test_runner_in_bf16_uses_the_kernels_and_decodes_as_torchs_ops(
     in bfloat16, in different orders: test_bf16.py checks the ties against transformers)."""
     calls: list[str] = []
     for name in ("attend", "rope_store", "add_rms_norm", "silu_mul", "argmax", "decode_layer",
-                 "linear", "extend_attend"):
+                 "linear", "extend_attend", "rope_attend"):
         real = getattr(cpu_kernels.CpuKernels, name)
 
         def spy(self, *args, _real=real, _name=name, **kwargs):  # noqa: ANN001, ANN202
@@ -589,11 +656,55 @@ def test_runner_in_bf16_uses_the_kernels_and_decodes_as_torchs_ops(
     ours, theirs = _greedy(fast, prompts, 12), _greedy(slow, prompts, 12)
     assert sum(a == b for a, b in zip(ours, theirs)) >= 3
     assert all(a[:4] == b[:4] for a, b in zip(ours, theirs))
-    assert {"attend", "rope_store", "add_rms_norm", "silu_mul", "argmax"} <= set(calls)
+    assert {"rope_attend", "rope_store", "add_rms_norm", "silu_mul", "argmax"} <= set(calls)
     assert not {"decode_layer", "linear"} & set(calls)
     # prefill attention: the flash kernel where the build has it (AVX512_BF16)
     head_dim = fast.model.config.head_dim
     assert ("extend_attend" in calls) == fast.cpu_kernels.extend_applies(head_dim, BF16)
+
+
+@needs_kernel
+def test_bf16_decode_step_without_per_op_dispatch_is_the_layers_arithmetic(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bfloat16 decode step through LlamaForCausalLM.decode_bf16 (the residual adds fused
+    into the norms, RoPE + K/V write + attention in one call) computes the logits the layer
+    modules compute through the same kernels, bit for bit, every step."""
+    from sglang_admin.model.llama import LlamaForCausalLM
+
+    calls: list[str] = []
+    real_lean = LlamaForCausalLM.decode_bf16
+
+    def lean(self, *args, **kwargs):  # noqa: ANN001, ANN202
+        calls.append("decode_bf16")
+        return real_lean(self, *args, **kwargs)
+
+    def run(lean_path: bool) -> list[torch.Tensor]:
+        monkeypatch.setattr(DecoderLayer, "decodes_in_bf16_kernels",
+                            DecoderLayer.decodes_in_bf16_kernels if lean_path
+                            else (lambda self: False))
+        runner = ModelRunner(None, device="cpu", dtype="bfloat16", max_total_tokens=1024,
+                             max_running_requests=4)
+        logits: list[torch.Tensor] = []
+        real = runner._compute_logits
+
+        def keep(hidden: torch.Tensor) -> torch.Tensor:
+            out = real(hidden)
+            logits.append(out.clone())
+            return out
+
+        runner._compute_logits = keep  # type: ignore[method-assign]
+        _greedy(runner, [[5, 9, 13, 200, 7], list(range(40, 90)), [1], list(range(7, 40))], 10)
+        return logits
+
+    monkeypatch.setattr(LlamaForCausalLM, "decode_bf16", lean)
+    lean_logits = run(True)
+    assert calls.count("decode_bf16") == 9  # every decode step
+    calls.clear()
+    layer_logits = run(False)
+    assert not calls
+    assert len(lean_logits) == len(layer_logits) == 10
+    for a, b in zip(lean_logits, layer_logits):
+        assert torch.equal(a, b)
 
 
 @needs_kernel
