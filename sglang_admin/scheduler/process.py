@@ -327,25 +327,33 @@ class RankLoop:
         return RankState(*figures[:-3], time.time(), *figures[-3:])
 
     def publish_state(self, force: bool = False) -> None:
-        s = self.scheduler
-        key = (len(s.running), len(s.waiting), s.num_used_tokens, s.num_free_tokens,
-               self.profiler.reported_state,
-               self.quiesce.pending, s.paused, s.num_grammar_queue_reqs)
+        """Send the rank's state when it changed: at once when ``force``d, else when a key
+        figure changed (at most every STATE_PUBLISH_INTERVAL_S) or a second went by."""
         now = time.monotonic()
         # The key fields are checked now (published below if they changed): the heartbeat
         # tells the server how old its copy of this rank's state is.
         self.state_confirmed = time.time()
-        if force or (key != self.last_state_key and now - self.last_state_sent
-                     >= STATE_PUBLISH_INTERVAL_S) or now - self.last_state_sent >= 1.0:
+        if force:
+            # every figure is compared below; the key is taken again by the next check
+            # (a flush answers sooner without it)
+            self.last_state_key = ()
+        else:
+            s = self.scheduler
+            key = (len(s.running), len(s.waiting), s.num_used_tokens, s.num_free_tokens,
+                   self.profiler.reported_state,
+                   self.quiesce.pending, s.paused, s.num_grammar_queue_reqs)
+            since = now - self.last_state_sent
+            if since < 1.0 and (key == self.last_state_key or since < STATE_PUBLISH_INTERVAL_S):
+                return
             self.last_state_key = key
-            self.last_state_sent = now
-            figures = self._state_figures()
-            if figures == self._last_figures:
-                return  # the server has this state already (an idle rank's refresh, a
-                # flush of an empty cache): one message less for both processes
-            self._last_figures = figures
-            self.last_state = state = self._state_of(figures)
-            self.send(StateUpdate(state))
+        self.last_state_sent = now
+        figures = self._state_figures()
+        if figures == self._last_figures:
+            return  # the server has this state already (an idle rank's refresh, a flush
+            # of an empty cache): one message less for both processes
+        self._last_figures = figures
+        self.last_state = state = self._state_of(figures)
+        self.send(StateUpdate(state))
 
     # ------------------------------------------------------------------ loop
 

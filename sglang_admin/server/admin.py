@@ -214,7 +214,8 @@ class AdminCalls:
         with self.comm.metrics.admin_call(op) as outcome:  # sglang_admin:admin_calls
             with server_span(span_name_of(op), carrier, **log_fields) as forward:
                 rid = self.comm.new_admin_id()
-                self.log(op, rid, carrier, **log_fields)
+                if self.args.log_requests:
+                    self.log(op, rid, carrier, **log_fields)
                 wait = effective_timeout(context, server_default)
                 deadline = time.time() + wait
                 replies, failures = await self.comm.call_ranks(

@@ -26,7 +26,7 @@ from sglang_admin.messages import (
     decode,
     encode,
 )
-from sglang_admin.scheduler.process import RankLoop
+from sglang_admin.scheduler.process import STATE_PUBLISH_INTERVAL_S, RankLoop
 
 
 class Wires:
@@ -179,6 +179,36 @@ def test_a_flush_sends_cleared_the_freed_state_and_its_answer_and_no_state_that_
     assert state.forward_steps == loop.forward_steps == 1 and state.timestamp > 1e9
     assert state.decode_phase_s == loop.step_timer.totals and state.lora_slots_total == 0
     assert state.profiler_state == "idle" and state.paused == "" and not state.flush_pending
+
+
+def test_the_state_is_published_when_it_changed_at_most_every_interval_unless_forced(
+    wires: Wires,
+) -> None:
+    """publish_state: a forced call sends a changed state at once and nothing when it did
+    not change; an unforced one sends a change of a key figure once STATE_PUBLISH_INTERVAL_S
+    went by since the last send, and an unchanged state never."""
+    loop = wires.loop
+    wires.received()
+
+    def states() -> list[Any]:
+        return [m.state for m in wires.received() if isinstance(m, StateUpdate)]
+
+    loop.publish_state(force=True)
+    assert states() == []  # the server has it (the ready message carried it)
+    loop.scheduler.paused = "retract"  # a key figure changes
+    loop.publish_state()
+    assert states() == []  # within the interval of the last send
+    loop.last_state_sent -= STATE_PUBLISH_INTERVAL_S
+    loop.publish_state()
+    assert [st.paused for st in states()] == ["retract"]
+    loop.last_state_sent -= 2.0  # a second went by: figures compared, nothing changed
+    loop.publish_state()
+    assert states() == []
+    loop.scheduler.paused = None
+    loop.publish_state(force=True)  # forced: at once
+    assert [st.paused for st in states()] == [""]
+    loop.publish_state(force=True)
+    assert states() == []
 
 
 @pytest.mark.parametrize("req", [
