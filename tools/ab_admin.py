@@ -1,13 +1,14 @@
 """A/B the idle admin round trip, or a new request's first token under load, of several code
 trees side by side.
 
-    python tools/ab_admin.py TREE [TREE ...] [--calls 1500]
+    python tools/ab_admin.py TREE [TREE ...] [--calls 1500] [--dp-size 4]
     python tools/ab_admin.py TREE [TREE ...] --ttft [--rounds 6] [--probes 20]
 
 Each TREE is a checkout of this project (e.g. a `git worktree add /tmp/old COMMIT`); one
 dp 1 worker per tree is started from it (its own code, this venv). Default: GetServerInfo
 and FlushCache(timeout_s=0) calls to every worker are shuffled together, so every tree sees
-the same machine, and the p50 of each (tree, op) is printed. With ``--ttft``: in rounds (the
+the same machine, and the p50 of each (tree, op) is printed (``--dp-size``: workers of that
+many ranks instead of one). With ``--ttft``: in rounds (the
 trees in a new order each round), one tree at a time gets 64 streams decoding (the clients
 of tools/bench_admin.py) and, meanwhile, new streaming requests one after another whose
 first-token latency is taken; the p50 and p90 per tree over all rounds, and each tree's p50
@@ -137,6 +138,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("trees", nargs="+")
     parser.add_argument("--calls", type=int, default=1500, help="calls per (tree, op)")
+    parser.add_argument("--dp-size", type=int, default=1,
+                        help="data-parallel ranks of every worker (idle admin calls)")
     parser.add_argument("--ttft", action="store_true",
                         help="first-token latency under 64 streams instead of idle admin calls")
     parser.add_argument("--rounds", type=int, default=6, help="--ttft: rounds over the trees")
@@ -144,7 +147,7 @@ def main() -> int:
     ns = parser.parse_args()
     if ns.ttft:
         return ttft(ns)
-    servers = [start(tree) for tree in ns.trees]
+    servers = [start(tree, "--dp-size", str(ns.dp_size)) for tree in ns.trees]
     try:
         for _ in range(50):  # warm up
             for _, stub in servers:

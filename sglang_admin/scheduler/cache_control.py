@@ -27,6 +27,9 @@ def on_flush(rank: Rank, msg: FlushCacheReq) -> None:
         return
     s = rank.scheduler
     drained = not s.running and (not s.waiting or s.paused is not None)
+    if drained and not rank.quiesce.pending:  # nothing waits before it: flush now
+        flush(rank, msg)
+        return
     if drained or msg.timeout_s > 0:
         wait = msg.timeout_s
         if msg.deadline is not None:

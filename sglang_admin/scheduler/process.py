@@ -55,6 +55,7 @@ _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
 _NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE = int(zmq.SNDMORE)
+_CLEARED = ["cleared"]  # the radix cache's event of a flush (scheduler/radix_cache.py)
 
 
 def handler_table() -> dict[type, Handler]:
@@ -189,6 +190,7 @@ class RankLoop:
         self.held: list[bytes] | None = None
         self._recv_timeout = -1  # the inbox's RCVTIMEO (ms) as last set by _wait
         self._together = _Together(self)
+        self._cleared: bytes | None = None  # KvEvents(rank, [["cleared"]]), encoded once
         if args.otlp_traces_endpoint:
             from sglang_admin.otel import configure_otlp
 
@@ -245,6 +247,7 @@ class RankLoop:
         self.last_state_sent = 0.0
         self.last_state_key: tuple = ()
         self.last_state: RankState | None = None  # the last state the server was sent
+        self._last_figures: tuple = ()  # its figures (_state_figures)
         self.running = True
         self.model_info = info
         info.token_capacity = self.runner.token_capacity
@@ -254,7 +257,8 @@ class RankLoop:
         self.weights_valid = True
         self.released_digest: str | None = None
         self.weight_sync = WeightGroups()  # a trainer's process groups (scheduler/weight_sync_control.py)
-        self.last_state = self.state()
+        self._last_figures = self._state_figures()
+        self.last_state = self._state_of(self._last_figures)
         self.send(ReadyMsg(rank, os.getpid(), info, self.last_state))
         logger.info(
             "rank %d ready: %s on %s, %d KV tokens",
@@ -264,7 +268,10 @@ class RankLoop:
     # ------------------------------------------------------------------ io
 
     def send(self, msg: Any) -> None:
-        data = encode(msg)
+        self.send_encoded(encode(msg))
+
+    def send_encoded(self, data: bytes) -> None:
+        """Send an encoded message (held while inside :meth:`together`)."""
         if self.held is not None:
             self.held.append(data)
         else:
@@ -294,60 +301,59 @@ class RankLoop:
         self.outbox.send(last, 0, copy=False)
 
     def state(self) -> RankState:
+        return self._state_of(self._state_figures())
+
+    def _state_figures(self) -> tuple:
+        """Every figure of :meth:`state` but its timestamp, in RankState's field order: a
+        plain tuple, compared with the last one published before any RankState is made."""
         s = self.scheduler
-        return RankState(
-            dp_rank=self.rank,
-            num_running_reqs=len(s.running),
-            num_waiting_reqs=len(s.waiting),
-            token_capacity=s.allocator.capacity,
-            num_used_tokens=s.num_used_tokens,
-            num_evictable_tokens=s.cache.evictable_size,
-            num_free_tokens=s.num_free_tokens,
-            cache_hit_rate=s.cache_hit_rate,
-            gen_throughput=s.gen_throughput(),
-            profiler_state=self.profiler.reported_state,
-            last_step_time_s=self.last_step_time,
-            forward_steps=self.forward_steps,
-            device=self._device,
-            pid=self._pid,
-            flush_pending=self.quiesce.waiting("flush_cache"),
-            paused=self.scheduler.paused or "",
-            num_waiting_uncached_tokens=s.waiting_uncached_tokens(),
-            num_retracted_reqs=s.num_retracted,
-            max_running_requests=s.config.max_running_requests,
-            weight_gb=self.runner.weight_bytes / 2**30,
-            kv_cache_gb=self.runner.kv_cache_bytes / 2**30,
-            decode_steps=self.step_timer.decode_steps,
-            decode_phase_s=dict(self.step_timer.totals),
-            timestamp=time.time(),
-            lora_slots_used=self.lora.used if self.lora is not None else 0,
-            lora_slots_total=self.lora.slots if self.lora is not None else 0,
-            num_grammar_queue_reqs=s.num_grammar_queue_reqs,
+        lora = self.lora
+        return (
+            self.rank, len(s.running), len(s.waiting), s.allocator.capacity,
+            s.num_used_tokens, s.cache.evictable_size, s.num_free_tokens, s.cache_hit_rate,
+            s.gen_throughput(), self.profiler.reported_state, self.last_step_time,
+            self.forward_steps, self._device, self._pid, self.quiesce.waiting("flush_cache"),
+            self.scheduler.paused or "", s.waiting_uncached_tokens(), s.num_retracted,
+            s.config.max_running_requests, self.runner.weight_bytes / 2**30,
+            self.runner.kv_cache_bytes / 2**30, self.step_timer.decode_steps,
+            dict(self.step_timer.totals),
+            # after the timestamp (filled in by _state_of):
+            lora.used if lora is not None else 0, lora.slots if lora is not None else 0,
+            s.num_grammar_queue_reqs,
         )
 
+    @staticmethod
+    def _state_of(figures: tuple) -> RankState:
+        return RankState(*figures[:-3], time.time(), *figures[-3:])
+
     def publish_state(self, force: bool = False) -> None:
-        s = self.scheduler
-        key = (len(s.running), len(s.waiting), s.num_used_tokens, s.num_free_tokens,
-               self.profiler.reported_state,
-               self.quiesce.pending, s.paused, s.num_grammar_queue_reqs)
+        """Send the rank's state when it changed: at once when ``force``d, else when a key
+        figure changed (at most every STATE_PUBLISH_INTERVAL_S) or a second went by."""
         now = time.monotonic()
         # The key fields are checked now (published below if they changed): the heartbeat
         # tells the server how old its copy of this rank's state is.
         self.state_confirmed = time.time()
-        if force or (key != self.last_state_key and now - self.last_state_sent
-                     >= STATE_PUBLISH_INTERVAL_S) or now - self.last_state_sent >= 1.0:
+        if force:
+            # every figure is compared below; the key is taken again by the next check
+            # (a flush answers sooner without it)
+            self.last_state_key = ()
+        else:
+            s = self.scheduler
+            key = (len(s.running), len(s.waiting), s.num_used_tokens, s.num_free_tokens,
+                   self.profiler.reported_state,
+                   self.quiesce.pending, s.paused, s.num_grammar_queue_reqs)
+            since = now - self.last_state_sent
+            if since < 1.0 and (key == self.last_state_key or since < STATE_PUBLISH_INTERVAL_S):
+                return
             self.last_state_key = key
-            self.last_state_sent = now
-            state = self.state()
-            last = self.last_state
-            if last is not None:
-                taken, state.timestamp = state.timestamp, last.timestamp
-                if state == last:
-                    return  # the server has this state already (an idle rank's refresh, a
-                    # flush of an empty cache): one message less for both processes
-                state.timestamp = taken
-            self.last_state = state
-            self.send(StateUpdate(state))
+        self.last_state_sent = now
+        figures = self._state_figures()
+        if figures == self._last_figures:
+            return  # the server has this state already (an idle rank's refresh, a flush
+            # of an empty cache): one message less for both processes
+        self._last_figures = figures
+        self.last_state = state = self._state_of(figures)
+        self.send(StateUpdate(state))
 
     # ------------------------------------------------------------------ loop
 
@@ -492,9 +498,17 @@ class RankLoop:
                     )
 
     def flush_kv_events(self) -> None:
-        if self.kv_events:
-            events, self.kv_events[:] = list(self.kv_events), []
-            self.send(KvEvents(self.rank, events))
+        events = self.kv_events
+        if not events:
+            return
+        if len(events) == 1 and events[0] == _CLEARED:  # a flush's alone: encoded once
+            events.clear()
+            if self._cleared is None:
+                self._cleared = encode(KvEvents(self.rank, [_CLEARED]))
+            self.send_encoded(self._cleared)
+            return
+        events, self.kv_events[:] = list(events), []
+        self.send(KvEvents(self.rank, events))
 
     # ------------------------------------------------------------------ messages
 

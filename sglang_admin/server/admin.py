@@ -12,12 +12,11 @@ could be reached: UNAVAILABLE). Everything else is a per-rank result in the resp
 
 from __future__ import annotations
 
-import functools
 import inspect
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
@@ -94,11 +93,12 @@ class FanOut:
     dp_size: int
     replies: dict[int, AdminReply]
     failures: dict[int, RankFailure]
+    # Every rank answered, with success. Worked out once, as the FanOut is made (read by
+    # every call; a cached_property takes a lock on its first read).
+    ok: bool = field(init=False)
 
-    @functools.cached_property
-    def ok(self) -> bool:
-        """Every rank answered, with success (worked out once: read several times a call)."""
-        return not self.failures and all(r.success for r in self.replies.values())
+    def __post_init__(self) -> None:
+        self.ok = not self.failures and all(r.success for r in self.replies.values())
 
     def result(self, rank: int) -> Any:
         """The typed result a rank sent with its reply (None when it sent none)."""
@@ -108,16 +108,17 @@ class FanOut:
     def rank_results(self) -> list[pb.RankResult]:
         """One RankResult per rank, in rank order; the response fills in op specifics."""
         return [pb.RankResult(dp_rank=rank, success=ok, message=text)
-                for rank, ok, text in self._outcomes()]
+                for rank, ok, text in self.outcomes()]
 
-    def add_rank_results(self, field: Any) -> Any:
+    def add_rank_results(self, results: Any) -> Any:
         """:meth:`rank_results` made in place in a response's repeated ``rank_results``
-        ``field`` (passing a list to a response copies every entry); returns the field."""
-        for rank, ok, text in self._outcomes():
-            field.add(dp_rank=rank, success=ok, message=text)
-        return field
+        field (passing a list to a response copies every entry); returns the field."""
+        for rank, ok, text in self.outcomes():
+            results.add(dp_rank=rank, success=ok, message=text)
+        return results
 
-    def _outcomes(self) -> list[tuple[int, bool, str]]:
+    def outcomes(self) -> list[tuple[int, bool, str]]:
+        """(rank, success, message) of every rank, in rank order."""
         out = []
         for rank in range(self.dp_size):
             reply = self.replies.get(rank)
@@ -214,7 +215,8 @@ class AdminCalls:
         with self.comm.metrics.admin_call(op) as outcome:  # sglang_admin:admin_calls
             with server_span(span_name_of(op), carrier, **log_fields) as forward:
                 rid = self.comm.new_admin_id()
-                self.log(op, rid, carrier, **log_fields)
+                if self.args.log_requests:
+                    self.log(op, rid, carrier, **log_fields)
                 wait = effective_timeout(context, server_default)
                 deadline = time.time() + wait
                 replies, failures = await self.comm.call_ranks(

@@ -52,10 +52,11 @@ class CacheAndProfile:
         )
         response = pb.FlushCacheResponse(
             success=out.ok, message=out.message("Cache flushed successfully"))
-        for res in out.add_rank_results(response.rank_results):
-            found = out.result(res.dp_rank)
-            if res.success and isinstance(found, FlushResult):
-                res.tokens_freed = found.tokens_freed
+        add = response.rank_results.add  # made in place, each in one call
+        for rank, ok, text in out.outcomes():
+            found = out.result(rank)
+            freed = found.tokens_freed if ok and isinstance(found, FlushResult) else 0
+            add(dp_rank=rank, success=ok, message=text, tokens_freed=freed)
         return response
 
     async def start_profile(

@@ -136,7 +136,7 @@ class Communicator:
         self.startup_error: str | None = None
         self.dead_ranks: dict[int, str] = {}
         self.kv_hub = KvEventHub(args.dp_size)  # block events for SubscribeKvEvents
-        self._kv_deferred = 0  # KvEvents waiting for their turn (_dispatch)
+        self._kv_deferred: list[KvEvents] = []  # KvEvents waiting for their turn (_dispatch)
         self.last_receive_time = 0.0
         self._rr = itertools.cycle(range(args.dp_size))
         self._shared_reads: dict[str, asyncio.Future] = {}
@@ -256,8 +256,12 @@ class Communicator:
                 # Nobody reads the events live: the answer that came with them (a flush's)
                 # goes out first, their bookkeeping (history, sequence numbers) right after
                 # it. Once one waits, later ones wait behind it: they stay in order.
-                self._kv_deferred += 1
-                self._loop.call_soon(self._publish_deferred_kv_events, msg)
+                self._kv_deferred.append(msg)
+                if len(self._kv_deferred) == 1:
+                    # Two hops: the answer of the same ZMQ message, dispatched after these
+                    # events, queues its call's wake-up behind our first hop; the second
+                    # hop runs after that call has resumed and handed gRPC its response.
+                    self._loop.call_soon(self._loop.call_soon, self._publish_deferred_kv_events)
         elif isinstance(msg, ReadyMsg):
             self.ready_ranks.add(msg.dp_rank)
             self.rank_states[msg.dp_rank] = msg.state
@@ -271,9 +275,14 @@ class Communicator:
         elif isinstance(msg, FailedMsg):
             self.rank_failed(msg.dp_rank, f"failed to start: {msg.error}")
 
-    def _publish_deferred_kv_events(self, msg: KvEvents) -> None:
-        self._kv_deferred -= 1
-        self._publish_kv_events(msg)
+    def _publish_deferred_kv_events(self) -> None:
+        """File every KvEvents that waited for an answer to go out, in arrival order."""
+        waiting, self._kv_deferred = self._kv_deferred, []
+        for msg in waiting:
+            try:
+                self._publish_kv_events(msg)
+            except Exception:  # noqa: BLE001 - one bad batch must not hold back the others
+                logger.exception("failed to file KV events of rank %d", msg.dp_rank)
 
     def _publish_kv_events(self, msg: KvEvents) -> None:
         batch = self.kv_hub.publish(msg)

@@ -1,6 +1,7 @@
 """A flush's KV events and its answer: with a live subscriber, the events are filed first
-(it reads "cleared" before the answer leaves); with none, the answer goes first and the
-events are filed right after it, every rank's in arrival order."""
+(it reads "cleared" before the answer leaves); with none, the answer goes first (the call
+waiting for it resumes before the events are filed) and the events are filed right after
+it, every rank's in arrival order."""
 
 from __future__ import annotations
 
@@ -25,6 +26,14 @@ def test_kv_events_wait_for_the_answer_only_while_nobody_subscribes(tmp_path: Pa
         try:
             base = hub.ranks[0].seq
             call = comm.calls["admin-1"] = _AdminCall((0,), asyncio.get_running_loop())
+            seen_by_caller: list[int] = []
+
+            async def caller() -> None:  # the flush's call, waiting for its answer
+                await call.done
+                seen_by_caller.append(hub.ranks[0].seq)
+
+            waiting = asyncio.ensure_future(caller())
+            await asyncio.sleep(0)  # it waits
             comm._dispatch(KvEvents(0, [["cleared"]]))  # a flush's parts, in the rank's order
             comm._dispatch(AdminReply("admin-1", 0, True, "Cache flushed successfully"))
             assert call.done.done() and hub.ranks[0].seq == base  # the answer first
@@ -32,6 +41,8 @@ def test_kv_events_wait_for_the_answer_only_while_nobody_subscribes(tmp_path: Pa
             sub = hub.subscribe(0)  # a subscriber arrives while two wait
             comm._dispatch(KvEvents(0, [_stored(8)]))  # ... and still queue behind them
             assert hub.ranks[0].seq == base
+            await waiting
+            assert seen_by_caller == [base]  # the caller resumed before the events were filed
             await asyncio.sleep(0)
             assert hub.ranks[0].seq == base + 3
             # it subscribed before any of the three was filed: it reads all three, in order

@@ -3,6 +3,7 @@ sends, in which order, for messages that arrive while a step runs."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -16,13 +17,16 @@ from sglang_admin.messages import (
     BatchOutput,
     FlushCacheReq,
     GenerateReq,
+    KvEvents,
+    RankState,
     ReadyMsg,
     SamplingParams,
     StateReq,
+    StateUpdate,
     decode,
     encode,
 )
-from sglang_admin.scheduler.process import RankLoop
+from sglang_admin.scheduler.process import STATE_PUBLISH_INTERVAL_S, RankLoop
 
 
 class Wires:
@@ -137,6 +141,74 @@ def test_an_op_waiting_for_a_drained_rank_answers_after_the_outputs_it_waited_fo
     assert [type(m) for m in sent] == [BatchOutput, AdminReply]
     assert sent[0].outputs[0].finish_reason is not None
     assert sent[1].rid == "flush-1" and sent[1].success
+
+
+def test_a_flush_sends_cleared_the_freed_state_and_its_answer_and_no_state_that_did_not_change(
+    wires: Wires,
+) -> None:
+    """An idle flush: "cleared", the state it freed (GetLoads shows it once FlushCache
+    returned) and the answer, in that order; a flush of the empty cache sends no state (the
+    server has it), and what it sends is what the rank's state() reports."""
+    loop = wires.loop
+    wires.send(GenerateReq("r1", list(range(1, 9)), SamplingParams(max_new_tokens=1,
+                                                                   ignore_eos=True)))
+    loop.drain_inbox(block=False)
+    loop.step(loop.scheduler.schedule())
+    loop.publish_state(force=True)
+    assert loop.scheduler.cache.evictable_size > 0  # the prompt is cached
+    wires.received()
+    for rid in ("flush-1", "flush-2"):
+        wires.send(FlushCacheReq(rid, 0.0))
+        loop.drain_inbox(block=False)
+        sent = wires.received()
+        kinds = [type(m) for m in sent]
+        if rid == "flush-1":
+            assert kinds == [KvEvents, StateUpdate, AdminReply]
+            state = sent[1].state
+            assert state.num_evictable_tokens == 0
+            assert state.num_free_tokens == state.token_capacity == loop.runner.token_capacity
+            assert state == loop.last_state
+        else:
+            assert kinds == [KvEvents, AdminReply]
+        assert sent[0].events == [["cleared"]] and sent[-1].rid == rid and sent[-1].success
+    # every figure lands in its own field (state() fills RankState by position)
+    state = loop.state()
+    assert len(loop._state_figures()) == len(dataclasses.fields(RankState)) - 1
+    assert (state.dp_rank, state.device, state.pid) == (0, str(loop.runner.device), os.getpid())
+    assert state.max_running_requests == loop.args.max_running_requests
+    assert state.forward_steps == loop.forward_steps == 1 and state.timestamp > 1e9
+    assert state.decode_phase_s == loop.step_timer.totals and state.lora_slots_total == 0
+    assert state.profiler_state == "idle" and state.paused == "" and not state.flush_pending
+
+
+def test_the_state_is_published_when_it_changed_at_most_every_interval_unless_forced(
+    wires: Wires,
+) -> None:
+    """publish_state: a forced call sends a changed state at once and nothing when it did
+    not change; an unforced one sends a change of a key figure once STATE_PUBLISH_INTERVAL_S
+    went by since the last send, and an unchanged state never."""
+    loop = wires.loop
+    wires.received()
+
+    def states() -> list[Any]:
+        return [m.state for m in wires.received() if isinstance(m, StateUpdate)]
+
+    loop.publish_state(force=True)
+    assert states() == []  # the server has it (the ready message carried it)
+    loop.scheduler.paused = "retract"  # a key figure changes
+    loop.publish_state()
+    assert states() == []  # within the interval of the last send
+    loop.last_state_sent -= STATE_PUBLISH_INTERVAL_S
+    loop.publish_state()
+    assert [st.paused for st in states()] == ["retract"]
+    loop.last_state_sent -= 2.0  # a second went by: figures compared, nothing changed
+    loop.publish_state()
+    assert states() == []
+    loop.scheduler.paused = None
+    loop.publish_state(force=True)  # forced: at once
+    assert [st.paused for st in states()] == [""]
+    loop.publish_state(force=True)
+    assert states() == []
 
 
 @pytest.mark.parametrize("req", [
