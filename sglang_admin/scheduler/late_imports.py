@@ -13,7 +13,8 @@ seconds where the loop must answer (HealthCheck wants every rank within 3 s), an
 a profile's traced window the import's millions of traced calls made the profile's stop
 hold the GIL for over 15 s (the heartbeat stopped, the server declared the rank dead).
 Waiting for this thread never imports on the waiter's thread, and a profile never starts
-(so never traces) before the imports are done.
+before all of them are done: torch.profiler's Python tracer (``with_stack``) records every
+thread, so an import still running here would be traced too.
 """
 
 from __future__ import annotations
@@ -25,64 +26,57 @@ import time
 
 logger = logging.getLogger(__name__)
 
-_done = threading.Event()
-_lock = threading.Lock()
-_thread: threading.Thread | None = None
-
 # torch.profiler's start imports torch._dynamo (with torch._inductor.config and sympy)
 PROFILER_MODULES = ("torch._dynamo",)
-# constrained decoding (with transformers)
+# constrained decoding (xgrammar imports transformers)
 GRAMMAR_MODULES = ("xgrammar",)
 
+_done = threading.Event()
+_lock = threading.Lock()
+_started = False
 
-def _import_all(grammar: bool) -> None:
-    """Import the modules, each failure logged (its user reports it when it needs it)."""
-    started = time.process_time()
-    for name in PROFILER_MODULES + (GRAMMAR_MODULES if grammar else ()):
+
+def _import_all(names: tuple[str, ...]) -> None:
+    """Import the modules, each failure logged (its user reports its own error)."""
+    for name in names:
         try:
             importlib.import_module(name)
-        except Exception:  # noqa: BLE001 - the profiler or a compile reports its own error
+        except Exception:  # noqa: BLE001 - the profiler or a compile says what failed
             logger.exception("importing %s failed", name)
-    logger.debug("late imports done: %.2f s of CPU", time.process_time() - started)
 
 
-def _run(grammar: bool) -> None:
+def _run(names: tuple[str, ...]) -> None:
+    started = time.process_time()
     try:
-        _import_all(grammar)
+        _import_all(names)
     finally:
         _done.set()
+    logger.debug("late imports done: %.2f s of CPU", time.process_time() - started)
 
 
 def start_in_background(grammar: bool = True) -> None:
     """Start the imports in a daemon thread (once per process; later calls do nothing).
     ``grammar=False``: a process that never compiles a grammar (a TP follower) imports
     only what the profiler needs."""
-    global _thread
+    global _started
     with _lock:
-        if _thread is not None or _done.is_set():
+        if _started:
             return
-        _thread = threading.Thread(target=_run, args=(grammar,), name="late-imports",
-                                   daemon=True)
-        _thread.start()
+        _started = True
+    names = PROFILER_MODULES + (GRAMMAR_MODULES if grammar else ())
+    threading.Thread(target=_run, args=(names,), name="late-imports", daemon=True).start()
 
 
 def imported() -> bool:
-    """The imports are done (or were never needed: :func:`wait_until_imported` ran them)."""
+    """The late-imports thread is done."""
     return _done.is_set()
 
 
 def wait_until_imported() -> None:
-    """Block until the background imports are done. In a process that never started them
-    (a tool, a unit test building a Profiler by hand) they run here, on this thread, once."""
-    global _thread
-    if _done.is_set():
-        return
-    with _lock:
-        thread = _thread
-        if thread is None:
-            # mark as started so a later start_in_background does not run them again
-            _thread = threading.current_thread()
-    if thread is None:
-        _run(True)
+    """Block until the late-imports thread is done. In a process that never started it (a
+    tool, a unit test building a Profiler by hand) the modules are imported here, on this
+    thread."""
+    if not _started:
+        _import_all(PROFILER_MODULES + GRAMMAR_MODULES)
         return
     _done.wait()

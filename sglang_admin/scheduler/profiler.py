@@ -346,7 +346,7 @@ class Profiler:
         assert self.config is not None
         c = self.config
         # torch.profiler's start imports torch._dynamo: the rank's late-imports thread does
-        # that after READY; here we wait for it (no import on the loop, none traced)
+        # that after READY; wait for all it imports (no import on the loop, none traced)
         late_imports.wait_until_imported()
         prof = torch.profiler.profile(
             activities=c.torch_activities,
