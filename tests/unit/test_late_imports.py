@@ -1,6 +1,7 @@
-"""A rank's late imports (scheduler/late_imports.py): torch._dynamo and xgrammar are
-imported by the late-imports thread only, and the profiler's start and a grammar compile
-wait for it instead of importing on their own threads."""
+"""A rank's late imports (scheduler/late_imports.py): nothing a rank does before READY
+imports torch._dynamo or xgrammar, the late-imports thread alone imports them afterwards,
+and the profiler's start and a grammar compile wait for it instead of importing on their
+own threads."""
 
 from __future__ import annotations
 
@@ -28,7 +29,13 @@ from sglang_admin.model.default_model import ensure_default_model
 from sglang_admin.scheduler import late_imports
 from sglang_admin.scheduler.grammar import GrammarQueue, XGrammarBackend
 from sglang_admin.scheduler.profiler import Profiler
+from sglang_admin.model.loader import load_model
 
+# a rank's start: the model built on the meta device, allocated and loaded (and a memory
+# release and re-allocation, as ReleaseMemoryOccupation and Resume do)
+model, _ = load_model(sys.argv[1], dtype=torch.float32, device=torch.device("cpu"))
+model.release_parameters()
+model.allocate_parameters(torch.device("cpu"))
 at_start = sorted(m for m in WATCHED if m in sys.modules)
 backend = XGrammarBackend(f"{ensure_default_model()}/tokenizer.json", 261, (257, 259))
 queue = GrammarQueue.for_backend(backend)
@@ -52,17 +59,25 @@ print(sorted((name, sorted(threads)) for name, threads in importers.items()))
 """
 
 
-def test_profile_and_grammar_wait_for_the_late_imports_thread() -> None:
-    """Nothing imports torch._dynamo, sympy, xgrammar or transformers before the rank is
-    ready (the model's construction included: test_model_loader.py); afterwards only the
-    late-imports thread does, even when a profile (with Python stacks) starts and a grammar
-    compiles at once: the profiler's start waits for it (imported on the loop, torch.profiler's
+def test_profile_and_grammar_wait_for_the_late_imports_thread(tmp_path: Path) -> None:
+    """Nothing a rank does before READY imports torch._dynamo, sympy, xgrammar or
+    transformers: loading a model (meta build, allocate, load, release, allocate) reached
+    ops whose Python references import dynamo (nn.Embedding's normal_, arange and
+    empty_like on meta tensors), ~2 s of every rank's start; the checkpoint has RoPE
+    scaling (llama3) and untied embeddings, the paths with most ops. Afterwards only the
+    late-imports thread imports them, even when a profile (with Python stacks) starts and a
+    grammar compiles at once: the profiler's start waits for it (on the loop, torch.profiler's
     dynamo import took seconds where HealthCheck wants an answer within 3 s; traced, an import
     made the profile's stop hold the GIL past the 15 s heartbeat probe), and so does a
     compile (an import in a compile thread froze a rank). A fresh interpreter (~3 s), since
     this one has imported them."""
-    done = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True,
-                          timeout=120, cwd=Path(__file__).resolve().parents[2])
+    from tests.unit.test_model_loader import _tiny
+
+    path = _tiny(tmp_path / "m", tie_word_embeddings=False, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+    done = subprocess.run([sys.executable, "-c", _PROBE, str(path)], capture_output=True,
+                          text=True, timeout=120, cwd=Path(__file__).resolve().parents[2])
     assert done.returncode == 0, done.stderr
     at_start, importers = done.stdout.splitlines()[-2:]
     assert at_start == "[]"

@@ -154,27 +154,3 @@ def test_config_parsing_old_and_new_rope_layout() -> None:
     with pytest.raises(ValueError, match="invalid rope_scaling"):
         LlamaConfig.from_hf({**base, "rope_scaling": {"type": "linear"}})
 
-
-def test_loading_imports_neither_dynamo_nor_sympy(tmp_path: Path) -> None:
-    """A rank's start builds the model on the meta device, allocates and loads it: none of
-    that may reach an op whose Python reference imports torch._dynamo (and with it sympy),
-    ~2 s of every rank's start (nn.Embedding's normal_, arange and empty_like on meta
-    tensors did). A fresh interpreter, since this one has imported them (~3 s); the
-    checkpoint has RoPE scaling (llama3) and untied embeddings, the paths with most ops."""
-    import subprocess
-    import sys
-
-    path = _tiny(tmp_path / "m", tie_word_embeddings=False, rope_scaling={
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
-    code = (
-        "import sys, torch\n"
-        "from sglang_admin.model.loader import load_model\n"
-        f"model, _ = load_model({str(path)!r}, dtype=torch.float32, device=torch.device('cpu'))\n"
-        "model.release_parameters(); model.allocate_parameters(torch.device('cpu'))\n"
-        "print(sorted(m for m in ('torch._dynamo', 'sympy') if m in sys.modules))\n"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120, cwd=Path(__file__).resolve().parents[2])
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "[]"
