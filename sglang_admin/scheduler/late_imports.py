@@ -15,6 +15,12 @@ hold the GIL for over 15 s (the heartbeat stopped, the server declared the rank 
 Waiting for this thread never imports on the waiter's thread, and a profile never starts
 before all of them are done: torch.profiler's Python tracer (``with_stack``) records every
 thread, so an import still running here would be traced too.
+
+The imports hold the GIL for up to ~0.4 s at a time (a 10 ms sleeper thread's longest gaps
+while they ran: 65-420 ms at load average 7, 12-25 ms without them), so the rank's heartbeat
+thread falls silent that long. A rank whose server declares it dead after a shorter silence
+than :data:`MIN_PROBE_TIMEOUT_S` (``--watchdog-probe-timeout``, 15 s by default) imports
+them before READY instead, as it did before (:func:`import_before_ready`).
 """
 
 from __future__ import annotations
@@ -30,6 +36,9 @@ logger = logging.getLogger(__name__)
 PROFILER_MODULES = ("torch._dynamo",)
 # constrained decoding (xgrammar imports transformers)
 GRAMMAR_MODULES = ("xgrammar",)
+
+# a shorter --watchdog-probe-timeout than this: the imports run before READY
+MIN_PROBE_TIMEOUT_S = 5.0
 
 _done = threading.Event()
 _lock = threading.Lock()
@@ -52,6 +61,19 @@ def _run(names: tuple[str, ...]) -> None:
     finally:
         _done.set()
     logger.debug("late imports done: %.2f s of CPU", time.process_time() - started)
+
+
+def import_before_ready(probe_timeout_s: float, grammar: bool = True) -> None:
+    """Where the heartbeat probe is shorter than :data:`MIN_PROBE_TIMEOUT_S`, import now on
+    this thread (the rank's start-up), and :func:`start_in_background` will not."""
+    global _started
+    if probe_timeout_s >= MIN_PROBE_TIMEOUT_S:
+        return
+    with _lock:
+        if _started:
+            return
+        _started = True
+    _run(PROFILER_MODULES + (GRAMMAR_MODULES if grammar else ()))
 
 
 def start_in_background(grammar: bool = True) -> None:

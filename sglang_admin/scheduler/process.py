@@ -254,8 +254,11 @@ class RankLoop:
         self.released_digest: str | None = None
         self.weight_sync = WeightGroups()  # a trainer's process groups (scheduler/weight_sync_control.py)
         self.last_state = self.state()
+        # torch._dynamo and xgrammar: off the path to READY unless the heartbeat probe is
+        # too short for the GIL they hold (scheduler/late_imports.py)
+        late_imports.import_before_ready(args.watchdog_probe_timeout_s)
         self.send(ReadyMsg(rank, os.getpid(), info, self.last_state))
-        late_imports.start_in_background()  # torch._dynamo, xgrammar: off the path to READY
+        late_imports.start_in_background()
         logger.info(
             "rank %d ready: %s on %s, %d KV tokens",
             rank, info.model_path, self.runner.device, self.runner.token_capacity,

@@ -233,6 +233,7 @@ def run_follower(args: ServerArgs, dp_rank: int, tp_rank: int, parent_pid: int) 
     try:
         tp = join_replica(args, dp_rank, tp_rank)
         runner = build_runner(args, dp_rank, tp_rank, tp)
+        late_imports.import_before_ready(args.watchdog_probe_timeout_s, grammar=False)
         tp.barrier()
         logger.info("TP rank %d of replica %d ready on %s", tp_rank, dp_rank, runner.device)
         late_imports.start_in_background(grammar=False)  # what its profiler needs
