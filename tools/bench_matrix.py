@@ -21,9 +21,11 @@ published config with transformers, cached under --cache-dir) and every dtype:
   the sum of each shape's GEMM timed on one weight repeated (in cache; no step can reach
   it). Our step: the real ModelRunner driven in-process at batch 32 with the worker's
   default lanes and threads, under the OpenMP settings the worker gives its ranks
-  (tools/bench_decode.py's ``time_decode``). The table prints step / floor, both the best
-  of their repetitions (this machine is shared: the least disturbed repetition is the
-  closest to what the code costs).
+  (tools/bench_decode.py's ``time_decode``). Floor and step each run in a child process of
+  their own, alternated --floor-rounds times (default 2: floor, step, floor, step). The
+  table prints step / floor, both the best of their repetitions and rounds (this machine is
+  shared: the least disturbed repetition is the closest to what the code costs; alternating
+  keeps one burst of load from deciding the ratio).
 
 Workloads (tools/workloads.py, fixed seeds): mixed (64 requests, prompts 16..256, outputs
 8..128), chat (32 at once, prompts 30..60, outputs 64..256), long (8 prompts of 1..2k tokens,
@@ -350,6 +352,26 @@ def step_main(model_path: str, dtype: str, server_args: list[str], batch: int,
                       "lanes": runner.lanes, "threads": torch.get_num_threads()}))
 
 
+def measure_floor(path: Path, dtype: str, threads: int, ns: argparse.Namespace) -> dict[str, Any]:
+    """The shape's matmul floor and our decode step, each in a child process of its own,
+    alternated ``ns.floor_rounds`` times (floor, step, floor, step, ...): the best of each,
+    so a burst of load on one side does not decide the ratio alone."""
+    floors = []
+    steps = []
+    for _ in range(ns.floor_rounds):
+        floors.append(_run_child("--role", "floor", "--model-path", str(path), "--dtype-one",
+                                 dtype, "--threads", str(threads)))
+        steps.append(_run_child("--role", "step", "--model-path", str(path), "--dtype-one", dtype,
+                                "--steps", str(ns.floor_steps),
+                                *(f"--server-arg={a}" for a in ns.server_arg),
+                                env=rank_openmp_environment(dict(os.environ))))  # the ranks'
+    floor = min(floors, key=lambda f: f["floor_s"])
+    step = min(steps, key=lambda s: s["step_s"])
+    rounds = {"floor_rounds_s": [f["floor_s"] for f in floors],
+              "step_rounds_s": [s["step_s"] for s in steps]}
+    return floor | step | rounds
+
+
 # ------------------------------------------------------------------------ the driver
 
 
@@ -469,19 +491,16 @@ def run_matrix(ns: argparse.Namespace) -> dict[str, Any]:
                     hf.close()
                 srv.stop()
             try:
-                floors[(shape, dtype)] = _run_child(
-                    "--role", "floor", "--model-path", str(path), "--dtype-one", dtype,
-                    "--threads", str(threads)) | _run_child(
-                    "--role", "step", "--model-path", str(path), "--dtype-one", dtype,
-                    "--steps", str(ns.floor_steps),
-                    *(f"--server-arg={a}" for a in ns.server_arg),
-                    env=rank_openmp_environment(dict(os.environ)))  # the ranks' OpenMP settings
+                floors[(shape, dtype)] = measure_floor(path, dtype, threads, ns)
                 f = floors[(shape, dtype)]
                 print(f"  {shape} {dtype} decode step at batch 32: {f['step_s'] * 1e3:.1f} ms "
                       f"({f['lanes']} lane(s) x {f['threads']} thread(s)), matmul floor "
                       f"{f['floor_s'] * 1e3:.1f} ms ({f['flops'] / 1e9:.2f} GFLOP at "
                       f"{f['flops'] / f['floor_s'] / 1e9:.0f} GFLOP/s, {threads} threads; "
-                      f"weights in cache: {f['hot_floor_s'] * 1e3:.1f} ms)", flush=True)
+                      f"weights in cache: {f['hot_floor_s'] * 1e3:.1f} ms; rounds: step "
+                      f"{' '.join(f'{x * 1e3:.1f}' for x in f['step_rounds_s'])}, floor "
+                      f"{' '.join(f'{x * 1e3:.1f}' for x in f['floor_rounds_s'])} ms)",
+                      flush=True)
             except Exception as exc:
                 floors[(shape, dtype)] = {"error": str(exc).splitlines()[0][:200]}
                 print(f"  {shape} {dtype} floor: error {exc}", flush=True)
@@ -523,6 +542,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cores", type=int, default=0,
                    help="cores both sides may use (default: all this process may use)")
     p.add_argument("--floor-steps", type=int, default=8, help="timed decode steps of ours")
+    p.add_argument("--floor-rounds", type=int, default=2,
+                   help="floor and step measured alternately this many times, best of each")
     p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "sglang_admin" /
                                               "bench-shapes"))
     p.add_argument("--server-arg", action="append", default=[],
@@ -553,6 +574,7 @@ def main(argv: list[str] | None = None) -> int:
         step_main(ns.model_path, ns.dtype_one, ns.server_arg, 32, ns.steps)
         return 0
     if ns.quick:
+        ns.floor_rounds = 1
         ns.shapes = ns.shapes or ["smollm2-135m"]
         ns.dtypes = ns.dtypes or ["bfloat16"]
         ns.workloads = ns.workloads or ["chat"]

@@ -19,7 +19,7 @@ def test_the_smallest_matrix_runs_end_to_end(tmp_path: Path, capsys) -> None:
     out = tmp_path / "matrix.json"
     code = bench_matrix.main([
         "--shapes", "tiny", "--dtypes", "float32", "--workloads", "chat", "n8", "--small",
-        "--rounds", "1", "--cores", "1", "--floor-steps", "2",
+        "--rounds", "1", "--cores", "1", "--floor-steps", "2", "--floor-rounds", "2",
         "--cache-dir", str(tmp_path / "cache"), "--json", str(out),
     ])
     printed = capsys.readouterr().out
@@ -33,6 +33,10 @@ def test_the_smallest_matrix_runs_end_to_end(tmp_path: Path, capsys) -> None:
         assert cell["ratio"] == pytest.approx(cell["served"][0] / cell["transformers"][0])
     floor = result["floors"]["tiny float32"]
     assert floor["step_s"] > 0 and floor["floor_s"] > 0
+    # floor and step alternated twice: the best of each counts
+    assert len(floor["floor_rounds_s"]) == len(floor["step_rounds_s"]) == 2
+    assert floor["floor_s"] == min(floor["floor_rounds_s"])
+    assert floor["step_s"] == min(floor["step_rounds_s"])
     # 2 layers x 4 projections + the LM head, each 2 x 32 x in x out FLOPs
     layer, head, layers = bench_matrix.linear_shapes(
         json.loads((tmp_path / "cache" / "tiny-v1" / "config.json").read_text()))
