@@ -153,4 +153,3 @@ def test_config_parsing_old_and_new_rope_layout() -> None:
         LlamaConfig.from_hf({**base, "hidden_act": "gelu"})
     with pytest.raises(ValueError, match="invalid rope_scaling"):
         LlamaConfig.from_hf({**base, "rope_scaling": {"type": "linear"}})
-
