@@ -10,7 +10,7 @@
 3. The projections of one decoder layer (q/k/v, o, gate/up, down of the embedded model)
    through ``CpuKernels.linear`` against ``F.linear``, at decode batch sizes.
 
-Usage: python tools/bench_cpu_kernels.py [--steps N] [--rounds N]
+Usage: python tools/bench_cpu_kernels.py [--steps N] [--rounds N] [--warm-tokens N]
 """
 
 from __future__ import annotations
@@ -99,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=20, help="decode steps timed per round")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds per backend")
+    p.add_argument("--warm-tokens", type=int, default=40,
+                   help="tokens decoded by every request before the timed steps")
     ns = p.parse_args(argv)
     torch.set_num_threads(1)
     kernels = load_cpu_kernels()
@@ -110,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'running':>8} {'torch_native':>13} {'kernels':>9} {'ratio':>7}")
     with torch.inference_mode():
         for batch in (8, 32, 64):
-            loops = {b: DecodeLoop(b, batch) for b in ("torch_native", "auto")}
+            loops = {b: DecodeLoop(b, batch, ns.warm_tokens) for b in ("torch_native", "auto")}
             times: dict[str, list[float]] = {b: [] for b in loops}
             for _ in range(ns.rounds):
                 for backend, loop in loops.items():

@@ -186,7 +186,12 @@ class LlamaModel(nn.Module):
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # built on the meta device and loaded next: no random init (normal_ on a meta tensor
+        # imports torch._dynamo, ~2 s of a rank's start-up)
+        self.embed_tokens = nn.Embedding(
+            cfg.vocab_size, cfg.hidden_size,
+            _weight=torch.empty(cfg.vocab_size, cfg.hidden_size),
+        )
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -235,7 +240,10 @@ class LlamaForCausalLM(nn.Module):
 
     def allocate_parameters(self, device: torch.device) -> None:
         """Fresh, uninitialised parameters on device, fused as the forward wants them."""
-        self.to_empty(device=device)
+        # to_empty(device) without its empty_like: on a meta tensor that runs torch's Python
+        # reference, which imports sympy (~2 s of a rank's start-up); same sizes and strides
+        self._apply(lambda t: torch.empty_strided(t.size(), t.stride(), dtype=t.dtype,
+                                                  device=device))
         self.materialize_buffers(device)
         self.fuse_projections()
 

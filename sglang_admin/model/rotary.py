@@ -20,10 +20,12 @@ class RopeSettings(Protocol):
 
 
 def rope_inv_freq(cfg: RopeSettings) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies [head_dim/2] (float32) and the cos/sin scale for cfg's RoPE type."""
+    """Inverse frequencies [head_dim/2] (float32, computed on the CPU whatever the default
+    device: under the meta device of a model's construction, arange would import
+    torch._dynamo, ~2 s of a rank's start-up) and the cos/sin scale for cfg's RoPE type."""
     dim = cfg.head_dim
     base = cfg.rope_theta
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim))
     scaling = cfg.rope_scaling
     if scaling is None:
         return inv_freq, 1.0
@@ -80,9 +82,9 @@ def _yarn_inv_freq(cfg: RopeSettings, scaling: dict[str, Any]) -> tuple[torch.Te
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
     keep = 1 - ramp  # 1: extrapolate (keep the original frequency)
-    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim)
     inv_freq = (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
     return inv_freq, float(attn_factor)
 

@@ -103,7 +103,9 @@ class TensorParallel:
             return tensor.narrow(0, r * rows, rows)
         if proj in ("o_proj", "down_proj"):
             if kind == "bias":  # added once: by rank 0, before the sum
-                return tensor if r == 0 else torch.zeros_like(tensor)
+                # new_zeros, not zeros_like: on a meta tensor (a refit's shape check) that
+                # runs torch's Python reference, whose first call imports sympy
+                return tensor if r == 0 else tensor.new_zeros(tensor.shape)
             cols = tensor.shape[1] // n
             return tensor.narrow(1, r * cols, cols)
         return tensor  # q_norm / k_norm (per head_dim): replicated

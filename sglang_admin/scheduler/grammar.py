@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from sglang_admin.messages import GRAMMAR_KINDS
+from sglang_admin.scheduler import late_imports
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +132,9 @@ class XGrammarBackend:
     def _get_compiler(self) -> Any:
         with self._lock:
             if self._compiler is None:
+                # in a compile thread: xgrammar is imported by the rank's late-imports
+                # thread (an import here while the loop ran torch ops froze a rank)
+                late_imports.wait_until_imported()
                 import xgrammar as xgr
 
                 if self.tokenizer is None:
@@ -258,9 +262,9 @@ class GrammarQueue(Generic[R]):
         cls, backend: XGrammarBackend, workers: int = DEFAULT_COMPILE_WORKERS
     ) -> GrammarQueue:
         """A queue compiling with ``backend``. The tokenizer info is built by the first
-        constrained request's compile, in the pool. xgrammar itself must already be
-        imported (the rank does it on its main thread at start: an import from a compile
-        thread while the loop runs torch ops froze a rank)."""
+        constrained request's compile, in the pool. xgrammar is imported by the rank's
+        late-imports thread once the rank is ready (scheduler/late_imports.py); the first
+        compile waits for it in the pool, never on the loop."""
         return cls(backend.compile, backend.new_state, workers=workers)
 
     def __len__(self) -> int:

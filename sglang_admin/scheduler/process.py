@@ -32,6 +32,7 @@ from sglang_admin.messages import (
     decode,
     encode,
 )
+from sglang_admin.scheduler import late_imports
 from sglang_admin.scheduler.control import Handler, op_name
 from sglang_admin.scheduler.grammar import GrammarQueue, XGrammarBackend
 from sglang_admin.scheduler.heartbeat import HeartbeatThread
@@ -84,10 +85,8 @@ def grammar_queue_for(args: ServerArgs, info: ModelInfo) -> GrammarQueue:
     if tokenizer_file is not None and not os.path.isfile(tokenizer_file):
         tokenizer_file = None
     backend = XGrammarBackend(tokenizer_file, info.vocab_size, tuple(info.eos_token_ids))
-    # xgrammar (and the transformers it imports) is imported here, on the rank's main thread
-    # before it serves: imported later by a compile thread while the loop ran torch ops, the
-    # import froze the rank under the fuzzer (no heartbeat for 15 s).
-    import xgrammar  # noqa: F401
+    # xgrammar is imported by the rank's late-imports thread once it is ready
+    # (scheduler/late_imports.py); a compile waits for it
     return GrammarQueue.for_backend(backend)
 
 
@@ -259,7 +258,11 @@ class RankLoop:
         self.weight_sync = WeightGroups()  # a trainer's process groups (scheduler/weight_sync_control.py)
         self._last_figures = self._state_figures()
         self.last_state = self._state_of(self._last_figures)
+        # torch._dynamo and xgrammar: off the path to READY unless the heartbeat probe is
+        # too short for the GIL they hold (scheduler/late_imports.py)
+        late_imports.import_before_ready(args.watchdog_probe_timeout_s)
         self.send(ReadyMsg(rank, os.getpid(), info, self.last_state))
+        late_imports.start_in_background()
         logger.info(
             "rank %d ready: %s on %s, %d KV tokens",
             rank, info.model_path, self.runner.device, self.runner.token_capacity,

@@ -52,6 +52,7 @@ from sglang_admin.constants import (
     profile_file_base,
 )
 from sglang_admin.messages import PROFILE_STOPPED_BY_ITSELF, ProfileStopResult
+from sglang_admin.scheduler import late_imports
 from sglang_admin.scheduler.profile_export import (
     ProfileRun,
     TraceExporter,
@@ -344,6 +345,9 @@ class Profiler:
     def _start_torch_profiler(self) -> Any:
         assert self.config is not None
         c = self.config
+        # torch.profiler's start imports torch._dynamo: the rank's late-imports thread does
+        # that after READY; wait for all it imports (no import on the loop, none traced)
+        late_imports.wait_until_imported()
         prof = torch.profiler.profile(
             activities=c.torch_activities,
             with_stack=c.with_stack,

@@ -29,6 +29,7 @@ from sglang_admin.model.lora import AdapterWeights, LoraBuffers
 from sglang_admin.model.runner import InvalidSequence, ModelRunner, SeqInput, SeqOutput
 from sglang_admin.model.tensor_parallel import TensorParallel, join_tensor_parallel
 from sglang_admin.model.weights import RefitError, refit_from_disk
+from sglang_admin.scheduler import late_imports
 from sglang_admin.scheduler.heartbeat import HeartbeatThread
 from sglang_admin.scheduler.profiler import Profiler
 from sglang_admin.scheduler.tp_profile import PROFILE_COMMANDS, FollowerProfiler, step_stage
@@ -232,8 +233,10 @@ def run_follower(args: ServerArgs, dp_rank: int, tp_rank: int, parent_pid: int) 
     try:
         tp = join_replica(args, dp_rank, tp_rank)
         runner = build_runner(args, dp_rank, tp_rank, tp)
+        late_imports.import_before_ready(args.watchdog_probe_timeout_s, grammar=False)
         tp.barrier()
         logger.info("TP rank %d of replica %d ready on %s", tp_rank, dp_rank, runner.device)
+        late_imports.start_in_background(grammar=False)  # what its profiler needs
         follow(runner, tp, Profiler(dp_rank, str(runner.device), args.profile_max_steps,
                                     tp_rank=tp_rank))
     except Exception as exc:  # noqa: BLE001 - the server sees the exit and goes down

@@ -10,19 +10,32 @@ from __future__ import annotations
 
 import asyncio
 import time
-from pathlib import Path
+from collections.abc import Iterator
 
 import grpc
+import pytest
 
 from sglang_admin.client.client import CHANNEL_OPTIONS, OWN_CONNECTION
 from sglang_admin.pb import common_pb2 as pb
 from sglang_admin.pb import common_pb2_grpc as pb_grpc
-from tests.conftest import greedy, start_server
+from tests.conftest import ServerProc, greedy, start_server
 from tools import burst
 
-LIMIT = 8
-BURST = 40
+LIMIT = 64  # --max-inflight-generate of the module's worker
+BURST = LIMIT + 32
 TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def burst_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
+    """One dp 2 worker with --max-inflight-generate LIMIT for both bursts (each leaves it
+    idle: nothing in flight, no pause on); it stops cleanly at the end."""
+    srv = start_server(tmp_path_factory.mktemp("bursts"), "--dp-size", "2",
+                       "--max-inflight-generate", str(LIMIT), "--log-requests")
+    try:
+        yield srv
+    finally:
+        assert srv.stop() == 0
 
 
 async def _stream(stub: pb_grpc.SglangSchedulerStub, seed: int) -> tuple[str, str, int]:
@@ -81,26 +94,17 @@ async def _held_burst(target: str) -> None:
         assert all(ld.num_used_tokens == 0 and ld.num_running_reqs == 0 for ld in loads.loads)
 
 
-def test_burst_past_the_limit_is_refused_with_a_message(tmp_path: Path) -> None:
-    srv = start_server(tmp_path, "--dp-size", "2", "--max-inflight-generate", str(LIMIT),
-                       "--log-requests")
-    try:
-        asyncio.run(_held_burst(srv.target))
-        log = srv.log()
-        assert "refused" in log and "RESOURCE_EXHAUSTED" in log
-    finally:
-        assert srv.stop() == 0
+def test_burst_past_the_limit_is_refused_with_a_message(burst_server: ServerProc) -> None:
+    asyncio.run(_held_burst(burst_server.target))
+    log = burst_server.log()
+    assert "refused" in log and "RESOURCE_EXHAUSTED" in log
 
 
-def test_burst_past_grpc_core_backlog_is_never_cancelled(tmp_path: Path) -> None:
+def test_burst_past_grpc_core_backlog_is_never_cancelled(burst_server: ServerProc) -> None:
     """3500 calls at once (grpc core's default backlog drops everything past 3000)."""
-    srv = start_server(tmp_path, "--dp-size", "2", "--max-inflight-generate", "64")
-    try:
-        report = asyncio.run(burst.run(srv.target, streams=3500, channels=1,
-                                       max_new_tokens=2, timeout=120, probe_interval=0.5))
-        assert set(report.statuses) <= {"OK", "RESOURCE_EXHAUSTED"}, report.statuses
-        assert report.statuses.get("OK", 0) >= 64 and report.short_ok == 0
-        assert report.clean and report.pool_idle_after, report
-        assert not report.probe_failures, report.probe_failures
-    finally:
-        assert srv.stop() == 0
+    report = asyncio.run(burst.run(burst_server.target, streams=3500, channels=1,
+                                   max_new_tokens=2, timeout=120, probe_interval=0.5))
+    assert set(report.statuses) <= {"OK", "RESOURCE_EXHAUSTED"}, report.statuses
+    assert report.statuses.get("OK", 0) >= LIMIT and report.short_ok == 0
+    assert report.clean and report.pool_idle_after, report
+    assert not report.probe_failures, report.probe_failures

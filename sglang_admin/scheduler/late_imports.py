@@ -1,0 +1,104 @@
+"""The imports a rank needs only for some requests, done once by a thread after it is ready.
+
+``torch._dynamo`` (with sympy: torch.profiler's start asks ``hasattr(torch, "_inductor")``,
+which imports it) and ``xgrammar`` (with transformers: constrained decoding) cost about half
+of a rank's start-up CPU (~2.5 s of ~5). A rank does not need them to serve, so it imports
+them in a daemon thread started once it has told the server it is ready
+(:func:`start_in_background`), and the two paths that need them wait for that thread
+(:func:`wait_until_imported`) instead of importing themselves: the profiler before it
+starts tracing, a grammar compile (in the compile pool) before it touches xgrammar.
+
+Why not simply import them where they are used: on the rank's loop the import takes
+seconds where the loop must answer (HealthCheck wants every rank within 3 s), and inside
+a profile's traced window the import's millions of traced calls made the profile's stop
+hold the GIL for over 15 s (the heartbeat stopped, the server declared the rank dead).
+Waiting for this thread never imports on the waiter's thread, and a profile never starts
+before all of them are done: torch.profiler's Python tracer (``with_stack``) records every
+thread, so an import still running here would be traced too.
+
+The imports hold the GIL for up to ~0.4 s at a time (a 10 ms sleeper thread's longest gaps
+while they ran: 65-420 ms at load average 7, 12-25 ms without them), so the rank's heartbeat
+thread falls silent that long. A rank whose server declares it dead after a shorter silence
+than :data:`MIN_PROBE_TIMEOUT_S` (``--watchdog-probe-timeout``, 15 s by default) imports
+them before READY instead, as it did before (:func:`import_before_ready`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import threading
+import time
+
+logger = logging.getLogger(__name__)
+
+# torch.profiler's start imports torch._dynamo (with torch._inductor.config and sympy)
+PROFILER_MODULES = ("torch._dynamo",)
+# constrained decoding (xgrammar imports transformers)
+GRAMMAR_MODULES = ("xgrammar",)
+
+# a shorter --watchdog-probe-timeout than this: the imports run before READY
+MIN_PROBE_TIMEOUT_S = 5.0
+
+_done = threading.Event()
+_lock = threading.Lock()
+_started = False
+
+
+def _import_all(names: tuple[str, ...]) -> None:
+    """Import the modules, each failure logged (its user reports its own error)."""
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - the profiler or a compile says what failed
+            logger.exception("importing %s failed", name)
+
+
+def _run(names: tuple[str, ...]) -> None:
+    started = time.process_time()
+    try:
+        _import_all(names)
+    finally:
+        _done.set()
+    logger.debug("late imports done: %.2f s of CPU", time.process_time() - started)
+
+
+def import_before_ready(probe_timeout_s: float, grammar: bool = True) -> None:
+    """Where the heartbeat probe is shorter than :data:`MIN_PROBE_TIMEOUT_S`, import now on
+    this thread (the rank's start-up), and :func:`start_in_background` will not."""
+    global _started
+    if probe_timeout_s >= MIN_PROBE_TIMEOUT_S:
+        return
+    with _lock:
+        if _started:
+            return
+        _started = True
+    _run(PROFILER_MODULES + (GRAMMAR_MODULES if grammar else ()))
+
+
+def start_in_background(grammar: bool = True) -> None:
+    """Start the imports in a daemon thread (once per process; later calls do nothing).
+    ``grammar=False``: a process that never compiles a grammar (a TP follower) imports
+    only what the profiler needs."""
+    global _started
+    with _lock:
+        if _started:
+            return
+        _started = True
+    names = PROFILER_MODULES + (GRAMMAR_MODULES if grammar else ())
+    threading.Thread(target=_run, args=(names,), name="late-imports", daemon=True).start()
+
+
+def imported() -> bool:
+    """The late-imports thread is done."""
+    return _done.is_set()
+
+
+def wait_until_imported() -> None:
+    """Block until the late-imports thread is done. In a process that never started it (a
+    tool, a unit test building a Profiler by hand) the modules are imported here, on this
+    thread."""
+    if not _started:
+        _import_all(PROFILER_MODULES + GRAMMAR_MODULES)
+        return
+    _done.wait()
