@@ -71,7 +71,9 @@ def test_kv_figures_on_a_warm_idle_worker_and_across_a_retract(worker) -> None:
         assert time.time() < deadline and not any(s.error for s in streams)
         time.sleep(0.02)
     before = _load(stub)
-    while before.num_running_reqs < 4:  # the rank publishes its state at most every 50 ms
+    # the rank publishes its state at most every 50 ms: wait for one that shows the four
+    # streams decoding (their decoded tokens' KV held, beyond the 4 x 20 prompt tokens)
+    while before.num_running_reqs < 4 or before.num_used_tokens <= 4 * 20:
         assert time.time() < deadline, before
         time.sleep(0.02)
         before = _load(stub)
