@@ -550,12 +550,12 @@ class DecodeBatch:
         """One bfloat16 layer's :meth:`CpuKernels.rope_attend`: the fused qkv [n, H + 2 KV, D]
         -> [n, H * D], into this forward's buffers (valid until the next layer's call)."""
         n, width, dim = qkv.shape
-        rotated = self.buffer("rotated", n, (width + heads) // 2 * dim, qkv.dtype)
+        rotated_heads = heads + (width - heads) // 2  # the q heads and the k heads
+        rotated = self.buffer("rotated", n, rotated_heads * dim, qkv.dtype)
         out = self.buffer("attention", n, heads * dim, qkv.dtype)
         return self.kernel.rope_attend(
             qkv, cos, sin, heads, k_cache, v_cache, out_slots, self.table, self.rows, self.lens,
-            scale, window, self.scores, rotated.view(n, (width + heads) // 2, dim), out,
-            self.longest)
+            scale, window, self.scores, rotated.view(n, rotated_heads, dim), out, self.longest)
 
 
 def reference_extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -110,13 +110,6 @@ class FanOut:
         return [pb.RankResult(dp_rank=rank, success=ok, message=text)
                 for rank, ok, text in self.outcomes()]
 
-    def add_rank_results(self, results: Any) -> Any:
-        """:meth:`rank_results` made in place in a response's repeated ``rank_results``
-        field (passing a list to a response copies every entry); returns the field."""
-        for rank, ok, text in self.outcomes():
-            results.add(dp_rank=rank, success=ok, message=text)
-        return results
-
     def outcomes(self) -> list[tuple[int, bool, str]]:
         """(rank, success, message) of every rank, in rank order."""
         out = []
