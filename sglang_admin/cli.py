@@ -234,6 +234,22 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="serve a decoder checkpoint (e.g. Qwen3ForCausalLM) as an embedding "
                         "model: Embed answers, Generate is refused (base-model and "
                         "*ForSequenceClassification checkpoints are embedding models anyway)")
+    p.add_argument("--speculative-algorithm", default=None, metavar="ALGO",
+                   help="speculative decoding: NGRAM drafts each request's next tokens from "
+                        "its own prompt and output and verifies them in one forward "
+                        "(docs/speculative.md); STANDALONE (a draft model) is not implemented "
+                        "yet; default off")
+    p.add_argument("--speculative-num-draft-tokens", type=int, default=None, metavar="K",
+                   help="the most draft tokens one step verifies per request (1..64, "
+                        "default 8); each request adapts its own below it")
+    p.add_argument("--speculative-ngram-min-match-window-size", type=int,
+                   default=ServerArgs.speculative_ngram_min_match_window_size, metavar="N",
+                   help="NGRAM: the shortest suffix of the sequence looked up (default 1)")
+    p.add_argument("--speculative-ngram-max-match-window-size", type=int,
+                   default=ServerArgs.speculative_ngram_max_match_window_size, metavar="N",
+                   help="NGRAM: the longest suffix of the sequence looked up (default 12)")
+    p.add_argument("--speculative-draft-model-path", default=None, metavar="PATH",
+                   help="STANDALONE: the draft model (not implemented yet)")
     p.set_defaults(func=run_serve)
 
 
@@ -308,6 +324,15 @@ def run_serve(ns: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     fields["enable_lora"] = ns.enable_lora or bool(fields["lora_paths"])
+    from sglang_admin.scheduler.speculative import check_config
+
+    refusal = check_config(ns.speculative_algorithm, ns.speculative_num_draft_tokens,
+                           ns.speculative_ngram_min_match_window_size,
+                           ns.speculative_ngram_max_match_window_size,
+                           ns.speculative_draft_model_path)
+    if refusal is not None:
+        print(f"error: {refusal}", file=sys.stderr)
+        return 2
     if ns.otlp_traces_endpoint:
         from sglang_admin.otel import configure_otlp
 

@@ -34,6 +34,9 @@ class ForwardBatch:
     positions: torch.Tensor  # [T]
     lanes: list[tuple[int, int]]  # ranges of ordered, one forward each (model/lanes.py)
     metas: list[AttentionMetadata]  # one per lane
+    # issue 47: with verify sequences (SeqInput.draft), select holds every row of theirs:
+    # the rows each sampled sequence has in select, in order; None: one row each
+    spec_rows: list[int] | None = None
 
 
 class BatchBuilder:
@@ -124,6 +127,7 @@ class BatchBuilder:
         select: list[int] = []  # flat index of the token whose logits are sampled
         sampled: list[SeqInput] = []
         offsets: list[int] = []  # flat index of each ordered sequence's first token
+        spec_rows: list[int] | None = None  # see ForwardBatch.spec_rows
         offset = 0
         for s in ordered:
             n = len(s.token_ids)
@@ -155,7 +159,15 @@ class BatchBuilder:
             offsets.append(offset)
             offset += n
             if s.sample:
-                select.append(offset - 1)
+                if s.draft and n > 1:  # a verify sequence: the logits of every position
+                    if spec_rows is None:
+                        spec_rows = [1] * len(sampled)
+                    spec_rows.append(n)
+                    select.extend(range(offset - n, offset))
+                else:
+                    if spec_rows is not None:
+                        spec_rows.append(1)
+                    select.append(offset - 1)
                 sampled.append(s)
         offsets.append(offset)  # the end of the last sequence
         dec_rows = [s.req_idx for s in decode]
@@ -188,7 +200,7 @@ class BatchBuilder:
                     None if slots_written is None else slots_written[offsets[a] : offsets[b]],
                     t_dec_rows[da:db], t_dec_lens[da:db], dec_lens[da:db], window, i))
         return ForwardBatch(ordered, offsets, sampled, t_select, len(select) == offset,
-                            t_ids, t_pos, lanes, metas)
+                            t_ids, t_pos, lanes, metas, spec_rows)
 
     def _pack(self, parts: list[list[int]]) -> tuple[torch.Tensor, ...]:
         """One int64 tensor per list, on the device (CPU: views of the staging buffer)."""

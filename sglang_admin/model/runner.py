@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import itertools
 import logging
 import operator
 import time
@@ -48,6 +49,7 @@ from sglang_admin.model.loader import (
 from sglang_admin.model.lora import LoraBuffers
 from sglang_admin.model.packed_linear import PackedWeights, packed_linear, packing_available
 from sglang_admin.model.pooling import pool
+from sglang_admin.model import spec_verify
 from sglang_admin.model.sampling import SampleRequest, SampleResult, sample
 from sglang_admin.model.step_io import InvalidSequence, SeqInput, SeqOutput
 
@@ -388,7 +390,11 @@ class ModelRunner:
         if self.device.type == "cuda":  # sampling reads the tokens back anyway: no loss
             torch.cuda.synchronize(self.device)
         t_sample = time.perf_counter()
-        if all([len(s.output_ids) >= s.argmax_from for s in sampled]):
+        if batch.spec_rows is not None:  # verify sequences (issue 47): every row sampled
+            by_seq = self._verify_batch(logits, sampled, batch.spec_rows)
+            self.last_times = ForwardTimes(model=t_sample - t_model,
+                                           sample=time.perf_counter() - t_sample)
+        elif all([len(s.output_ids) >= s.argmax_from for s in sampled]):
             outs = self._argmax(logits)
             self.last_times = ForwardTimes(model=t_sample - t_model,
                                            sample=time.perf_counter() - t_sample)
@@ -423,6 +429,20 @@ class ModelRunner:
         for row, reason in grammar_failed.items():
             by_seq[id(sampled[row])] = SeqOutput(0, error=reason, error_code="INTERNAL")
         return by_seq
+
+    def _verify_batch(self, logits: torch.Tensor, sampled: list[SeqInput],
+                      rows: list[int]) -> dict[int, SeqOutput]:
+        """A step with verify sequences (model/spec_verify.py): every row sampled as its
+        position's plain decode step would sample it, then each verify sequence's accepted
+        run; each sampled sequence's output by its id()."""
+        if all([len(s.output_ids) >= s.argmax_from for s in sampled]):
+            outs = self._argmax(logits)  # a row's output length only grows past row 0's
+        else:
+            failed = apply_grammar_masks(logits, spec_verify.row_grammars(sampled, rows))
+            outs = self._sample(logits, spec_verify.row_requests(sampled, rows))
+            for row, reason in failed.items():
+                outs[row] = SeqOutput(0, error=reason, error_code="INTERNAL")
+        return spec_verify.accept(sampled, rows, outs)
 
     def _split_lanes(self, ordered: list[SeqInput]) -> list[tuple[int, int]]:
         """See :meth:`BatchBuilder.split_lanes`."""
@@ -588,7 +608,12 @@ class ModelRunner:
             return [by_seq.get(id(s)) for s in seqs]
         if any(s.return_hidden_states for s in sampled):
             wanted = [s.return_hidden_states for s in sampled]
-            for s, state in zip(sampled, hidden_rows(self.model, hidden, batch.select, wanted)):
+            select = batch.select
+            if batch.spec_rows is not None:  # each sequence's last row (verify: its last)
+                ends = list(itertools.accumulate(batch.spec_rows))
+                select = select.index_select(0, torch.tensor([e - 1 for e in ends],
+                                                             device=select.device))
+            for s, state in zip(sampled, hidden_rows(self.model, hidden, select, wanted)):
                 by_seq[id(s)].hidden_state = state
         if any(s.logprob_start_len >= 0 for s in ordered):
             for key, entries in input_logprobs(self.model, hidden, ordered, batch.offsets).items():

@@ -39,6 +39,10 @@ class SeqInput:
     argmax_from: int | None = None
     # issue 32: an Embed request's pooling progress (model/pooling.py); None: not an embed
     embed: PoolProgress | None = None
+    # issue 47: speculative decoding. A verify sequence: token_ids is its last token then
+    # these draft tokens; every position is sampled (model/spec_verify.py) and the output
+    # carries the accepted run. None or empty: an ordinary sequence.
+    draft: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.argmax_from is None:
@@ -67,6 +71,9 @@ class SeqOutput:
     token_ids_logprobs: list[tuple[int, float]] | None = None
     hidden_state: list[float] | None = None
     embedding: list[float] | None = None  # an Embed request's vector, at its last chunk
+    # a verify sequence (SeqInput.draft): the tokens after token_id that the step also
+    # gives, each with its own logprobs (accepted draft tokens, then the target's own)
+    more: list[SeqOutput] | None = None
 
 
 class InvalidSequence(ValueError):

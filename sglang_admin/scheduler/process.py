@@ -40,6 +40,7 @@ from sglang_admin.scheduler.lifetime import die_with_parent
 from sglang_admin.scheduler.quiesce import Quiesce
 from sglang_admin.scheduler.request import Batch
 from sglang_admin.scheduler.scheduler import Scheduler, SchedulerConfig
+from sglang_admin.scheduler.speculative import DEFAULT_DRAFT_TOKENS, SpecConfig, check_config
 from sglang_admin.scheduler.step_timing import StepTimer
 from sglang_admin.scheduler.stop_strings import stop_string_detokenizer
 from sglang_admin.tracing import child_span, trace_id_of
@@ -132,6 +133,25 @@ def run_scheduler(args: ServerArgs, rank: int, parent_pid: int) -> None:
     ctx.term()
 
 
+def spec_config(args: ServerArgs) -> SpecConfig | None:
+    """The rank's speculative settings (issue 47); None when off. ValueError (the rank does
+    not start) on settings the CLI would have refused."""
+    if args.speculative_algorithm is None:
+        return None
+    refusal = check_config(args.speculative_algorithm, args.speculative_num_draft_tokens,
+                           args.speculative_ngram_min_match_window_size,
+                           args.speculative_ngram_max_match_window_size,
+                           args.speculative_draft_model_path)
+    if refusal is not None:
+        raise ValueError(refusal)
+    return SpecConfig(
+        args.speculative_algorithm,
+        args.speculative_num_draft_tokens or DEFAULT_DRAFT_TOKENS,
+        args.speculative_ngram_min_match_window_size,
+        args.speculative_ngram_max_match_window_size,
+    )
+
+
 def batch_inputs(batch: Batch) -> list[SeqInput]:
     """The model runner's inputs for a scheduled batch: one per span, in span order."""
     from sglang_admin.model.runner import SeqInput
@@ -141,10 +161,12 @@ def batch_inputs(batch: Batch) -> list[SeqInput]:
         req = sp.req
         start, end = sp.start, sp.end
         sampling, logprob = req.sampling, req.logprob
+        draft = sp.draft
         inputs.append(SeqInput(
             req_idx=req.req_idx,
             prefix_len=start,
-            token_ids=req.tokens(start, end),
+            # a verify span (speculative.py): the last token, then the draft
+            token_ids=req.tokens(start, end) if not draft else req.tokens(start, start + 1) + draft,
             table_start=sp.table_start,
             table_slots=req.slots[sp.table_start : end],
             sampling=sampling.params,
@@ -161,6 +183,7 @@ def batch_inputs(batch: Batch) -> list[SeqInput]:
             grammar=sampling.grammar,
             argmax_from=req.argmax_from,
             embed=req.embed,  # issue 32: an Embed request's pooling progress
+            draft=draft,
         ))
     return inputs
 
@@ -224,6 +247,7 @@ class RankLoop:
                 eos_token_ids=tuple(info.eos_token_ids),
                 pools_every_token=info.pooling in ("CLS", "MEAN"),
                 preempt_wait_s=args.preempt_wait_s,
+                speculative=spec_config(args),
             ),
             on_kv_event=self.kv_events.append,
             grammar_queue=grammar_queue_for(args, info),

@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from sglang_admin.messages import ARGMAX_NEVER, GenerateReq, SamplingParams
 from sglang_admin.scheduler.embedding import EmbedProgress
 from sglang_admin.scheduler.grammar import GrammarState
 from sglang_admin.scheduler.parallel_sampling import sample_key
 from sglang_admin.scheduler.radix_cache import TreeNode
+
+if TYPE_CHECKING:
+    from sglang_admin.scheduler.speculative import SpecProgress
 
 TopList = list[tuple[int, float]]
 
@@ -86,6 +90,7 @@ class Req:
     logprob: LogprobState = field(default_factory=LogprobState)
     hidden: HiddenStates = field(default_factory=HiddenStates)
     embed: EmbedProgress | None = None  # an Embed request's pooling (issue 32)
+    spec: SpecProgress | None = None  # speculative decoding (speculative.py); None: off
     # the sequence and what of it was reported
     output_ids: list[int] = field(default_factory=list)
     sent_tokens: int = 0  # output tokens already reported
@@ -180,6 +185,9 @@ class Span:
     end: int
     table_start: int
     sample: bool
+    # speculative decoding: the draft tokens verified after the last token (the span runs
+    # [start, start + 1) of the sequence, then these; end = start + 1 + len(draft))
+    draft: list[int] | None = None
 
 
 @dataclass
@@ -190,7 +198,7 @@ class Batch:
 
     @property
     def is_decode(self) -> bool:
-        return all(s.end - s.start == 1 and s.start > 0 for s in self.spans)
+        return all((s.end - s.start == 1 or s.draft) and s.start > 0 for s in self.spans)
 
     @property
     def num_tokens(self) -> int:

@@ -20,6 +20,7 @@ from sglang_admin.scheduler import preemption, request_end, step_plan
 from sglang_admin.scheduler.lora_registry import LoraUnavailable
 from sglang_admin.scheduler.output_extras import StepResult
 from sglang_admin.scheduler.request import Batch, Req, samples_of
+from sglang_admin.scheduler.speculative import SpecProgress
 from sglang_admin.scheduler.state import SchedulerConfig, SchedulerState
 
 __all__ = ["PAUSE_MODES", "Scheduler", "SchedulerConfig"]
@@ -42,7 +43,10 @@ class Scheduler(SchedulerState):
         samples = samples_of(msg, trace_id)
         if msg.lora_id and not self._acquire_lora(samples, msg.lora_id):
             return
+        spec = self.config.speculative
         for req in samples:
+            if spec is not None:
+                req.spec = SpecProgress(spec.num_draft_tokens)
             self.by_rid[req.key] = req
             req.waiting_since = self.clock()
             self._enqueue(req)

@@ -14,6 +14,7 @@ from sglang_admin.scheduler.grammar import GrammarQueue
 from sglang_admin.scheduler.kv_memory import RequestMemory
 from sglang_admin.scheduler.lora_registry import LoraRegistry
 from sglang_admin.scheduler.request import Req
+from sglang_admin.scheduler.speculative import Drafter, SpecConfig, SpecCounters, make_drafter
 from sglang_admin.scheduler.stop_strings import Detokenize
 
 THROUGHPUT_WINDOW_S = 5.0
@@ -33,6 +34,8 @@ class SchedulerConfig:
     # issue 33: a request waiting this long for a place preempts the longest-running
     # decode (preemption.py); 0: never (a full rank admits nothing until a request ends)
     preempt_wait_s: float = 0.0
+    # issue 47: speculative decoding (speculative.py); None: off
+    speculative: SpecConfig | None = None
 
 
 class SchedulerState:
@@ -63,6 +66,10 @@ class SchedulerState:
         self.clock: Callable[[], float] = time.monotonic  # what turns go by (tests set theirs)
         self.lora: LoraRegistry | None = None  # set by the rank when LoRA is enabled
         self.detokenize: Detokenize | None = None  # for stop strings (set by the rank)
+        # issue 47: the drafter and the rank's accept figures (speculative.py)
+        self.drafter: Drafter | None = (
+            make_drafter(config.speculative) if config.speculative is not None else None)
+        self.spec = SpecCounters()
         self.reset_counters()
 
     def reset_counters(self) -> None:

@@ -9,6 +9,7 @@ import time
 
 from sglang_admin.scheduler.parallel_sampling import fork_ready
 from sglang_admin.scheduler.request import Batch, Req, Span
+from sglang_admin.scheduler.speculative import draft_limit, may_draft
 from sglang_admin.scheduler.state import SchedulerState
 
 logger = logging.getLogger(__name__)
@@ -17,13 +18,23 @@ logger = logging.getLogger(__name__)
 def plan_step(state: SchedulerState) -> Batch | None:
     """The next step's work: running requests first, then admissions in arrival order."""
     budget = state.config.max_prefill_tokens
-    spans = decode_all(state)
+    drafts = plan_drafts(state) if state.drafter is not None else None
+    spans = [] if drafts else decode_all(state)
     # Running requests first: decode (1 token) or the next chunk of their prefill.
     i = len(spans)  # all of them when decode_all took the step
     while i < len(state.running):
         req = state.running[i]
         seq_len = len(req.prompt_ids) + len(req.output_ids)
         n = min(seq_len - req.kv_len, max(budget, 1))
+        draft = drafts.get(id(req)) if drafts else None
+        # a draft only where free slots are left for it beside one for each request after
+        # this one: speculation never evicts cache nor retracts a request
+        if (draft and n == 1 and state.allocator.available
+                >= 1 + len(draft) + len(state.running) - i - 1
+                and state.memory.reserve(req, 1 + len(draft))):
+            spans.append(verify_span(req, draft))
+            i += 1
+            continue
         if not state.memory.reserve(req, n):
             # Out of memory even after eviction: retract the newest running request,
             # then retry running[i] with the freed memory (the next request when the
@@ -37,6 +48,40 @@ def plan_step(state: SchedulerState) -> Batch | None:
         i += 1
     spans += admit_waiting(state, budget)
     return Batch(spans) if spans else None
+
+
+def plan_drafts(state: SchedulerState) -> dict[int, list[int]]:
+    """Speculative decoding (speculative.py): the drafts of the running requests that decode
+    this step and may draft, by ``id(req)``; requests in their cooldown count it down."""
+    drafter = state.drafter
+    config = state.config
+    assert drafter is not None
+    reqs: list[Req] = []
+    limits: list[int] = []
+    for req in state.running:
+        prog = req.spec
+        if prog is None or req.seq_len - req.kv_len != 1 or not may_draft(req):
+            continue
+        if prog.cooldown > 0:
+            prog.cooldown -= 1
+            continue
+        limit = draft_limit(req, prog.k, config.context_length, config.token_capacity)
+        if limit > 0:
+            reqs.append(req)
+            limits.append(limit)
+    if not reqs:
+        return {}
+    return {id(req): draft for req, draft in zip(reqs, drafter.propose(reqs, limits))
+            if draft}
+
+
+def verify_span(req: Req, draft: list[int]) -> Span:
+    """The span that runs the request's last token and its draft (slots reserved)."""
+    start = req.kv_len
+    end = start + 1 + len(draft)
+    span = Span(req, start, end, req.table_synced, True, draft)
+    req.table_synced = end
+    return span
 
 
 def admit_waiting(state: SchedulerState, budget: int) -> list[Span]:
