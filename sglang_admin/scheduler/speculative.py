@@ -22,10 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
-
-if TYPE_CHECKING:
-    from sglang_admin.scheduler.request import Req
+from typing import Protocol
 
 ALGORITHMS = ("NGRAM", "STANDALONE")
 MAX_DRAFT_TOKENS = 64  # --speculative-num-draft-tokens' upper bound
@@ -76,6 +73,17 @@ def check_config(algorithm: str | None, num_draft_tokens: int | None, min_window
     return None
 
 
+class Sequenced(Protocol):
+    """What drafting reads of a request (scheduler/request.py's Req)."""
+
+    spec: SpecProgress | None
+
+    @property
+    def seq_len(self) -> int: ...
+
+    def tokens(self, start: int, end: int) -> list[int]: ...
+
+
 @dataclass(eq=False, slots=True)
 class SpecProgress:
     """One request's speculation: its n-gram index, its adaptive draft length and its
@@ -90,7 +98,7 @@ class SpecProgress:
     cooldown: int = 0  # steps left to draft nothing
     misses: int = 0  # verify steps in a row that accepted nothing
 
-    def index(self, req: Req) -> list[int]:
+    def index(self, req: Sequenced) -> list[int]:
         """The request's sequence (prompt then output), indexed up to its end."""
         seq = self.tokens
         have, total = len(seq), req.seq_len
@@ -159,7 +167,7 @@ def ngram_lookup(seq: Sequence[int], where: dict[int, list[int]], k: int, min_wi
 class Drafter(Protocol):
     """A source of drafts: one list of guessed next tokens per request (may be empty)."""
 
-    def propose(self, reqs: Sequence[Req], limits: Sequence[int]) -> list[list[int]]:
+    def propose(self, reqs: Sequence[Sequenced], limits: Sequence[int]) -> list[list[int]]:
         """Drafts for ``reqs``, each at most its ``limits`` entry long."""
 
 
@@ -169,7 +177,7 @@ class NgramDrafter:
     def __init__(self, config: SpecConfig) -> None:
         self.config = config
 
-    def propose(self, reqs: Sequence[Req], limits: Sequence[int]) -> list[list[int]]:
+    def propose(self, reqs: Sequence[Sequenced], limits: Sequence[int]) -> list[list[int]]:
         cfg = self.config
         drafts: list[list[int]] = []
         for req, limit in zip(reqs, limits):
@@ -187,26 +195,6 @@ def make_drafter(config: SpecConfig) -> Drafter:
     if config.algorithm == "NGRAM":
         return NgramDrafter(config)
     raise ValueError(f"speculative algorithm {config.algorithm!r} is not implemented")
-
-
-def may_draft(req: Req) -> bool:
-    """Whether a request's decode steps may carry drafts: not under a grammar (its matcher
-    would have to walk the draft), not returning hidden states, not an Embed, and it
-    generates (max_new_tokens > 0). Everything else (penalties, logprobs, stop strings,
-    n > 1, LoRA, sampling) verifies exactly (model/spec_verify.py)."""
-    params = req.sampling.params
-    return (req.spec is not None and not params.grammar_kind
-            and req.sampling.grammar is None and not req.hidden.wanted
-            and req.embed is None and params.max_new_tokens > 0)
-
-
-def draft_limit(req: Req, k: int, context_length: int, token_capacity: int) -> int:
-    """How many draft tokens the request's next step may verify: its adaptive length, no
-    more than it may still generate less the step's own token, nor past the context."""
-    seq_len = req.seq_len
-    room = min(req.sampling.params.max_new_tokens - len(req.output_ids) - 1,
-               context_length - seq_len - 1, token_capacity - seq_len - 1)
-    return max(0, min(k, room))
 
 
 @dataclass(slots=True)

@@ -9,7 +9,6 @@ import time
 
 from sglang_admin.scheduler.parallel_sampling import fork_ready
 from sglang_admin.scheduler.request import Batch, Req, Span
-from sglang_admin.scheduler.speculative import draft_limit, may_draft
 from sglang_admin.scheduler.state import SchedulerState
 
 logger = logging.getLogger(__name__)
@@ -82,6 +81,26 @@ def verify_span(req: Req, draft: list[int]) -> Span:
     span = Span(req, start, end, req.table_synced, True, draft)
     req.table_synced = end
     return span
+
+
+def may_draft(req: Req) -> bool:
+    """Whether a request's decode steps may carry drafts: not under a grammar (its matcher
+    would have to walk the draft), not returning hidden states, not an Embed, and it
+    generates (max_new_tokens > 0). Everything else (penalties, logprobs, stop strings,
+    n > 1, LoRA, sampling) verifies exactly (model/spec_verify.py)."""
+    params = req.sampling.params
+    return (req.spec is not None and not params.grammar_kind
+            and req.sampling.grammar is None and not req.hidden.wanted
+            and req.embed is None and params.max_new_tokens > 0)
+
+
+def draft_limit(req: Req, k: int, context_length: int, token_capacity: int) -> int:
+    """How many draft tokens the request's next step may verify: its adaptive length, no
+    more than it may still generate less the step's own token, nor past the context."""
+    seq_len = req.seq_len
+    room = min(req.sampling.params.max_new_tokens - len(req.output_ids) - 1,
+               context_length - seq_len - 1, token_capacity - seq_len - 1)
+    return max(0, min(k, room))
 
 
 def admit_waiting(state: SchedulerState, budget: int) -> list[Span]:
