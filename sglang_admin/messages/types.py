@@ -339,6 +339,25 @@ class RankState:
     lora_slots_used: int = 0  # adapters loaded (LoRA only)
     lora_slots_total: int = 0  # --max-loaded-loras; 0: LoRA is off
     num_grammar_queue_reqs: int = 0  # waiting for their grammar to compile
+    # issue 47: speculative decoding since start (scheduler/speculative.py's SpecCounters):
+    # request-steps that verified a draft, draft tokens verified, of them accepted
+    spec_verify_steps: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+
+    @property
+    def spec_accept_length(self) -> float:
+        """Mean tokens one verify step gave a request (accepted drafts + its own): SGLang's
+        avg_spec_accept_length; 0 before any."""
+        if not self.spec_verify_steps:
+            return 0.0
+        return (self.spec_accepted_tokens + self.spec_verify_steps) / self.spec_verify_steps
+
+    @property
+    def spec_accept_rate(self) -> float:
+        """Accepted draft tokens over drafted ones; 0 before any."""
+        return (self.spec_accepted_tokens / self.spec_draft_tokens
+                if self.spec_draft_tokens else 0.0)
 
 
 @dataclass(slots=True)
@@ -428,6 +447,11 @@ class ReqOutput:
     token_ids_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     hidden_states: list[list[float]] = field(default_factory=list)  # per new output token
     embedding: list[float] = field(default_factory=list)  # an Embed request's vector (final)
+    # issue 47 (final output, speculative decoding on): verify steps, draft tokens verified,
+    # of them accepted
+    spec_verify_ct: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 @dataclass(slots=True)

@@ -209,7 +209,7 @@ class GenerateStreamChunk(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., reasoning_tokens: _Optional[int] = ..., output_logprobs: _Optional[_Union[OutputLogProbs, _Mapping]] = ..., hidden_states: _Optional[_Iterable[float]] = ..., input_logprobs: _Optional[_Union[InputLogProbs, _Mapping]] = ..., index: _Optional[int] = ...) -> None: ...
 
 class GenerateComplete(_message.Message):
-    __slots__ = ("output_ids", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "reasoning_tokens", "output_logprobs", "all_hidden_states", "matched_token_id", "matched_stop_str", "input_logprobs", "index", "spec_accepted_tokens", "spec_draft_tokens")
+    __slots__ = ("output_ids", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "reasoning_tokens", "output_logprobs", "all_hidden_states", "matched_token_id", "matched_stop_str", "input_logprobs", "index", "spec_accepted_tokens", "spec_draft_tokens", "spec_verify_ct")
     OUTPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -224,6 +224,7 @@ class GenerateComplete(_message.Message):
     INDEX_FIELD_NUMBER: _ClassVar[int]
     SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_VERIFY_CT_FIELD_NUMBER: _ClassVar[int]
     output_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
     prompt_tokens: int
@@ -238,7 +239,8 @@ class GenerateComplete(_message.Message):
     index: int
     spec_accepted_tokens: int
     spec_draft_tokens: int
-    def __init__(self, output_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., reasoning_tokens: _Optional[int] = ..., output_logprobs: _Optional[_Union[OutputLogProbs, _Mapping]] = ..., all_hidden_states: _Optional[_Iterable[_Union[HiddenStates, _Mapping]]] = ..., matched_token_id: _Optional[int] = ..., matched_stop_str: _Optional[str] = ..., input_logprobs: _Optional[_Union[InputLogProbs, _Mapping]] = ..., index: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ...) -> None: ...
+    spec_verify_ct: int
+    def __init__(self, output_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., reasoning_tokens: _Optional[int] = ..., output_logprobs: _Optional[_Union[OutputLogProbs, _Mapping]] = ..., all_hidden_states: _Optional[_Iterable[_Union[HiddenStates, _Mapping]]] = ..., matched_token_id: _Optional[int] = ..., matched_stop_str: _Optional[str] = ..., input_logprobs: _Optional[_Union[InputLogProbs, _Mapping]] = ..., index: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_verify_ct: _Optional[int] = ...) -> None: ...
 
 class OutputLogProbs(_message.Message):
     __slots__ = ("token_logprobs", "token_ids", "top_logprobs", "token_ids_logprobs")
@@ -461,7 +463,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
-    __slots__ = ("server_args", "scheduler_info", "active_requests", "is_paused", "last_receive_timestamp", "uptime_seconds", "sglang_version", "server_type", "start_time", "max_total_num_tokens", "rank_states")
+    __slots__ = ("server_args", "scheduler_info", "active_requests", "is_paused", "last_receive_timestamp", "uptime_seconds", "sglang_version", "server_type", "start_time", "max_total_num_tokens", "rank_states", "avg_spec_accept_length")
     SERVER_ARGS_FIELD_NUMBER: _ClassVar[int]
     SCHEDULER_INFO_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -473,6 +475,7 @@ class GetServerInfoResponse(_message.Message):
     START_TIME_FIELD_NUMBER: _ClassVar[int]
     MAX_TOTAL_NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RANK_STATES_FIELD_NUMBER: _ClassVar[int]
+    AVG_SPEC_ACCEPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     server_args: _struct_pb2.Struct
     scheduler_info: _struct_pb2.Struct
     active_requests: int
@@ -484,10 +487,11 @@ class GetServerInfoResponse(_message.Message):
     start_time: _timestamp_pb2.Timestamp
     max_total_num_tokens: int
     rank_states: _containers.RepeatedCompositeFieldContainer[RankState]
-    def __init__(self, server_args: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., scheduler_info: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., active_requests: _Optional[int] = ..., is_paused: _Optional[bool] = ..., last_receive_timestamp: _Optional[float] = ..., uptime_seconds: _Optional[float] = ..., sglang_version: _Optional[str] = ..., server_type: _Optional[str] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., max_total_num_tokens: _Optional[int] = ..., rank_states: _Optional[_Iterable[_Union[RankState, _Mapping]]] = ...) -> None: ...
+    avg_spec_accept_length: float
+    def __init__(self, server_args: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., scheduler_info: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., active_requests: _Optional[int] = ..., is_paused: _Optional[bool] = ..., last_receive_timestamp: _Optional[float] = ..., uptime_seconds: _Optional[float] = ..., sglang_version: _Optional[str] = ..., server_type: _Optional[str] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., max_total_num_tokens: _Optional[int] = ..., rank_states: _Optional[_Iterable[_Union[RankState, _Mapping]]] = ..., avg_spec_accept_length: _Optional[float] = ...) -> None: ...
 
 class RankState(_message.Message):
-    __slots__ = ("dp_rank", "num_running_reqs", "num_waiting_reqs", "token_capacity", "num_used_tokens", "num_evictable_tokens", "cache_hit_rate", "gen_throughput", "profiler_state", "last_step_time_s", "forward_steps", "device", "pid", "flush_pending", "state_age_s", "num_free_tokens")
+    __slots__ = ("dp_rank", "num_running_reqs", "num_waiting_reqs", "token_capacity", "num_used_tokens", "num_evictable_tokens", "cache_hit_rate", "gen_throughput", "profiler_state", "last_step_time_s", "forward_steps", "device", "pid", "flush_pending", "state_age_s", "num_free_tokens", "avg_spec_accept_length", "spec_accept_rate", "spec_verify_steps")
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_REQS_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_REQS_FIELD_NUMBER: _ClassVar[int]
@@ -504,6 +508,9 @@ class RankState(_message.Message):
     FLUSH_PENDING_FIELD_NUMBER: _ClassVar[int]
     STATE_AGE_S_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    AVG_SPEC_ACCEPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    SPEC_ACCEPT_RATE_FIELD_NUMBER: _ClassVar[int]
+    SPEC_VERIFY_STEPS_FIELD_NUMBER: _ClassVar[int]
     dp_rank: int
     num_running_reqs: int
     num_waiting_reqs: int
@@ -520,7 +527,10 @@ class RankState(_message.Message):
     flush_pending: bool
     state_age_s: float
     num_free_tokens: int
-    def __init__(self, dp_rank: _Optional[int] = ..., num_running_reqs: _Optional[int] = ..., num_waiting_reqs: _Optional[int] = ..., token_capacity: _Optional[int] = ..., num_used_tokens: _Optional[int] = ..., num_evictable_tokens: _Optional[int] = ..., cache_hit_rate: _Optional[float] = ..., gen_throughput: _Optional[float] = ..., profiler_state: _Optional[str] = ..., last_step_time_s: _Optional[float] = ..., forward_steps: _Optional[int] = ..., device: _Optional[str] = ..., pid: _Optional[int] = ..., flush_pending: _Optional[bool] = ..., state_age_s: _Optional[float] = ..., num_free_tokens: _Optional[int] = ...) -> None: ...
+    avg_spec_accept_length: float
+    spec_accept_rate: float
+    spec_verify_steps: int
+    def __init__(self, dp_rank: _Optional[int] = ..., num_running_reqs: _Optional[int] = ..., num_waiting_reqs: _Optional[int] = ..., token_capacity: _Optional[int] = ..., num_used_tokens: _Optional[int] = ..., num_evictable_tokens: _Optional[int] = ..., cache_hit_rate: _Optional[float] = ..., gen_throughput: _Optional[float] = ..., profiler_state: _Optional[str] = ..., last_step_time_s: _Optional[float] = ..., forward_steps: _Optional[int] = ..., device: _Optional[str] = ..., pid: _Optional[int] = ..., flush_pending: _Optional[bool] = ..., state_age_s: _Optional[float] = ..., num_free_tokens: _Optional[int] = ..., avg_spec_accept_length: _Optional[float] = ..., spec_accept_rate: _Optional[float] = ..., spec_verify_steps: _Optional[int] = ...) -> None: ...
 
 class GetLoadsRequest(_message.Message):
     __slots__ = ("dp_rank", "include")

@@ -133,6 +133,10 @@ def run_scheduler(args: ServerArgs, rank: int, parent_pid: int) -> None:
     ctx.term()
 
 
+# RankState's fields after its timestamp (_state_figures' last ones)
+_AFTER_TIMESTAMP = 6
+
+
 def spec_config(args: ServerArgs) -> SpecConfig | None:
     """The rank's speculative settings (issue 47); None when off. ValueError (the rank does
     not start) on settings the CLI would have refused."""
@@ -346,12 +350,13 @@ class RankLoop:
             dict(self.step_timer.totals),
             # after the timestamp (filled in by _state_of):
             lora.used if lora is not None else 0, lora.slots if lora is not None else 0,
-            s.num_grammar_queue_reqs,
+            s.num_grammar_queue_reqs, s.spec.verify_steps, s.spec.drafted, s.spec.accepted,
         )
 
     @staticmethod
     def _state_of(figures: tuple) -> RankState:
-        return RankState(*figures[:-3], time.time(), *figures[-3:])
+        return RankState(*figures[:-_AFTER_TIMESTAMP], time.time(),
+                         *figures[-_AFTER_TIMESTAMP:])
 
     def publish_state(self, force: bool = False) -> None:
         """Send the rank's state when it changed: at once when ``force``d, else when a key

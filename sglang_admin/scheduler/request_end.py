@@ -61,6 +61,10 @@ def finish(
     out.stop_trim = stop_trim
     out.error = error
     out.error_code = code
+    if req.spec is not None:  # issue 47: the request's accept figures
+        out.spec_verify_ct = req.spec.verify_ct
+        out.spec_draft_tokens = req.spec.drafted
+        out.spec_accepted_tokens = req.spec.accepted
     state.pending_outputs.append(out)
     if req.lora.lora_id and state.lora is not None:
         state.lora.release(req.lora.lora_id)

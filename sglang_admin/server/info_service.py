@@ -183,6 +183,10 @@ class Info:
         )
         for state in states:
             _add_rank_state(live.rank_states, state, now - state.timestamp)
+        verify = sum(s.spec_verify_steps for s in states)
+        if verify:  # issue 47: over every rank's verify steps
+            live.avg_spec_accept_length = sum(
+                s.spec_accepted_tokens + s.spec_verify_steps for s in states) / verify
         return Serialized(static + live.SerializeToString())
 
     async def loads(
@@ -208,7 +212,8 @@ class Info:
         loads = []
         for rank in ranks:
             state = self.comm.rank_states[rank] or RankState(dp_rank=rank)
-            loads.append(_load_proto(state, include, self.comm.state_age(rank)))
+            loads.append(_load_proto(state, include, self.comm.state_age(rank),
+                                     self.args.speculative_algorithm is not None))
         total_running = sum(x.num_running_reqs for x in loads)
         total_waiting = sum(x.num_waiting_reqs for x in loads)
         n = max(len(loads), 1)
@@ -297,10 +302,14 @@ def _add_rank_state(states: Any, s: RankState, age: float) -> None:
         pid=s.pid,
         flush_pending=s.flush_pending,
         state_age_s=max(0.0, age),
+        avg_spec_accept_length=s.spec_accept_length,
+        spec_accept_rate=s.spec_accept_rate,
+        spec_verify_steps=s.spec_verify_steps,
     )
 
 
-def _load_proto(s: RankState, include: set[str], age: float) -> pb.SchedulerLoad:
+def _load_proto(s: RankState, include: set[str], age: float,
+                spec_on: bool = False) -> pb.SchedulerLoad:
     capacity = max(s.token_capacity, 1)
     load = pb.SchedulerLoad(
         dp_rank=s.dp_rank,
@@ -337,6 +346,9 @@ def _load_proto(s: RankState, include: set[str], age: float) -> pb.SchedulerLoad
             slots_used=s.lora_slots_used, slots_total=s.lora_slots_total,
             utilization=s.lora_slots_used / s.lora_slots_total,
         ))
-    # "spec", and "lora" without --enable-lora: left out, as SGLang does while the feature
-    # is off (no speculative decoding here)
+    if "spec" in include and spec_on:  # issue 47
+        load.speculative.CopyFrom(pb.SpeculativeMetrics(
+            accept_length=s.spec_accept_length, accept_rate=s.spec_accept_rate))
+    # "spec" without --speculative-algorithm, "lora" without --enable-lora: left out, as
+    # SGLang does while the feature is off
     return load

@@ -169,6 +169,9 @@ class SampleStreams:
             completion_tokens=out.completion_tokens,
             cached_tokens=out.cached_tokens,
             index=out.index,
+            spec_accepted_tokens=out.spec_accepted_tokens,
+            spec_draft_tokens=out.spec_draft_tokens,
+            spec_verify_ct=out.spec_verify_ct,
         )
         if out.matched_token_id is not None:
             complete.matched_token_id = out.matched_token_id

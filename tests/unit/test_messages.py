@@ -47,7 +47,8 @@ def test_an_output_with_a_field_past_index_set_keeps_it() -> None:
     values = {"logprobs": [-0.5], "top_logprobs": [[[3, -0.5]]], "finish_reason": "length",
               "matched_token_id": 0, "error": "", "error_code": "", "matched_stop_str": "",
               "stop_trim": 2, "input_logprobs": [None], "input_top_logprobs": [[]],
-              "token_ids_logprobs": [[]], "hidden_states": [[0.0]], "embedding": [0.25]}
+              "token_ids_logprobs": [[]], "hidden_states": [[0.0]], "embedding": [0.25],
+              "spec_verify_ct": 3, "spec_draft_tokens": 5, "spec_accepted_tokens": 2}
     assert sorted(values) == sorted(names[names.index("index") + 1:])  # every such field
     for name, value in values.items():
         out = ReqOutput("r", [1], 2, 1, 0, 0.5, 1, **{name: value})
