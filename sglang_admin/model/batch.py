@@ -256,6 +256,8 @@ class BatchBuilder:
         (docs/benchmarks.md)."""
         if self.lanes <= 1 or len(ordered) < 2 or len(ordered[-1].token_ids) == 1:
             return [(0, len(ordered))]  # decode only (extend sequences come last)
+        if ordered[-1].draft and all(s.draft or len(s.token_ids) == 1 for s in ordered):
+            return [(0, len(ordered))]  # decode and verify spans: as a decode step
         return lane_cuts([(len(s.token_ids), s.prefix_len) for s in ordered], self.lanes)
 
     def _metadata(self, extend: list[SeqInput], cells: torch.Tensor,

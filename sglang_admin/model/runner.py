@@ -565,7 +565,10 @@ class ModelRunner:
         if len(lanes) == 1:
             if self.packed is not None:
                 return run(0, self._packed_linear)
-            decode_only = ids.shape[0] == len(batch.ordered)
+            # decode only, or decode and speculative verify spans (a few tokens each)
+            decode_only = ids.shape[0] == len(batch.ordered) or (
+                batch.spec_rows is not None
+                and all(s.draft or len(s.token_ids) == 1 for s in batch.ordered))
             return run(0, self._split_linear if self.split_matmuls and decode_only else None)
         whole = self._packed_whole if self.packed is not None else None
         futures = [self._lanes_pool().submit(_in_inference_mode, run, i, whole)

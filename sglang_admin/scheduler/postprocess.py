@@ -139,11 +139,8 @@ def take_verified(state: SchedulerState, span: Span, result: StepResult | None) 
     accepted = 0
     while accepted < len(draft) and accepted < len(tokens) and tokens[accepted] == draft[accepted]:
         accepted += 1
-    prog = req.spec
-    if prog is not None:
-        cfg = state.config.speculative
-        prog.verified(len(draft), accepted, cfg.num_draft_tokens if cfg else len(draft),
-                      cfg.adaptive if cfg else False)
+    if req.spec is not None:
+        req.spec.verified(len(draft), accepted)
     counters = state.spec
     counters.verify_steps += 1
     counters.drafted += len(draft)

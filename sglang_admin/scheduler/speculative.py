@@ -12,10 +12,11 @@ The drafter is a small interface (:class:`Drafter`: ``propose(reqs, limits) -> d
 another source (a draft model, ``STANDALONE``) can slot in; the one built is ``NGRAM``:
 prompt lookup in the request's own prompt and output (:class:`NgramDrafter`).
 
-Speculation turns itself down where drafts are rejected (:class:`SpecProgress`): a request's
-draft length shrinks after a rejection and grows after a full accept, and a request whose
-drafts keep failing (or that finds no n-gram match) drafts nothing for a while, so its steps
-stay plain decode steps.
+Speculation turns itself down where drafts are rejected (:class:`SpecProgress`): each
+request keeps a moving estimate of how often its draft tokens are accepted and drafts only
+as many tokens as pay for their cost (none when no length does: its steps stay plain decode
+steps); drafts it did not run are judged against the tokens it then decodes, for free, so the
+estimate recovers when the text starts repeating.
 """
 
 from __future__ import annotations
@@ -29,8 +30,15 @@ MAX_DRAFT_TOKENS = 64  # --speculative-num-draft-tokens' upper bound
 DEFAULT_DRAFT_TOKENS = 8
 # how many of the latest earlier occurrences of the last token a lookup looks at
 MAX_CANDIDATES = 64
-# the longest a request drafts nothing after drafts kept failing (steps)
-MAX_COOLDOWN = 16
+# the adaptive draft length (SpecProgress.draft_length): a verify span of 1 + k tokens costs
+# about 1 + VERIFY_COST * k plain decode steps (SmolLM2-135M on CPU: 2 tokens 1.16x, 5 tokens
+# 1.5x, 9 tokens 2.07x: docs/speculative.md); a draft runs only when its expected tokens per
+# cost beat a plain step by MIN_GAIN; the acceptance estimate starts at INITIAL_RATE and moves
+# by RATE_STEP per draft token judged
+VERIFY_COST = 0.15
+MIN_GAIN = 0.1
+INITIAL_RATE = 0.5
+RATE_STEP = 0.2
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +49,7 @@ class SpecConfig:
     num_draft_tokens: int = DEFAULT_DRAFT_TOKENS  # the most draft tokens one step verifies
     min_window: int = 1  # --speculative-ngram-min-match-window-size
     max_window: int = 12  # --speculative-ngram-max-match-window-size
-    adaptive: bool = True  # shrink / grow / pause each request's draft length
+    adaptive: bool = True  # each request's draft length from its acceptance estimate
 
 
 def check_config(algorithm: str | None, num_draft_tokens: int | None, min_window: int,
@@ -86,17 +94,21 @@ class Sequenced(Protocol):
 
 @dataclass(eq=False, slots=True)
 class SpecProgress:
-    """One request's speculation: its n-gram index, its adaptive draft length and its
-    accept figures (reported in its final output)."""
+    """One request's speculation: its n-gram index, its estimate of how often a draft token
+    is accepted (which sets its draft length: :meth:`draft_length`), and its accept figures
+    (reported in its final output)."""
 
-    k: int  # the most tokens its next draft may have
+    k: int  # the most tokens one draft may have (--speculative-num-draft-tokens)
     tokens: list[int] = field(default_factory=list)  # its sequence as indexed so far
     where: dict[int, list[int]] = field(default_factory=dict)  # token -> positions
     drafted: int = 0  # draft tokens verified
     accepted: int = 0  # of them, accepted
     verify_ct: int = 0  # verify steps (steps that ran a draft)
-    cooldown: int = 0  # steps left to draft nothing
-    misses: int = 0  # verify steps in a row that accepted nothing
+    rate: float = INITIAL_RATE  # moving estimate of P(a draft token is accepted)
+    # a draft proposed but not run (its expected gain was too small): judged against the
+    # tokens the request then decodes, at no cost, so the estimate keeps learning
+    shadow: list[int] = field(default_factory=list)
+    shadow_at: int = 0  # the output length when it was proposed
 
     def index(self, req: Sequenced) -> list[int]:
         """The request's sequence (prompt then output), indexed up to its end."""
@@ -109,24 +121,54 @@ class SpecProgress:
                 where.setdefault(seq[pos], []).append(pos)
         return seq
 
-    def verified(self, drafted: int, accepted: int, k_max: int, adaptive: bool) -> None:
-        """Count one verify step and adapt the draft length: all accepted -> longer; some
-        rejected -> as long as what was accepted, plus one; none -> pause a while."""
+    def observe(self, accepted: int, drafted: int) -> None:
+        """Learn from a draft: ``accepted`` tokens in a row accepted, then (when fewer than
+        ``drafted``) one rejected; each a trial of the moving estimate."""
+        rate = self.rate
+        for _ in range(accepted):
+            rate += RATE_STEP * (1.0 - rate)
+        if accepted < drafted:
+            rate -= RATE_STEP * rate
+        self.rate = rate
+
+    def verified(self, drafted: int, accepted: int) -> None:
+        """Count one verify step and learn from it."""
         self.verify_ct += 1
         self.drafted += drafted
         self.accepted += accepted
-        if not adaptive:
+        self.observe(accepted, drafted)
+
+    def judge_shadow(self, output: list[int]) -> None:
+        """Compare a pending shadow draft with the tokens decoded since; learn once known."""
+        shadow = self.shadow
+        if not shadow:
             return
-        if accepted >= drafted:
-            self.k = min(k_max, self.k * 2)
-            self.misses = 0
-        elif accepted == 0:
-            self.misses += 1
-            self.k = max(1, self.k // 2)
-            self.cooldown = min(MAX_COOLDOWN, 1 << min(self.misses, 4))
+        new = output[self.shadow_at : self.shadow_at + len(shadow)]
+        matched = 0
+        while matched < len(new) and new[matched] == shadow[matched]:
+            matched += 1
+        if matched < len(new):  # a rejection
+            self.observe(matched, matched + 1)
+        elif len(new) == len(shadow):  # all of it
+            self.observe(matched, matched)
         else:
-            self.misses = 0
-            self.k = max(1, accepted + 1)
+            return  # every token so far matched: wait for the rest
+        self.shadow = []
+
+    def draft_length(self, limit: int, cost: float = VERIFY_COST) -> int:
+        """The draft length with the best expected tokens per unit of step cost (a verify
+        span of 1 + k tokens costs 1 + cost * k decode steps), at most ``limit``; 0 when
+        none gains at least MIN_GAIN over a plain decode step."""
+        best, best_gain = 0, 1.0 + MIN_GAIN
+        expected, p = 1.0, 1.0
+        rate = self.rate
+        for k in range(1, limit + 1):
+            p *= rate
+            expected += p
+            gain = expected / (1.0 + cost * k)
+            if gain > best_gain:
+                best, best_gain = k, gain
+        return best
 
 
 def ngram_lookup(seq: Sequence[int], where: dict[int, list[int]], k: int, min_window: int,

@@ -51,27 +51,43 @@ def plan_step(state: SchedulerState) -> Batch | None:
 
 def plan_drafts(state: SchedulerState) -> dict[int, list[int]]:
     """Speculative decoding (speculative.py): the drafts of the running requests that decode
-    this step and may draft, by ``id(req)``; requests in their cooldown count it down."""
+    this step and may draft, by ``id(req)``. A request whose acceptance estimate makes no
+    draft length pay gets a shadow draft instead (judged later against what it decodes)."""
     drafter = state.drafter
     config = state.config
-    assert drafter is not None
+    spec = config.speculative
+    assert drafter is not None and spec is not None
     reqs: list[Req] = []
     limits: list[int] = []
+    shadows: list[bool] = []
     for req in state.running:
         prog = req.spec
         if prog is None or req.seq_len - req.kv_len != 1 or not may_draft(req):
             continue
-        if prog.cooldown > 0:
-            prog.cooldown -= 1
-            continue
+        prog.judge_shadow(req.output_ids)
         limit = draft_limit(req, prog.k, config.context_length, config.token_capacity)
-        if limit > 0:
+        if limit <= 0:
+            continue
+        k = prog.draft_length(limit) if spec.adaptive else limit
+        if k > 0:
+            reqs.append(req)
+            limits.append(k)
+            shadows.append(False)
+        elif not prog.shadow:
             reqs.append(req)
             limits.append(limit)
+            shadows.append(True)
     if not reqs:
         return {}
-    return {id(req): draft for req, draft in zip(reqs, drafter.propose(reqs, limits))
-            if draft}
+    drafts: dict[int, list[int]] = {}
+    for req, draft, shadow in zip(reqs, drafter.propose(reqs, limits), shadows):
+        if not draft:
+            continue
+        if shadow:
+            req.spec.shadow, req.spec.shadow_at = draft, len(req.output_ids)
+        else:
+            drafts[id(req)] = draft
+    return drafts
 
 
 def verify_span(req: Req, draft: list[int]) -> Span:

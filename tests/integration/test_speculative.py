@@ -134,3 +134,42 @@ def test_bad_settings_are_refused_at_start() -> None:
         proc = subprocess.run([sys.executable, "-m", "sglang_admin", "serve", *args],
                               capture_output=True, text=True, timeout=60, cwd=ROOT)
         assert proc.returncode == 2 and why in proc.stderr, (args, proc.stderr)
+
+
+def test_lora_requests_verify_with_their_adapter(tmp_path_factory) -> None:
+    """A tiny random Llama with a LoRA adapter, NGRAM on: base and adapter requests in one
+    batch give peft's greedy tokens, drafts accepted."""
+    pytest.importorskip("peft")
+    import concurrent.futures as cf
+
+    from tests.lora_models import build_adapter, build_base, peft_model, reference
+
+    root = tmp_path_factory.mktemp("spec-lora")
+    base = build_base("llama", root / "base")
+    adapter = build_adapter(base, "attn", root / "attn", seed=1)
+    srv = start_server(root, "--model-path", str(base), "--dtype", "float32",
+                       "--enable-lora", "--max-loaded-loras", "2", "--max-lora-rank", "8",
+                       "--lora-paths", f"attn={adapter}", "--speculative-algorithm", "NGRAM",
+                       "--speculative-num-draft-tokens", "4")
+    try:
+        stub = srv.stub()
+        model = peft_model(base, {"attn": adapter})
+        cases = [(lora, [(5 * i + 3 * j) % 300 + 2 for j in range(6)] * 4)
+                 for i in range(6) for lora in (None, "attn")]
+
+        def served(case: tuple[str | None, list[int]]) -> pb.GenerateComplete:
+            lora, ids = case
+            req = pb.GenerateRequest(tokenized=pb.TokenizedInput(input_ids=ids),
+                                     lora_id=lora or "",
+                                     sampling_params=pb.SamplingParams(max_new_tokens=24,
+                                                                       ignore_eos=True))
+            return [r.complete for r in stub.Generate(req, timeout=120)][-1]
+
+        with cf.ThreadPoolExecutor(len(cases)) as pool:
+            got = list(pool.map(served, cases))
+        for (lora, ids), complete in zip(cases, got):
+            want, _ = reference(model, lora, ids, 24)
+            assert list(complete.output_ids) == want, (lora, ids)
+        assert sum(c.spec_accepted_tokens for c in got) > 0
+    finally:
+        srv.stop()

@@ -241,3 +241,25 @@ def test_fuzz_random_settings_and_prompts_never_break_the_policy(seed: int) -> N
         assert len(got) == n or len(prompt) + len(got) >= 255
     assert sched.num_used_tokens == 0
     assert sched.allocator.available + sched.cache.total_size() == 600
+
+
+def test_draft_length_follows_the_acceptance_estimate_and_shadows_teach_it() -> None:
+    prog = SpecProgress(8)
+    assert prog.draft_length(8) > 0  # the initial estimate drafts
+    for _ in range(6):
+        prog.verified(4, 0)  # rejected at once, again and again
+    assert prog.draft_length(8) == 0  # speculation off for this request
+    # a shadow draft (not run) judged against what the request then decodes
+    prog.shadow, prog.shadow_at = [7, 8, 9], 10
+    out = list(range(10))
+    prog.judge_shadow(out + [7, 8])
+    assert prog.shadow  # all matched so far: wait
+    for _ in range(5):
+        prog.shadow, prog.shadow_at = [7, 8, 9], 10
+        prog.judge_shadow(out + [7, 8, 9])
+        assert not prog.shadow
+    assert prog.draft_length(8) >= 4  # repeating text: long drafts again
+    prog.shadow, prog.shadow_at = [7, 8, 9], 10
+    before = prog.rate
+    prog.judge_shadow(out + [7, 5])
+    assert not prog.shadow and prog.rate < before
