@@ -263,3 +263,34 @@ def test_draft_length_follows_the_acceptance_estimate_and_shadows_teach_it() -> 
     before = prog.rate
     prog.judge_shadow(out + [7, 5])
     assert not prog.shadow and prog.rate < before
+
+
+@pytest.mark.parametrize("mode", ["retract", "in_place"])
+def test_pause_mid_speculation_then_continue_changes_no_output(mode: str) -> None:
+    """Pause (retract frees each request's KV, drafts hold none between steps) and continue:
+    the outputs are the plain ones, nothing leaks, the flush after finds an idle pool."""
+    rng = random.Random(5)
+    sched = _sched(2000)
+    sched.drafter = _PerfectDrafter()
+    runner = SpecFakeRunner(2000, 16, 512)
+    prompts = {f"p{i}": [rng.randrange(1, VOCAB) for _ in range(12)] for i in range(6)}
+    for rid, prompt in prompts.items():
+        sched.add_request(GenerateReq(rid, prompt, SamplingParams(max_new_tokens=60,
+                                                                  ignore_eos=True)))
+    tokens: dict[str, list[int]] = {}
+    for _ in range(4):  # a few steps in, with drafts verified
+        batch = sched.schedule()
+        assert batch is not None
+        for o in sched.postprocess(batch, runner.run(batch)):
+            tokens.setdefault(o.rid, []).extend(o.new_token_ids)
+    assert sched.spec.accepted > 0
+    sched.pause(mode)
+    assert sched.schedule() is None
+    _figures_add_up(sched)
+    sched.resume()
+    res = _drive(sched, runner)
+    for rid, prompt in prompts.items():
+        assert tokens.get(rid, []) + res["tokens"].get(rid, []) == solo(prompt, 60), rid
+    assert sched.num_used_tokens == 0
+    sched.flush()
+    assert sched.num_free_tokens == 2000
