@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from sglang_admin.config import ATTENTION_BACKENDS
+from sglang_admin.model import spec_verify
 from sglang_admin.model.attention.choice import cuda_attention_applies
 from sglang_admin.model.batch import BatchBuilder, ForwardBatch
 from sglang_admin.model.cpu_dtype import auto_cpu_dtype
@@ -49,7 +50,6 @@ from sglang_admin.model.loader import (
 from sglang_admin.model.lora import LoraBuffers
 from sglang_admin.model.packed_linear import PackedWeights, packed_linear, packing_available
 from sglang_admin.model.pooling import pool
-from sglang_admin.model import spec_verify
 from sglang_admin.model.sampling import SampleRequest, SampleResult, sample
 from sglang_admin.model.step_io import InvalidSequence, SeqInput, SeqOutput
 
