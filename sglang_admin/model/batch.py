@@ -34,9 +34,6 @@ class ForwardBatch:
     positions: torch.Tensor  # [T]
     lanes: list[tuple[int, int]]  # ranges of ordered, one forward each (model/lanes.py)
     metas: list[AttentionMetadata]  # one per lane
-    # issue 47: with verify sequences (SeqInput.draft), select holds every row of theirs:
-    # the rows each sampled sequence has in select, in order; None: one row each
-    spec_rows: list[int] | None = None
 
 
 class BatchBuilder:
@@ -127,7 +124,6 @@ class BatchBuilder:
         select: list[int] = []  # flat index of the token whose logits are sampled
         sampled: list[SeqInput] = []
         offsets: list[int] = []  # flat index of each ordered sequence's first token
-        spec_rows: list[int] | None = None  # see ForwardBatch.spec_rows
         offset = 0
         for s in ordered:
             n = len(s.token_ids)
@@ -159,15 +155,7 @@ class BatchBuilder:
             offsets.append(offset)
             offset += n
             if s.sample:
-                if s.draft and n > 1:  # a verify sequence: the logits of every position
-                    if spec_rows is None:
-                        spec_rows = [1] * len(sampled)
-                    spec_rows.append(n)
-                    select.extend(range(offset - n, offset))
-                else:
-                    if spec_rows is not None:
-                        spec_rows.append(1)
-                    select.append(offset - 1)
+                select.append(offset - 1)
                 sampled.append(s)
         offsets.append(offset)  # the end of the last sequence
         dec_rows = [s.req_idx for s in decode]
@@ -200,7 +188,7 @@ class BatchBuilder:
                     None if slots_written is None else slots_written[offsets[a] : offsets[b]],
                     t_dec_rows[da:db], t_dec_lens[da:db], dec_lens[da:db], window, i))
         return ForwardBatch(ordered, offsets, sampled, t_select, len(select) == offset,
-                            t_ids, t_pos, lanes, metas, spec_rows)
+                            t_ids, t_pos, lanes, metas)
 
     def _pack(self, parts: list[list[int]]) -> tuple[torch.Tensor, ...]:
         """One int64 tensor per list, on the device (CPU: views of the staging buffer)."""
@@ -256,8 +244,6 @@ class BatchBuilder:
         (docs/benchmarks.md)."""
         if self.lanes <= 1 or len(ordered) < 2 or len(ordered[-1].token_ids) == 1:
             return [(0, len(ordered))]  # decode only (extend sequences come last)
-        if ordered[-1].draft and all(s.draft or len(s.token_ids) == 1 for s in ordered):
-            return [(0, len(ordered))]  # decode and verify spans: as a decode step
         return lane_cuts([(len(s.token_ids), s.prefix_len) for s in ordered], self.lanes)
 
     def _metadata(self, extend: list[SeqInput], cells: torch.Tensor,

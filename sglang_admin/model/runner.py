@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ctypes
 import gc
-import itertools
 import logging
 import operator
 import time
@@ -360,6 +359,8 @@ class ModelRunner:
         """
         if not seqs:
             return []
+        if any([s.draft for s in seqs]):  # speculative verify sequences (issue 47)
+            return self._verify_step(seqs)
         # decode sequences (one new token) first, then the extend sequences
         decode: list[SeqInput] = []
         extend: list[SeqInput] = []
@@ -372,6 +373,27 @@ class ModelRunner:
             label = f"forward_{'decode' if is_decode else 'extend'}_bs{len(seqs)}"
             with torch.profiler.record_function(label):  # a profile's step names
                 return self._forward_step(seqs, decode, extend)
+
+    def _verify_step(self, seqs: list[SeqInput]) -> list[SeqOutput | None]:
+        """A step with speculative verify sequences (model/spec_verify.py): each becomes one
+        decode row per position, run with the step's other sequences as one batch; each
+        verify sequence's output is its accepted run."""
+        for i, s in enumerate(seqs):
+            if s.draft:
+                problem = spec_verify.invalid(s)
+                if problem is None:
+                    try:
+                        self.batches._validate(s)
+                    except ValueError as exc:
+                        problem = str(exc)
+                if problem is not None:
+                    raise InvalidSequence(i, problem)
+        flat, origin, rows = spec_verify.expand(seqs)
+        try:
+            outs = self.forward_step(flat)
+        except InvalidSequence as exc:
+            raise InvalidSequence(origin[exc.index], str(exc)) from None
+        return spec_verify.collect(seqs, rows, outs)
 
     def _forward_step(self, seqs: list[SeqInput], decode: list[SeqInput],
                       extend: list[SeqInput]) -> list[SeqOutput | None]:
@@ -390,11 +412,7 @@ class ModelRunner:
         if self.device.type == "cuda":  # sampling reads the tokens back anyway: no loss
             torch.cuda.synchronize(self.device)
         t_sample = time.perf_counter()
-        if batch.spec_rows is not None:  # verify sequences (issue 47): every row sampled
-            by_seq = self._verify_batch(logits, sampled, batch.spec_rows)
-            self.last_times = ForwardTimes(model=t_sample - t_model,
-                                           sample=time.perf_counter() - t_sample)
-        elif all([len(s.output_ids) >= s.argmax_from for s in sampled]):
+        if all([len(s.output_ids) >= s.argmax_from for s in sampled]):
             outs = self._argmax(logits)
             self.last_times = ForwardTimes(model=t_sample - t_model,
                                            sample=time.perf_counter() - t_sample)
@@ -429,20 +447,6 @@ class ModelRunner:
         for row, reason in grammar_failed.items():
             by_seq[id(sampled[row])] = SeqOutput(0, error=reason, error_code="INTERNAL")
         return by_seq
-
-    def _verify_batch(self, logits: torch.Tensor, sampled: list[SeqInput],
-                      rows: list[int]) -> dict[int, SeqOutput]:
-        """A step with verify sequences (model/spec_verify.py): every row sampled as its
-        position's plain decode step would sample it, then each verify sequence's accepted
-        run; each sampled sequence's output by its id()."""
-        if all([len(s.output_ids) >= s.argmax_from for s in sampled]):
-            outs = self._argmax(logits)  # a row's output length only grows past row 0's
-        else:
-            failed = apply_grammar_masks(logits, spec_verify.row_grammars(sampled, rows))
-            outs = self._sample(logits, spec_verify.row_requests(sampled, rows))
-            for row, reason in failed.items():
-                outs[row] = SeqOutput(0, error=reason, error_code="INTERNAL")
-        return spec_verify.accept(sampled, rows, outs)
 
     def _split_lanes(self, ordered: list[SeqInput]) -> list[tuple[int, int]]:
         """See :meth:`BatchBuilder.split_lanes`."""
@@ -565,10 +569,7 @@ class ModelRunner:
         if len(lanes) == 1:
             if self.packed is not None:
                 return run(0, self._packed_linear)
-            # decode only, or decode and speculative verify spans (a few tokens each)
-            decode_only = ids.shape[0] == len(batch.ordered) or (
-                batch.spec_rows is not None
-                and all(s.draft or len(s.token_ids) == 1 for s in batch.ordered))
+            decode_only = ids.shape[0] == len(batch.ordered)
             return run(0, self._split_linear if self.split_matmuls and decode_only else None)
         whole = self._packed_whole if self.packed is not None else None
         futures = [self._lanes_pool().submit(_in_inference_mode, run, i, whole)
@@ -611,12 +612,7 @@ class ModelRunner:
             return [by_seq.get(id(s)) for s in seqs]
         if any(s.return_hidden_states for s in sampled):
             wanted = [s.return_hidden_states for s in sampled]
-            select = batch.select
-            if batch.spec_rows is not None:  # each sequence's last row (verify: its last)
-                ends = list(itertools.accumulate(batch.spec_rows))
-                select = select.index_select(0, torch.tensor([e - 1 for e in ends],
-                                                             device=select.device))
-            for s, state in zip(sampled, hidden_rows(self.model, hidden, select, wanted)):
+            for s, state in zip(sampled, hidden_rows(self.model, hidden, batch.select, wanted)):
                 by_seq[id(s)].hidden_state = state
         if any(s.logprob_start_len >= 0 for s in ordered):
             for key, entries in input_logprobs(self.model, hidden, ordered, batch.offsets).items():

@@ -1,15 +1,17 @@
-"""Speculative decoding's verification (issue 47): from the target's logits at every
-position of a verify sequence (its last token, then its draft), the run of tokens the step
-gives it.
+"""Speculative decoding's verification (issue 47): a verify sequence (its last token, then
+its draft) run as one decode row per position, and the run of tokens the step gives it.
 
-Row ``i`` of a verify sequence holds the target's logits after the sequence and the first
-``i`` draft tokens. Each row is sampled as the plain decode step at that point would sample
-it: its own :class:`SampleRequest` sees the output *with* those ``i`` draft tokens, so
-penalties, ``min_new_tokens``, logit bias and logprobs are the ones a non-speculative step
-computes. The run keeps row 0's token; while a row's token equals the draft token at its
-place, the draft token is accepted and the next row's token follows; the first row whose
-token differs ends the run with that token (the correction), and a fully accepted draft
-ends with the last row's token (the bonus).
+Row ``i`` is the decode of position ``prefix_len + i`` with the sequence's first ``i`` draft
+tokens already in its table row: the step writes every new token's K/V before any of them
+attends, so row ``i`` attends to exactly the positions up to its own (the span's causal
+mask), through the plain decode path (the C decode layer on CPU: a verify row costs what one
+more sequence of a decode batch costs). Each row is sampled as the plain decode step at that
+point would sample it: its output is the sequence's followed by those ``i`` draft tokens,
+so penalties, ``min_new_tokens``, logit bias and logprobs are the ones a non-speculative
+step computes. The run keeps row 0's token; while a row's token equals the draft token at
+its place, the draft token is accepted and the next row's token follows; the first row
+whose token differs ends the run with that token (the correction), and a fully accepted
+draft ends with the last row's token (the bonus).
 
 Why this keeps the target's distribution exactly: drafts here are deterministic (n-gram
 lookup: the draft distribution q is a point mass on the draft token x). Speculative
@@ -18,67 +20,104 @@ sampling accepts x with probability min(1, p(x)/q(x)) = p(x), and on rejection d
 accepting when y == x does exactly that: P(accept) = p(x), and given a rejection y is
 distributed as p(y) / (1 - p(x)) over y != x. Greedy rows (argmax) are the special case
 p = one-hot: the accepted prefix is the longest one equal to the target's argmax, so the
-output is the non-speculative output token for token (up to the numerics of the extend
-path, which computes the same positions as the decode path in another order).
+output is the non-speculative output token for token.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
-from sglang_admin.model.sampling import SampleRequest
 from sglang_admin.model.step_io import SeqInput, SeqOutput
 
 
-def row_requests(sampled: Sequence[SeqInput], rows: Sequence[int]) -> list[SampleRequest]:
-    """One sampling request per row of the logits: a verify sequence's row ``i`` sees its
-    output followed by the first ``i`` draft tokens."""
-    reqs: list[SampleRequest] = []
-    for s, count in zip(sampled, rows):
-        ids = s.token_ids_logprob if s.return_logprob else None
-        draft = s.draft or []
-        for i in range(count):
-            output = s.output_ids if i == 0 else [*s.output_ids, *draft[:i]]
-            reqs.append(SampleRequest(s.sampling, s.prompt_ids, output, s.return_logprob,
-                                      s.top_logprobs_num, ids))
-    return reqs
+def invalid(s: SeqInput) -> str | None:
+    """Why a verify sequence cannot run (None: it can): its tokens must be its last token
+    then its draft, its table slots must reach its last position, and it must sample."""
+    draft = s.draft or []
+    if len(s.token_ids) != 1 + len(draft):
+        return f"a verify sequence of {len(s.token_ids)} tokens with a draft of {len(draft)}"
+    if s.prefix_len < 1 or not s.sample:
+        return "a verify sequence must follow a prefilled prefix and sample"
+    if s.table_start > s.prefix_len or (
+            s.table_start + len(s.table_slots) != s.prefix_len + len(s.token_ids)):
+        return "a verify sequence's table slots must cover its positions"
+    if s.grammar is not None or s.return_hidden_states or s.embed is not None:
+        return "a verify sequence cannot have a grammar, hidden states or pooling"
+    return None
 
 
-def row_grammars(sampled: Sequence[SeqInput], rows: Sequence[int]) -> list:
-    """The grammar matcher of each row (verify sequences never have one: speculative.py)."""
-    out: list = []
-    for s, count in zip(sampled, rows):
-        out.append(s.grammar if count == 1 else None)
-        out.extend([None] * (count - 1))
-    return out
-
-
-def accept(sampled: Sequence[SeqInput], rows: Sequence[int],
-           outs: Sequence[SeqOutput]) -> dict[int, SeqOutput]:
-    """Each sampled sequence's output by ``id()``: a plain one's row as it is; a verify
-    sequence's first token with the rest of its run in ``more``. A row that failed ends
-    the run before it (the step after recomputes that position and fails then, as a
-    non-speculative step would); a failed first row is the sequence's output."""
-    by_seq: dict[int, SeqOutput] = {}
-    r = 0
-    for s, count in zip(sampled, rows):
-        mine = outs[r : r + count]
-        r += count
-        if count == 1:
-            by_seq[id(s)] = mine[0]
+def expand(seqs: Sequence[SeqInput]
+           ) -> tuple[list[SeqInput], list[int], dict[int, list[SeqInput]]]:
+    """The step's sequences with each verify sequence replaced by one decode row per
+    position (row ``i``: the token at ``prefix_len + i``, its output followed by the first
+    ``i`` draft tokens); the index in ``seqs`` of each flat sequence; each verify
+    sequence's rows by ``id()``. The rows share the sequence's table row: a decode step
+    writes every new token's K/V before any attends, and row ``i`` attends to the
+    ``prefix_len + i + 1`` positions up to its own, which is the causal mask of the span."""
+    flat: list[SeqInput] = []
+    origin: list[int] = []
+    rows: dict[int, list[SeqInput]] = {}
+    for index, s in enumerate(seqs):
+        if not s.draft:
+            flat.append(s)
+            origin.append(index)
             continue
-        draft = s.draft or []
-        run: list[SeqOutput] = []
-        for i, out in enumerate(mine):
-            if out.error is not None:
-                break
-            run.append(out)
-            if i >= len(draft) or out.token_id != draft[i]:
-                break
-        if not run:
-            by_seq[id(s)] = mine[0]
+        draft = s.draft
+        p, start = s.prefix_len, s.table_start
+        mine: list[SeqInput] = []
+        for i, token in enumerate(s.token_ids):
+            if i == 0:  # the table's unsynced entries up to its own position
+                table_start, slots = start, s.table_slots[: p + 1 - start]
+            else:
+                table_start, slots = p + i, [s.table_slots[p + i - start]]
+            mine.append(dataclasses.replace(
+                s, prefix_len=p + i, token_ids=[token], table_start=table_start,
+                table_slots=slots,
+                output_ids=s.output_ids if i == 0 else [*s.output_ids, *draft[:i]],
+                draft=None))
+        rows[id(s)] = mine
+        flat.extend(mine)
+        origin.extend([index] * len(mine))
+    return flat, origin, rows
+
+
+def collect(seqs: Sequence[SeqInput], rows: dict[int, list[SeqInput]],
+            outs: Sequence[SeqOutput | None]) -> list[SeqOutput | None]:
+    """The outputs in ``seqs`` order from those of :func:`expand`'s flat sequences: a verify
+    sequence's is its accepted run (:func:`accept_run`)."""
+    result: list[SeqOutput | None] = []
+    i = 0
+    for s in seqs:
+        mine = rows.get(id(s))
+        if mine is None:
+            result.append(outs[i])
+            i += 1
             continue
-        first = run[0]
-        first.more = run[1:]
-        by_seq[id(s)] = first
-    return by_seq
+        result.append(accept_run(s.draft or [], outs[i : i + len(mine)]))
+        i += len(mine)
+    return result
+
+
+def accept_run(draft: Sequence[int], outs: Sequence[SeqOutput | None]) -> SeqOutput:
+    """A verify sequence's output from its rows' outputs: row 0's token with the rest of the
+    run in ``more``. While a row's token equals the draft token at its place, the draft
+    token is accepted and the next row's token follows; the first row that differs ends
+    the run with its token (the correction), and a fully accepted draft ends with the last
+    row's (the bonus). A row that failed ends the run before it (the step after recomputes
+    that position and fails then, as a non-speculative step would); a failed first row is
+    the sequence's output."""
+    run: list[SeqOutput] = []
+    for i, out in enumerate(outs):
+        if out is None or out.error is not None:
+            break
+        run.append(out)
+        if i >= len(draft) or out.token_id != draft[i]:
+            break
+    if not run:
+        first = outs[0] if outs else None
+        return first if first is not None else SeqOutput(
+            0, error="a verify sequence produced no output", error_code="INTERNAL")
+    head = run[0]
+    head.more = run[1:]
+    return head
