@@ -11,8 +11,9 @@ workloads, so both see the same machine:
   "rewrite this code with one change" (one rename; each request renames another name);
 - ``chat``: ordinary chat questions.
 
-Each at batch 1 (requests one after another) and batch 16 (16 at once), greedy, from an
-empty prefix cache. Printed: served tok/s of each worker, their ratio, the mean accept length
+Each at batch 1 (requests one after another, each sent to the plain worker then to the
+NGRAM one, so that both see the same machine load) and batch 16 (16 at once, the plain
+worker then the NGRAM one), greedy, from an empty prefix cache. Printed: served tok/s of each worker, their ratio, the mean accept length
 (tokens a verify step gave a request, from the GenerateCompletes' accept figures), and
 whether the outputs were equal token for token.
 
@@ -189,6 +190,16 @@ def _client(target: str, work: list[tuple[list[int], int]], concurrency: int,
 # ------------------------------------------------------------------------ the driver
 
 
+def _empty() -> dict:
+    return {"seconds": 0.0, "tokens": 0, "outputs": [], "accepted": 0, "drafted": 0,
+            "verify": 0}
+
+
+def _add(total: dict, one: dict) -> None:
+    for key, value in one.items():
+        total[key] += value
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model-path", default="smollm2",
@@ -232,8 +243,14 @@ def main(argv: list[str] | None = None) -> int:
               f"{'accept len':>10} {'accept rate':>11} {'equal':>6}")
         for name, reqs in work.items():
             conc = int(name.split("/")[1])
-            a = _client(plain.target, reqs, conc, tmp)
-            b = _client(spec.target, reqs, conc, tmp)
+            if conc == 1:  # request by request, alternating: both see the same machine
+                a, b = _empty(), _empty()
+                for one in reqs:
+                    _add(a, _client(plain.target, [one], 1, tmp))
+                    _add(b, _client(spec.target, [one], 1, tmp))
+            else:
+                a = _client(plain.target, reqs, conc, tmp)
+                b = _client(spec.target, reqs, conc, tmp)
             ra, rb = a["tokens"] / a["seconds"], b["tokens"] / b["seconds"]
             length = (b["accepted"] + b["verify"]) / b["verify"] if b["verify"] else 1.0
             rate = b["accepted"] / b["drafted"] if b["drafted"] else 0.0
