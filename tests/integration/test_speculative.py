@@ -161,8 +161,9 @@ def test_lora_requests_verify_with_their_adapter(tmp_path_factory) -> None:
             lora, ids = case
             req = pb.GenerateRequest(tokenized=pb.TokenizedInput(input_ids=ids),
                                      lora_id=lora or "",
-                                     sampling_params=pb.SamplingParams(max_new_tokens=24,
-                                                                       ignore_eos=True))
+                                     sampling_params=pb.SamplingParams(
+                                         max_new_tokens=24, min_new_tokens=24,
+                                         ignore_eos=True))  # EOS masked, as peft's reference
             return [r.complete for r in stub.Generate(req, timeout=120)][-1]
 
         with cf.ThreadPoolExecutor(len(cases)) as pool:
