@@ -171,3 +171,38 @@ def test_tiny_transformers_checkpoints_spec_on_equals_off(kind, tmp_path) -> Non
     on, sched = run(tiny, SpecConfig(num_draft_tokens=5), reqs())
     assert sched.spec.accepted > 0
     assert on == off
+
+
+@pytest.mark.parametrize("seed", [3])
+def test_fuzz_random_settings_and_requests_never_fail_a_request(runner, seed) -> None:
+    """Random NGRAM settings and random requests (repeating or not; greedy or sampled;
+    penalties, logprobs, stop ids, min_new_tokens, n) on the real engine: no request fails,
+    nothing leaks (run() checks), and the greedy ones equal the plain engine's."""
+    import random
+
+    rng = random.Random(seed)
+    spec = SpecConfig(num_draft_tokens=rng.randint(1, 64), min_window=(lo := rng.randint(1, 3)),
+                      max_window=rng.randint(lo, 16))
+
+    def reqs() -> list[GenerateReq]:
+        r = random.Random(seed + 1)
+        out = []
+        for i in range(24):
+            unit = [r.randrange(3, 255) for _ in range(r.randint(1, 5))]
+            prompt = (unit * 40)[: r.randint(2, 80)]
+            params = SamplingParams(
+                temperature=r.choice([0.0, 0.0, 0.8]), top_k=r.choice([-1, 5]),
+                max_new_tokens=r.randint(1, 40), min_new_tokens=r.choice([0, 3]),
+                frequency_penalty=r.choice([0.0, 0.5]), stop_token_ids=r.choice([[], [34]]),
+                ignore_eos=r.random() < 0.5)
+            out.append(GenerateReq(f"z{i}", prompt, params, return_logprob=r.random() < 0.3,
+                                   n=r.choice([1, 1, 2])))
+        return out
+
+    off, _ = run(runner, None, reqs())
+    on, _ = run(runner, spec, reqs())
+    assert set(on) == set(off)
+    for r in reqs():
+        if r.sampling.temperature == 0.0:
+            for key in [k for k in off if k.startswith(f"{r.rid}/")]:
+                assert on[key]["ids"] == off[key]["ids"], key
