@@ -122,6 +122,45 @@ def test_accept_figures_in_loads_server_info_and_metrics_and_kv_exact(
     assert all(load.num_free_tokens == load.max_total_num_tokens for load in loads.loads)
 
 
+def test_pause_retract_mid_speculation_then_continue_gives_the_plain_output(
+        spec_server: ServerProc, server: ServerProc) -> None:
+    """Streams that verify drafts are retracted (their KV freed), then continued: their
+    outputs are the plain worker's, and the pool is back to no used tokens."""
+    import threading
+
+    spec = spec_server.stub()
+    prompts = LOOPING[:4]
+    want = [generate(server.stub(), ids, max_new_tokens=300, ignore_eos=True)[0]
+            for ids in prompts]
+    got: list[list[int]] = [[] for _ in prompts]
+
+    def stream(i: int) -> None:
+        got[i] = generate(spec, prompts[i], stream=True, max_new_tokens=300,
+                          ignore_eos=True)[0]
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    deadline = time.time() + 60
+    while sum(x.num_running_reqs for x in stub_loads(spec)) < len(prompts):
+        assert time.time() < deadline
+        time.sleep(0.01)
+    paused = spec.PauseGeneration(pb.PauseGenerationRequest(mode="retract"), timeout=30)
+    assert paused.success, paused.message
+    assert spec.ContinueGeneration(pb.ContinueGenerationRequest(), timeout=30).success
+    for t in threads:
+        t.join(120)
+    assert got == want
+    while any(x.num_total_reqs for x in stub_loads(spec)):
+        assert time.time() < deadline + 60
+        time.sleep(0.05)
+    assert all(x.num_used_tokens == 0 for x in stub_loads(spec))
+
+
+def stub_loads(stub) -> list[pb.SchedulerLoad]:
+    return list(stub.GetLoads(pb.GetLoadsRequest(include=["core"]), timeout=10).loads)
+
+
 def test_bad_settings_are_refused_at_start() -> None:
     for args, why in [
         (["--speculative-algorithm", "EAGLE"], "is not one of"),
