@@ -177,7 +177,9 @@ def ngram_lookup(seq: Sequence[int], where: dict[int, list[int]], k: int, min_wi
     """Prompt lookup: the up-to-``k`` tokens that followed the latest earlier occurrence of
     the sequence's last ``n`` tokens, for the largest ``n`` from ``max_window`` down to
     ``min_window`` that occurs (the latest of ``MAX_CANDIDATES`` occurrences of the last
-    token looked at); [] when none does."""
+    token looked at); [] when none does. When that continuation reaches the sequence's end
+    and the match covers its period at least once more (the text loops), the loop is
+    continued up to ``k`` tokens."""
     end = len(seq)
     if end < 2 or k <= 0:
         return []
@@ -204,7 +206,14 @@ def ngram_lookup(seq: Sequence[int], where: dict[int, list[int]], k: int, min_wi
                 break
     if best_len < min_window:
         return []
-    return list(seq[best_pos + 1 : min(best_pos + 1 + k, end)])
+    draft = list(seq[best_pos + 1 : min(best_pos + 1 + k, end)])
+    period = end - 1 - best_pos
+    if len(draft) < k and best_len >= period:
+        # the match runs into the suffix itself and the suffix repeats its period at least
+        # twice (a loop: "a b a b a b"): continue the loop
+        while len(draft) < k:
+            draft.append(draft[len(draft) - period])
+    return draft
 
 
 class Drafter(Protocol):

@@ -37,8 +37,10 @@ def test_ngram_lookup_takes_the_longest_then_latest_match() -> None:
     assert _lookup([1, 2, 3, 7, 8, 1, 2, 3, 9, 5, 1, 2, 3], 2) == [9, 5]
     # a longer suffix match (4 tokens: 0 1 2 3) beats a later shorter one (1 2 3)
     assert _lookup([0, 1, 2, 3, 7, 8, 6, 1, 2, 3, 9, 5, 0, 1, 2, 3], 3) == [7, 8, 6]
-    # the continuation stops at the sequence's end
+    # the continuation stops at the sequence's end, unless the text loops
     assert _lookup([4, 5, 4], 8) == [5, 4]
+    assert _lookup([9, 4, 5, 4, 5, 4], 5) == [5, 4, 5, 4, 5]
+    assert _lookup([34, 34, 34], 4) == [34, 34, 34, 34]
     # no earlier occurrence, or one shorter than the minimum window: no draft
     assert _lookup([1, 2, 3], 4) == []
     assert _lookup([9, 2, 1, 2], 4, lo=2) == []
