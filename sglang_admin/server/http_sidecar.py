@@ -315,9 +315,10 @@ class HttpSidecar:
         self.metrics = metrics
         self.check = check
         self._runner: web.AppRunner | None = None
-        self.app = self._build()
+        self.app = self.build_app()
 
-    def _build(self) -> web.Application:
+    def build_app(self) -> web.Application:
+        """The routes as an aiohttp Application (one per event loop: it binds to the first)."""
         app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._edge])
         add = app.router.add_route
         for method in ("POST", "GET"):
