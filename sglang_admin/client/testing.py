@@ -165,14 +165,15 @@ def wait_serving(target: str, proc: subprocess.Popen, timeout: float = 180, **ch
 
 def start_server(
     tmp_path: Path, *args: str, env: dict[str, str] | None = None, wait: bool = True,
-    port: int | None = None, make_channel=None,
+    port: int | None = None, make_channel=None, default_sidecar: bool = False,
 ) -> ServerProc:
     """``python -m sglang_admin serve ARGS`` on a free loopback port, its log in
     ``tmp_path``; with ``wait``, once it is SERVING (killed, with its log, if it fails).
-    Its HTTP sidecar gets a free port too unless ARGS set one (``ServerProc.sidecar_port``)."""
+    Its HTTP sidecar gets a free port too unless ARGS set one (``ServerProc.sidecar_port``),
+    or ``default_sidecar`` leaves it at its default, ``port`` + 1."""
     port = port or free_port()
     log_path = tmp_path / f"server-{port}.log"
-    extra, sidecar = sidecar_args(port, args)
+    extra, sidecar = ([], port + 1) if default_sidecar else sidecar_args(port, args)
     cmd = [sys.executable, "-m", "sglang_admin", "serve", "--port", str(port), *args, *extra]
     full_env = {**os.environ, **(env or {})}
     with open(log_path, "w") as log:  # the child keeps its own copy of the descriptor
