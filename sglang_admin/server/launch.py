@@ -224,9 +224,12 @@ class Server:
                                        None if auth is None else auth.check)
             try:
                 port = await self.sidecar.start()
-            except (OSError, ssl.SSLError) as exc:
+            except ssl.SSLError:
                 self.sidecar = None
-                why = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+                why = "--tls-cert/--tls-key do not load as a certificate chain and its key"
+            except OSError as exc:  # asyncio's text repeats the address: the errno's alone
+                self.sidecar = None
+                why = os.strerror(exc.errno) if exc.errno else str(exc) or type(exc).__name__
         if why:
             assert self.server is not None
             await self.server.stop(None)

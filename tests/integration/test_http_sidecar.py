@@ -154,7 +154,8 @@ def test_a_sidecar_port_in_use_stops_the_start_with_one_line(tmp_path: Path) -> 
         with pytest.raises(RuntimeError) as err:
             start_server(tmp_path, "--grpc-http-sidecar-port", str(port))
     message = str(err.value)
-    assert f"cannot serve the HTTP sidecar on 127.0.0.1:{port} (" in message
+    assert f"cannot serve the HTTP sidecar on 127.0.0.1:{port} (Address already in use); " \
+        in message
     assert "choose another --grpc-http-sidecar-port, or --disable-http-sidecar" in message
 
 

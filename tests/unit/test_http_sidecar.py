@@ -183,6 +183,7 @@ def test_answers_and_refusals_as_sglangs_http_server() -> None:
     assert call(app, "GET", "/nope")[0] == 404
     assert call(app, "DELETE", "/flush_cache")[0] == 405
     assert call(app, "POST", "/metrics")[0] == 405
+    assert call(app, "POST", "/start_profile", data=b" " * (1 << 20) + b"{}")[0] == 413
 
 
 @pytest.mark.parametrize("code, status", [
