@@ -219,7 +219,7 @@ class Metrics:
     content_type = CONTENT_TYPE_PLAIN_0_0_4
 
     def get_metrics(self, request: pb.GetMetricsRequest) -> pb.GetMetricsResponse:
-        """The GetMetrics RPC: the exposition the HTTP exporter serves, as text."""
+        """The GetMetrics RPC: the exposition the HTTP sidecar's /metrics serves, as text."""
         if not self.enabled:
             raise ServiceError(
                 grpc.StatusCode.FAILED_PRECONDITION,
