@@ -13,6 +13,8 @@ import json
 import os
 import random
 import socket
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -316,6 +318,63 @@ def test_bench_servings_profile_requests_write_a_trace(
     wait_idle(pair.a)
     (trace,) = {p.name.split("-TP-")[0] for p in (output_dir / "steps").glob("*.trace.json.gz")}
     assert_traces(output_dir / "steps", trace, steps=2)
+
+
+BENCH_PYTHONPATH = os.environ.get("SGLANG_BENCH_PYTHONPATH", "")
+
+
+@pytest.mark.skipif(not BENCH_PYTHONPATH, reason=(
+    "SGLang's bench_serving needs sglang and much of its stack: set SGLANG_BENCH_PYTHONPATH "
+    "to a PYTHONPATH where `import sglang.benchmark.serving` works (docs/operations.md)"))
+def test_sglangs_own_bench_serving_profiles_through_the_sidecar(pair: Pair, tmp_path: Path) -> None:
+    """SGLang's ``python -m sglang.bench_serving --profile`` as a user runs it in PD style:
+    inference through the SMG router, the profiler on the worker's sidecar
+    (``--pd-separated --profile-prefill-url``); its traces land in the worker's root."""
+    pytest.importorskip("smg")
+    model = pair.a.stub().GetModelInfo(pb.GetModelInfoRequest(), timeout=10).model_path
+    port = free_port()
+    with open(tmp_path / "router.log", "w") as log:
+        router = subprocess.Popen(
+            [sys.executable, "-m", "smg.launch_router", "--worker-urls",
+             f"grpc://127.0.0.1:{pair.a.port}", "--host", "127.0.0.1", "--port", str(port),
+             "--prometheus-port", str(free_port()), "--worker-startup-check-interval", "1",
+             "--log-level", "warn"], stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
+    out = pair.prof_a / "bench"
+    out.mkdir()
+    try:
+        deadline = time.time() + 60
+        while not (_up(port) and model in http("GET", f"http://127.0.0.1:{port}/v1/models",
+                                               timeout=5)[1]):
+            assert time.time() < deadline and router.poll() is None, "router not ready"
+            time.sleep(0.5)
+        done = subprocess.run(
+            [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang",
+             "--base-url", f"http://127.0.0.1:{port}", "--model", model, "--tokenizer", model,
+             "--extra-request-body", json.dumps({"model": model}),  # the router needs it
+             "--dataset-name", "random-ids", "--num-prompts", "8", "--random-input-len", "16",
+             "--random-output-len", "4", "--profile", "--profile-activities", "CPU",
+             "--pd-separated", "--profile-prefill-url", pair.a.http_url],
+            capture_output=True, text=True, timeout=300, cwd=tmp_path,
+            env={**os.environ, "PYTHONPATH": BENCH_PYTHONPATH, "HF_HUB_OFFLINE": "1",
+                 "SGLANG_TORCH_PROFILER_DIR": str(out)},
+        )
+    finally:
+        router.kill()
+        router.wait(10)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "Profiler started for Prefill-0 worker" in done.stdout
+    assert "Profiler stopped for Prefill-0 worker" in done.stdout
+    files = sorted(out.glob("*/*.trace.json.gz"))
+    assert len(files) == 2  # one per rank of worker A
+    assert sum(len(events(f)) for f in files) >= 2
+
+
+def _up(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+    except OSError:
+        return False
 
 
 # ---------------------------------------------------------------------- flush
