@@ -149,16 +149,24 @@ def test_two_workers_on_consecutive_ports_serve_their_sidecars(pair: Pair) -> No
 
 
 def test_a_sidecar_port_in_use_stops_the_start_with_one_line(tmp_path: Path) -> None:
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
+    grpc_port = consecutive_free_ports(2)
+    with socket.socket() as taken:  # what a neighbour holds: this worker's port + 1
+        taken.bind(("127.0.0.1", grpc_port + 1))
         taken.listen()
-        port = taken.getsockname()[1]
         with pytest.raises(RuntimeError) as err:
-            start_server(tmp_path, "--grpc-http-sidecar-port", str(port))
-    message = str(err.value)
-    assert f"cannot serve the HTTP sidecar on 127.0.0.1:{port} (Address already in use); " \
-        in message
-    assert "choose another --grpc-http-sidecar-port, or --disable-http-sidecar" in message
+            start_server(tmp_path, port=grpc_port, default_sidecar=True)
+        message = str(err.value)
+        assert f"cannot serve the HTTP sidecar on 127.0.0.1:{grpc_port + 1} (Address already " \
+            "in use); choose another --grpc-http-sidecar-port, or --disable-http-sidecar" \
+            in message
+        # the way out it names: no sidecar, the gRPC port serves
+        srv = start_server(tmp_path, "--disable-http-sidecar", port=grpc_port)
+        try:
+            assert srv.sidecar_port is None
+            assert srv.stub().HealthCheck(pb.HealthCheckRequest(), timeout=10).healthy
+            assert "HTTP sidecar" not in srv.log()
+        finally:
+            srv.stop()
 
 
 # ---------------------------------------------------------------------- metrics and info
