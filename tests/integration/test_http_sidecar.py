@@ -394,6 +394,12 @@ def test_flush_idle_is_200_and_with_a_request_running_the_rpcs_answer_as_400(
     url = pair.a.http_url
     for method in ("GET", "POST"):
         assert http(method, f"{url}/flush_cache")[:2] == (200, FLUSH_TEXT)
+    # the caller's trace continues into the op: its id on the worker's log line
+    trace_id = os.urandom(16).hex()
+    parent = {"traceparent": f"00-{trace_id}-{os.urandom(8).hex()}-01"}
+    assert http("POST", f"{url}/flush_cache", headers=parent)[0] == 200
+    assert any("servicer: flush_cache rid=" in line and f"trace_id={trace_id}" in line
+               for line in pair.a.log().splitlines())
     stub = pair.a.stub()
     call = Stream(stub, greedy([5, 6, 7], 8000, stream=True, data_parallel_rank=0))
     call.start()
