@@ -194,7 +194,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="serve Prometheus metrics (sglang:* names) on the HTTP sidecar's "
                         "/metrics and through the GetMetrics RPC")
     p.add_argument("--grpc-http-sidecar-port", "--smg-http-sidecar-port", "--metrics-port",
-                   type=_port, default=None, dest="http_sidecar_port", metavar="PORT",
+                   type=_port, default=None, dest="grpc_http_sidecar_port", metavar="PORT",
                    help="the HTTP sidecar's TCP port, on --host beside the gRPC port, with "
                         "its TLS (/metrics, /start_profile, /stop_profile, /flush_cache, "
                         "/health, ...; docs/operations.md); default: the gRPC port + 1")

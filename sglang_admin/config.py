@@ -109,9 +109,10 @@ class ServerArgs:
     # Metrics (server/metrics.py): off unless asked; served by the HTTP sidecar's /metrics
     # and the GetMetrics RPC.
     enable_metrics: bool = False
-    # The HTTP sidecar (server/http_sidecar.py): on --host at http_sidecar_port (None: the
-    # gRPC port + 1, as SGLang's gRPC mode), unless disable_http_sidecar.
-    http_sidecar_port: int | None = None
+    # The HTTP sidecar (server/http_sidecar.py): on --host at grpc_http_sidecar_port
+    # (SGLang's name; None: the gRPC port + 1, as SGLang's gRPC mode), unless
+    # disable_http_sidecar.
+    grpc_http_sidecar_port: int | None = None
     disable_http_sidecar: bool = False
     # Watchdog (server/watchdog.py): a rank in one forward step for longer than
     # watchdog_timeout_s, or silent (no heartbeat) for watchdog_probe_timeout_s, is stuck.
@@ -144,7 +145,7 @@ class ServerArgs:
     @property
     def http_sidecar_listen_port(self) -> int:
         """The HTTP sidecar's port: --grpc-http-sidecar-port, or the gRPC port + 1."""
-        return self.http_sidecar_port if self.http_sidecar_port is not None else self.port + 1
+        return self.grpc_http_sidecar_port if self.grpc_http_sidecar_port is not None else self.port + 1
 
     @property
     def cores_per_rank(self) -> int:
