@@ -191,10 +191,15 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-coalesce", dest="coalesce_reads", action="store_false",
                    help="do not share in-flight GetServerInfo/health round trips")
     p.add_argument("--enable-metrics", action="store_true",
-                   help="serve Prometheus metrics (sglang:* names) over HTTP on --host at "
-                        "--metrics-port, and through the GetMetrics RPC")
-    p.add_argument("--metrics-port", type=_port, default=None,
-                   help="the metrics exporter's TCP port (default: the gRPC port + 1)")
+                   help="serve Prometheus metrics (sglang:* names) on the HTTP sidecar's "
+                        "/metrics and through the GetMetrics RPC")
+    p.add_argument("--grpc-http-sidecar-port", "--smg-http-sidecar-port", "--metrics-port",
+                   type=_port, default=None, dest="grpc_http_sidecar_port", metavar="PORT",
+                   help="the HTTP sidecar's TCP port, on --host beside the gRPC port, with "
+                        "its TLS (/metrics, /start_profile, /stop_profile, /flush_cache, "
+                        "/health, ...; docs/operations.md); default: the gRPC port + 1")
+    p.add_argument("--disable-http-sidecar", action="store_true",
+                   help="start no HTTP sidecar (metrics then only through GetMetrics)")
     p.add_argument("--watchdog-timeout", type=_seconds, default=ServerArgs.watchdog_timeout_s,
                    dest="watchdog_timeout_s",
                    help="seconds one forward step may take before its rank counts as stuck "

@@ -106,10 +106,14 @@ class ServerArgs:
     stream_buffer_bytes: int = 256 * 1024
     stream_buffer_bytes_total: int = 64 * 1024 * 1024
     coalesce_reads: bool = True
-    # Metrics (server/metrics.py): off unless asked; the exporter listens on --host at
-    # metrics_port (None: the gRPC port + 1, as SGLang's HTTP sidecar).
+    # Metrics (server/metrics.py): off unless asked; served by the HTTP sidecar's /metrics
+    # and the GetMetrics RPC.
     enable_metrics: bool = False
-    metrics_port: int | None = None
+    # The HTTP sidecar (server/http_sidecar.py): on --host at grpc_http_sidecar_port
+    # (SGLang's name; None: the gRPC port + 1, as SGLang's gRPC mode), unless
+    # disable_http_sidecar.
+    grpc_http_sidecar_port: int | None = None
+    disable_http_sidecar: bool = False
     # Watchdog (server/watchdog.py): a rank in one forward step for longer than
     # watchdog_timeout_s, or silent (no heartbeat) for watchdog_probe_timeout_s, is stuck.
     watchdog_timeout_s: float = 300.0
@@ -146,9 +150,9 @@ class ServerArgs:
         return f"ipc://{self.ipc_dir}/server"
 
     @property
-    def metrics_listen_port(self) -> int:
-        """The exporter's port: --metrics-port, or the gRPC port + 1."""
-        return self.metrics_port if self.metrics_port is not None else self.port + 1
+    def http_sidecar_listen_port(self) -> int:
+        """The HTTP sidecar's port: --grpc-http-sidecar-port, or the gRPC port + 1."""
+        return self.grpc_http_sidecar_port if self.grpc_http_sidecar_port is not None else self.port + 1
 
     @property
     def cores_per_rank(self) -> int:

@@ -47,8 +47,10 @@ def start(tree: str, *args: str) -> tuple[subprocess.Popen, pb_grpc.SglangSchedu
     """A worker running the code of ``tree`` (with ``args``), once it is healthy."""
     port = free_port()
     proc = subprocess.Popen(
+        # --metrics-port: the HTTP sidecar's port (its alias, known to older trees too) off
+        # port + 1, which may be another worker's
         [sys.executable, "-m", "sglang_admin", "serve", "--port", str(port),
-         "--log-level", "warning", *args],
+         "--metrics-port", str(free_port()), "--log-level", "warning", *args],
         cwd=tree, env=dict(os.environ, PYTHONPATH=tree),
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )

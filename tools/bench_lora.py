@@ -133,7 +133,7 @@ def main() -> int:
         log = open(Path(tmp) / "server.log", "w")  # noqa: SIM115 - closed below
         server = subprocess.Popen(
             [sys.executable, "-m", "sglang_admin", "serve", "--port", str(port),
-             "--enable-lora", "--max-loaded-loras", str(NUM_ADAPTERS),
+             "--grpc-http-sidecar-port", str(free_port()), "--enable-lora", "--max-loaded-loras", str(NUM_ADAPTERS),
              "--max-lora-rank", str(args.rank), "--lora-paths", *paths],
             stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
         )

@@ -63,7 +63,8 @@ class Worker:
     def __init__(self, args: list[str], log: Path) -> None:
         self.port = _free_port()
         self.log = log
-        cmd = [sys.executable, "-m", "sglang_admin", "serve", "--port", str(self.port), *args]
+        cmd = [sys.executable, "-m", "sglang_admin", "serve", "--port", str(self.port),
+               "--grpc-http-sidecar-port", str(_free_port()), *args]
         with open(log, "w") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                          cwd=Path(__file__).resolve().parents[1])

@@ -152,6 +152,7 @@ class OwnServer:
         cmd = [
             sys.executable, "-m", "sglang_admin", "serve",
             "--host", "127.0.0.1", "--port", str(self.port),
+            "--grpc-http-sidecar-port", str(free_port()),
             "--dp-size", str(args.dp_size),
             "--max-running-requests", str(max(64, args.streams)),
             "--profile-dir", str(self.tmp / "profiles"),

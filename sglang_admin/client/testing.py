@@ -33,6 +33,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# the flags that set the HTTP sidecar's port (one name and its aliases)
+SIDECAR_PORT_FLAGS = ("--grpc-http-sidecar-port", "--smg-http-sidecar-port", "--metrics-port")
+
+
+def sidecar_port_of(args: tuple[str, ...] | list[str]) -> int | None:
+    """The sidecar port ``serve`` ARGS set (``--flag N`` or ``--flag=N``), else None."""
+    for i, arg in enumerate(args):
+        name, eq, value = arg.partition("=")
+        if name in SIDECAR_PORT_FLAGS:
+            return int(value if eq else args[i + 1])
+    return None
+
+
+def sidecar_args(port: int, args: tuple[str, ...] | list[str]) -> tuple[list[str], int | None]:
+    """The flags to add to ``serve`` ARGS on gRPC ``port`` so that its HTTP sidecar gets a
+    free port of its own (port + 1, its default, may be another worker's), and that port
+    (None: ``--disable-http-sidecar``). ARGS that set the port keep it."""
+    if "--disable-http-sidecar" in args:
+        return [], None
+    given = sidecar_port_of(args)
+    if given is not None:
+        return [], given
+    sidecar = free_port()
+    while sidecar == port:
+        sidecar = free_port()
+    return ["--grpc-http-sidecar-port", str(sidecar)], sidecar
+
+
 @dataclass
 class ServerProc:
     """A worker running in a subprocess."""
@@ -41,10 +69,17 @@ class ServerProc:
     port: int
     log_path: Path
     extra_args: list[str] = field(default_factory=list)
+    sidecar_port: int | None = None  # its HTTP sidecar (None: --disable-http-sidecar)
 
     @property
     def target(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def http_url(self) -> str:
+        """The HTTP sidecar's base URL (``http://127.0.0.1:PORT``)."""
+        assert self.sidecar_port is not None, "started with --disable-http-sidecar"
+        return f"http://127.0.0.1:{self.sidecar_port}"
 
     def channel(self, **kw) -> grpc.Channel:
         return grpc.insecure_channel(self.target, **kw)
@@ -130,19 +165,22 @@ def wait_serving(target: str, proc: subprocess.Popen, timeout: float = 180, **ch
 
 def start_server(
     tmp_path: Path, *args: str, env: dict[str, str] | None = None, wait: bool = True,
-    port: int | None = None, make_channel=None,
+    port: int | None = None, make_channel=None, default_sidecar: bool = False,
 ) -> ServerProc:
     """``python -m sglang_admin serve ARGS`` on a free loopback port, its log in
-    ``tmp_path``; with ``wait``, once it is SERVING (killed, with its log, if it fails)."""
+    ``tmp_path``; with ``wait``, once it is SERVING (killed, with its log, if it fails).
+    Its HTTP sidecar gets a free port too unless ARGS set one (``ServerProc.sidecar_port``),
+    or ``default_sidecar`` leaves it at its default, ``port`` + 1."""
     port = port or free_port()
     log_path = tmp_path / f"server-{port}.log"
-    cmd = [sys.executable, "-m", "sglang_admin", "serve", "--port", str(port), *args]
+    extra, sidecar = ([], port + 1) if default_sidecar else sidecar_args(port, args)
+    cmd = [sys.executable, "-m", "sglang_admin", "serve", "--port", str(port), *args, *extra]
     full_env = {**os.environ, **(env or {})}
     with open(log_path, "w") as log:  # the child keeps its own copy of the descriptor
         proc = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=PACKAGE_PARENT
         )
-    server = ServerProc(proc, port, log_path, list(args))
+    server = ServerProc(proc, port, log_path, list(args), sidecar)
     if wait:
         try:
             if make_channel is None:

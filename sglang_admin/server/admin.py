@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import grpc
 
@@ -63,7 +63,19 @@ def admin_methods(servicer: type, service_name: str) -> frozenset[str]:
     )
 
 
-def effective_timeout(context: grpc.aio.ServicerContext, server_default: float) -> float:
+class CallContext(Protocol):
+    """What the admin path reads of a call: a grpc.aio ServicerContext, or the HTTP
+    sidecar's :class:`~sglang_admin.server.http_sidecar.HttpCallContext` (its routes call
+    the same service methods as the RPCs)."""
+
+    def invocation_metadata(self) -> Any:
+        """(key, value) pairs: ``authorization``, ``traceparent``, ``tracestate``, ..."""
+
+    def time_remaining(self) -> float | None:
+        """Seconds left of the caller's deadline (None: none)."""
+
+
+def effective_timeout(context: CallContext, server_default: float) -> float:
     """The smaller of the op's server default and the caller's remaining deadline, less a
     margin so that the server's answer (naming the ranks that did not answer) reaches the
     caller before its own deadline fires."""
@@ -187,7 +199,7 @@ class AdminCalls:
 
     async def fan_out(
         self,
-        context: grpc.aio.ServicerContext,
+        context: CallContext,
         op: str,
         make: MakeMessage,
         server_default: float,

@@ -23,7 +23,7 @@ from sglang_admin.messages import (
 )
 from sglang_admin.pb import common_pb2 as pb
 from sglang_admin.server import profiles
-from sglang_admin.server.admin import AdminCalls, effective_timeout
+from sglang_admin.server.admin import AdminCalls, CallContext, effective_timeout
 from sglang_admin.server.communicator import Communicator
 from sglang_admin.server.convert import ServiceError, flush_timeout_from_proto
 from sglang_admin.server.info_service import INFO_TIMEOUT_S
@@ -42,7 +42,7 @@ class CacheAndProfile:
         self.profiles = profiles.ProfileRegistry()  # the profiles this server started
 
     async def flush(
-        self, request: pb.FlushCacheRequest, context: grpc.aio.ServicerContext
+        self, request: pb.FlushCacheRequest, context: CallContext
     ) -> pb.FlushCacheResponse:
         timeout_s = flush_timeout_from_proto(float(request.timeout_s))
         out = await self.admin.fan_out(
@@ -60,7 +60,7 @@ class CacheAndProfile:
         return response
 
     async def start_profile(
-        self, request: pb.StartProfileRequest, context: grpc.aio.ServicerContext
+        self, request: pb.StartProfileRequest, context: CallContext
     ) -> pb.ProfileResponse:
         """Start (or arm, with start_step) a torch.profiler session on every rank."""
         self.admin.require_ready()
@@ -83,7 +83,7 @@ class CacheAndProfile:
         )
 
     async def stop_profile(
-        self, request: pb.StopProfileRequest, context: grpc.aio.ServicerContext
+        self, request: pb.StopProfileRequest, context: CallContext
     ) -> pb.ProfileResponse:
         """Stop every rank's profiler; answers once every rank has written its files."""
         registry = self.profiles

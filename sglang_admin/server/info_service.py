@@ -16,7 +16,12 @@ from sglang_admin import __version__
 from sglang_admin.config import ServerArgs
 from sglang_admin.messages import ModelInfo, RankState, StateReq
 from sglang_admin.pb import common_pb2 as pb
-from sglang_admin.server.admin import AdminCalls, effective_timeout, rank_failure_text
+from sglang_admin.server.admin import (
+    AdminCalls,
+    CallContext,
+    effective_timeout,
+    rank_failure_text,
+)
 from sglang_admin.server.communicator import Communicator, RankFailure
 from sglang_admin.server.convert import Serialized, ServiceError, invalid
 from sglang_admin.server.tokenizer_bundle import (
@@ -58,7 +63,7 @@ class Info:
         return [replies[r].result for r in sorted(replies)], failures
 
     async def health(
-        self, request: pb.HealthCheckRequest, context: grpc.aio.ServicerContext
+        self, request: pb.HealthCheckRequest, context: CallContext
     ) -> pb.HealthCheckResponse:
         if not self.comm.healthy:
             reason = (
@@ -74,7 +79,7 @@ class Info:
         return pb.HealthCheckResponse(healthy=True, message="OK")
 
     async def model_info(
-        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+        self, request: pb.GetModelInfoRequest, context: CallContext
     ) -> pb.GetModelInfoResponse:
         self.admin.require_ready()
         info = self.model
@@ -161,7 +166,7 @@ class Info:
         return static
 
     async def server_info(
-        self, request: pb.GetServerInfoRequest, context: grpc.aio.ServicerContext
+        self, request: pb.GetServerInfoRequest, context: CallContext
     ) -> Serialized:
         """GetServerInfo's answer, in wire form: the static part serialized once
         (:meth:`_static_info`), then what each call finds."""

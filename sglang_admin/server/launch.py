@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import multiprocessing as mp
 import os
 import shutil
 import signal
 import socket
+import ssl
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -21,6 +21,7 @@ from sglang_admin.pb import common_pb2, common_pb2_grpc
 from sglang_admin.scheduler.entry import run_rank, run_tp_follower
 from sglang_admin.server import admission, ipc_dir
 from sglang_admin.server.communicator import Communicator
+from sglang_admin.server.http_sidecar import HttpSidecar
 from sglang_admin.server.interceptors import (
     AccessLogInterceptor,
     AuthInterceptor,
@@ -33,7 +34,6 @@ logger = logging.getLogger(__name__)
 
 SERVICE_NAME = common_pb2.DESCRIPTOR.services_by_name["SglangScheduler"].full_name
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
-GET_METRICS = f"/{SERVICE_NAME}/GetMetrics"  # the exporter follows this RPC's auth rule
 RANK_POLL_S = 0.2
 
 
@@ -136,6 +136,7 @@ class Server:
         self.health = health.aio.HealthServicer()
         self.comm: Communicator | None = None
         self.server: grpc.aio.Server | None = None
+        self.sidecar: HttpSidecar | None = None
         # --tp-size > 1: (dp rank, tp rank, process) of every TP rank past the first
         self.tp_procs: list[tuple[int, int, mp.process.BaseProcess]] = []
         self.stuck_ranks: set[int] = set()  # killed at shutdown: they cannot stop themselves
@@ -205,6 +206,42 @@ class Server:
                                           f"{proc.exitcode}")
             await asyncio.sleep(RANK_POLL_S)
 
+    async def _start_sidecar(
+        self, servicer: SglangSchedulerServicer, auth: AuthInterceptor | None
+    ) -> None:
+        """The HTTP sidecar on --host at its port; a port it cannot listen on stops the
+        start (exit 2) with one line naming the flag."""
+        args = self.args
+        port = args.http_sidecar_listen_port
+        flag = "--grpc-http-sidecar-port"
+        why = ""
+        if port > 65535:
+            why = f"the default, --port + 1, is {port}: past 65535"
+        elif port == args.port:
+            why = "it is the gRPC --port"
+        if not why:
+            self.sidecar = HttpSidecar(args, servicer.cache, servicer.info, servicer.metrics,
+                                       None if auth is None else auth.check)
+            try:
+                port = await self.sidecar.start()
+            except ssl.SSLError:
+                self.sidecar = None
+                why = "--tls-cert/--tls-key do not load as a certificate chain and its key"
+            except OSError as exc:  # asyncio's text repeats the address: the errno's alone
+                self.sidecar = None
+                why = os.strerror(exc.errno) if exc.errno else str(exc) or type(exc).__name__
+        if why:
+            assert self.server is not None
+            await self.server.stop(None)
+            raise StartupError(
+                f"cannot serve the HTTP sidecar on {args.host}:{port} ({why}); choose "
+                f"another {flag}, or --disable-http-sidecar"
+            )
+        scheme = "https" if args.tls_cert else "http"
+        logger.info("HTTP sidecar on %s://%s:%d (/start_profile, /stop_profile, /flush_cache, "
+                    "/health%s)", scheme, args.host, port,
+                    ", /metrics" if args.enable_metrics else "")
+
     async def run(self) -> int:
         args = self.args
         self.comm = Communicator(args)
@@ -256,18 +293,8 @@ class Server:
             raise StartupError(f"cannot listen on {address} ({why})")
         await self.server.start()
         logger.info("listening on %s:%d (%s)", args.host, port, "TLS" if creds else "plaintext")
-        if args.enable_metrics:
-            try:
-                metrics_port = self.comm.metrics.start_exporter(
-                    None if auth is None else functools.partial(auth.check, GET_METRICS)
-                )
-            except OSError as exc:
-                await self.server.stop(None)
-                raise StartupError(
-                    f"cannot serve metrics on {args.host}:{args.metrics_listen_port} "
-                    f"({exc.strerror or exc}); choose another --metrics-port"
-                ) from None
-            logger.info("metrics on http://%s:%d/metrics", args.host, metrics_port)
+        if not args.disable_http_sidecar:
+            await self._start_sidecar(servicer, auth)
         self._start_ranks()
 
         loop = asyncio.get_running_loop()
@@ -313,10 +340,11 @@ class Server:
         await self.health.enter_graceful_shutdown()
         if self.comm is not None:
             self.comm.kv_hub.close()  # KV event streams never end by themselves: end them now
-        if self.server is not None:
-            await self.server.stop(grace)
+        stopping = [self.server.stop(grace)] if self.server is not None else []
+        if self.sidecar is not None:  # its calls in flight finish within the same grace
+            stopping.append(self.sidecar.stop())
+        await asyncio.gather(*stopping)
         if self.comm is not None:
-            self.comm.metrics.stop_exporter()
             await self.comm.close()
         for proc in [*self.procs, *(p for _, _, p in self.tp_procs)]:
             proc.join(timeout=5)

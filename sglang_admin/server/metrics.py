@@ -8,9 +8,12 @@
 - Our own: admin calls by op and status and their latency, profile bytes written, KV events
   published, weight updates, watchdog verdicts.
 
-Two ways to read them: the HTTP exporter (prometheus_client's own server, on --host at
---metrics-port) and the GetMetrics RPC; both serve :meth:`Metrics.exposition`. With
-``--enable-metrics`` off every hook returns at once and nothing is registered.
+Two ways to read them: the HTTP sidecar's ``/metrics`` (server/http_sidecar.py, on --host
+at --grpc-http-sidecar-port) and the GetMetrics RPC; both serve :meth:`Metrics.exposition`,
+always in the classic text format 0.0.4 (prometheus_client's OpenMetrics output rewrites
+the colon of every sample name, ``sglang:num_running_reqs`` arriving as
+``sglang_num_running_reqs``, and dashboards read SGLang's names). With ``--enable-metrics``
+off every hook returns at once and nothing is registered.
 """
 
 from __future__ import annotations
@@ -37,7 +40,6 @@ from sglang_admin.config import ServerArgs
 from sglang_admin.messages import RankState, ReqOutput
 from sglang_admin.pb import common_pb2 as pb
 from sglang_admin.server.convert import ServiceError
-from sglang_admin.server.metrics_http import AuthCheck, start_exporter
 
 # Bucket bounds (seconds) in the style of SGLang's defaults; not checked against every
 # SGLang version (its bounds changed over time). Dashboards' histogram_quantile() reads the
@@ -148,7 +150,6 @@ class Metrics:
         self._fixed_name: str | None = None
         self._admin_counters: dict[tuple[str, str], Any] = {}
         self._admin_latencies: dict[str, Any] = {}
-        self._http: Any = None
         if not self.enabled:
             return
         disable_created_metrics()  # no *_created series: SGLang's exposition has none
@@ -223,7 +224,7 @@ class Metrics:
     content_type = CONTENT_TYPE_PLAIN_0_0_4
 
     def get_metrics(self, request: pb.GetMetricsRequest) -> pb.GetMetricsResponse:
-        """The GetMetrics RPC: the exposition the HTTP exporter serves, as text."""
+        """The GetMetrics RPC: the exposition the HTTP sidecar's /metrics serves, as text."""
         if not self.enabled:
             raise ServiceError(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -232,19 +233,6 @@ class Metrics:
         return pb.GetMetricsResponse(
             text=self.exposition().decode(), content_type=self.content_type
         )
-
-    def start_exporter(self, check: AuthCheck | None = None) -> int:
-        """Serve the exposition over HTTP on --host at --metrics-port (server/metrics_http.py:
-        the auth rule ``check``, TLS as the gRPC port). Returns the port; raises OSError
-        when it cannot listen."""
-        self._http = start_exporter(self.args, self.registry, check)
-        return int(self._http.server_port)
-
-    def stop_exporter(self) -> None:
-        if self._http is not None:
-            self._http.shutdown()
-            self._http.server_close()
-            self._http = None
 
     # ------------------------------------------------------------------ generation
 

@@ -111,7 +111,8 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
     async def GetMetrics(
         self, request: pb.GetMetricsRequest, context: Context
     ) -> pb.GetMetricsResponse:
-        """Prometheus text exposition (server/metrics.py), as the HTTP exporter serves it."""
+        """Prometheus text exposition (server/metrics.py), as the HTTP sidecar's /metrics
+        serves it."""
         return self.metrics.get_metrics(request)
 
     # ------------------------------------------------------------------ cache and profile

@@ -52,10 +52,10 @@ def by_rank(found: dict, name: str) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def metered(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProc, int]]:
-    """dp 2 with metrics on an explicit port; (server, metrics port)."""
+    """dp 2 with metrics on an explicit sidecar port; (server, metrics port)."""
     port = free_port()
     srv = start_server(tmp_path_factory.mktemp("metrics"), "--dp-size", "2",
-                       "--enable-metrics", "--metrics-port", str(port))
+                       "--enable-metrics", "--grpc-http-sidecar-port", str(port))
     yield srv, port
     srv.stop()
 
@@ -272,7 +272,7 @@ def test_a_long_prefill_is_never_flagged(tmp_path: Path) -> None:
 
 
 def test_the_exporter_and_get_metrics_honour_the_api_key(tmp_path: Path) -> None:
-    port = free_port()
+    port = free_port()  # --metrics-port: the sidecar's port under its old name
     srv = start_server(tmp_path, "--enable-metrics", "--metrics-port", str(port),
                        "--api-key", "k1")
     try:
@@ -295,5 +295,14 @@ def test_the_exporter_and_get_metrics_honour_the_api_key(tmp_path: Path) -> None
         text = stub.GetMetrics(pb.GetMetricsRequest(), timeout=10,
                                metadata=[("authorization", "Bearer k1")]).text
         assert "sglang:num_running_reqs" in text
+        # --api-key alone guards the sidecar's admin routes too (SGLang #38089)
+        flush = f"http://127.0.0.1:{port}/flush_cache"
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(urllib.request.Request(flush, method="POST"), timeout=10)
+        assert err.value.code == 401
+        keyed = urllib.request.Request(flush, method="POST",
+                                       headers={"Authorization": "Bearer k1"})
+        with urllib.request.urlopen(keyed, timeout=30) as resp:
+            assert resp.status == 200 and resp.read().decode().startswith("Cache flushed.")
     finally:
         srv.stop()

@@ -9,8 +9,11 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import secrets
+import ssl
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -415,6 +418,41 @@ def test_mutual_tls_refuses_clients_without_a_trusted_certificate(
         assert pb_grpc.SglangSchedulerStub(ch).HealthCheck(
             pb.HealthCheckRequest(), timeout=10
         ).healthy
+
+
+def https(url: str, ctx: ssl.SSLContext, method: str = "GET",
+          key: str | None = None) -> int:
+    """The status of one HTTPS request to a sidecar."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    req = urllib.request.Request(url, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=30, context=ctx) as resp:
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_the_http_sidecar_serves_the_grpc_ports_tls(servers: Servers, tmp_path: Path) -> None:
+    """The sidecar serves HTTPS with the gRPC port's certificate, its keys, and with
+    --tls-client-ca only to clients with a trusted certificate."""
+    ctx = ssl.create_default_context(cafile=str(servers.pki.ca))
+    tls = f"https://127.0.0.1:{servers.tls.sidecar_port}"
+    assert https(f"{tls}/health", ctx) == 200
+    assert https(f"{tls}/flush_cache", ctx, "POST") == 401
+    assert https(f"{tls}/flush_cache", ctx, "POST", API_KEY) == 200  # the API key alone
+    with pytest.raises(OSError):  # plaintext HTTP to the TLS port: the connection is closed
+        urllib.request.urlopen(f"http://127.0.0.1:{servers.tls.sidecar_port}/health", timeout=10)
+    untrusted = ssl.create_default_context()  # the system's roots: not the test CA
+    with pytest.raises(OSError):
+        https(f"{tls}/health", untrusted)
+    mtls = f"https://127.0.0.1:{servers.mtls.sidecar_port}"
+    with pytest.raises(OSError):  # no client certificate: the handshake fails
+        https(f"{mtls}/health", ctx)
+    (tmp_path / "client.pem").write_bytes(servers.pki.client_cert)
+    (tmp_path / "client.key").write_bytes(servers.pki.client_key)
+    ctx.load_cert_chain(tmp_path / "client.pem", tmp_path / "client.key")
+    assert https(f"{mtls}/health", ctx) == 200
+    assert https(f"{mtls}/flush_cache", ctx) == 200
 
 
 @pytest.mark.parametrize(

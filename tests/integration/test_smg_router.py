@@ -387,6 +387,39 @@ def test_profiles_through_the_router(cluster: Cluster) -> None:
     assert final[0] > after[0] and final[1] == after[1], (after, final)
 
 
+def test_router_admin_routes_reach_the_rpcs_once_beside_the_sidecars(cluster: Cluster) -> None:
+    """Every worker runs its HTTP sidecar; the gateway's /flush_cache, /start_profile and
+    /stop_profile still reach each worker's RPC exactly once (the workers' --log-requests
+    logs one line per op, from either edge; the sidecar logs its own requests apart)."""
+    for w in cluster.workers:
+        status, _ = http("GET", f"{w.http_url}/health")
+        assert status == 200
+
+    def ops(op: str) -> list[int]:
+        return [sum(f"servicer: {op} rid=" in line for line in w.log().splitlines())
+                for w in cluster.workers]
+
+    def sidecar_calls() -> list[int]:
+        return [w.log().count("sglang_admin.server.http_sidecar: http ") for w in cluster.workers]
+
+    flushes, profiles, stops, direct = ops("flush_cache"), ops("start_profile"), \
+        ops("stop_profile"), sidecar_calls()
+    status, body = http("POST", f"{cluster.base}/flush_cache", {})
+    assert status == 200 and body["workers_flushed"] == 2, body
+    assert ops("flush_cache") == [n + 1 for n in flushes]
+    status, body = http("POST", f"{cluster.base}/start_profile", {"activities": ["CPU"]})
+    assert status == 200 and body["workers_profiled"] == 2, body
+    status, body = http("POST", f"{cluster.base}/stop_profile", {})
+    assert status == 200, body
+    assert ops("start_profile") == [n + 1 for n in profiles]
+    assert ops("stop_profile") == [n + 1 for n in stops]
+    assert sidecar_calls() == direct and min(direct) >= 1  # the /health above, no more
+    # one worker's own sidecar flushes that worker only
+    status, text = http("POST", f"{cluster.workers[0].http_url}/flush_cache")
+    assert status == 200 and text.startswith("Cache flushed."), text
+    assert ops("flush_cache") == [flushes[0] + 2, flushes[1] + 1]
+
+
 def test_router_trace_ids_reach_the_worker_logs(cluster: Cluster) -> None:
     # A caller's trace continues through the gateway into the worker's request log.
     trace_id = os.urandom(16).hex()

@@ -1,6 +1,6 @@
-"""server/metrics.py, server/metrics_http.py and server/watchdog.py without a server: what
-one request's outputs count, admin outcomes, the exporter's auth and format, the watchdog's
-verdicts."""
+"""server/metrics.py and server/watchdog.py without a server: what one request's outputs
+count, admin outcomes, the watchdog's verdicts (the HTTP /metrics route's auth and format:
+tests/unit/test_http_sidecar.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from sglang_admin.messages import Heartbeat, RankState, ReqOutput
 from sglang_admin.pb import common_pb2 as pb
 from sglang_admin.server.convert import ServiceError
 from sglang_admin.server.metrics import Metrics
-from sglang_admin.server.metrics_http import TEXT_FORMAT, exporter_app
 from sglang_admin.server.watchdog import stuck_reason
 
 
@@ -148,35 +147,6 @@ def test_off_metrics_pass_outputs_through_and_get_metrics_says_how_to_turn_them_
         metrics.get_metrics(pb.GetMetricsRequest())
     assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
     assert "--enable-metrics" in err.value.message
-
-
-def call_app(app, headers: dict[str, str]) -> tuple[str, dict, bytes]:
-    seen: dict = {}
-
-    def start_response(status: str, response_headers: list) -> None:
-        seen["status"], seen["headers"] = status, dict(response_headers)
-
-    environ = {"REQUEST_METHOD": "GET", "PATH_INFO": "/metrics", "QUERY_STRING": "",
-               "HTTP_ACCEPT": "application/openmetrics-text; version=1.0.0", **headers}
-    body = b"".join(app(environ, start_response))
-    return seen["status"], seen["headers"], body
-
-
-def test_the_exporter_keeps_sglang_names_and_applies_the_auth_rule() -> None:
-    metrics = make_metrics(states=[(0, RankState(dp_rank=0), 0.0)])
-
-    def check(metadata) -> str | None:
-        return None if dict(metadata).get("authorization") == "Bearer k" else "wrong key"
-
-    app = exporter_app(metrics.registry, check)
-    status, _, body = call_app(app, {})
-    assert status.startswith("401") and b"wrong key" in body
-    status, headers, body = call_app(app, {"HTTP_AUTHORIZATION": "Bearer k"})
-    assert status.startswith("200")
-    assert headers["Content-Type"].startswith(TEXT_FORMAT)
-    assert b'sglang:num_running_reqs{dp_rank="0"' in body  # OpenMetrics asked, colon kept
-    status, _, _ = call_app(exporter_app(metrics.registry, None), {})
-    assert status.startswith("200")
 
 
 ARGS = ServerArgs(watchdog_timeout_s=300.0, watchdog_probe_timeout_s=5.0)
