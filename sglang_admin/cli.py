@@ -242,8 +242,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--speculative-algorithm", default=None, metavar="ALGO",
                    help="speculative decoding: NGRAM drafts each request's next tokens from "
                         "its own prompt and output and verifies them in one forward "
-                        "(docs/speculative.md); STANDALONE (a draft model) is not implemented "
-                        "yet; default off")
+                        "(docs/speculative.md); STANDALONE drafts them with a small model of the "
+                        "same tokenizer (--speculative-draft-model-path); default off")
     p.add_argument("--speculative-num-draft-tokens", type=int, default=None, metavar="K",
                    help="the most draft tokens one step verifies per request (1..64, "
                         "default 8); each request adapts its own below it")
@@ -254,7 +254,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    default=ServerArgs.speculative_ngram_max_match_window_size, metavar="N",
                    help="NGRAM: the longest suffix of the sequence looked up (default 12)")
     p.add_argument("--speculative-draft-model-path", default=None, metavar="PATH",
-                   help="STANDALONE: the draft model (not implemented yet)")
+                   help="STANDALONE: the draft model (a checkpoint directory or GGUF file "
+                        "of the target's vocabulary)")
     p.set_defaults(func=run_serve)
 
 
@@ -310,6 +311,22 @@ def served_model_path(model_path: str | None, load_format: str = "auto") -> str 
     return path
 
 
+def draft_model_dir(draft_path: str) -> str:
+    """The directory the ranks load for --speculative-draft-model-path (a GGUF file is
+    converted as --model-path's; "toy": the embedded model). ValueError: why not, in one
+    line."""
+    try:
+        resolved = served_model_path(draft_path)
+    except ValueError as exc:
+        raise ValueError(
+            str(exc).replace("--model-path", "--speculative-draft-model-path", 1)) from None
+    if resolved is None:
+        from sglang_admin.model.default_model import ensure_default_model
+
+        resolved = ensure_default_model()
+    return resolved
+
+
 def run_serve(ns: argparse.Namespace) -> int:
     from sglang_admin.server.launch import serve
 
@@ -335,6 +352,16 @@ def run_serve(ns: argparse.Namespace) -> int:
                            ns.speculative_ngram_min_match_window_size,
                            ns.speculative_ngram_max_match_window_size,
                            ns.speculative_draft_model_path)
+    if refusal is None and ns.speculative_draft_model_path:
+        from sglang_admin.model.draft_model import check_draft_model
+
+        try:
+            draft_path = draft_model_dir(ns.speculative_draft_model_path)
+        except ValueError as exc:
+            refusal = str(exc)
+        else:
+            fields["speculative_draft_model_path"] = draft_path
+            refusal = check_draft_model(draft_path, fields["model_path"])
     if refusal is not None:
         print(f"error: {refusal}", file=sys.stderr)
         return 2

@@ -46,7 +46,7 @@ from sglang_admin.scheduler.stop_strings import stop_string_detokenizer
 from sglang_admin.tracing import child_span, trace_id_of
 
 if TYPE_CHECKING:
-    from sglang_admin.model.runner import SeqInput
+    from sglang_admin.model.runner import ModelRunner, SeqInput
 
 logger = logging.getLogger(__name__)
 
@@ -156,6 +156,32 @@ def spec_config(args: ServerArgs) -> SpecConfig | None:
     )
 
 
+def install_draft_model(args: ServerArgs, target: ModelRunner, scheduler: Scheduler
+                        ) -> ModelRunner | None:
+    """STANDALONE (issue 47): load the draft model beside the target (this rank only; TP
+    followers never draft) and make the scheduler draft with it; its runner, or None when
+    the rank drafts otherwise. Its table has a row per running request; its pool holds
+    the target's capacity plus a full draft per row (a request that finds no room drafts
+    nothing that step)."""
+    spec = scheduler.config.speculative
+    if spec is None or spec.algorithm != "STANDALONE":
+        return None
+    from sglang_admin.model.draft_model import load_draft_runner
+    from sglang_admin.scheduler.draft_drafter import DraftModelDrafter
+
+    assert args.speculative_draft_model_path is not None  # spec_config checked it
+    rows = args.max_running_requests
+    capacity = min(target.token_capacity + rows * (spec.num_draft_tokens + 1),
+                   rows * target.context_length)
+    draft = load_draft_runner(args.speculative_draft_model_path, target, rows, capacity,
+                              args.attention_backend)
+    scheduler.drafter = DraftModelDrafter(draft.forward_step, rows, draft.token_capacity,
+                                          lambda: scheduler.running)
+    logger.info("STANDALONE drafts with %s (%d KV tokens)", draft.info.model_path,
+                draft.token_capacity)
+    return draft
+
+
 def batch_inputs(batch: Batch) -> list[SeqInput]:
     """The model runner's inputs for a scheduled batch: one per span, in span order."""
     from sglang_admin.model.runner import SeqInput
@@ -232,6 +258,7 @@ class RankLoop:
 
             self.tensor_parallel = join_replica(args, rank, 0)
         self.runner = build_runner(args, rank, 0, self.tensor_parallel)  # TP rank 0's
+        target = self.runner
         if self.tensor_parallel is not None:
             from sglang_admin.scheduler.tp_worker import LeaderRunner
 
@@ -256,6 +283,7 @@ class RankLoop:
             on_kv_event=self.kv_events.append,
             grammar_queue=grammar_queue_for(args, info),
         )
+        self.draft_runner = install_draft_model(args, target, self.scheduler)
         self.scheduler.detokenize = stop_string_detokenizer(
             args.tokenizer_path, info.tokenizer_path)
         self.profiler = Profiler(rank, str(self.runner.device), args.profile_max_steps)

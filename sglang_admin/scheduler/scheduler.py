@@ -195,4 +195,6 @@ class Scheduler(SchedulerState):
         assert not self.running, "flush needs a scheduler with nothing running"
         freed = self.memory.reset()
         self.reset_counters()
+        if self.drafter is not None:  # a draft model's KV goes too (STANDALONE)
+            self.drafter.reset()
         return freed

@@ -9,8 +9,9 @@ them one by one (each through the stop checks) and frees the KV slots of the rej
 draft tokens at once.
 
 The drafter is a small interface (:class:`Drafter`: ``propose(reqs, limits) -> drafts``) so
-another source (a draft model, ``STANDALONE``) can slot in; the one built is ``NGRAM``:
-prompt lookup in the request's own prompt and output (:class:`NgramDrafter`).
+another source can slot in: ``NGRAM`` is prompt lookup in the request's own prompt and
+output (:class:`NgramDrafter`); ``STANDALONE`` drafts with a small model of the same
+tokenizer (scheduler/draft_drafter.py's DraftModelDrafter over model/draft_model.py).
 
 Speculation turns itself down where drafts are rejected (:class:`SpecProgress`): each
 request keeps a moving estimate of how often its draft tokens are accepted and drafts only
@@ -67,8 +68,7 @@ def check_config(algorithm: str | None, num_draft_tokens: int | None, min_window
     if algorithm == "STANDALONE":
         if not draft_model_path:
             return "--speculative-algorithm STANDALONE needs --speculative-draft-model-path"
-        return "STANDALONE speculative decoding is not implemented yet (use NGRAM)"
-    if draft_model_path:
+    elif draft_model_path:
         return "--speculative-draft-model-path applies to STANDALONE only, not NGRAM"
     if num_draft_tokens is not None and not 1 <= num_draft_tokens <= MAX_DRAFT_TOKENS:
         return (f"--speculative-num-draft-tokens {num_draft_tokens} is out of range "
@@ -222,6 +222,9 @@ class Drafter(Protocol):
     def propose(self, reqs: Sequence[Sequenced], limits: Sequence[int]) -> list[list[int]]:
         """Drafts for ``reqs``, each at most its ``limits`` entry long."""
 
+    def reset(self) -> None:
+        """Forget what the drafter keeps between steps (FlushCache, on an idle rank)."""
+
 
 class NgramDrafter:
     """NGRAM: drafts from the request's own prompt and output (prompt lookup)."""
@@ -241,11 +244,18 @@ class NgramDrafter:
             drafts.append(ngram_lookup(seq, prog.where, limit, cfg.min_window, cfg.max_window))
         return drafts
 
+    def reset(self) -> None:
+        """Nothing to forget: each request keeps its own n-gram index."""
 
-def make_drafter(config: SpecConfig) -> Drafter:
-    """The drafter of ``config.algorithm`` (check_config refused the others at start)."""
+
+def make_drafter(config: SpecConfig) -> Drafter | None:
+    """The drafter of ``config.algorithm`` (check_config refused the others at start); None
+    for STANDALONE, whose drafter needs the draft model: the rank installs it
+    (scheduler/draft_drafter.py, wired by scheduler/process.py)."""
     if config.algorithm == "NGRAM":
         return NgramDrafter(config)
+    if config.algorithm == "STANDALONE":
+        return None
     raise ValueError(f"speculative algorithm {config.algorithm!r} is not implemented")
 
 

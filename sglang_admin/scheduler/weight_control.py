@@ -189,6 +189,11 @@ def on_release_memory(rank: Rank, msg: ReleaseMemoryReq) -> None:
     if busy is not None:
         rank.reply(msg, False, busy)
         return
+    spec = s.config.speculative
+    if spec is not None and spec.algorithm == "STANDALONE":
+        rank.reply(msg, False, "memory release is not supported with --speculative-algorithm "
+                   "STANDALONE (the draft model's memory would stay held)")
+        return
     if not s.is_idle:
         rank.reply(msg, False, "memory can be released only when idle: "
                    f"#queue-req: {len(s.waiting)}, #running-req: {len(s.running)}")
