@@ -39,11 +39,14 @@ def build_other_vocab(root: Path) -> Path:
     return path
 
 
-def hf_greedy(path: Path, prompt: list[int], n: int) -> list[int]:
-    """transformers' greedy tokens of the checkpoint (EOS masked, as ignore_eos with
-    min_new_tokens = n)."""
+def hf_greedy(path: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """transformers' greedy tokens of the checkpoint for each prompt (EOS masked, as
+    ignore_eos with min_new_tokens = n)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    outs = []
     with torch.no_grad():
-        out = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=n,
-                             min_new_tokens=n, do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+        for prompt in prompts:
+            out = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=n,
+                                 min_new_tokens=n, do_sample=False, pad_token_id=0)
+            outs.append(out[0, len(prompt):].tolist())
+    return outs

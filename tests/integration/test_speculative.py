@@ -213,3 +213,67 @@ def test_lora_requests_verify_with_their_adapter(tmp_path_factory) -> None:
         assert sum(c.spec_accepted_tokens for c in got) > 0
     finally:
         srv.stop()
+
+
+def test_standalone_draft_model_served(tmp_path_factory) -> None:
+    """STANDALONE on a tiny target with a perturbed copy as the draft model (one worker):
+    greedy outputs are transformers' (drafts accepted, not all), sampled requests finish
+    with their lengths, a retract pause mid-run then continue and a flush change no
+    output, memory release is refused; a draft of another vocabulary is refused at start."""
+    pytest.importorskip("transformers")
+    import threading
+
+    from tests.draft_models import build_other_vocab, build_pair, hf_greedy
+
+    root = tmp_path_factory.mktemp("standalone")
+    target, draft = build_pair(root)
+    prompts = [[(5 * i + 3 * j) % 300 + 2 for j in range(6)] * 3 for i in range(4)]
+    want = hf_greedy(target, prompts, 120)
+    srv = start_server(root, "--model-path", str(target), "--dtype", "float32",
+                       "--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path",
+                       str(draft), "--speculative-num-draft-tokens", "4")
+    try:
+        stub = srv.stub()
+        got: list[list[int]] = [[] for _ in prompts]
+        completes: list[pb.GenerateComplete] = []
+
+        def stream(i: int) -> None:
+            out, done, _ = generate(stub, prompts[i], stream=True, max_new_tokens=120,
+                                    min_new_tokens=120, ignore_eos=True)
+            got[i] = out
+            completes.extend(done)
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        deadline = time.time() + 60
+        while sum(x.num_running_reqs for x in stub_loads(stub)) < len(prompts):
+            assert time.time() < deadline
+            time.sleep(0.01)
+        paused = stub.PauseGeneration(pb.PauseGenerationRequest(mode="retract"), timeout=30)
+        assert paused.success, paused.message
+        assert stub.ContinueGeneration(pb.ContinueGenerationRequest(), timeout=30).success
+        for t in threads:
+            t.join(120)
+        assert got == want
+        accepted = sum(c.spec_accepted_tokens for c in completes)
+        assert 0 < accepted < sum(c.spec_draft_tokens for c in completes)
+        assert stub.FlushCache(pb.FlushCacheRequest(timeout_s=30), timeout=40).success
+        assert generate(stub, prompts[0], max_new_tokens=120, min_new_tokens=120,
+                        ignore_eos=True)[0] == want[0]
+        sampled = [generate(stub, ids, max_new_tokens=30, ignore_eos=True, temperature=0.8,
+                            n=2)[1] for ids in prompts]
+        assert all(len(c.output_ids) == 30 for done in sampled for c in done)
+        released = stub.ReleaseMemoryOccupation(pb.ReleaseMemoryOccupationRequest(),
+                                                timeout=30)
+        assert not released.success and "STANDALONE" in released.message
+    finally:
+        srv.stop()
+    other = build_other_vocab(root)
+    proc = subprocess.run(
+        [sys.executable, "-m", "sglang_admin", "serve", "--model-path", str(target),
+         "--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", str(other)],
+        capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 2, proc.stderr
+    assert "the draft model's vocabulary (256 tokens) differs from the target's (320)" in \
+        proc.stderr
