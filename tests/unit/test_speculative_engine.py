@@ -206,3 +206,25 @@ def test_fuzz_random_settings_and_requests_never_fail_a_request(runner, seed) ->
         if r.sampling.temperature == 0.0:
             for key in [k for k in off if k.startswith(f"{r.rid}/")]:
                 assert on[key]["ids"] == off[key]["ids"], key
+
+
+def test_bfloat16_spec_on_equals_off(tmp_path) -> None:
+    """NGRAM on a bfloat16 runner (the tiny random Llama): greedy outputs with drafts
+    equal those without on the same dtype, drafts accepted."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    from tests.lora_models import build_base
+
+    path = build_base("llama", tmp_path / "llama")
+    tiny = ModelRunner(str(path), device="cpu", dtype="bfloat16", max_total_tokens=4096,
+                       max_running_requests=16)
+    prompts = [[(5 * i + 3 * j) % 300 + 2 for j in range(6)] * 4 for i in range(12)]
+
+    def reqs() -> list[GenerateReq]:
+        return [GenerateReq(f"b{i}", p, SamplingParams(max_new_tokens=40, ignore_eos=True))
+                for i, p in enumerate(prompts)]
+
+    off, _ = run(tiny, None, reqs())
+    on, sched = run(tiny, SpecConfig(num_draft_tokens=5), reqs())
+    assert sched.spec.accepted > 0
+    assert on == off
