@@ -277,3 +277,31 @@ def test_standalone_draft_model_served(tmp_path_factory) -> None:
     assert proc.returncode == 2, proc.stderr
     assert "the draft model's vocabulary (256 tokens) differs from the target's (320)" in \
         proc.stderr
+
+
+def test_ngram_at_tp2_equals_transformers(tmp_path_factory) -> None:
+    """NGRAM with --tp-size 2 (the tiny random Llama, gloo on CPU): greedy outputs of a
+    batch of repeating prompts are transformers', drafts accepted."""
+    pytest.importorskip("transformers")
+    import concurrent.futures as cf
+
+    from tests.draft_models import hf_greedy
+    from tests.lora_models import build_base
+
+    root = tmp_path_factory.mktemp("spec-tp2")
+    path = build_base("llama", root / "llama")
+    prompts = [[(5 * i + 3 * j) % 300 + 2 for j in range(6)] * 4 for i in range(4)]
+    want = hf_greedy(path, prompts, 40)
+    srv = start_server(root, "--model-path", str(path), "--dtype", "float32", "--tp-size", "2",
+                       "--max-total-tokens", "2048", "--speculative-algorithm", "NGRAM",
+                       "--speculative-num-draft-tokens", "5")
+    try:
+        stub = srv.stub()
+        with cf.ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(lambda ids: generate(stub, ids, max_new_tokens=40,
+                                                     min_new_tokens=40, ignore_eos=True),
+                                prompts))
+        assert [out for out, _, _ in got] == want
+        assert sum(done[0].spec_accepted_tokens for _, done, _ in got) > 0
+    finally:
+        srv.stop()
