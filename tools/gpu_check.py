@@ -107,8 +107,18 @@ class Reference:
         self.device = device
         self.model = transformers.AutoModelForCausalLM.from_pretrained(
             path, dtype=torch.float32).to(device).eval()
+        self.memo: dict[tuple[tuple[int, ...], int], tuple[list[int], list[float]]] = {}
 
     def greedy(self, prompt: list[int], n: int = NEW_TOKENS) -> tuple[list[int], list[float]]:
+        """Computed once per prompt: greedy decoding of the same weights gives the same tokens,
+        and several checks compare against the same reference (the memo is per model)."""
+        key = (tuple(prompt), n)
+        if key not in self.memo:
+            self.memo[key] = self._greedy(prompt, n)
+        tokens, logprobs = self.memo[key]
+        return list(tokens), list(logprobs)
+
+    def _greedy(self, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
         with torch.no_grad():
             out = self.model.generate(
                 input_ids=torch.tensor([prompt], device=self.device), max_new_tokens=n,
@@ -196,14 +206,24 @@ async def main_async(ns: argparse.Namespace) -> int:
     device = torch.device(ns.device if ns.device != "cuda" else "cuda:0")
     work = Path(tempfile.mkdtemp(prefix="gpu_check-"))
     base = Path(ensure_default_model())
-    second = random_copy(base, work / "step1", seed=1)
-    adapter = build_adapter(base, work / "adapter")
-    ref = Reference(base, device)
+    # the worker boots while this process builds the second checkpoint, the adapter and the
+    # reference
     worker = Worker(["--device", ns.device, "--dtype", "float32", "--dp-size", str(ns.dp_size),
                      "--enable-lora", "--max-lora-rank", "8", "--profile-dir", str(work)],
                     work / "worker.log")
     checks = Checks()
     try:
+        second = random_copy(base, work / "step1", seed=1)
+        adapter = build_adapter(base, work / "adapter")
+        ref = Reference(base, device)
+        step_refs: list[Reference] = []
+
+        def step_ref() -> Reference:
+            """transformers on the second checkpoint, loaded once for the refit and the push."""
+            if not step_refs:
+                step_refs.append(Reference(second, device))
+            return step_refs[0]
+
         await worker.wait_serving()
         async with AsyncClient(worker.target, timeout=300) as client:
             info = await client.server_info()
@@ -262,7 +282,7 @@ async def main_async(ns: argparse.Namespace) -> int:
                 wrapped = peft.PeftModel.from_pretrained(
                     ref.model, str(adapter), adapter_name="check").eval()
                 lora_ref = Reference.__new__(Reference)
-                lora_ref.device, lora_ref.model = device, wrapped
+                lora_ref.device, lora_ref.model, lora_ref.memo = device, wrapped, {}
                 try:
                     detail = await greedy_equal(client, ref, ns.dp_size, lora_id="check",
                                                 reference=lora_ref.greedy)
@@ -274,8 +294,7 @@ async def main_async(ns: argparse.Namespace) -> int:
             async def refit() -> str:
                 resp = await client.update_weights_from_disk(str(second), weight_version="step1")
                 assert resp.success, resp.message
-                step_ref = Reference(second, device)
-                detail = await greedy_equal(client, ref, ns.dp_size, reference=step_ref.greedy)
+                detail = await greedy_equal(client, ref, ns.dp_size, reference=step_ref().greedy)
                 back = await client.update_weights_from_disk(str(base))
                 assert back.success, back.message
                 return detail + " after the refit"
@@ -322,12 +341,11 @@ async def main_async(ns: argparse.Namespace) -> int:
                     await asyncio.to_thread(pusher.push, source.named_parameters(), "pushed")
                 finally:
                     await asyncio.to_thread(pusher.destroy)
-                step_ref = Reference(second, device)
-                detail = await greedy_equal(client, ref, ns.dp_size, reference=step_ref.greedy)
+                detail = await greedy_equal(client, ref, ns.dp_size, reference=step_ref().greedy)
                 backend = "nccl" if device.type == "cuda" else "gloo"
                 return f"{backend} push; " + detail
             await checks.run("push", push)
-    except Exception as exc:  # noqa: BLE001 - the worker did not come up
+    except Exception as exc:  # noqa: BLE001 - the worker (or the references) did not come up
         checks.failed += 1
         print(f"FAIL worker: {exc}", flush=True)
     finally:
