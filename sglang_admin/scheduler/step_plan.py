@@ -26,9 +26,12 @@ def plan_step(state: SchedulerState) -> Batch | None:
         seq_len = len(req.prompt_ids) + len(req.output_ids)
         n = min(seq_len - req.kv_len, max(budget, 1))
         draft = drafts.get(id(req)) if drafts else None
-        # a draft only where free slots are left for it beside one for each request after
-        # this one: speculation never evicts cache nor retracts a request
-        if (draft and n == 1 and state.allocator.available
+        # a draft only where free or evictable slots are left for it beside one for each
+        # request after this one: speculation may evict least-recently-used cache, as any
+        # step's tokens do (a long-running worker's pool is full of it), never retracts a
+        # request
+        if (draft and n == 1
+                and state.allocator.available + state.cache.evictable_size
                 >= 1 + len(draft) + len(state.running) - i - 1
                 and state.memory.reserve(req, 1 + len(draft))):
             spans.append(verify_span(req, draft))

@@ -72,8 +72,11 @@ def test_random_and_shared_prefix_runs_print_the_table_and_append_json(
     assert record["total_output_tokens"] == 8 * 8  # ignore_eos: exact lengths
     assert record["duration_s"] > 0 and record["request_throughput"] > 0
     assert record["output_throughput"] == pytest.approx(64 / record["duration_s"])
-    for name in ("ttft", "tpot", "itl", "e2e_latency"):
+    for name in ("ttft", "tpot", "e2e_latency"):
         assert 0 < record[f"median_{name}_ms"] <= record[f"p99_{name}_ms"]
+    # ITL is per message that brings tokens: a client that reads late gets a stream's tokens
+    # coalesced into one message (coalesce_reads), so no ITL at all (0; seen in a CI run)
+    assert 0 <= record["median_itl_ms"] <= record["p99_itl_ms"]
     assert record["mean_ttft_ms"] < record["mean_e2e_latency_ms"]
     assert record["profile_files"] == {}
 

@@ -181,6 +181,33 @@ def test_1000_requests_with_random_accept_lengths_equal_solo_and_leak_nothing() 
     # (the fake model's KV check above would catch a draft token's KV in the tree)
 
 
+def test_drafts_run_on_a_pool_full_of_evictable_cache() -> None:
+    """A long-running worker's pool is full of prefix cache nobody holds: drafts evict from
+    it as a decode step's tokens do (they waited for free slots before), and nothing leaks."""
+    capacity = 256
+    sched = _sched(capacity)
+    sched.drafter = _PerfectDrafter()
+    runner = SpecFakeRunner(capacity, 16, 512)
+    shared = [2] * 30
+    for i in range(140):  # one shared prefix, then 2 tokens of each: leaves of 2 tokens, so
+        # an eviction frees 2 slots at a time, less than a draft needs
+        prompt = shared + [1 + i % (VOCAB - 1), 1 + (i // (VOCAB - 1)) % (VOCAB - 1)]
+        sched.add_request(GenerateReq(f"fill{i}", prompt, SamplingParams(
+            max_new_tokens=1, ignore_eos=True)))
+    sched.drafter = None
+    _drive(sched, runner)
+    assert sched.allocator.available <= 2 and sched.cache.evictable_size >= 250  # full
+    sched.drafter = _PerfectDrafter()
+    prompt = [3, 5, 7, 11]
+    sched.add_request(GenerateReq("r", prompt, SamplingParams(max_new_tokens=20,
+                                                              ignore_eos=True)))
+    res = _drive(sched, runner)
+    assert res["tokens"]["r"] == solo(prompt, 20)
+    assert sched.spec.accepted > 0
+    assert sched.num_used_tokens == 0
+    assert sched.allocator.available + sched.cache.total_size() == capacity
+
+
 def test_stops_inside_an_accepted_run_truncate_it() -> None:
     """A run of accepted tokens meets a stop token, a stop token id, max_new_tokens: the
     output ends at the first stop, exactly as without speculation."""
