@@ -113,6 +113,11 @@ def weights_now_served(rank: Rank, msg: Any, text: str) -> str:
     rank.weights_valid = True
     if msg.weight_version:
         rank.model_info.weight_version = msg.weight_version
+    spec = rank.scheduler.config.speculative
+    if spec is not None and spec.algorithm == "STANDALONE":
+        text += (" The STANDALONE draft model was not refit: it drafts with its own weights"
+                 " (outputs stay exact, the target verifies every token; only the accept"
+                 " rate may drop).")
     if msg.flush_cache:
         if rank.scheduler.running:
             text += " The cache was not flushed: requests are held in place by the pause."

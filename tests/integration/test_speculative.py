@@ -274,6 +274,13 @@ def test_standalone_draft_model_served(tmp_path_factory) -> None:
         released = stub.ReleaseMemoryOccupation(pb.ReleaseMemoryOccupationRequest(),
                                                 timeout=30)
         assert not released.success and "STANDALONE" in released.message
+        # a refit reaches the target alone, and says so (the draft cannot take its weights)
+        refit = stub.UpdateWeightsFromDisk(pb.UpdateWeightsFromDiskRequest(
+            model_path=str(target), weight_version="v2"), timeout=60)
+        assert refit.success, refit.message
+        assert "STANDALONE draft model was not refit" in refit.rank_results[0].message
+        assert generate(stub, prompts[1], max_new_tokens=120, min_new_tokens=120,
+                        ignore_eos=True)[0] == want[1]
     finally:
         srv.stop()
     other = build_other_vocab(root)
