@@ -123,13 +123,13 @@ class ServerArgs:
     attention_backend: str = "auto"  # one of ATTENTION_BACKENDS
     cuda_graph_max_bs: int = 0  # CUDA graphs for decode batches up to this size; 0: off
     seed: int = 0
-    # LoRA (scheduler/lora_control.py): adapters live in --max-loaded-loras slots of rank
+    # LoRA (scheduler/ops/lora_control.py): adapters live in --max-loaded-loras slots of rank
     # up to --max-lora-rank; lora_paths are (name, path) pairs loaded at start.
     enable_lora: bool = False
     max_loaded_loras: int = 8
     max_lora_rank: int = 16
     lora_paths: tuple[tuple[str, str], ...] = ()
-    # issue 47: speculative decoding (scheduler/speculative.py; SGLang's flag names). None:
+    # issue 47: speculative decoding (scheduler/speculative/policy.py; SGLang's flag names). None:
     # off; "NGRAM": drafts by prompt lookup; num_draft_tokens None: its default (8)
     speculative_algorithm: str | None = None
     speculative_num_draft_tokens: int | None = None

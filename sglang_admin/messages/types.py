@@ -332,14 +332,14 @@ class RankState:
     max_running_requests: int = 0
     weight_gb: float = 0.0
     kv_cache_gb: float = 0.0
-    # decode steps so far and their seconds by phase (scheduler/step_timing.py's PHASES)
+    # decode steps so far and their seconds by phase (scheduler/profiling/step_timing.py's PHASES)
     decode_steps: int = 0
     decode_phase_s: dict[str, float] = field(default_factory=dict)
     timestamp: float = 0.0
     lora_slots_used: int = 0  # adapters loaded (LoRA only)
     lora_slots_total: int = 0  # --max-loaded-loras; 0: LoRA is off
     num_grammar_queue_reqs: int = 0  # waiting for their grammar to compile
-    # issue 47: speculative decoding since start (scheduler/speculative.py's SpecCounters):
+    # issue 47: speculative decoding since start (scheduler/speculative/policy.py's SpecCounters):
     # request-steps that verified a draft, draft tokens verified, of them accepted
     spec_verify_steps: int = 0
     spec_draft_tokens: int = 0

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from sglang_admin.config import ATTENTION_BACKENDS
-from sglang_admin.model import spec_verify
+from sglang_admin.scheduler.speculative import verify as spec_verify
 from sglang_admin.model.attention.choice import cuda_attention_applies
 from sglang_admin.model.batch import BatchBuilder, ForwardBatch
 from sglang_admin.model.cpu_dtype import auto_cpu_dtype
@@ -375,7 +375,7 @@ class ModelRunner:
                 return self._forward_step(seqs, decode, extend)
 
     def _verify_step(self, seqs: list[SeqInput]) -> list[SeqOutput | None]:
-        """A step with speculative verify sequences (model/spec_verify.py): each becomes one
+        """A step with speculative verify sequences (scheduler/speculative/verify.py): each becomes one
         decode row per position, run with the step's other sequences as one batch; each
         verify sequence's output is its accepted run."""
         for i, s in enumerate(seqs):

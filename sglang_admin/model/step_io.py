@@ -40,7 +40,7 @@ class SeqInput:
     # issue 32: an Embed request's pooling progress (model/pooling.py); None: not an embed
     embed: PoolProgress | None = None
     # issue 47: speculative decoding. A verify sequence: token_ids is its last token then
-    # these draft tokens; every position is sampled (model/spec_verify.py) and the output
+    # these draft tokens; every position is sampled (scheduler/speculative/verify.py) and the output
     # carries the accepted run. None or empty: an ordinary sequence.
     draft: list[int] | None = None
 

@@ -15,7 +15,7 @@ from sglang_admin.scheduler.parallel_sampling import sample_key
 from sglang_admin.scheduler.radix_cache import TreeNode
 
 if TYPE_CHECKING:
-    from sglang_admin.scheduler.speculative import SpecProgress
+    from sglang_admin.scheduler.speculative.policy import SpecProgress
 
 TopList = list[tuple[int, float]]
 

@@ -14,7 +14,7 @@ from sglang_admin.scheduler.grammar import GrammarQueue
 from sglang_admin.scheduler.kv_memory import RequestMemory
 from sglang_admin.scheduler.lora_registry import LoraRegistry
 from sglang_admin.scheduler.request import Req
-from sglang_admin.scheduler.speculative import Drafter, SpecConfig, SpecCounters, make_drafter
+from sglang_admin.scheduler.speculative.policy import Drafter, SpecConfig, SpecCounters, make_drafter
 from sglang_admin.scheduler.stop_strings import Detokenize
 
 THROUGHPUT_WINDOW_S = 5.0

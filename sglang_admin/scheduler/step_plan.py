@@ -106,7 +106,7 @@ def may_draft(req: Req) -> bool:
     """Whether a request's decode steps may carry drafts: not under a grammar (its matcher
     would have to walk the draft), not returning hidden states, not an Embed, and it
     generates (max_new_tokens > 0). Everything else (penalties, logprobs, stop strings,
-    n > 1, LoRA, sampling) verifies exactly (model/spec_verify.py)."""
+    n > 1, LoRA, sampling) verifies exactly (scheduler/speculative/verify.py)."""
     params = req.sampling.params
     return (req.spec is not None and not params.grammar_kind
             and req.sampling.grammar is None and not req.hidden.wanted

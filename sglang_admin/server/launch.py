@@ -18,7 +18,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 from sglang_admin.config import ServerArgs
 from sglang_admin.constants import rank_openmp_environment
 from sglang_admin.pb import common_pb2, common_pb2_grpc
-from sglang_admin.scheduler.entry import run_rank, run_tp_follower
+from sglang_admin.scheduler.rank.entry import run_rank, run_tp_follower
 from sglang_admin.server import admission, ipc_dir
 from sglang_admin.server.communicator import Communicator
 from sglang_admin.server.http_sidecar import HttpSidecar

@@ -1,10 +1,10 @@
 """The TP ranks of one replica (--tp-size > 1): the leader's runner and the followers' loop.
 
-TP rank 0 runs the replica's whole rank loop (scheduler/process.py) with its ModelRunner
+TP rank 0 runs the replica's whole rank loop (scheduler/rank/process.py) with its ModelRunner
 wrapped in :class:`LeaderRunner`, which sends every command that touches the model to the
 other TP ranks first (the step's batch, a cache reset, a refit, a memory release or
 resume, a LoRA adapter written or cleared, stop; the weight-sync and read-back commands are
-scheduler/tp_weights.py's, the profile ones scheduler/tp_profile.py's). TP ranks 1..N-1 run
+scheduler/tp/weights.py's, the profile ones scheduler/tp/profile.py's). TP ranks 1..N-1 run
 :func:`run_follower`: they own no scheduler and no socket but their heartbeat's, only a
 shard of the model and a KV pool of the same slots, and do what rank 0 broadcasts, in the
 order it does it, so every forward's all-reduces meet. Why one scheduler per replica:
@@ -30,10 +30,10 @@ from sglang_admin.model.runner import InvalidSequence, ModelRunner, SeqInput, Se
 from sglang_admin.model.tensor_parallel import TensorParallel, join_tensor_parallel
 from sglang_admin.model.weights import RefitError, refit_from_disk
 from sglang_admin.scheduler import late_imports
-from sglang_admin.scheduler.heartbeat import HeartbeatThread
-from sglang_admin.scheduler.profiler import Profiler
-from sglang_admin.scheduler.tp_profile import PROFILE_COMMANDS, FollowerProfiler, step_stage
-from sglang_admin.scheduler.tp_weights import WEIGHT_COMMANDS, Followers, FollowerWeights
+from sglang_admin.scheduler.rank.heartbeat import HeartbeatThread
+from sglang_admin.scheduler.profiling.profiler import Profiler
+from sglang_admin.scheduler.tp.profile import PROFILE_COMMANDS, FollowerProfiler, step_stage
+from sglang_admin.scheduler.tp.weights import WEIGHT_COMMANDS, Followers, FollowerWeights
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ class LeaderRunner:
     def __init__(self, runner: ModelRunner, tp: TensorParallel) -> None:
         self._runner = runner
         self.tensor_parallel = tp
-        self.followers = Followers(tp)  # the weight ops' commands (scheduler/tp_weights.py)
+        self.followers = Followers(tp)  # the weight ops' commands (scheduler/tp/weights.py)
         self.lora = None if runner.lora is None else LeaderLora(runner.lora, tp)
 
     def __getattr__(self, name: str) -> Any:
@@ -149,7 +149,7 @@ def build_runner(args: ServerArgs, dp_rank: int, tp_rank: int,
                  tensor_parallel: TensorParallel | None) -> ModelRunner:
     """The ModelRunner of TP rank ``tp_rank`` of replica ``dp_rank`` from the server's
     arguments: every rank's, the TP followers' and each replica's rank loop's
-    (scheduler/process.py; ``tensor_parallel`` None at tp 1)."""
+    (scheduler/rank/process.py; ``tensor_parallel`` None at tp 1)."""
     return ModelRunner(
         args.model_path,
         device=args.device,
@@ -218,7 +218,7 @@ def _follow(runner: ModelRunner, tp: TensorParallel, weights: FollowerWeights,
 def run_follower(args: ServerArgs, dp_rank: int, tp_rank: int, parent_pid: int) -> None:
     """Entry point of TP rank ``tp_rank`` (> 0) of replica ``dp_rank`` (spawned by launch)."""
     from sglang_admin.model.runner import keep_freed_cpu_memory
-    from sglang_admin.scheduler.lifetime import die_with_parent
+    from sglang_admin.scheduler.rank.lifetime import die_with_parent
 
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server decides when we stop

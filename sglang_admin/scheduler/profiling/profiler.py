@@ -17,7 +17,7 @@ StopProfile arrives or when it stops by itself after ``num_steps`` forward steps
   other stage's session are recorded in that session but not counted.
 - A session writes ``{stem}-TP-{tp}[-DP-{rank}][-{STAGE}].trace.json.gz`` (``stem`` is the
   profile id, or ``{prefix}-{profile id}``; the DP part only when dp_size > 1; ``tp`` is 0
-  but on a TP follower, scheduler/tp_worker.py), and, for MEM on CUDA, a memory snapshot
+  but on a TP follower, scheduler/tp/worker.py), and, for MEM on CUDA, a memory snapshot
   ``{stem}-TP-{tp}[-DP-{rank}]-memory[-{STAGE}].pickle``.
 - Size cap (``max_bytes``, this rank's share of the profile's cap): checked after each file
   is written. A file that takes the rank's total over the cap is deleted, the profile stops
@@ -26,12 +26,12 @@ StopProfile arrives or when it stops by itself after ``num_steps`` forward steps
   has recorded that many forward steps stops by itself; the reason is logged and returned
   by the next StopProfile, with the files.
 - Export off the loop: a session is stopped on the loop's thread (torch requires it), and
-  its trace is written by the export thread of ``scheduler/profile_export.py`` (which says
+  its trace is written by the export thread of ``scheduler/profiling/export.py`` (which says
   why forked children write and join the traces); StopProfile's answer is a Future that
   resolves once the files are on disk, so the rank keeps serving meanwhile.
 
 This module is the state machine (when sessions start, segment and stop); where the rest of
-profiling lives, end to end, is listed in ``scheduler/profile_export.py``'s docstring.
+profiling lives, end to end, is listed in ``scheduler/profiling/export.py``'s docstring.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from sglang_admin.constants import (
 )
 from sglang_admin.messages import PROFILE_STOPPED_BY_ITSELF, ProfileStopResult
 from sglang_admin.scheduler import late_imports
-from sglang_admin.scheduler.profile_export import (
+from sglang_admin.scheduler.profiling.export import (
     ProfileRun,
     TraceExporter,
     free_session,

@@ -40,8 +40,8 @@ from sglang_admin.model.pushed_weights import (
     load_from_segment,
     receive_weights,
 )
-from sglang_admin.scheduler.control import Rank
-from sglang_admin.scheduler.tp_weights import (
+from sglang_admin.scheduler.ops.control import Rank
+from sglang_admin.scheduler.tp.weights import (
     DESTROY,
     JOIN,
     RECEIVE,
@@ -50,7 +50,7 @@ from sglang_admin.scheduler.tp_weights import (
     followers_of,
     group_rank,
 )
-from sglang_admin.scheduler.weight_control import weights_now_served
+from sglang_admin.scheduler.ops.weight_control import weights_now_served
 
 logger = logging.getLogger(__name__)
 

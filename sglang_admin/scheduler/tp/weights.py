@@ -1,7 +1,7 @@
 """The weight and memory ops across the TP ranks of a replica (--tp-size > 1): what TP
 rank 0 asks of its followers, and what a follower does with its own shard.
 
-TP rank 0 runs each op as at tp 1 (scheduler/weight_sync_control.py, weight_control.py) and
+TP rank 0 runs each op as at tp 1 (scheduler/ops/weight_sync_control.py, weight_control.py) and
 sends the followers the command first, through the replica's group (:class:`Followers`).
 A trainer's group is joined by every TP rank at its own rank, SGLang's convention:
 ``rank_offset + dp_rank x tp_size + tp_rank``; every TP rank receives each whole tensor the
@@ -32,7 +32,7 @@ from sglang_admin.model.runner import ModelRunner, ResumeOutOfMemory
 from sglang_admin.model.tensor_parallel import TensorParallel
 from sglang_admin.model.weight_names import resolve
 from sglang_admin.model.weights import weights_digest
-from sglang_admin.scheduler.weight_groups import WeightGroups
+from sglang_admin.scheduler.ops.weight_groups import WeightGroups
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ class Followers:
 
 
 def followers_of(runner: Any) -> Followers | None:
-    """The followers of TP rank 0's runner (scheduler/tp_worker.py's LeaderRunner); None
+    """The followers of TP rank 0's runner (scheduler/tp/worker.py's LeaderRunner); None
     at tp 1."""
     return getattr(runner, "followers", None)
 

@@ -12,7 +12,7 @@ from sglang_admin.messages import (
     GenerateReq,
     PauseReq,
 )
-from sglang_admin.scheduler.control import Rank
+from sglang_admin.scheduler.ops.control import Rank
 from sglang_admin.tracing import trace_id_of
 
 logger = logging.getLogger(__name__)

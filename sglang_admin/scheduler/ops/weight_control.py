@@ -10,7 +10,7 @@ success; the prefix cache is flushed after a load when asked, since its KV was c
 with the old weights.
 
 Releasing a tag that is already released, or resuming one that is not, is refused as SGLang
-refuses it, before anything moves (scheduler/memory_tags.py). Memory release needs an idle
+refuses it, before anything moves (scheduler/ops/memory_tags.py). Memory release needs an idle
 rank; while anything is released, admission is held (new requests wait, as while paused). Resuming the weights reloads them from the checkpoint they
 came from and checks them against the digest taken at release, so the worker serves exactly
 what it served before; weights that came from no checkpoint, or whose checkpoint changed
@@ -47,11 +47,11 @@ from sglang_admin.model.weights import (
     weight_values,
     weights_digest,
 )
-from sglang_admin.scheduler.cache_control import flush_now
-from sglang_admin.scheduler.control import Rank
-from sglang_admin.scheduler.generation_control import WEIGHTS_INVALID
-from sglang_admin.scheduler.memory_tags import release_refusal, resume_refusal
-from sglang_admin.scheduler.tp_weights import followers_of, replica_digest
+from sglang_admin.scheduler.ops.cache_control import flush_now
+from sglang_admin.scheduler.ops.control import Rank
+from sglang_admin.scheduler.ops.generation_control import WEIGHTS_INVALID
+from sglang_admin.scheduler.ops.memory_tags import release_refusal, resume_refusal
+from sglang_admin.scheduler.tp.weights import followers_of, replica_digest
 
 logger = logging.getLogger(__name__)
 

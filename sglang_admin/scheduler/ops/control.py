@@ -1,11 +1,11 @@
 """Rank-side control: every message type has one handler, in the module of its domain.
 
-The rank loop (scheduler/process.py) looks each message's type up in one table built from
+The rank loop (scheduler/rank/process.py) looks each message's type up in one table built from
 the ``HANDLERS`` of this module (state, cancel, shutdown) and of the domain modules:
 generation (requests, aborts, pause), cache (flush), profile, weights. A handler gets the :class:`Rank` it runs
 on and the message; it answers an admin message exactly once, now (:meth:`Rank.reply`),
 when a future resolves (:meth:`Rank.reply_when_done`), or from a callback that the rank's
-:class:`~sglang_admin.scheduler.quiesce.Quiesce` runs once the rank is drained.
+:class:`~sglang_admin.scheduler.ops.quiesce.Quiesce` runs once the rank is drained.
 
 Adding a rank-side op (a message in messages/types.py and in the codec's registry in
 messages/codec.py, a handler in its domain module's ``HANDLERS``; nothing in the loop
@@ -29,13 +29,13 @@ from sglang_admin.messages import (
     ShutdownReq,
     StateReq,
 )
-from sglang_admin.scheduler.profiler import Profiler
-from sglang_admin.scheduler.quiesce import Quiesce
+from sglang_admin.scheduler.profiling.profiler import Profiler
+from sglang_admin.scheduler.ops.quiesce import Quiesce
 from sglang_admin.scheduler.scheduler import Scheduler
 
 if TYPE_CHECKING:
     from sglang_admin.model.runner import ModelRunner
-    from sglang_admin.scheduler.weight_groups import WeightGroups
+    from sglang_admin.scheduler.ops.weight_groups import WeightGroups
 
 
 class Rank(Protocol):

@@ -18,8 +18,8 @@ from typing import Any
 
 from sglang_admin.messages import ProfileStopResult, StartProfileReq
 from sglang_admin.model.step_io import SeqInput
-from sglang_admin.scheduler.profiler import Profiler
-from sglang_admin.scheduler.tp_weights import Followers
+from sglang_admin.scheduler.profiling.profiler import Profiler
+from sglang_admin.scheduler.tp.weights import Followers
 
 logger = logging.getLogger(__name__)
 

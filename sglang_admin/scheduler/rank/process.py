@@ -1,7 +1,7 @@
 """One scheduler rank as a process: the event loop around Scheduler and ModelRunner.
 
 Loop: drain the inbox without blocking -> handle messages (each type's handler from
-scheduler/control.py's table) -> run the admin ops whose time came -> schedule a batch ->
+scheduler/ops/control.py's table) -> run the admin ops whose time came -> schedule a batch ->
 forward + sample -> send outputs. It blocks on the inbox only when there is no work.
 """
 
@@ -33,15 +33,15 @@ from sglang_admin.messages import (
     encode,
 )
 from sglang_admin.scheduler import late_imports
-from sglang_admin.scheduler.control import Handler, op_name
+from sglang_admin.scheduler.ops.control import Handler, op_name
 from sglang_admin.scheduler.grammar import GrammarQueue, XGrammarBackend
-from sglang_admin.scheduler.heartbeat import HeartbeatThread
-from sglang_admin.scheduler.lifetime import die_with_parent
-from sglang_admin.scheduler.quiesce import Quiesce
+from sglang_admin.scheduler.rank.heartbeat import HeartbeatThread
+from sglang_admin.scheduler.rank.lifetime import die_with_parent
+from sglang_admin.scheduler.ops.quiesce import Quiesce
 from sglang_admin.scheduler.request import Batch
 from sglang_admin.scheduler.scheduler import Scheduler, SchedulerConfig
-from sglang_admin.scheduler.speculative import DEFAULT_DRAFT_TOKENS, SpecConfig, check_config
-from sglang_admin.scheduler.step_timing import StepTimer
+from sglang_admin.scheduler.speculative.policy import DEFAULT_DRAFT_TOKENS, SpecConfig, check_config
+from sglang_admin.scheduler.profiling.step_timing import StepTimer
 from sglang_admin.scheduler.stop_strings import stop_string_detokenizer
 from sglang_admin.tracing import child_span, trace_id_of
 
@@ -61,16 +61,16 @@ _CLEARED = ["cleared"]  # the radix cache's event of a flush (scheduler/radix_ca
 
 
 def handler_table() -> dict[type, Handler]:
-    """Message type -> handler, from scheduler/control.py and every domain module."""
-    from sglang_admin.scheduler import (
+    """Message type -> handler, from scheduler/ops/control.py and every domain module."""
+    from sglang_admin.scheduler.ops import (
         cache_control,
         control,
         generation_control,
         lora_control,
-        profile_control,
         weight_control,
         weight_sync_control,
     )
+    from sglang_admin.scheduler.profiling import control as profile_control
 
     table: dict[type, Handler] = {}
     for module in (control, generation_control, cache_control, profile_control, weight_control,
@@ -166,8 +166,8 @@ def install_draft_model(args: ServerArgs, target: ModelRunner, scheduler: Schedu
     spec = scheduler.config.speculative
     if spec is None or spec.algorithm != "STANDALONE":
         return None
-    from sglang_admin.model.draft_model import load_draft_runner
-    from sglang_admin.scheduler.draft_drafter import DraftModelDrafter
+    from sglang_admin.scheduler.speculative.draft_model import load_draft_runner
+    from sglang_admin.scheduler.speculative.draft_drafter import DraftModelDrafter
 
     assert args.speculative_draft_model_path is not None  # spec_config checked it
     rows = args.max_running_requests
@@ -232,9 +232,9 @@ class RankLoop:
         import torch
 
         from sglang_admin.model.runner import keep_freed_cpu_memory
-        from sglang_admin.scheduler.profiler import Profiler
-        from sglang_admin.scheduler.tp_worker import build_runner
-        from sglang_admin.scheduler.weight_groups import WeightGroups
+        from sglang_admin.scheduler.profiling.profiler import Profiler
+        from sglang_admin.scheduler.tp.worker import build_runner
+        from sglang_admin.scheduler.ops.weight_groups import WeightGroups
 
         self.args, self.rank, self.inbox, self.outbox = args, rank, inbox, outbox
         self.parent_pid = parent_pid
@@ -254,13 +254,13 @@ class RankLoop:
         torch.manual_seed(args.seed + rank)
         self.tensor_parallel = None  # --tp-size > 1: this rank is TP rank 0 of its replica
         if args.tp_size > 1:
-            from sglang_admin.scheduler.tp_worker import join_replica
+            from sglang_admin.scheduler.tp.worker import join_replica
 
             self.tensor_parallel = join_replica(args, rank, 0)
         self.runner = build_runner(args, rank, 0, self.tensor_parallel)  # TP rank 0's
         target = self.runner
         if self.tensor_parallel is not None:
-            from sglang_admin.scheduler.tp_worker import LeaderRunner
+            from sglang_admin.scheduler.tp.worker import LeaderRunner
 
             self.tensor_parallel.barrier()  # every TP rank's shard is loaded
             self.runner = LeaderRunner(self.runner, self.tensor_parallel)  # type: ignore[assignment]
@@ -289,7 +289,7 @@ class RankLoop:
         self.profiler = Profiler(rank, str(self.runner.device), args.profile_max_steps)
         self.quiesce = Quiesce(self.scheduler)
         self.handlers = handler_table()
-        from sglang_admin.scheduler.lora_control import setup_lora
+        from sglang_admin.scheduler.ops.lora_control import setup_lora
 
         self.lora = setup_lora(self)  # None unless --enable-lora
         # admin messages answered when their future resolves (StopProfile's export)
@@ -311,7 +311,7 @@ class RankLoop:
         self.weights_source: str | None = info.model_path
         self.weights_valid = True
         self.released_digest: str | None = None
-        self.weight_sync = WeightGroups()  # a trainer's process groups (scheduler/weight_sync_control.py)
+        self.weight_sync = WeightGroups()  # a trainer's process groups (scheduler/ops/weight_sync_control.py)
         self._last_figures = self._state_figures()
         self.last_state = self._state_of(self._last_figures)
         # torch._dynamo and xgrammar: off the path to READY unless the heartbeat probe is

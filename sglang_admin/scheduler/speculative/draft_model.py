@@ -2,7 +2,7 @@
 target's tokenizer, loaded by the rank beside the target (model/runner.py's ModelRunner on
 the target's device and dtype, with a KV pool and request-to-token table of its own), and
 the start-up checks that it fits the target. The drafting itself (which tokens each request
-feeds, its draft KV) is scheduler/draft_drafter.py's."""
+feeds, its draft KV) is scheduler/speculative/draft_drafter.py's."""
 
 from __future__ import annotations
 

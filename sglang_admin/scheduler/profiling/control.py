@@ -1,15 +1,15 @@
 """Rank-side handlers of StartProfile and StopProfile (the Profiler does the work).
 
-Profiling is spread over several modules; their map is in ``scheduler/profile_export.py``'s
+Profiling is spread over several modules; their map is in ``scheduler/profiling/export.py``'s
 docstring.
 """
 
 from __future__ import annotations
 
 from sglang_admin.messages import StartProfileReq, StopProfileReq
-from sglang_admin.scheduler.control import Rank
-from sglang_admin.scheduler.tp_profile import start_on_followers, stop_on_followers
-from sglang_admin.scheduler.tp_weights import followers_of
+from sglang_admin.scheduler.ops.control import Rank
+from sglang_admin.scheduler.tp.profile import start_on_followers, stop_on_followers
+from sglang_admin.scheduler.tp.weights import followers_of
 
 
 def on_start(rank: Rank, msg: StartProfileReq) -> None:

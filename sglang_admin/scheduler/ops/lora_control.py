@@ -21,7 +21,7 @@ from sglang_admin.messages import (
     UnloadLoraReq,
 )
 from sglang_admin.model.lora import LoraAdapterError, LoraBuffers, read_adapter, served_config
-from sglang_admin.scheduler.control import Rank
+from sglang_admin.scheduler.ops.control import Rank
 from sglang_admin.scheduler.lora_registry import Adapter, LoraRegistry
 
 logger = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ A rank runs this file as a child process (standard library only, so it runs as a
 script): parsing a segment's JSON is one C call that holds the GIL for seconds on a large
 trace, and in the rank's process that would stop its loop thread for as long.
 
-Profiling is spread over several modules; their map is in ``scheduler/profile_export.py``'s
+Profiling is spread over several modules; their map is in ``scheduler/profiling/export.py``'s
 docstring.
 """
 

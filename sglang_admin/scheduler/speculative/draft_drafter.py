@@ -1,6 +1,6 @@
 """STANDALONE speculative decoding (issue 47): drafts from a small model of the target's
 tokenizer. No torch here: the draft model is a step function over the runner's sequence
-records (model/draft_model.py builds it); this module keeps each request's draft KV.
+records (scheduler/speculative/draft_model.py builds it); this module keeps each request's draft KV.
 
 Each drafting request owns one row of the draft model's request-to-token table and a
 contiguous list of the draft pool's slots. Between steps the row's first ``valid``
@@ -15,7 +15,7 @@ running set (it ended, was aborted, retracted or paused with retract) and on a f
 
 Drafts are greedy (the draft model's argmax) for every request: a deterministic draft is a
 point-mass draft distribution, which the target's verification keeps exact for sampled
-requests too (model/spec_verify.py).
+requests too (scheduler/speculative/verify.py).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class DraftRow:
 
 
 class DraftModelDrafter:
-    """The Drafter of STANDALONE (scheduler/speculative.py's protocol) over a draft model's
+    """The Drafter of STANDALONE (scheduler/speculative/policy.py's protocol) over a draft model's
     step function, with ``rows`` table rows and a pool of ``capacity`` slots of its own."""
 
     def __init__(self, step: DraftStep, rows: int, capacity: int,

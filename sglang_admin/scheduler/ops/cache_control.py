@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 
 from sglang_admin.messages import FlushCacheReq, FlushResult
-from sglang_admin.scheduler.control import Rank
+from sglang_admin.scheduler.ops.control import Rank
 
 # The rank's flush gives up this long after the caller's deadline: the server answers
 # DEADLINE_EXCEEDED first and cancels the flush; this only covers a cancel that never came.

@@ -41,7 +41,7 @@ class HeartbeatThread(threading.Thread):
                  tp_rank: int = 0) -> None:
         super().__init__(name=f"heartbeat-rank{rank}", daemon=True)
         self.rank = rank
-        self.tp_rank = tp_rank  # a TP follower's beats name it (scheduler/tp_worker.py)
+        self.tp_rank = tp_rank  # a TP follower's beats name it (scheduler/tp/worker.py)
         self.clock = clock
         self.interval = beat_interval(args)
         self.stopped = threading.Event()

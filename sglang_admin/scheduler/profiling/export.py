@@ -1,7 +1,7 @@
 """Writes a rank's finished profiler sessions to disk, off the rank's loop: the export
 thread, trace segments and their join, the size cap, and the answer a StopProfile gets.
 
-The state machine that decides when sessions start and stop is ``scheduler/profiler.py``; it
+The state machine that decides when sessions start and stop is ``scheduler/profiling/profiler.py``; it
 hands each stopped torch.profiler session here. torch's exporter holds the GIL for its whole
 run (a second or more with stacks), so the export thread has it run in a forked child
 (``trace_export``): run on the thread itself, it stopped the loop and the heartbeat for as
@@ -12,9 +12,9 @@ thread stalled the loop (HealthCheck unanswered during a StopProfile under load)
 
 Where profiling lives, end to end: ``server/profiles.py`` (StartProfile's checks and plan,
 the profile registry, DownloadProfile), ``server/cache_profile_service.py`` (the RPCs),
-``server/trace_merge.py`` (one merged trace of all ranks), ``scheduler/profile_control.py``
-(the rank's handlers), ``scheduler/profiler.py`` (the per-rank state machine), this module
-(writing the files), ``scheduler/trace_export.py`` and ``scheduler/trace_join.py`` (the
+``server/trace_merge.py`` (one merged trace of all ranks), ``scheduler/profiling/control.py``
+(the rank's handlers), ``scheduler/profiling/profiler.py`` (the per-rank state machine), this module
+(writing the files), ``scheduler/profiling/trace_export.py`` and ``scheduler/profiling/trace_join.py`` (the
 child processes that write and join traces), and ``sglang_admin/constants.py`` (the file
 names both processes agree on).
 """
@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sglang_admin.messages import ProfileStopResult
-from sglang_admin.scheduler import trace_export, trace_join
+from sglang_admin.scheduler.profiling import trace_export, trace_join
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """A rank's weight-update groups (joined from a trainer) and the one thread that blocks
-on them; the handlers are in scheduler/weight_sync_control.py."""
+on them; the handlers are in scheduler/ops/weight_sync_control.py."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ tokens each request may draft (adaptive), and the accept figures. No torch here.
 
 A running request that decodes may get a *draft*: up to k tokens guessed ahead. Its span
 then runs its last token and the draft (1 + k tokens) in the step's one forward pass, with
-logits at every position; the runner (model/spec_verify.py) keeps the longest prefix of the
+logits at every position; the runner (scheduler/speculative/verify.py) keeps the longest prefix of the
 draft the target model agrees with, plus one token of its own, and postprocess.py appends
 them one by one (each through the stop checks) and frees the KV slots of the rejected
 draft tokens at once.
@@ -11,7 +11,7 @@ draft tokens at once.
 The drafter is a small interface (:class:`Drafter`: ``propose(reqs, limits) -> drafts``) so
 another source can slot in: ``NGRAM`` is prompt lookup in the request's own prompt and
 output (:class:`NgramDrafter`); ``STANDALONE`` drafts with a small model of the same
-tokenizer (scheduler/draft_drafter.py's DraftModelDrafter over model/draft_model.py).
+tokenizer (scheduler/speculative/draft_drafter.py's DraftModelDrafter over scheduler/speculative/draft_model.py).
 
 Speculation turns itself down where drafts are rejected (:class:`SpecProgress`): each
 request keeps a moving estimate of how often its draft tokens are accepted and drafts only
@@ -251,7 +251,7 @@ class NgramDrafter:
 def make_drafter(config: SpecConfig) -> Drafter | None:
     """The drafter of ``config.algorithm`` (check_config refused the others at start); None
     for STANDALONE, whose drafter needs the draft model: the rank installs it
-    (scheduler/draft_drafter.py, wired by scheduler/process.py)."""
+    (scheduler/speculative/draft_drafter.py, wired by scheduler/rank/process.py)."""
     if config.algorithm == "NGRAM":
         return NgramDrafter(config)
     if config.algorithm == "STANDALONE":

@@ -12,7 +12,7 @@ exporter and leaves with ``os._exit`` (no cleanup of the rank's sockets, no atex
 as before: no ``os.fork`` on this platform, or CUDA initialized in this process (a forked
 child must not touch the parent's CUDA context, and torch's exporter may).
 
-Profiling is spread over several modules; their map is in ``scheduler/profile_export.py``'s
+Profiling is spread over several modules; their map is in ``scheduler/profiling/export.py``'s
 docstring.
 """
 
