@@ -129,14 +129,14 @@ class ServerArgs:
     max_loaded_loras: int = 8
     max_lora_rank: int = 16
     lora_paths: tuple[tuple[str, str], ...] = ()
-    # issue 47: speculative decoding (scheduler/speculative/policy.py; SGLang's flag names). None:
+    # speculative decoding (scheduler/speculative/policy.py; SGLang's flag names). None:
     # off; "NGRAM": drafts by prompt lookup; num_draft_tokens None: its default (8)
     speculative_algorithm: str | None = None
     speculative_num_draft_tokens: int | None = None
     speculative_ngram_min_match_window_size: int = 1
     speculative_ngram_max_match_window_size: int = 12
     speculative_draft_model_path: str | None = None
-    # issue 32: serve a decoder checkpoint as an embedding model (Embed, not Generate)
+    # serve a decoder checkpoint as an embedding model (Embed, not Generate)
     is_embedding: bool = False
     ipc_dir: str = ""  # set by launch: a fresh private directory per instance
 

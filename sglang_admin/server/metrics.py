@@ -71,7 +71,7 @@ RANK_GAUGES: tuple[tuple[str, str, Callable[[RankState], float]], ...] = (
      lambda s: s.gen_throughput),
     ("cache_hit_rate", "The prefix cache hit rate.",
      lambda s: s.cache_hit_rate),
-    # issue 47: speculative decoding (0 while off)
+    # speculative decoding (0 while off)
     ("spec_accept_length", "The average acceptance length of speculative decoding.",
      lambda s: s.spec_accept_length),
     ("spec_accept_rate", "The average acceptance rate of speculative decoding.",

@@ -29,8 +29,8 @@ from sglang_admin.messages import (
     ShutdownReq,
     StateReq,
 )
-from sglang_admin.scheduler.profiling.profiler import Profiler
 from sglang_admin.scheduler.ops.quiesce import Quiesce
+from sglang_admin.scheduler.profiling.profiler import Profiler
 from sglang_admin.scheduler.scheduler import Scheduler
 
 if TYPE_CHECKING:

@@ -21,8 +21,8 @@ from sglang_admin.messages import (
     UnloadLoraReq,
 )
 from sglang_admin.model.lora import LoraAdapterError, LoraBuffers, read_adapter, served_config
-from sglang_admin.scheduler.ops.control import Rank
 from sglang_admin.scheduler.lora_registry import Adapter, LoraRegistry
+from sglang_admin.scheduler.ops.control import Rank
 
 logger = logging.getLogger(__name__)
 

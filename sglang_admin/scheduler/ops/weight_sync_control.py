@@ -41,6 +41,7 @@ from sglang_admin.model.pushed_weights import (
     receive_weights,
 )
 from sglang_admin.scheduler.ops.control import Rank
+from sglang_admin.scheduler.ops.weight_control import weights_now_served
 from sglang_admin.scheduler.tp.weights import (
     DESTROY,
     JOIN,
@@ -50,7 +51,6 @@ from sglang_admin.scheduler.tp.weights import (
     followers_of,
     group_rank,
 )
-from sglang_admin.scheduler.ops.weight_control import weights_now_served
 
 logger = logging.getLogger(__name__)
 

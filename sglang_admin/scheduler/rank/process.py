@@ -33,20 +33,20 @@ from sglang_admin.messages import (
     encode,
 )
 from sglang_admin.scheduler import late_imports
-from sglang_admin.scheduler.ops.control import Handler, op_name
 from sglang_admin.scheduler.grammar import GrammarQueue, XGrammarBackend
+from sglang_admin.scheduler.ops.control import Handler, op_name
+from sglang_admin.scheduler.ops.quiesce import Quiesce
+from sglang_admin.scheduler.profiling.step_timing import StepTimer
 from sglang_admin.scheduler.rank.heartbeat import HeartbeatThread
 from sglang_admin.scheduler.rank.lifetime import die_with_parent
-from sglang_admin.scheduler.ops.quiesce import Quiesce
 from sglang_admin.scheduler.request import Batch
 from sglang_admin.scheduler.scheduler import Scheduler, SchedulerConfig
-from sglang_admin.scheduler.speculative.policy import DEFAULT_DRAFT_TOKENS, SpecConfig, check_config
-from sglang_admin.scheduler.profiling.step_timing import StepTimer
+from sglang_admin.scheduler.speculative.setup import install_draft_model, spec_config
 from sglang_admin.scheduler.stop_strings import stop_string_detokenizer
 from sglang_admin.tracing import child_span, trace_id_of
 
 if TYPE_CHECKING:
-    from sglang_admin.model.runner import ModelRunner, SeqInput
+    from sglang_admin.model.runner import SeqInput
 
 logger = logging.getLogger(__name__)
 
@@ -137,51 +137,6 @@ def run_scheduler(args: ServerArgs, rank: int, parent_pid: int) -> None:
 _AFTER_TIMESTAMP = 6
 
 
-def spec_config(args: ServerArgs) -> SpecConfig | None:
-    """The rank's speculative settings (issue 47); None when off. ValueError (the rank does
-    not start) on settings the CLI would have refused."""
-    if args.speculative_algorithm is None:
-        return None
-    refusal = check_config(args.speculative_algorithm, args.speculative_num_draft_tokens,
-                           args.speculative_ngram_min_match_window_size,
-                           args.speculative_ngram_max_match_window_size,
-                           args.speculative_draft_model_path)
-    if refusal is not None:
-        raise ValueError(refusal)
-    return SpecConfig(
-        args.speculative_algorithm,
-        args.speculative_num_draft_tokens or DEFAULT_DRAFT_TOKENS,
-        args.speculative_ngram_min_match_window_size,
-        args.speculative_ngram_max_match_window_size,
-    )
-
-
-def install_draft_model(args: ServerArgs, target: ModelRunner, scheduler: Scheduler
-                        ) -> ModelRunner | None:
-    """STANDALONE (issue 47): load the draft model beside the target (this rank only; TP
-    followers never draft) and make the scheduler draft with it; its runner, or None when
-    the rank drafts otherwise. Its table has a row per running request; its pool holds
-    the target's capacity plus a full draft per row (a request that finds no room drafts
-    nothing that step)."""
-    spec = scheduler.config.speculative
-    if spec is None or spec.algorithm != "STANDALONE":
-        return None
-    from sglang_admin.scheduler.speculative.draft_model import load_draft_runner
-    from sglang_admin.scheduler.speculative.draft_drafter import DraftModelDrafter
-
-    assert args.speculative_draft_model_path is not None  # spec_config checked it
-    rows = args.max_running_requests
-    capacity = min(target.token_capacity + rows * (spec.num_draft_tokens + 1),
-                   rows * target.context_length)
-    draft = load_draft_runner(args.speculative_draft_model_path, target, rows, capacity,
-                              args.attention_backend)
-    scheduler.drafter = DraftModelDrafter(draft.forward_step, rows, draft.token_capacity,
-                                          lambda: scheduler.running)
-    logger.info("STANDALONE drafts with %s (%d KV tokens)", draft.info.model_path,
-                draft.token_capacity)
-    return draft
-
-
 def batch_inputs(batch: Batch) -> list[SeqInput]:
     """The model runner's inputs for a scheduled batch: one per span, in span order."""
     from sglang_admin.model.runner import SeqInput
@@ -195,7 +150,7 @@ def batch_inputs(batch: Batch) -> list[SeqInput]:
         inputs.append(SeqInput(
             req_idx=req.req_idx,
             prefix_len=start,
-            # a verify span (speculative.py): the last token, then the draft
+            # a verify span (speculative/plan.py): the last token, then the draft
             token_ids=req.tokens(start, end) if not draft else req.tokens(start, start + 1) + draft,
             table_start=sp.table_start,
             table_slots=req.slots[sp.table_start : end],
@@ -212,7 +167,7 @@ def batch_inputs(batch: Batch) -> list[SeqInput]:
             return_hidden_states=req.hidden.wanted,
             grammar=sampling.grammar,
             argmax_from=req.argmax_from,
-            embed=req.embed,  # issue 32: an Embed request's pooling progress
+            embed=req.embed,  # an Embed request's pooling progress
             draft=draft,
         ))
     return inputs
@@ -232,9 +187,9 @@ class RankLoop:
         import torch
 
         from sglang_admin.model.runner import keep_freed_cpu_memory
+        from sglang_admin.scheduler.ops.weight_groups import WeightGroups
         from sglang_admin.scheduler.profiling.profiler import Profiler
         from sglang_admin.scheduler.tp.worker import build_runner
-        from sglang_admin.scheduler.ops.weight_groups import WeightGroups
 
         self.args, self.rank, self.inbox, self.outbox = args, rank, inbox, outbox
         self.parent_pid = parent_pid

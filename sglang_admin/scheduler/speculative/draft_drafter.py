@@ -1,4 +1,4 @@
-"""STANDALONE speculative decoding (issue 47): drafts from a small model of the target's
+"""STANDALONE speculative decoding: drafts from a small model of the target's
 tokenizer. No torch here: the draft model is a step function over the runner's sequence
 records (scheduler/speculative/draft_model.py builds it); this module keeps each request's draft KV.
 

@@ -1,4 +1,4 @@
-"""STANDALONE speculative decoding's draft model (issue 47): a second, small model of the
+"""STANDALONE speculative decoding's draft model: a second, small model of the
 target's tokenizer, loaded by the rank beside the target (model/runner.py's ModelRunner on
 the target's device and dtype, with a KV pool and request-to-token table of its own), and
 the start-up checks that it fits the target. The drafting itself (which tokens each request

@@ -1,4 +1,4 @@
-"""Speculative decoding at a rank (issue 47): the drafts a decode step verifies, how many
+"""Speculative decoding at a rank: the drafts a decode step verifies, how many
 tokens each request may draft (adaptive), and the accept figures. No torch here.
 
 A running request that decodes may get a *draft*: up to k tokens guessed ahead. Its span

@@ -1,4 +1,4 @@
-"""Speculative decoding's verification (issue 47): a verify sequence (its last token, then
+"""Speculative decoding's verification: a verify sequence (its last token, then
 its draft) run as one decode row per position, and the run of tokens the step gives it.
 
 Row ``i`` is the decode of position ``prefix_len + i`` with the sequence's first ``i`` draft

@@ -30,8 +30,8 @@ from sglang_admin.model.runner import InvalidSequence, ModelRunner, SeqInput, Se
 from sglang_admin.model.tensor_parallel import TensorParallel, join_tensor_parallel
 from sglang_admin.model.weights import RefitError, refit_from_disk
 from sglang_admin.scheduler import late_imports
-from sglang_admin.scheduler.rank.heartbeat import HeartbeatThread
 from sglang_admin.scheduler.profiling.profiler import Profiler
+from sglang_admin.scheduler.rank.heartbeat import HeartbeatThread
 from sglang_admin.scheduler.tp.profile import PROFILE_COMMANDS, FollowerProfiler, step_stage
 from sglang_admin.scheduler.tp.weights import WEIGHT_COMMANDS, Followers, FollowerWeights
 
