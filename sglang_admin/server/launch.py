@@ -21,7 +21,7 @@ from sglang_admin.pb import common_pb2, common_pb2_grpc
 from sglang_admin.scheduler.rank.entry import run_rank, run_tp_follower
 from sglang_admin.server import admission, ipc_dir
 from sglang_admin.server.communicator import Communicator
-from sglang_admin.server.http_sidecar import HttpSidecar
+from sglang_admin.server.sidecar import HttpSidecar
 from sglang_admin.server.interceptors import (
     AccessLogInterceptor,
     AuthInterceptor,
@@ -220,8 +220,7 @@ class Server:
         elif port == args.port:
             why = "it is the gRPC --port"
         if not why:
-            self.sidecar = HttpSidecar(args, servicer.cache, servicer.info, servicer.metrics,
-                                       None if auth is None else auth.check)
+            self.sidecar = HttpSidecar(args, servicer, None if auth is None else auth.check)
             try:
                 port = await self.sidecar.start()
             except ssl.SSLError:

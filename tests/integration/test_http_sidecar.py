@@ -29,7 +29,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from sglang_admin.pb import common_pb2 as pb
-from sglang_admin.server.http_sidecar import FLUSH_TEXT, START_TEXT, STOP_TEXT
+from sglang_admin.server.sidecar import FLUSH_TEXT, START_TEXT, STOP_TEXT
 from tests.conftest import ServerProc, free_port, greedy, run_generate, start_server, wait_started
 from tests.integration.test_faults import Stream
 
