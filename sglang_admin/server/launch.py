@@ -21,13 +21,13 @@ from sglang_admin.pb import common_pb2, common_pb2_grpc
 from sglang_admin.scheduler.rank.entry import run_rank, run_tp_follower
 from sglang_admin.server import admission, ipc_dir
 from sglang_admin.server.communicator import Communicator
-from sglang_admin.server.sidecar import HttpSidecar
 from sglang_admin.server.interceptors import (
     AccessLogInterceptor,
     AuthInterceptor,
     ErrorHandlingRegistry,
 )
 from sglang_admin.server.servicer import SglangSchedulerServicer
+from sglang_admin.server.sidecar import HttpSidecar
 from sglang_admin.server.watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
