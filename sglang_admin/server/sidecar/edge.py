@@ -140,12 +140,12 @@ def json_answer(data: Any, status: int = 200) -> web.Response:
     return web.Response(status=status, text=json.dumps(data), content_type="application/json")
 
 
-def failure(status: int, message: str, **extra: Any) -> web.Response:
+def failure(http_status: int, message: str, /, **extra: Any) -> web.Response:
     """SGLang's failure shape of the admin routes: ``{"success": false, "message": ...}``."""
-    return json_answer({"success": False, "message": message, **extra}, status)
+    return json_answer({"success": False, "message": message, **extra}, http_status)
 
 
-def outcome(success: bool, message: str, **extra: Any) -> web.Response:
+def outcome(success: bool, message: str, /, **extra: Any) -> web.Response:
     """``{"success", "message", ...}``: 200 when it succeeded, else 400 (SGLang's rule)."""
     return json_answer({"success": success, "message": message, **extra},
                        200 if success else 400)
