@@ -34,6 +34,9 @@ Ported, and what differs from the original (each difference also in docs/operati
   400), generate under the adapter, unload; ``loaded_adapters`` as SGLang returns it
   (name -> path). The adapter is selected by GenerateRequest.lora_id (the route makes the
   name the id) instead of /generate's ``lora_path``.
+- test/srt/test_update_weights_from_distributed.py's server mode, on gloo (CPU) instead
+  of NCCL, with one trainer rank in this process pushing checkpoint B; the worker then
+  decodes as transformers on B, token for token.
 - test/srt/test_get_weights_by_name.py's server mode: the first rows of a parameter equal
   the checkpoint's.
 Also: /get_load and /v1/loads, /update_weights_from_tensor refused, the trainer-group
@@ -45,23 +48,36 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import ServerProc, greedy, run_generate, start_server, wait_started
+from tests.conftest import (
+    ServerProc,
+    free_port,
+    greedy,
+    run_generate,
+    start_server,
+    wait_started,
+)
 from tests.integration.test_faults import Stream
 from tests.unit.test_sidecar_routes import BODIES, mutated
 
 torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
-from tests.integration.test_refit import build_qwen2  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from tests.integration.sglang_trainer import init_custom_process_group  # noqa: E402
+from tests.integration.test_refit import build_qwen2, hf_greedy  # noqa: E402
 from tests.lora_models import build_adapter, build_base  # noqa: E402
 
 PROMPT = [5, 9, 33, 70, 12, 8]
@@ -356,6 +372,55 @@ def test_get_load_and_v1_loads(world: World) -> None:
 
 
 # ---------------------------------------------------------------------- trainer routes, tensors
+
+
+def test_update_weights_from_distributed(world: World) -> None:
+    """SGLang's test_update_weights_from_distributed.py in server mode, on gloo: the trainer
+    (here, this process with SGLang's init_custom_process_group) joins as rank 0 while
+    /init_weights_update_group runs, broadcasts every parameter of checkpoint B while
+    /update_weights_from_distributed runs; the worker then decodes as transformers on B."""
+    srv = world.srv
+    origin = decode(srv)
+    model_b = transformers.AutoModelForCausalLM.from_pretrained(world.b, dtype=torch.float32)
+    expected = hf_greedy(model_b.eval(), PROMPT, 16)
+    port, answers = free_port(), {}
+
+    def post(key: str, path: str, body: dict) -> threading.Thread:
+        t = threading.Thread(target=lambda: answers.__setitem__(key, http(srv, "POST", path, body)))
+        t.start()
+        return t
+
+    joining = post("init", "/init_weights_update_group", {
+        "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+        "group_name": "port-group", "backend": "gloo"})
+    pg = init_custom_process_group(backend="gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                   timeout=timedelta(seconds=TIMEOUT), world_size=2, rank=0,
+                                   group_name="port-group")
+    try:
+        joining.join(TIMEOUT)
+        status, ret = answers["init"]
+        assert status == 200 and ret["success"], ret
+        params = list(model_b.named_parameters())
+        pushing = post("update", "/update_weights_from_distributed", {
+            "names": [n for n, _ in params],
+            "dtypes": [str(p.dtype).removeprefix("torch.") for _, p in params],
+            "shapes": [list(p.shape) for _, p in params], "group_name": "port-group",
+            "weight_version": "dist-1"})
+        for _, p in params:
+            dist.broadcast(p.data, src=0, group=pg)
+        pushing.join(TIMEOUT)
+        status, ret = answers["update"]
+        assert status == 200 and ret["success"], ret
+        assert decode(srv) == expected != origin
+        assert http(srv, "GET", "/get_weight_version")[1]["weight_version"] == "dist-1"
+        status, ret = http(srv, "POST", "/destroy_weights_update_group",
+                           {"group_name": "port-group"})
+        assert status == 200 and ret["success"], ret
+    finally:
+        dist.destroy_process_group(pg)
+    status, ret = http(srv, "POST", "/update_weights_from_disk", {"model_path": str(world.a)})
+    assert status == 200 and ret["success"], ret
+    assert decode(srv) == origin
 
 
 def test_trainer_group_routes_refuse_what_the_rpc_refuses(world: World) -> None:

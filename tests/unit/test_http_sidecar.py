@@ -78,7 +78,8 @@ def sidecar(check=None, metrics: bool = True) -> tuple[HttpSidecar, FakeCache, F
     cache, info = FakeCache(), FakeInfo()
     services = SimpleNamespace(cache=cache, info=info,
                                metrics=Metrics(args, lambda: "m", lambda: states),
-                               weights=None, weight_sync=None, lora=None, generation=None)
+                               weights=None, weight_sync=None, lora=None, generation=None,
+                               admin=None)
     return HttpSidecar(args, services, check), cache, info  # type: ignore[arg-type]
 
 

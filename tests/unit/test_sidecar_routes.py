@@ -80,6 +80,7 @@ def services() -> SimpleNamespace:
         weight_sync=Fake(init_group=ok, update_from_distributed=updated, destroy_group=ok),
         generation=Fake(pause=pb.PauseGenerationResponse(success=True, num_paused_requests=2),
                         resume=ok, abort=pb.AbortResponse(success=True)),
+        admin=SimpleNamespace(check_admin_key=lambda metadata: None),
         lora=Fake(load=pb.LoadLoRAAdapterResponse(success=True, message="loaded"),
                   unload=pb.UnloadLoRAAdapterResponse(success=True, message="unloaded"),
                   list=pb.ListLoadedLoRAAdaptersResponse(loaded_adapters=[
@@ -87,8 +88,10 @@ def services() -> SimpleNamespace:
     )
 
 
-def sidecar(check: Any = None) -> tuple[HttpSidecar, SimpleNamespace]:
+def sidecar(check: Any = None, admin_check: Any = None) -> tuple[HttpSidecar, SimpleNamespace]:
     found = services()
+    if admin_check is not None:
+        found.admin.check_admin_key = admin_check
     return HttpSidecar(ServerArgs(), found, check), found  # type: ignore[arg-type]
 
 
@@ -324,7 +327,8 @@ API_ROUTES = [("GET", "/get_weight_version"), ("GET", "/get_load"), ("GET", "/v1
 
 
 def test_each_new_route_follows_its_rpcs_auth_rule() -> None:
-    app, _ = sidecar(AuthInterceptor("k", "adm").check)
+    auth = AuthInterceptor("k", "adm")
+    app, _ = sidecar(auth.check, auth.check_admin)
     admin = [p for p in ADMIN_ROUTES if p != "/abort_request"]
     none, api, adm = ({}, {"headers": {"Authorization": "Bearer k"}},
                       {"headers": {"Authorization": "Bearer adm"}})
@@ -335,8 +339,12 @@ def test_each_new_route_follows_its_rpcs_auth_rule() -> None:
     got = calls(app, [(m, p, kw) for m, p in API_ROUTES for kw in (none, api)])
     for i, (_, path) in enumerate(API_ROUTES):
         assert (got[2 * i][0], got[2 * i + 1][0]) == (401, 200), path
-    # abort_all is an admin op inside the Abort RPC: the service asks for the admin key
-    app, found = sidecar(AuthInterceptor("k", "adm").check)
+    # the admin key opens /abort_request too; abort_all is an admin op inside the Abort RPC
+    # (the service asks for the admin key)
+    assert call(app, "POST", "/abort_request", json={"rid": "r"}, **adm)[0] == 200
+    assert call(app, "POST", "/abort_request", json={"rid": "r"},
+                headers={"Authorization": "Bearer x"})[0] == 401
+    app, found = sidecar(auth.check, auth.check_admin)
     found.generation.answers["abort"] = ServiceError(grpc.StatusCode.UNAUTHENTICATED, "admin")
     assert call(app, "POST", "/abort_request", json={"abort_all": True}, **api)[0] == 401
 

@@ -94,6 +94,7 @@ class Services(Protocol):
     weight_sync: Any  # WeightSync
     lora: Any  # Lora
     generation: Any  # Generation
+    admin: Any  # AdminCalls: check_admin_key is the admin rule (for Abort's abort_all)
 
 
 @dataclass
