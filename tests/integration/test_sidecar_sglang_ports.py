@@ -348,11 +348,16 @@ def test_get_weights_by_name(world: World) -> None:
 
 def test_get_load_and_v1_loads(world: World) -> None:
     srv = world.srv
-    running = streams(srv, 2, 200)
+    running = streams(srv, 2, 400)
     try:
-        status, loads = http(srv, "GET", "/get_load")
-        assert status == 200 and len(loads) == 1 and loads[0]["dp_rank"] == 0
-        assert loads[0]["num_reqs"] >= 1 and loads[0]["num_tokens"] > 0
+        deadline = time.time() + 30  # the ranks publish their state every few steps
+        while True:
+            status, loads = http(srv, "GET", "/get_load")
+            assert status == 200 and len(loads) == 1 and loads[0]["dp_rank"] == 0
+            if loads[0]["num_reqs"] >= 1 or time.time() > deadline:
+                break
+            time.sleep(0.05)
+        assert loads[0]["num_reqs"] >= 1 and loads[0]["num_tokens"] > 0, loads
         status, found = http(srv, "GET", "/v1/loads")
         assert status == 200 and found["version"] and found["timestamp"]
         one = found["loads"][0]
