@@ -109,7 +109,7 @@ class ServerArgs:
     # Metrics (server/metrics.py): off unless asked; served by the HTTP sidecar's /metrics
     # and the GetMetrics RPC.
     enable_metrics: bool = False
-    # The HTTP sidecar (server/http_sidecar.py): on --host at grpc_http_sidecar_port
+    # The HTTP sidecar (server/sidecar/): on --host at grpc_http_sidecar_port
     # (SGLang's name; None: the gRPC port + 1, as SGLang's gRPC mode), unless
     # disable_http_sidecar.
     grpc_http_sidecar_port: int | None = None
