@@ -82,6 +82,7 @@ from tests.lora_models import build_adapter, build_base  # noqa: E402
 
 PROMPT = [5, 9, 33, 70, 12, 8]
 TIMEOUT = 120
+LONG = 400  # tokens: still running when the next HTTP call lands (the context is 512)
 
 
 @dataclass
@@ -239,9 +240,9 @@ def test_release_and_resume_memory_occupation(world: World) -> None:
 def test_pause_in_place_and_continue(world: World) -> None:
     srv = world.srv
     stub = srv.stub()
-    reference = [run_generate(stub, greedy([7 + i, 40, 41, 42], 120), timeout=TIMEOUT)[0]
+    reference = [run_generate(stub, greedy([7 + i, 40, 41, 42], LONG), timeout=TIMEOUT)[0]
                  for i in range(3)]
-    running = streams(srv, 3, 120)
+    running = streams(srv, 3, LONG)
     status, ret = http(srv, "POST", "/pause_generation", {"mode": "in_place"})
     assert status == 200 and ret["message"] == "Generation paused successfully." \
         and ret["status"] == "ok", ret
@@ -259,7 +260,7 @@ def test_pause_in_place_and_continue(world: World) -> None:
 def test_pause_abort_and_a_request_waits_for_continue(world: World) -> None:
     srv = world.srv
     origin = decode(srv)
-    running = streams(srv, 2, 400)
+    running = streams(srv, 2, LONG)
     status, ret = http(srv, "POST", "/pause_generation")  # no body: mode abort
     assert status == 200 and ret["num_paused_requests"] >= 1, ret
     for s in running:
@@ -279,7 +280,7 @@ def test_pause_abort_and_a_request_waits_for_continue(world: World) -> None:
 
 def test_abort_all(world: World) -> None:
     srv = world.srv
-    running = streams(srv, 8, 400)
+    running = streams(srv, 8, LONG)
     status, ret = http(srv, "POST", "/abort_request", {"abort_all": True})
     assert status == 200 and ret["success"], ret
     for s in running:
@@ -289,7 +290,7 @@ def test_abort_all(world: World) -> None:
 
 def test_abort_one_request_by_rid(world: World) -> None:
     srv = world.srv
-    one = streams(srv, 1, 400, request_id="port-abort-1")[0]
+    one = streams(srv, 1, LONG, request_id="port-abort-1")[0]
     other = streams(srv, 1, 40)[0]
     status, ret = http(srv, "POST", "/abort_request", {"rid": "port-abort-1"})
     assert (status, ret["success"]) == (200, True), ret
@@ -348,7 +349,7 @@ def test_get_weights_by_name(world: World) -> None:
 
 def test_get_load_and_v1_loads(world: World) -> None:
     srv = world.srv
-    running = streams(srv, 2, 400)
+    running = streams(srv, 2, LONG)
     try:
         deadline = time.time() + 30  # the ranks publish their state every few steps
         while True:
