@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from sglang_admin.config import ATTENTION_BACKENDS
 from sglang_admin.model.attention.choice import cuda_attention_applies
 from sglang_admin.model.batch import BatchBuilder, ForwardBatch
-from sglang_admin.model.cpu_dtype import auto_cpu_dtype
+from sglang_admin.model.cpu_dtype import choose_dtype
 from sglang_admin.model.cpu_kernels import CpuKernels, load_cpu_kernels
 from sglang_admin.model.decode_graphs import DecodeGraphs
 from sglang_admin.model.device import (
@@ -35,15 +35,16 @@ from sglang_admin.model.device import (
     resolve_device,
     use_device,
 )
+from sglang_admin.model.gguf import GGUF_WEIGHT_TYPE_KEY
 from sglang_admin.model.grammar_mask import apply_grammar_masks
 from sglang_admin.model.hidden_extras import hidden_rows, input_logprobs
 from sglang_admin.model.lanes import LM_HEAD_SPLIT_PARAMS, SPLIT_MATMUL_PARAMS
 from sglang_admin.model.llama import Linear, LlamaForCausalLM
 from sglang_admin.model.loader import (
     ModelLoadError,
-    dtype_from_name,
     load_model,
     load_model_info,
+    read_hf_config,
 )
 from sglang_admin.model.lora import LoraBuffers
 from sglang_admin.model.packed_linear import PackedWeights, packed_linear, packing_available
@@ -69,17 +70,12 @@ class ForwardTimes:
 
 
 
-def resolve_dtype(dtype: str, device: torch.device, checkpoint_dtype: str) -> torch.dtype:
-    """"auto" -> on CPU, model/cpu_dtype.py's rule (bfloat16 for a half-precision checkpoint
-    on a CPU with native bfloat16, else float32); on CUDA the checkpoint's half dtype, else
-    bfloat16."""
-    if dtype != "auto":
-        return dtype_from_name(dtype)
-    if device.type != "cuda":
-        return auto_cpu_dtype(checkpoint_dtype)
-    if checkpoint_dtype in ("float16", "bfloat16"):
-        return dtype_from_name(checkpoint_dtype)
-    return torch.bfloat16
+def resolve_dtype(dtype: str, device: torch.device, checkpoint_dtype: str,
+                  gguf_weight_type: str = "") -> torch.dtype:
+    """"auto" -> model/cpu_dtype.py's rule (on CPU bfloat16 for half-precision or quantized
+    weights on a CPU with native bfloat16, else float32; on CUDA the checkpoint's half dtype,
+    else bfloat16)."""
+    return choose_dtype(dtype, device, checkpoint_dtype, gguf_weight_type).dtype
 
 
 class ResumeOutOfMemory(RuntimeError):
@@ -122,7 +118,9 @@ class ModelRunner:
         self.device = resolve_device(device, gpu_index)
         use_device(self.device)
         probe = load_model_info(model_path, context_length)
-        self.dtype = resolve_dtype(dtype, self.device, probe.dtype)
+        dtype_choice = choose_dtype(dtype, self.device, probe.dtype, str(
+            read_hf_config(model_path).get(GGUF_WEIGHT_TYPE_KEY) or ""))
+        self.dtype = dtype_choice.dtype
         self.model: LlamaForCausalLM
         self.model, self.info = load_model(
             model_path, dtype=self.dtype, device=self.device, context_length=context_length,
@@ -205,8 +203,9 @@ class ModelRunner:
         if cuda_graph_max_bs > 0:
             self.graphs = self._decode_graphs(cuda_graph_max_bs, cuda_attention, tensor_parallel)
         logger.info(
-            "model %s loaded: %s on %s, %.1f MiB weights, KV pool %d tokens (%.1f MiB)",
-            self.info.architectures, self.info.dtype, self.device, self.weight_bytes / 2**20,
+            "model %s loaded: %s on %s (%s), %.1f MiB weights, KV pool %d tokens (%.1f MiB)",
+            self.info.architectures, self.info.dtype, self.device, dtype_choice.reason,
+            self.weight_bytes / 2**20,
             self.token_capacity, self.kv_cache_bytes / 2**20,
         )
 

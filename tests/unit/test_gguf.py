@@ -81,6 +81,7 @@ def test_weights_and_greedy_tokens_match_transformers(
                      "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]
     assert config["architectures"] == [expected_arch]
     assert config["tie_word_embeddings"] is tied
+    assert config["gguf_weight_type"] == qtype  # what --dtype auto reads (cpu_dtype.py)
 
     ref = hf_from_gguf(path)
     theirs = ref.state_dict()
