@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_admin.cli import build_parser
+from sglang_admin.cli import build_parser, default_served_model_name
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -93,3 +93,14 @@ def test_serve_with_a_bad_port_exits_2_with_one_line(port: str) -> None:
     assert done.stdout == ""
     assert done.stderr.count("\n") == 1, done.stderr
     assert f"argument --port: must be a TCP port in 1..65535, got {port}" in done.stderr
+
+
+def test_the_served_model_name_defaults_to_the_model_path_as_given() -> None:
+    # SGLang's default: --model-path as the user spelled it, not the directory it resolves to
+    assert default_served_model_name("/models/llama-3") == "/models/llama-3"
+    assert default_served_model_name("rel/dir") == "rel/dir"
+    assert default_served_model_name("tiny.Q4_0.gguf") == "tiny.Q4_0.gguf"
+    assert default_served_model_name("smollm2") == "SmolLM2-135M-Instruct"  # the built-in
+    assert default_served_model_name("toy") == "toy"
+    assert default_served_model_name(None) is None  # the server reports the loaded path
+
