@@ -276,6 +276,7 @@ def test_smollm2_chat_through_the_smg_router(smollm2, tmp_path: Path) -> None:
             return body["data"][0]["id"] if status == 200 and body.get("data") else None
 
         model = wait_for(ready, 90, "the router to list the model")
+        assert model == "SmolLM2-135M-Instruct"  # --model-path smollm2's served name
         wait_for(lambda: "Successfully loaded tokenizer" in log.read_text(errors="replace"), 60,
                  "the router to load the tokenizer with GetTokenizer")
         status, body = http("POST", f"{base}/v1/chat/completions", {
