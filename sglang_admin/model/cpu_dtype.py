@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from sglang_admin.model.loader import dtype_from_name
+from sglang_admin.model.gguf import GGUF_WEIGHT_TYPE_KEY
+from sglang_admin.model.loader import dtype_from_name, read_hf_config
 
 # /proc/cpuinfo flags of native bfloat16 arithmetic: AVX-512 BF16 (dot products of bf16
 # pairs, Cooper Lake, Sapphire Rapids, Zen 4 and later) and AMX-BF16 (tile matmuls,
@@ -46,6 +47,13 @@ def cpu_has_native_bf16(flags: frozenset[str] | None = None) -> bool:
     (it is what runs bfloat16 matmuls with them)."""
     flags = cpu_flags() if flags is None else flags
     return bool(flags & NATIVE_BF16_FLAGS) and torch.backends.mkldnn.is_available()
+
+
+def gguf_weight_type(model_path: str) -> str:
+    """The GGUF weight type a converted checkpoint's config.json records ("Q4_1" ...); ""
+    for any other checkpoint (or a value that is not a type name)."""
+    value = read_hf_config(model_path).get(GGUF_WEIGHT_TYPE_KEY)
+    return value if isinstance(value, str) and value.isidentifier() else ""
 
 
 def _weights(checkpoint_dtype: str, gguf_weight_type: str) -> tuple[str, bool]:

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from sglang_admin.config import ATTENTION_BACKENDS
 from sglang_admin.model.attention.choice import cuda_attention_applies
 from sglang_admin.model.batch import BatchBuilder, ForwardBatch
-from sglang_admin.model.cpu_dtype import choose_dtype
+from sglang_admin.model.cpu_dtype import choose_dtype, gguf_weight_type
 from sglang_admin.model.cpu_kernels import CpuKernels, load_cpu_kernels
 from sglang_admin.model.decode_graphs import DecodeGraphs
 from sglang_admin.model.device import (
@@ -35,7 +35,6 @@ from sglang_admin.model.device import (
     resolve_device,
     use_device,
 )
-from sglang_admin.model.gguf import GGUF_WEIGHT_TYPE_KEY
 from sglang_admin.model.grammar_mask import apply_grammar_masks
 from sglang_admin.model.hidden_extras import hidden_rows, input_logprobs
 from sglang_admin.model.lanes import LM_HEAD_SPLIT_PARAMS, SPLIT_MATMUL_PARAMS
@@ -44,7 +43,6 @@ from sglang_admin.model.loader import (
     ModelLoadError,
     load_model,
     load_model_info,
-    read_hf_config,
 )
 from sglang_admin.model.lora import LoraBuffers
 from sglang_admin.model.packed_linear import PackedWeights, packed_linear, packing_available
@@ -118,8 +116,8 @@ class ModelRunner:
         self.device = resolve_device(device, gpu_index)
         use_device(self.device)
         probe = load_model_info(model_path, context_length)
-        dtype_choice = choose_dtype(dtype, self.device, probe.dtype, str(
-            read_hf_config(model_path).get(GGUF_WEIGHT_TYPE_KEY) or ""))
+        dtype_choice = choose_dtype(dtype, self.device, probe.dtype,
+                                    gguf_weight_type(model_path))
         self.dtype = dtype_choice.dtype
         self.model: LlamaForCausalLM
         self.model, self.info = load_model(

@@ -15,6 +15,7 @@ from sglang_admin.model.cpu_dtype import (
     choose_dtype,
     cpu_flags,
     cpu_has_native_bf16,
+    gguf_weight_type,
 )
 from sglang_admin.model.runner import resolve_dtype
 
@@ -76,6 +77,16 @@ def test_the_reason_names_the_checkpoint_and_the_cpu() -> None:
     cpu = torch.device("cpu")
     assert choose_dtype("bfloat16", cpu, "float32").reason == "--dtype bfloat16"
     assert choose_dtype("auto", cpu, "float32").reason.startswith("--dtype auto: a float32")
+
+
+def test_the_weight_type_is_read_from_a_converted_config(tmp_path: Path) -> None:
+    import json
+
+    for value, want in (("Q4_1", "Q4_1"), ("BF16", "BF16"), (None, ""), (4, ""),
+                        (["Q4_1"], ""), ("Q4 1; rm", "")):
+        (tmp_path / "config.json").write_text(json.dumps(
+            {"torch_dtype": "float32"} | ({} if value is None else {"gguf_weight_type": value})))
+        assert gguf_weight_type(str(tmp_path)) == want, value
 
 
 def test_cpu_flags_reads_the_first_flags_line(tmp_path: Path) -> None:
