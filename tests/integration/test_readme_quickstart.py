@@ -39,7 +39,8 @@ def quick_start() -> tuple[list[str], list[str]]:
 def fresh_env() -> dict[str, str]:
     """This environment as a new terminal has it: no virtualenv on PATH. PYTHONPATH stays:
     it is how a test run points at this tree's package."""
-    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONHOME")}
+    drop = ("VIRTUAL_ENV", "PYTHONHOME", "MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES")
+    env = {k: v for k, v in os.environ.items() if k not in drop}  # `make test` runs this
     venv = str(ROOT / ".venv")
     env["PATH"] = os.pathsep.join(
         p for p in env.get("PATH", "").split(os.pathsep)
@@ -101,8 +102,9 @@ def test_the_readme_quick_start_runs_as_written_and_answers_paris(tmp_path: Path
     from sglang_admin.model.cpu_dtype import cpu_has_native_bf16
 
     bash, text = quick_start()
+    env = fresh_env()
     stale = subprocess.run(["make", "-q", ".venv/.installed", ".venv/.smollm2"], cwd=ROOT,
-                           capture_output=True).returncode
+                           env=env, capture_output=True).returncode
     if stale:
         pytest.skip("the install is older than pyproject.toml here: `make serve` would "
                     "reinstall into .venv first (run `make install smollm2`)")
@@ -113,7 +115,6 @@ def test_the_readme_quick_start_runs_as_written_and_answers_paris(tmp_path: Path
     assert ready, "the README shows the readiness line"
     address, name = ready.group(1), ready.group(2)
     dtype = "bfloat16" if cpu_has_native_bf16() else "float32"
-    env = fresh_env()
 
     server_log = tmp_path / "terminal1.log"
     with open(server_log, "w") as log:
