@@ -42,10 +42,14 @@ def ready_models(base: str) -> list[str]:
 
 
 def running_pid() -> int | None:
-    """The pid in build/router.pid when that process still runs."""
+    """The pid in build/router.pid when that process still runs and is the router (not
+    another process that got the number since)."""
     try:
         pid = int(PID.read_text().strip())
         os.kill(pid, 0)
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"smg.launch_router" not in f.read():
+                return None
     except (OSError, ValueError):
         return None
     return pid
