@@ -41,15 +41,20 @@ def ready_models(base: str) -> list[str]:
     return models if models and set(models) <= loaded else []
 
 
+def start_time(pid: int) -> str:
+    """When process ``pid`` started (field 22 of /proc/PID/stat, clock ticks since boot):
+    with the pid, it names one process, not a later one that got the same number."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return f.read().rsplit(b")", 1)[1].split()[19].decode()
+
+
 def running_pid() -> int | None:
-    """The pid in build/router.pid when that process still runs and is the router (not
-    another process that got the number since)."""
+    """The router's pid from build/router.pid while that process still runs."""
     try:
-        pid = int(PID.read_text().strip())
-        os.kill(pid, 0)
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if b"smg.launch_router" not in f.read():
-                return None
+        pid_text, started = PID.read_text().split()
+        pid = int(pid_text)
+        if start_time(pid) != started:
+            return None
     except (OSError, ValueError):
         return None
     return pid
@@ -60,13 +65,16 @@ def stop() -> int:
     if pid is None:
         print("router: not running")
         return 0
-    os.killpg(pid, signal.SIGTERM)
-    for _ in range(100):
+    for sig, wait_s in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 10.0)):
+        os.killpg(pid, sig)  # its own shutdown may wait for requests in flight: then KILL
+        deadline = time.monotonic() + wait_s
+        while running_pid() is not None and time.monotonic() < deadline:
+            time.sleep(0.1)
         if running_pid() is None:
             break
-        time.sleep(0.1)
     else:
-        os.killpg(pid, signal.SIGKILL)
+        print(f"router: pid {pid} did not stop", file=sys.stderr)
+        return 1
     PID.unlink(missing_ok=True)
     print(f"router: stopped (pid {pid})")
     return 0
@@ -85,7 +93,7 @@ def start(args: argparse.Namespace) -> int:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True,
                                 env={**os.environ, "NO_COLOR": "1"})
-    PID.write_text(f"{proc.pid}\n")
+    PID.write_text(f"{proc.pid} {start_time(proc.pid)}\n")
     base = f"http://{args.host}:{args.port}"
     deadline = time.monotonic() + args.timeout
     while time.monotonic() < deadline:

@@ -151,4 +151,5 @@ def test_the_readme_quick_start_runs_as_written_and_answers_paris(tmp_path: Path
             except subprocess.TimeoutExpired:
                 os.killpg(server.pid, signal.SIGKILL)
                 server.wait()
-    assert stop.returncode == 0, stop.stdout + stop.stderr
+    assert stop.returncode == 0 and stop.stdout.startswith("router: stopped"), stop.stdout
+    assert not port_taken(8080), "`make router-stop` left the router running"
