@@ -10,6 +10,7 @@ from sglang_admin.messages.types import (
     GRAMMAR_KINDS,
     GREEDY_TEMPERATURE_EPS,
     PROFILE_STOPPED_BY_ITSELF,
+    REGISTRY,
     AbortAllReq,
     AbortReq,
     AdminReply,
@@ -36,6 +37,7 @@ from sglang_admin.messages.types import (
     ModelInfo,
     PauseReq,
     ProfileStopResult,
+    RankCall,
     RankState,
     ReadyMsg,
     RejectedResult,
@@ -56,6 +58,7 @@ from sglang_admin.messages.types import (
     UpdateWeightVersionReq,
     WeightsResult,
     WeightValues,
+    message,
 )
 
 __all__ = [
@@ -88,8 +91,10 @@ __all__ = [
     "Message",
     "ModelInfo",
     "PROFILE_STOPPED_BY_ITSELF",
+    "REGISTRY",
     "PauseReq",
     "ProfileStopResult",
+    "RankCall",
     "RankState",
     "ReadyMsg",
     "RejectedResult",
@@ -112,4 +117,5 @@ __all__ = [
     "WeightsResult",
     "decode",
     "encode",
+    "message",
 ]

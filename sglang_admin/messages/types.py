@@ -21,9 +21,33 @@ PROFILE_STOPPED_BY_ITSELF = "Profiling stopped by itself"
 GRAMMAR_KINDS = ("regex", "json_schema", "ebnf_grammar", "structural_tag")
 
 
+# ---------------------------------------------------------------- the registry
+
+REGISTRY: list[type] = []  # every message type, in the order of their codec codes
+
+
+def message(cls: type) -> type:
+    """Register a message type with the codec (messages/codec.py): only registered types are
+    encoded and decoded. Its code is its place in :data:`REGISTRY` (both ends of a socket
+    run the same build)."""
+    REGISTRY.append(cls)
+    return cls
+
+
+@dataclass(slots=True)
+class RankCall:
+    """What every call to a rank carries: the call's id, its deadline and its trace context
+    (keyword-only, so a subclass lists its own fields after ``rid``)."""
+
+    rid: str
+    deadline: float | None = field(default=None, kw_only=True)  # absolute time.time(); None: none
+    trace: TraceCarrier = field(default_factory=dict, kw_only=True)
+
+
 # ---------------------------------------------------------------- server -> scheduler
 
 
+@message
 @dataclass(slots=True)
 class SamplingParams:
     """Normalized sampling parameters (proto zeros already mapped to SGLang defaults)."""
@@ -59,18 +83,16 @@ class SamplingParams:
         return ARGMAX_NEVER
 
 
+@message
 @dataclass(slots=True)
-class GenerateReq:
+class GenerateReq(RankCall):
     """A tokenized generation request for one rank."""
 
-    rid: str
     input_ids: list[int]
     sampling: SamplingParams
     return_logprob: bool = False
     top_logprobs_num: int = 0
     stream: bool = False
-    deadline: float | None = None  # absolute time.time(); None: no deadline
-    trace: TraceCarrier = field(default_factory=dict)
     lora_id: str = ""  # the LoRA adapter to run with; "": the base model
     # generation features; see scheduler/parallel_sampling.py, stop_strings.py
     n: int = 1  # parallel samples sharing the prompt's KV; outputs carry their index
@@ -82,6 +104,7 @@ class GenerateReq:
     embed: bool = False  # an Embed: prefill only, answered with the pooled vector
 
 
+@message
 @dataclass(slots=True)
 class AbortReq:
     """Abort a request; its KV slots are freed at the next step."""
@@ -90,17 +113,15 @@ class AbortReq:
     reason: str = "aborted"
 
 
+@message
 @dataclass(slots=True)
-class FlushCacheReq:
-    rid: str
+class FlushCacheReq(RankCall):
     timeout_s: float = 0.0
-    deadline: float | None = None
-    trace: TraceCarrier = field(default_factory=dict)
 
 
+@message
 @dataclass(slots=True)
-class StartProfileReq:
-    rid: str
+class StartProfileReq(RankCall):
     output_dir: str
     profile_id: str
     start_step: int | None = None
@@ -112,29 +133,24 @@ class StartProfileReq:
     profile_stages: list[str] = field(default_factory=list)
     merge_profiles: bool = False
     max_bytes: int = 0  # 0: no cap
-    deadline: float | None = None
-    trace: TraceCarrier = field(default_factory=dict)
     profile_prefix: str = ""  # file names start with "{prefix}-{profile_id}" when set
     dp_size: int = 1  # file names carry "-DP-{rank}" when > 1
     profile_root: str = ""  # output_dir must resolve inside it (checked again by the rank)
 
 
+@message
 @dataclass(slots=True)
-class StopProfileReq:
-    rid: str
-    deadline: float | None = None
-    trace: TraceCarrier = field(default_factory=dict)
+class StopProfileReq(RankCall):
+    """Stop the rank's running profile and export its trace."""
 
 
+@message
 @dataclass(slots=True)
-class StateReq:
+class StateReq(RankCall):
     """Ask a rank for its live state (health round trip, server info)."""
 
-    rid: str
-    deadline: float | None = None
-    trace: TraceCarrier = field(default_factory=dict)
 
-
+@message
 @dataclass(slots=True)
 class CancelAdminReq:
     """The admin call ``rid`` ended on the server (deadline, cancel, timeout) before this
@@ -143,122 +159,101 @@ class CancelAdminReq:
     rid: str
 
 
+@message
 @dataclass(slots=True)
-class AbortAllReq:
+class AbortAllReq(RankCall):
     """Abort every request in flight on the rank (AbortRequest.abort_all)."""
 
-    rid: str
     reason: str = "aborted by client"
-    deadline: float | None = None
-    trace: TraceCarrier = field(default_factory=dict)
 
 
+@message
 @dataclass(slots=True)
-class PauseReq:
+class PauseReq(RankCall):
     """PauseGeneration: ``mode`` is abort | retract | in_place."""
 
-    rid: str
     mode: str = "abort"
-    deadline: float | None = None
-    trace: TraceCarrier = field(default_factory=dict)
 
 
+@message
 @dataclass(slots=True)
-class ContinueReq:
+class ContinueReq(RankCall):
     """ContinueGeneration; ``torch_empty_cache`` hands the device's cached memory back."""
 
-    rid: str
-    deadline: float | None = None
-    trace: TraceCarrier = field(default_factory=dict)
     torch_empty_cache: bool = False
 
 
+@message
 @dataclass(slots=True)
-class UpdateWeightsFromDiskReq:
+class UpdateWeightsFromDiskReq(RankCall):
     """Load a checkpoint into the live model once the rank is drained (or paused)."""
 
-    rid: str
     model_path: str
     abort_all_requests: bool = False
     weight_version: str = ""  # "": unchanged
     flush_cache: bool = True
-    deadline: float | None = None
-    trace: TraceCarrier = field(default_factory=dict)
     torch_empty_cache: bool = False  # hand the device's cached memory back after the load
 
 
+@message
 @dataclass(slots=True)
-class UpdateWeightVersionReq:
-    rid: str
+class UpdateWeightVersionReq(RankCall):
     new_version: str
     abort_all_requests: bool = True
-    deadline: float | None = None
-    trace: TraceCarrier = field(default_factory=dict)
 
 
+@message
 @dataclass(slots=True)
-class GetWeightsReq:
+class GetWeightsReq(RankCall):
     """GetWeightsByName."""
 
-    rid: str
     name: str
     truncate_size: int = 100
-    deadline: float | None = None
-    trace: TraceCarrier = field(default_factory=dict)
 
 
+@message
 @dataclass(slots=True)
-class CheckWeightsReq:
+class CheckWeightsReq(RankCall):
     """CheckWeights("checksum"): a digest over every parameter."""
 
-    rid: str
-    deadline: float | None = None
-    trace: TraceCarrier = field(default_factory=dict)
 
-
+@message
 @dataclass(slots=True)
-class ReleaseMemoryReq:
+class ReleaseMemoryReq(RankCall):
     """ReleaseMemoryOccupation; ``tags`` among kv_cache, weights (resolved by the server)."""
 
-    rid: str
     tags: list[str] = field(default_factory=list)
-    deadline: float | None = None
-    trace: TraceCarrier = field(default_factory=dict)
 
 
+@message
 @dataclass(slots=True)
-class ResumeMemoryReq:
+class ResumeMemoryReq(RankCall):
     """ResumeMemoryOccupation; ``tags`` among kv_cache, weights."""
 
-    rid: str
     tags: list[str] = field(default_factory=list)
-    deadline: float | None = None
-    trace: TraceCarrier = field(default_factory=dict)
 
 
+@message
 @dataclass(slots=True)
-class InitWeightsGroupReq:
+class InitWeightsGroupReq(RankCall):
     """InitWeightsUpdateGroup: join a trainer's process group as rank_offset + dp rank."""
 
-    rid: str
     master_address: str
     master_port: int
     rank_offset: int
     world_size: int
     group_name: str
     backend: str = "gloo"
-    deadline: float | None = None
-    trace: TraceCarrier = field(default_factory=dict)
 
 
+@message
 @dataclass(slots=True)
-class UpdateWeightsFromDistributedReq:
+class UpdateWeightsFromDistributedReq(RankCall):
     """Receive each named tensor by broadcast from the group's rank 0, load it.
 
     ``load_format`` "flattened_bucket": one broadcast of every tensor concatenated (one
     dtype), instead of one per tensor."""
 
-    rid: str
     names: list[str]
     dtypes: list[str]
     shapes: list[list[int]]
@@ -267,24 +262,20 @@ class UpdateWeightsFromDistributedReq:
     abort_all_requests: bool = False
     weight_version: str = ""
     load_format: str = ""
-    deadline: float | None = None
-    trace: TraceCarrier = field(default_factory=dict)
 
 
+@message
 @dataclass(slots=True)
-class DestroyWeightsGroupReq:
-    rid: str
+class DestroyWeightsGroupReq(RankCall):
     group_name: str
-    deadline: float | None = None
-    trace: TraceCarrier = field(default_factory=dict)
 
 
+@message
 @dataclass(slots=True)
-class UpdateWeightsFromTensorReq:
+class UpdateWeightsFromTensorReq(RankCall):
     """Load tensors a trainer on this host put in shared memory (/dev/shm/<shm_name>);
     tensor i is names[i], dtypes[i], shapes[i] at byte offsets[i]."""
 
-    rid: str
     shm_name: str
     names: list[str]
     dtypes: list[str]
@@ -293,10 +284,9 @@ class UpdateWeightsFromTensorReq:
     flush_cache: bool = True
     abort_all_requests: bool = False
     weight_version: str = ""
-    deadline: float | None = None
-    trace: TraceCarrier = field(default_factory=dict)
 
 
+@message
 @dataclass(slots=True)
 class ShutdownReq:
     rid: str = ""
@@ -305,6 +295,7 @@ class ShutdownReq:
 # ---------------------------------------------------------------- scheduler -> server
 
 
+@message
 @dataclass(slots=True)
 class RankState:
     """What a rank reports about itself: memory, queues, cache, throughput, profiler."""
@@ -360,6 +351,7 @@ class RankState:
                 if self.spec_draft_tokens else 0.0)
 
 
+@message
 @dataclass(slots=True)
 class ModelInfo:
     """What the server and its callers need to know about the model a rank serves."""
@@ -400,6 +392,7 @@ def _model_info_fields() -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(ModelInfo))
 
 
+@message
 @dataclass(slots=True)
 class ReadyMsg:
     """A rank has loaded its model and is serving."""
@@ -410,6 +403,7 @@ class ReadyMsg:
     state: RankState
 
 
+@message
 @dataclass(slots=True)
 class FailedMsg:
     """A rank could not start (e.g. the model did not load)."""
@@ -418,6 +412,7 @@ class FailedMsg:
     error: str
 
 
+@message
 @dataclass(slots=True)
 class ReqOutput:
     """One request's progress in one step: new tokens, and the finish when it finished.
@@ -454,6 +449,7 @@ class ReqOutput:
     spec_accepted_tokens: int = 0
 
 
+@message
 @dataclass(slots=True)
 class BatchOutput:
     """Every request update a rank produced in one step, in one message."""
@@ -462,6 +458,7 @@ class BatchOutput:
     outputs: list[ReqOutput]
 
 
+@message
 @dataclass(slots=True)
 class AdminReply:
     """A rank's answer to an admin or state request, matched by rid.
@@ -477,17 +474,20 @@ class AdminReply:
     result: Any = None
 
 
+@message
 @dataclass(slots=True)
 class FlushResult:
     tokens_freed: int = 0
 
 
+@message
 @dataclass(slots=True)
 class ProfileStopResult:
     files: list[str] = field(default_factory=list)
     profile_id: str = ""
 
 
+@message
 @dataclass(slots=True)
 class CountResult:
     """How many requests an op aborted, retracted or held."""
@@ -495,6 +495,7 @@ class CountResult:
     count: int = 0
 
 
+@message
 @dataclass(slots=True)
 class WeightsResult:
     """The rank's model after a weight op, and the requests it paused or aborted first."""
@@ -503,23 +504,27 @@ class WeightsResult:
     num_paused_requests: int = 0
 
 
+@message
 @dataclass(slots=True)
 class WeightValues:
     shape: list[int] = field(default_factory=list)
     values: list[float] = field(default_factory=list)
 
 
+@message
 @dataclass(slots=True)
 class DigestResult:
     digest: str = ""
     tp_digests: list[str] = field(default_factory=list)  # tp > 1: each TP rank's, in order
 
 
+@message
 @dataclass(slots=True)
 class MemoryResult:
     bytes_released: int = 0
 
 
+@message
 @dataclass(slots=True)
 class RejectedResult:
     """A rank refused a request before doing anything: ``code`` is the gRPC status the
@@ -529,6 +534,7 @@ class RejectedResult:
     reason: str
 
 
+@message
 @dataclass(slots=True)
 class StateUpdate:
     """Published by a rank after steps that changed its state (drives GetLoads)."""
@@ -536,6 +542,7 @@ class StateUpdate:
     state: RankState
 
 
+@message
 @dataclass(slots=True)
 class Heartbeat:
     """Sent by a rank's heartbeat thread every fraction of --watchdog-probe-timeout: the
@@ -550,6 +557,7 @@ class Heartbeat:
     tp_rank: int = 0  # --tp-size > 1: a TP follower of replica dp_rank beats too
 
 
+@message
 @dataclass(slots=True)
 class KvEvents:
     """Radix cache events of one step: ("stored", tokens, parent_hash, hash) etc."""
@@ -561,37 +569,33 @@ class KvEvents:
 # ---------------------------------------------------------------- LoRA (server <-> scheduler)
 
 
+@message
 @dataclass(slots=True)
-class LoadLoraReq:
+class LoadLoraReq(RankCall):
     """Load a PEFT LoRA adapter into a free (or LRU-evicted) slot under the caller's id."""
 
-    rid: str
     lora_id: str
     lora_name: str
     lora_path: str
     pinned: bool = False
-    deadline: float | None = None
-    trace: TraceCarrier = field(default_factory=dict)
 
 
+@message
 @dataclass(slots=True)
-class UnloadLoraReq:
+class UnloadLoraReq(RankCall):
     """Unload an adapter (by id, else by name) once no request uses it."""
 
-    rid: str
     lora_id: str = ""
     lora_name: str = ""
-    deadline: float | None = None
-    trace: TraceCarrier = field(default_factory=dict)
 
 
+@message
 @dataclass(slots=True)
-class ListLoraReq:
-    rid: str
-    deadline: float | None = None
-    trace: TraceCarrier = field(default_factory=dict)
+class ListLoraReq(RankCall):
+    """List the LoRA adapters the rank holds."""
 
 
+@message
 @dataclass(slots=True)
 class LoraAdapterInfo:
     lora_id: str
@@ -600,6 +604,7 @@ class LoraAdapterInfo:
     pinned: bool = False
 
 
+@message
 @dataclass(slots=True)
 class LoraResult:
     """The adapters a rank holds after a LoRA op, and those it evicted to make room."""

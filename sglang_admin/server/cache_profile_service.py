@@ -47,7 +47,8 @@ class CacheAndProfile:
         timeout_s = flush_timeout_from_proto(float(request.timeout_s))
         out = await self.admin.fan_out(
             context, "flush_cache",
-            lambda rid, deadline, trace: FlushCacheReq(rid, timeout_s, deadline, trace),
+            lambda rid, deadline, trace: FlushCacheReq(
+                rid, timeout_s, deadline=deadline, trace=trace),
             max(timeout_s, 0.0) + FLUSH_MARGIN_S, timeout_s=timeout_s,
         )
         response = pb.FlushCacheResponse(
@@ -90,7 +91,7 @@ class CacheAndProfile:
         async with registry.lock:
             out = await self.admin.fan_out(
                 context, "stop_profile",
-                lambda rid, deadline, trace: StopProfileReq(rid, deadline, trace),
+                lambda rid, deadline, trace: StopProfileReq(rid, deadline=deadline, trace=trace),
                 PROFILE_TIMEOUT_S, raise_unanswered=False,
             )
         results = out.rank_results()

@@ -76,7 +76,7 @@ class Lora:
             context, "load_lora_adapter",
             lambda rid, deadline, trace: LoadLoraReq(
                 rid, request.lora_id, request.lora_name, request.lora_path, request.pinned,
-                deadline, trace),
+                deadline=deadline, trace=trace),
             LOAD_TIMEOUT_S, lora_id=request.lora_id, lora_path=request.lora_path,
         )
         _raise_uniform_failure(out)
@@ -98,7 +98,7 @@ class Lora:
         out = await self.admin.fan_out(
             context, "unload_lora_adapter",
             lambda rid, deadline, trace: UnloadLoraReq(
-                rid, request.lora_id, request.lora_name, deadline, trace),
+                rid, request.lora_id, request.lora_name, deadline=deadline, trace=trace),
             UNLOAD_TIMEOUT_S, lora=which,
         )
         _raise_uniform_failure(out)
@@ -113,7 +113,7 @@ class Lora:
         self._require_enabled()
         out = await self.admin.fan_out(
             context, "list_lora_adapters",
-            lambda rid, deadline, trace: ListLoraReq(rid, deadline, trace),
+            lambda rid, deadline, trace: ListLoraReq(rid, deadline=deadline, trace=trace),
             LIST_TIMEOUT_S,
         )
         if not out.ok:
