@@ -1,10 +1,33 @@
 """Typed messages that cross the server <-> scheduler process boundary, and their codec.
 
-The message types live in messages/types.py, the codec (:func:`encode`, :func:`decode`) in
+The message types live in messages/types.py (server -> rank, and the registry) and
+messages/replies.py (rank -> server), the codec (:func:`encode`, :func:`decode`) in
 messages/codec.py; both are importable from here.
 """
 
 from sglang_admin.messages.codec import Message, decode, encode
+from sglang_admin.messages.replies import (
+    AdminReply,
+    BatchOutput,
+    CountResult,
+    DigestResult,
+    FailedMsg,
+    FlushResult,
+    Heartbeat,
+    KvEvents,
+    LoraAdapterInfo,
+    LoraResult,
+    MemoryResult,
+    ModelInfo,
+    ProfileStopResult,
+    RankState,
+    ReadyMsg,
+    RejectedResult,
+    ReqOutput,
+    StateUpdate,
+    WeightsResult,
+    WeightValues,
+)
 from sglang_admin.messages.types import (
     ARGMAX_NEVER,
     GRAMMAR_KINDS,
@@ -13,42 +36,24 @@ from sglang_admin.messages.types import (
     REGISTRY,
     AbortAllReq,
     AbortReq,
-    AdminReply,
-    BatchOutput,
     CancelAdminReq,
     CheckWeightsReq,
     ContinueReq,
-    CountResult,
     DestroyWeightsGroupReq,
-    DigestResult,
-    FailedMsg,
     FlushCacheReq,
-    FlushResult,
     GenerateReq,
     GetWeightsReq,
-    Heartbeat,
     InitWeightsGroupReq,
-    KvEvents,
     ListLoraReq,
     LoadLoraReq,
-    LoraAdapterInfo,
-    LoraResult,
-    MemoryResult,
-    ModelInfo,
     PauseReq,
-    ProfileStopResult,
     RankCall,
-    RankState,
-    ReadyMsg,
-    RejectedResult,
     ReleaseMemoryReq,
-    ReqOutput,
     ResumeMemoryReq,
     SamplingParams,
     ShutdownReq,
     StartProfileReq,
     StateReq,
-    StateUpdate,
     StopProfileReq,
     TraceCarrier,
     UnloadLoraReq,
@@ -56,8 +61,6 @@ from sglang_admin.messages.types import (
     UpdateWeightsFromDistributedReq,
     UpdateWeightsFromTensorReq,
     UpdateWeightVersionReq,
-    WeightsResult,
-    WeightValues,
     message,
 )
 

@@ -14,7 +14,8 @@ from typing import Any
 
 import msgpack
 
-from sglang_admin.messages.types import REGISTRY, BatchOutput, ReqOutput
+from sglang_admin.messages.replies import BatchOutput, ReqOutput
+from sglang_admin.messages.types import REGISTRY
 
 _REGISTRY: tuple[type, ...] = tuple(REGISTRY)  # every @message class of messages/types.py
 _CODES: dict[type, int] = {cls: code for code, cls in enumerate(_REGISTRY)}

@@ -16,15 +16,15 @@ from sglang_admin.pb import common_pb2 as pb
 from sglang_admin.server.admin import AdminCalls, FanOut
 from sglang_admin.server.admission import GenerateAdmission
 from sglang_admin.server.communicator import Communicator, RankUnavailable
-from sglang_admin.server.convert import (
-    Limits,
-    ServiceError,
-    generate_from_proto,
-    invalid,
-)
 from sglang_admin.server.embedding_service import refuse_generate
-from sglang_admin.server.generation_features import FeatureError, stream_interval_of
-from sglang_admin.server.sample_streams import SampleStreams
+from sglang_admin.server.errors import ServiceError, invalid
+from sglang_admin.server.generate_codec import (
+    FeatureError,
+    Limits,
+    SampleStreams,
+    generate_from_proto,
+    stream_interval_of,
+)
 from sglang_admin.server.stream_buffer import StreamOverflow
 from sglang_admin.server.tokenizer_bundle import tokenizer_dir
 from sglang_admin.tracing import carrier_from_metadata, server_span

@@ -18,7 +18,7 @@ from sglang_admin.constants import LORA_NOT_ENABLED
 from sglang_admin.messages import ListLoraReq, LoadLoraReq, LoraResult, UnloadLoraReq
 from sglang_admin.pb import common_pb2 as pb
 from sglang_admin.server.admin import AdminCalls, FanOut
-from sglang_admin.server.convert import MAX_REQUEST_ID_CHARS, ServiceError, invalid
+from sglang_admin.server.errors import MAX_REQUEST_ID_CHARS, ServiceError, invalid
 
 LOAD_TIMEOUT_S = 120.0  # reads the adapter from disk
 UNLOAD_TIMEOUT_S = 600.0  # waits for the requests that use the adapter

@@ -22,7 +22,7 @@ from sglang_admin.messages import (
 from sglang_admin.pb import common_pb2 as pb
 from sglang_admin.server.admin import AdminCalls, FanOut
 from sglang_admin.server.communicator import Communicator
-from sglang_admin.server.convert import ServiceError, invalid
+from sglang_admin.server.errors import ServiceError, invalid
 from sglang_admin.server.weights_service import weights_updated
 
 INIT_TIMEOUT_S = 300.0  # waits for the trainer and every other rank to join

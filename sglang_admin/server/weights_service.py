@@ -31,7 +31,7 @@ from sglang_admin.model.gguf import GGUF_LOAD_FORMAT, GgufError, resolve_model_p
 from sglang_admin.pb import common_pb2 as pb
 from sglang_admin.server.admin import AdminCalls, FanOut
 from sglang_admin.server.communicator import Communicator
-from sglang_admin.server.convert import ServiceError, invalid
+from sglang_admin.server.errors import ServiceError, invalid
 
 UPDATE_TIMEOUT_S = 600.0  # waits for running requests, then reads the checkpoint
 READ_TIMEOUT_S = 60.0
