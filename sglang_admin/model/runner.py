@@ -23,7 +23,8 @@ import torch
 from sglang_admin.config import ATTENTION_BACKENDS
 from sglang_admin.model.attention.choice import cuda_attention_applies
 from sglang_admin.model.batch import BatchBuilder
-from sglang_admin.model.cpu_kernels import CpuKernels, load_cpu_kernels
+from sglang_admin.model.cpu_kernels import CpuKernels
+from sglang_admin.model.cpu_kernels_build import load_cpu_kernels
 from sglang_admin.model.decode_graphs import DecodeGraphs
 from sglang_admin.model.device import (
     DEFAULT_MEM_FRACTION_STATIC,
