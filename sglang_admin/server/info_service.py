@@ -98,9 +98,22 @@ class Info:
             eos_token_ids=info.eos_token_ids,
             pad_token_id=info.pad_token_id or 0,
             bos_token_id=info.bos_token_id or 0,
-            max_req_input_len=info.context_length - 1,
+            max_req_input_len=self.max_req_input_len,
             architectures=info.architectures,
+            # the checkpoint's generation_config.json defaults: the router fills the sampling
+            # fields a request leaves unset from them (SGLang's servicer sends the same)
+            default_sampling_params_json=(
+                json.dumps(info.sampling_defaults, separators=(",", ":"), sort_keys=True)
+                if info.sampling_defaults else ""),
+            preferred_sampling_params=self.args.preferred_sampling_params or "",
         )
+
+    @property
+    def max_req_input_len(self) -> int:
+        """The longest prompt Generate takes: the context or the KV pool, whichever is
+        smaller, less one (server/convert.py's Limits)."""
+        info = self.model
+        return min(info.context_length, info.token_capacity) - 1
 
     @property
     def served_model_name(self) -> str:
@@ -143,7 +156,8 @@ class Info:
                 {
                     "max_total_num_tokens": info.token_capacity,
                     "max_running_requests": self.args.max_running_requests,
-                    "max_req_input_len": info.context_length - 1,
+                    "max_req_input_len": self.max_req_input_len,
+                    "max_req_len": min(info.context_length, info.token_capacity),
                     "context_length": info.context_length,
                     "is_generation": info.is_generation,
                     "dp_size": self.args.dp_size,
@@ -198,7 +212,7 @@ class Info:
         self, request: pb.GetLoadsRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetLoadsResponse:
         self.admin.require_ready()
-        include = set(request.include) or {"core"}
+        include = set(request.include) or {"all"}  # as SGLang: none named is every one
         unknown = sorted(include - set(LOAD_SECTIONS))
         if unknown:
             raise invalid(
@@ -336,13 +350,14 @@ def _load_proto(s: RankState, include: set[str], age: float,
     if "memory" in include:
         load.memory.CopyFrom(
             pb.MemoryMetrics(
-                weight_gb=s.weight_gb, kv_cache_gb=s.kv_cache_gb, token_capacity=s.token_capacity
+                weight_gb=s.weight_gb, kv_cache_gb=s.kv_cache_gb, graph_gb=s.graph_gb,
+                token_capacity=s.token_capacity,
             )
         )
     if "queues" in include:
         load.queues.CopyFrom(
             pb.QueueMetrics(waiting=s.num_waiting_reqs, grammar=s.num_grammar_queue_reqs,
-                            retracted=s.num_retracted_reqs)
+                            paused=s.num_paused_reqs, retracted=s.num_retracted_reqs)
         )
     if "disagg" in include:
         load.disaggregation.CopyFrom(pb.DisaggregationMetrics(mode="null"))

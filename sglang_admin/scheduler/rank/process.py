@@ -39,6 +39,7 @@ from sglang_admin.scheduler.ops.quiesce import Quiesce
 from sglang_admin.scheduler.profiling.step_timing import StepTimer
 from sglang_admin.scheduler.rank.heartbeat import HeartbeatThread
 from sglang_admin.scheduler.rank.lifetime import die_with_parent
+from sglang_admin.scheduler.reasoning import think_end_id
 from sglang_admin.scheduler.request import Batch
 from sglang_admin.scheduler.scheduler import Scheduler, SchedulerConfig
 from sglang_admin.scheduler.speculative.setup import install_draft_model, spec_config
@@ -134,7 +135,7 @@ def run_scheduler(args: ServerArgs, rank: int, parent_pid: int) -> None:
 
 
 # RankState's fields after its timestamp (_state_figures' last ones)
-_AFTER_TIMESTAMP = 6
+_AFTER_TIMESTAMP = 8
 
 
 def batch_inputs(batch: Batch) -> list[SeqInput]:
@@ -263,6 +264,8 @@ class RankLoop:
         info.token_capacity = self.runner.token_capacity
         info.kv_cache_bytes = self.runner.kv_cache_bytes
         info.device = str(self.runner.device)
+        info.think_end_id = think_end_id(
+            args.reasoning_parser, args.tokenizer_path or info.tokenizer_path)
         self.weights_source: str | None = info.model_path
         self.weights_valid = True
         self.released_digest: str | None = None
@@ -334,7 +337,12 @@ class RankLoop:
             # after the timestamp (filled in by _state_of):
             lora.used if lora is not None else 0, lora.slots if lora is not None else 0,
             s.num_grammar_queue_reqs, s.spec.verify_steps, s.spec.drafted, s.spec.accepted,
+            self._graph_gb(), len(s.running) + len(s.waiting) if s.paused else 0,
         )
+
+    def _graph_gb(self) -> float:
+        graphs = getattr(self.runner, "graphs", None)
+        return graphs.graph_bytes / 2**30 if graphs is not None else 0.0
 
     @staticmethod
     def _state_of(figures: tuple) -> RankState:
