@@ -195,7 +195,9 @@ class SglangSchedulerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Embed(self, request, context):
-        """Embeddings: not served by this worker (UNIMPLEMENTED).
+        """The pooled vector of one tokenized input (an embedding model: --is-embedding, or a
+        base-model / *ForSequenceClassification checkpoint); FAILED_PRECONDITION on a
+        generation model.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

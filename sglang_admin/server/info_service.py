@@ -36,6 +36,10 @@ from sglang_admin.tracing import carrier_from_metadata
 INFO_TIMEOUT_S = 5.0
 HEALTH_TIMEOUT_S = 3.0
 LOAD_SECTIONS = ("core", "memory", "spec", "lora", "disagg", "queues", "all")
+# The version GetServerInfo.sglang_version and GetLoads.version report: what answers, and
+# the wire it speaks (this is not SGLang; its clients should not read an SGLang release here)
+WIRE_PROTO = "smg-grpc-proto 0.4.28"
+VERSION = f"sglang_admin {__version__} ({WIRE_PROTO} SglangScheduler wire)"
 
 
 class Info:
@@ -138,7 +142,31 @@ class Info:
             dtype=info.dtype,
         )
         out.pop("ipc_dir", None)
+        out.update(self._sglang_names())
         return out
+
+    def _sglang_names(self) -> dict[str, Any]:
+        """SGLang's server_args keys for the settings that have one here (SGLang's clients
+        read these names); this worker's own names stay beside them."""
+        a = self.args
+        return {
+            "random_seed": a.seed,
+            "watchdog_timeout": a.watchdog_timeout_s,
+            "chunked_prefill_size": a.max_prefill_tokens,
+            "disable_cuda_graph": a.cuda_graph_max_bs == 0,
+            "enable_trace": a.otlp_traces_endpoint is not None,
+            "kv_cache_dtype": "auto",  # the KV pool holds the model's dtype
+            "page_size": 1,  # the radix cache and KV pool are token-granular
+            "chat_template": None,  # the tokenizer's own (the router applies it)
+            "tool_call_parser": None,  # the router parses tool calls
+            "reasoning_parser": a.reasoning_parser,
+            "preferred_sampling_params": a.preferred_sampling_params,
+            "sampling_defaults": "model",  # generation_config.json, through the router
+            "skip_tokenizer_init": True,  # prompts arrive as token ids
+            "grpc_mode": True,
+            "enable_lora": a.enable_lora,
+            "max_lora_rank": a.max_lora_rank if a.enable_lora else None,
+        }
 
     def _static_info(self) -> bytes:
         """The part of GetServerInfo's answer that changes only with the model info the ranks
@@ -171,7 +199,7 @@ class Info:
         static = pb.GetServerInfoResponse(
             server_args=server_args,
             scheduler_info=scheduler_info,
-            sglang_version=__version__,
+            sglang_version=VERSION,
             server_type="grpc",
             start_time=start,
             max_total_num_tokens=info.token_capacity,
@@ -238,7 +266,7 @@ class Info:
         n = max(len(loads), 1)
         return pb.GetLoadsResponse(
             timestamp=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            version=__version__,
+            version=VERSION,
             dp_rank_count=self.args.dp_size,
             loads=loads,
             aggregate=pb.AggregateMetrics(
