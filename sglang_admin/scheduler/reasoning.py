@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -105,3 +106,37 @@ def count_reasoning(ids: list[int], end_id: int) -> tuple[int, bool]:
     except ValueError:
         return len(ids), False
     return at + 1, True
+
+
+class ThinkingGate:
+    """A request's grammar state held back until its think span ends (SGLang's
+    require_reasoning with a constraint): every token is allowed and nothing is fed to the
+    grammar up to and including the think-span end token; from the next token on the
+    grammar decides. Same interface as grammar.py's GrammarState."""
+
+    def __init__(self, inner: Any, end_id: int, thinking: bool = True) -> None:
+        self.inner = inner
+        self.end_id = end_id
+        self.thinking = thinking
+
+    def fill_next_token_bitmask(self, bitmask: Any, row: int) -> None:
+        """Row ``row`` of the bitmask: left all-allowed while thinking, else the grammar's."""
+        if not self.thinking:
+            self.inner.fill_next_token_bitmask(bitmask, row)
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by a sampled token: while thinking only watch for the end token."""
+        if self.thinking:
+            if token_id == self.end_id:
+                self.thinking = False
+            return True
+        return self.inner.accept(token_id)
+
+    @property
+    def finished(self) -> bool:
+        """The constraint is complete (never while thinking)."""
+        return not self.thinking and self.inner.finished
+
+    def fork(self) -> ThinkingGate:
+        """A sibling sample's gate, at the same point."""
+        return ThinkingGate(self.inner.fork(), self.end_id, self.thinking)

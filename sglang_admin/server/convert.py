@@ -172,6 +172,12 @@ def sampling_from_proto(sp: pb.SamplingParams, limits: Limits, prompt_len: int) 
     )
 
 
+def with_reasoning(params: SamplingParams, require_reasoning: bool) -> SamplingParams:
+    """``params`` marked for a request whose constraint starts after its think span."""
+    params.require_reasoning = require_reasoning
+    return params
+
+
 def _constraint_from_proto(sp: pb.SamplingParams) -> tuple[str, str]:
     """The constrained-decoding oneof as (kind, text); ("", "") when unconstrained. The
     rank compiles it (a text that does not compile fails there with the compiler's
@@ -217,12 +223,6 @@ def generate_from_proto(request: pb.GenerateRequest, rid: str, limits: Limits) -
     if request.sampling_params.HasField("custom_params"):
         raise invalid("sampling_params.custom_params is not supported by this worker: it is "
                       "read only by a custom_logit_processor, which this worker does not run")
-    if request.require_reasoning and request.sampling_params.WhichOneof("constraint"):
-        raise invalid(
-            f"require_reasoning with sampling_params."
-            f"{request.sampling_params.WhichOneof('constraint')} is not supported by this "
-            "worker: it would constrain the think span too (SGLang applies the constraint "
-            "after it)")
     if len(request.request_id) > MAX_REQUEST_ID_CHARS:
         raise invalid(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
     ids = list(request.tokenized.input_ids)
@@ -265,7 +265,8 @@ def generate_from_proto(request: pb.GenerateRequest, rid: str, limits: Limits) -
     return GenerateReq(
         rid=rid,
         input_ids=ids,
-        sampling=sampling_from_proto(request.sampling_params, limits, len(ids)),
+        sampling=with_reasoning(sampling_from_proto(request.sampling_params, limits, len(ids)),
+                                request.require_reasoning),
         return_logprob=request.return_logprob,
         top_logprobs_num=request.top_logprobs_num if request.return_logprob else 0,
         stream=request.stream,

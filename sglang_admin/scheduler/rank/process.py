@@ -266,6 +266,7 @@ class RankLoop:
         info.device = str(self.runner.device)
         info.think_end_id = think_end_id(
             args.reasoning_parser, args.tokenizer_path or info.tokenizer_path)
+        self.scheduler.think_end_id = info.think_end_id
         self.weights_source: str | None = info.model_path
         self.weights_valid = True
         self.released_digest: str | None = None
