@@ -204,7 +204,9 @@ class SglangSchedulerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def HealthCheck(self, request, context):
-        """Healthy only when every scheduler rank answers a round trip within a short deadline.
+        """Healthy only when every scheduler rank's main loop is alive: it published or confirmed
+        its state within the last second (a busy rank does as it steps), else it answers a
+        round trip within a short deadline.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

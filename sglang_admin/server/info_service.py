@@ -35,6 +35,9 @@ from sglang_admin.tracing import carrier_from_metadata
 # Server-side default deadlines (the caller's deadline wins when smaller).
 INFO_TIMEOUT_S = 5.0
 HEALTH_TIMEOUT_S = 3.0
+# A rank whose main loop published or confirmed its state this recently is alive for
+# HealthCheck (no round trip)
+HEALTH_FRESH_S = 1.0
 LOAD_SECTIONS = ("core", "memory", "spec", "lora", "disagg", "queues", "all")
 # The version GetServerInfo.sglang_version and GetLoads.version report: what answers, and
 # the wire it speaks (this is not SGLang; its clients should not read an SGLang release here)
@@ -75,6 +78,13 @@ class Info:
                 or "model loading"
             )
             return pb.HealthCheckResponse(healthy=False, message=f"not ready: {reason}")
+        if all(self.comm.rank_states[r] is not None
+               and self.comm.state_age(r) <= HEALTH_FRESH_S for r in range(self.args.dp_size)):
+            # Every rank's main loop published or confirmed its state within the last
+            # HEALTH_FRESH_S: alive, shown without a round trip. A busy rank publishes as it
+            # steps; a round trip would wait for its step to end (a burst of thousands of
+            # calls made the answer late enough for a router to take the worker for dead).
+            return pb.HealthCheckResponse(healthy=True, message="OK")
         _, failures = await self.rank_states(effective_timeout(context, HEALTH_TIMEOUT_S))
         if failures:
             return pb.HealthCheckResponse(
