@@ -81,7 +81,6 @@ def attach(req: Req, out: ReqOutput, final: bool) -> None:
         lp.input_sent = True
         out.input_logprobs = list(lp.input_logprobs)
         out.input_top_logprobs = list(lp.input_top_logprobs)
-    if final:
-        if req.embed is not None and req.embed.vector is not None:
-            out.embedding = req.embed.vector
+    if final and req.embed is not None and req.embed.vector is not None:
+        out.embedding = req.embed.vector
 
