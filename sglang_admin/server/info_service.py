@@ -24,6 +24,7 @@ from sglang_admin.server.admin import (
 )
 from sglang_admin.server.communicator import Communicator, RankFailure
 from sglang_admin.server.convert import Serialized, ServiceError, invalid
+from sglang_admin.server.kv_loads import LoadFeed, batches_with_loads
 from sglang_admin.server.tokenizer_bundle import (
     NoTokenizerFiles,
     bundle_for,
@@ -311,7 +312,9 @@ class Info:
 
     async def kv_events(
         self, request: pb.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.KvEventBatch]:
+    ) -> AsyncIterator[pb.KvEventBatch | Serialized]:
+        """The KV event stream (server/kv_events.py), each batch with its rank's load and
+        load-only batches between them (server/kv_loads.py)."""
         hub = self.comm.kv_hub
         sub = hub.subscribe(int(request.start_sequence_number))
         try:
@@ -321,7 +324,10 @@ class Info:
                 start=request.start_sequence_number, initial_batches=len(sub.initial),
             )
             await context.send_initial_metadata(())
-            async for batch in sub.batches():
+            feed = LoadFeed(lambda: self.comm.rank_states, self.comm.state_age,
+                            request.load_records_before_first_batch,
+                            self.args.speculative_algorithm is not None)
+            async for batch in batches_with_loads(sub, feed):
                 yield batch
         finally:
             hub.unsubscribe(sub)

@@ -115,9 +115,7 @@ FIELDS: dict[str, tuple[str, str]] = {
     "StartProfileRequest.profile_by_stage": ("read", "server/profiles.py"),
     "SubscribeKvEventsRequest.start_sequence_number": ("read", "server/info_service.py"),
     "SubscribeKvEventsRequest.load_records_before_first_batch": (
-        "no_effect", "it asks for EngineLoad records ahead of the first batch; this worker's "
-                     "batches carry no EngineLoad (the gateway polls GetLoads), so there is "
-                     "no record to send early"),
+        "read", "server/info_service.py"),
     "LoadLoRAAdapterRequest.lora_name": ("read", "server/lora_service.py"),
     "LoadLoRAAdapterRequest.lora_path": ("read", "server/lora_service.py"),
     "LoadLoRAAdapterRequest.pinned": ("read", "server/lora_service.py"),
