@@ -4,7 +4,7 @@ SGLang's parsers know each model family's think markers; its scheduler takes the
 token of the end marker (``tokenizer.encode(think_end, add_special_tokens=False)[0]``) and,
 for a request with ``require_reasoning``, counts the output tokens up to and including
 that token as the request's reasoning tokens. Here the rank resolves the token id once
-(ModelInfo.think_end_id) and the server counts (server/sample_streams.py).
+(ModelInfo.think_end_id) and the server counts (server/generate_codec/streams.py).
 """
 
 from __future__ import annotations

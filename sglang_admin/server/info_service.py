@@ -23,7 +23,7 @@ from sglang_admin.server.admin import (
     rank_failure_text,
 )
 from sglang_admin.server.communicator import Communicator, RankFailure
-from sglang_admin.server.convert import Serialized, ServiceError, invalid
+from sglang_admin.server.errors import Serialized, ServiceError, invalid
 from sglang_admin.server.kv_loads import LoadFeed, batches_with_loads
 from sglang_admin.server.tokenizer_bundle import (
     NoTokenizerFiles,
@@ -126,7 +126,7 @@ class Info:
     @property
     def max_req_input_len(self) -> int:
         """The longest prompt Generate takes: the context or the KV pool, whichever is
-        smaller, less one (server/convert.py's Limits)."""
+        smaller, less one (server/generate_codec/request.py's Limits)."""
         info = self.model
         return min(info.context_length, info.token_capacity) - 1
 

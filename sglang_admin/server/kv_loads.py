@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Callable
 
 from sglang_admin.messages import RankState
 from sglang_admin.pb import common_pb2 as pb
-from sglang_admin.server.convert import Serialized
+from sglang_admin.server.errors import Serialized
 from sglang_admin.server.kv_events import KvSubscription
 
 HEARTBEAT_S = 1.0  # a quiet rank's load-only record, at least this often

@@ -9,7 +9,7 @@ import asyncio
 from sglang_admin.messages import KvEvents, RankState
 from sglang_admin.pb import common_pb2 as pb
 from sglang_admin.server import kv_loads
-from sglang_admin.server.convert import Serialized
+from sglang_admin.server.errors import Serialized
 from sglang_admin.server.kv_events import KvEventHub
 from sglang_admin.server.kv_loads import LoadFeed, batches_with_loads, engine_load
 

@@ -14,7 +14,7 @@ from sglang_admin.scheduler.reasoning import (
     count_reasoning,
     think_end_id,
 )
-from sglang_admin.server.sample_streams import SampleStreams
+from sglang_admin.server.generate_codec import SampleStreams
 
 END = 9
 
