@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: install smollm2 serve router router-stop test proto lint bench clean
+.PHONY: install ibverbs smollm2 serve router router-stop test proto lint bench clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv --system-site-packages $(VENV)
@@ -13,8 +13,17 @@ $(VENV)/bin/python:
 # torch 2.13.0 first (the CPU build on this disk); a torch that is already importable stands.
 $(STAMP): pyproject.toml | $(VENV)/bin/python
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test]'
+	$(MAKE) --no-print-directory ibverbs
+	$(PIP) install -q -e '.[test,pd]'
 	touch $(STAMP)
+
+# The mooncake KV transfer backend (the `pd` extra) loads libibverbs.so.1 even for its TCP
+# protocol. apt-get runs only when the library is missing (as root, or through sudo when
+# there is one); elsewhere install libibverbs1 (Debian/Ubuntu) or rdma-core (RHEL) yourself.
+ibverbs:
+	@ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 ' || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -q && $$SUDO apt-get install -y -q libibverbs1; }
 
 install: $(STAMP)
 
