@@ -26,7 +26,8 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from sglang_admin.disaggregation.transfer import (
     BufferInfo,
@@ -67,7 +68,7 @@ def coalesce(src_slots: Sequence[int], dst_slots: Sequence[int]) -> list[tuple[i
 
 
 def _check_slots(slots: Sequence[int], num_slots: int, side: str) -> str | None:
-    if len(slots) and not (0 <= min(slots) and max(slots) < num_slots):
+    if len(slots) and not (min(slots) >= 0 and max(slots) < num_slots):
         bad = next(int(s) for s in slots if not 0 <= s < num_slots)
         return (f"kv transfer failed: {side} slot {bad} is outside its pool of "
                 f"{num_slots} slots")
