@@ -67,6 +67,17 @@ def coalesce(src_slots: Sequence[int], dst_slots: Sequence[int]) -> list[tuple[i
     return runs
 
 
+def _non_cuda_build() -> bool:
+    """The installed engine is mooncake-transfer-engine-non-cuda (it cannot read GPU memory)."""
+    from importlib import metadata
+
+    try:
+        metadata.version("mooncake-transfer-engine")
+        return False
+    except metadata.PackageNotFoundError:
+        return True
+
+
 def _check_slots(slots: Sequence[int], num_slots: int, side: str) -> str | None:
     if len(slots) and not (min(slots) >= 0 and max(slots) < num_slots):
         bad = next(int(s) for s in slots if not 0 <= s < num_slots)
@@ -98,6 +109,7 @@ class MooncakeBackend(KVTransferBackend):
                 raise KVTransferError("kv transfer: the mooncake backend is closed")
             if self._engine is not None:
                 return
+            os.environ.setdefault("MC_LOG_LEVEL", "WARNING")  # its INFO lines: per connection
             try:
                 from mooncake.engine import TransferEngine
             except ImportError as exc:
@@ -123,6 +135,11 @@ class MooncakeBackend(KVTransferBackend):
                 self._register_locked()
 
     def _register_locked(self) -> None:
+        if any(t.device.type != "cpu" for t in self._buffers) and _non_cuda_build():
+            raise KVTransferError(
+                "kv transfer: the KV pool is in GPU memory and the installed mooncake engine "
+                "is the non-CUDA build (host memory only); install mooncake-transfer-engine "
+                "(the CUDA build) or use --disaggregation-transfer-backend zmq")
         for ptr in self._registered:
             self._engine.unregister_memory(ptr)
         self._registered = []
@@ -168,6 +185,8 @@ class MooncakeBackend(KVTransferBackend):
         if len(src_slots) != len(dst_slots):
             return fail(f"kv transfer failed: {len(src_slots)} source slots for "
                         f"{len(dst_slots)} destination slots")
+        if len(set(dst_slots)) != len(dst_slots):  # the writes of one batch run in parallel
+            return fail("kv transfer failed: a destination slot is listed twice")
         local = self.buffer_infos()
         why = check_compatible(local, peer)
         if why:

@@ -183,6 +183,8 @@ def test_short_or_lying_descriptor_is_refused(peer: Peer, sender: MooncakeBacken
     assert not res.ok and "source slot -1" in res.error
     res = sender.send(1, desc, [0, 1], [0], 10.0)
     assert not res.ok and "2 source slots for 1 destination" in res.error
+    res = sender.send(1, desc, [0, 1], [5, 5], 10.0)  # its writes would race each other
+    assert not res.ok and "destination slot is listed twice" in res.error
     # a descriptor that claims more memory than the peer registered: the peer's engine
     # refuses a write outside every buffer it registered (a short pool, not a silent
     # overrun; a row just past one buffer's end could be inside the next one's, so far out)
@@ -242,16 +244,14 @@ def test_fuzz_send_never_raises(peer: Peer, sender: MooncakeBackend) -> None:
         n = rng.randint(0, 6)
         src = [rng.randint(-3, NUM_SLOTS + 3) for _ in range(n)]
         dst = [rng.randint(-3, NUM_SLOTS + 3) for _ in range(n + rng.choice([0, 0, 0, 1]))]
-        res = sender.send(room, peer.descriptor, src, dst, 5.0)
-        valid = (len(src) == len(dst)
+        res = sender.send(room, peer.descriptor, src, dst, 60.0)
+        valid = (len(src) == len(dst) and len(set(dst)) == len(dst)
                  and all(0 <= s < NUM_SLOTS for s in src + dst))
         assert res.ok == valid, (src, dst, res.error)
         if not res.ok:
             assert "kv transfer failed" in res.error
         elif src:
-            # a slot listed twice lands its last value
-            last = {d: s for s, d in zip(src, dst)}
-            assert peer.read(list(last)) == sender.read_slots(list(last.values()))
+            assert peer.read(dst) == sender.read_slots(src)
 
 
 def test_lifecycle_errors(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -270,3 +270,12 @@ def test_lifecycle_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SGLANG_ADMIN_MOONCAKE_IB_DEVICE", "mlx5_0")
     assert MooncakeBackend("127.0.0.1").protocol == "rdma"  # SGLang's ib-device rule
     assert MooncakeBackend("127.0.0.1", protocol="tcp").protocol == "tcp"
+
+
+def test_gpu_pool_refused_by_the_host_memory_build() -> None:
+    """The non-CUDA engine would read a GPU pointer as host memory: refused at start."""
+    b = MooncakeBackend("127.0.0.1")
+    b.register_buffers([torch.empty(4, 8, device="meta")])  # any non-CPU device
+    with pytest.raises(KVTransferError, match="GPU memory.*non-CUDA build"):
+        b.start()
+    b.close()
