@@ -52,6 +52,10 @@ for line in sys.stdin:
     cmd = json.loads(line)
     if cmd["op"] == "read":
         print(json.dumps(b.read_slots(cmd["slots"]).hex()), flush=True)
+    elif cmd["op"] == "zero":
+        for t in b._buffers:
+            t.zero_()
+        print("{}", flush=True)
     elif cmd["op"] == "realloc":
         b.register_buffers(pool())
         print(json.dumps(b.descriptor().to_wire()), flush=True)
@@ -82,6 +86,9 @@ class Peer:
     def read(self, slots: list[int]) -> bytes:
         return bytes.fromhex(json.loads(self._ask(op="read", slots=slots)))
 
+    def zero(self) -> None:
+        self._ask(op="zero")
+
     def realloc(self) -> PeerDescriptor:
         self.proc.stdin.write(json.dumps({"op": "realloc"}) + "\n")
         self.proc.stdin.flush()
@@ -93,8 +100,23 @@ class Peer:
         self.proc.wait(10)
 
 
+@pytest.fixture(scope="module")
+def _shared_peer():
+    p = Peer()
+    yield p
+    p.kill()
+
+
 @pytest.fixture
-def peer():
+def peer(_shared_peer: Peer):
+    """A live receiver with a zeroed pool (one process for the module's tests)."""
+    _shared_peer.zero()
+    return _shared_peer
+
+
+@pytest.fixture
+def own_peer():
+    """A receiver of the test's own, which it may kill, stop or reallocate."""
     p = Peer()
     yield p
     p.kill()
@@ -146,32 +168,32 @@ def test_through_the_registry(peer: Peer) -> None:
         b.close()  # idempotent
 
 
-def test_dead_peer_fails_fast(peer: Peer, sender: MooncakeBackend) -> None:
-    assert sender.send(1, peer.descriptor, [0], [0], 10.0).ok  # a warm connection
-    peer.kill()
+def test_dead_peer_fails_fast(own_peer: Peer, sender: MooncakeBackend) -> None:
+    assert sender.send(1, own_peer.descriptor, [0], [0], 10.0).ok  # a warm connection
+    own_peer.kill()
     t = time.monotonic()
-    res = sender.send(2, peer.descriptor, [1, 2], [1, 2], 10.0)
+    res = sender.send(2, own_peer.descriptor, [1, 2], [1, 2], 10.0)
     assert not res.ok
     assert "kv transfer failed" in res.error and "room 2" in res.error
     assert time.monotonic() - t < 5.0
     # a peer that never existed (nothing listens on the port)
-    gone = PeerDescriptor("127.0.0.1:1", peer.descriptor.buffers)
+    gone = PeerDescriptor("127.0.0.1:1", own_peer.descriptor.buffers)
     res = sender.send(3, gone, [0], [0], 10.0)
     assert not res.ok and "kv transfer failed" in res.error
 
 
-def test_stalled_peer_keeps_the_deadline(peer: Peer, sender: MooncakeBackend) -> None:
+def test_stalled_peer_keeps_the_deadline(own_peer: Peer, sender: MooncakeBackend) -> None:
     """A stopped peer accepts the TCP connect and then says nothing: the handshake would
     wait a minute in the engine; send returns at its own deadline."""
-    os.kill(peer.proc.pid, signal.SIGSTOP)
+    os.kill(own_peer.proc.pid, signal.SIGSTOP)
     try:
         t = time.monotonic()
-        res = sender.send(7, peer.descriptor, list(range(8)), list(range(8)), 1.5)
+        res = sender.send(7, own_peer.descriptor, list(range(8)), list(range(8)), 1.5)
         took = time.monotonic() - t
         assert not res.ok and "kv transfer failed: timed out" in res.error
         assert 1.4 < took < 4.0
     finally:
-        os.kill(peer.proc.pid, signal.SIGCONT)
+        os.kill(own_peer.proc.pid, signal.SIGCONT)
 
 
 def test_short_or_lying_descriptor_is_refused(peer: Peer, sender: MooncakeBackend) -> None:
@@ -221,21 +243,21 @@ def test_short_transfer_fails_the_checksum(peer: Peer, sender: MooncakeBackend) 
     assert zlib.crc32(peer.read(dst)) == sender.checksum(src)
 
 
-def test_reregistered_pool(peer: Peer, sender: MooncakeBackend) -> None:
+def test_reregistered_pool(own_peer: Peer, sender: MooncakeBackend) -> None:
     """A pool reallocated on the receiver (memory release and resume) registers anew: the
     new descriptor works; the old one's addresses are no longer writable."""
-    old = peer.descriptor
-    new = peer.realloc()
+    old = own_peer.descriptor
+    new = own_peer.realloc()
     res = sender.send(1, new, [2], [3], 10.0)
     assert res.ok, res.error
-    assert peer.read([3]) == sender.read_slots([2])
+    assert own_peer.read([3]) == sender.read_slots([2])
     if all(o.ptr != n.ptr for o, n in zip(old.buffers, new.buffers)):
         res = sender.send(2, old, [2], [3], 10.0)
         assert not res.ok and "kv transfer failed" in res.error
     # the sender's own pool reallocated too
     sender.register_buffers([torch.full((NUM_SLOTS, *ROW), 3.0) for _ in range(2 * LAYERS)])
     assert sender.send(3, new, [0], [5], 10.0).ok
-    assert peer.read([5]) == sender.read_slots([0])
+    assert own_peer.read([5]) == sender.read_slots([0])
 
 
 def test_fuzz_send_never_raises(peer: Peer, sender: MooncakeBackend) -> None:
