@@ -23,6 +23,8 @@ buffer sizes before it writes, so a bad handshake fails that room alone with a
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import threading
 import time
@@ -37,6 +39,8 @@ from sglang_admin.disaggregation.transfer import (
     TransferResult,
     check_compatible,
 )
+
+logger = logging.getLogger(__name__)
 
 PROTOCOL_ENV = "SGLANG_ADMIN_MOONCAKE_PROTOCOL"
 IB_DEVICE_ENV = "SGLANG_ADMIN_MOONCAKE_IB_DEVICE"
@@ -65,6 +69,15 @@ def coalesce(src_slots: Sequence[int], dst_slots: Sequence[int]) -> list[tuple[i
                 continue
         runs.append((int(s), int(d), 1))
     return runs
+
+
+def _rdma_nics(engine: Any, ib_device: str) -> list[str]:
+    """The RDMA NICs in the engine's topology ({"cpu:0": [[preferred], [available]], ...})."""
+    try:
+        topo = json.loads(engine.get_local_topology(ib_device))
+        return sorted({nic for lists in topo.values() for group in lists for nic in group})
+    except (ValueError, TypeError, AttributeError):
+        return []
 
 
 def _non_cuda_build() -> bool:
@@ -100,6 +113,7 @@ class MooncakeBackend(KVTransferBackend):
         self._registered: list[int] = []  # pointers registered with the engine
         self._lock = threading.Lock()  # start/close/register against each other
         self._closed = False
+        self.rdma_nics: list[str] = []  # with protocol rdma: the NICs the engine found
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -123,6 +137,12 @@ class MooncakeBackend(KVTransferBackend):
                     f"protocol {self.protocol}" + (f" device {self.ib_device}"
                                                    if self.ib_device else "") + f" (rc {rc})")
             self._engine = engine
+            if self.protocol == "rdma":
+                self.rdma_nics = _rdma_nics(engine, self.ib_device)
+                if not self.rdma_nics:
+                    logger.warning("mooncake: protocol rdma, but the engine found no RDMA NIC%s; "
+                                   "its writes take its fallback transport (TCP)",
+                                   f" among {self.ib_device}" if self.ib_device else "")
             host = f"[{self.host}]" if ":" in self.host else self.host
             self._session_id = f"{host}:{engine.get_rpc_port()}"
             self._register_locked()

@@ -301,3 +301,27 @@ def test_gpu_pool_refused_by_the_host_memory_build() -> None:
     with pytest.raises(KVTransferError, match="GPU memory.*non-CUDA build"):
         b.start()
     b.close()
+
+
+def test_rdma_without_a_nic_says_so_and_still_moves_bytes(caplog: pytest.LogCaptureFixture,
+                                                          ) -> None:
+    """--protocol rdma on a machine with no RDMA NIC: the engine falls back to its TCP
+    transport; the backend warns, and the bytes still land exactly."""
+    gen = torch.Generator().manual_seed(5)
+    a = MooncakeBackend("127.0.0.1", protocol="rdma")
+    b = MooncakeBackend("127.0.0.1", protocol="rdma")
+    a.register_buffers([torch.zeros(NUM_SLOTS, *ROW) for _ in range(2)])
+    b.register_buffers([torch.randn(NUM_SLOTS, *ROW, generator=gen) for _ in range(2)])
+    with caplog.at_level("WARNING", logger="sglang_admin.disaggregation.mooncake_backend"):
+        a.start()
+        b.start()
+    try:
+        if a.rdma_nics:
+            pytest.skip(f"this machine has RDMA NICs: {a.rdma_nics}")
+        assert "no RDMA NIC" in caplog.text
+        res = b.send(1, a.descriptor(), [4, 5, 9], [0, 1, 2], 10.0)
+        assert res.ok, res.error
+        assert a.read_slots([0, 1, 2]) == b.read_slots([4, 5, 9])
+    finally:
+        a.close()
+        b.close()
