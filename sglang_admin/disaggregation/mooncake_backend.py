@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import operator
 import os
 import threading
 import time
@@ -145,7 +146,11 @@ class MooncakeBackend(KVTransferBackend):
                                    f" among {self.ib_device}" if self.ib_device else "")
             host = f"[{self.host}]" if ":" in self.host else self.host
             self._session_id = f"{host}:{engine.get_rpc_port()}"
-            self._register_locked()
+            try:
+                self._register_locked()
+            except KVTransferError:
+                self._engine, self._session_id = None, ""
+                raise
 
     def register_buffers(self, buffers: Sequence[Any]) -> None:
         """Take the pool's tensors; after `start`, swap the engine's registrations too."""
@@ -202,6 +207,11 @@ class MooncakeBackend(KVTransferBackend):
         engine = self._engine
         if engine is None:
             return fail("kv transfer failed: the mooncake backend is not started")
+        try:  # slot lists can come from a peer: integers only
+            src_slots = [operator.index(s) for s in src_slots]
+            dst_slots = [operator.index(s) for s in dst_slots]
+        except TypeError:
+            return fail("kv transfer failed: slot numbers must be integers")
         if len(src_slots) != len(dst_slots):
             return fail(f"kv transfer failed: {len(src_slots)} source slots for "
                         f"{len(dst_slots)} destination slots")

@@ -205,6 +205,9 @@ def test_short_or_lying_descriptor_is_refused(peer: Peer, sender: MooncakeBacken
     assert not res.ok and "source slot -1" in res.error
     res = sender.send(1, desc, [0, 1], [0], 10.0)
     assert not res.ok and "2 source slots for 1 destination" in res.error
+    for bad in (["0"], [1.5], [None]):  # slot lists can come from the network
+        res = sender.send(1, desc, [0], bad, 10.0)
+        assert not res.ok and "slot numbers must be integers" in res.error
     res = sender.send(1, desc, [0, 1], [5, 5], 10.0)  # its writes would race each other
     assert not res.ok and "destination slot is listed twice" in res.error
     # a descriptor that claims more memory than the peer registered: the peer's engine
@@ -300,6 +303,8 @@ def test_gpu_pool_refused_by_the_host_memory_build() -> None:
     b.register_buffers([torch.empty(4, 8, device="meta")])  # any non-CPU device
     with pytest.raises(KVTransferError, match="GPU memory.*non-CUDA build"):
         b.start()
+    with pytest.raises(KVTransferError, match="not started"):
+        b.endpoint()  # a failed start leaves no half-started engine
     b.close()
 
 
