@@ -277,6 +277,20 @@ def test_fuzz_send_never_raises(peer: Peer, sender: MooncakeBackend) -> None:
             assert "kv transfer failed" in res.error
         elif src:
             assert peer.read(dst) == sender.read_slots(src)
+    # descriptors a broken or hostile handshake could carry: refused, never raised, and
+    # nothing lands in the peer's pool
+    peer.zero()
+    real = peer.descriptor
+    for room in range(60):
+        bufs = tuple(BufferInfo(rng.choice([b.ptr ^ (1 << rng.randint(24, 62)), -b.ptr, 0,
+                                            rng.getrandbits(64)]),
+                                rng.choice([b.nbytes, b.nbytes << 30, -1, 0]),
+                                rng.choice([b.item_bytes, 0, -64]))
+                     for b in real.buffers)
+        desc = PeerDescriptor(real.endpoint, bufs)
+        res = sender.send(room, desc, [1, 2], [3, 4], 5.0)
+        assert not res.ok and "kv transfer failed" in res.error
+    assert not any(peer.read(list(range(NUM_SLOTS))))
 
 
 def test_lifecycle_errors(monkeypatch: pytest.MonkeyPatch) -> None:
