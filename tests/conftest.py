@@ -64,7 +64,7 @@ def _session_worker_args(name: str, tmp: Path) -> list[str]:
         return ["--log-requests", "--profile-dir", str(tmp / "profiles")]
     if name == "dp2_server":
         return ["--dp-size", "2", "--profile-dir", str(tmp / "profiles"), "--log-requests",
-                "--watchdog-probe-timeout", "120"]
+                "--watchdog-probe-timeout", "120", "--enable-metrics"]
     if name == "small_server":
         return ["--max-running-requests", "2"]
     raise KeyError(name)
@@ -142,10 +142,10 @@ def server_profiles(server: ServerProc) -> Path:
 
 @pytest.fixture(scope="session")
 def dp2_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
-    """One ``--dp-size 2`` worker (embedded model, --profile-dir, --log-requests), shared by
-    the modules that need two ranks and no other flag (admin ops, bad input, fuzz, profiles,
-    rank isolation, the CLI): each leaves it as it found it (no profile running, nothing in
-    flight, every rank up). ``--watchdog-probe-timeout 120``: test_admin.py stops a rank for
+    """One ``--dp-size 2`` worker (embedded model, --profile-dir, --log-requests,
+    --enable-metrics), shared by the modules that need two ranks and no other flag (admin
+    ops, bad input, fuzz, profiles, rank isolation, the CLI, the served-benchmark client):
+    each leaves it as it found it (no profile running, nothing in flight, every rank up). ``--watchdog-probe-timeout 120``: test_admin.py stops a rank for
     a few seconds, and it must come back to a live server on a loaded machine."""
     srv = _session_worker("dp2_server", tmp_path_factory)
     yield srv

@@ -6,22 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 
-from tests.conftest import ServerProc, free_port, start_server
+from tests.conftest import ServerProc
 from tools import bench_served
 from tools.workloads import Workload
 
 
 @pytest.fixture(scope="module")
-def metrics_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
-    tmp: Path = tmp_path_factory.mktemp("served")
-    srv = start_server(tmp, "--enable-metrics", "--metrics-port", str(free_port()))
-    yield srv
-    srv.stop()
+def metrics_server(dp2_server: ServerProc) -> ServerProc:
+    """The session's dp 2 worker (--enable-metrics): the tests read deltas of its figures."""
+    return dp2_server
 
 
 @pytest.mark.parametrize("concurrency", [0, 2])
@@ -47,7 +42,8 @@ def settled(target: str) -> dict[str, float]:
 
 def test_the_rank_reports_its_decode_phases(metrics_server: ServerProc) -> None:
     """Each phase of the workload's decode steps is measured (more than nothing), and
-    together they fit in the time the workload took (seconds, counted once)."""
+    together they fit in the time the workload took (seconds, counted once): at most that
+    time on each of the worker's two ranks."""
     work = Workload("small", [[5, 6, 7]] * 4, [6] * 4)
     before = settled(metrics_server.target)
     started = time.perf_counter()
@@ -57,8 +53,8 @@ def test_the_rank_reports_its_decode_phases(metrics_server: ServerProc) -> None:
     assert set(after) == {"steps", "schedule", "prepare", "model", "sample", "postprocess",
                           "output"}
     delta = {k: after[k] - before.get(k, 0.0) for k in after}
-    # 4 streams of 6 tokens: the first token of each comes from its prefill, the other 5
-    # from decode steps (shared by the streams when they run together)
+    # 4 streams of 6 tokens on 2 ranks: the first token of each comes from its prefill, the
+    # other 5 from decode steps (shared by the streams a rank runs together)
     assert 5 <= delta.pop("steps") <= 20
     assert all(v > 0 for v in delta.values()), delta
-    assert sum(delta.values()) < elapsed, (delta, elapsed)
+    assert sum(delta.values()) < 2 * elapsed, (delta, elapsed)
