@@ -51,6 +51,10 @@ def pytest_configure(config: pytest.Config) -> None:
         "leaves it to `make test-long` (docs/test-suite-cost.md)")
     path = os.environ.get("SGLANG_ADMIN_TEST_COST")
     controller = _parallel(config) and not getattr(config, "workerinput", None)
+    if controller and _PASSIVE_HERE:
+        # xdist's workers inherit this process's environment: each sets (and takes back)
+        # its own OpenMP setting, as one process does (see the top of this file)
+        os.environ.pop("OMP_WAIT_POLICY", None)
     if path and not controller:  # an xdist controller runs no test: its workers record
         from tests.cost import CostRecorder
 
