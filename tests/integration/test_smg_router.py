@@ -287,14 +287,17 @@ def test_generate_with_input_ids_matches_the_worker(cluster: Cluster) -> None:
 def test_completions_and_chat_completions_with_text(cluster: Cluster) -> None:
     from transformers import AutoTokenizer
 
+    from sglang_admin.model.default_model import ensure_default_model
+
     prompt = "The router tokenizes this prompt."
     status, body = http("POST", f"{cluster.base}/v1/completions", {
         "model": cluster.model, "prompt": prompt, "max_tokens": 5, "temperature": 0,
     })
     assert status == 200, body
     # what the worker itself makes of the prompt (tokenized with the model's tokenizer, the
-    # one the gateway fetched with GetTokenizer): the same greedy tokens, as text
-    tok = AutoTokenizer.from_pretrained(Path(cluster.model).parent / "model-moved")
+    # one the gateway fetched with GetTokenizer: the workers serve a copy of the default
+    # model): the same greedy tokens, as text
+    tok = AutoTokenizer.from_pretrained(ensure_default_model())
     ids = tok(prompt)["input_ids"]
     direct = list(cluster.workers[0].stub().Generate(pb.GenerateRequest(
         tokenized=pb.TokenizedInput(input_ids=ids),
