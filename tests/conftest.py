@@ -44,7 +44,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """``SGLANG_ADMIN_TEST_COST=file.json``: record each module's wall and CPU seconds
+    """The ``long`` marker; under xdist, the workers' OpenMP setting; and with
+    ``SGLANG_ADMIN_TEST_COST=file.json``, each module's wall and CPU seconds recorded
     (tests/cost.py; docs/test-suite-cost.md quotes them)."""
     config.addinivalue_line(
         "markers", "long: a soak, fuzz or benchmark-style run of fixed length; `make test` "
@@ -149,8 +150,9 @@ def dp2_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]
     """One ``--dp-size 2`` worker (embedded model, --profile-dir, --log-requests,
     --enable-metrics), shared by the modules that need two ranks and no other flag (admin
     ops, bad input, fuzz, profiles, rank isolation, the CLI, the served-benchmark client):
-    each leaves it as it found it (no profile running, nothing in flight, every rank up). ``--watchdog-probe-timeout 120``: test_admin.py stops a rank for
-    a few seconds, and it must come back to a live server on a loaded machine."""
+    each leaves it as it found it (no profile running, nothing in flight, every rank up).
+    ``--watchdog-probe-timeout 120``: test_admin.py stops a rank for a few seconds, and it
+    must come back to a live server on a loaded machine."""
     srv = _session_worker("dp2_server", tmp_path_factory)
     yield srv
     srv.stop()
@@ -172,9 +174,10 @@ def dp2_profiles(dp2_server: ServerProc) -> Path:
     return Path(dp2_server.extra_args[dp2_server.extra_args.index("--profile-dir") + 1])
 
 
-# The modules that take the longest (wall seconds of the last measured run, most first:
-# docs/test-suite-cost.md). Run on several processes, they start first, so that no process
-# is left alone with one of them at the end while the other has nothing to do.
+# The modules that take the longest (wall seconds in the one-process run of
+# docs/test-suite-cost.md, most first; the long tests aside). Run on several processes,
+# they start first, so that no process is left alone with one of them at the end while the
+# other has nothing to do.
 LONGEST_MODULES = (
     "test_tensor_parallel.py", "test_weight_sync.py", "test_gguf.py", "test_speculative.py",
     "test_metrics.py", "test_gpu_check.py", "test_http_sidecar.py", "test_embed.py",
