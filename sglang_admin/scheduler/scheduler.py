@@ -11,6 +11,7 @@ Everything about memory happens below it, so it can be tested with a fake model.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 
@@ -23,6 +24,13 @@ from sglang_admin.scheduler.reasoning import ThinkingGate
 from sglang_admin.scheduler.request import Batch, Req, samples_of
 from sglang_admin.scheduler.speculative.policy import SpecProgress
 from sglang_admin.scheduler.state import SchedulerConfig, SchedulerState
+
+FAKE_BOOTSTRAP_HOST = "2.2.2.2"  # health checks / warm-up: no bootstrap, no transfer
+
+
+def is_fake_bootstrap(msg: GenerateReq) -> bool:
+    return msg.bootstrap_host == FAKE_BOOTSTRAP_HOST
+
 
 __all__ = ["PAUSE_MODES", "Scheduler", "SchedulerConfig"]
 
@@ -42,7 +50,15 @@ class Scheduler(SchedulerState):
             self.refuse(msg.rid, *refusal)
             return
         samples = samples_of(msg, trace_id)
+        if self.pd is not None and msg.bootstrap_room >= 0 and not is_fake_bootstrap(msg):
+            why = self._pd_refusal(msg)
+            if why is not None:
+                self.refuse(msg.rid, why, "INVALID_ARGUMENT")
+                return
         if msg.lora_id and not self._acquire_lora(samples, msg.lora_id):
+            return
+        if self.pd is not None and msg.bootstrap_room >= 0 and not is_fake_bootstrap(msg):
+            self._add_pd(samples[0], msg)
             return
         spec = self.config.speculative
         for req in samples:
@@ -53,6 +69,33 @@ class Scheduler(SchedulerState):
             self._enqueue(req)
         if len(samples) > 1:
             self.groups[msg.rid] = samples
+
+    def _pd_refusal(self, msg: GenerateReq) -> str | None:
+        """Why a PD request cannot be taken (its room already in use here), or None."""
+        if msg.bootstrap_room in self.pd.rooms:
+            return (f"bootstrap room {msg.bootstrap_room} is already in use at this "
+                    f"{self.pd.role} worker")
+        if self.pd.role == "decode" and msg.sampling.grammar_kind:
+            return "constrained decoding is not supported with prefill/decode disaggregation yet"
+        return None
+
+    def _add_pd(self, req: Req, msg: GenerateReq) -> None:
+        """A request of a PD pair: prefill runs it as usual and holds its KV when it ends
+        (disaggregation/prefill.py); decode waits for its KV (disaggregation/decode.py)."""
+        spec = self.config.speculative
+        if spec is not None:
+            req.spec = SpecProgress(spec.num_draft_tokens)
+        self.by_rid[req.key] = req
+        req.waiting_since = self.clock()
+        if self.pd.role == "prefill":
+            # the first token is all prefill samples; decode goes on from the second
+            params = req.sampling.params
+            if params.max_new_tokens > 1:
+                req.sampling.params = dataclasses.replace(params, max_new_tokens=1)
+            self.pd.track(req, msg.bootstrap_room)
+            self._enqueue(req)
+        else:
+            self.pd.add(req, msg.bootstrap_room, msg.bootstrap_host, msg.bootstrap_port)
 
     def _refusal(self, msg: GenerateReq) -> tuple[str, str] | None:
         """Why this rank cannot take the request: (message, gRPC code name); None: it can."""
@@ -122,6 +165,8 @@ class Scheduler(SchedulerState):
 
     def abort(self, rid: str, reason: str = "aborted") -> None:
         """Abort a request; running ones release their KV at the next schedule()."""
+        if self.pd is not None and self.pd.abort(rid, reason):
+            return
         request_end.abort(self, rid, reason)
 
     def fail(self, req: Req, message: str, code: str) -> None:
@@ -130,17 +175,19 @@ class Scheduler(SchedulerState):
 
     def fail_all(self, message: str, code: str) -> int:
         """End every running and waiting request with an error; how many there were."""
+        held = self.pd.end_all(message) if self.pd is not None else 0
         reqs = request_end.take_every_request(self)
         for req in reqs:
             request_end.fail(self, req, message, code)
-        return len(reqs)
+        return len(reqs) + held
 
     def abort_all(self, reason: str = "aborted") -> int:
         """Finish every running and waiting request with "abort" now; how many there were."""
+        held = self.pd.end_all(reason) if self.pd is not None else 0
         reqs = request_end.take_every_request(self)
         for req in reqs:
             request_end.finish(self, req, "abort")
-        return len(reqs)
+        return len(reqs) + held
 
     # ------------------------------------------------------------------ pause
 

@@ -67,6 +67,7 @@ class Generation:
             token_capacity=info.token_capacity,
             dp_size=self.args.dp_size,
             lora_enabled=self.args.enable_lora,
+            disaggregation_mode=self.args.disaggregation_mode,
         )
 
     async def generate(
@@ -101,9 +102,12 @@ class Generation:
             remaining = context.time_remaining()
             if remaining is not None:
                 req.deadline = time.time() + remaining
-            rank = self.comm.pick_rank(
-                request.data_parallel_rank if request.HasField("data_parallel_rank") else None
-            )
+            pinned = request.data_parallel_rank if request.HasField("data_parallel_rank") else None
+            if pinned is None and req.bootstrap_room >= 0 and (
+                    self.args.disaggregation_mode == "prefill"):
+                # decode asks prefill rank room % dp size for the room's KV
+                pinned = req.bootstrap_room % self.args.dp_size
+            rank = self.comm.pick_rank(pinned)
             carrier = carrier_from_metadata(context.invocation_metadata())
             with server_span("Generate", carrier, request_id=rid) as forward:
                 req.trace = forward
