@@ -45,6 +45,7 @@ class PrefillRoom:
     handshake: dict[str, Any] | None = None
     future: Future | None = None
     aborted: str | None = None  # abort reason, while a send is in flight
+    cancelled: str = ""  # decode gave the room up before the request ended
 
 
 class PrefillRooms:
@@ -107,6 +108,10 @@ class PrefillRooms:
             return False
         room.out = out
         room.held_since = time.monotonic()
+        if room.cancelled:
+            self._end(room, f"kv transfer failed: decode gave room {room.room} up: "
+                            f"{room.cancelled}", "UNAVAILABLE")
+            return True
         if room.handshake is not None:
             self._start(room)
         return True
@@ -163,6 +168,7 @@ class PrefillRooms:
                                     f"{msg.get('reason', '')}", "UNAVAILABLE")
             elif room is not None:
                 room.handshake = None
+                room.cancelled = str(msg.get("reason", "decode gave the room up"))
             return
         if kind != "handshake":
             logger.warning("prefill ignores PD message %r for room %s", kind, room_id)
