@@ -119,6 +119,17 @@ def http_json(method: str, url: str, body: dict[str, Any] | None = None,
         raise OSError(f"{url} answered non-JSON") from None
 
 
+def http_ok(url: str, timeout: float = HTTP_TIMEOUT_S) -> None:
+    """A GET that must answer 2xx (a liveness probe); OSError otherwise."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 - our peer
+            resp.read(4096)
+    except urllib.error.HTTPError as exc:
+        raise OSError(f"HTTP {exc.code} from {url}") from None
+    except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
+        raise OSError(f"{url} unreachable: {getattr(exc, 'reason', exc)}") from None
+
+
 def resolve_prefill_rank(host: str, port: int, room: int) -> str:
     """The control address of the prefill rank holding ``room``: rank room % prefill dp."""
     table = http_json("GET", f"http://{host}:{port}/route")

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sglang_admin.disaggregation import settings
-from sglang_admin.disaggregation.control import ControlSocket, http_json, resolve_prefill_rank
+from sglang_admin.disaggregation.control import ControlSocket, http_ok, resolve_prefill_rank
 from sglang_admin.disaggregation.transfer import KVTransferBackend
 
 logger = logging.getLogger(__name__)
@@ -262,7 +262,7 @@ class DecodeRooms:
                     continue
             if probe[0] is None and now - probe[1] >= self.heartbeat_interval:
                 probe[1] = now
-                probe[0] = self.pool.submit(http_json, "GET", f"http://{key}/health", None,
+                probe[0] = self.pool.submit(http_ok, f"http://{key}/health",
                                             min(self.heartbeat_interval, 5.0))
 
     # ------------------------------------------------------------------ ending

@@ -1,0 +1,506 @@
+"""Prefill/decode disaggregation: a prefill worker and a decode worker of ours behind the
+real SMG router in PD mode (`smg launch --pd-disaggregation`), KV over the zmq backend.
+
+The happy path goes through the router and is compared with the session's plain worker
+(`server`, the same embedded model): greedy tokens and logprobs equal. The failure cases
+drive one real leg with a test-side stand-in for the other (tests/integration/pd_peers.py)
+so that leg can die, withhold, corrupt or shorten the pages: each failure ends its request
+with a clear status within the (shortened) timeouts, frees the KV on both workers, and
+leaves both serving.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import msgpack
+import pytest
+
+pytest.importorskip("smg", reason="the SMG gateway (pip package `smg`) is not installed")
+
+from sglang_admin.pb import common_pb2 as pb  # noqa: E402
+from tests.conftest import ROOT, ServerProc, free_port, greedy, start_server, wait_started  # noqa: E402
+from tests.integration.pd_peers import FakePrefill  # noqa: E402
+from tests.integration.test_smg_router import http, sse, stop_router, wait_for  # noqa: E402
+
+# shortened so the failure cases end in seconds (SGLang's defaults are 300 s)
+PD_ENV = {
+    "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "12",
+    "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "12",
+    "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "1",
+    "SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT": "4",
+}
+PROMPTS = [[5, 17, 99, 3, 250, 64, 7, 42], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13],
+           [200, 13, 77], list(range(30, 130))]
+
+
+@dataclass
+class Pair:
+    prefill: ServerProc
+    decode: ServerProc
+    plain: ServerProc
+    bootstrap_port: int
+    router: subprocess.Popen
+    base: str
+    model: str
+    router_log: Path
+
+
+def used_tokens(srv: ServerProc) -> int:
+    loads = srv.stub().GetLoads(pb.GetLoadsRequest(), timeout=10)
+    return sum(load.num_used_tokens for load in loads.loads)
+
+
+def assert_freed(*servers: ServerProc, timeout: float = 10) -> None:
+    for srv in servers:
+        wait_for(lambda s=srv: used_tokens(s) == 0, timeout, f"num_used_tokens 0 on {srv.target}")
+
+
+def assert_serving(pair: Pair) -> None:
+    """Both legs still answer a request through the router."""
+    out = router_generate(pair, PROMPTS[0], 3)
+    assert len(out["output_ids"]) == 3
+
+
+def router_generate(pair: Pair, ids: list[int], n: int, **extra: Any) -> dict:
+    status, body = http("POST", f"{pair.base}/generate", {
+        "model": pair.model, "input_ids": ids,
+        "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
+        **extra,
+    }, timeout=120)
+    assert status == 200, body
+    return body[0] if isinstance(body, list) else body
+
+
+def plain_generate(pair: Pair, ids: list[int], n: int, **kw: Any) -> pb.GenerateComplete:
+    outs = list(pair.plain.stub().Generate(greedy(ids, n, **kw), timeout=60))
+    return outs[-1].complete
+
+
+def pd_request(ids: list[int], n: int, host: str, port: int, room: int,
+               rid: str = "") -> pb.GenerateRequest:
+    req = greedy(ids, n, request_id=rid or f"t{room}")
+    req.disaggregated_params.bootstrap_host = host
+    req.disaggregated_params.bootstrap_port = port
+    req.disaggregated_params.bootstrap_room = room
+    return req
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+         ) -> Iterator[Pair]:
+    tmp = tmp_path_factory.mktemp("pd")
+    bport = free_port()
+    common = ["--disaggregation-transfer-backend", "zmq", "--log-requests"]
+    prefill = start_server(tmp, "--disaggregation-mode", "prefill",
+                           "--disaggregation-bootstrap-port", str(bport), *common,
+                           env=PD_ENV, wait=False)
+    decode = start_server(tmp, "--disaggregation-mode", "decode", *common, env=PD_ENV,
+                          wait=False)
+    router = None
+    try:
+        plain = request.getfixturevalue("server")
+        for srv in (prefill, decode):
+            wait_started(srv)
+        port = free_port()
+        router_log = tmp / "router.log"
+        with open(router_log, "w") as log:
+            router = subprocess.Popen(
+                [sys.executable, "-m", "smg.launch_router", "--pd-disaggregation",
+                 "--prefill", f"grpc://127.0.0.1:{prefill.port}", str(bport),
+                 "--decode", f"grpc://127.0.0.1:{decode.port}",
+                 "--host", "127.0.0.1", "--port", str(port),
+                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+                 "--worker-startup-check-interval", "1", "--health-check-interval-secs", "2",
+                 "--log-level", "info"],
+                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "NO_COLOR": "1"})
+        base = f"http://127.0.0.1:{port}"
+
+        def ready() -> bool:
+            if router.poll() is not None:
+                raise RuntimeError(f"router exited:\n{router_log.read_text()[-4000:]}")
+            try:
+                status, body = http("GET", f"{base}/workers", timeout=5)
+            except OSError:
+                return False
+            return status == 200 and sum(bool(w.get("is_healthy"))
+                                         for w in body.get("workers", [])) == 2
+
+        wait_for(ready, 90, "the router to see a healthy prefill and decode")
+        status, models = http("GET", f"{base}/v1/models")
+        assert status == 200
+        yield Pair(prefill, decode, plain, bport, router, base, models["data"][0]["id"],
+                   router_log)
+    finally:
+        if router is not None:
+            stop_router(router)
+        prefill.stop()
+        decode.stop()
+
+
+# ---------------------------------------------------------------------- the happy path
+
+
+def test_server_info_carries_what_the_router_pairs_on(pair: Pair) -> None:
+    for srv, mode in ((pair.prefill, "prefill"), (pair.decode, "decode")):
+        info = srv.stub().GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
+        args = dict(info.server_args)
+        assert args["disaggregation_mode"] == mode
+        assert args["disaggregation_transfer_backend"] == "zmq"
+        assert args["page_size"] == 1 and args["kv_cache_dtype"] == "auto"
+        assert {"disaggregation_bootstrap_port", "tp_size", "dp_size",
+                "max_running_requests"} <= set(args)
+    assert dict(pair.prefill.stub().GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
+                .server_args)["disaggregation_bootstrap_port"] == pair.bootstrap_port
+    status, body = http("GET", f"{pair.base}/workers")
+    kinds = sorted(w["worker_type"] for w in body["workers"])
+    assert kinds == ["decode", "prefill"]
+
+
+@pytest.mark.parametrize("ids", PROMPTS, ids=["p8", "p13", "p3", "p100"])
+def test_generate_through_the_router_equals_a_plain_worker(pair: Pair, ids: list[int]) -> None:
+    n = 12
+    want = plain_generate(pair, ids, n, return_logprob=True)
+    out = router_generate(pair, ids, n, return_logprob=True)
+    assert out["output_ids"] == list(want.output_ids)
+    got_lps = [lp[0] for lp in out["meta_info"]["output_token_logprobs"]]
+    assert got_lps == pytest.approx(list(want.output_logprobs.token_logprobs), abs=1e-4)
+    # (the first token's logprob came from prefill, the others from decode)
+    # streamed: the same tokens
+    events = sse(f"{pair.base}/generate", {
+        "model": pair.model, "input_ids": ids, "stream": True,
+        "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}})
+    tokens = [t for e in events for t in e.get("output_ids", [])]
+    # (the router's last event repeats the last token: the same with a plain worker)
+    assert tokens[:n] == list(want.output_ids), events[-2:]
+    assert events[-1]["text"] == out["text"]
+    assert_freed(pair.prefill, pair.decode)
+
+
+def test_prompt_logprobs_from_prefill_reach_the_client(pair: Pair) -> None:
+    ids = PROMPTS[1]
+    want = plain_generate(pair, ids, 4, return_logprob=True, logprob_start_len=0)
+    out = router_generate(pair, ids, 4, return_logprob=True, logprob_start_len=0)
+    got = [lp[0] for lp in out["meta_info"]["input_token_logprobs"]]
+    expected = [v.value if v.HasField("value") else None
+                for v in want.input_logprobs.token_logprobs]
+    assert len(got) == len(expected)
+    assert [g for g in got if g is not None] == pytest.approx(
+        [e for e in expected if e is not None], abs=1e-4)
+    assert out["output_ids"] == list(want.output_ids)
+
+
+def test_chat_completions_stream_and_not_agree(pair: Pair) -> None:
+    body = {"model": pair.model, "messages": [{"role": "user", "content": "Say something"}],
+            "max_tokens": 10, "temperature": 0}
+    status, answer = http("POST", f"{pair.base}/v1/chat/completions", body)
+    assert status == 200, answer
+    assert answer["usage"]["completion_tokens"] >= 1
+    text = answer["choices"][0]["message"]["content"]
+    events = sse(f"{pair.base}/v1/chat/completions", {**body, "stream": True})
+    streamed = "".join(c.get("delta", {}).get("content") or ""
+                       for e in events for c in e.get("choices", []))
+    assert streamed == text
+    # top logprobs: the first token's from prefill, the rest from decode; greedy picks top 1
+    status, answer = http("POST", f"{pair.base}/v1/chat/completions",
+                          {**body, "logprobs": True, "top_logprobs": 2})
+    assert status == 200, answer
+    content = answer["choices"][0]["logprobs"]["content"]
+    assert len(content) == answer["usage"]["completion_tokens"]
+    for tok in content:
+        assert len(tok["top_logprobs"]) == 2
+        assert tok["logprob"] == pytest.approx(tok["top_logprobs"][0]["logprob"], abs=1e-5)
+    assert_freed(pair.prefill, pair.decode)
+
+
+def test_prefix_cache_on_prefill_reports_cached_tokens(pair: Pair) -> None:
+    ids = list(range(140, 200))
+    router_generate(pair, ids, 2)
+    out = router_generate(pair, ids + [7, 8], 2)
+    assert out["meta_info"]["cached_tokens"] >= len(ids) - 1
+
+
+def test_200_concurrent_requests_all_complete(pair: Pair) -> None:
+    rng = random.Random(5)
+    prompts = [[rng.randrange(0, 256) for _ in range(rng.randrange(3, 40))] for _ in range(200)]
+
+    def one(ids: list[int]) -> int:
+        return len(router_generate(pair, ids, 8)["output_ids"])
+
+    with ThreadPoolExecutor(32) as pool:
+        lengths = list(pool.map(one, prompts))
+    assert lengths == [8] * 200
+    assert_freed(pair.prefill, pair.decode, timeout=20)
+
+
+def test_fake_bootstrap_host_runs_without_a_transfer(pair: Pair) -> None:
+    req = pd_request(PROMPTS[0], 5, "2.2.2.2", 0, 0, rid="warmup")
+    outs = list(pair.decode.stub().Generate(req, timeout=60))
+    assert list(outs[-1].complete.output_ids) == list(plain_generate(pair, PROMPTS[0], 5).output_ids)
+    assert_freed(pair.decode)
+
+
+# ---------------------------------------------------------------------- refusals
+
+
+def test_a_plain_request_at_a_decode_worker_is_refused(pair: Pair) -> None:
+    with pytest.raises(grpc.RpcError) as err:
+        list(pair.decode.stub().Generate(greedy(PROMPTS[0], 3), timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "disaggregated_params" in err.value.details()
+
+
+def test_bad_disaggregated_params_are_refused(pair: Pair) -> None:
+    for host, port, room in (("", 8998, 1), ("127.0.0.1", 0, 1), ("127.0.0.1", 70000, 1),
+                             ("127.0.0.1", 8998, -5), ("h" * 300, 8998, 1)):
+        with pytest.raises(grpc.RpcError) as err:
+            list(pair.decode.stub().Generate(pd_request(PROMPTS[0], 3, host, port, room),
+                                             timeout=30))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (host, port, room)
+    assert_serving(pair)
+
+
+# ---------------------------------------------------------------------- failures
+
+
+def _fail_after(call: Any) -> tuple[grpc.RpcError, float]:
+    t0 = time.monotonic()
+    with pytest.raises(grpc.RpcError) as err:
+        list(call)
+    return err.value, time.monotonic() - t0
+
+
+def test_prefill_dies_mid_transfer_decode_fails_on_its_own(pair: Pair) -> None:
+    fake = FakePrefill()
+    try:
+        room = 4242
+        result: dict[str, Any] = {}
+
+        def run() -> None:
+            result["err"], result["s"] = _fail_after(pair.decode.stub().Generate(
+                pd_request(PROMPTS[2], 5, "127.0.0.1", fake.port, room), timeout=60))
+
+        t = threading.Thread(target=run)
+        t.start()
+        hs = fake.handshake()
+        assert hs["kind"] == "handshake" and hs["room"] == room
+        assert len(hs["dst_slots"]) == len(PROMPTS[2])
+        assert used_tokens(pair.decode) >= len(PROMPTS[2]) or True  # held while waiting
+        fake.alive = False  # the prefill's bootstrap stops answering: it died
+        t.join(60)
+        err = result["err"]
+        assert err.code() == grpc.StatusCode.UNAVAILABLE
+        assert "kv transfer failed" in err.details() and "might be dead" in err.details()
+        assert result["s"] < 10  # heartbeat every 1 s, 2 misses; not the 12 s timeout
+    finally:
+        fake.close()
+    assert_freed(pair.decode)
+    assert_serving(pair)
+
+
+@pytest.mark.parametrize("how", ["corrupt", "short", "failed"])
+def test_a_corrupt_short_or_failed_transfer_fails_the_request(pair: Pair, how: str) -> None:
+    fake = FakePrefill()
+    try:
+        room = {"corrupt": 501, "short": 502, "failed": 503}[how]
+        result: dict[str, Any] = {}
+
+        def run() -> None:
+            result["err"], result["s"] = _fail_after(pair.decode.stub().Generate(
+                pd_request(PROMPTS[1], 5, "127.0.0.1", fake.port, room), timeout=60))
+
+        t = threading.Thread(target=run)
+        t.start()
+        hs = fake.handshake()
+        sender = fake.pool_like(hs)
+        from sglang_admin.disaggregation.transfer import PeerDescriptor
+
+        peer = PeerDescriptor.from_wire(hs["peer"])
+        dst = hs["dst_slots"]
+        src = list(range(len(dst)))
+        if how == "short":  # the pages of all but the last token
+            res = sender.send(room, peer, src[:-1], dst[:-1], 5)
+            assert not res.ok and "slots differ" in res.error  # refused at the receiver
+            fake.notify(hs["notify"], {"kind": "done", "room": room, "ok": True,
+                                       "first_token": 7, "checksum": sender.checksum(src),
+                                       "nbytes": 0, "seconds": 0.0})
+        elif how == "corrupt":  # sent, then claimed to be other bytes
+            assert sender.send(room, peer, src, dst, 5).ok
+            fake.notify(hs["notify"], {"kind": "done", "room": room, "ok": True,
+                                       "first_token": 7, "checksum": sender.checksum(src) ^ 1,
+                                       "nbytes": 0, "seconds": 0.0})
+        else:
+            fake.notify(hs["notify"], {"kind": "done", "room": room, "ok": False,
+                                       "error": "kv transfer failed: disk on fire"})
+        t.join(60)
+        err = result["err"]
+        assert err.code() == grpc.StatusCode.UNAVAILABLE
+        assert "kv transfer failed" in err.details()
+        if how in ("corrupt", "short"):
+            assert "checksum mismatch" in err.details()
+        else:
+            assert "disk on fire" in err.details()
+        assert result["s"] < 10
+    finally:
+        fake.close()
+    assert_freed(pair.decode)
+    assert_serving(pair)
+
+
+def test_kv_for_an_unknown_room_is_refused_and_harms_nothing(pair: Pair) -> None:
+    fake = FakePrefill()
+    try:
+        room = 777
+        result: dict[str, Any] = {}
+
+        def run() -> None:
+            result["out"] = list(pair.decode.stub().Generate(
+                pd_request(PROMPTS[0], 4, "127.0.0.1", fake.port, room), timeout=60))
+
+        t = threading.Thread(target=run)
+        t.start()
+        hs = fake.handshake()
+        sender = fake.pool_like(hs)
+        from sglang_admin.disaggregation.transfer import PeerDescriptor
+
+        peer = PeerDescriptor.from_wire(hs["peer"])
+        # pages and a completion for a room decode never asked for
+        bad = sender.send(room + 1, peer, [0], [hs["dst_slots"][0]], 5)
+        assert not bad.ok and "unknown room" in bad.error
+        fake.notify(hs["notify"], {"kind": "done", "room": room + 1, "ok": True,
+                                   "first_token": 1, "checksum": 0})
+        fake.notify(hs["notify"], {"kind": "bogus", "room": room})
+        # then the real room's pages: the request completes from token 2
+        src = list(range(len(hs["dst_slots"])))
+        assert sender.send(room, peer, src, hs["dst_slots"], 5).ok
+        fake.notify(hs["notify"], {"kind": "done", "room": room, "ok": True, "first_token": 9,
+                                   "checksum": sender.checksum(src), "nbytes": 1,
+                                   "seconds": 0.001})
+        t.join(60)
+        complete = result["out"][-1].complete
+        assert complete.output_ids[0] == 9 and len(complete.output_ids) == 4
+    finally:
+        fake.close()
+    assert_freed(pair.decode)
+
+
+def test_a_room_that_never_arrives_times_out(pair: Pair) -> None:
+    """Decode handshakes with the real prefill, which never gets the request."""
+    err, took = _fail_after(pair.decode.stub().Generate(
+        pd_request(PROMPTS[0], 4, "127.0.0.1", pair.bootstrap_port, 99001), timeout=60))
+    assert err.code() == grpc.StatusCode.UNAVAILABLE
+    assert "kv transfer timed out" in err.details()
+    assert 11 < took < 30
+    assert_freed(pair.decode, pair.prefill)
+    assert_serving(pair)
+
+
+def test_unreachable_bootstrap_fails_with_bootstrap_in_the_message(pair: Pair) -> None:
+    err, took = _fail_after(pair.decode.stub().Generate(
+        pd_request(PROMPTS[0], 4, "127.0.0.1", free_port(), 99002), timeout=60))
+    assert err.code() == grpc.StatusCode.UNAVAILABLE and "bootstrap failed" in err.details()
+    assert took < 10
+    assert_freed(pair.decode)
+
+
+def _prefill_control(pair: Pair) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{pair.bootstrap_port}/route", timeout=5) as r:
+        return json.loads(r.read())["ranks"]["0"]
+
+
+def test_decode_dies_mid_transfer_prefill_fails_and_frees(pair: Pair) -> None:
+    """A handshake from a decode whose pool stops answering: prefill's send times out."""
+    from sglang_admin.disaggregation.zmq_backend import ZmqBackend
+    import torch
+
+    fake = FakePrefill()  # reused for its control socket and PUSH helper
+    gone = ZmqBackend()
+    try:
+        room = 88001
+        result: dict[str, Any] = {}
+
+        def run() -> None:
+            result["err"], result["s"] = _fail_after(pair.prefill.stub().Generate(
+                pd_request(PROMPTS[3], 4, "127.0.0.1", pair.bootstrap_port, room), timeout=60))
+
+        t = threading.Thread(target=run)
+        t.start()
+        # a pool of the prefill's layout (4 layers x K,V; 2 KV heads x 32 dims float32)
+        gone.register_buffers([torch.zeros(200, 2 * 32 * 4, dtype=torch.uint8)
+                               for _ in range(8)])
+        gone.start()
+        desc = gone.descriptor().to_wire()
+        gone.close()  # the decode died after its handshake
+        fake.notify(_prefill_control(pair), {
+            "kind": "handshake", "room": room, "rid": "x", "peer": desc,
+            "dst_slots": list(range(1, len(PROMPTS[3]) + 1)), "notify": fake.control})
+        t.join(60)
+        err = result["err"]
+        assert err.code() == grpc.StatusCode.UNAVAILABLE and "kv transfer failed" in err.details()
+        assert result["s"] < 10  # the 4 s transfer timeout
+        told = fake.next_message(5)  # decode's notify address hears of the failure
+        assert told is not None and told["ok"] is False
+    finally:
+        fake.close()
+    assert_freed(pair.prefill)
+    assert_serving(pair)
+
+
+def test_prefill_without_a_handshake_times_out_with_bootstrap(pair: Pair) -> None:
+    err, took = _fail_after(pair.prefill.stub().Generate(
+        pd_request(PROMPTS[0], 4, "127.0.0.1", pair.bootstrap_port, 88002), timeout=60))
+    assert err.code() == grpc.StatusCode.UNAVAILABLE and "bootstrap timed out" in err.details()
+    assert 11 < took < 30
+    assert_freed(pair.prefill)
+
+
+@pytest.mark.parametrize("leg", ["decode", "prefill"])
+def test_a_client_that_disconnects_while_waiting_frees_the_kv(pair: Pair, leg: str) -> None:
+    """Decode waiting for its KV, or prefill holding KV for a handshake: the call is
+    cancelled (the router's abort on a dropped client) and the KV goes at once."""
+    srv = pair.decode if leg == "decode" else pair.prefill
+    fake = FakePrefill()
+    try:
+        port = fake.port if leg == "decode" else pair.bootstrap_port
+        call = srv.stub().Generate(pd_request(PROMPTS[3], 4, "127.0.0.1", port, 66000 + len(leg)),
+                                   timeout=60)
+        if leg == "decode":
+            fake.handshake()
+        wait_for(lambda: used_tokens(srv) >= len(PROMPTS[3]), 10, "the KV held")
+        t0 = time.monotonic()
+        call.cancel()
+        assert_freed(srv, timeout=5)
+        assert time.monotonic() - t0 < 5
+        if leg == "decode":  # decode tells prefill it gave the room up
+            msg = fake.next_message(5)
+            assert msg is not None and msg["kind"] == "cancel"
+    finally:
+        fake.close()
+    assert_serving(pair)
+
+
+def test_a_streaming_client_that_drops_through_the_router_frees_both(pair: Pair) -> None:
+    body = {"model": pair.model, "input_ids": PROMPTS[3], "stream": True,
+            "sampling_params": {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}}
+    req = urllib.request.Request(f"{pair.base}/generate", data=json.dumps(body).encode(),
+                                 method="POST", headers={"content-type": "application/json"})
+    resp = urllib.request.urlopen(req, timeout=60)
+    for raw in resp:
+        if raw.startswith(b"data:"):
+            break
+    resp.close()
+    assert_freed(pair.prefill, pair.decode, timeout=40)  # the router drains decode <= 30 s
+    assert_serving(pair)
