@@ -54,17 +54,25 @@ class RankPD:
         poller.register(self.control.inbox, zmq.POLLIN)
         poller.poll(timeout_ms)
 
-    def metrics(self) -> dict[str, Any]:
+    def queue_sizes(self) -> tuple[int, int]:
+        """The role's two queue sizes (a state change key of the rank)."""
         r = self.rooms
-        out = {"mode": r.role, "kv_transfer_speed_gb_s": r.last_gb_s,
-               "kv_transfer_latency_ms": r.last_latency_ms,
-               "transfers_ok": r.transfers_ok, "transfers_failed": r.transfers_failed}
         if r.role == "prefill":
-            out.update(prefill_prealloc_queue_reqs=r.num_waiting_handshake,
-                       prefill_inflight_queue_reqs=r.num_inflight)
+            return r.num_waiting_handshake, r.num_inflight
+        return r.num_prealloc, r.num_transfer
+
+    def figures(self) -> dict[str, Any]:
+        """GetLoads' DisaggregationMetrics fields, and the transfer counts."""
+        r = self.rooms
+        first, second = self.queue_sizes()
+        out: dict[str, Any] = {
+            "mode": r.role, "kv_transfer_speed_gb_s": r.last_gb_s,
+            "kv_transfer_latency_ms": r.last_latency_ms,
+            "transfers_ok": r.transfers_ok, "transfers_failed": r.transfers_failed}
+        if r.role == "prefill":
+            out.update(prefill_prealloc_queue_reqs=first, prefill_inflight_queue_reqs=second)
         else:
-            out.update(decode_prealloc_queue_reqs=r.num_prealloc,
-                       decode_transfer_queue_reqs=r.num_transfer)
+            out.update(decode_prealloc_queue_reqs=first, decode_transfer_queue_reqs=second)
         return out
 
     def close(self) -> None:

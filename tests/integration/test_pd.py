@@ -168,6 +168,14 @@ def test_server_info_carries_what_the_router_pairs_on(pair: Pair) -> None:
     status, body = http("GET", f"{pair.base}/workers")
     kinds = sorted(w["worker_type"] for w in body["workers"])
     assert kinds == ["decode", "prefill"]
+    router_generate(pair, PROMPTS[0], 2)
+    for srv, mode in ((pair.prefill, "prefill"), (pair.decode, "decode")):
+        def transferred(s: ServerProc = srv) -> Any:
+            loads = s.stub().GetLoads(pb.GetLoadsRequest(include=["disagg"]), timeout=10)
+            d = loads.loads[0].disaggregation
+            return d.mode == mode and d.kv_transfer_latency_ms > 0 and d
+        d = wait_for(transferred, 10, f"{mode}'s DisaggregationMetrics")
+        assert d.kv_transfer_speed_gb_s > 0
 
 
 @pytest.mark.parametrize("ids", PROMPTS, ids=["p8", "p13", "p3", "p100"])
