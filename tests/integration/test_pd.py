@@ -105,11 +105,13 @@ def pair(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureReques
     tmp = tmp_path_factory.mktemp("pd")
     bport = free_port()
     common = ["--disaggregation-transfer-backend", "zmq", "--log-requests"]
-    prefill = start_server(tmp, "--disaggregation-mode", "prefill",
+    # two data-parallel ranks on each side (a room's KV is on prefill rank room % 2), and
+    # speculative decoding on decode (exact: the tokens stay a plain worker's)
+    prefill = start_server(tmp, "--disaggregation-mode", "prefill", "--dp-size", "2",
                            "--disaggregation-bootstrap-port", str(bport), *common,
                            env=PD_ENV, wait=False)
-    decode = start_server(tmp, "--disaggregation-mode", "decode", *common, env=PD_ENV,
-                          wait=False)
+    decode = start_server(tmp, "--disaggregation-mode", "decode", "--dp-size", "2",
+                          "--speculative-algorithm", "NGRAM", *common, env=PD_ENV, wait=False)
     router = None
     try:
         plain = request.getfixturevalue("server")
@@ -172,8 +174,11 @@ def test_server_info_carries_what_the_router_pairs_on(pair: Pair) -> None:
     for srv, mode in ((pair.prefill, "prefill"), (pair.decode, "decode")):
         def transferred(s: ServerProc = srv) -> Any:
             loads = s.stub().GetLoads(pb.GetLoadsRequest(include=["disagg"]), timeout=10)
-            d = loads.loads[0].disaggregation
-            return d.mode == mode and d.kv_transfer_latency_ms > 0 and d
+            assert len(loads.loads) == 2
+            assert all(ld.disaggregation.mode == mode for ld in loads.loads)
+            done = [ld.disaggregation for ld in loads.loads
+                    if ld.disaggregation.kv_transfer_latency_ms > 0]
+            return done[0] if done else False
         d = wait_for(transferred, 10, f"{mode}'s DisaggregationMetrics")
         assert d.kv_transfer_speed_gb_s > 0
 
@@ -235,10 +240,37 @@ def test_chat_completions_stream_and_not_agree(pair: Pair) -> None:
 
 
 def test_prefix_cache_on_prefill_reports_cached_tokens(pair: Pair) -> None:
+    # the room picks the prefill rank (room % 2): of 12 requests sharing a prefix, those
+    # after the first to land on a rank find it cached there (two misses at most)
     ids = list(range(140, 200))
-    router_generate(pair, ids, 2)
-    out = router_generate(pair, ids + [7, 8], 2)
-    assert out["meta_info"]["cached_tokens"] >= len(ids) - 1
+    cached = [router_generate(pair, ids + [k], 2)["meta_info"]["cached_tokens"]
+              for k in range(12)]
+    assert cached[0] == 0
+    assert sum(c >= len(ids) for c in cached) >= 10, cached
+
+
+def test_stop_token_and_max_new_tokens_apply_to_the_first_token_on_decode(pair: Pair) -> None:
+    ids = PROMPTS[0]
+    first = plain_generate(pair, ids, 1).output_ids[0]
+    status, body = http("POST", f"{pair.base}/generate", {
+        "model": pair.model, "input_ids": ids,
+        "sampling_params": {"max_new_tokens": 8, "temperature": 0, "stop_token_ids": [first]}})
+    assert status == 200, body
+    out = body[0] if isinstance(body, list) else body
+    assert out["output_ids"] in ([first], [])  # stop trimmed or kept, as a plain worker
+    assert out["meta_info"]["finish_reason"]["type"] == "stop"
+    assert router_generate(pair, ids, 1)["output_ids"] == [first]
+    assert_freed(pair.prefill, pair.decode)
+
+
+def test_sampled_generation_completes(pair: Pair) -> None:
+    status, body = http("POST", f"{pair.base}/generate", {
+        "model": pair.model, "input_ids": PROMPTS[1],
+        "sampling_params": {"max_new_tokens": 10, "temperature": 0.8, "top_p": 0.9,
+                            "ignore_eos": True}})
+    assert status == 200, body
+    out = body[0] if isinstance(body, list) else body
+    assert len(out["output_ids"]) == 10 and all(0 <= t < 261 for t in out["output_ids"])
 
 
 def test_200_concurrent_requests_all_complete(pair: Pair) -> None:
@@ -424,9 +456,11 @@ def test_unreachable_bootstrap_fails_with_bootstrap_in_the_message(pair: Pair) -
     assert_freed(pair.decode)
 
 
-def _prefill_control(pair: Pair) -> str:
+def _prefill_control(pair: Pair, room: int) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{pair.bootstrap_port}/route", timeout=5) as r:
-        return json.loads(r.read())["ranks"]["0"]
+        table = json.loads(r.read())
+    assert table["dp_size"] == 2
+    return table["ranks"][str(room % table["dp_size"])]
 
 
 def test_decode_dies_mid_transfer_prefill_fails_and_frees(pair: Pair) -> None:
@@ -452,7 +486,7 @@ def test_decode_dies_mid_transfer_prefill_fails_and_frees(pair: Pair) -> None:
         gone.start()
         desc = gone.descriptor().to_wire()
         gone.close()  # the decode died after its handshake
-        fake.notify(_prefill_control(pair), {
+        fake.notify(_prefill_control(pair, room), {
             "kind": "handshake", "room": room, "rid": "x", "peer": desc,
             "dst_slots": list(range(1, len(PROMPTS[3]) + 1)), "notify": fake.control})
         t.join(60)
