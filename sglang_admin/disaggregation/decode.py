@@ -207,8 +207,7 @@ class DecodeRooms:
 
     def _join(self, droom: DecodeRoom, first: int, msg: dict[str, Any]) -> None:
         """The KV is in place: the request runs from its second token."""
-        from sglang_admin.scheduler.postprocess import check_finished
-        from sglang_admin.scheduler.request_end import progress
+        from sglang_admin.scheduler.request_end import check_finished, progress
 
         self._forget(droom)
         state, req = self.state, droom.req
