@@ -18,6 +18,7 @@ import logging
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,6 +65,7 @@ class DecodeRooms:
         self.heartbeat_max = settings.heartbeat_max_failures()
         # prefill bootstrap "host:port" -> (probe future, last probe time, failures)
         self.probes: dict[str, list[Any]] = {}
+        self.weight_version: Callable[[], str] = lambda: ""  # set by the rank
         self.transfers_ok = 0
         self.transfers_failed = 0
         self.last_gb_s = 0.0
@@ -191,6 +193,12 @@ class DecodeRooms:
         except (KeyError, TypeError, ValueError):
             self._end(droom, "kv transfer failed: malformed completion from prefill",
                       "UNAVAILABLE", tell_prefill="malformed completion")
+            return
+        theirs, ours = str(msg.get("weight_version", "")), self.weight_version()
+        if theirs != ours:  # never decode with one model's weights on another's KV
+            self._end(droom, f"kv transfer failed: weight version mismatch (prefill computed "
+                             f"the KV with {theirs!r}, decode runs {ours!r}): refit both "
+                             "legs to the same version", "UNAVAILABLE")
             return
         got = self.backend.checksum(req.slots)
         if got != checksum:

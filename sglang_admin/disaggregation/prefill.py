@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +47,7 @@ class PrefillRoom:
     future: Future | None = None
     aborted: str | None = None  # abort reason, while a send is in flight
     cancelled: str = ""  # decode gave the room up before the request ended
+    version: str = ""  # the weight version the KV was computed with
 
 
 class PrefillRooms:
@@ -64,6 +66,7 @@ class PrefillRooms:
         self.bootstrap_timeout = settings.bootstrap_timeout_s()
         self.transfer_timeout = settings.transfer_timeout_s()
         # figures for GetLoads / metrics
+        self.weight_version: Callable[[], str] = lambda: ""  # set by the rank
         self.transfers_ok = 0
         self.transfers_failed = 0
         self.last_gb_s = 0.0
@@ -107,6 +110,7 @@ class PrefillRooms:
                 self._cancel_decode(room, out.error or "prefill request aborted")
             return False
         room.out = out
+        room.version = self.weight_version()
         room.held_since = time.monotonic()
         if room.cancelled:
             self._end(room, f"kv transfer failed: decode gave room {room.room} up: "
@@ -238,6 +242,7 @@ class PrefillRooms:
                                    if lp.token_ids_logprobs else []),
             "cached_tokens": max(req.cached_tokens, 0),
             "checksum": checksum, "nbytes": result.nbytes, "seconds": result.seconds,
+            "weight_version": room.version,
         }
         if not notify or not self.control.send(notify, done):
             self._end(room, f"kv transfer failed: cannot notify decode at {notify!r}",

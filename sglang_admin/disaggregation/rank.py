@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -81,7 +82,8 @@ class RankPD:
         self.control.close()
 
 
-def attach_pd(args: Any, rank: int, runner: Any, scheduler: Any) -> RankPD | None:
+def attach_pd(args: Any, rank: int, runner: Any, scheduler: Any,
+              weight_version: Callable[[], str]) -> RankPD | None:
     """The rank's PD side, installed on the scheduler (``scheduler.pd``); None when
     --disaggregation-mode is null."""
     mode = args.disaggregation_mode
@@ -99,6 +101,7 @@ def attach_pd(args: Any, rank: int, runner: Any, scheduler: Any) -> RankPD | Non
     backend.start()
     rooms_cls = PrefillRooms if mode == "prefill" else DecodeRooms
     pd.rooms = rooms_cls(scheduler, backend, control)
+    pd.rooms.weight_version = weight_version
     scheduler.pd = pd.rooms
     if mode == "prefill":
         threading.Thread(target=_register, args=(args.disaggregation_bootstrap_port, rank,

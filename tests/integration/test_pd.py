@@ -374,12 +374,12 @@ def test_a_corrupt_short_or_failed_transfer_fails_the_request(pair: Pair, how: s
         if how == "short":  # the pages of all but the last token
             res = sender.send(room, peer, src[:-1], dst[:-1], 5)
             assert not res.ok and "slots differ" in res.error  # refused at the receiver
-            fake.notify(hs["notify"], {"kind": "done", "room": room, "ok": True,
+            fake.notify(hs["notify"], {"kind": "done", "room": room, "ok": True, "weight_version": "default",
                                        "first_token": 7, "checksum": sender.checksum(src),
                                        "nbytes": 0, "seconds": 0.0})
         elif how == "corrupt":  # sent, then claimed to be other bytes
             assert sender.send(room, peer, src, dst, 5).ok
-            fake.notify(hs["notify"], {"kind": "done", "room": room, "ok": True,
+            fake.notify(hs["notify"], {"kind": "done", "room": room, "ok": True, "weight_version": "default",
                                        "first_token": 7, "checksum": sender.checksum(src) ^ 1,
                                        "nbytes": 0, "seconds": 0.0})
         else:
@@ -426,7 +426,7 @@ def test_kv_for_an_unknown_room_is_refused_and_harms_nothing(pair: Pair) -> None
         # then the real room's pages: the request completes from token 2
         src = list(range(len(hs["dst_slots"])))
         assert sender.send(room, peer, src, hs["dst_slots"], 5).ok
-        fake.notify(hs["notify"], {"kind": "done", "room": room, "ok": True, "first_token": 9,
+        fake.notify(hs["notify"], {"kind": "done", "room": room, "ok": True, "weight_version": "default", "first_token": 9,
                                    "checksum": sender.checksum(src), "nbytes": 1,
                                    "seconds": 0.001})
         t.join(60)
@@ -435,6 +435,24 @@ def test_kv_for_an_unknown_room_is_refused_and_harms_nothing(pair: Pair) -> None
     finally:
         fake.close()
     assert_freed(pair.decode)
+
+
+def test_kv_of_other_weights_is_never_decoded(pair: Pair) -> None:
+    """A refit on one leg only: decode refuses the KV computed with the other weights."""
+    stub = pair.decode.stub()
+    assert stub.UpdateWeightVersion(pb.UpdateWeightVersionRequest(new_version="v2"),
+                                    timeout=30).success
+    try:
+        status, body = http("POST", f"{pair.base}/generate", {
+            "model": pair.model, "input_ids": PROMPTS[0],
+            "sampling_params": {"max_new_tokens": 3, "temperature": 0}}, timeout=120)
+        assert status >= 500, body
+        assert "weight version mismatch" in json.dumps(body), body
+    finally:
+        assert stub.UpdateWeightVersion(pb.UpdateWeightVersionRequest(new_version="default"),
+                                        timeout=30).success
+    assert_freed(pair.prefill, pair.decode)
+    assert_serving(pair)
 
 
 def test_a_room_that_never_arrives_times_out(pair: Pair) -> None:
