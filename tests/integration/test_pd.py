@@ -564,3 +564,60 @@ def test_a_streaming_client_that_drops_through_the_router_frees_both(pair: Pair)
     resp.close()
     assert_freed(pair.prefill, pair.decode, timeout=40)  # the router drains decode <= 30 s
     assert_serving(pair)
+
+
+# ---------------------------------------------------------------------- LoRA (a pair of its own)
+
+
+def _both_legs(prefill: ServerProc, decode: ServerProc, bport: int, room: int,
+               make: Any) -> tuple[list[pb.GenerateResponse], list[pb.GenerateResponse]]:
+    """Both legs at once with one room, as the router sends them."""
+    out: dict[str, Any] = {}
+
+    def leg(name: str, srv: ServerProc) -> None:
+        req = make()
+        req.request_id = f"lora{room}"
+        req.disaggregated_params.bootstrap_host = "127.0.0.1"
+        req.disaggregated_params.bootstrap_port = bport
+        req.disaggregated_params.bootstrap_room = room
+        out[name] = list(srv.stub().Generate(req, timeout=120))
+
+    threads = [threading.Thread(target=leg, args=a) for a in (("p", prefill), ("d", decode))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(150)
+    return out["p"], out["d"]
+
+
+def test_lora_requests_decode_with_the_adapter(tmp_path: Path) -> None:
+    from tests.lora_models import build_adapter, build_base
+
+    base = build_base("llama", tmp_path / "base")
+    adapter = build_adapter(base, "attn", tmp_path / "attn", seed=3)
+    bport = free_port()
+    common = ["--model-path", str(base), "--enable-lora", "--max-lora-rank", "8",
+              "--lora-paths", f"attn={adapter}", "--disaggregation-transfer-backend", "zmq"]
+    prefill = start_server(tmp_path, *common, "--disaggregation-mode", "prefill",
+                           "--disaggregation-bootstrap-port", str(bport), env=PD_ENV, wait=False)
+    decode = start_server(tmp_path, *common, "--disaggregation-mode", "decode", env=PD_ENV,
+                          wait=False)
+    try:
+        for srv in (prefill, decode):
+            wait_started(srv)
+        ids = [3, 14, 15, 92, 65, 35, 89, 79]
+        got: dict[str, list[int]] = {}
+        for lora_id, room in (("attn", 11), ("", 12)):
+            _, d = _both_legs(prefill, decode, bport, room,
+                              lambda lid=lora_id: greedy(ids, 8, lora_id=lid))
+            # the plain path on the same worker (SGLang's fake bootstrap host: no transfer)
+            plain = greedy(ids, 8, lora_id=lora_id)
+            plain.disaggregated_params.bootstrap_host = "2.2.2.2"
+            want = list(decode.stub().Generate(plain, timeout=60))[-1].complete.output_ids
+            got[lora_id] = list(d[-1].complete.output_ids)
+            assert got[lora_id] == list(want), lora_id
+        assert got["attn"] != got[""]  # the adapter changed the tokens on both legs
+        assert_freed(prefill, decode)
+    finally:
+        prefill.stop()
+        decode.stop()
