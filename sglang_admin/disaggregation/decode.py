@@ -44,6 +44,8 @@ class DecodeRoom:
     future: Future | None = None
     prefill_addr: str = ""
     handshake_at: float = 0.0
+    grammar_wait: bool = False  # constrained: its grammar is still compiling
+    arrived: dict[str, Any] | None = None  # prefill's "done", kept while the grammar compiles
 
 
 class DecodeRooms:
@@ -94,7 +96,28 @@ class DecodeRooms:
         self.rooms[room] = droom
         self.by_rid[req.rid] = droom
         self.prealloc.append(droom)
+        params = req.sampling.params
+        if params.grammar_kind and self.state.grammar_queue is not None:
+            droom.grammar_wait = True  # compiled beside the transfer; joins once both are in
+            self.state.grammar_queue.submit(req, params.grammar_kind, params.grammar)
         return None
+
+    def grammar_compiled(self, req: Any, grammar: Any, error: str | None,
+                         code: str | None) -> bool:
+        """A compile finished for ``req``: True when it is one of these rooms' (then handled:
+        kept, joined if its KV is in, or failed), False for the scheduler's own."""
+        droom = self.by_rid.get(req.rid)
+        if droom is None or droom.req is not req:
+            return False
+        if grammar is None:
+            self._end(droom, error or "grammar compile failed", code or "INVALID_ARGUMENT",
+                      tell_prefill="the request's grammar did not compile")
+            return True
+        req.sampling.grammar = grammar
+        droom.grammar_wait = False
+        if droom.arrived is not None:
+            self._join(droom, int(droom.arrived["first_token"]), droom.arrived)
+        return True
 
     def abort(self, rid: str, reason: str) -> bool:
         droom = self.by_rid.get(rid)
@@ -115,7 +138,13 @@ class DecodeRooms:
             self._on_message(msg)
         self._preallocate()
         now = time.monotonic()
+        wall = time.time()
         for droom in list(self.rooms.values()):
+            deadline = droom.req.deadline
+            if deadline is not None and deadline < wall:
+                self._end(droom, "deadline exceeded while waiting for the KV",
+                          "DEADLINE_EXCEEDED", tell_prefill="decode's deadline passed")
+                continue
             if droom.phase == "bootstrap" and droom.future is not None and droom.future.done():
                 self._bootstrapped(droom)
             elif droom.phase == "transfer" and now - droom.handshake_at > self.waiting_timeout:
@@ -211,11 +240,14 @@ class DecodeRooms:
         if seconds > 0:
             self.last_gb_s = float(msg.get("nbytes") or 0) / seconds / 1e9
             self.last_latency_ms = seconds * 1000
+        if droom.grammar_wait:
+            droom.arrived, droom.phase = msg, "grammar"
+            return
         self._join(droom, first, msg)
 
     def _join(self, droom: DecodeRoom, first: int, msg: dict[str, Any]) -> None:
         """The KV is in place: the request runs from its second token."""
-        from sglang_admin.scheduler.request_end import check_finished, progress
+        from sglang_admin.scheduler.request_end import check_finished, finish, progress
 
         self._forget(droom)
         state, req = self.state, droom.req
@@ -236,6 +268,11 @@ class DecodeRooms:
         state.cached_tokens_total += req.cached_tokens
         req.running_since = state.clock()
         state.running.append(req)
+        grammar = req.sampling.grammar
+        if grammar is not None and not grammar.accept(first):
+            finish(state, req, "abort", error=f"token {first} from prefill violates the "
+                   "request's grammar", code="INTERNAL")
+            return
         check_finished(state, req, first)
         if req.key in state.by_rid:
             state.pending_outputs.append(progress(req))
@@ -280,6 +317,8 @@ class DecodeRooms:
 
         self._forget(droom)
         state, req = self.state, droom.req
+        if droom.grammar_wait and state.grammar_queue is not None:
+            state.grammar_queue.remove(req)
         if droom.prefill_addr and tell_prefill:
             self.control.send(droom.prefill_addr, {"kind": "cancel", "room": droom.room,
                                                     "reason": tell_prefill})

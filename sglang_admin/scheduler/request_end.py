@@ -156,6 +156,8 @@ def drop_aborted_and_expired(state: SchedulerState, now: float) -> None:
     expired = [r for r in state.waiting if r.deadline is not None and r.deadline < now]
     if state.grammar_queue is not None:
         compiling = state.grammar_queue.requests()
+        if state.pd is not None:  # a decode room's own compile: the room ends it (decode.py)
+            compiling = [r for r in compiling if r.rid not in state.pd.by_rid]
         expired += [r for r in compiling if r.deadline is not None and r.deadline < now]
     for req in expired:
         dequeue(state, req)

@@ -75,8 +75,6 @@ class Scheduler(SchedulerState):
         if msg.bootstrap_room in self.pd.rooms:
             return (f"bootstrap room {msg.bootstrap_room} is already in use at this "
                     f"{self.pd.role} worker")
-        if self.pd.role == "decode" and msg.sampling.grammar_kind:
-            return "constrained decoding is not supported with prefill/decode disaggregation yet"
         return None
 
     def _add_pd(self, req: Req, msg: GenerateReq) -> None:
@@ -145,6 +143,9 @@ class Scheduler(SchedulerState):
             return
         for done in self.grammar_queue.poll():
             req = done.req
+            if self.pd is not None and self.pd.role == "decode" and self.pd.grammar_compiled(
+                    req, done.state, done.error, done.code):
+                continue  # a decode request waiting for its KV (disaggregation/decode.py)
             if req.key not in self.by_rid:
                 continue
             if done.state is None:

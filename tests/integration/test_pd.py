@@ -263,6 +263,41 @@ def test_stop_token_and_max_new_tokens_apply_to_the_first_token_on_decode(pair: 
     assert_freed(pair.prefill, pair.decode)
 
 
+def test_stop_strings_and_constrained_decoding_on_decode(pair: Pair) -> None:
+    ids = PROMPTS[1]
+    text = router_generate(pair, ids, 12)["text"]
+    stop = text[5:7]
+    req = greedy(ids, 12)
+    req.sampling_params.stop.append(stop)
+    want = list(pair.plain.stub().Generate(req, timeout=60))[-1].complete
+    # (both legs driven as the router drives them: smg 1.13's /generate does not pass
+    # sampling_params.stop on to the workers)
+    def with_stop() -> pb.GenerateRequest:
+        r = greedy(ids, 12)
+        r.sampling_params.stop.append(stop)
+        return r
+
+    _, d = _both_legs(pair.prefill, pair.decode, pair.bootstrap_port, 31337, with_stop)
+    got = d[-1].complete
+    assert list(got.output_ids) == list(want.output_ids) and len(want.output_ids) < 12
+    assert got.finish_reason == "stop" and got.matched_stop_str == stop
+    # a regex: prefill's first token and decode's rest both obey it
+    regex = "(ab|cd)[0-9]{3}"
+    req = greedy(ids, 10)
+    req.sampling_params.regex = regex
+    want = list(pair.plain.stub().Generate(req, timeout=60))[-1].complete
+    status, body = http("POST", f"{pair.base}/generate", {
+        "model": pair.model, "input_ids": ids,
+        "sampling_params": {"max_new_tokens": 10, "temperature": 0, "regex": regex}})
+    assert status == 200, body
+    out = body[0] if isinstance(body, list) else body
+    assert out["output_ids"] == list(want.output_ids)
+    import re
+
+    assert re.fullmatch(regex, out["text"]), out["text"]
+    assert_freed(pair.prefill, pair.decode)
+
+
 def test_sampled_generation_completes(pair: Pair) -> None:
     status, body = http("POST", f"{pair.base}/generate", {
         "model": pair.model, "input_ids": PROMPTS[1],
@@ -576,7 +611,7 @@ def _both_legs(prefill: ServerProc, decode: ServerProc, bport: int, room: int,
 
     def leg(name: str, srv: ServerProc) -> None:
         req = make()
-        req.request_id = f"lora{room}"
+        req.request_id = f"pair{room}"
         req.disaggregated_params.bootstrap_host = "127.0.0.1"
         req.disaggregated_params.bootstrap_port = bport
         req.disaggregated_params.bootstrap_room = room
