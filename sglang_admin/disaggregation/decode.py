@@ -28,6 +28,7 @@ from sglang_admin.disaggregation.transfer import KVTransferBackend
 
 logger = logging.getLogger(__name__)
 
+MAX_PEER_ERROR_CHARS = 500  # a peer's error text, as passed on to the client
 DEAD_PREFILL = "kv transfer failed: Failed to get kvcache from prefill instance, it might be dead"
 
 
@@ -135,7 +136,15 @@ class DecodeRooms:
     # ------------------------------------------------------------------ the loop's round
     def poll(self) -> None:
         for msg in self.control.receive():
-            self._on_message(msg)
+            try:
+                self._on_message(msg)
+            except Exception as exc:  # noqa: BLE001 - a peer's malformed message fails its room
+                droom = self.rooms.get(msg["room"])
+                logger.warning("malformed PD message for room %s: %s", msg["room"], exc)
+                if droom is not None and droom.phase in ("transfer", "grammar"):
+                    self._end(droom, f"kv transfer failed: malformed message from prefill "
+                                     f"({type(exc).__name__})", "UNAVAILABLE",
+                              tell_prefill="malformed completion")
         self._preallocate()
         now = time.monotonic()
         wall = time.time()
@@ -213,7 +222,10 @@ class DecodeRooms:
             logger.warning("kv transfer for unknown room %s ignored", room_id)
             return
         if not msg.get("ok"):
-            self._end(droom, str(msg.get("error") or "kv transfer failed"), "UNAVAILABLE")
+            error = str(msg.get("error") or "")[:MAX_PEER_ERROR_CHARS]
+            if not error.startswith(("kv transfer", "bootstrap")):
+                error = f"kv transfer failed: prefill reported: {error or 'no reason'}"
+            self._end(droom, error, "UNAVAILABLE")
             return
         req = droom.req
         try:

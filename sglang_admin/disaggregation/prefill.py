@@ -143,7 +143,10 @@ class PrefillRooms:
     # ------------------------------------------------------------------ the loop's round
     def poll(self) -> None:
         for msg in self.control.receive():
-            self._on_message(msg)
+            try:
+                self._on_message(msg)
+            except Exception as exc:  # noqa: BLE001 - a peer's malformed message is dropped
+                logger.warning("malformed PD message for room %s dropped: %s", msg["room"], exc)
         now = time.monotonic()
         for room in list(self.rooms.values()):
             fut = room.future
@@ -166,13 +169,13 @@ class PrefillRooms:
             self.early.pop(room_id, None)
             if room is not None and room.out is not None:
                 if room.future is not None:
-                    room.aborted = str(msg.get("reason", "decode gave the room up"))
+                    room.aborted = str(msg.get("reason", "decode gave the room up"))[:500]
                 else:
                     self._end(room, f"kv transfer failed: decode gave room {room_id} up: "
-                                    f"{msg.get('reason', '')}", "UNAVAILABLE")
+                                    f"{str(msg.get('reason', ''))[:500]}", "UNAVAILABLE")
             elif room is not None:
                 room.handshake = None
-                room.cancelled = str(msg.get("reason", "decode gave the room up"))
+                room.cancelled = str(msg.get("reason", "") or "decode gave the room up")[:500]
             return
         if kind != "handshake":
             logger.warning("prefill ignores PD message %r for room %s", kind, room_id)

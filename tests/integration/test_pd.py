@@ -656,3 +656,67 @@ def test_lora_requests_decode_with_the_adapter(tmp_path: Path) -> None:
     finally:
         prefill.stop()
         decode.stop()
+
+
+def test_deadline_passing_while_decode_waits_frees_the_kv(pair: Pair) -> None:
+    fake = FakePrefill()
+    try:
+        t0 = time.monotonic()
+        call = pair.decode.stub().Generate(
+            pd_request(PROMPTS[3], 4, "127.0.0.1", fake.port, 55001), timeout=3)
+        fake.handshake()
+        with pytest.raises(grpc.RpcError) as err:
+            list(call)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert time.monotonic() - t0 < 8
+        msg = fake.next_message(5)  # prefill is told
+        assert msg is not None and msg["kind"] == "cancel"
+    finally:
+        fake.close()
+    assert_freed(pair.decode, timeout=5)
+
+
+def test_fuzzed_control_messages_harm_no_leg(pair: Pair) -> None:
+    """Garbage on both legs' control sockets: dropped (or the room they name fails); both
+    keep serving, no KV held."""
+    import zmq
+
+    fake = FakePrefill()
+    rng = random.Random(11)
+    try:
+        room = 44001
+        result: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                result["out"] = list(pair.decode.stub().Generate(
+                    pd_request(PROMPTS[0], 4, "127.0.0.1", fake.port, room), timeout=60))
+            except grpc.RpcError as exc:
+                result["err"] = exc
+
+        t = threading.Thread(target=run)
+        t.start()
+        hs = fake.handshake()
+        targets = [hs["notify"], _prefill_control(pair, 0), _prefill_control(pair, 1)]
+        values = [None, -1, 2**63 - 1, -2**63, "x", b"\xff", 3.5, [], {}, [[1, "a"]], {"a": 1}, True]
+        ctx = zmq.Context.instance()
+        for addr in targets:
+            sock = ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 1000)
+            sock.connect(f"tcp://{addr}")
+            for _ in range(200):
+                kind = rng.choice(["handshake", "done", "cancel", "x", 5])
+                msg = {"kind": kind, "room": rng.choice([room, 1, -3, 2**40, "r"])}
+                for key in ("ok", "error", "first_token", "checksum", "peer", "dst_slots",
+                            "notify", "top_logprobs", "logprob", "weight_version"):
+                    if rng.random() < 0.5:
+                        msg[key] = rng.choice(values)
+                sock.send(msgpack.packb(msg) if rng.random() < 0.9 else rng.randbytes(20))
+            sock.close()
+        t.join(60)
+        if "err" in result:  # the room got a malformed completion: failed with a clear status
+            assert "kv transfer" in result["err"].details()
+    finally:
+        fake.close()
+    assert_freed(pair.prefill, pair.decode, timeout=20)
+    assert_serving(pair)
