@@ -720,3 +720,41 @@ def test_fuzzed_control_messages_harm_no_leg(pair: Pair) -> None:
         fake.close()
     assert_freed(pair.prefill, pair.decode, timeout=20)
     assert_serving(pair)
+
+
+# ---------------------------------------------------------------------- SmolLM2 (a pair of its own)
+
+
+def test_smollm2_pair_equals_a_plain_worker(tmp_path: Path) -> None:
+    """The real SmolLM2-135M-Instruct GGUF: a PD pair's greedy tokens and logprobs equal the
+    plain path's (the prefill worker answers requests without disaggregated_params as a plain
+    worker does)."""
+    from sglang_admin.cli import served_model_path
+
+    try:
+        path = served_model_path("smollm2")
+    except ValueError as exc:
+        pytest.skip(f"SmolLM2 is not installed (make smollm2): {exc}")
+    bport = free_port()
+    common = ["--model-path", str(path), "--disaggregation-transfer-backend", "zmq"]
+    prefill = start_server(tmp_path, *common, "--disaggregation-mode", "prefill",
+                           "--disaggregation-bootstrap-port", str(bport), env=PD_ENV, wait=False)
+    decode = start_server(tmp_path, *common, "--disaggregation-mode", "decode", env=PD_ENV,
+                          wait=False)
+    try:
+        for srv in (prefill, decode):
+            wait_started(srv)
+        for room, ids in enumerate(([1, 504, 3458, 314, 260, 2389, 30], list(range(40, 140))),
+                                   start=21):
+            want = list(prefill.stub().Generate(greedy(ids, 16, return_logprob=True),
+                                                timeout=120))[-1].complete
+            _, d = _both_legs(prefill, decode, bport, room,
+                              lambda i=ids: greedy(i, 16, return_logprob=True))
+            got = d[-1].complete
+            assert list(got.output_ids) == list(want.output_ids)
+            assert list(got.output_logprobs.token_logprobs) == pytest.approx(
+                list(want.output_logprobs.token_logprobs), abs=2e-3)
+        assert_freed(prefill, decode)
+    finally:
+        prefill.stop()
+        decode.stop()
