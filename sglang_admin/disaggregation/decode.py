@@ -280,6 +280,9 @@ class DecodeRooms:
         state.cached_tokens_total += req.cached_tokens
         req.running_since = state.clock()
         state.running.append(req)
+        # the prompt's KV into the radix cache at once (locked by this request): forked
+        # samples (n > 1) and later requests with the same prefix reuse it
+        state.memory.share_prefilled(req)
         grammar = req.sampling.grammar
         if grammar is not None and not grammar.accept(first):
             finish(state, req, "abort", error=f"token {first} from prefill violates the "

@@ -58,7 +58,7 @@ class Scheduler(SchedulerState):
         if msg.lora_id and not self._acquire_lora(samples, msg.lora_id):
             return
         if self.pd is not None and msg.bootstrap_room >= 0 and not is_fake_bootstrap(msg):
-            self._add_pd(samples[0], msg)
+            self._add_pd(samples, msg)
             return
         spec = self.config.speculative
         for req in samples:
@@ -77,23 +77,34 @@ class Scheduler(SchedulerState):
                     f"{self.pd.role} worker")
         return None
 
-    def _add_pd(self, req: Req, msg: GenerateReq) -> None:
-        """A request of a PD pair: prefill runs it as usual and holds its KV when it ends
-        (disaggregation/prefill.py); decode waits for its KV (disaggregation/decode.py)."""
+    def _add_pd(self, samples: list[Req], msg: GenerateReq) -> None:
+        """A request of a PD pair: prefill runs it as usual and holds sample 0's KV when it
+        ends (disaggregation/prefill.py); decode's sample 0 waits for that KV
+        (disaggregation/decode.py). With n > 1 the other samples are forks of sample 0 as on
+        a plain worker: on prefill they end after their first token, on decode they start
+        from sample 0's prompt KV once it arrived (the radix cache shares it)."""
         spec = self.config.speculative
-        if spec is not None:
-            req.spec = SpecProgress(spec.num_draft_tokens)
-        self.by_rid[req.key] = req
-        req.waiting_since = self.clock()
+        first = samples[0]
+        for req in samples:
+            if spec is not None:
+                req.spec = SpecProgress(spec.num_draft_tokens)
+            self.by_rid[req.key] = req
+            req.waiting_since = self.clock()
+        if len(samples) > 1:
+            self.groups[msg.rid] = samples
         if self.pd.role == "prefill":
             # the first token is all prefill samples; decode goes on from the second
-            params = req.sampling.params
-            if params.max_new_tokens > 1:
-                req.sampling.params = dataclasses.replace(params, max_new_tokens=1)
-            self.pd.track(req, msg.bootstrap_room)
-            self._enqueue(req)
+            for req in samples:
+                params = req.sampling.params
+                if params.max_new_tokens > 1:
+                    req.sampling.params = dataclasses.replace(params, max_new_tokens=1)
+            self.pd.track(first, msg.bootstrap_room)
+            for req in samples:
+                self._enqueue(req)
         else:
-            self.pd.add(req, msg.bootstrap_room, msg.bootstrap_host, msg.bootstrap_port)
+            self.pd.add(first, msg.bootstrap_room, msg.bootstrap_host, msg.bootstrap_port)
+            for req in samples[1:]:
+                self._enqueue(req)
 
     def _refusal(self, msg: GenerateReq) -> tuple[str, str] | None:
         """Why this rank cannot take the request: (message, gRPC code name); None: it can."""
@@ -166,9 +177,9 @@ class Scheduler(SchedulerState):
 
     def abort(self, rid: str, reason: str = "aborted") -> None:
         """Abort a request; running ones release their KV at the next schedule()."""
-        if self.pd is not None and self.pd.abort(rid, reason):
-            return
-        request_end.abort(self, rid, reason)
+        if self.pd is not None:
+            self.pd.abort(rid, reason)  # a sample waiting for or holding KV for a transfer
+        request_end.abort(self, rid, reason)  # the others
 
     def fail(self, req: Req, message: str, code: str) -> None:
         """End one request with an error (finish_reason abort) and free its KV."""

@@ -298,6 +298,29 @@ def test_stop_strings_and_constrained_decoding_on_decode(pair: Pair) -> None:
     assert_freed(pair.prefill, pair.decode)
 
 
+def test_n2_gives_two_samples_through_the_router(pair: Pair) -> None:
+    body = {"model": pair.model, "n": 2, "max_tokens": 8, "temperature": 1.0,
+            "messages": [{"role": "user", "content": "Two answers"}]}
+    status, answer = http("POST", f"{pair.base}/v1/chat/completions", body)
+    assert status == 200, answer
+    assert sorted(c["index"] for c in answer["choices"]) == [0, 1]
+    events = sse(f"{pair.base}/v1/chat/completions", {**body, "stream": True})
+    assert {c["index"] for e in events for c in e.get("choices", [])} == {0, 1}
+    # greedy: both samples are the plain worker's tokens (sample 1 decodes from sample 0's KV)
+    ids = PROMPTS[1]
+    want = list(plain_generate(pair, ids, 6).output_ids)
+    def two() -> pb.GenerateRequest:
+        r = greedy(ids, 6)
+        r.sampling_params.n = 2
+        return r
+
+    _, d = _both_legs(pair.prefill, pair.decode, pair.bootstrap_port, 5150, two)
+    finals = [r.complete for r in d if r.HasField("complete")]
+    assert sorted(f.index for f in finals) == [0, 1]
+    assert all(list(f.output_ids) == want for f in finals)
+    assert_freed(pair.prefill, pair.decode)
+
+
 def test_sampled_generation_completes(pair: Pair) -> None:
     status, body = http("POST", f"{pair.base}/generate", {
         "model": pair.model, "input_ids": PROMPTS[1],

@@ -336,6 +336,4 @@ def bootstrap_from_proto(request: pb.GenerateRequest, limits: Limits) -> tuple[s
     if dp.bootstrap_room < 0:
         raise invalid(f"disaggregated_params.bootstrap_room must be >= 0, got "
                       f"{dp.bootstrap_room}")
-    if request.sampling_params.n > 1:
-        raise invalid("n > 1 is not supported with prefill/decode disaggregation yet")
     return dp.bootstrap_host, dp.bootstrap_port, dp.bootstrap_room
