@@ -105,13 +105,17 @@ def pair(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureReques
     tmp = tmp_path_factory.mktemp("pd")
     bport = free_port()
     common = ["--disaggregation-transfer-backend", "zmq", "--log-requests"]
+    for leg in ("prefill", "decode"):
+        (tmp / f"prof_{leg}").mkdir()
     # two data-parallel ranks on each side (a room's KV is on prefill rank room % 2), and
     # speculative decoding on decode (exact: the tokens stay a plain worker's)
     prefill = start_server(tmp, "--disaggregation-mode", "prefill", "--dp-size", "2",
                            "--disaggregation-bootstrap-port", str(bport), *common,
+                           "--profile-dir", str(tmp / "prof_prefill"),
                            env=PD_ENV, wait=False)
     decode = start_server(tmp, "--disaggregation-mode", "decode", "--dp-size", "2",
-                          "--speculative-algorithm", "NGRAM", *common, env=PD_ENV, wait=False)
+                          "--speculative-algorithm", "NGRAM", *common,
+                          "--profile-dir", str(tmp / "prof_decode"), env=PD_ENV, wait=False)
     router = None
     try:
         plain = request.getfixturevalue("server")
@@ -342,6 +346,31 @@ def test_200_concurrent_requests_all_complete(pair: Pair) -> None:
         lengths = list(pool.map(one, prompts))
     assert lengths == [8] * 200
     assert_freed(pair.prefill, pair.decode, timeout=20)
+
+
+def test_each_leg_profiles_through_its_sidecar(pair: Pair) -> None:
+    """What `bench_serving --pd-separated --profile --profile-prefill-url P
+    --profile-decode-url D` does: start each worker's profiler on its sidecar, run requests
+    through the router, stop them: a trace from each worker (each of its two ranks)."""
+    body = json.dumps({"activities": ["CPU"], "num_steps": None, "profile_by_stage": False,
+                       "profile_stages": None, "profile_prefix": None}).encode()
+    legs = (pair.prefill, pair.decode)
+    for srv in legs:
+        req = urllib.request.Request(f"{srv.http_url}/start_profile", data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            assert resp.status == 200
+    for ids in PROMPTS[:3]:
+        router_generate(pair, ids, 4)
+    for srv in legs:
+        req = urllib.request.Request(f"{srv.http_url}/stop_profile", data=b"{}", method="POST",
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            assert resp.status == 200
+    root = pair.router_log.parent
+    for leg in ("prefill", "decode"):
+        traces = sorted((root / f"prof_{leg}").rglob("*.trace.json.gz"))
+        assert len(traces) == 2, (leg, traces)  # one per data-parallel rank
 
 
 def test_fake_bootstrap_host_runs_without_a_transfer(pair: Pair) -> None:
