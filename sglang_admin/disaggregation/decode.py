@@ -28,6 +28,7 @@ from sglang_admin.disaggregation.transfer import KVTransferBackend
 
 logger = logging.getLogger(__name__)
 
+PROBE_TIMEOUT_S = 5.0  # one heartbeat probe of a prefill's bootstrap server
 MAX_PEER_ERROR_CHARS = 500  # a peer's error text, as passed on to the client
 DEAD_PREFILL = "kv transfer failed: Failed to get kvcache from prefill instance, it might be dead"
 
@@ -321,8 +322,8 @@ class DecodeRooms:
                     continue
             if probe[0] is None and now - probe[1] >= self.heartbeat_interval:
                 probe[1] = now
-                probe[0] = self.pool.submit(http_ok, f"http://{key}/health",
-                                            min(self.heartbeat_interval, 5.0))
+                # its own timeout (not the interval): a loaded but live prefill answers late
+                probe[0] = self.pool.submit(http_ok, f"http://{key}/health", PROBE_TIMEOUT_S)
 
     # ------------------------------------------------------------------ ending
     def _end(self, droom: DecodeRoom, error: str | None, code: str | None,

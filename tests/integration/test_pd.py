@@ -487,6 +487,47 @@ def test_a_corrupt_short_or_failed_transfer_fails_the_request(pair: Pair, how: s
     assert_serving(pair)
 
 
+def test_flush_and_pause_with_a_request_in_transfer_lose_nothing(pair: Pair) -> None:
+    """A decode request waiting for its KV: FlushCache does not run under it (the rank is
+    busy), PauseGeneration in_place holds it; the KV arrives, and after ContinueGeneration it
+    completes from token 2 as if nothing happened."""
+    fake = FakePrefill()
+    stub = pair.decode.stub()
+    try:
+        room = 12321
+        result: dict[str, Any] = {}
+
+        def run() -> None:
+            result["out"] = list(stub.Generate(
+                pd_request(PROMPTS[0], 5, "127.0.0.1", fake.port, room), timeout=60))
+
+        t = threading.Thread(target=run)
+        t.start()
+        hs = fake.handshake()
+        flush = stub.FlushCache(pb.FlushCacheRequest(timeout_s=0), timeout=30)
+        assert not flush.success  # busy: the room's KV is reserved
+        assert stub.PauseGeneration(pb.PauseGenerationRequest(mode="in_place"),
+                                    timeout=30).success
+        sender = fake.pool_like(hs)
+        from sglang_admin.disaggregation.transfer import PeerDescriptor
+
+        src = list(range(len(hs["dst_slots"])))
+        assert sender.send(room, PeerDescriptor.from_wire(hs["peer"]), src, hs["dst_slots"], 5).ok
+        fake.notify(hs["notify"], {"kind": "done", "room": room, "ok": True, "first_token": 9,
+                                   "weight_version": "default",
+                                   "checksum": sender.checksum(src)})
+        time.sleep(1.0)
+        assert t.is_alive()  # paused: joined, not stepped
+        assert stub.ContinueGeneration(pb.ContinueGenerationRequest(), timeout=30).success
+        t.join(60)
+        complete = result["out"][-1].complete
+        assert complete.output_ids[0] == 9 and len(complete.output_ids) == 5
+        assert stub.FlushCache(pb.FlushCacheRequest(timeout_s=10), timeout=30).success
+    finally:
+        fake.close()
+    assert_freed(pair.decode)
+
+
 def test_kv_for_an_unknown_room_is_refused_and_harms_nothing(pair: Pair) -> None:
     fake = FakePrefill()
     try:
