@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 
 MAX_CONTROL_BYTES = 64 << 20  # a handshake lists a prompt's slots: bounded
 HTTP_TIMEOUT_S = 5.0
+MAX_PEERS = 256  # outgoing sockets kept (one per peer control address)
 
 
 def advertised_host(bind_host: str) -> str:
@@ -58,6 +59,9 @@ class ControlSocket:
         """Send without blocking; False when it could not be queued."""
         sock = self._out.get(addr)
         if sock is None:
+            if len(self._out) >= MAX_PEERS:  # addresses come from peers: bounded
+                oldest = next(iter(self._out))
+                self._out.pop(oldest).close(linger=0)
             sock = self.ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 10000)

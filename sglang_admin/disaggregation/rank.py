@@ -29,7 +29,6 @@ class RankPD:
         self.backend = backend
         self.control = control
         self._ptrs: list[int] = []
-        self._poller = zmq.Poller()
 
     def kv_buffers(self) -> list[Any]:
         return list(self.runner.k_caches) + list(self.runner.v_caches)

@@ -35,8 +35,7 @@ def _rows(t: Any) -> Any:
     """A registered tensor as bytes rows [num_slots, item_bytes] (a view)."""
     import torch
 
-    return t.view(torch.uint8).reshape(t.shape[0], -1) if t.dim() > 1 else t.view(
-        torch.uint8).reshape(t.shape[0], -1)
+    return t.view(torch.uint8).reshape(t.shape[0], -1)
 
 
 class ZmqBackend(KVTransferBackend):

@@ -160,3 +160,24 @@ def test_bootstrap_server_checks_what_it_is_sent() -> None:
             assert (await (await client.get("/query_dp_ranks")).json())["registered"] == [0, 1]
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "nccl"], "one of"),
+    (["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "zmq",
+      "--tp-size", "2"], "--tp-size"),
+    (["--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "zmq",
+      "--disaggregation-bootstrap-port", "70000"], "1..65535"),
+    (["--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "zmq",
+      "--speculative-algorithm", "NGRAM"], "decode worker"),
+])
+def test_a_wrong_combination_is_refused_at_start_with_one_line_and_exit_2(
+        args: list[str], words: str) -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "sglang_admin", "serve", *args],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and words in lines[0], done.stderr
