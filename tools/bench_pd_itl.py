@@ -45,8 +45,8 @@ def start(tmp: Path, cores: str, *args: str) -> tuple[subprocess.Popen, int]:
     port = free_port()
     cmd = ["taskset", "-c", cores, sys.executable, "-m", "sglang_admin", "serve", "--port",
            str(port), "--grpc-http-sidecar-port", str(free_port()), *args]
-    log = open(tmp / f"worker-{port}.log", "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    with open(tmp / f"worker-{port}.log", "w") as log:  # the child keeps its own copy
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     return proc, port
 
 

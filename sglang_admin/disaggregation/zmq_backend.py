@@ -13,9 +13,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import msgpack
+import numpy as np
 import zmq
 
 from sglang_admin.disaggregation.transfer import (
@@ -134,23 +136,24 @@ class ZmqBackend(KVTransferBackend):
                 return f"kv transfer failed: unknown room {room} (not expected by decode)"
             if dst != want:
                 return f"kv transfer failed: room {room} slots differ from those reserved"
-            idx = torch.tensor(dst, dtype=torch.long)
             for frame, t in zip(data, self._buffers):
-                rows = _rows(t)
-                if len(frame.buffer) != len(dst) * rows.shape[1]:
+                item = t.numel() * t.element_size() // t.shape[0]
+                if len(frame.buffer) != len(dst) * item:
                     return (f"kv transfer failed: room {room} buffer of {len(frame.buffer)} "
-                            f"bytes, expected {len(dst) * rows.shape[1]} (short transfer)")
+                            f"bytes, expected {len(dst) * item} (short transfer)")
+            idx = np.asarray(dst, dtype=np.int64)
             for frame, t in zip(data, self._buffers):
-                rows = _rows(t)
-                src = torch.frombuffer(bytearray(frame.buffer), dtype=torch.uint8).view(
-                    len(dst), rows.shape[1])
-                rows.index_copy_(0, idx.to(rows.device), src.to(rows.device))
+                src = np.frombuffer(frame.buffer, dtype=np.uint8).reshape(len(dst), -1)
+                if t.device.type == "cpu":  # numpy alone: no torch op in this thread
+                    _rows(t).numpy()[idx] = src
+                else:
+                    _rows(t).index_copy_(0, torch.as_tensor(idx, device=t.device),
+                                         torch.from_numpy(src.copy()).to(t.device))
         return None
 
     # ------------------------------------------------------------------ sender side
     def send(self, room: int, peer: PeerDescriptor, src_slots: Sequence[int],
              dst_slots: Sequence[int], timeout_s: float) -> TransferResult:
-        import torch
 
         t0 = time.perf_counter()
         if self._ctx is None or self._closed:
@@ -161,14 +164,13 @@ class ZmqBackend(KVTransferBackend):
         why = check_compatible(self.buffer_infos(), peer)
         if why is not None:
             return TransferResult(False, why.replace("kv transfer:", "kv transfer failed:"))
-        idx = torch.tensor(list(src_slots), dtype=torch.long)
         parts: list[Any] = [msgpack.packb({"room": room, "dst_slots": list(dst_slots),
                                            "nbuf": len(self._buffers)})]
         nbytes = 0
-        for t in self._buffers:
-            rows = _rows(t).index_select(0, idx.to(t.device)).cpu().contiguous()
-            nbytes += rows.numel()
-            parts.append(memoryview(rows.numpy()))
+        for i in range(len(self._buffers)):
+            rows = self.rows_of(i, src_slots)
+            nbytes += rows.nbytes
+            parts.append(memoryview(rows))
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         try:

@@ -176,7 +176,7 @@ def test_server_info_carries_what_the_router_pairs_on(pair: Pair) -> None:
     assert kinds == ["decode", "prefill"]
     router_generate(pair, PROMPTS[0], 2)
     for srv, mode in ((pair.prefill, "prefill"), (pair.decode, "decode")):
-        def transferred(s: ServerProc = srv) -> Any:
+        def transferred(s: ServerProc = srv, mode: str = mode) -> Any:
             loads = s.stub().GetLoads(pb.GetLoadsRequest(include=["disagg"]), timeout=10)
             assert len(loads.loads) == 2
             assert all(ld.disaggregation.mode == mode for ld in loads.loads)
@@ -611,8 +611,9 @@ def _prefill_control(pair: Pair, room: int) -> str:
 
 def test_decode_dies_mid_transfer_prefill_fails_and_frees(pair: Pair) -> None:
     """A handshake from a decode whose pool stops answering: prefill's send times out."""
-    from sglang_admin.disaggregation.zmq_backend import ZmqBackend
     import torch
+
+    from sglang_admin.disaggregation.zmq_backend import ZmqBackend
 
     fake = FakePrefill()  # reused for its control socket and PUSH helper
     gone = ZmqBackend()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sglang_admin.disaggregation.settings import check_flags
-from sglang_admin.disaggregation.transfer import PeerDescriptor, KVTransferError
+from sglang_admin.disaggregation.transfer import KVTransferError, PeerDescriptor
 from sglang_admin.disaggregation.zmq_backend import ZmqBackend
 
 LAYERS = 3
