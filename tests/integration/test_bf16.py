@@ -286,6 +286,7 @@ def test_auto_serves_a_bfloat16_checkpoint_in_bfloat16_where_the_cpu_has_it(
 # ---------------------------------------------------------------- fuzzing
 
 
+@pytest.mark.long
 def test_brief_fuzz_run_in_bfloat16_finds_no_death(tmp_path, capsys) -> None:
     from tools import fuzz
 
