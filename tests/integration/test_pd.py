@@ -852,3 +852,43 @@ def test_smollm2_pair_equals_a_plain_worker(tmp_path: Path) -> None:
     finally:
         prefill.stop()
         decode.stop()
+
+
+# ---------------------------------------------------------------------- mooncake (a pair of its own)
+
+
+def test_mooncake_pair_equals_a_plain_worker(tmp_path: Path, request: pytest.FixtureRequest
+                                             ) -> None:
+    """The same control plane over the mooncake transfer engine (TCP here): tokens and
+    logprobs equal the plain worker's, concurrent pairs complete, the KV is freed."""
+    pytest.importorskip("mooncake", reason="the pd extra (mooncake) is not installed")
+    bport = free_port()
+    common = ["--disaggregation-transfer-backend", "mooncake"]
+    prefill = start_server(tmp_path, *common, "--disaggregation-mode", "prefill",
+                           "--disaggregation-bootstrap-port", str(bport), env=PD_ENV, wait=False)
+    decode = start_server(tmp_path, *common, "--disaggregation-mode", "decode", env=PD_ENV,
+                          wait=False)
+    try:
+        plain = request.getfixturevalue("server")
+        for srv in (prefill, decode):
+            wait_started(srv)
+        for room, ids in enumerate(PROMPTS, start=70):
+            want = list(plain.stub().Generate(greedy(ids, 10, return_logprob=True),
+                                              timeout=60))[-1].complete
+            _, d = _both_legs(prefill, decode, bport, room,
+                              lambda i=ids: greedy(i, 10, return_logprob=True))
+            got = d[-1].complete
+            assert list(got.output_ids) == list(want.output_ids)
+            assert list(got.output_logprobs.token_logprobs) == pytest.approx(
+                list(want.output_logprobs.token_logprobs), abs=1e-4)
+        rng = random.Random(9)
+        with ThreadPoolExecutor(16) as pool:
+            outs = list(pool.map(
+                lambda r: _both_legs(prefill, decode, bport, r, lambda: greedy(
+                    [rng.randrange(0, 256) for _ in range(20)], 6))[1][-1].complete,
+                range(100, 132)))
+        assert all(len(o.output_ids) == 6 for o in outs)
+        assert_freed(prefill, decode)
+    finally:
+        prefill.stop()
+        decode.stop()
