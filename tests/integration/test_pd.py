@@ -892,3 +892,17 @@ def test_mooncake_pair_equals_a_plain_worker(tmp_path: Path, request: pytest.Fix
     finally:
         prefill.stop()
         decode.stop()
+
+
+def test_a_prefill_leg_pinned_to_another_rank_still_meets_decode(pair: Pair) -> None:
+    """data_parallel_rank on the prefill leg does not move the room off rank room % 2."""
+    ids = PROMPTS[0]
+    want = list(plain_generate(pair, ids, 4).output_ids)
+    room = 4001  # rank 1
+
+    def pinned() -> pb.GenerateRequest:
+        return greedy(ids, 4, data_parallel_rank=0)
+
+    _, d = _both_legs(pair.prefill, pair.decode, pair.bootstrap_port, room, pinned)
+    assert list(d[-1].complete.output_ids) == want
+    assert_freed(pair.prefill, pair.decode)
