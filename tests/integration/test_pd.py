@@ -43,6 +43,10 @@ PD_ENV = {
     "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "1",
     "SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT": "4",
 }
+# prompts of the tests whose stand-in prefill sends random pages: a request that joins on
+# them leaves that KV in decode's radix cache, so no other test may use these prompts
+FAKE_KV_PROMPTS = [[251, 252, 253, 254, 255, 250, 249], [248, 247, 246, 245, 244],
+                   [243, 242, 241, 240, 239, 238]]
 PROMPTS = [[5, 17, 99, 3, 250, 64, 7, 42], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13],
            [200, 13, 77], list(range(30, 130))]
 
@@ -499,7 +503,7 @@ def test_flush_and_pause_with_a_request_in_transfer_lose_nothing(pair: Pair) -> 
 
         def run() -> None:
             result["out"] = list(stub.Generate(
-                pd_request(PROMPTS[0], 5, "127.0.0.1", fake.port, room), timeout=60))
+                pd_request(FAKE_KV_PROMPTS[0], 5, "127.0.0.1", fake.port, room), timeout=60))
 
         t = threading.Thread(target=run)
         t.start()
@@ -536,7 +540,7 @@ def test_kv_for_an_unknown_room_is_refused_and_harms_nothing(pair: Pair) -> None
 
         def run() -> None:
             result["out"] = list(pair.decode.stub().Generate(
-                pd_request(PROMPTS[0], 4, "127.0.0.1", fake.port, room), timeout=60))
+                pd_request(FAKE_KV_PROMPTS[1], 4, "127.0.0.1", fake.port, room), timeout=60))
 
         t = threading.Thread(target=run)
         t.start()
@@ -784,7 +788,7 @@ def test_fuzzed_control_messages_harm_no_leg(pair: Pair) -> None:
         def run() -> None:
             try:
                 result["out"] = list(pair.decode.stub().Generate(
-                    pd_request(PROMPTS[0], 4, "127.0.0.1", fake.port, room), timeout=60))
+                    pd_request(FAKE_KV_PROMPTS[2], 4, "127.0.0.1", fake.port, room), timeout=60))
             except grpc.RpcError as exc:
                 result["err"] = exc
 
