@@ -284,6 +284,17 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="the model's reasoning format (SGLang's names: deepseek-r1, qwen3, "
                         "...): a Generate with require_reasoning counts the tokens of the "
                         "think span as reasoning_tokens")
+    p.add_argument("--disaggregation-mode", default=ServerArgs.disaggregation_mode,
+                   choices=("null", "prefill", "decode"),
+                   help="prefill/decode disaggregation behind the SMG router's PD mode "
+                        "(docs/pd.md); null: a plain worker")
+    p.add_argument("--disaggregation-bootstrap-port", type=int,
+                   default=ServerArgs.disaggregation_bootstrap_port, metavar="PORT",
+                   help="prefill: the port of its bootstrap HTTP server (default 8998)")
+    p.add_argument("--disaggregation-transfer-backend",
+                   default=ServerArgs.disaggregation_transfer_backend,
+                   help="how KV pages travel: mooncake (the mooncake transfer engine, "
+                        "default) or zmq (pyzmq over TCP)")
     p.set_defaults(func=run_serve)
 
 
@@ -333,6 +344,13 @@ def run_serve(ns: argparse.Namespace) -> int:
         else:
             fields["speculative_draft_model_path"] = draft_path
             refusal = check_draft_model(draft_path, fields["model_path"])
+    if refusal is None:
+        from sglang_admin.disaggregation.settings import check_flags
+
+        refusal = check_flags(ns.disaggregation_mode, ns.disaggregation_transfer_backend,
+                              ns.disaggregation_bootstrap_port, is_embedding=ns.is_embedding,
+                              speculative_algorithm=ns.speculative_algorithm,
+                              tp_size=ns.tp_size)
     if refusal is not None:
         print(f"error: {refusal}", file=sys.stderr)
         return 2

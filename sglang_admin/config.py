@@ -145,6 +145,10 @@ class ServerArgs:
     # Generate with require_reasoning counts the output tokens up to it as reasoning_tokens
     # (server/reasoning.py)
     reasoning_parser: str | None = None
+    # prefill/decode disaggregation (sglang_admin/disaggregation/, docs/pd.md; SGLang's names)
+    disaggregation_mode: str = "null"  # null | prefill | decode
+    disaggregation_bootstrap_port: int = 8998  # prefill: its bootstrap HTTP server
+    disaggregation_transfer_backend: str = "mooncake"  # mooncake | zmq
     ipc_dir: str = ""  # set by launch: a fresh private directory per instance
 
     def scheduler_addr(self, rank: int) -> str:

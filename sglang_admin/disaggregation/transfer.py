@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import abc
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 
 class KVTransferError(RuntimeError):
@@ -53,7 +54,7 @@ class PeerDescriptor:
                 "buffers": [[b.ptr, b.nbytes, b.item_bytes] for b in self.buffers]}
 
     @staticmethod
-    def from_wire(obj: Any) -> "PeerDescriptor":
+    def from_wire(obj: Any) -> PeerDescriptor:
         """Parse a wire dict; raises KVTransferError on a malformed one (network input)."""
         try:
             endpoint = obj["endpoint"]
@@ -134,10 +135,12 @@ class KVTransferBackend(abc.ABC):
         Backends that receive actively (zmq) refuse data for a room not expected, or for
         slots other than these; one-sided backends (mooncake) may ignore this.
         """
+        return None
 
     def release(self, room: int) -> None:
         """Decode: stop accepting data for `room` (done, aborted or failed). Idempotent.
         After it returns the backend writes nothing more into that room's slots."""
+        return None
 
     # ------------------------------------------------------------------ sender side
     @abc.abstractmethod
@@ -151,26 +154,32 @@ class KVTransferBackend(abc.ABC):
         """
 
     # ------------------------------------------------------------------ verification
-    def read_slots(self, slots: Sequence[int]) -> bytes:
-        """The bytes of `slots` in every buffer, buffer-major (tests and checksums)."""
+    def rows_of(self, index: int, slots: Sequence[int]) -> Any:
+        """Buffer ``index``'s rows ``slots`` as a contiguous uint8 numpy array [n, item].
+
+        CPU pools go through numpy alone (no torch op: torch's OpenMP threads, called from a
+        transfer thread beside the rank's forward, spin against it); a device pool is
+        gathered on its device and copied to the host."""
+        import numpy as np
         import torch
 
-        idx = torch.tensor(list(slots), dtype=torch.long)
-        parts = []
-        for t in self._buffers:
-            rows = t.index_select(0, idx.to(t.device)).contiguous().cpu()
-            parts.append(rows.view(torch.uint8).numpy().tobytes())
-        return b"".join(parts)
+        t = self._buffers[index]
+        if t.device.type == "cpu":
+            rows = t.view(torch.uint8).reshape(t.shape[0], -1).numpy()
+            return np.take(rows, np.asarray(slots, dtype=np.int64), axis=0)
+        idx = torch.as_tensor(list(slots), dtype=torch.long, device=t.device)
+        rows = t.view(torch.uint8).reshape(t.shape[0], -1)
+        return rows.index_select(0, idx).cpu().numpy()
+
+    def read_slots(self, slots: Sequence[int]) -> bytes:
+        """The bytes of `slots` in every buffer, buffer-major (tests and checksums)."""
+        return b"".join(self.rows_of(i, slots).tobytes() for i in range(len(self._buffers)))
 
     def checksum(self, slots: Sequence[int]) -> int:
         """CRC32 of `read_slots(slots)`: sender and receiver compare it after a transfer."""
-        import torch
-
         crc = 0
-        idx = torch.tensor(list(slots), dtype=torch.long)
-        for t in self._buffers:
-            rows = t.index_select(0, idx.to(t.device)).contiguous().cpu()
-            crc = zlib.crc32(memoryview(rows.view(torch.uint8).numpy()), crc)
+        for i in range(len(self._buffers)):
+            crc = zlib.crc32(memoryview(self.rows_of(i, slots)), crc)
         return crc
 
 

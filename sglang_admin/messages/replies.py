@@ -55,6 +55,9 @@ class RankState:
     spec_accepted_tokens: int = 0
     graph_gb: float = 0.0  # device memory of the captured CUDA graphs (0: none)
     num_paused_reqs: int = 0  # requests held by PauseGeneration (0 while not paused)
+    # prefill/decode disaggregation (disaggregation/rank.py's RankPD.figures): mode, the
+    # four queue sizes, the last transfer's GB/s and ms; empty on a plain worker
+    pd: dict[str, Any] = field(default_factory=dict)
 
     @property
     def spec_accept_length(self) -> float:

@@ -104,6 +104,11 @@ class GenerateReq(RankCall):
     token_ids_logprob: list[int] = field(default_factory=list)  # logprobs of these ids
     return_hidden_states: bool = False  # last layer's hidden state per output token
     embed: bool = False  # an Embed: prefill only, answered with the pooled vector
+    # prefill/decode disaggregation: the room this request's KV travels under (-1: none)
+    # and the prefill worker's bootstrap server (disaggregation/)
+    bootstrap_host: str = ""
+    bootstrap_port: int = 0
+    bootstrap_room: int = -1
 
 
 @message

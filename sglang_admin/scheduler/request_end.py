@@ -52,9 +52,13 @@ def finish(
     error: str | None = None, code: str | None = None, matched_str: str | None = None,
     stop_trim: int = 0,
 ) -> None:
-    """Release the request's memory and adapter and queue its final output."""
+    """Release the request's memory and adapter and queue its final output (a prefill
+    worker's PD request instead holds its KV and output until the transfer: pd.hold)."""
+    pd_prefill = state.pd is not None and state.pd.role == "prefill"
+    held = pd_prefill and reason != "abort" and req.req_idx >= 0
     if req.req_idx >= 0:
-        state.memory.release(req)
+        if not held:
+            state.memory.release(req)
         if req in state.running:
             state.running.remove(req)
     state.by_rid.pop(req.key, None)
@@ -70,7 +74,12 @@ def finish(
         out.spec_verify_ct = req.spec.verify_ct
         out.spec_draft_tokens = req.spec.drafted
         out.spec_accepted_tokens = req.spec.accepted
-    state.pending_outputs.append(out)
+    if pd_prefill and state.pd.hold(req, out):
+        pass  # sent (and the KV released) by the PD side once the transfer ends
+    else:
+        if held:
+            state.memory.release(req)
+        state.pending_outputs.append(out)
     if req.lora.lora_id and state.lora is not None:
         state.lora.release(req.lora.lora_id)
         req.lora.lora_id = ""
@@ -150,6 +159,8 @@ def drop_aborted_and_expired(state: SchedulerState, now: float) -> None:
     expired = [r for r in state.waiting if r.deadline is not None and r.deadline < now]
     if state.grammar_queue is not None:
         compiling = state.grammar_queue.requests()
+        if state.pd is not None:  # a decode room's own compile: the room ends it (decode.py)
+            compiling = [r for r in compiling if r.rid not in state.pd.by_rid]
         expired += [r for r in compiling if r.deadline is not None and r.deadline < now]
     for req in expired:
         dequeue(state, req)

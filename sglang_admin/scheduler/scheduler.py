@@ -11,6 +11,7 @@ Everything about memory happens below it, so it can be tested with a fake model.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -27,6 +28,13 @@ from sglang_admin.scheduler.state import SchedulerConfig, SchedulerState
 if TYPE_CHECKING:
     from sglang_admin.scheduler.output_extras import StepResult
     from sglang_admin.scheduler.request import Batch, Req
+
+FAKE_BOOTSTRAP_HOST = "2.2.2.2"  # health checks / warm-up: no bootstrap, no transfer
+
+
+def is_fake_bootstrap(msg: GenerateReq) -> bool:
+    return msg.bootstrap_host == FAKE_BOOTSTRAP_HOST
+
 
 __all__ = ["PAUSE_MODES", "Scheduler", "SchedulerConfig"]
 
@@ -46,7 +54,15 @@ class Scheduler(SchedulerState):
             self.refuse(msg.rid, *refusal)
             return
         samples = samples_of(msg, trace_id)
+        if self.pd is not None and msg.bootstrap_room >= 0 and not is_fake_bootstrap(msg):
+            why = self._pd_refusal(msg)
+            if why is not None:
+                self.refuse(msg.rid, why, "INVALID_ARGUMENT")
+                return
         if msg.lora_id and not self._acquire_lora(samples, msg.lora_id):
+            return
+        if self.pd is not None and msg.bootstrap_room >= 0 and not is_fake_bootstrap(msg):
+            self._add_pd(samples, msg)
             return
         spec = self.config.speculative
         for req in samples:
@@ -57,6 +73,42 @@ class Scheduler(SchedulerState):
             self._enqueue(req)
         if len(samples) > 1:
             self.groups[msg.rid] = samples
+
+    def _pd_refusal(self, msg: GenerateReq) -> str | None:
+        """Why a PD request cannot be taken (its room already in use here), or None."""
+        if msg.bootstrap_room in self.pd.rooms:
+            return (f"bootstrap room {msg.bootstrap_room} is already in use at this "
+                    f"{self.pd.role} worker")
+        return None
+
+    def _add_pd(self, samples: list[Req], msg: GenerateReq) -> None:
+        """A request of a PD pair: prefill runs it as usual and holds sample 0's KV when it
+        ends (disaggregation/prefill.py); decode's sample 0 waits for that KV
+        (disaggregation/decode.py). With n > 1 the other samples are forks of sample 0 as on
+        a plain worker: on prefill they end after their first token, on decode they start
+        from sample 0's prompt KV once it arrived (the radix cache shares it)."""
+        spec = self.config.speculative
+        first = samples[0]
+        for req in samples:
+            if spec is not None:
+                req.spec = SpecProgress(spec.num_draft_tokens)
+            self.by_rid[req.key] = req
+            req.waiting_since = self.clock()
+        if len(samples) > 1:
+            self.groups[msg.rid] = samples
+        if self.pd.role == "prefill":
+            # the first token is all prefill samples; decode goes on from the second
+            for req in samples:
+                params = req.sampling.params
+                if params.max_new_tokens > 1:
+                    req.sampling.params = dataclasses.replace(params, max_new_tokens=1)
+            self.pd.track(first, msg.bootstrap_room)
+            for req in samples:
+                self._enqueue(req)
+        else:
+            self.pd.add(first, msg.bootstrap_room, msg.bootstrap_host, msg.bootstrap_port)
+            for req in samples[1:]:
+                self._enqueue(req)
 
     def _refusal(self, msg: GenerateReq) -> tuple[str, str] | None:
         """Why this rank cannot take the request: (message, gRPC code name); None: it can."""
@@ -106,6 +158,9 @@ class Scheduler(SchedulerState):
             return
         for done in self.grammar_queue.poll():
             req = done.req
+            if self.pd is not None and self.pd.role == "decode" and self.pd.grammar_compiled(
+                    req, done.state, done.error, done.code):
+                continue  # a decode request waiting for its KV (disaggregation/decode.py)
             if req.key not in self.by_rid:
                 continue
             if done.state is None:
@@ -126,7 +181,9 @@ class Scheduler(SchedulerState):
 
     def abort(self, rid: str, reason: str = "aborted") -> None:
         """Abort a request; running ones release their KV at the next schedule()."""
-        request_end.abort(self, rid, reason)
+        if self.pd is not None:
+            self.pd.abort(rid, reason)  # a sample waiting for or holding KV for a transfer
+        request_end.abort(self, rid, reason)  # the others
 
     def fail(self, req: Req, message: str, code: str) -> None:
         """End one request with an error (finish_reason abort) and free its KV."""
@@ -134,17 +191,19 @@ class Scheduler(SchedulerState):
 
     def fail_all(self, message: str, code: str) -> int:
         """End every running and waiting request with an error; how many there were."""
+        held = self.pd.end_all(message) if self.pd is not None else 0
         reqs = request_end.take_every_request(self)
         for req in reqs:
             request_end.fail(self, req, message, code)
-        return len(reqs)
+        return len(reqs) + held
 
     def abort_all(self, reason: str = "aborted") -> int:
         """Finish every running and waiting request with "abort" now; how many there were."""
+        held = self.pd.end_all(reason) if self.pd is not None else 0
         reqs = request_end.take_every_request(self)
         for req in reqs:
             request_end.finish(self, req, "abort")
-        return len(reqs)
+        return len(reqs) + held
 
     # ------------------------------------------------------------------ pause
 

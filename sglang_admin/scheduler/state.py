@@ -75,6 +75,9 @@ class SchedulerState:
         self.drafter: Drafter | None = (
             make_drafter(config.speculative) if config.speculative is not None else None)
         self.spec = SpecCounters()
+        # prefill/decode disaggregation: the rank's rooms (disaggregation/prefill.py or
+        # decode.py), set by the rank; None: a plain worker
+        self.pd: Any = None
         self.reset_counters()
 
     def reset_counters(self) -> None:
@@ -84,7 +87,8 @@ class SchedulerState:
 
     @property
     def is_idle(self) -> bool:
-        return not self.running and not self.waiting
+        return not self.running and not self.waiting and not (
+            self.pd is not None and self.pd.busy)
 
     @property
     def num_used_tokens(self) -> int:

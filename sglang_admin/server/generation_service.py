@@ -25,6 +25,7 @@ from sglang_admin.server.generate_codec import (
     generate_from_proto,
     stream_interval_of,
 )
+from sglang_admin.server.generate_codec.request import FAKE_BOOTSTRAP_HOST
 from sglang_admin.server.stream_buffer import StreamOverflow
 from sglang_admin.server.tokenizer_bundle import tokenizer_dir
 from sglang_admin.tracing import carrier_from_metadata, server_span
@@ -67,6 +68,7 @@ class Generation:
             token_capacity=info.token_capacity,
             dp_size=self.args.dp_size,
             lora_enabled=self.args.enable_lora,
+            disaggregation_mode=self.args.disaggregation_mode,
         )
 
     async def generate(
@@ -101,9 +103,13 @@ class Generation:
             remaining = context.time_remaining()
             if remaining is not None:
                 req.deadline = time.time() + remaining
-            rank = self.comm.pick_rank(
-                request.data_parallel_rank if request.HasField("data_parallel_rank") else None
-            )
+            pinned = request.data_parallel_rank if request.HasField("data_parallel_rank") else None
+            if req.bootstrap_room >= 0 and self.args.disaggregation_mode == "prefill" and (
+                    req.bootstrap_host != FAKE_BOOTSTRAP_HOST):
+                # decode asks prefill rank room % dp size for the room's KV: that rank,
+                # whatever data_parallel_rank says (a pin elsewhere would strand the room)
+                pinned = req.bootstrap_room % self.args.dp_size
+            rank = self.comm.pick_rank(pinned)
             carrier = carrier_from_metadata(context.invocation_metadata())
             with server_span("Generate", carrier, request_id=rid) as forward:
                 req.trace = forward

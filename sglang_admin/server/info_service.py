@@ -39,6 +39,9 @@ HEALTH_TIMEOUT_S = 3.0
 # A rank whose main loop published or confirmed its state this recently is alive for
 # HealthCheck (no round trip)
 HEALTH_FRESH_S = 1.0
+_DISAGG_FIELDS = frozenset((
+    "prefill_prealloc_queue_reqs", "prefill_inflight_queue_reqs", "decode_prealloc_queue_reqs",
+    "decode_transfer_queue_reqs", "kv_transfer_speed_gb_s", "kv_transfer_latency_ms"))
 LOAD_SECTIONS = ("core", "memory", "spec", "lora", "disagg", "queues", "all")
 # The version GetServerInfo.sglang_version and GetLoads.version report: what answers, and
 # the wire it speaks (this is not SGLang; its clients should not read an SGLang release here)
@@ -145,7 +148,8 @@ class Info:
             pp_size=1,
             context_length=info.context_length,
             max_total_tokens=info.token_capacity,
-            disaggregation_mode="null",
+            page_size=1,
+            kv_cache_dtype="auto",
             is_embedding=not info.is_generation,
             vocab_size=info.vocab_size,
             weight_version=info.weight_version,
@@ -404,7 +408,10 @@ def _load_proto(s: RankState, include: set[str], age: float,
                             paused=s.num_paused_reqs, retracted=s.num_retracted_reqs)
         )
     if "disagg" in include:
-        load.disaggregation.CopyFrom(pb.DisaggregationMetrics(mode="null"))
+        pd = s.pd or {}
+        load.disaggregation.CopyFrom(pb.DisaggregationMetrics(
+            mode=pd.get("mode", "null"),
+            **{k: v for k, v in pd.items() if k in _DISAGG_FIELDS}))
     if "lora" in include and s.lora_slots_total:
         load.lora.CopyFrom(pb.LoRAMetrics(
             slots_used=s.lora_slots_used, slots_total=s.lora_slots_total,

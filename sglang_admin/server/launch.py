@@ -10,6 +10,7 @@ import shutil
 import signal
 import socket
 import ssl
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -137,6 +138,7 @@ class Server:
         self.comm: Communicator | None = None
         self.server: grpc.aio.Server | None = None
         self.sidecar: HttpSidecar | None = None
+        self.bootstrap: Any = None  # --disaggregation-mode prefill: its bootstrap server
         # --tp-size > 1: (dp rank, tp rank, process) of every TP rank past the first
         self.tp_procs: list[tuple[int, int, mp.process.BaseProcess]] = []
         self.stuck_ranks: set[int] = set()  # killed at shutdown: they cannot stop themselves
@@ -241,6 +243,24 @@ class Server:
                     "/health%s)", scheme, args.host, port,
                     ", /metrics" if args.enable_metrics else "")
 
+    async def _start_bootstrap(self) -> None:
+        """The prefill worker's PD bootstrap server (before the ranks, which register with
+        it); a port it cannot listen on stops the start."""
+        from sglang_admin.disaggregation.bootstrap_server import BootstrapServer
+
+        args = self.args
+        bind = "0.0.0.0" if args.host not in ("127.0.0.1", "localhost") else args.host
+        self.bootstrap = BootstrapServer(bind, args.disaggregation_bootstrap_port, args.dp_size)
+        try:
+            await self.bootstrap.start()
+        except OSError as exc:
+            self.bootstrap = None
+            await self.server.stop(None)
+            raise StartupError(
+                f"cannot serve the PD bootstrap server on {bind}:"
+                f"{args.disaggregation_bootstrap_port} ({exc.strerror or exc}); choose another "
+                "--disaggregation-bootstrap-port") from None
+
     async def run(self) -> int:
         args = self.args
         self.comm = Communicator(args)
@@ -294,6 +314,8 @@ class Server:
         logger.info("listening on %s:%d (%s)", args.host, port, "TLS" if creds else "plaintext")
         if not args.disable_http_sidecar:
             await self._start_sidecar(servicer, auth)
+        if args.disaggregation_mode == "prefill":
+            await self._start_bootstrap()
         self._start_ranks()
 
         loop = asyncio.get_running_loop()
@@ -344,6 +366,8 @@ class Server:
         stopping = [self.server.stop(grace)] if self.server is not None else []
         if self.sidecar is not None:  # its calls in flight finish within the same grace
             stopping.append(self.sidecar.stop())
+        if self.bootstrap is not None:
+            stopping.append(self.bootstrap.stop())
         await asyncio.gather(*stopping)
         if self.comm is not None:
             await self.comm.close()

@@ -31,7 +31,8 @@ def on_flush(rank: Rank, msg: FlushCacheReq) -> None:
         rank.reply(msg, False, "Another flush_cache is already in progress.")
         return
     s = rank.scheduler
-    drained = not s.running and (not s.waiting or s.paused is not None)
+    in_transfer = s.pd is not None and s.pd.busy  # PD rooms hold or await KV
+    drained = not s.running and not in_transfer and (not s.waiting or s.paused is not None)
     if drained and not rank.quiesce.pending:  # nothing waits before it: flush now
         flush(rank, msg)
         return
@@ -51,13 +52,17 @@ def on_flush(rank: Rank, msg: FlushCacheReq) -> None:
 
 def busy_message(rank: Rank) -> str:
     s = rank.scheduler
-    return ("Cache not flushed because there are pending requests. "
+    text = ("Cache not flushed because there are pending requests. "
             f"#queue-req: {len(s.waiting)}, #running-req: {len(s.running)}")
+    if s.pd is not None and s.pd.busy:
+        text += f", #kv-transfer-req: {len(s.pd.rooms)}"
+    return text
 
 
 def flush(rank: Rank, msg: FlushCacheReq) -> None:
     """Flush now if nothing runs (a pause in place keeps requests running: refused)."""
-    if rank.scheduler.running:
+    s = rank.scheduler
+    if s.running or (s.pd is not None and s.pd.busy):
         rank.reply(msg, False, busy_message(rank))
         return
     with rank.together():  # "cleared", the state and the answer: one write to the server

@@ -44,8 +44,12 @@ class Quiesce:
 
     @property
     def drained(self) -> bool:
-        """No request is running (queued ones hold no KV), or a pause holds them all."""
-        return not self.scheduler.running or self.scheduler.paused is not None
+        """No request is running (queued ones hold no KV), or a pause holds them all; and
+        no prefill/decode room holds or awaits KV in a transfer (disaggregation/)."""
+        s = self.scheduler
+        if s.pd is not None and s.pd.busy:
+            return False
+        return not s.running or s.paused is not None
 
     @property
     def pending(self) -> bool:

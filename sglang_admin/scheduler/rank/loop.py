@@ -52,7 +52,7 @@ _CLEARED = ["cleared"]  # the radix cache's event of a flush (scheduler/radix_ca
 
 
 # RankState's fields after its timestamp (_state_figures' last ones)
-_AFTER_TIMESTAMP = 8
+_AFTER_TIMESTAMP = 9
 
 
 class Rank:
@@ -89,6 +89,10 @@ class Rank:
         self.trace_ids: dict[str, str] = {}  # rid -> caller's trace id (for --log-requests)
         self.scheduler = parts.scheduler
         self.draft_runner = parts.draft_runner
+        from sglang_admin.disaggregation.rank import attach_pd
+
+        self.pd = attach_pd(args, rank, self.runner, self.scheduler,  # None: not PD
+                            lambda: self.model_info.weight_version)
         self.profiler = Profiler(rank, str(self.runner.device), args.profile_max_steps)
         self.quiesce = Quiesce(self.scheduler)
         self.handlers = handlers
@@ -184,6 +188,7 @@ class Rank:
             lora.used if lora is not None else 0, lora.slots if lora is not None else 0,
             s.num_grammar_queue_reqs, s.spec.verify_steps, s.spec.drafted, s.spec.accepted,
             self._graph_gb(), len(s.running) + len(s.waiting) if s.paused else 0,
+            self.pd.figures() if self.pd is not None else {},
         )
 
     def _graph_gb(self) -> float:
@@ -210,7 +215,8 @@ class Rank:
             s = self.scheduler
             key = (len(s.running), len(s.waiting), s.num_used_tokens, s.num_free_tokens,
                    self.profiler.reported_state,
-                   self.quiesce.pending, s.paused, s.num_grammar_queue_reqs)
+                   self.quiesce.pending, s.paused, s.num_grammar_queue_reqs,
+                   self.pd.queue_sizes() if self.pd is not None else ())
             since = now - self.last_state_sent
             if since < 1.0 and (key == self.last_state_key or since < STATE_PUBLISH_INTERVAL_S):
                 return
@@ -235,6 +241,8 @@ class Rank:
             self.quiesce.poll()
             self.answer_deferred()
             self.step_timer.start()
+            if self.pd is not None:
+                self.pd.round()  # PD: control messages, transfers, timeouts
             batch = self.scheduler.schedule()
             self.step_timer.lap("schedule")
             if batch is not None:
@@ -245,6 +253,8 @@ class Rank:
                 self.send_outputs(outputs)
                 self.flush_kv_events()
                 self.publish_state(force=batch is None and bool(outputs))
+            if batch is None and not outputs and self.pd is not None and self.pd.rooms.busy:
+                self.pd.idle_wait(self.inbox, 5)  # rooms wait for a peer: do not spin
             if os.getppid() != self.parent_pid:
                 logger.error("server process is gone; rank %d exits", self.rank)
                 break

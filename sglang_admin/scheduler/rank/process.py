@@ -74,6 +74,8 @@ def run_scheduler(args: ServerArgs, rank: int, parent_pid: int) -> None:
             loop.runner.stop_followers()
     finally:
         heartbeat.stop()
+        if loop.pd is not None:
+            loop.pd.close()
         loop.weight_sync.close()  # leave the trainers' process groups
         if loop.scheduler.grammar_queue is not None:
             loop.scheduler.grammar_queue.shutdown()

@@ -54,6 +54,7 @@ class Limits:
     token_capacity: int
     dp_size: int
     lora_enabled: bool = False  # --enable-lora: GenerateRequest.lora_id is accepted
+    disaggregation_mode: str = "null"  # prefill | decode: disaggregated_params accepted
 
     @property
     def max_req_len(self) -> int:
@@ -193,9 +194,9 @@ def _constraint_from_proto(sp: pb.SamplingParams) -> tuple[str, str]:
 
 def generate_from_proto(request: pb.GenerateRequest, rid: str, limits: Limits) -> GenerateReq:
     """Validate a GenerateRequest and build the scheduler's message."""
-    for field_name in ("mm_inputs", "disaggregated_params"):
-        if request.HasField(field_name):
-            raise invalid(f"{field_name} is not supported by this worker")
+    if request.HasField("mm_inputs"):
+        raise invalid("mm_inputs is not supported by this worker")
+    bootstrap = bootstrap_from_proto(request, limits)
     if request.input_embeds:
         raise invalid("input_embeds is not supported by this worker; send tokenized.input_ids")
     if request.lora_id and not limits.lora_enabled:
@@ -256,6 +257,9 @@ def generate_from_proto(request: pb.GenerateRequest, rid: str, limits: Limits) -
         top_logprobs_num=request.top_logprobs_num if request.return_logprob else 0,
         stream=request.stream,
         lora_id=request.lora_id,
+        bootstrap_host=bootstrap[0],
+        bootstrap_port=bootstrap[1],
+        bootstrap_room=bootstrap[2],
         **features,
     )
 
@@ -305,3 +309,31 @@ def _features(request: pb.GenerateRequest, vocab_size: int) -> dict[str, Any]:
         "token_ids_logprob": ids if request.return_logprob else [],
         "return_hidden_states": request.return_hidden_states,
     }
+
+
+FAKE_BOOTSTRAP_HOST = "2.2.2.2"  # SGLang's: a PD request that bootstraps nothing
+
+
+def bootstrap_from_proto(request: pb.GenerateRequest, limits: Limits) -> tuple[str, int, int]:
+    """``disaggregated_params`` checked against this worker's --disaggregation-mode:
+    (bootstrap host, port, room); room -1 when the request carries none."""
+    mode = limits.disaggregation_mode
+    if not request.HasField("disaggregated_params"):
+        if mode == "decode":
+            raise invalid("this is a decode worker (--disaggregation-mode decode): "
+                          "disaggregated_params (bootstrap host, port, room) is required")
+        return "", 0, -1
+    if mode == "null":
+        raise invalid("disaggregated_params is not supported by this worker: it was started "
+                      "with --disaggregation-mode null")
+    dp = request.disaggregated_params
+    if not dp.bootstrap_host or len(dp.bootstrap_host) > 253:
+        raise invalid("disaggregated_params.bootstrap_host must be a host name or address")
+    fake = dp.bootstrap_host == FAKE_BOOTSTRAP_HOST  # health checks / warm-up
+    if mode == "decode" and not fake and not 1 <= dp.bootstrap_port <= 65535:
+        raise invalid(f"disaggregated_params.bootstrap_port must be in 1..65535, got "
+                      f"{dp.bootstrap_port}")
+    if dp.bootstrap_room < 0:
+        raise invalid(f"disaggregated_params.bootstrap_room must be >= 0, got "
+                      f"{dp.bootstrap_room}")
+    return dp.bootstrap_host, dp.bootstrap_port, dp.bootstrap_room

@@ -1,0 +1,295 @@
+"""The prefill role at a rank: a request with a bootstrap room is prefilled as usual and
+its first token sampled; when it ends, its KV stays held (not freed, not evictable) until the
+decode worker's handshake names where to write it, the backend sends it, and decode is told
+the outcome with the first token, its logprobs, the cached-token count and a checksum of the
+pages. Then the request's final output goes out and its KV is released (into the prefix
+cache). Every failure (no handshake in time, a failed send, an abort) releases the KV and
+ends the request with a clear error.
+
+Runs in the rank's thread (``poll`` each loop round); only ``backend.send`` runs in worker
+threads. No torch here.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from sglang_admin.disaggregation import settings
+from sglang_admin.disaggregation.control import ControlSocket
+from sglang_admin.disaggregation.transfer import (
+    KVTransferBackend,
+    KVTransferError,
+    PeerDescriptor,
+    TransferResult,
+)
+from sglang_admin.messages import ReqOutput
+
+logger = logging.getLogger(__name__)
+
+MAX_EARLY_HANDSHAKES = 10000
+
+
+@dataclass(eq=False)
+class PrefillRoom:
+    """One room at the prefill rank."""
+
+    room: int
+    req: Any  # scheduler Req
+    created: float = field(default_factory=time.monotonic)
+    out: ReqOutput | None = None  # the held final output, once the request ended
+    held_since: float = 0.0
+    handshake: dict[str, Any] | None = None
+    future: Future | None = None
+    aborted: str | None = None  # abort reason, while a send is in flight
+    cancelled: str = ""  # decode gave the room up before the request ended
+    version: str = ""  # the weight version the KV was computed with
+
+
+class PrefillRooms:
+    """The prefill rank's rooms: held KV waiting for a handshake or in transfer."""
+
+    role = "prefill"
+
+    def __init__(self, state: Any, backend: KVTransferBackend, control: ControlSocket) -> None:
+        self.state = state
+        self.backend = backend
+        self.control = control
+        self.rooms: dict[int, PrefillRoom] = {}
+        self.by_rid: dict[str, PrefillRoom] = {}
+        self.early: dict[int, tuple[dict[str, Any], float]] = {}  # handshakes before requests
+        self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-send")
+        self.bootstrap_timeout = settings.bootstrap_timeout_s()
+        self.transfer_timeout = settings.transfer_timeout_s()
+        # figures for GetLoads / metrics
+        self.weight_version: Callable[[], str] = lambda: ""  # set by the rank
+        self.transfers_ok = 0
+        self.transfers_failed = 0
+        self.last_gb_s = 0.0
+        self.last_latency_ms = 0.0
+
+    # ------------------------------------------------------------------ figures
+    @property
+    def busy(self) -> bool:
+        return any(r.out is not None for r in self.rooms.values())
+
+    @property
+    def num_waiting_handshake(self) -> int:
+        return sum(1 for r in self.rooms.values() if r.out is not None and r.future is None)
+
+    @property
+    def num_inflight(self) -> int:
+        return sum(1 for r in self.rooms.values() if r.future is not None)
+
+    # ------------------------------------------------------------------ scheduler hooks
+    def track(self, req: Any, room: int) -> str | None:
+        """A new request of ``room``; why it is refused (room already in use) or None."""
+        if room in self.rooms:
+            return f"bootstrap room {room} is already in use at this prefill worker"
+        prefill_room = PrefillRoom(room, req)
+        self.rooms[room] = prefill_room
+        self.by_rid[req.rid] = prefill_room
+        early = self.early.pop(room, None)
+        if early is not None:
+            prefill_room.handshake = early[0]
+        return None
+
+    def hold(self, req: Any, out: ReqOutput) -> bool:
+        """The request ended: True when its KV is now held for the transfer (the caller
+        keeps its memory and does not send ``out``), False when it ends as usual."""
+        room = self.by_rid.get(req.rid)
+        if room is None or room.req is not req:
+            return False
+        if out.finish_reason == "abort" or out.error or req.req_idx < 0:
+            self._forget(room)
+            if room.handshake is not None:
+                self._cancel_decode(room, out.error or "prefill request aborted")
+            return False
+        room.out = out
+        room.version = self.weight_version()
+        room.held_since = time.monotonic()
+        if room.cancelled:
+            self._end(room, f"kv transfer failed: decode gave room {room.room} up: "
+                            f"{room.cancelled}", "UNAVAILABLE")
+            return True
+        if room.handshake is not None:
+            self._start(room)
+        return True
+
+    def abort(self, rid: str, reason: str) -> bool:
+        """Abort a held room; False when ``rid`` holds none (the scheduler's abort runs)."""
+        room = self.by_rid.get(rid)
+        if room is None or room.out is None:
+            return False
+        if room.future is not None:
+            room.aborted = reason  # the send finishes (or times out), then it ends
+            return True
+        self._end(room, None, "abort", f"prefill request aborted ({reason})")
+        return True
+
+    def end_all(self, reason: str) -> int:
+        rooms = [r for r in self.rooms.values() if r.out is not None]
+        for room in rooms:
+            if room.future is not None:
+                room.aborted = reason
+            else:
+                self._end(room, f"kv transfer failed: {reason}", "UNAVAILABLE")
+        return len(rooms)
+
+    # ------------------------------------------------------------------ the loop's round
+    def poll(self) -> None:
+        for msg in self.control.receive():
+            try:
+                self._on_message(msg)
+            except Exception as exc:  # noqa: BLE001 - a peer's malformed message is dropped
+                logger.warning("malformed PD message for room %s dropped: %s", msg["room"], exc)
+        now = time.monotonic()
+        for room in list(self.rooms.values()):
+            fut = room.future
+            if fut is not None:
+                if fut.done():
+                    self._finish_send(room, fut)
+                continue
+            if room.out is not None and now - room.held_since > self.bootstrap_timeout:
+                self._end(room, f"bootstrap timed out: no decode handshake for room "
+                                f"{room.room} within {self.bootstrap_timeout:g}s", "UNAVAILABLE")
+        if self.early:
+            for key, (_, at) in list(self.early.items()):
+                if now - at > self.bootstrap_timeout:
+                    del self.early[key]
+
+    def _on_message(self, msg: dict[str, Any]) -> None:
+        kind, room_id = msg["kind"], msg["room"]
+        room = self.rooms.get(room_id)
+        if kind == "cancel":
+            self.early.pop(room_id, None)
+            if room is not None and room.out is not None:
+                if room.future is not None:
+                    room.aborted = str(msg.get("reason", "decode gave the room up"))[:500]
+                else:
+                    self._end(room, f"kv transfer failed: decode gave room {room_id} up: "
+                                    f"{str(msg.get('reason', ''))[:500]}", "UNAVAILABLE")
+            elif room is not None:
+                room.handshake = None
+                room.cancelled = str(msg.get("reason", "") or "decode gave the room up")[:500]
+            return
+        if kind != "handshake":
+            logger.warning("prefill ignores PD message %r for room %s", kind, room_id)
+            return
+        if room is None:
+            if len(self.early) < MAX_EARLY_HANDSHAKES:
+                self.early[room_id] = (msg, time.monotonic())
+            return
+        if room.handshake is not None:
+            logger.warning("second handshake for room %s ignored", room_id)
+            return
+        room.handshake = msg
+        if room.out is not None:
+            self._start(room)
+
+    # ------------------------------------------------------------------ transfer
+    def _start(self, room: PrefillRoom) -> None:
+        hs = room.handshake
+        assert hs is not None
+        req = room.req
+        src = list(req.slots[: len(req.prompt_ids)])
+        try:
+            peer = PeerDescriptor.from_wire(hs.get("peer"))
+            dst = [int(s) for s in hs.get("dst_slots", [])]
+            notify = str(hs["notify"])
+        except (KVTransferError, KeyError, TypeError, ValueError) as exc:
+            self._end(room, f"kv transfer failed: bad handshake for room {room.room}: {exc}",
+                      "UNAVAILABLE")
+            return
+        if len(dst) != len(src):
+            self._end(room, f"kv transfer failed: decode reserved {len(dst)} slots for room "
+                            f"{room.room}, the prompt has {len(src)}", "UNAVAILABLE", notify)
+            return
+        room.future = self.pool.submit(self._send, room.room, peer, src, dst)
+
+    def _send(self, room: int, peer: PeerDescriptor, src: list[int],
+              dst: list[int]) -> tuple[TransferResult, int]:
+        result = self.backend.send(room, peer, src, dst, self.transfer_timeout)
+        checksum = self.backend.checksum(src) if result.ok else 0
+        return result, checksum
+
+    def _finish_send(self, room: PrefillRoom, fut: Future) -> None:
+        try:
+            result, checksum = fut.result()
+        except Exception as exc:  # noqa: BLE001 - a backend bug fails the room, not the rank
+            result, checksum = TransferResult(False, f"kv transfer failed: {exc}"), 0
+        hs = room.handshake or {}
+        notify = str(hs.get("notify", ""))
+        req = room.req
+        if not result.ok:
+            self.transfers_failed += 1
+            self._end(room, result.error, "UNAVAILABLE", notify)
+            return
+        self.transfers_ok += 1
+        if result.seconds > 0:
+            self.last_gb_s = result.nbytes / result.seconds / 1e9
+            self.last_latency_ms = result.seconds * 1000
+        lp = req.logprob
+        done = {
+            "kind": "done", "room": room.room, "ok": room.aborted is None,
+            "error": f"kv transfer failed: prefill request aborted ({room.aborted})"
+                     if room.aborted else "",
+            "first_token": req.output_ids[0] if req.output_ids else -1,
+            "logprob": lp.logprobs[0] if lp.logprobs else None,
+            "top_logprobs": [list(p) for p in lp.top_logprobs[0]] if lp.top_logprobs else [],
+            "token_ids_logprobs": ([list(p) for p in lp.token_ids_logprobs[0]]
+                                   if lp.token_ids_logprobs else []),
+            "cached_tokens": max(req.cached_tokens, 0),
+            "checksum": checksum, "nbytes": result.nbytes, "seconds": result.seconds,
+            "weight_version": room.version,
+        }
+        if not notify or not self.control.send(notify, done):
+            self._end(room, f"kv transfer failed: cannot notify decode at {notify!r}",
+                      "UNAVAILABLE")
+            return
+        if room.aborted is not None:
+            self._end(room, None, "abort")
+            return
+        self._end(room, None, None)
+
+    # ------------------------------------------------------------------ ending
+    def _end(self, room: PrefillRoom, error: str | None, code: str | None,
+             notify: str = "") -> None:
+        """Release the room's KV and send its output: the held one (success), an abort, or
+        the error. Tells decode when it failed and decode is known."""
+        self._forget(room)
+        state, req, out = self.state, room.req, room.out
+        if req.req_idx >= 0:
+            state.memory.release(req)
+        if notify and error:
+            self._cancel_decode(room, error, notify)
+        elif error and room.handshake is not None:
+            self._cancel_decode(room, error)
+        if out is None:
+            return
+        if code == "abort":
+            out.finish_reason, out.error, out.error_code = "abort", None, None
+        elif error is not None:
+            out.finish_reason, out.error, out.error_code = "abort", error, code
+            logger.warning("room %d (%s): %s", room.room, req.rid, error)
+        state.pending_outputs.append(out)
+
+    def _cancel_decode(self, room: PrefillRoom, reason: str, notify: str = "") -> None:
+        hs = room.handshake or {}
+        addr = notify or str(hs.get("notify", ""))
+        if addr:
+            self.control.send(addr, {"kind": "done", "room": room.room, "ok": False,
+                                     "error": reason})
+
+    def _forget(self, room: PrefillRoom) -> None:
+        if self.rooms.get(room.room) is room:
+            del self.rooms[room.room]
+        if self.by_rid.get(room.req.rid) is room:
+            del self.by_rid[room.req.rid]
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,912 @@
+"""Prefill/decode disaggregation: a prefill worker and a decode worker of ours behind the
+real SMG router in PD mode (`smg launch --pd-disaggregation`), KV over the zmq backend.
+
+The happy path goes through the router and is compared with the session's plain worker
+(`server`, the same embedded model): greedy tokens and logprobs equal. The failure cases
+drive one real leg with a test-side stand-in for the other (tests/integration/pd_peers.py)
+so that leg can die, withhold, corrupt or shorten the pages: each failure ends its request
+with a clear status within the (shortened) timeouts, frees the KV on both workers, and
+leaves both serving.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import msgpack
+import pytest
+
+pytest.importorskip("smg", reason="the SMG gateway (pip package `smg`) is not installed")
+
+from sglang_admin.pb import common_pb2 as pb  # noqa: E402
+from tests.conftest import ROOT, ServerProc, free_port, greedy, start_server, wait_started  # noqa: E402
+from tests.integration.pd_peers import FakePrefill  # noqa: E402
+from tests.integration.test_smg_router import http, sse, stop_router, wait_for  # noqa: E402
+
+# shortened so the failure cases end in seconds (SGLang's defaults are 300 s)
+PD_ENV = {
+    "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "12",
+    "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "12",
+    "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "1",
+    "SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT": "4",
+}
+# prompts of the tests whose stand-in prefill sends random pages: a request that joins on
+# them leaves that KV in decode's radix cache, so no other test may use these prompts
+FAKE_KV_PROMPTS = [[251, 252, 253, 254, 255, 250, 249], [248, 247, 246, 245, 244],
+                   [243, 242, 241, 240, 239, 238]]
+PROMPTS = [[5, 17, 99, 3, 250, 64, 7, 42], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13],
+           [200, 13, 77], list(range(30, 130))]
+
+
+@dataclass
+class Pair:
+    prefill: ServerProc
+    decode: ServerProc
+    plain: ServerProc
+    bootstrap_port: int
+    router: subprocess.Popen
+    base: str
+    model: str
+    router_log: Path
+
+
+def used_tokens(srv: ServerProc) -> int:
+    loads = srv.stub().GetLoads(pb.GetLoadsRequest(), timeout=10)
+    return sum(load.num_used_tokens for load in loads.loads)
+
+
+def assert_freed(*servers: ServerProc, timeout: float = 10) -> None:
+    for srv in servers:
+        wait_for(lambda s=srv: used_tokens(s) == 0, timeout, f"num_used_tokens 0 on {srv.target}")
+
+
+def assert_serving(pair: Pair) -> None:
+    """Both legs still answer a request through the router."""
+    out = router_generate(pair, PROMPTS[0], 3)
+    assert len(out["output_ids"]) == 3
+
+
+def router_generate(pair: Pair, ids: list[int], n: int, **extra: Any) -> dict:
+    status, body = http("POST", f"{pair.base}/generate", {
+        "model": pair.model, "input_ids": ids,
+        "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
+        **extra,
+    }, timeout=120)
+    assert status == 200, body
+    return body[0] if isinstance(body, list) else body
+
+
+def plain_generate(pair: Pair, ids: list[int], n: int, **kw: Any) -> pb.GenerateComplete:
+    outs = list(pair.plain.stub().Generate(greedy(ids, n, **kw), timeout=60))
+    return outs[-1].complete
+
+
+def pd_request(ids: list[int], n: int, host: str, port: int, room: int,
+               rid: str = "") -> pb.GenerateRequest:
+    req = greedy(ids, n, request_id=rid or f"t{room}")
+    req.disaggregated_params.bootstrap_host = host
+    req.disaggregated_params.bootstrap_port = port
+    req.disaggregated_params.bootstrap_room = room
+    return req
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+         ) -> Iterator[Pair]:
+    tmp = tmp_path_factory.mktemp("pd")
+    bport = free_port()
+    common = ["--disaggregation-transfer-backend", "zmq", "--log-requests"]
+    for leg in ("prefill", "decode"):
+        (tmp / f"prof_{leg}").mkdir()
+    # two data-parallel ranks on each side (a room's KV is on prefill rank room % 2), and
+    # speculative decoding on decode (exact: the tokens stay a plain worker's)
+    prefill = start_server(tmp, "--disaggregation-mode", "prefill", "--dp-size", "2",
+                           "--disaggregation-bootstrap-port", str(bport), *common,
+                           "--profile-dir", str(tmp / "prof_prefill"),
+                           env=PD_ENV, wait=False)
+    decode = start_server(tmp, "--disaggregation-mode", "decode", "--dp-size", "2",
+                          "--speculative-algorithm", "NGRAM", *common,
+                          "--profile-dir", str(tmp / "prof_decode"), env=PD_ENV, wait=False)
+    router = None
+    try:
+        plain = request.getfixturevalue("server")
+        for srv in (prefill, decode):
+            wait_started(srv)
+        port = free_port()
+        router_log = tmp / "router.log"
+        with open(router_log, "w") as log:
+            router = subprocess.Popen(
+                [sys.executable, "-m", "smg.launch_router", "--pd-disaggregation",
+                 "--prefill", f"grpc://127.0.0.1:{prefill.port}", str(bport),
+                 "--decode", f"grpc://127.0.0.1:{decode.port}",
+                 "--host", "127.0.0.1", "--port", str(port),
+                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+                 "--worker-startup-check-interval", "1", "--health-check-interval-secs", "2",
+                 "--log-level", "info"],
+                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "NO_COLOR": "1"})
+        base = f"http://127.0.0.1:{port}"
+
+        def ready() -> bool:
+            if router.poll() is not None:
+                raise RuntimeError(f"router exited:\n{router_log.read_text()[-4000:]}")
+            try:
+                status, body = http("GET", f"{base}/workers", timeout=5)
+            except OSError:
+                return False
+            return status == 200 and sum(bool(w.get("is_healthy"))
+                                         for w in body.get("workers", [])) == 2
+
+        wait_for(ready, 90, "the router to see a healthy prefill and decode")
+        status, models = http("GET", f"{base}/v1/models")
+        assert status == 200
+        yield Pair(prefill, decode, plain, bport, router, base, models["data"][0]["id"],
+                   router_log)
+    finally:
+        if router is not None:
+            stop_router(router)
+        prefill.stop()
+        decode.stop()
+
+
+# ---------------------------------------------------------------------- the happy path
+
+
+def test_server_info_carries_what_the_router_pairs_on(pair: Pair) -> None:
+    for srv, mode in ((pair.prefill, "prefill"), (pair.decode, "decode")):
+        info = srv.stub().GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
+        args = dict(info.server_args)
+        assert args["disaggregation_mode"] == mode
+        assert args["disaggregation_transfer_backend"] == "zmq"
+        assert args["page_size"] == 1 and args["kv_cache_dtype"] == "auto"
+        assert {"disaggregation_bootstrap_port", "tp_size", "dp_size",
+                "max_running_requests"} <= set(args)
+    assert dict(pair.prefill.stub().GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
+                .server_args)["disaggregation_bootstrap_port"] == pair.bootstrap_port
+    status, body = http("GET", f"{pair.base}/workers")
+    kinds = sorted(w["worker_type"] for w in body["workers"])
+    assert kinds == ["decode", "prefill"]
+    router_generate(pair, PROMPTS[0], 2)
+    for srv, mode in ((pair.prefill, "prefill"), (pair.decode, "decode")):
+        def transferred(s: ServerProc = srv, mode: str = mode) -> Any:
+            loads = s.stub().GetLoads(pb.GetLoadsRequest(include=["disagg"]), timeout=10)
+            assert len(loads.loads) == 2
+            assert all(ld.disaggregation.mode == mode for ld in loads.loads)
+            done = [ld.disaggregation for ld in loads.loads
+                    if ld.disaggregation.kv_transfer_latency_ms > 0]
+            return done[0] if done else False
+        d = wait_for(transferred, 10, f"{mode}'s DisaggregationMetrics")
+        assert d.kv_transfer_speed_gb_s > 0
+
+
+@pytest.mark.parametrize("ids", PROMPTS, ids=["p8", "p13", "p3", "p100"])
+def test_generate_through_the_router_equals_a_plain_worker(pair: Pair, ids: list[int]) -> None:
+    n = 12
+    want = plain_generate(pair, ids, n, return_logprob=True)
+    out = router_generate(pair, ids, n, return_logprob=True)
+    assert out["output_ids"] == list(want.output_ids)
+    got_lps = [lp[0] for lp in out["meta_info"]["output_token_logprobs"]]
+    assert got_lps == pytest.approx(list(want.output_logprobs.token_logprobs), abs=1e-4)
+    # (the first token's logprob came from prefill, the others from decode)
+    # streamed: the same tokens
+    events = sse(f"{pair.base}/generate", {
+        "model": pair.model, "input_ids": ids, "stream": True,
+        "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}})
+    tokens = [t for e in events for t in e.get("output_ids", [])]
+    # (the router's last event repeats the last token: the same with a plain worker)
+    assert tokens[:n] == list(want.output_ids), events[-2:]
+    assert events[-1]["text"] == out["text"]
+    assert_freed(pair.prefill, pair.decode)
+
+
+def test_prompt_logprobs_from_prefill_reach_the_client(pair: Pair) -> None:
+    ids = PROMPTS[1]
+    want = plain_generate(pair, ids, 4, return_logprob=True, logprob_start_len=0)
+    out = router_generate(pair, ids, 4, return_logprob=True, logprob_start_len=0)
+    got = [lp[0] for lp in out["meta_info"]["input_token_logprobs"]]
+    expected = [v.value if v.HasField("value") else None
+                for v in want.input_logprobs.token_logprobs]
+    assert len(got) == len(expected)
+    assert [g for g in got if g is not None] == pytest.approx(
+        [e for e in expected if e is not None], abs=1e-4)
+    assert out["output_ids"] == list(want.output_ids)
+
+
+def test_chat_completions_stream_and_not_agree(pair: Pair) -> None:
+    body = {"model": pair.model, "messages": [{"role": "user", "content": "Say something"}],
+            "max_tokens": 10, "temperature": 0}
+    status, answer = http("POST", f"{pair.base}/v1/chat/completions", body)
+    assert status == 200, answer
+    assert answer["usage"]["completion_tokens"] >= 1
+    text = answer["choices"][0]["message"]["content"]
+    events = sse(f"{pair.base}/v1/chat/completions", {**body, "stream": True})
+    streamed = "".join(c.get("delta", {}).get("content") or ""
+                       for e in events for c in e.get("choices", []))
+    assert streamed == text
+    # top logprobs: the first token's from prefill, the rest from decode; greedy picks top 1
+    status, answer = http("POST", f"{pair.base}/v1/chat/completions",
+                          {**body, "logprobs": True, "top_logprobs": 2})
+    assert status == 200, answer
+    content = answer["choices"][0]["logprobs"]["content"]
+    assert len(content) == answer["usage"]["completion_tokens"]
+    for tok in content:
+        assert len(tok["top_logprobs"]) == 2
+        assert tok["logprob"] == pytest.approx(tok["top_logprobs"][0]["logprob"], abs=1e-5)
+    assert_freed(pair.prefill, pair.decode)
+
+
+def test_prefix_cache_on_prefill_reports_cached_tokens(pair: Pair) -> None:
+    # the room picks the prefill rank (room % 2): of 12 requests sharing a prefix, those
+    # after the first to land on a rank find it cached there (two misses at most)
+    ids = list(range(140, 200))
+    cached = [router_generate(pair, ids + [k], 2)["meta_info"]["cached_tokens"]
+              for k in range(12)]
+    assert cached[0] == 0
+    assert sum(c >= len(ids) for c in cached) >= 10, cached
+
+
+def test_stop_token_and_max_new_tokens_apply_to_the_first_token_on_decode(pair: Pair) -> None:
+    ids = PROMPTS[0]
+    first = plain_generate(pair, ids, 1).output_ids[0]
+    status, body = http("POST", f"{pair.base}/generate", {
+        "model": pair.model, "input_ids": ids,
+        "sampling_params": {"max_new_tokens": 8, "temperature": 0, "stop_token_ids": [first]}})
+    assert status == 200, body
+    out = body[0] if isinstance(body, list) else body
+    assert out["output_ids"] in ([first], [])  # stop trimmed or kept, as a plain worker
+    assert out["meta_info"]["finish_reason"]["type"] == "stop"
+    assert router_generate(pair, ids, 1)["output_ids"] == [first]
+    assert_freed(pair.prefill, pair.decode)
+
+
+def test_stop_strings_and_constrained_decoding_on_decode(pair: Pair) -> None:
+    ids = PROMPTS[1]
+    text = router_generate(pair, ids, 12)["text"]
+    stop = text[5:7]
+    req = greedy(ids, 12)
+    req.sampling_params.stop.append(stop)
+    want = list(pair.plain.stub().Generate(req, timeout=60))[-1].complete
+    # (both legs driven as the router drives them: smg 1.13's /generate does not pass
+    # sampling_params.stop on to the workers)
+    def with_stop() -> pb.GenerateRequest:
+        r = greedy(ids, 12)
+        r.sampling_params.stop.append(stop)
+        return r
+
+    _, d = _both_legs(pair.prefill, pair.decode, pair.bootstrap_port, 31337, with_stop)
+    got = d[-1].complete
+    assert list(got.output_ids) == list(want.output_ids) and len(want.output_ids) < 12
+    assert got.finish_reason == "stop" and got.matched_stop_str == stop
+    # a regex: prefill's first token and decode's rest both obey it
+    regex = "(ab|cd)[0-9]{3}"
+    req = greedy(ids, 10)
+    req.sampling_params.regex = regex
+    want = list(pair.plain.stub().Generate(req, timeout=60))[-1].complete
+    status, body = http("POST", f"{pair.base}/generate", {
+        "model": pair.model, "input_ids": ids,
+        "sampling_params": {"max_new_tokens": 10, "temperature": 0, "regex": regex}})
+    assert status == 200, body
+    out = body[0] if isinstance(body, list) else body
+    assert out["output_ids"] == list(want.output_ids)
+    import re
+
+    assert re.fullmatch(regex, out["text"]), out["text"]
+    assert_freed(pair.prefill, pair.decode)
+
+
+def test_n2_gives_two_samples_through_the_router(pair: Pair) -> None:
+    body = {"model": pair.model, "n": 2, "max_tokens": 8, "temperature": 1.0,
+            "messages": [{"role": "user", "content": "Two answers"}]}
+    status, answer = http("POST", f"{pair.base}/v1/chat/completions", body)
+    assert status == 200, answer
+    assert sorted(c["index"] for c in answer["choices"]) == [0, 1]
+    events = sse(f"{pair.base}/v1/chat/completions", {**body, "stream": True})
+    assert {c["index"] for e in events for c in e.get("choices", [])} == {0, 1}
+    # greedy: both samples are the plain worker's tokens (sample 1 decodes from sample 0's KV)
+    ids = PROMPTS[1]
+    want = list(plain_generate(pair, ids, 6).output_ids)
+    def two() -> pb.GenerateRequest:
+        r = greedy(ids, 6)
+        r.sampling_params.n = 2
+        return r
+
+    _, d = _both_legs(pair.prefill, pair.decode, pair.bootstrap_port, 5150, two)
+    finals = [r.complete for r in d if r.HasField("complete")]
+    assert sorted(f.index for f in finals) == [0, 1]
+    assert all(list(f.output_ids) == want for f in finals)
+    assert_freed(pair.prefill, pair.decode)
+
+
+def test_sampled_generation_completes(pair: Pair) -> None:
+    status, body = http("POST", f"{pair.base}/generate", {
+        "model": pair.model, "input_ids": PROMPTS[1],
+        "sampling_params": {"max_new_tokens": 10, "temperature": 0.8, "top_p": 0.9,
+                            "ignore_eos": True}})
+    assert status == 200, body
+    out = body[0] if isinstance(body, list) else body
+    assert len(out["output_ids"]) == 10 and all(0 <= t < 261 for t in out["output_ids"])
+
+
+def test_200_concurrent_requests_all_complete(pair: Pair) -> None:
+    rng = random.Random(5)
+    prompts = [[rng.randrange(0, 256) for _ in range(rng.randrange(3, 40))] for _ in range(200)]
+
+    def one(ids: list[int]) -> int:
+        return len(router_generate(pair, ids, 8)["output_ids"])
+
+    with ThreadPoolExecutor(32) as pool:
+        lengths = list(pool.map(one, prompts))
+    assert lengths == [8] * 200
+    assert_freed(pair.prefill, pair.decode, timeout=20)
+
+
+def test_each_leg_profiles_through_its_sidecar(pair: Pair) -> None:
+    """What `bench_serving --pd-separated --profile --profile-prefill-url P
+    --profile-decode-url D` does: start each worker's profiler on its sidecar, run requests
+    through the router, stop them: a trace from each worker (each of its two ranks)."""
+    body = json.dumps({"activities": ["CPU"], "num_steps": None, "profile_by_stage": False,
+                       "profile_stages": None, "profile_prefix": None}).encode()
+    legs = (pair.prefill, pair.decode)
+    for srv in legs:
+        req = urllib.request.Request(f"{srv.http_url}/start_profile", data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            assert resp.status == 200
+    for ids in PROMPTS[:3]:
+        router_generate(pair, ids, 4)
+    for srv in legs:
+        req = urllib.request.Request(f"{srv.http_url}/stop_profile", data=b"{}", method="POST",
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            assert resp.status == 200
+    root = pair.router_log.parent
+    for leg in ("prefill", "decode"):
+        traces = sorted((root / f"prof_{leg}").rglob("*.trace.json.gz"))
+        assert len(traces) == 2, (leg, traces)  # one per data-parallel rank
+
+
+def test_fake_bootstrap_host_runs_without_a_transfer(pair: Pair) -> None:
+    req = pd_request(PROMPTS[0], 5, "2.2.2.2", 0, 0, rid="warmup")
+    outs = list(pair.decode.stub().Generate(req, timeout=60))
+    assert list(outs[-1].complete.output_ids) == list(plain_generate(pair, PROMPTS[0], 5).output_ids)
+    assert_freed(pair.decode)
+
+
+# ---------------------------------------------------------------------- refusals
+
+
+def test_a_plain_request_at_a_decode_worker_is_refused(pair: Pair) -> None:
+    with pytest.raises(grpc.RpcError) as err:
+        list(pair.decode.stub().Generate(greedy(PROMPTS[0], 3), timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "disaggregated_params" in err.value.details()
+
+
+def test_bad_disaggregated_params_are_refused(pair: Pair) -> None:
+    for host, port, room in (("", 8998, 1), ("127.0.0.1", 0, 1), ("127.0.0.1", 70000, 1),
+                             ("127.0.0.1", 8998, -5), ("h" * 300, 8998, 1)):
+        with pytest.raises(grpc.RpcError) as err:
+            list(pair.decode.stub().Generate(pd_request(PROMPTS[0], 3, host, port, room),
+                                             timeout=30))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (host, port, room)
+    assert_serving(pair)
+
+
+# ---------------------------------------------------------------------- failures
+
+
+def _fail_after(call: Any) -> tuple[grpc.RpcError, float]:
+    t0 = time.monotonic()
+    with pytest.raises(grpc.RpcError) as err:
+        list(call)
+    return err.value, time.monotonic() - t0
+
+
+def test_prefill_dies_mid_transfer_decode_fails_on_its_own(pair: Pair) -> None:
+    fake = FakePrefill()
+    try:
+        room = 4242
+        result: dict[str, Any] = {}
+
+        def run() -> None:
+            result["err"], result["s"] = _fail_after(pair.decode.stub().Generate(
+                pd_request(PROMPTS[2], 5, "127.0.0.1", fake.port, room), timeout=60))
+
+        t = threading.Thread(target=run)
+        t.start()
+        hs = fake.handshake()
+        assert hs["kind"] == "handshake" and hs["room"] == room
+        assert len(hs["dst_slots"]) == len(PROMPTS[2])
+        assert used_tokens(pair.decode) >= len(PROMPTS[2]) or True  # held while waiting
+        fake.alive = False  # the prefill's bootstrap stops answering: it died
+        t.join(60)
+        err = result["err"]
+        assert err.code() == grpc.StatusCode.UNAVAILABLE
+        assert "kv transfer failed" in err.details() and "might be dead" in err.details()
+        assert result["s"] < 10  # heartbeat every 1 s, 2 misses; not the 12 s timeout
+    finally:
+        fake.close()
+    assert_freed(pair.decode)
+    assert_serving(pair)
+
+
+@pytest.mark.parametrize("how", ["corrupt", "short", "failed"])
+def test_a_corrupt_short_or_failed_transfer_fails_the_request(pair: Pair, how: str) -> None:
+    fake = FakePrefill()
+    try:
+        room = {"corrupt": 501, "short": 502, "failed": 503}[how]
+        result: dict[str, Any] = {}
+
+        def run() -> None:
+            result["err"], result["s"] = _fail_after(pair.decode.stub().Generate(
+                pd_request(PROMPTS[1], 5, "127.0.0.1", fake.port, room), timeout=60))
+
+        t = threading.Thread(target=run)
+        t.start()
+        hs = fake.handshake()
+        sender = fake.pool_like(hs)
+        from sglang_admin.disaggregation.transfer import PeerDescriptor
+
+        peer = PeerDescriptor.from_wire(hs["peer"])
+        dst = hs["dst_slots"]
+        src = list(range(len(dst)))
+        if how == "short":  # the pages of all but the last token
+            res = sender.send(room, peer, src[:-1], dst[:-1], 5)
+            assert not res.ok and "slots differ" in res.error  # refused at the receiver
+            fake.notify(hs["notify"], {"kind": "done", "room": room, "ok": True, "weight_version": "default",
+                                       "first_token": 7, "checksum": sender.checksum(src),
+                                       "nbytes": 0, "seconds": 0.0})
+        elif how == "corrupt":  # sent, then claimed to be other bytes
+            assert sender.send(room, peer, src, dst, 5).ok
+            fake.notify(hs["notify"], {"kind": "done", "room": room, "ok": True, "weight_version": "default",
+                                       "first_token": 7, "checksum": sender.checksum(src) ^ 1,
+                                       "nbytes": 0, "seconds": 0.0})
+        else:
+            fake.notify(hs["notify"], {"kind": "done", "room": room, "ok": False,
+                                       "error": "kv transfer failed: disk on fire"})
+        t.join(60)
+        err = result["err"]
+        assert err.code() == grpc.StatusCode.UNAVAILABLE
+        assert "kv transfer failed" in err.details()
+        if how in ("corrupt", "short"):
+            assert "checksum mismatch" in err.details()
+        else:
+            assert "disk on fire" in err.details()
+        assert result["s"] < 10
+    finally:
+        fake.close()
+    assert_freed(pair.decode)
+    assert_serving(pair)
+
+
+def test_flush_and_pause_with_a_request_in_transfer_lose_nothing(pair: Pair) -> None:
+    """A decode request waiting for its KV: FlushCache does not run under it (the rank is
+    busy), PauseGeneration in_place holds it; the KV arrives, and after ContinueGeneration it
+    completes from token 2 as if nothing happened."""
+    fake = FakePrefill()
+    stub = pair.decode.stub()
+    try:
+        room = 12321
+        result: dict[str, Any] = {}
+
+        def run() -> None:
+            result["out"] = list(stub.Generate(
+                pd_request(FAKE_KV_PROMPTS[0], 5, "127.0.0.1", fake.port, room), timeout=60))
+
+        t = threading.Thread(target=run)
+        t.start()
+        hs = fake.handshake()
+        flush = stub.FlushCache(pb.FlushCacheRequest(timeout_s=0), timeout=30)
+        assert not flush.success  # busy: the room's KV is reserved
+        assert stub.PauseGeneration(pb.PauseGenerationRequest(mode="in_place"),
+                                    timeout=30).success
+        sender = fake.pool_like(hs)
+        from sglang_admin.disaggregation.transfer import PeerDescriptor
+
+        src = list(range(len(hs["dst_slots"])))
+        assert sender.send(room, PeerDescriptor.from_wire(hs["peer"]), src, hs["dst_slots"], 5).ok
+        fake.notify(hs["notify"], {"kind": "done", "room": room, "ok": True, "first_token": 9,
+                                   "weight_version": "default",
+                                   "checksum": sender.checksum(src)})
+        time.sleep(1.0)
+        assert t.is_alive()  # paused: joined, not stepped
+        assert stub.ContinueGeneration(pb.ContinueGenerationRequest(), timeout=30).success
+        t.join(60)
+        complete = result["out"][-1].complete
+        assert complete.output_ids[0] == 9 and len(complete.output_ids) == 5
+        assert stub.FlushCache(pb.FlushCacheRequest(timeout_s=10), timeout=30).success
+    finally:
+        fake.close()
+    assert_freed(pair.decode)
+
+
+def test_kv_for_an_unknown_room_is_refused_and_harms_nothing(pair: Pair) -> None:
+    fake = FakePrefill()
+    try:
+        room = 777
+        result: dict[str, Any] = {}
+
+        def run() -> None:
+            result["out"] = list(pair.decode.stub().Generate(
+                pd_request(FAKE_KV_PROMPTS[1], 4, "127.0.0.1", fake.port, room), timeout=60))
+
+        t = threading.Thread(target=run)
+        t.start()
+        hs = fake.handshake()
+        sender = fake.pool_like(hs)
+        from sglang_admin.disaggregation.transfer import PeerDescriptor
+
+        peer = PeerDescriptor.from_wire(hs["peer"])
+        # pages and a completion for a room decode never asked for
+        bad = sender.send(room + 1, peer, [0], [hs["dst_slots"][0]], 5)
+        assert not bad.ok and "unknown room" in bad.error
+        fake.notify(hs["notify"], {"kind": "done", "room": room + 1, "ok": True,
+                                   "first_token": 1, "checksum": 0})
+        fake.notify(hs["notify"], {"kind": "bogus", "room": room})
+        # then the real room's pages: the request completes from token 2
+        src = list(range(len(hs["dst_slots"])))
+        assert sender.send(room, peer, src, hs["dst_slots"], 5).ok
+        fake.notify(hs["notify"], {"kind": "done", "room": room, "ok": True, "weight_version": "default", "first_token": 9,
+                                   "checksum": sender.checksum(src), "nbytes": 1,
+                                   "seconds": 0.001})
+        t.join(60)
+        complete = result["out"][-1].complete
+        assert complete.output_ids[0] == 9 and len(complete.output_ids) == 4
+    finally:
+        fake.close()
+    assert_freed(pair.decode)
+
+
+def test_kv_of_other_weights_is_never_decoded(pair: Pair) -> None:
+    """A refit on one leg only: decode refuses the KV computed with the other weights."""
+    stub = pair.decode.stub()
+    assert stub.UpdateWeightVersion(pb.UpdateWeightVersionRequest(new_version="v2"),
+                                    timeout=30).success
+    try:
+        status, body = http("POST", f"{pair.base}/generate", {
+            "model": pair.model, "input_ids": PROMPTS[0],
+            "sampling_params": {"max_new_tokens": 3, "temperature": 0}}, timeout=120)
+        assert status >= 500, body
+        assert "weight version mismatch" in json.dumps(body), body
+    finally:
+        assert stub.UpdateWeightVersion(pb.UpdateWeightVersionRequest(new_version="default"),
+                                        timeout=30).success
+    assert_freed(pair.prefill, pair.decode)
+    assert_serving(pair)
+
+
+def test_a_room_that_never_arrives_times_out(pair: Pair) -> None:
+    """Decode handshakes with the real prefill, which never gets the request."""
+    err, took = _fail_after(pair.decode.stub().Generate(
+        pd_request(PROMPTS[0], 4, "127.0.0.1", pair.bootstrap_port, 99001), timeout=60))
+    assert err.code() == grpc.StatusCode.UNAVAILABLE
+    assert "kv transfer timed out" in err.details()
+    assert 11 < took < 30
+    assert_freed(pair.decode, pair.prefill)
+    assert_serving(pair)
+
+
+def test_unreachable_bootstrap_fails_with_bootstrap_in_the_message(pair: Pair) -> None:
+    err, took = _fail_after(pair.decode.stub().Generate(
+        pd_request(PROMPTS[0], 4, "127.0.0.1", free_port(), 99002), timeout=60))
+    assert err.code() == grpc.StatusCode.UNAVAILABLE and "bootstrap failed" in err.details()
+    assert took < 10
+    assert_freed(pair.decode)
+
+
+def _prefill_control(pair: Pair, room: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{pair.bootstrap_port}/route", timeout=5) as r:
+        table = json.loads(r.read())
+    assert table["dp_size"] == 2
+    return table["ranks"][str(room % table["dp_size"])]
+
+
+def test_decode_dies_mid_transfer_prefill_fails_and_frees(pair: Pair) -> None:
+    """A handshake from a decode whose pool stops answering: prefill's send times out."""
+    import torch
+
+    from sglang_admin.disaggregation.zmq_backend import ZmqBackend
+
+    fake = FakePrefill()  # reused for its control socket and PUSH helper
+    gone = ZmqBackend()
+    try:
+        room = 88001
+        result: dict[str, Any] = {}
+
+        def run() -> None:
+            result["err"], result["s"] = _fail_after(pair.prefill.stub().Generate(
+                pd_request(PROMPTS[3], 4, "127.0.0.1", pair.bootstrap_port, room), timeout=60))
+
+        t = threading.Thread(target=run)
+        t.start()
+        # a pool of the prefill's layout (4 layers x K,V; 2 KV heads x 32 dims float32)
+        gone.register_buffers([torch.zeros(200, 2 * 32 * 4, dtype=torch.uint8)
+                               for _ in range(8)])
+        gone.start()
+        desc = gone.descriptor().to_wire()
+        gone.close()  # the decode died after its handshake
+        fake.notify(_prefill_control(pair, room), {
+            "kind": "handshake", "room": room, "rid": "x", "peer": desc,
+            "dst_slots": list(range(1, len(PROMPTS[3]) + 1)), "notify": fake.control})
+        t.join(60)
+        err = result["err"]
+        assert err.code() == grpc.StatusCode.UNAVAILABLE and "kv transfer failed" in err.details()
+        assert result["s"] < 10  # the 4 s transfer timeout
+        told = fake.next_message(5)  # decode's notify address hears of the failure
+        assert told is not None and told["ok"] is False
+    finally:
+        fake.close()
+    assert_freed(pair.prefill)
+    assert_serving(pair)
+
+
+def test_prefill_without_a_handshake_times_out_with_bootstrap(pair: Pair) -> None:
+    err, took = _fail_after(pair.prefill.stub().Generate(
+        pd_request(PROMPTS[0], 4, "127.0.0.1", pair.bootstrap_port, 88002), timeout=60))
+    assert err.code() == grpc.StatusCode.UNAVAILABLE and "bootstrap timed out" in err.details()
+    assert 11 < took < 30
+    assert_freed(pair.prefill)
+
+
+@pytest.mark.parametrize("leg", ["decode", "prefill"])
+def test_a_client_that_disconnects_while_waiting_frees_the_kv(pair: Pair, leg: str) -> None:
+    """Decode waiting for its KV, or prefill holding KV for a handshake: the call is
+    cancelled (the router's abort on a dropped client) and the KV goes at once."""
+    srv = pair.decode if leg == "decode" else pair.prefill
+    fake = FakePrefill()
+    try:
+        port = fake.port if leg == "decode" else pair.bootstrap_port
+        call = srv.stub().Generate(pd_request(PROMPTS[3], 4, "127.0.0.1", port, 66000 + len(leg)),
+                                   timeout=60)
+        if leg == "decode":
+            fake.handshake()
+        wait_for(lambda: used_tokens(srv) >= len(PROMPTS[3]), 10, "the KV held")
+        t0 = time.monotonic()
+        call.cancel()
+        assert_freed(srv, timeout=5)
+        assert time.monotonic() - t0 < 5
+        if leg == "decode":  # decode tells prefill it gave the room up
+            msg = fake.next_message(5)
+            assert msg is not None and msg["kind"] == "cancel"
+    finally:
+        fake.close()
+    assert_serving(pair)
+
+
+def test_a_streaming_client_that_drops_through_the_router_frees_both(pair: Pair) -> None:
+    body = {"model": pair.model, "input_ids": PROMPTS[3], "stream": True,
+            "sampling_params": {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}}
+    req = urllib.request.Request(f"{pair.base}/generate", data=json.dumps(body).encode(),
+                                 method="POST", headers={"content-type": "application/json"})
+    resp = urllib.request.urlopen(req, timeout=60)
+    for raw in resp:
+        if raw.startswith(b"data:"):
+            break
+    resp.close()
+    assert_freed(pair.prefill, pair.decode, timeout=40)  # the router drains decode <= 30 s
+    assert_serving(pair)
+
+
+# ---------------------------------------------------------------------- LoRA (a pair of its own)
+
+
+def _both_legs(prefill: ServerProc, decode: ServerProc, bport: int, room: int,
+               make: Any) -> tuple[list[pb.GenerateResponse], list[pb.GenerateResponse]]:
+    """Both legs at once with one room, as the router sends them."""
+    out: dict[str, Any] = {}
+
+    def leg(name: str, srv: ServerProc) -> None:
+        req = make()
+        req.request_id = f"pair{room}"
+        req.disaggregated_params.bootstrap_host = "127.0.0.1"
+        req.disaggregated_params.bootstrap_port = bport
+        req.disaggregated_params.bootstrap_room = room
+        out[name] = list(srv.stub().Generate(req, timeout=120))
+
+    threads = [threading.Thread(target=leg, args=a) for a in (("p", prefill), ("d", decode))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(150)
+    return out["p"], out["d"]
+
+
+def test_lora_requests_decode_with_the_adapter(tmp_path: Path) -> None:
+    from tests.lora_models import build_adapter, build_base
+
+    base = build_base("llama", tmp_path / "base")
+    adapter = build_adapter(base, "attn", tmp_path / "attn", seed=3)
+    bport = free_port()
+    common = ["--model-path", str(base), "--enable-lora", "--max-lora-rank", "8",
+              "--lora-paths", f"attn={adapter}", "--disaggregation-transfer-backend", "zmq"]
+    prefill = start_server(tmp_path, *common, "--disaggregation-mode", "prefill",
+                           "--disaggregation-bootstrap-port", str(bport), env=PD_ENV, wait=False)
+    decode = start_server(tmp_path, *common, "--disaggregation-mode", "decode", env=PD_ENV,
+                          wait=False)
+    try:
+        for srv in (prefill, decode):
+            wait_started(srv)
+        ids = [3, 14, 15, 92, 65, 35, 89, 79]
+        got: dict[str, list[int]] = {}
+        for lora_id, room in (("attn", 11), ("", 12)):
+            _, d = _both_legs(prefill, decode, bport, room,
+                              lambda lid=lora_id: greedy(ids, 8, lora_id=lid))
+            # the plain path on the same worker (SGLang's fake bootstrap host: no transfer)
+            plain = greedy(ids, 8, lora_id=lora_id)
+            plain.disaggregated_params.bootstrap_host = "2.2.2.2"
+            want = list(decode.stub().Generate(plain, timeout=60))[-1].complete.output_ids
+            got[lora_id] = list(d[-1].complete.output_ids)
+            assert got[lora_id] == list(want), lora_id
+        assert got["attn"] != got[""]  # the adapter changed the tokens on both legs
+        assert_freed(prefill, decode)
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
+def test_deadline_passing_while_decode_waits_frees_the_kv(pair: Pair) -> None:
+    fake = FakePrefill()
+    try:
+        t0 = time.monotonic()
+        call = pair.decode.stub().Generate(
+            pd_request(PROMPTS[3], 4, "127.0.0.1", fake.port, 55001), timeout=3)
+        fake.handshake()
+        with pytest.raises(grpc.RpcError) as err:
+            list(call)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert time.monotonic() - t0 < 8
+        msg = fake.next_message(5)  # prefill is told
+        assert msg is not None and msg["kind"] == "cancel"
+    finally:
+        fake.close()
+    assert_freed(pair.decode, timeout=5)
+
+
+def test_fuzzed_control_messages_harm_no_leg(pair: Pair) -> None:
+    """Garbage on both legs' control sockets: dropped (or the room they name fails); both
+    keep serving, no KV held."""
+    import zmq
+
+    fake = FakePrefill()
+    rng = random.Random(11)
+    try:
+        room = 44001
+        result: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                result["out"] = list(pair.decode.stub().Generate(
+                    pd_request(FAKE_KV_PROMPTS[2], 4, "127.0.0.1", fake.port, room), timeout=60))
+            except grpc.RpcError as exc:
+                result["err"] = exc
+
+        t = threading.Thread(target=run)
+        t.start()
+        hs = fake.handshake()
+        targets = [hs["notify"], _prefill_control(pair, 0), _prefill_control(pair, 1)]
+        values = [None, -1, 2**63 - 1, -2**63, "x", b"\xff", 3.5, [], {}, [[1, "a"]], {"a": 1}, True]
+        ctx = zmq.Context.instance()
+        for addr in targets:
+            sock = ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 1000)
+            sock.connect(f"tcp://{addr}")
+            for _ in range(200):
+                kind = rng.choice(["handshake", "done", "cancel", "x", 5])
+                msg = {"kind": kind, "room": rng.choice([room, 1, -3, 2**40, "r"])}
+                for key in ("ok", "error", "first_token", "checksum", "peer", "dst_slots",
+                            "notify", "top_logprobs", "logprob", "weight_version"):
+                    if rng.random() < 0.5:
+                        msg[key] = rng.choice(values)
+                sock.send(msgpack.packb(msg) if rng.random() < 0.9 else rng.randbytes(20))
+            sock.close()
+        t.join(60)
+        if "err" in result:  # the room got a malformed completion: failed with a clear status
+            assert "kv transfer" in result["err"].details()
+    finally:
+        fake.close()
+    assert_freed(pair.prefill, pair.decode, timeout=20)
+    assert_serving(pair)
+
+
+# ---------------------------------------------------------------------- SmolLM2 (a pair of its own)
+
+
+def test_smollm2_pair_equals_a_plain_worker(tmp_path: Path) -> None:
+    """The real SmolLM2-135M-Instruct GGUF: a PD pair's greedy tokens and logprobs equal the
+    plain path's (the prefill worker answers requests without disaggregated_params as a plain
+    worker does)."""
+    from sglang_admin.cli import served_model_path
+
+    try:
+        path = served_model_path("smollm2")
+    except ValueError as exc:
+        pytest.skip(f"SmolLM2 is not installed (make smollm2): {exc}")
+    bport = free_port()
+    common = ["--model-path", str(path), "--disaggregation-transfer-backend", "zmq"]
+    prefill = start_server(tmp_path, *common, "--disaggregation-mode", "prefill",
+                           "--disaggregation-bootstrap-port", str(bport), env=PD_ENV, wait=False)
+    decode = start_server(tmp_path, *common, "--disaggregation-mode", "decode", env=PD_ENV,
+                          wait=False)
+    try:
+        for srv in (prefill, decode):
+            wait_started(srv)
+        for room, ids in enumerate(([1, 504, 3458, 314, 260, 2389, 30], list(range(40, 140))),
+                                   start=21):
+            want = list(prefill.stub().Generate(greedy(ids, 16, return_logprob=True),
+                                                timeout=120))[-1].complete
+            _, d = _both_legs(prefill, decode, bport, room,
+                              lambda i=ids: greedy(i, 16, return_logprob=True))
+            got = d[-1].complete
+            assert list(got.output_ids) == list(want.output_ids)
+            assert list(got.output_logprobs.token_logprobs) == pytest.approx(
+                list(want.output_logprobs.token_logprobs), abs=2e-3)
+        assert_freed(prefill, decode)
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
+# ---------------------------------------------------------------------- mooncake (a pair of its own)
+
+
+def test_mooncake_pair_equals_a_plain_worker(tmp_path: Path, request: pytest.FixtureRequest
+                                             ) -> None:
+    """The same control plane over the mooncake transfer engine (TCP here): tokens and
+    logprobs equal the plain worker's, concurrent pairs complete, the KV is freed."""
+    pytest.importorskip("mooncake", reason="the pd extra (mooncake) is not installed")
+    bport = free_port()
+    common = ["--disaggregation-transfer-backend", "mooncake"]
+    prefill = start_server(tmp_path, *common, "--disaggregation-mode", "prefill",
+                           "--disaggregation-bootstrap-port", str(bport), env=PD_ENV, wait=False)
+    decode = start_server(tmp_path, *common, "--disaggregation-mode", "decode", env=PD_ENV,
+                          wait=False)
+    try:
+        plain = request.getfixturevalue("server")
+        for srv in (prefill, decode):
+            wait_started(srv)
+        for room, ids in enumerate(PROMPTS, start=70):
+            want = list(plain.stub().Generate(greedy(ids, 10, return_logprob=True),
+                                              timeout=60))[-1].complete
+            _, d = _both_legs(prefill, decode, bport, room,
+                              lambda i=ids: greedy(i, 10, return_logprob=True))
+            got = d[-1].complete
+            assert list(got.output_ids) == list(want.output_ids)
+            assert list(got.output_logprobs.token_logprobs) == pytest.approx(
+                list(want.output_logprobs.token_logprobs), abs=1e-4)
+        rng = random.Random(9)
+        with ThreadPoolExecutor(16) as pool:
+            outs = list(pool.map(
+                lambda r: _both_legs(prefill, decode, bport, r, lambda: greedy(
+                    [rng.randrange(0, 256) for _ in range(20)], 6))[1][-1].complete,
+                range(100, 132)))
+        assert all(len(o.output_ids) == 6 for o in outs)
+        assert_freed(prefill, decode)
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
+def test_a_prefill_leg_pinned_to_another_rank_still_meets_decode(pair: Pair) -> None:
+    """data_parallel_rank on the prefill leg does not move the room off rank room % 2."""
+    ids = PROMPTS[0]
+    want = list(plain_generate(pair, ids, 4).output_ids)
+    room = 4001  # rank 1
+
+    def pinned() -> pb.GenerateRequest:
+        return greedy(ids, 4, data_parallel_rank=0)
+
+    _, d = _both_legs(pair.prefill, pair.decode, pair.bootstrap_port, room, pinned)
+    assert list(d[-1].complete.output_ids) == want
+    assert_freed(pair.prefill, pair.decode)
