@@ -43,11 +43,17 @@ of its previous life and a cursor from that life cannot be mistaken for a curren
 - ``start_sequence_number == 0``: the stream opens with a snapshot, per rank, of every
   live block (one KvCacheCleared first, then stored runs parents first), numbered so that
   it ends at the rank's current sequence; live batches follow with no gap.
-- a non-zero start (the gateway resumes after rank 0's cursor): with one rank, the kept
-  history replays every batch after it, then the stream goes live; when the history does
-  not reach back (or the cursor is not from this process, or there are several ranks,
-  whose cursors one number cannot name) the call ends with OUT_OF_RANGE, which the gateway
-  answers by clearing the worker and resubscribing from zero.
+- a non-zero start: the gateway keeps a cursor per rank but resumes with one number, the
+  highest sequence it applied (with one rank: that rank's last). The hub files every batch
+  under its place in the order the batches went out on every stream, so the cursor names a
+  point of that order: the batch of a rank numbered so (the earliest, when several ranks
+  have it; a rank's base when its snapshot was all the gateway had of it). The kept
+  history replays, in that order, every rank's batches after that point, then the stream
+  goes live. Nothing is lost; a batch of another rank that the gateway already applied
+  comes again at most, and the gateway skips it by that rank's own cursor. When the
+  history does not reach back to that point (or the cursor is not from this process) the
+  call ends with OUT_OF_RANGE, which the gateway answers by clearing the worker and
+  resubscribing from zero.
 - a subscriber that falls ``QUEUE_LIMIT`` batches behind is ended with DATA_LOSS (the
   gateway clears and resubscribes from zero).
 
@@ -101,6 +107,7 @@ QUEUE_LIMIT = 4096  # batches a subscriber may fall behind before it is cut off
 SNAPSHOT_CHUNK_BLOCKS = 8192  # blocks per snapshot batch (~0.5 MB with 16-token blocks)
 
 Block = tuple[int, list[int]]  # (block hash, its tokens)
+_GONE = -2  # a cursor's batch that the history no longer keeps
 
 
 def chain_hash(prev: int | None, tokens: Sequence[int]) -> int:
@@ -337,6 +344,8 @@ class _RankStream:
     base: int
     next_event_id: int = 1
     history: deque = field(default_factory=deque)  # recent pb.KvEventBatch, oldest first
+    history_order: deque = field(default_factory=deque)  # each one's place in the hub's order
+    trimmed: tuple[int, int] | None = None  # (sequence, place) of the last batch let go
     history_sizes: deque = field(default_factory=deque)  # the blocks of each, counted once
     history_blocks: int = 0
 
@@ -366,6 +375,7 @@ class KvEventHub:
         ]
         self.subscribers: set[KvSubscription] = set()
         self.closed = False
+        self.sent = 0  # batches fanned out so far, every rank's: the next one's place
 
     # ------------------------------------------------------------------ inbound
 
@@ -400,12 +410,14 @@ class KvEventHub:
         )
         blocks = _count_blocks(events)
         rank.history.append(batch)
+        rank.history_order.append(self.sent)
+        self.sent += 1
         rank.history_sizes.append(blocks)
         rank.history_blocks += blocks
         while len(rank.history) > HISTORY_BATCHES or (
             rank.history_blocks > HISTORY_BLOCKS and len(rank.history) > 1
         ):
-            rank.history.popleft()
+            rank.trimmed = (rank.history.popleft().sequence_number, rank.history_order.popleft())
             rank.history_blocks -= rank.history_sizes.popleft()
         for sub in list(self.subscribers):
             sub.offer(batch)
@@ -440,30 +452,45 @@ class KvEventHub:
             self.unsubscribe(sub)
 
     def _resume(self, cursor: int) -> list[pb.KvEventBatch]:
-        if len(self.ranks) != 1:
-            raise ServiceError(
-                grpc.StatusCode.OUT_OF_RANGE,
-                f"KV event cursor {cursor} cannot be resumed: this worker has "
-                f"{len(self.ranks)} data-parallel ranks, each with its own sequence; "
-                "resubscribe from zero for a snapshot",
-            )
-        rank = self.ranks[0]
-        if cursor == rank.seq:
-            return []
-        if cursor < rank.base or cursor > rank.seq:
+        """Every rank's kept batches after the point ``cursor`` names, in the order they
+        went out (see the module doc); OUT_OF_RANGE when that cannot be told or replayed."""
+        places = [self._place(rank, cursor) for rank in self.ranks]
+        named = [place for place in places if place is not None]
+        if not named:
+            ranges = ", ".join(f"rank {r}: {rank.base} to {rank.seq}"
+                               for r, rank in enumerate(self.ranks))
             raise ServiceError(
                 grpc.StatusCode.OUT_OF_RANGE,
                 f"KV event cursor {cursor} is not from this worker's current run (its "
-                f"sequence runs from {rank.base + 1} to {rank.seq}); resubscribe from zero "
-                "for a snapshot",
+                f"sequences run {ranges}); resubscribe from zero for a snapshot",
             )
-        if not rank.history or rank.history[0].sequence_number > cursor + 1:
+        after = min(named)
+        if any(place == _GONE for place in named) or any(
+            rank.trimmed is not None and rank.trimmed[1] > after for rank in self.ranks
+        ):
             raise ServiceError(
                 grpc.StatusCode.OUT_OF_RANGE,
-                f"KV event history no longer reaches back to sequence {cursor + 1}; "
-                "resubscribe from zero for a snapshot",
+                f"KV event history no longer reaches back to the batches after sequence "
+                f"{cursor}; resubscribe from zero for a snapshot",
             )
-        return [b for b in rank.history if b.sequence_number > cursor]
+        kept = [(place, batch) for rank in self.ranks
+                for place, batch in zip(rank.history_order, rank.history) if place > after]
+        return [batch for _, batch in sorted(kept, key=lambda item: item[0])]
+
+    @staticmethod
+    def _place(rank: _RankStream, cursor: int) -> int | None:
+        """Where ``cursor`` as one of ``rank``'s sequences sits in the hub's order: -1 for
+        the rank's base (before its first batch), _GONE when its batch is no longer kept,
+        None when the rank never had that number."""
+        if cursor == rank.base:
+            return -1
+        if not rank.base < cursor <= rank.seq:
+            return None
+        if rank.history and rank.history[0].sequence_number <= cursor:
+            return rank.history_order[cursor - rank.history[0].sequence_number]
+        if rank.trimmed is not None and rank.trimmed[0] == cursor:
+            return rank.trimmed[1]
+        return _GONE
 
     def _snapshot(self) -> list[pb.KvEventBatch]:
         """Every rank's live blocks, numbered to end at the rank's current sequence.

@@ -1,0 +1,162 @@
+"""Resuming SubscribeKvEvents from a cursor on a worker with several data-parallel ranks.
+
+The SMG gateway (1.13) keeps one cursor per rank, skips a batch at or below its rank's
+cursor as stale, treats one above cursor + 1 as a gap, and resumes with one number: the
+highest sequence it applied. ``Gateway`` below does the same, so the tests check what the
+gateway's index ends up holding, not only what goes over the wire.
+"""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from sglang_admin.messages import KvEvents
+from sglang_admin.pb import common_pb2 as pb
+from sglang_admin.server.errors import ServiceError
+from sglang_admin.server.kv_events import KvEventHub
+from tests.unit.test_kv_events import GatewayView
+
+B = 4
+
+
+class Gateway:
+    """The gateway's side of one worker: a cursor per rank and one pooled index."""
+
+    def __init__(self) -> None:
+        self.cursor: dict[int, int] = {}
+        self.view = GatewayView(B)
+        self.applied: list[tuple[int, int]] = []  # (rank, sequence) of each batch applied
+        self.stale = 0
+
+    def take(self, batch: pb.KvEventBatch) -> None:
+        last = self.cursor.get(batch.dp_rank)
+        if last is not None and batch.sequence_number <= last:
+            self.stale += 1
+            return
+        assert last is None or batch.HasField("snapshot") or batch.sequence_number == last + 1, (
+            f"gap on rank {batch.dp_rank}: {last} then {batch.sequence_number}")
+        for event in batch.events:
+            self.view.apply(event)
+        self.cursor[batch.dp_rank] = batch.sequence_number
+        self.applied.append((batch.dp_rank, batch.sequence_number))
+
+    def resume_from(self) -> int:
+        return max(self.cursor.values())
+
+
+def drain(sub) -> list[pb.KvEventBatch]:
+    out = list(sub.initial)
+    sub.initial = []
+    while not sub.queue.empty():
+        batch = sub.queue.get_nowait()
+        if batch is not None:
+            out.append(batch)
+    return out
+
+
+def step(hub: KvEventHub, rank: int, node: int, parent: int | None) -> None:
+    """One request's worth of KV events on ``rank``: a node of one block."""
+    tokens = [rank * 100 + node] * B
+    hub.publish(KvEvents(rank, [["stored", node, parent, tokens]]))
+
+
+@pytest.mark.parametrize("cursor_of", ["highest", "rank0"])
+def test_two_ranks_resume_with_exactly_the_missed_batches(cursor_of: str) -> None:
+    hub = KvEventHub(2, block_size=B, base=1000)
+    always = Gateway()  # a subscriber that never dropped its stream: the reference
+    always_sub = hub.subscribe(0)
+    gw = Gateway()
+    sub = hub.subscribe(0)
+    # rank 0 runs ahead of rank 1, so their numbers overlap and differ
+    for node in range(1, 6):
+        step(hub, 0, node, node - 1 if node > 1 else None)
+    step(hub, 1, 1, None)
+    step(hub, 1, 2, 1)
+    for batch in drain(sub):
+        gw.take(batch)
+    hub.unsubscribe(sub)  # the stream drops here
+    emitted_before = hub.sent
+    step(hub, 1, 3, 2)
+    step(hub, 0, 6, 5)
+    hub.publish(KvEvents(0, [["removed", [6]]]))
+    step(hub, 1, 4, 3)
+    missed = [(rank, b.sequence_number) for rank in (0, 1)
+              for b, place in zip(hub.ranks[rank].history, hub.ranks[rank].history_order)
+              if place >= emitted_before]
+    assert len(missed) == 4
+
+    cursor = gw.resume_from() if cursor_of == "highest" else gw.cursor[0]
+    resumed = hub.subscribe(cursor)
+    replay = resumed.initial
+    assert not any(b.HasField("snapshot") for b in replay)  # a replay, not a new snapshot
+    for batch in replay:
+        gw.take(batch)
+    # every missed batch came, in the order they went out; the gateway applied exactly
+    # those, and its index is the one a subscriber that never dropped holds
+    assert sorted(gw.applied[-len(missed):]) == sorted(missed)
+    assert [(b.dp_rank, b.sequence_number) for b in replay][-len(missed):] == [
+        (r, s) for r, s in gw.applied[-len(missed):]]
+    for batch in drain(always_sub):
+        always.take(batch)
+    assert gw.view.blocks == always.view.blocks and gw.cursor == always.cursor
+    # live batches follow the replay with no gap
+    step(hub, 1, 5, 4)
+    for batch in drain(resumed):
+        gw.take(batch)
+    assert gw.cursor[1] == hub.ranks[1].seq
+
+
+def test_two_ranks_resume_right_after_a_snapshot() -> None:
+    hub = KvEventHub(2, block_size=B, base=50)
+    step(hub, 0, 1, None)
+    step(hub, 1, 1, None)
+    step(hub, 1, 2, 1)
+    gw = Gateway()
+    sub = hub.subscribe(0)
+    for batch in drain(sub):
+        gw.take(batch)
+    hub.unsubscribe(sub)
+    step(hub, 0, 2, 1)
+    resumed = hub.subscribe(gw.resume_from())
+    for batch in resumed.initial:
+        gw.take(batch)
+    assert gw.cursor == {0: hub.ranks[0].seq, 1: hub.ranks[1].seq}
+    assert (0, hub.ranks[0].seq) in gw.applied
+    assert len(gw.view.blocks) == 4
+
+
+def test_idle_ranks_resume_from_their_base() -> None:
+    hub = KvEventHub(2, block_size=B, base=7)
+    gw = Gateway()
+    sub = hub.subscribe(0)  # an idle worker: rank 0's snapshot is one clear at the base
+    for batch in drain(sub):
+        gw.take(batch)
+    hub.unsubscribe(sub)
+    step(hub, 1, 1, None)
+    step(hub, 0, 1, None)
+    replay = hub.subscribe(gw.resume_from()).initial
+    assert [(b.dp_rank, b.sequence_number) for b in replay] == [(1, 8), (0, 8)]
+
+
+def test_two_ranks_cursor_older_than_the_history_is_out_of_range(monkeypatch) -> None:
+    import sglang_admin.server.kv_events as kv
+
+    monkeypatch.setattr(kv, "HISTORY_BATCHES", 2)
+    hub = KvEventHub(2, block_size=B, base=0)
+    step(hub, 0, 1, None)
+    step(hub, 1, 1, None)
+    for node in range(2, 6):  # rank 0 goes on; its history keeps its last two batches
+        step(hub, 0, node, node - 1)
+    # rank 1's batch 1 is still kept, but rank 0's batches after it are not
+    with pytest.raises(ServiceError) as err:
+        hub.subscribe(1)
+    assert err.value.code == grpc.StatusCode.OUT_OF_RANGE
+    assert "no longer reaches back" in str(err.value)
+    # from rank 0's third batch on everything is kept: that resumes
+    assert [b.sequence_number for b in hub.subscribe(3).initial] == [4, 5]
+    for bad in (9, 2 ** 40):  # ahead of every rank, another run's cursor
+        with pytest.raises(ServiceError) as err:
+            hub.subscribe(bad)
+        assert err.value.code == grpc.StatusCode.OUT_OF_RANGE
+        assert "not from this worker's current run" in str(err.value)
