@@ -43,16 +43,16 @@ of its previous life and a cursor from that life cannot be mistaken for a curren
 - ``start_sequence_number == 0``: the stream opens with a snapshot, per rank, of every
   live block (one KvCacheCleared first, then stored runs parents first), numbered so that
   it ends at the rank's current sequence; live batches follow with no gap.
-- a non-zero start: the gateway keeps a cursor per rank but resumes with one number, the
-  highest sequence it applied (with one rank: that rank's last). The hub files every batch
-  under its place in the order the batches went out on every stream, so the cursor names a
-  point of that order: the batch of a rank numbered so (the earliest, when several ranks
-  have it; a rank's base when its snapshot was all the gateway had of it). The kept
-  history replays, in that order, every rank's batches after that point, then the stream
-  goes live. Nothing is lost; a batch of another rank that the gateway already applied
-  comes again at most, and the gateway skips it by that rank's own cursor. When the
-  history does not reach back to that point (or the cursor is not from this process) the
-  call ends with OUT_OF_RANGE, which the gateway answers by clearing the worker and
+- a non-zero start: the gateway keeps a cursor per rank (a batch at its rank's cursor is
+  skipped as stale, one below it is taken for a restarted publisher and clears the
+  index) but resumes with one number, the highest sequence it applied. With one rank
+  that is the rank's cursor. With several, each stream keeps the last sequence it sent of
+  every rank (starting from the cursors of the stream it resumed), and the hub keeps
+  those of the last ENDED_STREAMS streams: the newest whose highest is the number gives
+  every rank's cursor. The kept history replays, in the order they went out, every
+  rank's batches after its cursor, then the stream goes live. When no ended stream
+  matches, a rank's history does not reach back, or the cursor is not from this process,
+  the call ends with OUT_OF_RANGE, which the gateway answers by clearing the worker and
   resubscribing from zero.
 - a subscriber that falls ``QUEUE_LIMIT`` batches behind is ended with DATA_LOSS (the
   gateway clears and resubscribes from zero).
@@ -104,10 +104,10 @@ KV_BLOCK_SIZE = _block_size_from_env()  # the gateway's default --block-size is 
 HISTORY_BATCHES = 1024  # batches kept per rank for resuming subscribers
 HISTORY_BLOCKS = 1 << 16  # ... and at most this many blocks in them
 QUEUE_LIMIT = 4096  # batches a subscriber may fall behind before it is cut off
+ENDED_STREAMS = 64  # ended streams whose cursors are kept for resuming subscribers
 SNAPSHOT_CHUNK_BLOCKS = 8192  # blocks per snapshot batch (~0.5 MB with 16-token blocks)
 
 Block = tuple[int, list[int]]  # (block hash, its tokens)
-_GONE = -2  # a cursor's batch that the history no longer keeps
 
 
 def chain_hash(prev: int | None, tokens: Sequence[int]) -> int:
@@ -296,8 +296,12 @@ class RankBlockIndex:
 class KvSubscription:
     """One SubscribeKvEvents call: the batches to send first, then a live queue."""
 
-    def __init__(self, initial: list[pb.KvEventBatch]) -> None:
+    def __init__(self, initial: list[pb.KvEventBatch],
+                 cursors: dict[int, int] | None = None) -> None:
         self.initial = initial
+        # rank -> the last sequence of the rank the subscriber has (a resumed stream starts
+        # from the cursors of the stream it resumes); the stream's sender keeps it current
+        self.cursors: dict[int, int] = dict(cursors or {})
         self.queue: asyncio.Queue[pb.KvEventBatch | None] = asyncio.Queue()
         self.overflowed = False
         self.closed = False
@@ -345,7 +349,6 @@ class _RankStream:
     next_event_id: int = 1
     history: deque = field(default_factory=deque)  # recent pb.KvEventBatch, oldest first
     history_order: deque = field(default_factory=deque)  # each one's place in the hub's order
-    trimmed: tuple[int, int] | None = None  # (sequence, place) of the last batch let go
     history_sizes: deque = field(default_factory=deque)  # the blocks of each, counted once
     history_blocks: int = 0
 
@@ -376,6 +379,7 @@ class KvEventHub:
         self.subscribers: set[KvSubscription] = set()
         self.closed = False
         self.sent = 0  # batches fanned out so far, every rank's: the next one's place
+        self.ended: deque[dict[int, int]] = deque(maxlen=ENDED_STREAMS)  # their cursors
 
     # ------------------------------------------------------------------ inbound
 
@@ -417,7 +421,8 @@ class KvEventHub:
         while len(rank.history) > HISTORY_BATCHES or (
             rank.history_blocks > HISTORY_BLOCKS and len(rank.history) > 1
         ):
-            rank.trimmed = (rank.history.popleft().sequence_number, rank.history_order.popleft())
+            rank.history.popleft()
+            rank.history_order.popleft()
             rank.history_blocks -= rank.history_sizes.popleft()
         for sub in list(self.subscribers):
             sub.offer(batch)
@@ -433,15 +438,19 @@ class KvEventHub:
         """
         if self.closed:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+        cursors: dict[int, int] = {}
         if start_sequence_number:
-            initial = self._resume(start_sequence_number)
+            initial, cursors = self._resume(start_sequence_number)
         else:
             initial = self._snapshot()
-        sub = KvSubscription(initial)
+        sub = KvSubscription(initial, cursors)
         self.subscribers.add(sub)
         return sub
 
     def unsubscribe(self, sub: KvSubscription) -> None:
+        """End ``sub``; its cursors are kept for a subscriber that resumes after it."""
+        if sub in self.subscribers and sub.cursors:
+            self.ended.append(dict(sub.cursors))
         self.subscribers.discard(sub)
         sub.close()
 
@@ -451,46 +460,42 @@ class KvEventHub:
         for sub in list(self.subscribers):
             self.unsubscribe(sub)
 
-    def _resume(self, cursor: int) -> list[pb.KvEventBatch]:
-        """Every rank's kept batches after the point ``cursor`` names, in the order they
-        went out (see the module doc); OUT_OF_RANGE when that cannot be told or replayed."""
-        places = [self._place(rank, cursor) for rank in self.ranks]
-        named = [place for place in places if place is not None]
-        if not named:
-            ranges = ", ".join(f"rank {r}: {rank.base} to {rank.seq}"
-                               for r, rank in enumerate(self.ranks))
-            raise ServiceError(
-                grpc.StatusCode.OUT_OF_RANGE,
-                f"KV event cursor {cursor} is not from this worker's current run (its "
-                f"sequences run {ranges}); resubscribe from zero for a snapshot",
-            )
-        after = min(named)
-        if any(place == _GONE for place in named) or any(
-            rank.trimmed is not None and rank.trimmed[1] > after for rank in self.ranks
-        ):
-            raise ServiceError(
-                grpc.StatusCode.OUT_OF_RANGE,
-                f"KV event history no longer reaches back to the batches after sequence "
-                f"{cursor}; resubscribe from zero for a snapshot",
-            )
-        kept = [(place, batch) for rank in self.ranks
-                for place, batch in zip(rank.history_order, rank.history) if place > after]
-        return [batch for _, batch in sorted(kept, key=lambda item: item[0])]
-
-    @staticmethod
-    def _place(rank: _RankStream, cursor: int) -> int | None:
-        """Where ``cursor`` as one of ``rank``'s sequences sits in the hub's order: -1 for
-        the rank's base (before its first batch), _GONE when its batch is no longer kept,
-        None when the rank never had that number."""
-        if cursor == rank.base:
-            return -1
-        if not rank.base < cursor <= rank.seq:
-            return None
-        if rank.history and rank.history[0].sequence_number <= cursor:
-            return rank.history_order[cursor - rank.history[0].sequence_number]
-        if rank.trimmed is not None and rank.trimmed[0] == cursor:
-            return rank.trimmed[1]
-        return _GONE
+    def _resume(self, cursor: int) -> tuple[list[pb.KvEventBatch], dict[int, int]]:
+        """The kept batches the subscriber resuming at ``cursor`` lacks, in the order they
+        went out, and its cursors per rank (see the module doc); OUT_OF_RANGE when they
+        cannot be told or replayed."""
+        if len(self.ranks) == 1:
+            cursors = {0: cursor}
+        else:
+            cursors = next((c for c in reversed(self.ended) if max(c.values()) == cursor), None)
+            if cursors is None:
+                raise ServiceError(
+                    grpc.StatusCode.OUT_OF_RANGE,
+                    f"KV event cursor {cursor} names no stream this worker ended lately: with "
+                    f"{len(self.ranks)} data-parallel ranks, each with its own sequence, the "
+                    "number alone does not say where each rank was; resubscribe from zero "
+                    "for a snapshot",
+                )
+        kept: list[tuple[int, pb.KvEventBatch]] = []
+        for r, rank in enumerate(self.ranks):
+            last = cursors.get(r, rank.base)
+            if not rank.base <= last <= rank.seq:
+                raise ServiceError(
+                    grpc.StatusCode.OUT_OF_RANGE,
+                    f"KV event cursor {last} of rank {r} is not from this worker's current "
+                    f"run (its sequence runs from {rank.base + 1} to {rank.seq}); "
+                    "resubscribe from zero for a snapshot",
+                )
+            if last < rank.seq and (not rank.history
+                                    or rank.history[0].sequence_number > last + 1):
+                raise ServiceError(
+                    grpc.StatusCode.OUT_OF_RANGE,
+                    f"KV event history of rank {r} no longer reaches back to sequence "
+                    f"{last + 1}; resubscribe from zero for a snapshot",
+                )
+            kept += [(place, batch) for place, batch in zip(rank.history_order, rank.history)
+                     if batch.sequence_number > last]
+        return [batch for _, batch in sorted(kept, key=lambda item: item[0])], cursors
 
     def _snapshot(self) -> list[pb.KvEventBatch]:
         """Every rank's live blocks, numbered to end at the rank's current sequence.

@@ -1,8 +1,8 @@
 """Resuming SubscribeKvEvents from a cursor on a worker with several data-parallel ranks.
 
-The SMG gateway (1.13) keeps one cursor per rank, skips a batch at or below its rank's
-cursor as stale, treats one above cursor + 1 as a gap, and resumes with one number: the
-highest sequence it applied. ``Gateway`` below does the same, so the tests check what the
+The SMG gateway (1.13) keeps one cursor per rank, skips a batch at its rank's cursor as
+stale, takes one below it for a restarted publisher (it clears the worker's index) and one
+above cursor + 1 for a gap, and resumes with one number: the highest sequence it applied. ``Gateway`` below does the same, so the tests check what the
 gateway's index ends up holding, not only what goes over the wire.
 """
 
@@ -31,9 +31,12 @@ class Gateway:
 
     def take(self, batch: pb.KvEventBatch) -> None:
         last = self.cursor.get(batch.dp_rank)
-        if last is not None and batch.sequence_number <= last:
+        if last is not None and batch.sequence_number == last:
             self.stale += 1
             return
+        assert last is None or batch.sequence_number > last, (
+            f"rank {batch.dp_rank} went back from {last} to {batch.sequence_number}: "
+            "the gateway would take it for a restart and clear the index")
         assert last is None or batch.HasField("snapshot") or batch.sequence_number == last + 1, (
             f"gap on rank {batch.dp_rank}: {last} then {batch.sequence_number}")
         for event in batch.events:
@@ -46,12 +49,15 @@ class Gateway:
 
 
 def drain(sub) -> list[pb.KvEventBatch]:
+    """What the stream sends now; it keeps the subscription's cursors as its sender does."""
     out = list(sub.initial)
     sub.initial = []
     while not sub.queue.empty():
         batch = sub.queue.get_nowait()
         if batch is not None:
             out.append(batch)
+    for batch in out:
+        sub.cursors[batch.dp_rank] = batch.sequence_number
     return out
 
 
@@ -61,8 +67,7 @@ def step(hub: KvEventHub, rank: int, node: int, parent: int | None) -> None:
     hub.publish(KvEvents(rank, [["stored", node, parent, tokens]]))
 
 
-@pytest.mark.parametrize("cursor_of", ["highest", "rank0"])
-def test_two_ranks_resume_with_exactly_the_missed_batches(cursor_of: str) -> None:
+def test_two_ranks_resume_with_exactly_the_missed_batches() -> None:
     hub = KvEventHub(2, block_size=B, base=1000)
     always = Gateway()  # a subscriber that never dropped its stream: the reference
     always_sub = hub.subscribe(0)
@@ -81,22 +86,21 @@ def test_two_ranks_resume_with_exactly_the_missed_batches(cursor_of: str) -> Non
     step(hub, 0, 6, 5)
     hub.publish(KvEvents(0, [["removed", [6]]]))
     step(hub, 1, 4, 3)
-    missed = [(rank, b.sequence_number) for rank in (0, 1)
-              for b, place in zip(hub.ranks[rank].history, hub.ranks[rank].history_order)
-              if place >= emitted_before]
+    missed = [(rank, b.sequence_number) for place, rank, b in sorted(
+        (place, rank, b) for rank in (0, 1)
+        for b, place in zip(hub.ranks[rank].history, hub.ranks[rank].history_order)
+        if place >= emitted_before)]  # in the order they went out
     assert len(missed) == 4
 
-    cursor = gw.resume_from() if cursor_of == "highest" else gw.cursor[0]
-    resumed = hub.subscribe(cursor)
-    replay = resumed.initial
+    resumed = hub.subscribe(gw.resume_from())
+    replay = drain(resumed)
     assert not any(b.HasField("snapshot") for b in replay)  # a replay, not a new snapshot
     for batch in replay:
         gw.take(batch)
-    # every missed batch came, in the order they went out; the gateway applied exactly
-    # those, and its index is the one a subscriber that never dropped holds
-    assert sorted(gw.applied[-len(missed):]) == sorted(missed)
-    assert [(b.dp_rank, b.sequence_number) for b in replay][-len(missed):] == [
-        (r, s) for r, s in gw.applied[-len(missed):]]
+    # exactly the missed batches came, in the order they went out; the gateway applied
+    # them all, and its index is the one a subscriber that never dropped holds
+    assert [(b.dp_rank, b.sequence_number) for b in replay] == missed
+    assert gw.stale == 0 and gw.applied[-len(missed):] == missed
     for batch in drain(always_sub):
         always.take(batch)
     assert gw.view.blocks == always.view.blocks and gw.cursor == always.cursor
@@ -119,7 +123,7 @@ def test_two_ranks_resume_right_after_a_snapshot() -> None:
     hub.unsubscribe(sub)
     step(hub, 0, 2, 1)
     resumed = hub.subscribe(gw.resume_from())
-    for batch in resumed.initial:
+    for batch in drain(resumed):
         gw.take(batch)
     assert gw.cursor == {0: hub.ranks[0].seq, 1: hub.ranks[1].seq}
     assert (0, hub.ranks[0].seq) in gw.applied
@@ -135,8 +139,10 @@ def test_idle_ranks_resume_from_their_base() -> None:
     hub.unsubscribe(sub)
     step(hub, 1, 1, None)
     step(hub, 0, 1, None)
-    replay = hub.subscribe(gw.resume_from()).initial
+    replay = drain(hub.subscribe(gw.resume_from()))
     assert [(b.dp_rank, b.sequence_number) for b in replay] == [(1, 8), (0, 8)]
+    for batch in replay:
+        gw.take(batch)
 
 
 def test_two_ranks_cursor_older_than_the_history_is_out_of_range(monkeypatch) -> None:
@@ -144,19 +150,27 @@ def test_two_ranks_cursor_older_than_the_history_is_out_of_range(monkeypatch) ->
 
     monkeypatch.setattr(kv, "HISTORY_BATCHES", 2)
     hub = KvEventHub(2, block_size=B, base=0)
+    gw = Gateway()
+    sub = hub.subscribe(0)
     step(hub, 0, 1, None)
     step(hub, 1, 1, None)
+    for batch in drain(sub):
+        gw.take(batch)
+    hub.unsubscribe(sub)
     for node in range(2, 6):  # rank 0 goes on; its history keeps its last two batches
         step(hub, 0, node, node - 1)
-    # rank 1's batch 1 is still kept, but rank 0's batches after it are not
     with pytest.raises(ServiceError) as err:
-        hub.subscribe(1)
+        hub.subscribe(gw.resume_from())
     assert err.value.code == grpc.StatusCode.OUT_OF_RANGE
-    assert "no longer reaches back" in str(err.value)
-    # from rank 0's third batch on everything is kept: that resumes
-    assert [b.sequence_number for b in hub.subscribe(3).initial] == [4, 5]
-    for bad in (9, 2 ** 40):  # ahead of every rank, another run's cursor
+    assert "rank 0 no longer reaches back to sequence 2" in str(err.value)
+
+
+def test_two_ranks_cursor_of_no_ended_stream_is_out_of_range() -> None:
+    hub = KvEventHub(2, block_size=B, base=0)
+    step(hub, 0, 1, None)
+    step(hub, 1, 1, None)
+    for bad in (1, 9, 2 ** 40):  # no stream ended there, ahead of every rank, another run
         with pytest.raises(ServiceError) as err:
             hub.subscribe(bad)
         assert err.value.code == grpc.StatusCode.OUT_OF_RANGE
-        assert "not from this worker's current run" in str(err.value)
+        assert "names no stream this worker ended lately" in str(err.value)
