@@ -105,8 +105,14 @@ def test_a_dropped_stream_resumes_without_clearing_the_index(tmp_path: Path) -> 
         generate_many(base, model, 0, 6)
         blocks = worker_blocks(worker)
         assert blocks.get(0, 0) > 0 and blocks.get(1, 0) > 0, blocks  # both ranks cached
-        wait_for(lambda: metric(metrics, "smg_kv_index_blocks").get(url) == sum(blocks.values()),
-                 20, "the gateway's index to hold the worker's blocks")
+
+        def caught_up() -> bool:
+            """The gateway's index holds the worker's blocks (both read again each time:
+            a request's events may still be on their way when its answer comes)."""
+            held = metric(metrics, "smg_kv_index_blocks").get(url)
+            return held is not None and held == sum(worker_blocks(worker).values())
+
+        wait_for(caught_up, 20, "the gateway's index to hold the worker's blocks")
 
         # drop the stream right after a batch of rank 1, then cause more events on both
         cut.write_text("1")
@@ -116,19 +122,21 @@ def test_a_dropped_stream_resumes_without_clearing_the_index(tmp_path: Path) -> 
             generate_many(base, model, first, 6)
             first += 6
         generate_many(base, model, first, 6)
-        blocks = worker_blocks(worker)
 
-        def caught_up() -> bool:
-            return metric(metrics, "smg_kv_index_blocks").get(url) == sum(blocks.values())
+        def connections() -> list[str]:
+            return re.findall(r"KV event stream connected.*start_seq=(\d+)", router_log_text())
+
+        wait_for(lambda: len(connections()) >= 2, 20, "the gateway to subscribe again")
+        resumed = connections()
+        assert len(resumed) == 2 and resumed[0] == "0" and int(resumed[1]) > 0, resumed
 
         try:
-            wait_for(caught_up, 20, f"the gateway's index to hold the worker's {blocks} blocks")
+            wait_for(caught_up, 20, "the gateway's index to hold the worker's blocks")
         except AssertionError:
-            print(metric(metrics, "smg_kv_index_blocks"), router_log_text()[-6000:])
+            print(metric(metrics, "smg_kv_index_blocks"), worker_blocks(worker),
+                  router_log_text()[-6000:])
             raise
         log = router_log_text()
-        resumed = re.findall(r"KV event stream connected.*start_seq=(\d+)", log)
-        assert len(resumed) == 2 and resumed[0] == "0" and int(resumed[1]) > 0, resumed
         assert "replay cursor expired" not in log
         resyncs = metric_by(metrics, "smg_kv_event_resyncs_total", "reason")
         assert resyncs.get("out_of_range", 0) == 0 and resyncs.get("data_loss", 0) == 0, resyncs
