@@ -174,3 +174,43 @@ def test_two_ranks_cursor_of_no_ended_stream_is_out_of_range() -> None:
             hub.subscribe(bad)
         assert err.value.code == grpc.StatusCode.OUT_OF_RANGE
         assert "names no stream this worker ended lately" in str(err.value)
+
+
+def test_fuzzed_cursors_resume_or_are_out_of_range() -> None:
+    import random
+
+    rng = random.Random(7)
+    hub = KvEventHub(2, block_size=B, base=1 << 40)
+    gw = Gateway()
+    sub = hub.subscribe(0)
+    for node in range(1, 30):
+        step(hub, node % 2, node, None)
+        if node % 7 == 0:
+            for batch in drain(sub):
+                gw.take(batch)
+            hub.unsubscribe(sub)
+            sub = hub.subscribe(gw.resume_from())
+    for batch in drain(sub):
+        gw.take(batch)
+    hub.unsubscribe(sub)
+    good = gw.resume_from()
+    cursors = [good, good - 1, good + 1, 1, 2 ** 64 - 1, 2 ** 63, hub.ranks[0].base]
+    cursors += [rng.randrange(1, 2 ** 64) for _ in range(200)]
+    cursors += [good + rng.randrange(-40, 40) for _ in range(200)]
+    for cursor in cursors:
+        if cursor <= 0:
+            continue
+        try:
+            resumed = hub.subscribe(cursor)
+        except ServiceError as err:
+            assert err.code == grpc.StatusCode.OUT_OF_RANGE and str(err), cursor
+            continue
+        # the highest of a stream that ended (this one's or an earlier): each rank's batches
+        # after that stream's cursor, consecutive, up to the rank's current sequence
+        assert cursor in {max(c.values()) for c in hub.ended}, cursor
+        for r, rank in enumerate(hub.ranks):
+            seqs = [b.sequence_number for b in resumed.initial if b.dp_rank == r]
+            assert seqs == list(range(resumed.cursors[r] + 1, rank.seq + 1)), (cursor, r)
+        assert cursor != good or resumed.initial == []  # the gateway's own: up to date
+        hub.subscribers.discard(resumed)
+    assert gw.cursor == {0: hub.ranks[0].seq, 1: hub.ranks[1].seq}
