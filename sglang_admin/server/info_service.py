@@ -331,6 +331,9 @@ class Info:
             feed = LoadFeed(lambda: self.comm.rank_states, self.comm.state_age,
                             request.load_records_before_first_batch,
                             self.args.speculative_algorithm is not None)
+            # what the stream sends is what the subscriber has of each rank: kept on the
+            # subscription, for a subscriber that resumes after this stream ends
+            feed.last_seq = sub.cursors
             async for batch in batches_with_loads(sub, feed):
                 yield batch
         finally:

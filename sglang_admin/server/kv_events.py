@@ -13,11 +13,17 @@ of its previous life and a cursor from that life cannot be mistaken for a curren
 - ``start_sequence_number == 0``: the stream opens with a snapshot, per rank, of every
   live block (one KvCacheCleared first, then stored runs parents first), numbered so that
   it ends at the rank's current sequence; live batches follow with no gap.
-- a non-zero start (the gateway resumes after rank 0's cursor): with one rank, the kept
-  history replays every batch after it, then the stream goes live; when the history does
-  not reach back (or the cursor is not from this process, or there are several ranks,
-  whose cursors one number cannot name) the call ends with OUT_OF_RANGE, which the gateway
-  answers by clearing the worker and resubscribing from zero.
+- a non-zero start: the gateway keeps a cursor per rank (a batch at its rank's cursor is
+  skipped as stale, one below it is taken for a restarted publisher and clears the
+  index) but resumes with one number, the highest sequence it applied. With one rank
+  that is the rank's cursor. With several, each stream keeps the last sequence it sent of
+  every rank (starting from the cursors of the stream it resumed), and the hub keeps
+  those of the last ENDED_STREAMS streams: the newest whose highest is the number gives
+  every rank's cursor. The kept history replays, in the order they went out, every
+  rank's batches after its cursor, then the stream goes live. When no ended stream
+  matches, a rank's history does not reach back, or the cursor is not from this process,
+  the call ends with OUT_OF_RANGE, which the gateway answers by clearing the worker and
+  resubscribing from zero.
 - a subscriber that falls ``QUEUE_LIMIT`` batches behind is ended with DATA_LOSS (the
   gateway clears and resubscribes from zero).
 
@@ -50,14 +56,19 @@ logger = logging.getLogger(__name__)
 HISTORY_BATCHES = 1024  # batches kept per rank for resuming subscribers
 HISTORY_BLOCKS = 1 << 16  # ... and at most this many blocks in them
 QUEUE_LIMIT = 4096  # batches a subscriber may fall behind before it is cut off
+ENDED_STREAMS = 64  # ended streams whose cursors are kept for resuming subscribers
 SNAPSHOT_CHUNK_BLOCKS = 8192  # blocks per snapshot batch (~0.5 MB with 16-token blocks)
 
 
 class KvSubscription:
     """One SubscribeKvEvents call: the batches to send first, then a live queue."""
 
-    def __init__(self, initial: list[pb.KvEventBatch]) -> None:
+    def __init__(self, initial: list[pb.KvEventBatch],
+                 cursors: dict[int, int] | None = None) -> None:
         self.initial = initial
+        # rank -> the last sequence of the rank the subscriber has (a resumed stream starts
+        # from the cursors of the stream it resumes); the stream's sender keeps it current
+        self.cursors: dict[int, int] = dict(cursors or {})
         self.queue: asyncio.Queue[pb.KvEventBatch | None] = asyncio.Queue()
         self.overflowed = False
         self.closed = False
@@ -104,6 +115,7 @@ class _RankStream:
     base: int
     next_event_id: int = 1
     history: deque = field(default_factory=deque)  # recent pb.KvEventBatch, oldest first
+    history_order: deque = field(default_factory=deque)  # each one's place in the hub's order
     history_sizes: deque = field(default_factory=deque)  # the blocks of each, counted once
     history_blocks: int = 0
 
@@ -133,6 +145,8 @@ class KvEventHub:
         ]
         self.subscribers: set[KvSubscription] = set()
         self.closed = False
+        self.sent = 0  # batches fanned out so far, every rank's: the next one's place
+        self.ended: deque[dict[int, int]] = deque(maxlen=ENDED_STREAMS)  # their cursors
 
     # ------------------------------------------------------------------ inbound
 
@@ -167,12 +181,15 @@ class KvEventHub:
         )
         blocks = _count_blocks(events)
         rank.history.append(batch)
+        rank.history_order.append(self.sent)
+        self.sent += 1
         rank.history_sizes.append(blocks)
         rank.history_blocks += blocks
         while len(rank.history) > HISTORY_BATCHES or (
             rank.history_blocks > HISTORY_BLOCKS and len(rank.history) > 1
         ):
             rank.history.popleft()
+            rank.history_order.popleft()
             rank.history_blocks -= rank.history_sizes.popleft()
         for sub in list(self.subscribers):
             sub.offer(batch)
@@ -188,15 +205,19 @@ class KvEventHub:
         """
         if self.closed:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+        cursors: dict[int, int] = {}
         if start_sequence_number:
-            initial = self._resume(start_sequence_number)
+            initial, cursors = self._resume(start_sequence_number)
         else:
             initial = self._snapshot()
-        sub = KvSubscription(initial)
+        sub = KvSubscription(initial, cursors)
         self.subscribers.add(sub)
         return sub
 
     def unsubscribe(self, sub: KvSubscription) -> None:
+        """End ``sub``; its cursors are kept for a subscriber that resumes after it."""
+        if sub in self.subscribers and sub.cursors:
+            self.ended.append(dict(sub.cursors))
         self.subscribers.discard(sub)
         sub.close()
 
@@ -206,31 +227,42 @@ class KvEventHub:
         for sub in list(self.subscribers):
             self.unsubscribe(sub)
 
-    def _resume(self, cursor: int) -> list[pb.KvEventBatch]:
-        if len(self.ranks) != 1:
-            raise ServiceError(
-                grpc.StatusCode.OUT_OF_RANGE,
-                f"KV event cursor {cursor} cannot be resumed: this worker has "
-                f"{len(self.ranks)} data-parallel ranks, each with its own sequence; "
-                "resubscribe from zero for a snapshot",
-            )
-        rank = self.ranks[0]
-        if cursor == rank.seq:
-            return []
-        if cursor < rank.base or cursor > rank.seq:
-            raise ServiceError(
-                grpc.StatusCode.OUT_OF_RANGE,
-                f"KV event cursor {cursor} is not from this worker's current run (its "
-                f"sequence runs from {rank.base + 1} to {rank.seq}); resubscribe from zero "
-                "for a snapshot",
-            )
-        if not rank.history or rank.history[0].sequence_number > cursor + 1:
-            raise ServiceError(
-                grpc.StatusCode.OUT_OF_RANGE,
-                f"KV event history no longer reaches back to sequence {cursor + 1}; "
-                "resubscribe from zero for a snapshot",
-            )
-        return [b for b in rank.history if b.sequence_number > cursor]
+    def _resume(self, cursor: int) -> tuple[list[pb.KvEventBatch], dict[int, int]]:
+        """The kept batches the subscriber resuming at ``cursor`` lacks, in the order they
+        went out, and its cursors per rank (see the module doc); OUT_OF_RANGE when they
+        cannot be told or replayed."""
+        if len(self.ranks) == 1:
+            cursors = {0: cursor}
+        else:
+            cursors = next((c for c in reversed(self.ended) if max(c.values()) == cursor), None)
+            if cursors is None:
+                raise ServiceError(
+                    grpc.StatusCode.OUT_OF_RANGE,
+                    f"KV event cursor {cursor} names no stream this worker ended lately: with "
+                    f"{len(self.ranks)} data-parallel ranks, each with its own sequence, the "
+                    "number alone does not say where each rank was; resubscribe from zero "
+                    "for a snapshot",
+                )
+        kept: list[tuple[int, pb.KvEventBatch]] = []
+        for r, rank in enumerate(self.ranks):
+            last = cursors.get(r, rank.base)
+            if not rank.base <= last <= rank.seq:
+                raise ServiceError(
+                    grpc.StatusCode.OUT_OF_RANGE,
+                    f"KV event cursor {last} of rank {r} is not from this worker's current "
+                    f"run (its sequence runs from {rank.base + 1} to {rank.seq}); "
+                    "resubscribe from zero for a snapshot",
+                )
+            if last < rank.seq and (not rank.history
+                                    or rank.history[0].sequence_number > last + 1):
+                raise ServiceError(
+                    grpc.StatusCode.OUT_OF_RANGE,
+                    f"KV event history of rank {r} no longer reaches back to sequence "
+                    f"{last + 1}; resubscribe from zero for a snapshot",
+                )
+            kept += [(place, batch) for place, batch in zip(rank.history_order, rank.history)
+                     if batch.sequence_number > last]
+        return [batch for _, batch in sorted(kept, key=lambda item: item[0])], cursors
 
     def _snapshot(self) -> list[pb.KvEventBatch]:
         """Every rank's live blocks, numbered to end at the rank's current sequence.
