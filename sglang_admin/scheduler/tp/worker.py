@@ -121,7 +121,7 @@ class LeaderRunner:
         restored = len(failed) == len(results) and all(r for _, _, r in failed)
         if len(failed) != len(results):
             why += "; the other TP ranks loaded the new weights, so they are mixed"
-        raise RefitError(f"TP rank {tp_rank}: {why}", restored)
+        raise RefitError(f"{self.tensor_parallel.name(tp_rank)}: {why}", restored)
 
     def release_kv_cache(self) -> int:
         return self.followers.memory(self._runner, "release_kv_cache")
