@@ -104,3 +104,11 @@ def local_address(init: InitAddress) -> str:
     with socket.socket(family, socket.SOCK_DGRAM) as sock:
         sock.connect(target)  # UDP: no packet is sent, the kernel only picks a route
         return str(sock.getsockname()[0])
+
+
+def placement(args: ServerArgs) -> list[dict[str, int]]:
+    """Every TP rank of every replica with the node that runs it (GetServerInfo's
+    ``scheduler_info.tp_ranks``)."""
+    share = max(1, args.tp_size // max(args.nnodes, 1))
+    return [{"dp_rank": d, "tp_rank": t, "node_rank": t // share}
+            for d in range(args.dp_size) for t in range(args.tp_size)]

@@ -15,6 +15,7 @@ from google.protobuf import struct_pb2, timestamp_pb2
 from sglang_admin import __version__
 from sglang_admin.config import ServerArgs
 from sglang_admin.messages import ModelInfo, RankState, StateReq
+from sglang_admin.multinode.topology import placement
 from sglang_admin.pb import common_pb2 as pb
 from sglang_admin.server.admin import (
     AdminCalls,
@@ -149,6 +150,9 @@ class Info:
                     "dp_size": self.args.dp_size,
                     "tp_size": self.args.tp_size,
                     "model": dataclasses.asdict(info),
+                    # --nnodes > 1: the nodes, and every TP rank with the node it runs on
+                    **({"nnodes": self.args.nnodes, "tp_ranks": placement(self.args)}
+                       if self.args.nnodes > 1 else {}),
                 }
             )
         )

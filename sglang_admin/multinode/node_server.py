@@ -1,0 +1,172 @@
+"""A node past the first (``--node-rank`` >= 1): its share of every replica's TP ranks, and
+on ``--port`` grpc.health.v1 and GetServerInfo only (SGLang's native gRPC mode answers the
+same). No tokenizer, no scheduler, no sidecar: requests reach these ranks only through TP
+rank 0's per-step broadcast, on node 0.
+
+Health is NOT_SERVING until node 0 says the replica is ready, then SERVING. The process
+exits non-zero, its ranks killed first, when one of its ranks exits or node 0's link goes
+(node 0 stopped, crashed or is unreachable), and 0 when node 0 stops cleanly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import os
+import signal
+
+import grpc
+from google.protobuf import struct_pb2
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from sglang_admin import __version__
+from sglang_admin.config import ServerArgs
+from sglang_admin.constants import rank_openmp_environment
+from sglang_admin.multinode.link import LinkError, NodeLink
+from sglang_admin.multinode.topology import local_tp_ranks, placement
+from sglang_admin.pb import common_pb2 as pb
+from sglang_admin.scheduler.rank.entry import run_tp_follower
+
+logger = logging.getLogger(__name__)
+
+SERVICE = pb.DESCRIPTOR.services_by_name["SglangScheduler"].full_name
+POLL_S = 0.2
+STOP_WAIT_S = 10.0  # node 0's clean stop: the followers leave on rank 0's STOP by then
+
+
+class NodeServer:
+    """The serve process of node ``--node-rank`` >= 1."""
+
+    def __init__(self, args: ServerArgs) -> None:
+        self.args = args
+        self.link = NodeLink(args)
+        self.health = health.aio.HealthServicer()
+        self.procs: list[tuple[int, int, mp.process.BaseProcess]] = []
+        self.done = asyncio.Event()
+        self.exit_code = 0
+        self.clean_stop = False
+
+    async def _set_health(self, status: int) -> None:
+        for name in ("", SERVICE):
+            await self.health.set(name, status)
+
+    async def _server_info(self, _request: bytes, _context: grpc.aio.ServicerContext
+                           ) -> pb.GetServerInfoResponse:
+        args = self.args
+        server_args = struct_pb2.Struct()
+        values = args.to_dict()
+        values.pop("ipc_dir", None)
+        server_args.update({k: v if isinstance(v, (str, int, float, bool)) or v is None
+                            else str(v) for k, v in values.items()})
+        info = struct_pb2.Struct()
+        info.update({
+            "nnodes": args.nnodes, "node_rank": args.node_rank, "tp_size": args.tp_size,
+            "dp_size": args.dp_size, "tp_ranks": placement(args),
+            "local_ranks": [{"dp_rank": d, "tp_rank": t, "pid": p.pid, "alive": p.is_alive()}
+                            for d, t, p in self.procs],
+        })
+        return pb.GetServerInfoResponse(server_args=server_args, scheduler_info=info,
+                                        sglang_version=__version__, server_type="grpc")
+
+    def _grpc(self) -> grpc.aio.Server:
+        server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        handler = grpc.method_handlers_generic_handler(SERVICE, {
+            "GetServerInfo": grpc.unary_unary_rpc_method_handler(
+                self._server_info, request_deserializer=pb.GetServerInfoRequest.FromString,
+                response_serializer=pb.GetServerInfoResponse.SerializeToString)})
+        server.add_generic_rpc_handlers((handler,))
+        return server
+
+    def _start_ranks(self) -> None:
+        os.environ.update(rank_openmp_environment(dict(os.environ)))
+        ctx = mp.get_context("spawn")
+        for dp_rank in range(self.args.dp_size):
+            for tp_rank in local_tp_ranks(self.args):
+                proc = ctx.Process(target=run_tp_follower,
+                                   args=(self.args, dp_rank, tp_rank, os.getpid()),
+                                   name=f"sglang-admin-rank{dp_rank}-tp{tp_rank}", daemon=True)
+                proc.start()
+                self.procs.append((dp_rank, tp_rank, proc))
+
+    def _fail(self, why: str) -> None:
+        if self.done.is_set():
+            return
+        logger.error("node %d stops: %s", self.args.node_rank, why)
+        self.exit_code = 1
+        self.done.set()
+
+    def _on_message(self, msg: dict) -> None:
+        if msg.get("ready"):
+            asyncio.get_running_loop().create_task(
+                self._set_health(health_pb2.HealthCheckResponse.SERVING))
+            logger.info("node 0 reports the replica ready; serving health")
+        elif msg.get("stop"):
+            self.clean_stop = True
+            self.done.set()
+
+    async def _watch_ranks(self) -> None:
+        while not self.done.is_set():
+            for dp_rank, tp_rank, proc in self.procs:
+                if not proc.is_alive() and not self.clean_stop:
+                    self._fail(f"TP rank {tp_rank} of replica {dp_rank} exited with code "
+                               f"{proc.exitcode}")
+            await asyncio.sleep(POLL_S)
+
+    async def run(self) -> int:
+        args = self.args
+        server = self._grpc()
+        address = f"{args.host}:{args.port}"
+        try:
+            port = server.add_insecure_port(address)
+        except RuntimeError:
+            port = 0
+        if not port:
+            logger.error("cannot listen on %s (in use or not allowed)", address)
+            return 2
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await server.start()
+        logger.info("node %d of %d: health and GetServerInfo on %s", args.node_rank,
+                    args.nnodes, address)
+        try:
+            await self.link.join()
+        except LinkError as exc:
+            logger.error("%s", exc)
+            await server.stop(None)
+            return 2
+        self._start_ranks()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._fail, f"signal {sig.name}")
+        self.link.watch(lambda node, why: self._fail(f"node {node} {why}"), self._on_message)
+        watcher = loop.create_task(self._watch_ranks())
+        await self.done.wait()
+        watcher.cancel()
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self._stop_ranks()
+        await self.link.close(clean=False)
+        await server.stop(0.5)
+        logger.info("node %d stopped (exit %d)", args.node_rank, self.exit_code)
+        return self.exit_code
+
+    async def _stop_ranks(self) -> None:
+        """On a clean stop the followers leave on rank 0's STOP: wait for them; else (or
+        past the wait) kill them: they may sit in a collective whose peer is gone."""
+        wait = STOP_WAIT_S if self.clean_stop else 0.0
+        until = loop_time() + wait
+        for _, _, proc in self.procs:
+            while proc.is_alive() and loop_time() < until:
+                await asyncio.sleep(POLL_S)
+            if proc.is_alive():
+                proc.kill()
+            proc.join(timeout=5)
+
+
+def loop_time() -> float:
+    return asyncio.get_running_loop().time()
+
+
+def serve_node(args: ServerArgs) -> int:
+    """Run node ``args.node_rank`` (>= 1) until node 0 stops or a part of it fails."""
+    return asyncio.run(NodeServer(args).run())
