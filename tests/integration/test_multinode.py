@@ -341,11 +341,11 @@ def test_lora_load_and_unload_across_nodes(pair: Pair, tmp_path_factory) -> None
                                         tmp_path_factory.mktemp("adapter") / "attn", seed=3)
     stub = pair.stub()
     base, _ = run_generate(stub, greedy(PROMPTS[0], 8), timeout=120)
-    loaded = stub.LoadLoRAAdapter(pb.LoadLoRAAdapterRequest(lora_name="attn",
-                                                            lora_path=str(adapter)), timeout=120)
+    loaded = stub.LoadLoRAAdapter(pb.LoadLoRAAdapterRequest(
+        lora_name="attn", lora_path=str(adapter), lora_id="attn-1"), timeout=120)
     assert loaded.success, loaded.message
-    with_lora, _ = run_generate(stub, greedy(PROMPTS[0], 8, lora_id="attn"), timeout=120)
-    unloaded = stub.UnloadLoRAAdapter(pb.UnloadLoRAAdapterRequest(lora_name="attn"),
+    with_lora, _ = run_generate(stub, greedy(PROMPTS[0], 8, lora_id="attn-1"), timeout=120)
+    unloaded = stub.UnloadLoRAAdapter(pb.UnloadLoRAAdapterRequest(lora_id="attn-1"),
                                       timeout=120)
     assert unloaded.success, unloaded.message
     again, _ = run_generate(stub, greedy(PROMPTS[0], 8), timeout=120)
