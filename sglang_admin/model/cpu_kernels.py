@@ -55,7 +55,7 @@ _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 # The prefill kernel reads a query token's keys once per token, where torch's flash attention
 # reuses them across a block of queries: at 8 heads of 32 dims, one thread, it is 1.45x-1.5x
-# torch at 256-512 new tokens, 1.05x at 1024 and 0.87x at 1536 (docs/changelog.md), so longer
+# torch at 256-512 new tokens, 1.05x at 1024 and 0.87x at 1536 (one thread, in-process), so longer
 # chunks go to torch. It runs on one thread, so only where torch runs one thread too.
 EXTEND_MAX_TOKENS = 1024
 

@@ -31,8 +31,11 @@ if TYPE_CHECKING:
     import numpy as np
 
 # bump whenever the output of the conversion changes: older caches are then not reused
-CONVERTER_VERSION = 2
+CONVERTER_VERSION = 3
 GGUF_LOAD_FORMAT = "gguf"
+# config.json key of a converted file: the GGUF type of most of its matrix elements ("Q4_1",
+# "F16", "F32" ...), which --dtype auto reads (model/cpu_dtype.py)
+GGUF_WEIGHT_TYPE_KEY = "gguf_weight_type"
 
 # general.architecture -> the Hugging Face architecture served for it
 ARCHITECTURES: dict[str, tuple[str, str]] = {
@@ -362,6 +365,17 @@ def hf_config(g: GgufFile, tensor_names: set[str], vocab_size: int) -> dict[str,
     return cfg
 
 
+def weight_type(g: GgufFile) -> str:
+    """The GGUF type ("Q4_1", "F16", "F32" ...) holding most elements of the file's matrices
+    (the norms' vectors stay F32 in every file, so they do not count)."""
+    counts: dict[str, int] = {}
+    for tensor in g.reader.tensors:
+        if len(tensor.shape) >= 2:
+            name = tensor.tensor_type.name
+            counts[name] = counts.get(name, 0) + int(tensor.n_elements)
+    return max(counts, key=counts.__getitem__) if counts else "F32"
+
+
 # ------------------------------------------------------------------ tensors
 
 
@@ -526,6 +540,7 @@ def convert_gguf(source: str | GgufFile, out_dir: str) -> None:
                         "FAILED_PRECONDITION")
     vocab_size = int(embed.shape.tolist()[-1])
     config = hf_config(g, names, vocab_size)
+    config[GGUF_WEIGHT_TYPE_KEY] = weight_type(g)
     tok = build_tokenizer(g)
     tok_cfg = tokenizer_config(g)
     _write_weights(g, out_dir)

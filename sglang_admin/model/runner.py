@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from sglang_admin.config import ATTENTION_BACKENDS
 from sglang_admin.model.attention.choice import cuda_attention_applies
 from sglang_admin.model.batch import BatchBuilder, ForwardBatch
-from sglang_admin.model.cpu_dtype import auto_cpu_dtype
+from sglang_admin.model.cpu_dtype import choose_dtype, gguf_weight_type
 from sglang_admin.model.cpu_kernels import CpuKernels, load_cpu_kernels
 from sglang_admin.model.decode_graphs import DecodeGraphs
 from sglang_admin.model.device import (
@@ -41,7 +41,6 @@ from sglang_admin.model.lanes import LM_HEAD_SPLIT_PARAMS, SPLIT_MATMUL_PARAMS
 from sglang_admin.model.llama import Linear, LlamaForCausalLM
 from sglang_admin.model.loader import (
     ModelLoadError,
-    dtype_from_name,
     load_model,
     load_model_info,
 )
@@ -69,17 +68,12 @@ class ForwardTimes:
 
 
 
-def resolve_dtype(dtype: str, device: torch.device, checkpoint_dtype: str) -> torch.dtype:
-    """"auto" -> on CPU, model/cpu_dtype.py's rule (bfloat16 for a half-precision checkpoint
-    on a CPU with native bfloat16, else float32); on CUDA the checkpoint's half dtype, else
-    bfloat16."""
-    if dtype != "auto":
-        return dtype_from_name(dtype)
-    if device.type != "cuda":
-        return auto_cpu_dtype(checkpoint_dtype)
-    if checkpoint_dtype in ("float16", "bfloat16"):
-        return dtype_from_name(checkpoint_dtype)
-    return torch.bfloat16
+def resolve_dtype(dtype: str, device: torch.device, checkpoint_dtype: str,
+                  gguf_weight_type: str = "") -> torch.dtype:
+    """"auto" -> model/cpu_dtype.py's rule (on CPU bfloat16 for half-precision or quantized
+    weights on a CPU with native bfloat16, else float32; on CUDA the checkpoint's half dtype,
+    else bfloat16)."""
+    return choose_dtype(dtype, device, checkpoint_dtype, gguf_weight_type).dtype
 
 
 class ResumeOutOfMemory(RuntimeError):
@@ -122,7 +116,9 @@ class ModelRunner:
         self.device = resolve_device(device, gpu_index)
         use_device(self.device)
         probe = load_model_info(model_path, context_length)
-        self.dtype = resolve_dtype(dtype, self.device, probe.dtype)
+        dtype_choice = choose_dtype(dtype, self.device, probe.dtype,
+                                    gguf_weight_type(model_path))
+        self.dtype = dtype_choice.dtype
         self.model: LlamaForCausalLM
         self.model, self.info = load_model(
             model_path, dtype=self.dtype, device=self.device, context_length=context_length,
@@ -205,8 +201,9 @@ class ModelRunner:
         if cuda_graph_max_bs > 0:
             self.graphs = self._decode_graphs(cuda_graph_max_bs, cuda_attention, tensor_parallel)
         logger.info(
-            "model %s loaded: %s on %s, %.1f MiB weights, KV pool %d tokens (%.1f MiB)",
-            self.info.architectures, self.info.dtype, self.device, self.weight_bytes / 2**20,
+            "model %s loaded: %s on %s (%s), %.1f MiB weights, KV pool %d tokens (%.1f MiB)",
+            self.info.architectures, self.info.dtype, self.device, dtype_choice.reason,
+            self.weight_bytes / 2**20,
             self.token_capacity, self.kv_cache_bytes / 2**20,
         )
 

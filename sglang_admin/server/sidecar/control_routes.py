@@ -15,8 +15,6 @@ from sglang_admin.server.sidecar.edge import (
     Edge,
     HttpCallContext,
     Route,
-    Unauthorized,
-    call_metadata,
     failure,
     json_answer,
     rpc,
@@ -104,11 +102,7 @@ class ControlRoutes:
         ``abort_all`` every request (the admin key: the service checks it, as for the RPC).
         200 as SGLang (also for a rid not in flight), with ``{"success", "message"}`` saying
         whether it was found."""
-        try:
-            self.edge.authorize(request, rpc("Abort"))
-        except Unauthorized:  # the admin key opens it too (abort_all needs that key)
-            if self.edge.services.admin.check_admin_key(call_metadata(request)) is not None:
-                raise
+        self.edge.authorize(request, rpc("Abort"))
         f = await _fields(request, ABORT_FIELDS)
         answer = await self.generation.abort(pb.AbortRequest(
             request_id=f["rid"], reason=f["abort_message"] or "", abort_all=f["abort_all"]),
