@@ -4,8 +4,11 @@ same). No tokenizer, no scheduler, no sidecar: requests reach these ranks only t
 rank 0's per-step broadcast, on node 0.
 
 Health is NOT_SERVING until node 0 says the replica is ready, then SERVING. The process
-exits non-zero, its ranks killed first, when one of its ranks exits or node 0's link goes
-(node 0 stopped, crashed or is unreachable), and 0 when node 0 stops cleanly.
+exits non-zero, its ranks killed first, when one of its ranks exits, when one is silent
+(its heartbeats, which on node 0 reach the server's watchdog, reach this process here) for
+``--watchdog-probe-timeout`` (stopped or frozen), or when node 0's link goes (node 0
+stopped, crashed or is unreachable); it exits 0 when node 0 stops cleanly. Node 0 sees
+this node's exit as its link closing.
 """
 
 from __future__ import annotations
@@ -17,12 +20,15 @@ import os
 import signal
 
 import grpc
+import zmq
+import zmq.asyncio
 from google.protobuf import struct_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from sglang_admin import __version__
 from sglang_admin.config import ServerArgs
 from sglang_admin.constants import rank_openmp_environment
+from sglang_admin.messages import Heartbeat, decode
 from sglang_admin.multinode.link import LinkError, NodeLink
 from sglang_admin.multinode.topology import local_tp_ranks, placement
 from sglang_admin.pb import common_pb2 as pb
@@ -46,6 +52,7 @@ class NodeServer:
         self.done = asyncio.Event()
         self.exit_code = 0
         self.clean_stop = False
+        self.heard: dict[tuple[int, int], float] = {}  # (dp, tp) -> last heartbeat (monotonic)
 
     async def _set_health(self, status: int) -> None:
         for name in ("", SERVICE):
@@ -99,6 +106,9 @@ class NodeServer:
 
     def _on_message(self, msg: dict) -> None:
         if msg.get("ready"):
+            now = asyncio.get_running_loop().time()
+            for dp_rank, tp_rank, _ in self.procs:  # every rank passed the replica's barrier
+                self.heard.setdefault((dp_rank, tp_rank), now)
             asyncio.get_running_loop().create_task(
                 self._set_health(health_pb2.HealthCheckResponse.SERVING))
             logger.info("node 0 reports the replica ready; serving health")
@@ -107,12 +117,33 @@ class NodeServer:
             self.done.set()
 
     async def _watch_ranks(self) -> None:
+        limit = self.args.watchdog_probe_timeout_s
         while not self.done.is_set():
+            now = asyncio.get_running_loop().time()
             for dp_rank, tp_rank, proc in self.procs:
                 if not proc.is_alive() and not self.clean_stop:
                     self._fail(f"TP rank {tp_rank} of replica {dp_rank} exited with code "
                                f"{proc.exitcode}")
+                heard = self.heard.get((dp_rank, tp_rank))
+                if limit and heard is not None and now - heard > limit:
+                    self._fail(f"TP rank {tp_rank} of replica {dp_rank} stopped answering: no "
+                               f"heartbeat for {now - heard:.1f}s (--watchdog-probe-timeout "
+                               f"{limit:.0f}s; the process is stopped or frozen)")
             await asyncio.sleep(POLL_S)
+
+    async def _read_heartbeats(self, sock: zmq.asyncio.Socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            data = await sock.recv()
+            try:
+                beat = decode(data)
+            except Exception:  # noqa: BLE001 - a local socket: only our ranks write to it
+                continue
+            if isinstance(beat, Heartbeat):
+                if (beat.dp_rank, beat.tp_rank) not in self.heard:
+                    logger.info("heartbeats of TP rank %d of replica %d reach node %d",
+                                beat.tp_rank, beat.dp_rank, self.args.node_rank)
+                self.heard[beat.dp_rank, beat.tp_rank] = loop.time()
 
     async def run(self) -> int:
         args = self.args
@@ -135,14 +166,22 @@ class NodeServer:
             logger.error("%s", exc)
             await server.stop(None)
             return 2
+        ctx = zmq.asyncio.Context()
+        beats = ctx.socket(zmq.PULL)
+        beats.setsockopt(zmq.LINGER, 0)
+        beats.bind(args.server_addr)  # the ranks' heartbeats (in this node's IPC directory)
         self._start_ranks()
         loop = asyncio.get_running_loop()
+        reader = loop.create_task(self._read_heartbeats(beats))
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._fail, f"signal {sig.name}")
         self.link.watch(lambda node, why: self._fail(f"node {node} {why}"), self._on_message)
         watcher = loop.create_task(self._watch_ranks())
         await self.done.wait()
         watcher.cancel()
+        reader.cancel()
+        beats.close()
+        ctx.term()
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self._stop_ranks()
         await self.link.close(clean=False)

@@ -111,7 +111,9 @@ def start_node(tmp: Path, rank: int, init_port: int, *extra: str, nnodes: int = 
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp,
                                 start_new_session=True)
-    return Node(proc, port, log_path)
+    node = Node(proc, port, log_path)
+    STARTED.append(node)
+    return node
 
 
 def init_port() -> int:
@@ -151,6 +153,23 @@ class Pair:
         return pb_grpc.SglangSchedulerStub(grpc.insecure_channel(self.node0.target))
 
 
+STARTED: list[Node] = []  # every node a test started: none outlives it (see below)
+
+
+@pytest.fixture(autouse=True)
+def no_node_left() -> Iterator[None]:
+    """A test that fails half-way leaves no process of its nodes behind (the module's
+    pair, stopped at the module's end, excepted)."""
+    before = len(STARTED)
+    yield
+    for node in STARTED[before:]:
+        try:
+            os.killpg(node.proc.pid, signal.SIGKILL)  # the group outlives its leader
+        except ProcessLookupError:
+            pass
+    del STARTED[before:]
+
+
 def start_pair(tmp: Path, *extra: str) -> Pair:
     hidden = tmp / "hidden-on-node1"
     hidden.mkdir(exist_ok=True)
@@ -164,14 +183,22 @@ def start_pair(tmp: Path, *extra: str) -> Pair:
 def pair(tmp_path_factory) -> Iterator[Pair]:
     tmp = tmp_path_factory.mktemp("multinode")
     p = start_pair(tmp, "--enable-lora", "--max-lora-rank", "8")
+    del STARTED[-2:]  # the module's: stopped below, not after the test that started them
     wait_both([p.node0, p.node1])
     yield p
     pids = p.node0.tree() + p.node1.tree()
-    p.node0.stop()
-    assert p.node0.proc.returncode == 0, p.node0.log()[-3000:]
-    p.node1.proc.wait(30)
-    assert p.node1.proc.returncode == 0, p.node1.log()[-3000:]  # node 0 stopped it cleanly
-    assert_gone(pids)
+    try:
+        p.node0.stop()
+        assert p.node0.proc.returncode == 0, p.node0.log()[-3000:]
+        p.node1.proc.wait(30)
+        assert p.node1.proc.returncode == 0, p.node1.log()[-3000:]  # stopped by node 0
+        assert_gone(pids)
+    finally:
+        for node in (p.node0, p.node1):
+            try:
+                os.killpg(node.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 # ------------------------------------------------------------------ the join check
@@ -404,4 +431,36 @@ def test_node_0_killed_the_others_exit(tmp_path: Path) -> None:
     assert p.node1.proc.wait(60) != 0
     assert time.monotonic() - killed < 30
     assert "node 0" in p.node1.log()
+    assert_gone(pids)
+
+
+def test_a_stopped_rank_on_node_1_ends_both_nodes(tmp_path: Path) -> None:
+    p = start_pair(tmp_path, "--watchdog-probe-timeout", "5")
+    wait_both([p.node0, p.node1])
+    pids = p.node0.tree() + p.node1.tree()
+    info = pb_grpc.SglangSchedulerStub(grpc.insecure_channel(p.node1.target)).GetServerInfo(
+        pb.GetServerInfoRequest(), timeout=10)
+    rank_pid = int(info.scheduler_info["local_ranks"][0]["pid"])
+    os.kill(rank_pid, signal.SIGSTOP)
+    stopped = time.monotonic()
+    assert p.node1.proc.wait(60) != 0
+    assert p.node0.proc.wait(60) != 0
+    assert time.monotonic() - stopped < 40
+    assert "TP rank 1 of replica 0 stopped answering" in p.node1.log()
+    assert_gone(pids)
+
+
+def test_a_stopped_node_is_seen_by_its_silence(tmp_path: Path) -> None:
+    p = start_pair(tmp_path)
+    wait_both([p.node0, p.node1])
+    pids = p.node0.tree() + p.node1.tree()
+    os.killpg(p.node1.proc.pid, signal.SIGSTOP)  # the whole host freezes
+    stopped = time.monotonic()
+    try:
+        assert p.node0.proc.wait(90) != 0
+        assert time.monotonic() - stopped < 60
+        assert "(node 1) silent for" in p.node0.log()
+    finally:
+        os.killpg(p.node1.proc.pid, signal.SIGCONT)
+    assert p.node1.proc.wait(60) != 0  # thawed, it finds node 0 gone and leaves
     assert_gone(pids)
