@@ -464,3 +464,63 @@ def test_a_stopped_node_is_seen_by_its_silence(tmp_path: Path) -> None:
         os.killpg(p.node1.proc.pid, signal.SIGCONT)
     assert p.node1.proc.wait(60) != 0  # thawed, it finds node 0 gone and leaves
     assert_gone(pids)
+
+
+# ------------------------------------------------------------------ a saved Llama
+
+
+@pytest.fixture(scope="module")
+def llama_pair(tmp_path_factory) -> Iterator[tuple[Pair, Path]]:
+    tp_tests = pytest.importorskip("tests.integration.test_tensor_parallel")
+    tmp = tmp_path_factory.mktemp("multinode-llama")
+    path = tp_tests.build_checkpoint("llama", tmp / "llama")
+    p = start_pair(tmp, "--model-path", str(path), "--dtype", "float32",
+                   "--max-prefill-tokens", "64")
+    del STARTED[-2:]  # the module's: stopped below
+    try:
+        wait_both([p.node0, p.node1])
+        yield p, path
+        pids = p.node0.tree() + p.node1.tree()
+        p.node0.stop()
+        assert p.node0.proc.returncode == 0 and p.node1.proc.wait(30) == 0
+        assert_gone(pids)
+    finally:
+        for node in (p.node0, p.node1):
+            try:
+                os.killpg(node.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_a_saved_llama_over_two_nodes_equals_transformers(llama_pair) -> None:
+    tp_tests = pytest.importorskip("tests.integration.test_tensor_parallel")
+    p, path = llama_pair
+    srv = ServerProc(p.node0.proc, p.node0.port, p.node0.log_path, [], None)
+    tp_tests.assert_equal_to_transformers(srv, tp_tests.hf_model(path), 1)
+
+
+def test_weights_read_checked_released_and_resumed_across_nodes(llama_pair) -> None:
+    tp_tests = pytest.importorskip("tests.integration.test_tensor_parallel")
+    p, path = llama_pair
+    stub = p.stub()
+    full = tp_tests.checkpoint_tensors(path)
+    for name in ("model.layers.1.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight",
+                 "model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.down_proj.bias"):
+        want = full[name]
+        resp = stub.GetWeightsByName(pb.GetWeightsByNameRequest(
+            name=name, truncate_size=want.numel()), timeout=60)
+        assert resp.success, resp.message
+        import torch
+
+        assert torch.equal(torch.tensor(list(resp.values)), want.reshape(-1).float()), name
+    check = stub.CheckWeights(pb.CheckWeightsRequest(), timeout=60)
+    assert check.success and [r.tp_rank for r in check.rank_results] == [0, 1]
+    before, _ = run_generate(stub, greedy(PROMPTS[0], 8), timeout=120)
+    released = stub.ReleaseMemoryOccupation(pb.ReleaseMemoryOccupationRequest(), timeout=60)
+    assert released.success, released.message
+    resumed = stub.ResumeMemoryOccupation(pb.ResumeMemoryOccupationRequest(), timeout=120)
+    assert resumed.success, resumed.message
+    again = stub.CheckWeights(pb.CheckWeightsRequest(), timeout=60)
+    assert [r.digest for r in again.rank_results] == [r.digest for r in check.rank_results]
+    after, _ = run_generate(stub, greedy(PROMPTS[0], 8), timeout=120)
+    assert after == before
