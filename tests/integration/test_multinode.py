@@ -524,3 +524,27 @@ def test_weights_read_checked_released_and_resumed_across_nodes(llama_pair) -> N
     assert [r.digest for r in again.rank_results] == [r.digest for r in check.rank_results]
     after, _ = run_generate(stub, greedy(PROMPTS[0], 8), timeout=120)
     assert after == before
+
+
+def test_a_trainer_pushes_to_the_ranks_on_both_nodes(llama_pair) -> None:
+    tp_tests = pytest.importorskip("tests.integration.test_tensor_parallel")
+    import torch
+
+    from sglang_admin.client.trainer import WeightPusher
+
+    p, path = llama_pair
+    model = tp_tests.hf_model(path)
+    with torch.no_grad():  # the trainer's step: new weights the workers do not have
+        for tensor in model.parameters():
+            tensor.mul_(1.25)
+    pusher = WeightPusher([p.node0.target], timeout_s=120)
+    pusher.join("127.0.0.1", init_port(), group_name="multinode-weights")
+    try:
+        pusher.push(model.named_parameters(), weight_version="pushed")
+    finally:
+        pusher.destroy()
+    srv = ServerProc(p.node0.proc, p.node0.port, p.node0.log_path, [], None)
+    tp_tests.assert_equal_to_transformers(srv, model, 1)  # both TP ranks hold the new shards
+    back = p.stub().UpdateWeightsFromDisk(pb.UpdateWeightsFromDiskRequest(
+        model_path=str(path)), timeout=180)
+    assert back.success, back.message
