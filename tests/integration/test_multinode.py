@@ -548,3 +548,21 @@ def test_a_trainer_pushes_to_the_ranks_on_both_nodes(llama_pair) -> None:
     back = p.stub().UpdateWeightsFromDisk(pb.UpdateWeightsFromDiskRequest(
         model_path=str(path)), timeout=180)
     assert back.success, back.message
+
+
+def test_a_grammar_across_nodes(pair: Pair) -> None:
+    """The grammar's matcher stays with TP rank 0 (the followers' samples are discarded):
+    sampled outputs match the regex and a JSON schema exactly."""
+    constrained = pytest.importorskip("tests.integration.test_constrained")
+    import json
+    import re
+
+    stub = pair.stub()
+    pattern = r"[a-z]{2,6}@[a-z]{2,5}\.(com|org)"
+    for seed in range(2):
+        ids, complete = run_generate(stub, constrained.constrained(regex=pattern, seed=seed),
+                                     timeout=180)
+        assert re.fullmatch(pattern, constrained.finished_by_grammar(ids, complete))
+    schema = json.dumps(constrained.PERSON_SCHEMA)
+    ids, complete = run_generate(stub, constrained.constrained(json_schema=schema), timeout=180)
+    constrained.check_person(json.loads(constrained.finished_by_grammar(ids, complete)))
