@@ -566,3 +566,35 @@ def test_a_grammar_across_nodes(pair: Pair) -> None:
     schema = json.dumps(constrained.PERSON_SCHEMA)
     ids, complete = run_generate(stub, constrained.constrained(json_schema=schema), timeout=180)
     constrained.check_person(json.loads(constrained.finished_by_grammar(ids, complete)))
+
+
+def test_the_router_in_front_of_node_0(pair: Pair, tmp_path: Path) -> None:
+    """The real SMG gateway registers node 0 as any worker (tp_size 2) and generates
+    through it; node 1 is never a worker of its own."""
+    smg_tests = pytest.importorskip("tests.integration.test_smg_router")
+    from types import SimpleNamespace
+
+    port = free_port()
+    log_path = tmp_path / "router.log"
+    cmd = [sys.executable, "-m", "smg.launch_router", "--worker-urls",
+           f"grpc://{pair.node0.target}", "--host", "127.0.0.1", "--port", str(port),
+           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+           "--worker-startup-check-interval", "1", "--health-check-interval-secs", "2",
+           "--log-level", "info"]
+    with open(log_path, "w") as log:
+        router = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                  env={**os.environ, "NO_COLOR": "1"})
+    base = f"http://127.0.0.1:{port}"
+    gateway = SimpleNamespace(base=base)
+    try:
+        smg_tests.wait_for(lambda: smg_tests.healthy_workers(gateway), 90,
+                           "node 0 healthy in GET /workers")
+        _, listing = smg_tests.http("GET", f"{base}/workers")
+        worker = listing["workers"][0]
+        assert worker["labels"]["tp_size"] == "2"
+        gateway.model = worker["model_id"]
+        direct, _ = run_generate(pair.stub(), greedy(PROMPTS[1], 6), timeout=120)
+        body = smg_tests.generate(gateway, PROMPTS[1], 6)
+        assert body["output_ids"] == direct
+    finally:
+        smg_tests.stop_router(router)
