@@ -16,11 +16,11 @@ transformers = pytest.importorskip("transformers")
 
 from sglang_admin.model.gguf import (  # noqa: E402
     GgufError,
-    byte_alphabet,
     find_gguf,
     open_gguf,
     resolve_model_path,
 )
+from sglang_admin.model.gguf_tokenizer import byte_alphabet  # noqa: E402
 from sglang_admin.model.loader import iter_checkpoint  # noqa: E402
 from tests.gguf_models import (  # noqa: E402
     QUANT_TYPES,
