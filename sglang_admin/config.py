@@ -163,8 +163,9 @@ class ServerArgs:
 
     @property
     def cores_per_rank(self) -> int:
-        """The cores this process may run on, shared among the ranks (at least 1)."""
-        return max(1, available_cores() // (self.dp_size * self.tp_size))
+        """The cores this process may run on, shared among this node's ranks (at least
+        1; with --nnodes each node runs tp x dp / nnodes of them)."""
+        return max(1, available_cores() * self.nnodes // (self.dp_size * self.tp_size))
 
     @property
     def rank_lanes(self) -> int:

@@ -44,10 +44,13 @@ class LinkError(Exception):
 
 def weights_fingerprint(model_path: str | None) -> str:
     """A cheap digest of the checkpoint a node would load: its config.json and the names
-    and sizes of its weight files (the embedded model: its name)."""
-    if not model_path or not os.path.isdir(model_path):
-        return f"file:{model_path}:{os.path.getsize(model_path)}" if model_path and \
-            os.path.isfile(model_path) else f"name:{model_path}"
+    and sizes of its weight files; a single file: its size; a built-in model: its name."""
+    if not model_path:
+        return "the embedded model"
+    if os.path.isfile(model_path):
+        return f"a file of {os.path.getsize(model_path)} bytes"
+    if not os.path.isdir(model_path):
+        return f"no such directory: {model_path}" if os.sep in model_path else model_path
     digest = hashlib.sha256()
     for name in sorted(os.listdir(model_path)):
         full = os.path.join(model_path, name)
@@ -161,12 +164,12 @@ class NodeLink:
                 peer = await asyncio.wait_for(arrived.get(), max(left, 0.0))
             except TimeoutError:
                 missing = [k for k in range(1, args.nnodes) if k not in self.peers]
-                self._refuse_all("")
-                raise LinkError(
-                    f"node(s) {', '.join(map(str, missing))} did not join at "
-                    f"{init.host}:{init.port} within --dist-timeout {args.dist_timeout_s:.0f}s "
-                    f"(started with --nnodes {args.nnodes} --node-rank k and the same "
-                    f"--dist-init-addr? a firewall?)") from None
+                why = (f"node(s) {', '.join(map(str, missing))} did not join at "
+                       f"{init.host}:{init.port} within --dist-timeout "
+                       f"{args.dist_timeout_s:.0f}s (started with --nnodes {args.nnodes} "
+                       f"--node-rank k and the same --dist-init-addr? a firewall?)")
+                self._refuse_all(why)  # the nodes that did join say the same
+                raise LinkError(why) from None
             assert isinstance(peer, Peer)
             if peer.node in self.peers:  # a second node with the same --node-rank
                 _write(peer.writer, {"refused": f"node {peer.node} joined twice: each node "
@@ -186,8 +189,7 @@ class NodeLink:
 
     def _refuse_all(self, why: str) -> None:
         for peer in self.peers.values():
-            if why:
-                _write(peer.writer, {"refused": why})
+            _write(peer.writer, {"refused": why})
             peer.writer.close()
 
     async def _reach(self) -> None:
