@@ -182,7 +182,9 @@ def start_pair(tmp: Path, *extra: str) -> Pair:
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory) -> Iterator[Pair]:
     tmp = tmp_path_factory.mktemp("multinode")
-    p = start_pair(tmp, "--enable-lora", "--max-lora-rank", "8")
+    # the profiles' root: node 1 writes its traces into its own (empty) view of it
+    p = start_pair(tmp, "--enable-lora", "--max-lora-rank", "8",
+                   "--profile-dir", str(tmp / "hidden-on-node1" / "profiles"))
     del STARTED[-2:]  # the module's: stopped below, not after the test that started them
     wait_both([p.node0, p.node1])
     yield p
@@ -598,3 +600,32 @@ def test_the_router_in_front_of_node_0(pair: Pair, tmp_path: Path) -> None:
         assert body["output_ids"] == direct
     finally:
         smg_tests.stop_router(router)
+
+
+def test_profiles_of_both_nodes_download_from_node_0(pair: Pair) -> None:
+    """Each TP rank writes its trace on its own node; node 1's goes to node 0 with its
+    StopProfile answer, so DownloadProfile on node 0 returns both (and a merge would
+    find both)."""
+    import gzip
+    import hashlib
+    import json
+
+    stub = pair.stub()
+    start = stub.StartProfile(pb.StartProfileRequest(output_dir="mn"), timeout=60)
+    assert start.success, start.message
+    run_generate(stub, greedy(PROMPTS[1], 4), timeout=120)
+    stop = stub.StopProfile(pb.StopProfileRequest(), timeout=180)
+    assert stop.success, stop.message
+    names = sorted(os.path.basename(f) for f in stop.files)
+    assert names == [f"{start.profile_id}-TP-{t}.trace.json.gz" for t in range(2)]
+    got: dict[str, bytearray] = {}
+    sums: dict[str, str] = {}
+    for chunk in stub.DownloadProfile(pb.DownloadProfileRequest(profile_id=start.profile_id),
+                                      timeout=120):
+        got.setdefault(chunk.file_name, bytearray()).extend(chunk.data)
+        if chunk.last:
+            sums[chunk.file_name] = chunk.sha256
+    assert sorted(got) == names
+    for name, data in got.items():
+        assert sums[name] == hashlib.sha256(data).hexdigest()
+        assert json.loads(gzip.decompress(bytes(data)))["traceEvents"]

@@ -191,7 +191,8 @@ def follow(runner: ModelRunner, tp: TensorParallel, profiler: Profiler) -> None:
     """Run rank 0's commands until it says stop."""
     weights = FollowerWeights(runner, tp)
     try:
-        _follow(runner, tp, weights, FollowerProfiler(profiler))
+        remote = bool(tp.ranks_per_node) and tp.rank >= tp.ranks_per_node  # not on node 0
+        _follow(runner, tp, weights, FollowerProfiler(profiler, ship=remote))
     finally:
         weights.close()
 
