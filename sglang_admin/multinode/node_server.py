@@ -30,6 +30,7 @@ from sglang_admin.config import ServerArgs
 from sglang_admin.constants import rank_openmp_environment
 from sglang_admin.messages import Heartbeat, decode
 from sglang_admin.multinode.link import LinkError, NodeLink
+from sglang_admin.multinode.node_http import start_node_http
 from sglang_admin.multinode.topology import local_tp_ranks, placement
 from sglang_admin.pb import common_pb2 as pb
 from sglang_admin.scheduler.rank.entry import run_tp_follower
@@ -53,6 +54,8 @@ class NodeServer:
         self.exit_code = 0
         self.clean_stop = False
         self.heard: dict[tuple[int, int], float] = {}  # (dp, tp) -> last heartbeat (monotonic)
+        self.ready = False  # node 0 reported the replica ready
+        self.link_up = False
 
     async def _set_health(self, status: int) -> None:
         for name in ("", SERVICE):
@@ -97,6 +100,16 @@ class NodeServer:
                 proc.start()
                 self.procs.append((dp_rank, tp_rank, proc))
 
+    def state(self) -> dict:
+        """What /metrics and /health read (multinode/node_http.py)."""
+        now = asyncio.get_running_loop().time()
+        ranks = {}
+        for dp_rank, tp_rank, proc in self.procs:
+            heard = self.heard.get((dp_rank, tp_rank))
+            ranks[dp_rank, tp_rank] = (proc.is_alive(), None if heard is None else now - heard)
+        return {"ranks": ranks, "link_up": self.link_up and not self.done.is_set(),
+                "ready": self.ready and not self.done.is_set()}
+
     def _fail(self, why: str) -> None:
         if self.done.is_set():
             return
@@ -106,6 +119,7 @@ class NodeServer:
 
     def _on_message(self, msg: dict) -> None:
         if msg.get("ready"):
+            self.ready = True
             now = asyncio.get_running_loop().time()
             for dp_rank, tp_rank, _ in self.procs:  # every rank passed the replica's barrier
                 self.heard.setdefault((dp_rank, tp_rank), now)
@@ -158,6 +172,16 @@ class NodeServer:
             return 2
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.start()
+        http = None
+        if not args.disable_http_sidecar:
+            try:
+                http = await start_node_http(args, self.state)
+            except OSError as exc:
+                logger.error("cannot serve /health and /metrics on %s:%d (%s); choose another "
+                             "--grpc-http-sidecar-port, or --disable-http-sidecar", args.host,
+                             args.http_sidecar_listen_port, exc.strerror or exc)
+                await server.stop(None)
+                return 2
         logger.info("node %d of %d: health and GetServerInfo on %s", args.node_rank,
                     args.nnodes, address)
         try:
@@ -165,7 +189,10 @@ class NodeServer:
         except LinkError as exc:
             logger.error("%s", exc)
             await server.stop(None)
+            if http is not None:
+                await http.cleanup()
             return 2
+        self.link_up = True
         ctx = zmq.asyncio.Context()
         beats = ctx.socket(zmq.PULL)
         beats.setsockopt(zmq.LINGER, 0)
@@ -186,6 +213,8 @@ class NodeServer:
         await self._stop_ranks()
         await self.link.close(clean=False)
         await server.stop(0.5)
+        if http is not None:
+            await http.cleanup()
         logger.info("node %d stopped (exit %d)", args.node_rank, self.exit_code)
         return self.exit_code
 

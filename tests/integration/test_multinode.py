@@ -56,6 +56,7 @@ class Node:
     proc: subprocess.Popen
     port: int
     log_path: Path
+    http_port: int = 0  # its HTTP sidecar (node >= 1: /health and /metrics)
 
     @property
     def target(self) -> str:
@@ -98,9 +99,10 @@ def start_node(tmp: Path, rank: int, init_port: int, *extra: str, nnodes: int = 
     """``sglang-admin serve`` as node ``rank`` of ``nnodes``; ``hide``: a directory this
     node sees empty (its own mount namespace)."""
     port = port or free_port()
+    http_port = free_port()
     log_path = tmp / f"node{rank}-{port}.log"
     cmd = [sys.executable, "-m", "sglang_admin", "serve", "--port", str(port),
-           "--grpc-http-sidecar-port", str(free_port()), "--tp-size", str(tp),
+           "--grpc-http-sidecar-port", str(http_port), "--tp-size", str(tp),
            "--nnodes", str(nnodes), "--node-rank", str(rank),
            "--dist-init-addr", f"127.0.0.1:{init_port}", "--max-total-tokens", "2048",
            "--dist-timeout", "120", *extra]
@@ -111,7 +113,7 @@ def start_node(tmp: Path, rank: int, init_port: int, *extra: str, nnodes: int = 
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp,
                                 start_new_session=True)
-    node = Node(proc, port, log_path)
+    node = Node(proc, port, log_path, http_port)
     STARTED.append(node)
     return node
 
@@ -183,7 +185,7 @@ def start_pair(tmp: Path, *extra: str) -> Pair:
 def pair(tmp_path_factory) -> Iterator[Pair]:
     tmp = tmp_path_factory.mktemp("multinode")
     # the profiles' root: node 1 writes its traces into its own (empty) view of it
-    p = start_pair(tmp, "--enable-lora", "--max-lora-rank", "8",
+    p = start_pair(tmp, "--enable-lora", "--max-lora-rank", "8", "--enable-metrics",
                    "--profile-dir", str(tmp / "hidden-on-node1" / "profiles"))
     del STARTED[-2:]  # the module's: stopped below, not after the test that started them
     wait_both([p.node0, p.node1])
@@ -326,6 +328,17 @@ def test_server_info_lists_every_tp_rank_with_its_node(pair: Pair) -> None:
     with pytest.raises(grpc.RpcError) as err:
         run_generate(stub1, greedy([1, 2, 3], 2), timeout=10)
     assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    # node 1's own /health and /metrics on its sidecar port
+    import urllib.request
+
+    base = f"http://127.0.0.1:{pair.node1.http_port}"
+    with urllib.request.urlopen(f"{base}/health", timeout=10) as resp:
+        assert resp.status == 200
+    with urllib.request.urlopen(f"{base}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    assert 'sglang_admin_node_rank_alive{dp_rank="0",node_rank="1",tp_rank="1"} 1.0' in text
+    assert 'sglang_admin_node_link_up{node_rank="1"} 1.0' in text
+    assert "sglang_admin_node_rank_heartbeat_age_seconds{" in text
 
 
 def test_flush_pause_continue_across_nodes(pair: Pair) -> None:
