@@ -642,3 +642,43 @@ def test_profiles_of_both_nodes_download_from_node_0(pair: Pair) -> None:
     for name, data in got.items():
         assert sums[name] == hashlib.sha256(data).hexdigest()
         assert json.loads(gzip.decompress(bytes(data)))["traceEvents"]
+
+
+def test_smollm2_over_three_nodes_equals_tp1(tmp_path: Path) -> None:
+    """SmolLM2-135M (9 heads, 3 KV heads: tp 2 cannot split it) at tp 3 over three nodes,
+    each holding one TP rank: greedy tokens and logprobs equal to tp 1's."""
+    from sglang_admin.cli import served_model_path
+    from tests.conftest import start_server, wait_started
+
+    try:
+        model = served_model_path("smollm2")
+    except ValueError as exc:
+        pytest.skip(f"SmolLM2 is not available here: {exc}")
+    common = ("--model-path", str(model), "--dtype", "float32", "--max-prefill-tokens", "64")
+    port = init_port()
+    nodes = [start_node(tmp_path, k, port, *common, nnodes=3, tp=3) for k in range(3)]
+    ref = start_server(tmp_path, *common, "--max-total-tokens", "2048", wait=False)
+    try:
+        wait_both(nodes)
+        wait_started(ref)
+        stub = pb_grpc.SglangSchedulerStub(grpc.insecure_channel(nodes[0].target))
+        ref_stub = ref.stub()
+        info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=30)
+        assert [int(r["node_rank"]) for r in info.scheduler_info["tp_ranks"]] == [0, 1, 2]
+        for prompt, n in zip(PROMPTS[:3], (10, 6, 8)):
+            ours, complete = run_generate(stub, greedy(prompt, n, return_logprob=True),
+                                          timeout=300)
+            theirs, ref_complete = run_generate(ref_stub, greedy(prompt, n,
+                                                                 return_logprob=True),
+                                                timeout=300)
+            assert ours == theirs
+            a = list(complete.output_logprobs.token_logprobs)
+            b = list(ref_complete.output_logprobs.token_logprobs)
+            assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
+        pids = [pid for node in nodes for pid in node.tree()]
+        nodes[0].stop()
+        assert nodes[0].proc.returncode == 0
+        assert [node.proc.wait(60) for node in nodes[1:]] == [0, 0]
+        assert_gone(pids)
+    finally:
+        ref.stop()
