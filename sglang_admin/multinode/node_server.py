@@ -224,8 +224,9 @@ class NodeServer:
         wait = STOP_WAIT_S if self.clean_stop else 0.0
         until = loop_time() + wait
         for _, _, proc in self.procs:
-            while proc.is_alive() and loop_time() < until:
-                await asyncio.sleep(POLL_S)
+            left = until - loop_time()
+            if proc.is_alive() and left > 0:
+                await asyncio.to_thread(proc.join, left)
             if proc.is_alive():
                 proc.kill()
             proc.join(timeout=5)
