@@ -5,7 +5,8 @@ compares them with its own and answers every node "ok" or "refused" with one lin
 the first difference; a node that never joins fails node 0's start after
 ``--dist-timeout``. Then it is the liveness of the replica: both ends send a ping every
 :data:`PING_S` and a node whose connection closes, or that is silent for
-:data:`SILENT_S` (a stopped host), is gone; node 0 then fails its calls and exits non-zero,
+:data:`SILENT_S` or ``--watchdog-probe-timeout``, whichever is longer (a stopped host, a
+cut network), is gone; node 0 then fails its calls and exits non-zero,
 and a node >= 1 whose node 0 is gone stops its ranks and exits non-zero. A clean stop of
 node 0 sends "stop": the others exit 0.
 
@@ -124,6 +125,8 @@ class NodeLink:
         self._server: asyncio.base_events.Server | None = None
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
+        # how long a peer may be silent before it counts as gone
+        self.silent_s = max(SILENT_S, args.watchdog_probe_timeout_s)
 
     # ------------------------------------------------------------ the join check
 
@@ -241,9 +244,9 @@ class NodeLink:
                       on_message: Callable[[dict[str, Any]], None] | None) -> None:
         while True:
             try:
-                msg = await asyncio.wait_for(_read(peer.reader), SILENT_S)
+                msg = await asyncio.wait_for(_read(peer.reader), self.silent_s)
             except TimeoutError:
-                why = f"silent for {SILENT_S:.0f}s (stopped, or the network is down)"
+                why = f"silent for {self.silent_s:.0f}s (stopped, or the network is down)"
                 break
             except (OSError, asyncio.IncompleteReadError, LinkError) as exc:
                 why = f"its link closed ({type(exc).__name__})"

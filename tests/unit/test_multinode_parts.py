@@ -161,3 +161,28 @@ def test_link_bounded_wait_for_node_0() -> None:
         return str(err.value)
 
     assert "node 0 is not reachable at --dist-init-addr 127.0.0.1:" in asyncio.run(main())
+
+
+def test_link_counts_a_silent_node_gone(monkeypatch) -> None:
+    monkeypatch.setattr(link_mod, "SILENT_S", 1.0)
+    monkeypatch.setattr(link_mod, "PING_S", 0.1)
+
+    async def main() -> list[tuple[int, str]]:
+        port = _port()
+        leader = NodeLink(_args(port, 0, watchdog_probe_timeout_s=1.0))
+        member = NodeLink(_args(port, 1, watchdog_probe_timeout_s=1.0))
+        await asyncio.gather(leader.join(), member.join())
+        lost: list[tuple[int, str]] = []
+        leader.watch(lambda node, why: lost.append((node, why)))
+        member.watch(lambda node, why: None)
+        await asyncio.sleep(0.5)
+        assert lost == []
+        for task in member._tasks:  # node 1 freezes: its connection stays open, silent
+            task.cancel()
+        await asyncio.sleep(2.0)
+        await leader.close(clean=True)
+        await member.close(clean=False)
+        return lost
+
+    lost = asyncio.run(main())
+    assert lost and lost[0][0] == 1 and "silent for 1s" in lost[0][1]
