@@ -112,3 +112,14 @@ def placement(args: ServerArgs) -> list[dict[str, int]]:
     share = max(1, args.tp_size // max(args.nnodes, 1))
     return [{"dp_rank": d, "tp_rank": t, "node_rank": t // share}
             for d in range(args.dp_size) for t in range(args.tp_size)]
+
+
+def tp_placement(args: ServerArgs) -> dict[int, list[tuple[int, int]]]:
+    """Per replica, its (TP rank, node) pairs (GetServerInfo's ``RankState.tp_ranks``);
+    empty at --tp-size 1."""
+    if args.tp_size <= 1:
+        return {}
+    out: dict[int, list[tuple[int, int]]] = {}
+    for row in placement(args):
+        out.setdefault(row["dp_rank"], []).append((row["tp_rank"], row["node_rank"]))
+    return out

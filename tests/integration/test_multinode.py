@@ -316,6 +316,7 @@ def test_server_info_lists_every_tp_rank_with_its_node(pair: Pair) -> None:
     assert info.server_args["nnodes"] == 2 and info.server_args["tp_size"] == 2
     ranks = [(int(r["tp_rank"]), int(r["node_rank"])) for r in info.scheduler_info["tp_ranks"]]
     assert ranks == [(0, 0), (1, 1)]
+    assert [(t.tp_rank, t.node_rank) for t in info.rank_states[0].tp_ranks] == [(0, 0), (1, 1)]
     # node 1: health and GetServerInfo only, on its own --port
     ch = grpc.insecure_channel(pair.node1.target)
     status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
