@@ -10,7 +10,11 @@ received in the window (``ss -tin`` on its sockets: the step commands and the al
 over the same steps. Loopback has no wire latency: across real hosts each of a step's
 collectives adds a network round trip (docs/multinode.md).
 
+``--codec-only``: only the cost of a step's command on the wire (multinode/wire.py) beside
+pickle's (what ``broadcast_object_list`` did), encode + decode of one batch, alternated.
+
 Usage: python -m tools.bench_multinode [--batch 8] [--new-tokens 64] [--rounds 3]
+       python -m tools.bench_multinode --codec-only [--batch 64] [--prompt-len 512]
 """
 
 from __future__ import annotations
@@ -97,13 +101,48 @@ def stop(*procs: subprocess.Popen) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+def codec_costs(batch: int, prompt_len: int, rounds: int = 7) -> None:
+    """Encode + decode of one step's command: the wire's beside pickle's, alternated."""
+    import pickle  # only to compare with what the TP group used to send; nothing is sent
+
+    from sglang_admin.messages import SamplingParams
+    from sglang_admin.model.step_io import SeqInput
+    from sglang_admin.multinode import wire
+
+    seqs = [SeqInput(i, prompt_len + 100, [5], prompt_len + 100, [i * 4096 + 7],
+                     SamplingParams(temperature=0.7), list(range(prompt_len)),
+                     list(range(100))) for i in range(batch)]
+    cmd = ("step", seqs)
+    codecs = {"pickle": (pickle.dumps, pickle.loads), "wire": (wire.encode, wire.decode)}
+    best = {name: float("inf") for name in codecs}
+    sizes = {}
+    for _ in range(rounds):
+        for name, (enc, dec) in codecs.items():
+            t0 = time.perf_counter()
+            for _ in range(20):
+                data = enc(cmd)
+                dec(data)
+            best[name] = min(best[name], (time.perf_counter() - t0) / 20)
+            sizes[name] = len(data)
+    print(f"one step's command, {batch} sequences of {prompt_len} prompt + 100 output ids "
+          f"(best of {rounds}), load average {os.getloadavg()[0]:.1f}")
+    for name in codecs:
+        print(f"  {name:<7} {best[name] * 1e3:7.2f} ms encode+decode  {sizes[name]:>9,} bytes  "
+              f"{best[name] / best['pickle']:5.2f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--model-path", default=None, help="default: the embedded model")
+    ap.add_argument("--codec-only", action="store_true")
+    ap.add_argument("--prompt-len", type=int, default=512, help="--codec-only's prompts")
     opts = ap.parse_args()
+    if opts.codec_only:
+        codec_costs(opts.batch, opts.prompt_len)
+        return
     model = ["--model-path", opts.model_path] if opts.model_path else []
     results: dict[str, tuple[float, float | None]] = {}
     with tempfile.TemporaryDirectory() as tmp_dir:

@@ -3,10 +3,11 @@
 ``torch.distributed.broadcast_object_list`` and ``all_gather_object`` pickle, so any process
 that can reach a rank's group port could run code in it. Here every command TP rank 0 sends
 its followers (a step's batch, a refit, an adapter, a profile start) and every answer they
-gather travels as msgpack: primitives, lists, dicts, and three extensions, a tuple, a tensor
-(dtype from a closed list, shape, raw bytes) and a record, whose type comes from the closed
-:data:`RECORDS` registry and whose fields are set one by one (no constructor runs, no class
-named by the sender). Anything else is refused on the sending side (:class:`WireError`).
+gather travels as msgpack: primitives, lists, dicts; a tensor as an extension (dtype from a
+closed list, shape, raw bytes); a tuple or a record as an array led by a one-byte tag, the
+record's type an index into the closed :data:`RECORDS` registry, its fields set one by one
+(no constructor runs, no class named by the sender). Anything else is refused on the
+sending side (:class:`WireError`).
 """
 
 from __future__ import annotations
@@ -41,20 +42,38 @@ class WireError(ValueError):
     """A value that the TP group's wire does not carry, or bytes that do not decode."""
 
 
-def _default(obj: Any) -> msgpack.ExtType:
+class _Mark:
+    """What a tuple's or a record's leading tag decodes to, until its array is complete."""
+
+    __slots__ = ("record",)
+
+    def __init__(self, record: int) -> None:
+        self.record = record  # -1: a tuple
+
+
+# A tuple or a record travels as a plain array whose first item is a small extension (its
+# tag): one packb per command, not one per record (a step carries two records a sequence).
+_TUPLE_TAG = msgpack.ExtType(_TUPLE, b"")
+_RECORD_TAGS = tuple(msgpack.ExtType(_RECORD, bytes([i])) for i in range(len(RECORDS)))
+_TUPLE_MARK = _Mark(-1)
+_RECORD_MARKS = tuple(_Mark(i) for i in range(len(RECORDS)))
+_RECORD_VALUES = tuple(
+    (lambda obj, names=names: [getattr(obj, n) for n in names]) for names in _RECORD_FIELDS)
+
+
+def _default(obj: Any) -> Any:
+    code = _RECORD_CODE.get(type(obj))
+    if code is not None:
+        return [_RECORD_TAGS[code], *_RECORD_VALUES[code](obj)]
     if isinstance(obj, tuple):
-        return msgpack.ExtType(_TUPLE, _pack(list(obj)))
+        return [_TUPLE_TAG, *obj]
     if isinstance(obj, torch.Tensor):
-        code = _DTYPE_CODE.get(obj.dtype)
-        if code is None:
+        dtype_code = _DTYPE_CODE.get(obj.dtype)
+        if dtype_code is None:
             raise WireError(f"a tensor of dtype {obj.dtype} does not travel to the TP ranks")
         flat = obj.detach().to("cpu").contiguous().reshape(-1)
         raw = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
-        return msgpack.ExtType(_TENSOR, _pack([code, list(obj.shape), raw]))
-    code = _RECORD_CODE.get(type(obj))
-    if code is not None:
-        values = [getattr(obj, name) for name in _RECORD_FIELDS[code]]
-        return msgpack.ExtType(_RECORD, _pack([code, values]))
+        return msgpack.ExtType(_TENSOR, _pack([dtype_code, list(obj.shape), raw]))
     if isinstance(obj, (bool, int, float, str, bytes)):  # a subclass (an IntEnum, a str enum)
         for base in (bool, int, float, str, bytes):
             if isinstance(obj, base):
@@ -67,8 +86,10 @@ def _pack(obj: Any) -> bytes:
 
 
 def _ext(code: int, data: bytes) -> Any:
-    if code == _TUPLE:
-        return tuple(_unpack(data))
+    if code == _TUPLE and not data:
+        return _TUPLE_MARK
+    if code == _RECORD and len(data) == 1 and data[0] < len(RECORDS):
+        return _RECORD_MARKS[data[0]]
     if code == _TENSOR:
         dtype_code, shape, raw = _unpack(data)
         if not (isinstance(dtype_code, int) and 0 <= dtype_code < len(_DTYPES)):
@@ -77,23 +98,28 @@ def _ext(code: int, data: bytes) -> Any:
         if not raw:
             return torch.empty(shape, dtype=dtype)
         return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape)
-    if code == _RECORD:
-        index, values = _unpack(data)
-        if not (isinstance(index, int) and 0 <= index < len(RECORDS)):
-            raise WireError(f"unknown record code {index!r}")
-        names = _RECORD_FIELDS[index]
-        if not isinstance(values, list) or len(values) != len(names):
-            raise WireError(f"a {RECORDS[index].__name__} with {len(values)} fields")
-        obj = object.__new__(RECORDS[index])
-        for name, value in zip(names, values):
-            object.__setattr__(obj, name, value)
-        return obj
-    raise WireError(f"unknown extension code {code}")
+    raise WireError(f"unknown extension code {code} ({len(data)} bytes)")
+
+
+def _array(items: list[Any]) -> Any:
+    """A decoded array: a tuple or a record when its first item is a tag, else the list."""
+    if not items or type(items[0]) is not _Mark:
+        return items
+    mark = items[0]
+    if mark.record < 0:
+        return tuple(items[1:])
+    names = _RECORD_FIELDS[mark.record]
+    if len(items) != len(names) + 1:
+        raise WireError(f"a {RECORDS[mark.record].__name__} with {len(items) - 1} fields")
+    obj = object.__new__(RECORDS[mark.record])
+    for name, value in zip(names, items[1:]):
+        object.__setattr__(obj, name, value)
+    return obj
 
 
 def _unpack(data: bytes) -> Any:
-    return msgpack.unpackb(data, ext_hook=_ext, raw=False, strict_map_key=False,
-                           use_list=True)
+    return msgpack.unpackb(data, ext_hook=_ext, list_hook=_array, raw=False,
+                           strict_map_key=False, use_list=True)
 
 
 def encode(obj: Any) -> bytes:
