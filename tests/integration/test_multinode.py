@@ -1,12 +1,8 @@
-"""One replica over two nodes on this machine: two ``sglang-admin serve`` process trees
-started separately with ``--nnodes 2 --tp-size 2``, joined over 127.0.0.1.
-
-Node 1 runs in a mount namespace of its own when the machine allows one (``unshare -m``,
-as root): a directory there is hidden under an empty tmpfs, so a refit path that node 0's
-disk has and node 1's lacks is a real case, not a simulation. The tests: the join check
-(flags, settings that disagree, a node that never joins); greedy tokens and logprobs equal
-to tp 1 on the embedded model; sampling, n > 1 and stop strings at tp 2 over 2 nodes; the
-admin RPCs across the nodes; node 1 killed mid-stream and node 0 killed, with no process left.
+"""One replica over two nodes on this machine (tests/integration/multinode_nodes.py):
+greedy tokens and logprobs equal to tp 1 on the embedded model and to transformers on a
+saved Llama; sampling, n > 1, stop strings and grammars at tp 2 over 2 nodes; the admin RPCs
+across the nodes (flush, pause, refit from each node's disk, LoRA, weights read back, memory,
+a trainer's push, profiles, GetServerInfo); the real SMG gateway in front of node 0.
 """
 
 from __future__ import annotations
@@ -14,13 +10,9 @@ from __future__ import annotations
 import concurrent.futures as cf
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -29,156 +21,21 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sglang_admin.pb import common_pb2 as pb
 from sglang_admin.pb import common_pb2_grpc as pb_grpc
-from tests.conftest import ROOT, ServerProc, free_port, greedy, run_generate, wait_serving
+from tests.conftest import ROOT, ServerProc, free_port, greedy, run_generate
+from tests.integration.multinode_nodes import (  # noqa: F401  (no_node_left: a fixture)
+    PROMPTS,
+    STARTED,
+    Pair,
+    init_port,
+    kill_group,
+    no_node_left,
+    start_node,
+    start_pair,
+    wait_both,
+)
 from tests.integration.test_faults import assert_gone
 
-PROMPTS = [[3, 14, 15, 92, 65, 35], [27, 18, 28], list(range(40, 140)), [7] * 17]
 NEW_TOKENS = [12, 20, 8, 16]
-
-
-def _can_unshare() -> bool:
-    if shutil.which("unshare") is None:
-        return False
-    try:
-        return subprocess.run(["unshare", "-m", "--propagation", "private", "true"],
-                              capture_output=True, timeout=10).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-
-
-UNSHARE = _can_unshare()
-
-
-@dataclass
-class Node:
-    """One node's serve process (the leader of its own process group)."""
-
-    proc: subprocess.Popen
-    port: int
-    log_path: Path
-    http_port: int = 0  # its HTTP sidecar (node >= 1: /health and /metrics)
-
-    @property
-    def target(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def tree(self) -> list[int]:
-        """The serve process and every process below it."""
-        out = subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True)
-        children: dict[int, list[int]] = {}
-        for line in out.stdout.split("\n"):
-            if line.strip():
-                pid, ppid = map(int, line.split())
-                children.setdefault(ppid, []).append(pid)
-        found, todo = [], [self.proc.pid]
-        while todo:
-            pid = todo.pop()
-            found.append(pid)
-            todo += children.get(pid, [])
-        return found
-
-    def kill_host(self) -> None:
-        """Every process of this node at once, as a host that loses power."""
-        os.killpg(self.proc.pid, signal.SIGKILL)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.kill_host()
-                self.proc.wait(10)
-
-
-def start_node(tmp: Path, rank: int, init_port: int, *extra: str, nnodes: int = 2,
-               tp: int = 2, hide: Path | None = None, port: int | None = None) -> Node:
-    """``sglang-admin serve`` as node ``rank`` of ``nnodes``; ``hide``: a directory this
-    node sees empty (its own mount namespace)."""
-    port = port or free_port()
-    http_port = free_port()
-    log_path = tmp / f"node{rank}-{port}.log"
-    cmd = [sys.executable, "-m", "sglang_admin", "serve", "--port", str(port),
-           "--grpc-http-sidecar-port", str(http_port), "--tp-size", str(tp),
-           "--nnodes", str(nnodes), "--node-rank", str(rank),
-           "--dist-init-addr", f"127.0.0.1:{init_port}", "--max-total-tokens", "2048",
-           "--dist-timeout", "120", *extra]
-    if hide is not None:
-        script = f"mount -t tmpfs tmpfs {hide} && exec \"$@\""
-        cmd = ["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh", *cmd]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp,
-                                start_new_session=True)
-    node = Node(proc, port, log_path, http_port)
-    STARTED.append(node)
-    return node
-
-
-def init_port() -> int:
-    """A --dist-init-addr port whose next port (replica 0's TP group) is free too."""
-    while True:
-        port = free_port()
-        if port < 65000:
-            try:
-                import socket
-
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port + 1))
-                return port
-            except OSError:
-                continue
-
-
-def wait_both(nodes: list[Node], timeout: float = 240) -> None:
-    for node in nodes:
-        try:
-            wait_serving(node.target, node.proc, timeout)
-        except Exception:
-            for n in nodes:
-                if n.proc.poll() is None:
-                    n.kill_host()
-            raise RuntimeError("nodes failed to start:\n" +
-                               "\n".join(n.log()[-3000:] for n in nodes)) from None
-
-
-@dataclass
-class Pair:
-    node0: Node
-    node1: Node
-    hidden: Path | None  # a directory node 1 sees empty (None: no mount namespace here)
-
-    def stub(self) -> pb_grpc.SglangSchedulerStub:
-        return pb_grpc.SglangSchedulerStub(grpc.insecure_channel(self.node0.target))
-
-
-STARTED: list[Node] = []  # every node a test started: none outlives it (see below)
-
-
-@pytest.fixture(autouse=True)
-def no_node_left() -> Iterator[None]:
-    """A test that fails half-way leaves no process of its nodes behind (the module's
-    pair, stopped at the module's end, excepted)."""
-    before = len(STARTED)
-    yield
-    for node in STARTED[before:]:
-        try:
-            os.killpg(node.proc.pid, signal.SIGKILL)  # the group outlives its leader
-        except ProcessLookupError:
-            pass
-    del STARTED[before:]
-
-
-def start_pair(tmp: Path, *extra: str) -> Pair:
-    hidden = tmp / "hidden-on-node1"
-    hidden.mkdir(exist_ok=True)
-    port = init_port()
-    node0 = start_node(tmp, 0, port, *extra)
-    node1 = start_node(tmp, 1, port, *extra, hide=hidden if UNSHARE else None)
-    return Pair(node0, node1, hidden if UNSHARE else None)
 
 
 @pytest.fixture(scope="module")
@@ -199,63 +56,7 @@ def pair(tmp_path_factory) -> Iterator[Pair]:
         assert_gone(pids)
     finally:
         for node in (p.node0, p.node1):
-            try:
-                os.killpg(node.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-
-# ------------------------------------------------------------------ the join check
-
-
-def test_wrong_flag_combinations_are_refused_in_one_line(tmp_path: Path) -> None:
-    cases = [
-        (["--nnodes", "2"], "needs --dist-init-addr"),
-        (["--nnodes", "2", "--node-rank", "2", "--dist-init-addr", "127.0.0.1:5000"],
-         "--node-rank 2 is not in 0..1"),
-        (["--nnodes", "2", "--tp-size", "3", "--dist-init-addr", "127.0.0.1:5000"],
-         "--tp-size 3 is the total over the nodes"),
-        (["--dist-init-addr", "127.0.0.1:5000"], "--dist-init-addr needs --nnodes > 1"),
-        (["--nnodes", "2", "--tp-size", "2", "--dist-init-addr", "127.0.0.1"],
-         "expected HOST:PORT"),
-        (["--nnodes", "2", "--tp-size", "2", "--dist-init-addr", "127.0.0.1:99999"],
-         "1..65535"),
-    ]
-    for args, text in cases:
-        out = subprocess.run([sys.executable, "-m", "sglang_admin", "serve", *args],
-                             capture_output=True, text=True, timeout=120, cwd=ROOT,
-                             env={**os.environ, "PYTHONPATH": str(ROOT)})
-        assert out.returncode == 2, (args, out.stderr)
-        lines = [line for line in out.stderr.splitlines() if line.strip()]
-        assert len(lines) == 1 and text in lines[0], (args, out.stderr)
-
-
-def test_nodes_that_disagree_are_refused_on_every_node(tmp_path: Path) -> None:
-    port = init_port()
-    node0 = start_node(tmp_path, 0, port, "--context-length", "256")
-    node1 = start_node(tmp_path, 1, port, "--context-length", "512")
-    try:
-        assert node0.proc.wait(120) == 2
-        assert node1.proc.wait(60) == 2
-    finally:
-        for n in (node0, node1):
-            if n.proc.poll() is None:
-                n.kill_host()
-    line = "node 1 disagrees with node 0 on context_length: node 0 has 256, node 1 has 512"
-    assert line in node0.log() and line in node1.log()
-
-
-def test_a_node_that_never_joins_fails_node_0_after_the_wait(tmp_path: Path) -> None:
-    node0 = start_node(tmp_path, 0, init_port(), "--dist-timeout", "3")
-    try:
-        started = time.monotonic()
-        assert node0.proc.wait(120) == 2
-    finally:
-        if node0.proc.poll() is None:
-            node0.kill_host()
-    assert time.monotonic() - started < 60
-    assert "node(s) 1 did not join at 127.0.0.1:" in node0.log()
-    assert "within --dist-timeout 3s" in node0.log()
+            kill_group(node)
 
 
 # ------------------------------------------------------------------ generation
@@ -395,93 +196,6 @@ def test_lora_load_and_unload_across_nodes(pair: Pair, tmp_path_factory) -> None
     assert again == base and with_lora != base
 
 
-# ------------------------------------------------------------------ faults
-
-
-def _health_watch(target: str, seen: list[int]) -> threading.Thread:
-    def watch() -> None:
-        try:
-            with grpc.insecure_channel(target) as ch:
-                for resp in health_pb2_grpc.HealthStub(ch).Watch(
-                        health_pb2.HealthCheckRequest(), timeout=120):
-                    seen.append(resp.status)
-        except grpc.RpcError:
-            pass
-    t = threading.Thread(target=watch, daemon=True)
-    t.start()
-    return t
-
-
-def test_node_1_killed_mid_stream(tmp_path: Path) -> None:
-    p = start_pair(tmp_path)
-    wait_both([p.node0, p.node1])
-    pids = p.node0.tree() + p.node1.tree()
-    seen: list[int] = []
-    watcher = _health_watch(p.node0.target, seen)
-    req = greedy(PROMPTS[0], 2000)
-    req.stream = True
-    stream = p.stub().Generate(req, timeout=300)
-    next(stream)  # tokens are flowing
-    p.node1.kill_host()
-    killed = time.monotonic()
-    with pytest.raises(grpc.RpcError) as err:
-        for _ in stream:
-            pass
-    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert p.node0.proc.wait(60) != 0
-    took = time.monotonic() - killed
-    watcher.join(10)
-    assert health_pb2.HealthCheckResponse.NOT_SERVING in seen
-    assert took < 30, took
-    assert "node 1" in p.node0.log()
-    assert_gone(pids)
-
-
-def test_node_0_killed_the_others_exit(tmp_path: Path) -> None:
-    p = start_pair(tmp_path)
-    wait_both([p.node0, p.node1])
-    pids = p.node0.tree() + p.node1.tree()
-    run_generate(p.stub(), greedy(PROMPTS[1], 4), timeout=120)
-    p.node0.kill_host()
-    killed = time.monotonic()
-    assert p.node1.proc.wait(60) != 0
-    assert time.monotonic() - killed < 30
-    assert "node 0" in p.node1.log()
-    assert_gone(pids)
-
-
-def test_a_stopped_rank_on_node_1_ends_both_nodes(tmp_path: Path) -> None:
-    p = start_pair(tmp_path, "--watchdog-probe-timeout", "5")
-    wait_both([p.node0, p.node1])
-    pids = p.node0.tree() + p.node1.tree()
-    info = pb_grpc.SglangSchedulerStub(grpc.insecure_channel(p.node1.target)).GetServerInfo(
-        pb.GetServerInfoRequest(), timeout=10)
-    rank_pid = int(info.scheduler_info["local_ranks"][0]["pid"])
-    os.kill(rank_pid, signal.SIGSTOP)
-    stopped = time.monotonic()
-    assert p.node1.proc.wait(60) != 0
-    assert p.node0.proc.wait(60) != 0
-    assert time.monotonic() - stopped < 40
-    assert "TP rank 1 of replica 0 stopped answering" in p.node1.log()
-    assert_gone(pids)
-
-
-def test_a_stopped_node_is_seen_by_its_silence(tmp_path: Path) -> None:
-    p = start_pair(tmp_path)
-    wait_both([p.node0, p.node1])
-    pids = p.node0.tree() + p.node1.tree()
-    os.killpg(p.node1.proc.pid, signal.SIGSTOP)  # the whole host freezes
-    stopped = time.monotonic()
-    try:
-        assert p.node0.proc.wait(90) != 0
-        assert time.monotonic() - stopped < 60
-        assert "(node 1) silent for" in p.node0.log()
-    finally:
-        os.killpg(p.node1.proc.pid, signal.SIGCONT)
-    assert p.node1.proc.wait(60) != 0  # thawed, it finds node 0 gone and leaves
-    assert_gone(pids)
-
-
 # ------------------------------------------------------------------ a saved Llama
 
 
@@ -502,10 +216,7 @@ def llama_pair(tmp_path_factory) -> Iterator[tuple[Pair, Path]]:
         assert_gone(pids)
     finally:
         for node in (p.node0, p.node1):
-            try:
-                os.killpg(node.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            kill_group(node)
 
 
 def test_a_saved_llama_over_two_nodes_equals_transformers(llama_pair) -> None:
@@ -643,43 +354,3 @@ def test_profiles_of_both_nodes_download_from_node_0(pair: Pair) -> None:
     for name, data in got.items():
         assert sums[name] == hashlib.sha256(data).hexdigest()
         assert json.loads(gzip.decompress(bytes(data)))["traceEvents"]
-
-
-def test_smollm2_over_three_nodes_equals_tp1(tmp_path: Path) -> None:
-    """SmolLM2-135M (9 heads, 3 KV heads: tp 2 cannot split it) at tp 3 over three nodes,
-    each holding one TP rank: greedy tokens and logprobs equal to tp 1's."""
-    from sglang_admin.cli import served_model_path
-    from tests.conftest import start_server, wait_started
-
-    try:
-        model = served_model_path("smollm2")
-    except ValueError as exc:
-        pytest.skip(f"SmolLM2 is not available here: {exc}")
-    common = ("--model-path", str(model), "--dtype", "float32", "--max-prefill-tokens", "64")
-    port = init_port()
-    nodes = [start_node(tmp_path, k, port, *common, nnodes=3, tp=3) for k in range(3)]
-    ref = start_server(tmp_path, *common, "--max-total-tokens", "2048", wait=False)
-    try:
-        wait_both(nodes)
-        wait_started(ref)
-        stub = pb_grpc.SglangSchedulerStub(grpc.insecure_channel(nodes[0].target))
-        ref_stub = ref.stub()
-        info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=30)
-        assert [int(r["node_rank"]) for r in info.scheduler_info["tp_ranks"]] == [0, 1, 2]
-        for prompt, n in zip(PROMPTS[:3], (10, 6, 8)):
-            ours, complete = run_generate(stub, greedy(prompt, n, return_logprob=True),
-                                          timeout=300)
-            theirs, ref_complete = run_generate(ref_stub, greedy(prompt, n,
-                                                                 return_logprob=True),
-                                                timeout=300)
-            assert ours == theirs
-            a = list(complete.output_logprobs.token_logprobs)
-            b = list(ref_complete.output_logprobs.token_logprobs)
-            assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
-        pids = [pid for node in nodes for pid in node.tree()]
-        nodes[0].stop()
-        assert nodes[0].proc.returncode == 0
-        assert [node.proc.wait(60) for node in nodes[1:]] == [0, 0]
-        assert_gone(pids)
-    finally:
-        ref.stop()
