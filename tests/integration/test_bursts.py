@@ -104,6 +104,7 @@ def test_burst_past_the_limit_is_refused_with_a_message(burst_server: ServerProc
     assert "refused" in log and "RESOURCE_EXHAUSTED" in log
 
 
+@pytest.mark.long
 def test_burst_past_grpc_core_backlog_is_never_cancelled(burst_server: ServerProc) -> None:
     """3500 calls at once (grpc core's default backlog drops everything past 3000)."""
     report = asyncio.run(burst.run(burst_server.target, streams=3500, channels=1,

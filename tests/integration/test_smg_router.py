@@ -285,14 +285,27 @@ def test_generate_with_input_ids_matches_the_worker(cluster: Cluster) -> None:
 
 
 def test_completions_and_chat_completions_with_text(cluster: Cluster) -> None:
+    from transformers import AutoTokenizer
+
+    from sglang_admin.model.default_model import ensure_default_model
+
+    prompt = "The router tokenizes this prompt."
     status, body = http("POST", f"{cluster.base}/v1/completions", {
-        "model": cluster.model, "prompt": "The router tokenizes this prompt.",
-        "max_tokens": 5, "temperature": 0,
+        "model": cluster.model, "prompt": prompt, "max_tokens": 5, "temperature": 0,
     })
     assert status == 200, body
-    assert isinstance(body["choices"][0]["text"], str)
-    assert 1 <= body["usage"]["completion_tokens"] <= 5
-    assert body["usage"]["prompt_tokens"] > 5
+    # what the worker itself makes of the prompt (tokenized with the model's tokenizer, the
+    # one the gateway fetched with GetTokenizer: the workers serve a copy of the default
+    # model): the same greedy tokens, as text
+    tok = AutoTokenizer.from_pretrained(ensure_default_model())
+    ids = tok(prompt)["input_ids"]
+    direct = list(cluster.workers[0].stub().Generate(pb.GenerateRequest(
+        tokenized=pb.TokenizedInput(input_ids=ids),
+        sampling_params=pb.SamplingParams(temperature=0.0, max_new_tokens=5),
+    ), timeout=60))[-1].complete
+    assert body["usage"]["prompt_tokens"] == len(ids)
+    assert body["usage"]["completion_tokens"] == len(direct.output_ids)
+    assert body["choices"][0]["text"] == tok.decode(direct.output_ids, skip_special_tokens=True)
     status, body = http("POST", f"{cluster.base}/v1/chat/completions", {
         "model": cluster.model, "messages": [{"role": "user", "content": "Hello there"}],
         "max_tokens": 5, "temperature": 0,
