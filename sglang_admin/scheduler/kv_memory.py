@@ -4,13 +4,15 @@ a step, share a prefilled prefix, hand a request's KV to the radix cache when it
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sglang_admin.scheduler.embedding import reusable_prefix
 from sglang_admin.scheduler.kv_pool import TokenAllocator
 from sglang_admin.scheduler.lora_registry import cache_key
 from sglang_admin.scheduler.radix_cache import RadixCache
-from sglang_admin.scheduler.request import Req
+
+if TYPE_CHECKING:
+    from sglang_admin.scheduler.request import Req
 
 
 class RequestMemory:

@@ -7,14 +7,17 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from sglang_admin.messages import ReqOutput
 from sglang_admin.scheduler import output_extras
-from sglang_admin.scheduler.output_extras import StepResult
-from sglang_admin.scheduler.request import Batch, Span
 from sglang_admin.scheduler.request_end import check_finished, fail, finish, progress
 from sglang_admin.scheduler.speculative.verified import take_verified
-from sglang_admin.scheduler.state import SchedulerState
+
+if TYPE_CHECKING:
+    from sglang_admin.scheduler.output_extras import StepResult
+    from sglang_admin.scheduler.request import Batch, Span
+    from sglang_admin.scheduler.state import SchedulerState
 
 logger = logging.getLogger(__name__)
 

@@ -21,11 +21,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from sglang_admin.scheduler.lora_registry import cache_key
 from sglang_admin.scheduler.parallel_sampling import fork_ready
-from sglang_admin.scheduler.request import Req
-from sglang_admin.scheduler.state import SchedulerState
+
+if TYPE_CHECKING:
+    from sglang_admin.scheduler.request import Req
+    from sglang_admin.scheduler.state import SchedulerState
 
 logger = logging.getLogger(__name__)
 

@@ -43,8 +43,10 @@ import sys
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from sglang_admin.scheduler.kv_pool import TokenAllocator
+if TYPE_CHECKING:
+    from sglang_admin.scheduler.kv_pool import TokenAllocator
 
 EventCallback = Callable[[list], None]
 

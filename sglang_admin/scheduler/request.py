@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING
 
 from sglang_admin.messages import ARGMAX_NEVER, GenerateReq, SamplingParams
 from sglang_admin.scheduler.embedding import EmbedProgress
-from sglang_admin.scheduler.grammar import GrammarState
 from sglang_admin.scheduler.parallel_sampling import sample_key
-from sglang_admin.scheduler.radix_cache import TreeNode
 
 if TYPE_CHECKING:
+    from sglang_admin.scheduler.grammar import GrammarState
+    from sglang_admin.scheduler.radix_cache import TreeNode
     from sglang_admin.scheduler.speculative.policy import SpecProgress
 
 TopList = list[tuple[int, float]]

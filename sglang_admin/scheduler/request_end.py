@@ -5,12 +5,15 @@ end requests between steps. No torch here."""
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from sglang_admin.messages import ReqOutput
 from sglang_admin.scheduler import output_extras
-from sglang_admin.scheduler.request import Req
-from sglang_admin.scheduler.state import SchedulerState
 from sglang_admin.scheduler.stop_strings import find_stop
+
+if TYPE_CHECKING:
+    from sglang_admin.scheduler.request import Req
+    from sglang_admin.scheduler.state import SchedulerState
 
 logger = logging.getLogger(__name__)
 

@@ -13,16 +13,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from sglang_admin.messages import GenerateReq, ReqOutput
 from sglang_admin.scheduler import postprocess as step_results
 from sglang_admin.scheduler import preemption, request_end, step_plan
 from sglang_admin.scheduler.lora_registry import LoraUnavailable
-from sglang_admin.scheduler.output_extras import StepResult
 from sglang_admin.scheduler.reasoning import ThinkingGate
-from sglang_admin.scheduler.request import Batch, Req, samples_of
+from sglang_admin.scheduler.request import samples_of
 from sglang_admin.scheduler.speculative.policy import SpecProgress
 from sglang_admin.scheduler.state import SchedulerConfig, SchedulerState
+
+if TYPE_CHECKING:
+    from sglang_admin.scheduler.output_extras import StepResult
+    from sglang_admin.scheduler.request import Batch, Req
 
 __all__ = ["PAUSE_MODES", "Scheduler", "SchedulerConfig"]
 

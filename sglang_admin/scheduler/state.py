@@ -7,20 +7,18 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sglang_admin.messages import ReqOutput
-from sglang_admin.scheduler.grammar import GrammarQueue
 from sglang_admin.scheduler.kv_memory import RequestMemory
-from sglang_admin.scheduler.lora_registry import LoraRegistry
-from sglang_admin.scheduler.request import Req
-from sglang_admin.scheduler.speculative.policy import (
-    Drafter,
-    SpecConfig,
-    SpecCounters,
-    make_drafter,
-)
-from sglang_admin.scheduler.stop_strings import Detokenize
+from sglang_admin.scheduler.speculative.policy import SpecCounters, make_drafter
+
+if TYPE_CHECKING:
+    from sglang_admin.scheduler.grammar import GrammarQueue
+    from sglang_admin.scheduler.lora_registry import LoraRegistry
+    from sglang_admin.scheduler.request import Req
+    from sglang_admin.scheduler.speculative.policy import Drafter, SpecConfig
+    from sglang_admin.scheduler.stop_strings import Detokenize
 
 THROUGHPUT_WINDOW_S = 5.0
 

@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from sglang_admin.scheduler.parallel_sampling import fork_ready
-from sglang_admin.scheduler.request import Batch, Req, Span
+from sglang_admin.scheduler.request import Batch, Span
 from sglang_admin.scheduler.speculative.plan import plan_drafts, verify_span
-from sglang_admin.scheduler.state import SchedulerState
+
+if TYPE_CHECKING:
+    from sglang_admin.scheduler.request import Req
+    from sglang_admin.scheduler.state import SchedulerState
 
 logger = logging.getLogger(__name__)
 

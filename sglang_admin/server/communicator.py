@@ -1,14 +1,13 @@
-"""The server's side of the ZMQ link to the scheduler ranks (zmq.asyncio).
+"""The server's side of the ZMQ link to the scheduler ranks (zmq.asyncio): the sockets, the
+inbox read and dispatched by message type, the ranks' readiness, states and heartbeats, and
+the sends to a rank.
 
-- Generate: a request goes to one rank; its outputs come back into a per-request
-  OutputBuffer (server/stream_buffer.py) matched by request id, coalesced while the call
-  is busy writing, and the request is aborted with RESOURCE_EXHAUSTED once more than
-  --stream-buffer-tokens or --stream-buffer-bytes wait there (a stalled reader). Every
-  buffer counts against one ByteBudget (--stream-buffer-bytes-total).
-- Admin ops: one message to every rank under a fresh request id; the call waits for exactly
-  one reply per rank, matched by that id. A reply for a call that already gave up finds no
-  waiter and is dropped (and logged), so it can never be taken by the next call.
+- Generate: a request goes to one rank, its outputs come back into its call's buffer
+  (server/rank_streams.py).
+- Admin ops: one message to every rank, one reply per rank matched by a fresh id
+  (server/rank_calls.py).
 - Ranks publish their state after steps; GetLoads reads it without a round trip.
+- KV events go through the block index to the subscribers (server/kv_events.py).
 """
 
 from __future__ import annotations
@@ -17,27 +16,21 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import zmq
 import zmq.asyncio
 
 from sglang_admin.config import ServerArgs
 from sglang_admin.messages import (
-    AbortReq,
     AdminReply,
     BatchOutput,
-    CancelAdminReq,
     FailedMsg,
-    GenerateReq,
     Heartbeat,
     KvEvents,
     ModelInfo,
     RankState,
     ReadyMsg,
-    ReqOutput,
     ShutdownReq,
     StateUpdate,
     decode,
@@ -45,7 +38,11 @@ from sglang_admin.messages import (
 )
 from sglang_admin.server.kv_events import KvEventHub
 from sglang_admin.server.metrics import Metrics
-from sglang_admin.server.stream_buffer import ByteBudget, OutputBuffer, StreamOverflow
+from sglang_admin.server.rank_calls import RankCalls, RankFailure, _AdminCall
+from sglang_admin.server.rank_streams import RankStreams, RankUnavailable, _Stream
+from sglang_admin.server.stream_buffer import ByteBudget
+
+__all__ = ["Communicator", "RankFailure", "RankUnavailable"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,46 +53,7 @@ _POLLIN = int(zmq.POLLIN)
 _NOBLOCK = int(zmq.NOBLOCK)
 
 
-class RankUnavailable(Exception):
-    """The rank serving a call died or the server is shutting down."""
-
-
-@dataclass(frozen=True)
-class RankFailure:
-    """Why one rank gave no answer to an admin call: ``kind`` is ``timeout`` (it did not
-    answer in time), ``dead`` (its process is gone) or ``down`` (the server is stopping)."""
-
-    kind: Literal["timeout", "dead", "down"]
-    message: str
-
-
-class _AdminCall:
-    """One admin call's wait: the ranks asked, their replies so far, and the future the
-    waiting call awaits (resolved by the last reply, a failure or the timeout; an Event
-    under wait_for took an extra task and two more loop iterations)."""
-
-    __slots__ = ("ranks", "replies", "done")
-
-    def __init__(self, ranks: tuple[int, ...], loop: asyncio.AbstractEventLoop) -> None:
-        self.ranks = ranks
-        self.replies: dict[int, AdminReply] = {}
-        self.done: asyncio.Future = loop.create_future()
-
-    def finish(self) -> None:
-        if not self.done.done():
-            self.done.set_result(None)
-
-
-@dataclass
-class _Stream:
-    rank: int
-    buffer: OutputBuffer
-    wire_id: str
-    abort_claimed: bool = False  # an Abort RPC already took this request
-    heard: bool = False  # an output of this request arrived already
-
-
-class Communicator:
+class Communicator(RankStreams, RankCalls):
     """Routes requests to ranks and results back to the calls waiting for them."""
 
     def __init__(self, args: ServerArgs) -> None:
@@ -288,50 +246,6 @@ class Communicator:
         batch = self.kv_hub.publish(msg)
         self.metrics.kv_events_published(msg.dp_rank, len(batch.events) if batch else 0)
 
-    def _file_outputs(self, outputs: list[ReqOutput]) -> None:
-        """File a step's outputs in their calls' buffers: first the outputs of requests not
-        heard of before (a new request's first token is written ahead of the step's other
-        streams, not behind all of them), then the others, each request's in order."""
-        later: list[tuple[_Stream, ReqOutput]] = []
-        for out in outputs:
-            stream = self.by_wire_id.get(out.rid)
-            if stream is None:
-                continue
-            if stream.heard:
-                later.append((stream, out))
-                continue
-            stream.heard = True
-            if not stream.buffer.push(out):
-                self._overflow(stream)
-        for stream, out in later:
-            if not stream.buffer.push(out):
-                self._overflow(stream)
-
-    def _overflow(self, stream: _Stream) -> None:
-        """A reader fell more than a buffer limit behind: abort its request on the rank
-        (its KV is freed) and end the call with RESOURCE_EXHAUSTED."""
-        buffer = stream.buffer
-        tokens, nbytes = buffer.tokens, buffer.nbytes
-        if tokens > buffer.max_tokens:
-            limit = f"{buffer.max_tokens} generated tokens were waiting to be sent " \
-                    f"(--stream-buffer-tokens)"
-        else:
-            limit = f"{buffer.max_bytes} bytes of generated output (tokens with their " \
-                    f"logprobs and hidden states) were waiting to be sent " \
-                    f"(--stream-buffer-bytes)"
-        logger.warning(
-            "aborting %s: its reader fell %d tokens / %d bytes behind (limits %d tokens, "
-            "%s bytes)", stream.wire_id, tokens, nbytes, buffer.max_tokens, buffer.max_bytes,
-        )
-        buffer.fail(
-            StreamOverflow(
-                f"request aborted: the client read its stream too slowly and more than {limit}"
-            ),
-            drop_pending=True,
-        )
-        if stream.rank not in self.dead_ranks:
-            self._send_nowait(stream.rank, AbortReq(stream.wire_id, "reader too slow"))
-
     def served_model_name(self) -> str:
         """--served-model-name, or the path of the model the ranks loaded."""
         info = self.model_info
@@ -352,78 +266,6 @@ class Communicator:
         beat = self.heartbeats[rank]
         seen = max(state.timestamp, beat.state_confirmed if beat is not None else 0.0)
         return max(0.0, (time.time() if now is None else now) - seen)
-
-    # ------------------------------------------------------------------ generate
-
-    def pick_rank(self, pinned: int | None = None) -> int:
-        if pinned is not None:
-            return pinned
-        if self.args.load_balance_method == "round_robin":
-            return next(self._rr)
-        live = [r for r in range(self.args.dp_size) if r not in self.dead_ranks] or [0]
-        return min(live, key=lambda r: self.inflight[r])
-
-    def is_inflight(self, rid: str) -> bool:
-        return rid in self.streams
-
-    async def generate(self, req: GenerateReq, rank: int) -> AsyncGenerator[ReqOutput, None]:
-        """Send a request to `rank` and yield its outputs until it finishes.
-
-        When the consumer stops early (cancelled call, deadline), the rank gets an Abort so
-        the request's KV is freed at the next step.
-        """
-        if rank in self.dead_ranks:
-            raise RankUnavailable(f"scheduler rank {rank} {self.dead_ranks[rank]}")
-        if self.down_reason is not None:
-            raise RankUnavailable(self.down_reason)
-        # The rank sees a wire id unique to this call: a request id the client reuses right
-        # after cancelling can never be confused with the old request still leaving the rank.
-        rid = req.rid
-        req.rid = f"{rid}~{next(self._wire_seq)}"
-        stream = _Stream(rank, OutputBuffer(self.args.stream_buffer_tokens,
-                                            self.args.stream_buffer_bytes, self.buffered),
-                         req.rid)
-        buffer = stream.buffer
-        self.streams[rid] = stream
-        self.by_wire_id[req.rid] = stream
-        self.inflight[rank] += 1
-        finished = False
-        unfinished_samples = max(req.n, 1)  # n > 1: one finish per sample
-        try:
-            await self._send(rank, encode(req))
-            while True:
-                item = await buffer.get()
-                if isinstance(item, Exception):
-                    finished = True  # a rank that died, or an overflow already aborted
-                    raise item
-                if item.finish_reason is not None:
-                    unfinished_samples -= 1
-                    # an error (a refusal) ends the request whatever the samples
-                    finished = unfinished_samples <= 0 or item.error is not None
-                # no reference to the output stays in this frame while the call writes it
-                # (the caller's message has what it needs): a stalled call holds one message
-                slot = [item]
-                del item
-                yield slot.pop()
-                if finished:
-                    return
-        finally:
-            buffer.release()
-            self.inflight[rank] -= 1
-            self.streams.pop(rid, None)
-            self.by_wire_id.pop(req.rid, None)
-            if not finished and rank not in self.dead_ranks:
-                self._send_nowait(rank, AbortReq(req.rid, "client gone"))
-
-    def abort(self, rid: str, reason: str = "aborted by client") -> bool:
-        """Abort an in-flight request by id; False when no such request is in flight or
-        another abort already claimed it (concurrent aborts: exactly one succeeds)."""
-        stream = self.streams.get(rid)
-        if stream is None or stream.abort_claimed:
-            return False
-        stream.abort_claimed = True
-        self._send_nowait(stream.rank, AbortReq(stream.wire_id, reason))
-        return True
 
     def _send_nowait(self, rank: int, msg: Any) -> None:
         if self.closed:  # shutting down: the rank is being stopped anyway
@@ -467,97 +309,3 @@ class Communicator:
         finally:
             self._queued_sends[rank] -= 1
 
-    # ------------------------------------------------------------------ admin
-
-    def new_admin_id(self) -> str:
-        """A request id for an admin call, unique for this server's lifetime."""
-        return f"admin-{next(self._admin_seq)}"
-
-    async def call_ranks(
-        self,
-        make: Callable[[str], Any],
-        timeout: float,
-        ranks: tuple[int, ...] | None = None,
-        rid: str | None = None,
-    ) -> tuple[dict[int, AdminReply], dict[int, RankFailure]]:
-        """Send make(rid) to every rank and wait for one reply each, at most `timeout` s.
-
-        `rid` (from :meth:`new_admin_id`) lets the caller log the id before the call.
-        Returns (replies by rank, failures by rank): a rank that died, or did not answer in
-        time, is a :class:`RankFailure` of that kind. Every rank that was sent the request
-        and has not answered when the wait ends (timeout, or the calling task cancelled) is
-        sent a :class:`CancelAdminReq`, so that nothing stays pending there for a caller
-        that left.
-        """
-        ranks = tuple(range(self.args.dp_size)) if ranks is None else ranks
-        rid = rid or self.new_admin_id()
-        loop = asyncio.get_running_loop()
-        call = _AdminCall(ranks, loop)
-        self.calls[rid] = call
-        failures: dict[int, RankFailure] = {}
-        sent: list[int] = []
-        try:
-            data = encode(make(rid))
-            for rank in ranks:
-                failure = self._unreachable(rank)
-                if failure is not None:
-                    failures[rank] = failure
-                else:
-                    await self._send(rank, data)
-                    sent.append(rank)
-            if len(failures) < len(ranks):
-                timer = loop.call_later(timeout, call.finish)
-                try:
-                    await call.done
-                finally:
-                    timer.cancel()
-        finally:
-            self.calls.pop(rid, None)
-            for rank in sent:
-                if rank not in call.replies and rank not in self.dead_ranks:
-                    self._send_nowait(rank, CancelAdminReq(rid))
-        for rank in ranks:
-            if rank not in call.replies and rank not in failures:
-                failures[rank] = self._unreachable(rank) or RankFailure(
-                    "timeout", f"rank {rank} did not answer within {timeout:.1f}s"
-                )
-        return call.replies, failures
-
-    def _unreachable(self, rank: int) -> RankFailure | None:
-        """Why a call cannot reach ``rank`` (its process died, the server is going down)."""
-        if rank in self.dead_ranks:
-            return RankFailure("dead", f"rank {rank} is unavailable ({self.dead_ranks[rank]})")
-        if self.down_reason is not None:
-            return RankFailure("down", f"rank {rank} is unavailable ({self.down_reason})")
-        return None
-
-    async def shared(self, key: str, make_call: Callable[[], Any]) -> Any:
-        """Coalesce concurrent identical read-only calls onto one in-flight request.
-
-        The first caller makes the request in its own task (a task per request cost two
-        loop iterations on every call); callers that arrive meanwhile share its outcome, and
-        make the request themselves should that first caller be cancelled.
-        """
-        if not self.args.coalesce_reads:
-            return await make_call()
-        while (fut := self._shared_reads.get(key)) is not None:
-            ok, value = await asyncio.shield(fut)
-            if ok:
-                return value
-            if value is not None:
-                raise value
-        fut = asyncio.get_running_loop().create_future()
-        self._shared_reads[key] = fut
-        try:
-            result = await make_call()
-        except Exception as exc:
-            fut.set_result((False, exc))
-            raise
-        except BaseException:  # cancelled: the callers sharing it retry by themselves
-            fut.set_result((False, None))
-            raise
-        finally:
-            if self._shared_reads.get(key) is fut:
-                del self._shared_reads[key]
-        fut.set_result((True, result))
-        return result

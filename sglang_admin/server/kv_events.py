@@ -1,36 +1,6 @@
-"""KV cache events for a cache-aware router, in the block model the SMG gateway indexes.
-
-What the ranks send
--------------------
-Each rank's radix cache is token-granular (page size 1) with variable-length nodes. After
-every step a rank sends the step's node events (see ``scheduler/radix_cache.py``):
-``["stored", node_hash, parent_node_hash_or_None, tokens]``, ``["removed", [node_hash,
-...]]`` and ``["cleared"]``; a node split shows as ``removed [h]``, ``stored upper`` and
-``stored h`` (the lower half keeps its hash) in that order.
-
-What the gateway indexes
-------------------------
-The gateway's event-driven index is positional over fixed-size blocks: it cuts a
-request's tokens into ``block_size`` chunks from position 0 (a partial last chunk is
-dropped), hashes each chunk's tokens, and matches chunk ``k`` against the blocks workers
-reported at position ``k``, following ``parent_block_hash`` to place a stored run after
-its parent. It learns ``block_size`` from the first stored block it sees. So node
-segments cannot be forwarded as blocks: a node of 37 tokens is not a block.
-
-The mapping (:class:`RankBlockIndex`): a *block* is the aligned chunk
-``path[k*B:(k+1)*B]`` of a cached token path, owned by the node in which it ends. Its hash
-chains the previous block's hash with its tokens, so it depends only on the path, never on
-how the tree cuts it. Per node the index keeps the path length at the node's end, the
-tokens since the last block boundary, the hash of the last block at or before its end, and
-the blocks it owns. Then:
-
-- node stored: its new blocks are ``parent_tail + tokens`` cut into full chunks, stored
-  after the parent's last block (no event when the node completes no block);
-- nodes removed (eviction takes leaves only): the blocks they owned are removed, so the
-  gateway's view stays prefix-closed;
-- node split: the block set does not change; the index re-files the blocks under the two
-  halves and forwards nothing;
-- cleared: forwarded as KvCacheCleared (a FlushCache produces one).
+"""KV cache events for a cache-aware router: each rank's block events (server/kv_blocks.py
+turns its radix node events into the gateway's fixed-size blocks) numbered per rank, kept
+for resuming subscribers, and served to SubscribeKvEvents.
 
 Streams and sequence numbers (:class:`KvEventHub`)
 --------------------------------------------------
@@ -62,228 +32,25 @@ snapshot is always exact.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
-import os
 import time
-from array import array
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import grpc
 
-from sglang_admin.constants import LORA_NAMESPACE_SHIFT, LORA_TOKEN_MASK
 from sglang_admin.messages import KvEvents
 from sglang_admin.pb import common_pb2 as pb
 from sglang_admin.server.errors import ServiceError
+from sglang_admin.server.kv_blocks import KV_BLOCK_SIZE, RankBlockIndex
 
 logger = logging.getLogger(__name__)
 
-
-def _block_size_from_env() -> int:
-    raw = os.environ.get("SGLANG_ADMIN_KV_BLOCK_SIZE", "16")
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        logger.warning("SGLANG_ADMIN_KV_BLOCK_SIZE=%r is not a positive integer; using 16", raw)
-        return 16
-    return value
-
-
-KV_BLOCK_SIZE = _block_size_from_env()  # the gateway's default --block-size is 16
 HISTORY_BATCHES = 1024  # batches kept per rank for resuming subscribers
 HISTORY_BLOCKS = 1 << 16  # ... and at most this many blocks in them
 QUEUE_LIMIT = 4096  # batches a subscriber may fall behind before it is cut off
 SNAPSHOT_CHUNK_BLOCKS = 8192  # blocks per snapshot batch (~0.5 MB with 16-token blocks)
-
-Block = tuple[int, list[int]]  # (block hash, its tokens)
-
-
-def chain_hash(prev: int | None, tokens: Sequence[int]) -> int:
-    """Hash of a block: blake2b-64 of the previous block's hash and this block's tokens,
-    as a signed int64 (the proto's ``block_hash``). Depends only on the token path."""
-    h = hashlib.blake2b(digest_size=8)
-    h.update(b"\x00" if prev is None else b"\x01" + prev.to_bytes(8, "little", signed=True))
-    h.update(array("q", tokens).tobytes())
-    return int.from_bytes(h.digest(), "little", signed=True)
-
-
-@dataclass
-class _Node:
-    """What the index knows of one radix node (keyed by the node's own hash)."""
-
-    parent: int | None  # the parent node's hash; None for a child of the root
-    start: int  # path length before the node
-    end: int  # path length at the node's end
-    tail: list[int]  # path tokens after the last block boundary at or before `end`
-    prev_block: int | None  # hash of the last block ending at or before `start`
-    last_block: int | None  # hash of the last block ending at or before `end`
-    blocks: list[Block] = field(default_factory=list)  # blocks ending inside the node
-
-
-_ROOT = _Node(parent=None, start=0, end=0, tail=[], prev_block=None, last_block=None)
-
-
-class RankBlockIndex:
-    """One rank's radix node events turned into fixed-size block events (see module doc)."""
-
-    def __init__(self, block_size: int = KV_BLOCK_SIZE) -> None:
-        if block_size <= 0:
-            raise ValueError(f"block_size must be positive, got {block_size}")
-        self.block_size = block_size
-        self.nodes: dict[int, _Node] = {}
-        self.unknown_parents = 0  # stores whose parent node was never seen (skipped)
-
-    @property
-    def num_blocks(self) -> int:
-        return sum(len(node.blocks) for node in self.nodes.values())
-
-    def apply(self, raw_events: Sequence[Sequence[Any]]) -> list[pb.KvCacheEvent]:
-        """Apply one step's node events; returns the block events (event_id unset)."""
-        out: list[pb.KvCacheEvent] = []
-        i, n = 0, len(raw_events)
-        while i < n:
-            ev = raw_events[i]
-            kind = ev[0] if ev else None
-            if kind == "removed" and self._is_split(raw_events, i):
-                out += self._split(raw_events[i + 1], raw_events[i + 2])
-                i += 3
-                continue
-            if kind == "stored":
-                out += self._store(int(ev[1]), ev[2], list(ev[3]))
-            elif kind == "removed":
-                event = self._remove([int(h) for h in ev[1]])
-                if event is not None:
-                    out.append(event)
-            elif kind == "cleared":
-                self.nodes.clear()
-                out.append(pb.KvCacheEvent(cleared=pb.KvCacheCleared()))
-            else:
-                logger.warning("ignoring unknown radix cache event %r", kind)
-            i += 1
-        return out
-
-    def snapshot(self) -> list[pb.KvCacheEvent]:
-        """Stored events for every live block, parents before children (no clear)."""
-        events = []
-        for node in sorted(self.nodes.values(), key=lambda node: node.start):
-            if node.blocks:
-                events.append(self._stored_event(node.blocks, node.prev_block))
-        return events
-
-    # ------------------------------------------------------------------ internals
-
-    def _stored_event(self, blocks: list[Block], parent: int | None) -> pb.KvCacheEvent:
-        stored = pb.KvBlocksStored(blocks=[self._block(h, tokens) for h, tokens in blocks])
-        if parent is not None:
-            stored.parent_block_hash = parent
-        return pb.KvCacheEvent(stored=stored)
-
-    def _block(self, block_hash: int, tokens: list[int]) -> pb.KvBlock:
-        """A block; tokens of a LoRA adapter's requests carry its cache namespace in their
-        high bits (scheduler/lora_registry.py): sent as the tokens and KvBlock.lora_id."""
-        namespace = tokens[0] >> LORA_NAMESPACE_SHIFT if tokens else 0
-        if not namespace:
-            return pb.KvBlock(block_hash=block_hash, token_ids=tokens, block_size=self.block_size)
-        return pb.KvBlock(block_hash=block_hash, token_ids=[t & LORA_TOKEN_MASK for t in tokens],
-                          block_size=self.block_size, lora_id=namespace)
-
-    def _new_node(self, parent_hash: int | None, tokens: list[int]) -> _Node | None:
-        parent = _ROOT if parent_hash is None else self.nodes.get(int(parent_hash))
-        if parent is None:
-            self.unknown_parents += 1
-            return None
-        bs = self.block_size
-        buf = parent.tail + tokens
-        full = len(buf) // bs
-        prev = parent.last_block
-        blocks: list[Block] = []
-        for k in range(full):
-            chunk = buf[k * bs : (k + 1) * bs]
-            prev = chain_hash(prev, chunk)
-            blocks.append((prev, chunk))
-        return _Node(
-            parent=None if parent_hash is None else int(parent_hash),
-            start=parent.end,
-            end=parent.end + len(tokens),
-            tail=buf[full * bs :],
-            prev_block=parent.last_block,
-            last_block=prev,
-            blocks=blocks,
-        )
-
-    def _store(
-        self, node_hash: int, parent_hash: int | None, tokens: list[int]
-    ) -> list[pb.KvCacheEvent]:
-        out: list[pb.KvCacheEvent] = []
-        old = self.nodes.pop(node_hash, None)
-        if old is not None:  # not a pattern the cache emits; stay consistent anyway
-            logger.warning("radix node %d stored twice; replacing it", node_hash)
-            if old.blocks:
-                out.append(self._removed_event(old.blocks))
-        node = self._new_node(parent_hash, tokens)
-        if node is not None:
-            self.nodes[node_hash] = node
-            if node.blocks:
-                out.append(self._stored_event(node.blocks, node.prev_block))
-        return out
-
-    @staticmethod
-    def _removed_event(blocks: list[Block]) -> pb.KvCacheEvent:
-        return pb.KvCacheEvent(removed=pb.KvBlocksRemoved(block_hashes=[h for h, _ in blocks]))
-
-    def _remove(self, node_hashes: list[int]) -> pb.KvCacheEvent | None:
-        blocks: list[Block] = []
-        for node_hash in node_hashes:
-            node = self.nodes.pop(node_hash, None)
-            if node is not None:
-                blocks += node.blocks
-        return self._removed_event(blocks) if blocks else None
-
-    def _is_split(self, events: Sequence[Sequence[Any]], i: int) -> bool:
-        """removed [h], stored (u, parent(h), ...), stored (h, u, ...): a node split."""
-        if i + 2 >= len(events):
-            return False
-        removed, upper, lower = events[i], events[i + 1], events[i + 2]
-        if len(removed[1]) != 1 or upper[0] != "stored" or lower[0] != "stored":
-            return False
-        h = int(removed[1][0])
-        node = self.nodes.get(h)
-        return (
-            node is not None
-            and int(lower[1]) == h
-            and lower[2] is not None
-            and int(lower[2]) == int(upper[1])
-            and (upper[2] is None) == (node.parent is None)
-            and (upper[2] is None or int(upper[2]) == node.parent)
-        )
-
-    def _split(self, upper_ev: Sequence[Any], lower_ev: Sequence[Any]) -> list[pb.KvCacheEvent]:
-        """Re-file a split node's blocks under its two halves.
-
-        The halves cover the old node's path span, so its blocks are theirs and nothing is
-        forwarded; should they differ, the old blocks are removed and the new ones stored.
-        """
-        h = int(lower_ev[1])
-        old = self.nodes.pop(h)
-        upper = self._new_node(upper_ev[2], list(upper_ev[3]))
-        lower = None
-        if upper is not None:
-            self.nodes[int(upper_ev[1])] = upper
-            lower = self._new_node(int(upper_ev[1]), list(lower_ev[3]))
-        if lower is not None:
-            self.nodes[h] = lower
-        halves = [n for n in (upper, lower) if n is not None]
-        if [b for n in halves for b, _ in n.blocks] == [b for b, _ in old.blocks]:
-            return []
-        logger.warning("radix split of node %d changed its blocks; re-sending them", h)
-        out = [self._removed_event(old.blocks)] if old.blocks else []
-        out += [self._stored_event(n.blocks, n.prev_block) for n in halves if n.blocks]
-        return out
 
 
 class KvSubscription:

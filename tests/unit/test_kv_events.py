@@ -14,12 +14,8 @@ from sglang_admin.pb import common_pb2 as pb
 from sglang_admin.scheduler.kv_pool import TokenAllocator
 from sglang_admin.scheduler.radix_cache import RadixCache
 from sglang_admin.server.errors import ServiceError
-from sglang_admin.server.kv_events import (
-    KvEventHub,
-    KvSubscription,
-    RankBlockIndex,
-    chain_hash,
-)
+from sglang_admin.server.kv_blocks import RankBlockIndex, chain_hash
+from sglang_admin.server.kv_events import KvEventHub, KvSubscription
 
 B = 4  # a small block size makes splits and partial blocks frequent
 

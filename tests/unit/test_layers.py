@@ -218,6 +218,24 @@ def test_each_scheduler_folder_is_at_most_eight_floors_deep() -> None:
         assert deepest <= MAX_FLOORS, f"scheduler/{folder} is {deepest} import floors deep"
 
 
+def test_the_whole_scheduler_tree_is_at_most_eight_floors_deep() -> None:
+    """Across scheduler/ as a whole (the core and every feature folder together, the rank's
+    entry on top), the longest chain of run-time imports is at most MAX_FLOORS long: a module
+    that needs another only for annotations imports it under TYPE_CHECKING, and the rank's
+    parts are built beside its loop (rank/builder.py), not inside it."""
+    graph = _runtime_graph()
+    depth = floors(graph, lambda m: m.startswith(f"{SCHEDULER}."))
+    deepest = max(depth, key=depth.__getitem__)
+    chain = [deepest]
+    while deps := [d for d in graph[chain[-1]] if d in depth]:
+        chain.append(max(deps, key=depth.__getitem__))
+    assert depth[deepest] <= MAX_FLOORS, (
+        f"scheduler/ is {depth[deepest]} import floors deep: " + " -> ".join(chain))
+    # the measure sees the tree's top: the rank's entry point over its process and loop
+    assert depth[f"{SCHEDULER}.rank.entry"] > depth[f"{SCHEDULER}.rank.process"] > depth[
+        f"{SCHEDULER}.scheduler"] > depth[f"{SCHEDULER}.state"]
+
+
 def test_floors_count_a_chain() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": set(), "d": {"c"}}
     assert floors(graph, lambda m: True) == {"a": 3, "b": 2, "c": 1, "d": 2}

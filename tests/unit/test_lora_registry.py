@@ -14,7 +14,7 @@ from sglang_admin.scheduler.lora_registry import (
     cache_key,
 )
 from sglang_admin.scheduler.radix_cache import RadixCache
-from sglang_admin.server.kv_events import RankBlockIndex
+from sglang_admin.server.kv_blocks import RankBlockIndex
 from tests.unit.test_scheduler import assert_no_leak, drive, make, req
 
 

@@ -26,6 +26,7 @@ from sglang_admin.messages import (
     decode,
     encode,
 )
+from sglang_admin.scheduler.rank.builder import build_rank
 from sglang_admin.scheduler.rank.loop import STATE_PUBLISH_INTERVAL_S, Rank
 from sglang_admin.scheduler.rank.process import handler_table
 
@@ -44,7 +45,9 @@ class Wires:
         outbox = self.ctx.socket(zmq.PUSH)
         outbox.connect("inproc://rank-out")
         self.sockets = (inbox, self.to_rank, self.from_rank, outbox)
-        self.loop = Rank(ServerArgs(), 0, inbox, outbox, os.getppid(), handler_table())
+        args = ServerArgs()
+        self.loop = Rank(args, 0, inbox, outbox, os.getppid(), handler_table(),
+                         build_rank(args, 0))
 
     def send(self, msg: Any) -> None:
         self.to_rank.send(encode(msg))

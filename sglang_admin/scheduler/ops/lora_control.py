@@ -21,10 +21,10 @@ from sglang_admin.messages import (
     UnloadLoraReq,
 )
 from sglang_admin.model.lora import LoraAdapterError, read_adapter, served_config
-from sglang_admin.scheduler.lora_registry import Adapter, LoraRegistry
 from sglang_admin.scheduler.ops.registry import handles
 
 if TYPE_CHECKING:
+    from sglang_admin.scheduler.lora_registry import Adapter, LoraRegistry
     from sglang_admin.scheduler.rank.loop import Rank
 
 logger = logging.getLogger(__name__)

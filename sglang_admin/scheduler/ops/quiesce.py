@@ -17,8 +17,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from sglang_admin.scheduler.scheduler import Scheduler
+if TYPE_CHECKING:
+    from sglang_admin.scheduler.scheduler import Scheduler
 
 TIMED_OUT = "Timed out waiting for idle state."
 

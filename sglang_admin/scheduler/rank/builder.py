@@ -1,10 +1,12 @@
 """What a rank is built from, before its loop runs: the model runner (and its TP replica),
-the batching policy with its grammar queue and speculative settings, and the LoRA slots."""
+the batching policy with its grammar queue and speculative settings, the draft model, and
+the LoRA slots (``build_rank``; the process hands them to its Rank, scheduler/rank/loop.py)."""
 
 from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from sglang_admin.config import ServerArgs
@@ -13,13 +15,40 @@ from sglang_admin.model.lora import LoraAdapterError, LoraBuffers, read_adapter,
 from sglang_admin.scheduler.grammar import GrammarQueue, XGrammarBackend
 from sglang_admin.scheduler.lora_registry import LoraRegistry
 from sglang_admin.scheduler.scheduler import Scheduler, SchedulerConfig
-from sglang_admin.scheduler.speculative.setup import spec_config
+from sglang_admin.scheduler.speculative.setup import install_draft_model, spec_config
 from sglang_admin.scheduler.stop_strings import stop_string_detokenizer
 
 if TYPE_CHECKING:
     from sglang_admin.model.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RankParts:
+    """What a Rank runs on, built before its loop starts."""
+
+    runner: ModelRunner  # the runner the loop steps (a LeaderRunner at --tp-size > 1)
+    tensor_parallel: Any  # this rank's TP replica, None at --tp-size 1
+    scheduler: Scheduler
+    draft_runner: ModelRunner | None  # --speculative-algorithm with a draft model
+    lora: LoraRegistry | None  # None unless --enable-lora
+    kv_events: list[list[Any]]  # the radix cache's node events, filled by the scheduler
+
+
+def build_rank(args: ServerArgs, rank: int) -> RankParts:
+    """Everything rank ``rank`` runs on, in the order it is built: tracing, the model runner
+    (and its TP replica), the scheduler over its KV pool, the draft model, the LoRA slots."""
+    if args.otlp_traces_endpoint:
+        from sglang_admin.otel import configure_otlp
+
+        configure_otlp(args.otlp_traces_endpoint)
+    runner, target, tensor_parallel = build_runner(args, rank)
+    kv_events: list[list[Any]] = []
+    scheduler = build_scheduler(args, runner, kv_events.append)
+    draft_runner = install_draft_model(args, target, scheduler)
+    lora = setup_lora(args, runner, scheduler)
+    return RankParts(runner, tensor_parallel, scheduler, draft_runner, lora, kv_events)
 
 
 def grammar_queue_for(args: ServerArgs, info: ModelInfo) -> GrammarQueue:

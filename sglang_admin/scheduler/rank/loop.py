@@ -29,17 +29,16 @@ from sglang_admin.messages import (
 )
 from sglang_admin.scheduler import late_imports
 from sglang_admin.scheduler.ops.quiesce import Quiesce
-from sglang_admin.scheduler.ops.registry import Handler, op_name
+from sglang_admin.scheduler.ops.registry import op_name
 from sglang_admin.scheduler.profiling.step_timing import StepTimer
-from sglang_admin.scheduler.rank.builder import build_runner, build_scheduler, setup_lora
 from sglang_admin.scheduler.rank.model_step import batch_inputs, forward
 from sglang_admin.scheduler.reasoning import think_end_id
-from sglang_admin.scheduler.request import Batch
-from sglang_admin.scheduler.speculative.setup import install_draft_model
 from sglang_admin.tracing import child_span, trace_id_of
 
 if TYPE_CHECKING:
-    pass
+    from sglang_admin.scheduler.ops.registry import Handler
+    from sglang_admin.scheduler.rank.builder import RankParts
+    from sglang_admin.scheduler.request import Batch
 
 logger = logging.getLogger(__name__)
 STATE_PUBLISH_INTERVAL_S = 0.05
@@ -68,7 +67,10 @@ class Rank:
         outbox: zmq.Socket,
         parent_pid: int,
         handlers: dict[type, Handler],
+        parts: RankParts,
     ) -> None:
+        """``parts``: the model runner, scheduler, draft model and LoRA slots the rank runs on
+        (scheduler/rank/builder.py's ``build_rank``)."""
         from sglang_admin.scheduler.ops.weight_groups import WeightGroups
         from sglang_admin.scheduler.profiling.profiler import Profiler
 
@@ -79,22 +81,18 @@ class Rank:
         self._recv_timeout = -1  # the inbox's RCVTIMEO (ms) as last set by _wait
         self._together = _Together(self)
         self._cleared: bytes | None = None  # KvEvents(rank, [["cleared"]]), encoded once
-        if args.otlp_traces_endpoint:
-            from sglang_admin.otel import configure_otlp
-
-            configure_otlp(args.otlp_traces_endpoint)
-        self.runner, target, self.tensor_parallel = build_runner(args, rank)
+        self.runner, self.tensor_parallel = parts.runner, parts.tensor_parallel
         info = self.runner.info
         # what every state reports and never changes, made once (not on every GetServerInfo)
         self._device, self._pid = str(self.runner.device), os.getpid()
-        self.kv_events: list[list[Any]] = []
+        self.kv_events: list[list[Any]] = parts.kv_events  # the scheduler's radix cache fills it
         self.trace_ids: dict[str, str] = {}  # rid -> caller's trace id (for --log-requests)
-        self.scheduler = build_scheduler(args, self.runner, self.kv_events.append)
-        self.draft_runner = install_draft_model(args, target, self.scheduler)
+        self.scheduler = parts.scheduler
+        self.draft_runner = parts.draft_runner
         self.profiler = Profiler(rank, str(self.runner.device), args.profile_max_steps)
         self.quiesce = Quiesce(self.scheduler)
         self.handlers = handlers
-        self.lora = setup_lora(args, self.runner, self.scheduler)  # None unless --enable-lora
+        self.lora = parts.lora  # None unless --enable-lora
         # admin messages answered when their future resolves (StopProfile's export)
         self.deferred: list[tuple[Any, Future]] = []
         self.forward_steps = 0

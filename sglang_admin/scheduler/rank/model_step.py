@@ -6,12 +6,11 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from sglang_admin.scheduler.request import Batch
-from sglang_admin.scheduler.scheduler import Scheduler
-
 if TYPE_CHECKING:
     from sglang_admin.model.runner import ModelRunner, SeqInput
     from sglang_admin.model.step_io import SeqOutput
+    from sglang_admin.scheduler.request import Batch
+    from sglang_admin.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 

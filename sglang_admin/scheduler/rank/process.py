@@ -6,16 +6,21 @@ from __future__ import annotations
 import logging
 import signal
 import sys
+from typing import TYPE_CHECKING
 
 import zmq
 
 from sglang_admin.config import ServerArgs
 from sglang_admin.logging_utils import setup_logging
 from sglang_admin.messages import FailedMsg, encode
-from sglang_admin.scheduler.ops.registry import HANDLERS, Handler
+from sglang_admin.scheduler.ops.registry import HANDLERS
+from sglang_admin.scheduler.rank.builder import build_rank
 from sglang_admin.scheduler.rank.heartbeat import HeartbeatThread
 from sglang_admin.scheduler.rank.lifetime import die_with_parent
 from sglang_admin.scheduler.rank.loop import Rank
+
+if TYPE_CHECKING:
+    from sglang_admin.scheduler.ops.registry import Handler
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +58,8 @@ def run_scheduler(args: ServerArgs, rank: int, parent_pid: int) -> None:
     outbox.setsockopt(zmq.LINGER, 2000)
     outbox.connect(args.server_addr)
     try:
-        loop = Rank(args, rank, inbox, outbox, parent_pid, handler_table())
+        loop = Rank(args, rank, inbox, outbox, parent_pid, handler_table(),
+                    build_rank(args, rank))
     except Exception as exc:  # report a one-line reason to the server, then exit
         logger.error("rank %d failed to start: %s: %s", rank, type(exc).__name__, exc)
         logger.debug("rank %d start-up traceback", rank, exc_info=True)

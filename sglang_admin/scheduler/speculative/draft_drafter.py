@@ -23,11 +23,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from sglang_admin.messages import SamplingParams
 from sglang_admin.model.step_io import SeqInput, SeqOutput
 from sglang_admin.scheduler.kv_pool import TokenAllocator
-from sglang_admin.scheduler.request import Req
+
+if TYPE_CHECKING:
+    from sglang_admin.scheduler.request import Req
 
 logger = logging.getLogger(__name__)
 

@@ -3,8 +3,13 @@ step, how many tokens each may draft, and the verify span that runs a draft. No 
 
 from __future__ import annotations
 
-from sglang_admin.scheduler.request import Req, Span
-from sglang_admin.scheduler.state import SchedulerState
+from typing import TYPE_CHECKING
+
+from sglang_admin.scheduler.request import Span
+
+if TYPE_CHECKING:
+    from sglang_admin.scheduler.request import Req
+    from sglang_admin.scheduler.state import SchedulerState
 
 
 def plan_drafts(state: SchedulerState) -> dict[int, list[int]]:

@@ -4,11 +4,15 @@ counted. No torch here."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from sglang_admin.scheduler import output_extras
-from sglang_admin.scheduler.output_extras import StepResult
-from sglang_admin.scheduler.request import Req, Span
 from sglang_admin.scheduler.request_end import check_finished, fail
-from sglang_admin.scheduler.state import SchedulerState
+
+if TYPE_CHECKING:
+    from sglang_admin.scheduler.output_extras import StepResult
+    from sglang_admin.scheduler.request import Req, Span
+    from sglang_admin.scheduler.state import SchedulerState
 
 
 def take_verified(state: SchedulerState, span: Span, result: StepResult | None) -> int:

@@ -16,12 +16,14 @@ import os
 import re
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sglang_admin.messages import ProfileStopResult, StartProfileReq
 from sglang_admin.model.step_io import SeqInput
-from sglang_admin.scheduler.profiling.profiler import Profiler
-from sglang_admin.scheduler.tp.weights import Followers
+
+if TYPE_CHECKING:
+    from sglang_admin.scheduler.profiling.profiler import Profiler
+    from sglang_admin.scheduler.tp.weights import Followers
 
 logger = logging.getLogger(__name__)
 
