@@ -126,7 +126,17 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=_port, default=30000, help="TCP port, 1..65535")
     p.add_argument("--dp-size", type=_positive_int, default=1, help="scheduler ranks")
     p.add_argument("--tp-size", type=_positive_int, default=1,
-                   help="tensor-parallel ranks per replica (docs/tensor-parallel.md)")
+                   help="tensor-parallel ranks per replica, the total over --nnodes hosts "
+                        "(docs/tensor-parallel.md)")
+    p.add_argument("--nnodes", type=_positive_int, default=1,
+                   help="hosts one replica spans (docs/multinode.md); node 0 serves")
+    p.add_argument("--node-rank", type=_non_negative_int, default=0,
+                   help="this host's index, 0..--nnodes - 1")
+    p.add_argument("--dist-init-addr", "--nccl-init-addr", dest="dist_init_addr",
+                   help="node 0's HOST:PORT, the same on every node (--nnodes > 1): the "
+                        "nodes' link at PORT, replica d's TP group at PORT + 1 + d")
+    p.add_argument("--dist-timeout", dest="dist_timeout_s", type=_seconds, default=120.0,
+                   help="seconds a node waits for the others to join at start")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto",
                    help="auto: on CPU bfloat16 for a bfloat16/float16 checkpoint on a CPU with "
@@ -328,6 +338,12 @@ def run_serve(ns: argparse.Namespace) -> int:
         if refusal is not None:
             print(f"error: {refusal}", file=sys.stderr)
             return 2
+    from sglang_admin.multinode.topology import check_flags
+
+    refusal = check_flags(ServerArgs(**fields))
+    if refusal is not None:
+        print(f"error: {refusal}", file=sys.stderr)
+        return 2
     from sglang_admin.scheduler.speculative.policy import check_config
 
     refusal = check_config(ns.speculative_algorithm, ns.speculative_num_draft_tokens,

@@ -58,6 +58,13 @@ class ServerArgs:
     # 127.0.0.1, chosen by launch when tp_size > 1.
     tp_size: int = 1
     tp_ports: tuple[int, ...] = ()
+    # one replica over several hosts (multinode/): the hosts, this one's index, node 0's
+    # HOST:PORT (its link at PORT, replica d's TP group at PORT + 1 + d), and how long a
+    # node waits for the others at start
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
+    dist_timeout_s: float = 120.0
     device: str = "auto"  # auto | cpu | cuda
     # CUDA: rank r runs on GPU base_gpu_id + r * gpu_id_step (SGLang's assignment), and the
     # KV pool's default size leaves weights + pool within mem_fraction_static of its memory.
@@ -167,8 +174,9 @@ class ServerArgs:
 
     @property
     def cores_per_rank(self) -> int:
-        """The cores this process may run on, shared among the ranks (at least 1)."""
-        return max(1, available_cores() // (self.dp_size * self.tp_size))
+        """The cores this process may run on, shared among this node's ranks (at least
+        1; with --nnodes each node runs tp x dp / nnodes of them)."""
+        return max(1, available_cores() * self.nnodes // (self.dp_size * self.tp_size))
 
     @property
     def rank_lanes(self) -> int:

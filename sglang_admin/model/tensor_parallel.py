@@ -4,7 +4,8 @@ Design (docs/tensor-parallel.md). The ranks of a replica join one torch.distribu
 process group (gloo on CPU, nccl on CUDA) at ``tcp://127.0.0.1:PORT``, a fresh port per
 replica chosen by the server at launch. TP rank 0 owns the replica's scheduler, its ZMQ
 sockets and every decision: each step it broadcasts the step's batch (the ``SeqInput``
-list, pickled by ``broadcast_object_list``) and every other TP rank runs the same forward
+list, as msgpack bytes in a tensor: multinode/wire.py, never pickle) and every other TP rank
+runs the same forward
 on its shard and discards what it sampled (scheduler/tp/worker.py). SGLang instead runs
 the whole scheduler on every TP rank with rank 0's inputs broadcast; here one scheduler per
 replica is simpler and cannot drift: the followers hold no scheduling state at all, only
@@ -36,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from sglang_admin.model.config import LlamaConfig
+from sglang_admin.multinode import wire
 
 # A follower waits for its leader's next step for as long as the server runs: an idle
 # worker must not time out (a dead leader ends the server, whose death kills the rank).
@@ -57,6 +59,10 @@ class TensorParallel:
     group: dist.ProcessGroup | None
     device: torch.device
     full_config: LlamaConfig | None = None  # set by load_model: the checkpoint's config
+    # --nnodes > 1: TP ranks per node (rank t lives on node t // ranks_per_node); 0: one host
+    ranks_per_node: int = 0
+    # bytes this rank has broadcast (rank 0) or received (the others) as commands
+    wire_bytes: list[int] = dataclasses.field(default_factory=lambda: [0])
 
     # ---------------------------------------------------------------- shapes
 
@@ -174,17 +180,20 @@ class TensorParallel:
     # ---------------------------------------------------------------- control
 
     def broadcast(self, obj: Any = None) -> Any:
-        """Rank 0's ``obj`` on every rank (pickled); the others pass nothing."""
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self.group,
-                                   device=self.device if self.device.type == "cuda" else None)
-        return box[0]
+        """Rank 0's ``obj`` on every rank (msgpack, multinode/wire.py); the others pass
+        nothing."""
+        return wire.broadcast(obj, self.rank, self.group, self.device, self.wire_bytes)
 
     def gather(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj``, in TP rank order, on every rank."""
-        out: list[Any] = [None] * self.size
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+        """Every rank's ``obj``, in TP rank order, on every rank (msgpack, as above)."""
+        return wire.gather(obj, self.size, self.group, self.device)
+
+    def name(self, tp_rank: int) -> str:
+        """How a message names TP rank ``tp_rank``: "TP rank 1", with its node when the
+        replica spans several ("TP rank 1 (node 1)")."""
+        if not self.ranks_per_node:
+            return f"TP rank {tp_rank}"
+        return f"TP rank {tp_rank} (node {tp_rank // self.ranks_per_node})"
 
     def barrier(self) -> None:
         """Wait until every rank of the replica got here (start-up: all models loaded)."""

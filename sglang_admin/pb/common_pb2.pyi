@@ -491,7 +491,7 @@ class GetServerInfoResponse(_message.Message):
     def __init__(self, server_args: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., scheduler_info: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., active_requests: _Optional[int] = ..., is_paused: _Optional[bool] = ..., last_receive_timestamp: _Optional[float] = ..., uptime_seconds: _Optional[float] = ..., sglang_version: _Optional[str] = ..., server_type: _Optional[str] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., max_total_num_tokens: _Optional[int] = ..., rank_states: _Optional[_Iterable[_Union[RankState, _Mapping]]] = ..., avg_spec_accept_length: _Optional[float] = ...) -> None: ...
 
 class RankState(_message.Message):
-    __slots__ = ("dp_rank", "num_running_reqs", "num_waiting_reqs", "token_capacity", "num_used_tokens", "num_evictable_tokens", "cache_hit_rate", "gen_throughput", "profiler_state", "last_step_time_s", "forward_steps", "device", "pid", "flush_pending", "state_age_s", "num_free_tokens", "avg_spec_accept_length", "spec_accept_rate", "spec_verify_steps")
+    __slots__ = ("dp_rank", "num_running_reqs", "num_waiting_reqs", "token_capacity", "num_used_tokens", "num_evictable_tokens", "cache_hit_rate", "gen_throughput", "profiler_state", "last_step_time_s", "forward_steps", "device", "pid", "flush_pending", "state_age_s", "num_free_tokens", "avg_spec_accept_length", "spec_accept_rate", "spec_verify_steps", "tp_ranks")
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_REQS_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_REQS_FIELD_NUMBER: _ClassVar[int]
@@ -511,6 +511,7 @@ class RankState(_message.Message):
     AVG_SPEC_ACCEPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     SPEC_ACCEPT_RATE_FIELD_NUMBER: _ClassVar[int]
     SPEC_VERIFY_STEPS_FIELD_NUMBER: _ClassVar[int]
+    TP_RANKS_FIELD_NUMBER: _ClassVar[int]
     dp_rank: int
     num_running_reqs: int
     num_waiting_reqs: int
@@ -530,7 +531,16 @@ class RankState(_message.Message):
     avg_spec_accept_length: float
     spec_accept_rate: float
     spec_verify_steps: int
-    def __init__(self, dp_rank: _Optional[int] = ..., num_running_reqs: _Optional[int] = ..., num_waiting_reqs: _Optional[int] = ..., token_capacity: _Optional[int] = ..., num_used_tokens: _Optional[int] = ..., num_evictable_tokens: _Optional[int] = ..., cache_hit_rate: _Optional[float] = ..., gen_throughput: _Optional[float] = ..., profiler_state: _Optional[str] = ..., last_step_time_s: _Optional[float] = ..., forward_steps: _Optional[int] = ..., device: _Optional[str] = ..., pid: _Optional[int] = ..., flush_pending: _Optional[bool] = ..., state_age_s: _Optional[float] = ..., num_free_tokens: _Optional[int] = ..., avg_spec_accept_length: _Optional[float] = ..., spec_accept_rate: _Optional[float] = ..., spec_verify_steps: _Optional[int] = ...) -> None: ...
+    tp_ranks: _containers.RepeatedCompositeFieldContainer[TpRankPlacement]
+    def __init__(self, dp_rank: _Optional[int] = ..., num_running_reqs: _Optional[int] = ..., num_waiting_reqs: _Optional[int] = ..., token_capacity: _Optional[int] = ..., num_used_tokens: _Optional[int] = ..., num_evictable_tokens: _Optional[int] = ..., cache_hit_rate: _Optional[float] = ..., gen_throughput: _Optional[float] = ..., profiler_state: _Optional[str] = ..., last_step_time_s: _Optional[float] = ..., forward_steps: _Optional[int] = ..., device: _Optional[str] = ..., pid: _Optional[int] = ..., flush_pending: _Optional[bool] = ..., state_age_s: _Optional[float] = ..., num_free_tokens: _Optional[int] = ..., avg_spec_accept_length: _Optional[float] = ..., spec_accept_rate: _Optional[float] = ..., spec_verify_steps: _Optional[int] = ..., tp_ranks: _Optional[_Iterable[_Union[TpRankPlacement, _Mapping]]] = ...) -> None: ...
+
+class TpRankPlacement(_message.Message):
+    __slots__ = ("tp_rank", "node_rank")
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    NODE_RANK_FIELD_NUMBER: _ClassVar[int]
+    tp_rank: int
+    node_rank: int
+    def __init__(self, tp_rank: _Optional[int] = ..., node_rank: _Optional[int] = ...) -> None: ...
 
 class GetLoadsRequest(_message.Message):
     __slots__ = ("dp_rank", "include")

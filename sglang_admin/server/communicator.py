@@ -224,7 +224,7 @@ class Communicator(RankStreams, RankCalls):
             self.ready_ranks.add(msg.dp_rank)
             self.rank_states[msg.dp_rank] = msg.state
             self.heard_at[msg.dp_rank] = time.monotonic()
-            for tp_rank in range(1, self.args.tp_size):  # loaded: the replica's barrier
+            for tp_rank in range(1, self.args.tp_size // self.args.nnodes):  # this node's, loaded
                 self.follower_heard_at[msg.dp_rank, tp_rank] = time.monotonic()
             if msg.dp_rank == 0 or self.model_info is None:
                 self.model_info = msg.model_info

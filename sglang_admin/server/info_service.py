@@ -15,6 +15,7 @@ from google.protobuf import struct_pb2, timestamp_pb2
 from sglang_admin import __version__
 from sglang_admin.config import ServerArgs
 from sglang_admin.messages import ModelInfo, RankState, StateReq
+from sglang_admin.multinode.topology import placement, tp_placement
 from sglang_admin.pb import common_pb2 as pb
 from sglang_admin.server.admin import (
     AdminCalls,
@@ -206,6 +207,9 @@ class Info:
                     "dp_size": self.args.dp_size,
                     "tp_size": self.args.tp_size,
                     "model": dataclasses.asdict(info),
+                    # --nnodes > 1: the nodes, and every TP rank with the node it runs on
+                    **({"nnodes": self.args.nnodes, "tp_ranks": placement(self.args)}
+                       if self.args.nnodes > 1 else {}),
                 }
             )
         )
@@ -243,8 +247,11 @@ class Info:
             last_receive_timestamp=self.comm.last_receive_time,
             uptime_seconds=now - self.start_time,
         )
+        placement = tp_placement(self.args)
         for state in states:
             _add_rank_state(live.rank_states, state, now - state.timestamp)
+            for tp_rank, node_rank in placement.get(state.dp_rank, ()):
+                live.rank_states[-1].tp_ranks.add(tp_rank=tp_rank, node_rank=node_rank)
         verify = sum(s.spec_verify_steps for s in states)
         if verify:  # over every rank's verify steps
             live.avg_spec_accept_length = sum(

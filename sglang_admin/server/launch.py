@@ -142,6 +142,7 @@ class Server:
         # --tp-size > 1: (dp rank, tp rank, process) of every TP rank past the first
         self.tp_procs: list[tuple[int, int, mp.process.BaseProcess]] = []
         self.stuck_ranks: set[int] = set()  # killed at shutdown: they cannot stop themselves
+        self.link = None  # --nnodes > 1: the link to the other nodes (multinode/link.py)
         self._tasks: set[asyncio.Task] = set()
 
     async def _set_health(self, status: int) -> None:
@@ -161,7 +162,7 @@ class Server:
             )
             proc.start()
             self.procs.append(proc)
-            for tp_rank in range(1, self.args.tp_size):
+            for tp_rank in range(1, self.args.tp_size // self.args.nnodes):  # this node's
                 follower = ctx.Process(
                     target=run_tp_follower,
                     args=(self.args, rank, tp_rank, os.getpid()),
@@ -194,6 +195,27 @@ class Server:
         self.comm.metrics.rank_stuck(rank)
         self.stuck_ranks.add(rank)
         self._rank_down(rank, why)
+
+    async def _join_nodes(self) -> None:
+        """--nnodes > 1: wait for the other nodes and check their settings (a refusal or a
+        missing node stops the start), then watch them: a node lost fails every replica."""
+        from sglang_admin.multinode.link import LinkError, NodeLink
+
+        self.link = NodeLink(self.args)
+        try:
+            await self.link.join()
+        except LinkError as exc:
+            assert self.server is not None
+            await self.server.stop(None)
+            if self.sidecar is not None:
+                await self.sidecar.stop()
+            raise StartupError(str(exc)) from None
+        self.link.watch(self._node_lost)
+
+    def _node_lost(self, node: int, why: str) -> None:
+        for rank in range(self.args.dp_size):  # each may sit in a collective with that node
+            self.stuck_ranks.add(rank)
+            self._rank_down(rank, f"(node {node}) {why}")
 
     async def _watch_ranks(self) -> None:
         """A rank that exits while serving fails its calls and stops the server (exit 1)."""
@@ -316,6 +338,8 @@ class Server:
             await self._start_sidecar(servicer, auth)
         if args.disaggregation_mode == "prefill":
             await self._start_bootstrap()
+        if args.nnodes > 1:
+            await self._join_nodes()
         self._start_ranks()
 
         loop = asyncio.get_running_loop()
@@ -334,6 +358,8 @@ class Server:
             self.stop_event.set()
         elif self.comm.ready.is_set() and not self.stop_event.is_set():
             await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+            if self.link is not None:
+                self.link.send_all({"ready": True})
             info = self.comm.model_info
             logger.info("serving on %s:%d: %s in %s, %d scheduler rank(s)", args.host, port,
                         self.comm.served_model_name(), info.dtype if info else "?", args.dp_size)
@@ -369,6 +395,8 @@ class Server:
         if self.bootstrap is not None:
             stopping.append(self.bootstrap.stop())
         await asyncio.gather(*stopping)
+        if self.link is not None:  # before the ranks stop: the other nodes expect them to
+            await self.link.close(clean=self.exit_code == 0)
         if self.comm is not None:
             await self.comm.close()
         for proc in [*self.procs, *(p for _, _, p in self.tp_procs)]:
@@ -384,9 +412,13 @@ def serve(args: ServerArgs) -> int:
     ipc_dir.remove_stale()
     ipc_path = ipc_dir.create()
     args = args.replace(ipc_dir=ipc_path)
-    if args.tp_size > 1 and not args.tp_ports:  # one rendezvous per replica
+    if args.tp_size > 1 and not args.tp_ports and args.nnodes == 1:  # one per replica
         args = args.replace(tp_ports=tuple(free_port() for _ in range(args.dp_size)))
     try:
+        if args.node_rank > 0:  # its ranks and health only (multinode/node_server.py)
+            from sglang_admin.multinode.node_server import serve_node
+
+            return serve_node(args)
         return asyncio.run(Server(args).run())
     except StartupError as exc:
         logger.error("%s", exc)

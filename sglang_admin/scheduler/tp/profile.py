@@ -12,6 +12,8 @@ handed over its own (the follower's export runs on its export thread, as rank 0'
 from __future__ import annotations
 
 import logging
+import os
+import re
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any
@@ -28,6 +30,8 @@ logger = logging.getLogger(__name__)
 PROFILE_START, PROFILE_STOP, PROFILE_COLLECT = "profile-start", "profile-stop", "profile-collect"
 PROFILE_COMMANDS = frozenset({PROFILE_START, PROFILE_STOP, PROFILE_COLLECT})
 EXPORT_WAIT_S = 600.0  # a follower's traces are written by then, or the stop reports it
+SHIP_MAX_BYTES = 512 << 20  # a remote follower's traces sent to node 0, at most this much
+_TRACE_NAME = re.compile(r"^[\w.+-]+\.trace\.json\.gz$")
 
 
 def step_stage(seqs: list[SeqInput]) -> str:
@@ -69,14 +73,55 @@ class _JoinedStop(Future):
             self._followers.send(PROFILE_COLLECT)
             theirs = self._followers.gather(None)[1:]
             files = list(found.files) if isinstance(found, ProfileStopResult) else []
-            for tp_rank, (their_ok, why, their) in enumerate(theirs, start=1):
+            here = os.path.dirname(files[0]) if files else ""
+            for tp_rank, answer in enumerate(theirs, start=1):
+                their_ok, why, their = answer[:3]
                 if isinstance(their, ProfileStopResult):
                     files.extend(their.files)
+                if len(answer) > 3 and here:  # a follower on another node: its traces
+                    problem = _store_shipped(here, answer[3])
+                    if problem:
+                        their_ok, why = False, problem
                 if ok and not their_ok:
                     ok, text = False, f"TP rank {tp_rank}: {why}"
             profile_id = found.profile_id if isinstance(found, ProfileStopResult) else ""
             self._answer = ok, text, ProfileStopResult(files, profile_id)
         return self._answer
+
+
+def _store_shipped(directory: str, shipped: dict[str, bytes]) -> str:
+    """Write a remote follower's traces (``{file name: bytes}``) into ``directory``, where
+    this node's own traces of the profile are, so DownloadProfile and a merge find them
+    there; "" or why a file was refused. Only a plain trace file name is taken (no path)."""
+    for name, data in shipped.items():
+        if not (isinstance(name, str) and _TRACE_NAME.match(name) and isinstance(data, bytes)):
+            return f"a shipped trace named {name!r} was refused"
+        path = os.path.join(directory, name)
+        tmp = f"{path}.part"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except OSError as exc:
+            return f"its trace {name} could not be written on node 0: {exc.strerror or exc}"
+    return ""
+
+
+def _read_traces(files: list[str]) -> dict[str, bytes] | str:
+    """The traces this rank wrote, by file name, to send to node 0; or why not."""
+    out: dict[str, bytes] = {}
+    total = 0
+    for path in files:
+        try:
+            with open(path, "rb") as f:
+                data = f.read(SHIP_MAX_BYTES - total + 1)
+        except OSError as exc:
+            return f"its trace {path} cannot be read: {exc.strerror or exc}"
+        total += len(data)
+        if total > SHIP_MAX_BYTES:
+            return f"its traces are over {SHIP_MAX_BYTES >> 20} MiB: left on its node"
+        out[os.path.basename(path)] = data
+    return out
 
 
 def stop_on_followers(followers: Followers, own: Future) -> Future:
@@ -88,8 +133,11 @@ def stop_on_followers(followers: Followers, own: Future) -> Future:
 class FollowerProfiler:
     """A follower's profiler, driven by rank 0's commands and its steps."""
 
-    def __init__(self, profiler: Profiler) -> None:
+    def __init__(self, profiler: Profiler, ship: bool = False) -> None:
+        """``ship``: this rank is on another node than TP rank 0 (--nnodes > 1): its
+        traces go to node 0 with its answer, where DownloadProfile reads them."""
         self.profiler = profiler
+        self.ship = ship
         self.stopping: Future | None = None  # the last StopProfile's files
 
     def handle(self, command: tuple, gather: Any) -> None:
@@ -100,7 +148,14 @@ class FollowerProfiler:
         elif kind == PROFILE_STOP:
             self.stopping = self.profiler.request_stop()
         elif kind == PROFILE_COLLECT:
-            gather(self._stopped())
+            answer = self._stopped()
+            if self.ship and isinstance(answer[2], ProfileStopResult):
+                traces = _read_traces(answer[2].files)
+                if isinstance(traces, str):
+                    answer = (False, traces, answer[2])
+                else:
+                    answer = (*answer, traces)
+            gather(answer)
 
     def _stopped(self) -> tuple[bool, str, ProfileStopResult | None]:
         fut, self.stopping = self.stopping, None

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import signal
 import sys
 from typing import Any
@@ -50,7 +51,16 @@ def join_replica(args: ServerArgs, dp_rank: int, tp_rank: int) -> TensorParallel
     """TP rank ``tp_rank`` of replica ``dp_rank`` joins its group; blocks until all join."""
     dev = resolve_device(args.device, gpu_index(args, dp_rank, tp_rank))
     use_device(dev)
+    if args.nnodes > 1:  # the group spans hosts (multinode/group.py)
+        from sglang_admin.multinode.group import join_across_nodes
+
+        return join_across_nodes(args, dp_rank, tp_rank, dev)
     return join_tensor_parallel(args.tp_ports[dp_rank], tp_rank, args.tp_size, dev)
+
+
+def _path_problem(path: str) -> str | None:
+    """Why this rank cannot read checkpoint ``path`` (each node reads its own disk), or None."""
+    return None if os.path.exists(path) else f"{path} does not exist on this node"
 
 
 def _refit_result(runner: ModelRunner, path: str, restore_from: str | None) -> tuple[bool, str, bool]:
@@ -112,8 +122,15 @@ class LeaderRunner:
     def refit_from_disk(self, path: str, restore_from: str | None) -> None:
         """Every TP rank loads its shard of ``path``; RefitError when any rank failed
         (restored only when every rank put its old weights back)."""
-        self.tensor_parallel.broadcast((REFIT, path, restore_from))
-        results = self.tensor_parallel.gather(_refit_result(self._runner, path, restore_from))
+        tp = self.tensor_parallel
+        tp.broadcast((REFIT, path, restore_from))
+        # every rank sees the path first: one that cannot (its node's disk lacks it) fails
+        # the refit before any rank loads, so no replica is left half-loaded
+        problems = tp.gather(_path_problem(path))
+        for tp_rank, why in enumerate(problems):
+            if why is not None:
+                raise RefitError(f"{tp.name(tp_rank)}: {why}; no TP rank loaded it", True)
+        results = tp.gather(_refit_result(self._runner, path, restore_from))
         failed = [(i, why, restored) for i, (ok, why, restored) in enumerate(results) if not ok]
         if not failed:
             return
@@ -121,7 +138,7 @@ class LeaderRunner:
         restored = len(failed) == len(results) and all(r for _, _, r in failed)
         if len(failed) != len(results):
             why += "; the other TP ranks loaded the new weights, so they are mixed"
-        raise RefitError(f"TP rank {tp_rank}: {why}", restored)
+        raise RefitError(f"{self.tensor_parallel.name(tp_rank)}: {why}", restored)
 
     def release_kv_cache(self) -> int:
         return self.followers.memory(self._runner, "release_kv_cache")
@@ -174,7 +191,8 @@ def follow(runner: ModelRunner, tp: TensorParallel, profiler: Profiler) -> None:
     """Run rank 0's commands until it says stop."""
     weights = FollowerWeights(runner, tp)
     try:
-        _follow(runner, tp, weights, FollowerProfiler(profiler))
+        remote = bool(tp.ranks_per_node) and tp.rank >= tp.ranks_per_node  # not on node 0
+        _follow(runner, tp, weights, FollowerProfiler(profiler, ship=remote))
     finally:
         weights.close()
 
@@ -210,7 +228,8 @@ def _follow(runner: ModelRunner, tp: TensorParallel, weights: FollowerWeights,
             assert runner.lora is not None
             runner.lora.clear(command[1])
         elif kind == REFIT:
-            tp.gather(_refit_result(runner, command[1], command[2]))
+            if all(p is None for p in tp.gather(_path_problem(command[1]))):
+                tp.gather(_refit_result(runner, command[1], command[2]))
         elif kind == STOP:
             return
 
