@@ -179,7 +179,8 @@ def dp2_profiles(dp2_server: ServerProc) -> Path:
 # they start first, so that no process is left alone with one of them at the end while the
 # other has nothing to do.
 LONGEST_MODULES = (
-    "test_pd.py", "test_tensor_parallel.py", "test_weight_sync.py", "test_gguf.py", "test_speculative.py",
+    "test_pd.py", "test_multinode.py", "test_multinode_lifecycle.py", "test_tensor_parallel.py",
+    "test_weight_sync.py", "test_gguf.py", "test_speculative.py",
     "test_metrics.py", "test_gpu_check.py", "test_http_sidecar.py", "test_embed.py",
     "test_lora.py", "test_faults.py",
 )
