@@ -209,6 +209,9 @@ class LlamaForCausalLM(nn.Module):
         # every layer as CpuKernels.decode_layer reads it, built at the first decode step;
         # weights change in place (copy_), and whatever replaces tensors drops it
         self._decode_layers: list[DecodeLayerWeights] | None = None
+        # model/quant/'s QuantStore when projections are kept quantized (their parameters
+        # are then placeholders on the meta device, multiplied through it)
+        self.quant: Any = None
 
     def output_weight(self) -> torch.Tensor:
         """The LM head matrix (the embedding when tied)."""
@@ -217,8 +220,10 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head.weight
 
     def weight_bytes(self) -> int:
-        """Bytes held by the parameters (a fused matrix counted once, through its views)."""
-        return sum(p.numel() * p.element_size() for p in self.parameters())
+        """Bytes held by the parameters (a fused matrix counted once, through its views), and
+        by the quantized projections when some are kept quantized."""
+        dense = sum(p.numel() * p.element_size() for p in self.parameters() if not p.is_meta)
+        return dense + (self.quant.nbytes if self.quant is not None else 0)
 
     def materialize_buffers(self, device: torch.device) -> None:
         """Recompute non-persistent buffers (RoPE frequencies, float32) on device.

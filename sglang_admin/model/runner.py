@@ -114,6 +114,7 @@ class ModelRunner:
         tensor_parallel: object = None,
         lanes_as_threads: bool = True,
         cuda_graph_max_bs: int = 0,
+        quantization: str = "",
     ) -> None:
         if model_path is None:
             from sglang_admin.model.default_model import ensure_default_model
@@ -122,11 +123,14 @@ class ModelRunner:
         self.device = resolve_device(device, gpu_index)
         use_device(self.device)
         probe = load_model_info(model_path, context_length)
-        self.dtype = resolve_dtype(dtype, self.device, probe.dtype)
+        # weights kept quantized (model/quant/): activations as a half-precision checkpoint's
+        self.dtype = resolve_dtype(dtype, self.device,
+                                   "bfloat16" if quantization else probe.dtype)
         self.model: LlamaForCausalLM
         self.model, self.info = load_model(
             model_path, dtype=self.dtype, device=self.device, context_length=context_length,
             is_embedding=is_embedding, tensor_parallel=tensor_parallel,
+            quantization=quantization,
         )
         # CUDA: the Triton decode kernel and mask-free prefix prefill (model/attention/choice.py)
         mcfg = self.model.config
@@ -139,6 +143,9 @@ class ModelRunner:
         self.max_running_requests = max_running_requests
         # LoRA adapter slots (count, max rank), allocated before the KV pool is sized
         self.lora: LoraBuffers | None = None
+        if lora_slots is not None and getattr(self.model, "quant", None) is not None:
+            raise ModelLoadError("LoRA is not yet served on weights kept quantized (GGUF); "
+                                 "serve with --gguf-dequantize to use adapters")
         if lora_slots is not None:
             self.lora = LoraBuffers(self.model, *lora_slots, self.dtype, self.device)
         cfg = self.model.config
@@ -313,6 +320,9 @@ class ModelRunner:
         """Free every parameter (shapes kept); bytes released. Load weights after resuming."""
         if self.weights_released:
             return 0
+        if getattr(self.model, "quant", None) is not None:
+            raise ModelLoadError("weights kept quantized (GGUF) cannot be released and "
+                                 "reloaded yet; serve with --gguf-dequantize for that")
         if self.packed is not None:
             self.packed.clear()
         if self.graphs is not None:  # they point at the weights: captured again after resume
@@ -456,6 +466,11 @@ class ModelRunner:
         """The logits of the rows that sample; on CPU with lanes and a large LM head, its
         vocabulary cut in one part per lane, computed at once by the lane threads (the head
         is a step's largest matmul: 2.8 GFLOP of SmolLM2-135M's batch-32 step, one thread)."""
+        quant = getattr(self.model, "quant", None)
+        if quant is not None and hidden.shape[0] > 0:  # model/quant/: the head kept quantized
+            fallback = self._packed_linear if self.packed is not None else F.linear
+            return quant.linear_with(fallback)(self.model.final_norm(hidden),
+                                               self.model.output_weight(), None)
         if self.packed is not None and hidden.shape[0] > 0:
             return self._packed_linear(self.model.final_norm(hidden), self.model.output_weight(),
                                        None)
@@ -566,12 +581,18 @@ class ModelRunner:
             return self.model(ids[a:b], positions[a:b], metas[i], self.k_caches, self.v_caches,
                               linear)
 
+        quant = getattr(self.model, "quant", None)
         if len(lanes) == 1:
+            if quant is not None:  # model/quant/: projections kept quantized
+                return run(0, quant.linear_with(
+                    self._packed_linear if self.packed is not None else F.linear))
             if self.packed is not None:
                 return run(0, self._packed_linear)
             decode_only = ids.shape[0] == len(batch.ordered)
             return run(0, self._split_linear if self.split_matmuls and decode_only else None)
         whole = self._packed_whole if self.packed is not None else None
+        if quant is not None:
+            whole = quant.linear_with(whole or F.linear)
         futures = [self._lanes_pool().submit(_in_inference_mode, run, i, whole)
                    for i in range(1, len(lanes))]
         first = run(0, whole)
