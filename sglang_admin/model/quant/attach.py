@@ -51,3 +51,34 @@ def attach(model: Any, model_path: str, quantization: str, dtype: torch.dtype,
     model.quant = store
     logger.warning("%s", store.summary)
     return loaded
+
+
+def refit_quantized(model: Any, model_path: str) -> None:
+    """Replace a quantized model's weights with a converted GGUF directory's, its kept
+    projections read from the GGUF file again (they may be of other types than before).
+    Raises model/weights.py's RefitError: ``restored`` True when nothing was changed."""
+    from sglang_admin.model.loader import ModelLoadError, iter_checkpoint, load_weights
+    from sglang_admin.model.quant.gguf_load import finish_tied_head
+    from sglang_admin.model.weights import RefitError, check_checkpoint
+
+    try:
+        check_checkpoint(model, model_path)
+    except ModelLoadError as exc:
+        raise RefitError(str(exc)) from None
+    gguf_file = gguf_source(model_path)
+    if gguf_file is None:
+        raise RefitError(f"{model_path}: the served weights are kept quantized (GGUF): a refit "
+                         "takes a GGUF file (or serve with --gguf-dequantize)")
+    dtype = model.model.norm.weight.dtype
+    try:
+        store, kept = attach_gguf(model, gguf_file, dtype)
+    except GgufError as exc:  # raised while reading, before any weight changed
+        raise RefitError(str(exc)) from None
+    model.quant = store
+    try:
+        load_weights(model, iter_checkpoint(model_path, kept))
+        finish_tied_head(model, store, True)
+    except Exception as exc:  # noqa: BLE001 - the projections are new already
+        raise RefitError(f"{type(exc).__name__}: {exc}; the weights are partially updated",
+                         False) from None
+    logger.warning("refit: %s", store.summary)

@@ -11,7 +11,6 @@ meta tensor instead of computing with stale numbers.
 
 from __future__ import annotations
 
-import json
 import os
 from collections import Counter
 from typing import Any
@@ -20,7 +19,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from sglang_admin.model.gguf import _PERMUTED_QK, GgufError, hf_name, open_gguf, unpermute_rows
+from sglang_admin.model.gguf import (
+    _PERMUTED_QK,
+    GgufError,
+    gguf_source,
+    hf_name,
+    open_gguf,
+    unpermute_rows,
+)
 from sglang_admin.model.quant.gguf_blocks import (
     Int4Groups,
     Int8Rows,
@@ -31,17 +37,8 @@ from sglang_admin.model.quant.gguf_blocks import (
 from sglang_admin.model.quant.linear import ConcatLinear, Projection, QuantLinear, QuantStore
 
 QUANTIZATION_GGUF = "gguf"
+__all__ = ["QUANTIZATION_GGUF", "attach_gguf", "finish_tied_head", "gguf_source"]
 _PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def gguf_source(model_dir: str) -> str | None:
-    """The GGUF file a converted directory came from (its source.json), if any."""
-    path = os.path.join(model_dir, "source.json")
-    if not os.path.isfile(path):
-        return None
-    with open(path, encoding="utf-8") as f:
-        source = json.load(f).get("gguf_file")
-    return source if isinstance(source, str) and os.path.isfile(source) else None
 
 
 def _read(g: Any, tensor: Any, target: str, heads: int, kv_heads: int

@@ -25,6 +25,7 @@ from sglang_admin.model.quant.gguf_blocks import GROUP, Int4Groups, Int8Rows
 # rows up to which a step takes the quantized kernel (measured crossover: 8-16 rows)
 KERNEL_MAX_ROWS = 8
 _INNER_K_TILES = 2
+_N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu's rows
 
 
 class QuantLinear:
@@ -34,13 +35,19 @@ class QuantLinear:
                  dense_copy: bool = True) -> None:
         self.dtype = dtype
         self.kind = "int4" if isinstance(weight, Int4Groups) else "int8"
+        self.pad = 0  # int4: zero rows added to N (the packing wants a multiple of 16)
         if isinstance(weight, Int4Groups):
             n, k = weight.q.shape
+            self.pad = -n % _N_MULTIPLE
             q = torch.from_numpy(weight.q.astype("int32"))
+            scale, zero = torch.from_numpy(weight.scale), torch.from_numpy(weight.zero)
+            if self.pad:  # q = 8, scale = zero = 0: rows of zeros, cut from the output
+                q = torch.cat([q, torch.full((self.pad, k), 8, dtype=torch.int32)])
+                scale = torch.cat([scale, torch.zeros(self.pad, k // GROUP)])
+                zero = torch.cat([zero, torch.zeros(self.pad, k // GROUP)])
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, _INNER_K_TILES)
-            sz = torch.stack([torch.from_numpy(weight.scale).t(),
-                              torch.from_numpy(weight.zero).t()], -1)
-            self.scales_zeros = sz.to(dtype).contiguous()  # [K / 32, N, 2]
+            sz = torch.stack([scale.t(), zero.t()], -1)
+            self.scales_zeros = sz.to(dtype).contiguous()  # [K / 32, N + pad, 2]
             self.q8: torch.Tensor | None = None
             self.row_scale: torch.Tensor | None = None
         else:
@@ -73,7 +80,7 @@ class QuantLinear:
         # the kernel itself on the identity: exactly the weights it multiplies with
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, GROUP,
                                                          self.scales_zeros)
-        return out.t().contiguous()
+        return out[:, :n].t().contiguous()
 
     @property
     def nbytes(self) -> int:
@@ -106,6 +113,8 @@ class QuantLinear:
         if self.kind == "int4":
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP,
                                                              self.scales_zeros)
+            if self.pad:
+                out = out[:, : self.shape[0]]
         else:
             out = torch.ops.aten._weight_int8pack_mm(x, self.q8, self.row_scale)
         return out if bias is None else out + bias
