@@ -380,14 +380,14 @@ def run_serve(ns: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     fields["enable_lora"] = ns.enable_lora or bool(fields["lora_paths"])
-    from sglang_admin.scheduler.speculative import check_config
+    from sglang_admin.scheduler.speculative.policy import check_config
 
     refusal = check_config(ns.speculative_algorithm, ns.speculative_num_draft_tokens,
                            ns.speculative_ngram_min_match_window_size,
                            ns.speculative_ngram_max_match_window_size,
                            ns.speculative_draft_model_path)
     if refusal is None and ns.speculative_draft_model_path:
-        from sglang_admin.model.draft_model import check_draft_model
+        from sglang_admin.scheduler.speculative.draft_model import check_draft_model
 
         try:
             draft_path = draft_model_dir(ns.speculative_draft_model_path)

@@ -109,7 +109,7 @@ class ServerArgs:
     # Metrics (server/metrics.py): off unless asked; served by the HTTP sidecar's /metrics
     # and the GetMetrics RPC.
     enable_metrics: bool = False
-    # The HTTP sidecar (server/http_sidecar.py): on --host at grpc_http_sidecar_port
+    # The HTTP sidecar (server/sidecar/): on --host at grpc_http_sidecar_port
     # (SGLang's name; None: the gRPC port + 1, as SGLang's gRPC mode), unless
     # disable_http_sidecar.
     grpc_http_sidecar_port: int | None = None
@@ -126,20 +126,20 @@ class ServerArgs:
     # dense (the dequantizing load of a GGUF file, any other checkpoint)
     quantization: str = ""
     seed: int = 0
-    # LoRA (scheduler/lora_control.py): adapters live in --max-loaded-loras slots of rank
+    # LoRA (scheduler/ops/lora_control.py): adapters live in --max-loaded-loras slots of rank
     # up to --max-lora-rank; lora_paths are (name, path) pairs loaded at start.
     enable_lora: bool = False
     max_loaded_loras: int = 8
     max_lora_rank: int = 16
     lora_paths: tuple[tuple[str, str], ...] = ()
-    # issue 47: speculative decoding (scheduler/speculative.py; SGLang's flag names). None:
+    # speculative decoding (scheduler/speculative/policy.py; SGLang's flag names). None:
     # off; "NGRAM": drafts by prompt lookup; num_draft_tokens None: its default (8)
     speculative_algorithm: str | None = None
     speculative_num_draft_tokens: int | None = None
     speculative_ngram_min_match_window_size: int = 1
     speculative_ngram_max_match_window_size: int = 12
     speculative_draft_model_path: str | None = None
-    # issue 32: serve a decoder checkpoint as an embedding model (Embed, not Generate)
+    # serve a decoder checkpoint as an embedding model (Embed, not Generate)
     is_embedding: bool = False
     ipc_dir: str = ""  # set by launch: a fresh private directory per instance
 

@@ -31,7 +31,7 @@ from sglang_admin.messages import GenerateReq, SamplingParams  # noqa: E402
 from sglang_admin.model.cpu_kernels import CpuKernels, load_cpu_kernels  # noqa: E402
 from sglang_admin.model.rotary import apply_rope  # noqa: E402
 from sglang_admin.model.runner import ModelRunner  # noqa: E402
-from sglang_admin.scheduler.process import batch_inputs  # noqa: E402
+from sglang_admin.scheduler.rank.process import batch_inputs  # noqa: E402
 from sglang_admin.scheduler.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 from tools.workloads import mixed_workload  # noqa: E402
 

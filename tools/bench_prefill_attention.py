@@ -60,7 +60,7 @@ def _prefill_step(path: str, tokens: int, rounds: int, clock) -> int:  # noqa: A
     from sglang_admin.messages import GenerateReq, SamplingParams
     from sglang_admin.model import batch as batch_module
     from sglang_admin.model.runner import ModelRunner
-    from sglang_admin.scheduler.process import batch_inputs
+    from sglang_admin.scheduler.rank.process import batch_inputs
     from sglang_admin.scheduler.scheduler import Scheduler, SchedulerConfig
 
     runner = ModelRunner(path, device="cpu", dtype="bfloat16", max_running_requests=8,

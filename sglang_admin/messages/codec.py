@@ -103,7 +103,7 @@ _REGISTRY: tuple[type, ...] = (
     ListLoraReq,
     LoraAdapterInfo,
     LoraResult,
-    # the weight sync ops (issue 12)
+    # the weight sync ops
     InitWeightsGroupReq,
     UpdateWeightsFromDistributedReq,
     DestroyWeightsGroupReq,

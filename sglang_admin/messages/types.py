@@ -72,14 +72,14 @@ class GenerateReq:
     deadline: float | None = None  # absolute time.time(); None: no deadline
     trace: TraceCarrier = field(default_factory=dict)
     lora_id: str = ""  # the LoRA adapter to run with; "": the base model
-    # issue 10 (generation features); see scheduler/parallel_sampling.py, stop_strings.py
+    # generation features; see scheduler/parallel_sampling.py, stop_strings.py
     n: int = 1  # parallel samples sharing the prompt's KV; outputs carry their index
     stop: list[str] = field(default_factory=list)  # stop strings, matched on decoded text
     no_stop_trim: bool = False  # keep the tokens of a matched stop string in output_ids
     logprob_start_len: int = -1  # >= 0: input logprobs of prompt[logprob_start_len:]
     token_ids_logprob: list[int] = field(default_factory=list)  # logprobs of these ids
     return_hidden_states: bool = False  # last layer's hidden state per output token
-    embed: bool = False  # issue 32: prefill only, answered with the pooled vector
+    embed: bool = False  # an Embed: prefill only, answered with the pooled vector
 
 
 @dataclass(slots=True)
@@ -332,14 +332,14 @@ class RankState:
     max_running_requests: int = 0
     weight_gb: float = 0.0
     kv_cache_gb: float = 0.0
-    # decode steps so far and their seconds by phase (scheduler/step_timing.py's PHASES)
+    # decode steps so far and their seconds by phase (scheduler/profiling/step_timing.py's PHASES)
     decode_steps: int = 0
     decode_phase_s: dict[str, float] = field(default_factory=dict)
     timestamp: float = 0.0
     lora_slots_used: int = 0  # adapters loaded (LoRA only)
     lora_slots_total: int = 0  # --max-loaded-loras; 0: LoRA is off
     num_grammar_queue_reqs: int = 0  # waiting for their grammar to compile
-    # issue 47: speculative decoding since start (scheduler/speculative.py's SpecCounters):
+    # speculative decoding since start (scheduler/speculative/policy.py's SpecCounters):
     # request-steps that verified a draft, draft tokens verified, of them accepted
     spec_verify_steps: int = 0
     spec_draft_tokens: int = 0
@@ -384,7 +384,7 @@ class ModelInfo:
     kv_cache_bytes: int = 0
     device: str = "cpu"
     weight_version: str = "default"
-    # issue 32 (Embed): what the model serves (model/embedding_spec.py)
+    # Embed: what the model serves (model/embedding_spec.py)
     is_generation: bool = True
     num_labels: int = 0  # a classifier's labels; 0 otherwise
     id2label: dict[str, str] = field(default_factory=dict)
@@ -432,14 +432,14 @@ class ReqOutput:
     completion_tokens: int
     cached_tokens: int
     queue_time_s: float = 0.0  # seconds the request waited on the rank before admission
-    index: int = 0  # which of the request's n samples (issue 10)
+    index: int = 0  # which of the request's n samples
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     matched_token_id: int | None = None
     error: str | None = None  # set when the scheduler refused or dropped the request
     error_code: str | None = None  # grpc StatusCode name for error
-    # issue 10 (generation features)
+    # generation features
     matched_stop_str: str | None = None
     stop_trim: int = 0  # trailing output tokens that carry the matched stop string
     input_logprobs: list[float | None] = field(default_factory=list)  # prompt positions
@@ -447,7 +447,7 @@ class ReqOutput:
     token_ids_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     hidden_states: list[list[float]] = field(default_factory=list)  # per new output token
     embedding: list[float] = field(default_factory=list)  # an Embed request's vector (final)
-    # issue 47 (final output, speculative decoding on): verify steps, draft tokens verified,
+    # speculative decoding (final output, on): verify steps, draft tokens verified,
     # of them accepted
     spec_verify_ct: int = 0
     spec_draft_tokens: int = 0

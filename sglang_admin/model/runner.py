@@ -24,7 +24,6 @@ import torch
 import torch.nn.functional as F
 
 from sglang_admin.config import ATTENTION_BACKENDS
-from sglang_admin.model import spec_verify
 from sglang_admin.model.attention.choice import cuda_attention_applies
 from sglang_admin.model.batch import BatchBuilder, ForwardBatch
 from sglang_admin.model.cpu_dtype import auto_cpu_dtype
@@ -51,6 +50,7 @@ from sglang_admin.model.packed_linear import PackedWeights, packed_linear, packi
 from sglang_admin.model.pooling import pool
 from sglang_admin.model.sampling import SampleRequest, SampleResult, sample
 from sglang_admin.model.step_io import InvalidSequence, SeqInput, SeqOutput
+from sglang_admin.scheduler.speculative import verify as spec_verify
 
 __all__ = ["ForwardTimes", "InvalidSequence", "ModelRunner", "ResumeOutOfMemory", "SeqInput",
            "SeqOutput"]
@@ -369,7 +369,7 @@ class ModelRunner:
         """
         if not seqs:
             return []
-        if any([s.draft for s in seqs]):  # speculative verify sequences (issue 47)
+        if any([s.draft for s in seqs]):  # speculative verify sequences
             return self._verify_step(seqs)
         # decode sequences (one new token) first, then the extend sequences
         decode: list[SeqInput] = []
@@ -385,7 +385,7 @@ class ModelRunner:
                 return self._forward_step(seqs, decode, extend)
 
     def _verify_step(self, seqs: list[SeqInput]) -> list[SeqOutput | None]:
-        """A step with speculative verify sequences (model/spec_verify.py): each becomes one
+        """A step with speculative verify sequences (scheduler/speculative/verify.py): each becomes one
         decode row per position, run with the step's other sequences as one batch; each
         verify sequence's output is its accepted run."""
         for i, s in enumerate(seqs):
@@ -627,7 +627,7 @@ class ModelRunner:
         the token: hidden states of sampled rows and prompt logprobs (model/hidden_extras.py;
         a sequence that sampled nothing gets an output only for its prompt logprobs)."""
         ordered, sampled = batch.ordered, batch.sampled
-        if not self.info.is_generation:  # issue 32: Embed requests' vectors (model/pooling.py)
+        if not self.info.is_generation:  # Embed requests' vectors (model/pooling.py)
             self._pool(by_seq, ordered, batch.offsets, hidden)
         if not any(s.return_hidden_states or s.logprob_start_len >= 0 for s in ordered):
             return [by_seq.get(id(s)) for s in seqs]

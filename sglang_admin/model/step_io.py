@@ -37,10 +37,10 @@ class SeqInput:
     # (ARGMAX_NEVER: never); None: worked out from the fields above (the scheduler passes its
     # request's, worked out once)
     argmax_from: int | None = None
-    # issue 32: an Embed request's pooling progress (model/pooling.py); None: not an embed
+    # an Embed request's pooling progress (model/pooling.py); None: not an embed
     embed: PoolProgress | None = None
-    # issue 47: speculative decoding. A verify sequence: token_ids is its last token then
-    # these draft tokens; every position is sampled (model/spec_verify.py) and the output
+    # speculative decoding: a verify sequence: token_ids is its last token then
+    # these draft tokens; every position is sampled (scheduler/speculative/verify.py) and the output
     # carries the accepted run. None or empty: an ordinary sequence.
     draft: list[int] | None = None
 

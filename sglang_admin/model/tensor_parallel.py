@@ -5,7 +5,7 @@ process group (gloo on CPU, nccl on CUDA) at ``tcp://127.0.0.1:PORT``, a fresh p
 replica chosen by the server at launch. TP rank 0 owns the replica's scheduler, its ZMQ
 sockets and every decision: each step it broadcasts the step's batch (the ``SeqInput``
 list, pickled by ``broadcast_object_list``) and every other TP rank runs the same forward
-on its shard and discards what it sampled (scheduler/tp_worker.py). SGLang instead runs
+on its shard and discards what it sampled (scheduler/tp/worker.py). SGLang instead runs
 the whole scheduler on every TP rank with rank 0's inputs broadcast; here one scheduler per
 replica is simpler and cannot drift: the followers hold no scheduling state at all, only
 the KV pool slots the batch names. Every forward then runs its all-reduces in one order

@@ -34,7 +34,7 @@ class StepResult(Protocol):
     input_logprobs: list[tuple[int, float | None, TopList]] | None  # (prompt pos, lp, top)
     token_ids_logprobs: TopList | None
     hidden_state: list[float] | None
-    embedding: list[float] | None  # an Embed request's vector (issue 32)
+    embedding: list[float] | None  # an Embed request's vector
 
 
 def absorb_prompt(req: Req, result: StepResult | None) -> None:

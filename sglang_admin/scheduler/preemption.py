@@ -1,5 +1,5 @@
 """Turn-taking on a full rank: a request that has waited ``wait_s`` for a place in the
-running batch takes the place of the decoding request that has run longest (issue 33).
+running batch takes the place of the decoding request that has run longest.
 
 Without it a rank whose running batch (``--max-running-requests``) or KV pool is full of
 long streams admits nothing until one of them ends, which for thousands of tokens on a CPU

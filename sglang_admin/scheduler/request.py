@@ -15,7 +15,7 @@ from sglang_admin.scheduler.parallel_sampling import sample_key
 from sglang_admin.scheduler.radix_cache import TreeNode
 
 if TYPE_CHECKING:
-    from sglang_admin.scheduler.speculative import SpecProgress
+    from sglang_admin.scheduler.speculative.policy import SpecProgress
 
 TopList = list[tuple[int, float]]
 
@@ -89,8 +89,8 @@ class Req:
     lora: LoraHold = field(default_factory=LoraHold)
     logprob: LogprobState = field(default_factory=LogprobState)
     hidden: HiddenStates = field(default_factory=HiddenStates)
-    embed: EmbedProgress | None = None  # an Embed request's pooling (issue 32)
-    spec: SpecProgress | None = None  # speculative decoding (speculative.py); None: off
+    embed: EmbedProgress | None = None  # an Embed request's pooling
+    spec: SpecProgress | None = None  # speculative decoding (speculative/policy.py); None: off
     # the sequence and what of it was reported
     output_ids: list[int] = field(default_factory=list)
     sent_tokens: int = 0  # output tokens already reported

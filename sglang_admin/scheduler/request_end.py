@@ -10,6 +10,7 @@ from sglang_admin.messages import ReqOutput
 from sglang_admin.scheduler import output_extras
 from sglang_admin.scheduler.request import Req
 from sglang_admin.scheduler.state import SchedulerState
+from sglang_admin.scheduler.stop_strings import find_stop
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ def finish(
     out.stop_trim = stop_trim
     out.error = error
     out.error_code = code
-    if req.spec is not None:  # issue 47: the request's accept figures
+    if req.spec is not None:  # the request's accept figures
         out.spec_verify_ct = req.spec.verify_ct
         out.spec_draft_tokens = req.spec.drafted
         out.spec_accepted_tokens = req.spec.accepted
@@ -150,3 +151,32 @@ def drop_aborted_and_expired(state: SchedulerState, now: float) -> None:
         dequeue(state, req)
         finish(state, req, "abort", error="deadline exceeded while queued",
                code="DEADLINE_EXCEEDED")
+
+
+def check_finished(state: SchedulerState, req: Req, token: int) -> None:
+    """Finish the request when ``token`` (just appended) ends it: a stop token, a stop
+    string, a completed grammar, its length limit or the context's."""
+    sp = req.sampling.params
+    n_out = len(req.output_ids)
+    is_stop = token in sp.stop_token_ids or (not sp.ignore_eos and token in state.eos)
+    if is_stop and n_out >= sp.min_new_tokens:
+        finish(state, req, "stop", matched=token)
+        return
+    stop = req.sampling.stop
+    if stop and n_out >= sp.min_new_tokens and state.detokenize is not None:
+        found = find_stop(req.output_ids, stop, state.detokenize)
+        if found is not None:
+            finish(state, req, "stop", matched_str=found.stop,
+                   stop_trim=0 if req.sampling.no_stop_trim else found.trim)
+            return
+    grammar = req.sampling.grammar
+    if grammar is not None and grammar.finished:  # the constraint is complete
+        finish(state, req, "stop", matched=token if token in state.eos else None)
+        return
+    seq_len = len(req.prompt_ids) + n_out
+    if (
+        n_out >= sp.max_new_tokens
+        or seq_len >= state.config.context_length
+        or seq_len >= state.config.token_capacity
+    ):
+        finish(state, req, "length")

@@ -20,7 +20,7 @@ from sglang_admin.scheduler import preemption, request_end, step_plan
 from sglang_admin.scheduler.lora_registry import LoraUnavailable
 from sglang_admin.scheduler.output_extras import StepResult
 from sglang_admin.scheduler.request import Batch, Req, samples_of
-from sglang_admin.scheduler.speculative import SpecProgress
+from sglang_admin.scheduler.speculative.policy import SpecProgress
 from sglang_admin.scheduler.state import SchedulerConfig, SchedulerState
 
 __all__ = ["PAUSE_MODES", "Scheduler", "SchedulerConfig"]

@@ -14,7 +14,12 @@ from sglang_admin.scheduler.grammar import GrammarQueue
 from sglang_admin.scheduler.kv_memory import RequestMemory
 from sglang_admin.scheduler.lora_registry import LoraRegistry
 from sglang_admin.scheduler.request import Req
-from sglang_admin.scheduler.speculative import Drafter, SpecConfig, SpecCounters, make_drafter
+from sglang_admin.scheduler.speculative.policy import (
+    Drafter,
+    SpecConfig,
+    SpecCounters,
+    make_drafter,
+)
 from sglang_admin.scheduler.stop_strings import Detokenize
 
 THROUGHPUT_WINDOW_S = 5.0
@@ -30,11 +35,11 @@ class SchedulerConfig:
     context_length: int
     eos_token_ids: tuple[int, ...]
     disable_radix_cache: bool = False
-    pools_every_token: bool = False  # an embedding model pooling CLS or MEAN (issue 32)
-    # issue 33: a request waiting this long for a place preempts the longest-running
+    pools_every_token: bool = False  # an embedding model pooling CLS or MEAN
+    # a request waiting this long for a place preempts the longest-running
     # decode (preemption.py); 0: never (a full rank admits nothing until a request ends)
     preempt_wait_s: float = 0.0
-    # issue 47: speculative decoding (speculative.py); None: off
+    # speculative decoding (speculative/policy.py); None: off
     speculative: SpecConfig | None = None
 
 
@@ -66,7 +71,7 @@ class SchedulerState:
         self.clock: Callable[[], float] = time.monotonic  # what turns go by (tests set theirs)
         self.lora: LoraRegistry | None = None  # set by the rank when LoRA is enabled
         self.detokenize: Detokenize | None = None  # for stop strings (set by the rank)
-        # issue 47: the drafter and the rank's accept figures (speculative.py)
+        # the drafter and the rank's accept figures (speculative/policy.py)
         self.drafter: Drafter | None = (
             make_drafter(config.speculative) if config.speculative is not None else None)
         self.spec = SpecCounters()

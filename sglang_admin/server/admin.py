@@ -65,7 +65,7 @@ def admin_methods(servicer: type, service_name: str) -> frozenset[str]:
 
 class CallContext(Protocol):
     """What the admin path reads of a call: a grpc.aio ServicerContext, or the HTTP
-    sidecar's :class:`~sglang_admin.server.http_sidecar.HttpCallContext` (its routes call
+    sidecar's :class:`~sglang_admin.server.sidecar.HttpCallContext` (its routes call
     the same service methods as the RPCs)."""
 
     def invocation_metadata(self) -> Any:

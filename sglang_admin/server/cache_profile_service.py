@@ -3,7 +3,7 @@
 The profile rules (output confinement, size caps, merging, the registry of profiles this
 server started) live in server/profiles.py; this module runs the ops over the ranks.
 
-Profiling is spread over several modules; their map is in ``scheduler/profile_export.py``'s
+Profiling is spread over several modules; their map is in ``scheduler/profiling/export.py``'s
 docstring.
 """
 

@@ -1,4 +1,4 @@
-"""Generate fields of issue 10 at the edge: n, stop strings, stream_interval, prompt
+"""The generation features of Generate at the edge: n, stop strings, stream_interval, prompt
 logprobs, token-id logprobs and hidden states: their checks (proto -> message) and their
 place in the answer (message -> proto)."""
 

@@ -75,7 +75,7 @@ class Generation:
         """Generate's answer, a place held for the call in ``admission`` while it lasts."""
         with self.admission.admit() if self.admission is not None else nullcontext():
             self.admin.require_ready()
-            refuse_generate(self.args, self.comm.model_info)  # an embedding model (issue 32)
+            refuse_generate(self.args, self.comm.model_info)  # an embedding model
             rid = request.request_id or uuid.uuid4().hex
             if self.comm.is_inflight(rid):
                 raise ServiceError(

@@ -189,7 +189,7 @@ class Info:
         for state in states:
             _add_rank_state(live.rank_states, state, now - state.timestamp)
         verify = sum(s.spec_verify_steps for s in states)
-        if verify:  # issue 47: over every rank's verify steps
+        if verify:  # over every rank's verify steps
             live.avg_spec_accept_length = sum(
                 s.spec_accepted_tokens + s.spec_verify_steps for s in states) / verify
         return Serialized(static + live.SerializeToString())
@@ -351,7 +351,7 @@ def _load_proto(s: RankState, include: set[str], age: float,
             slots_used=s.lora_slots_used, slots_total=s.lora_slots_total,
             utilization=s.lora_slots_used / s.lora_slots_total,
         ))
-    if "spec" in include and spec_on:  # issue 47
+    if "spec" in include and spec_on:  # speculative decoding
         load.speculative.CopyFrom(pb.SpeculativeMetrics(
             accept_length=s.spec_accept_length, accept_rate=s.spec_accept_rate))
     # "spec" without --speculative-algorithm, "lora" without --enable-lora: left out, as

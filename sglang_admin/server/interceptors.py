@@ -27,6 +27,9 @@ ADMIN_METHODS = admin_methods(SglangSchedulerServicer, SERVICE)
 # Health and reflection stay open (probes and tools must not need a secret).
 OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 OPEN_METHODS = frozenset({f"/{SERVICE}/HealthCheck"})
+# Abort carries an admin op (abort_all) in a non-admin RPC: with both keys set it takes
+# either key here, and the service asks for the admin key when abort_all is set.
+EITHER_KEY_METHODS = frozenset({f"/{SERVICE}/Abort"})
 
 
 def _wrap(
@@ -138,13 +141,15 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         self._api = _digest(api_key.encode()) if api_key else None
         self._admin = _digest(admin_api_key.encode()) if admin_api_key else None
 
-    def required(self, method: str) -> tuple[bytes | None, str]:
-        """The digest of the key `method` needs (None: open) and that key's name."""
+    def required(self, method: str) -> tuple[tuple[bytes, ...], str]:
+        """The digests of the keys `method` accepts (none: open) and their name."""
         if method in OPEN_METHODS or method.startswith(OPEN_PREFIXES):
-            return None, ""
+            return (), ""
         if method in ADMIN_METHODS and self._admin is not None:
-            return self._admin, "admin API key"
-        return self._api, "API key"
+            return (self._admin,), "admin API key"
+        if method in EITHER_KEY_METHODS and self._admin is not None and self._api is not None:
+            return (self._api, self._admin), "API key"
+        return ((self._api,) if self._api is not None else ()), "API key"
 
     @staticmethod
     def bearer_token(metadata: Any) -> str | None:
@@ -165,13 +170,15 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
     def check(self, method: str, metadata: Any) -> str | None:
         """None when the call may proceed, else the reason it may not."""
-        expected, name = self.required(method)
-        if expected is None:
+        accepted, name = self.required(method)
+        if not accepted:
             return None
         token = self.bearer_token(metadata)
         if token is None:
             return f"missing 'authorization: Bearer <{name}>' metadata"
-        if not hmac.compare_digest(_digest(token.encode("utf-8", "surrogateescape")), expected):
+        digest = _digest(token.encode("utf-8", "surrogateescape"))
+        # every accepted key is compared, so the time taken says nothing about which matched
+        if not any([hmac.compare_digest(digest, expected) for expected in accepted]):
             return f"invalid {name}" + (
                 " (this admin RPC accepts only the admin API key)"
                 if name == "admin API key"

@@ -18,16 +18,16 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 from sglang_admin.config import ServerArgs
 from sglang_admin.constants import rank_openmp_environment
 from sglang_admin.pb import common_pb2, common_pb2_grpc
-from sglang_admin.scheduler.entry import run_rank, run_tp_follower
+from sglang_admin.scheduler.rank.entry import run_rank, run_tp_follower
 from sglang_admin.server import admission, ipc_dir
 from sglang_admin.server.communicator import Communicator
-from sglang_admin.server.http_sidecar import HttpSidecar
 from sglang_admin.server.interceptors import (
     AccessLogInterceptor,
     AuthInterceptor,
     ErrorHandlingRegistry,
 )
 from sglang_admin.server.servicer import SglangSchedulerServicer
+from sglang_admin.server.sidecar import HttpSidecar
 from sglang_admin.server.watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
@@ -220,8 +220,7 @@ class Server:
         elif port == args.port:
             why = "it is the gRPC --port"
         if not why:
-            self.sidecar = HttpSidecar(args, servicer.cache, servicer.info, servicer.metrics,
-                                       None if auth is None else auth.check)
+            self.sidecar = HttpSidecar(args, servicer, None if auth is None else auth.check)
             try:
                 port = await self.sidecar.start()
             except ssl.SSLError:

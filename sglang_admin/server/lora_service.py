@@ -1,6 +1,6 @@
 """The LoRA RPCs: LoadLoRAAdapter, UnloadLoRAAdapter, ListLoadedLoRAAdapters.
 
-Each fans out to every rank (scheduler/lora_control.py does the work there), with one
+Each fans out to every rank (scheduler/ops/lora_control.py does the work there), with one
 result per rank. The caller mints ``lora_id``; ``GenerateRequest.lora_id`` then selects the
 adapter. A failure that every rank reports alike becomes the call's status (the adapter does
 not fit the base model: INVALID_ARGUMENT; every slot pinned or busy, or a pinned load

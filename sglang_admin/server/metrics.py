@@ -8,7 +8,7 @@
 - Our own: admin calls by op and status and their latency, profile bytes written, KV events
   published, weight updates, watchdog verdicts.
 
-Two ways to read them: the HTTP sidecar's ``/metrics`` (server/http_sidecar.py, on --host
+Two ways to read them: the HTTP sidecar's ``/metrics`` (server/sidecar/, on --host
 at --grpc-http-sidecar-port) and the GetMetrics RPC; both serve :meth:`Metrics.exposition`,
 always in the classic text format 0.0.4 (prometheus_client's OpenMetrics output rewrites
 the colon of every sample name, ``sglang:num_running_reqs`` arriving as
@@ -71,7 +71,7 @@ RANK_GAUGES: tuple[tuple[str, str, Callable[[RankState], float]], ...] = (
      lambda s: s.gen_throughput),
     ("cache_hit_rate", "The prefix cache hit rate.",
      lambda s: s.cache_hit_rate),
-    # issue 47: speculative decoding (0 while off)
+    # speculative decoding (0 while off)
     ("spec_accept_length", "The average acceptance length of speculative decoding.",
      lambda s: s.spec_accept_length),
     ("spec_accept_rate", "The average acceptance rate of speculative decoding.",

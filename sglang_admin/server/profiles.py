@@ -5,13 +5,13 @@ started, merged traces and the file chunks of DownloadProfile.
   resolved with symlinks and must stay inside ``args.profile_dir`` (PERMISSION_DENIED
   otherwise); nothing is created before that check passes. The ranks check it again.
 - Size cap: ``args.profile_max_bytes`` per profile, split evenly over the ranks; each rank
-  checks its share after every file it writes (see ``scheduler/profile_export.py``). A merged
+  checks its share after every file it writes (see ``scheduler/profiling/export.py``). A merged
   trace is written only while the profile's files stay under the whole cap.
 - The registry remembers the profiles this server started (the newest
   ``MAX_PROFILES``); a profile is finished once StopProfile answered for it or, for one that
   stopped by itself after num_steps, once no rank reports a running profiler.
 
-Profiling is spread over several modules; their map is in ``scheduler/profile_export.py``'s
+Profiling is spread over several modules; their map is in ``scheduler/profiling/export.py``'s
 docstring.
 """
 

@@ -12,7 +12,7 @@ rank. The merged file is written under a temporary name of its own and renamed o
 final name only once complete; skipped (with a note) when it would take the profile over
 its byte cap.
 
-Profiling is spread over several modules; their map is in ``scheduler/profile_export.py``'s
+Profiling is spread over several modules; their map is in ``scheduler/profiling/export.py``'s
 docstring.
 """
 

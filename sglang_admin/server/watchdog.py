@@ -1,6 +1,6 @@
 """The watchdog: a rank that stops making progress fails the server, as a dead rank does.
 
-Every rank's heartbeat thread (scheduler/heartbeat.py) beats a few times per
+Every rank's heartbeat thread (scheduler/rank/heartbeat.py) beats a few times per
 ``--watchdog-probe-timeout`` and says whether the rank is inside a forward step (at
 --tp-size > 1 every TP follower beats too, and a silent one makes its replica stuck). A
 rank is stuck when

@@ -2,7 +2,7 @@
 UpdateWeightsFromDistributed, DestroyWeightsUpdateGroup, UpdateWeightsFromTensor.
 
 The request is checked here as far as it can be without the model; each rank checks the
-manifest against its parameters (scheduler/weight_sync_control.py) and refuses a bad one with a
+manifest against its parameters (scheduler/ops/weight_sync_control.py) and refuses a bad one with a
 :class:`RejectedResult`, which becomes this call's gRPC status (INVALID_ARGUMENT,
 ALREADY_EXISTS, NOT_FOUND) with the rank's reason.
 """

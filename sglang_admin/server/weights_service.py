@@ -1,7 +1,7 @@
 """The weight RPCs of the RL refit surface: UpdateWeightsFromDisk, UpdateWeightVersion,
 GetWeightsByName, CheckWeights, ReleaseMemoryOccupation and ResumeMemoryOccupation.
 
-Each fans out to every rank (scheduler/weight_control.py does the work there). The worker's
+Each fans out to every rank (scheduler/ops/weight_control.py does the work there). The worker's
 model facts (model_path, weight_version) follow rank 0's answer when every rank succeeded,
 so GetModelInfo and GetServerInfo report what the ranks serve.
 """

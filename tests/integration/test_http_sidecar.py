@@ -29,7 +29,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from sglang_admin.pb import common_pb2 as pb
-from sglang_admin.server.http_sidecar import FLUSH_TEXT, START_TEXT, STOP_TEXT
+from sglang_admin.server.sidecar import FLUSH_TEXT, START_TEXT, STOP_TEXT
 from tests.conftest import ServerProc, free_port, greedy, run_generate, start_server, wait_started
 from tests.integration.test_faults import Stream
 
@@ -433,6 +433,51 @@ def test_admin_and_api_keys_guard_the_routes(pair: Pair) -> None:
     assert http("GET", f"{url}/get_server_info")[0] == 401
     assert http("GET", f"{url}/get_server_info", headers={"Authorization": "Bearer k"})[0] == 200
     assert http("GET", f"{url}/health")[0] == 200  # open, as grpc.health.v1
+
+
+# SGLang's admin routes over admin RPCs, each with a body the service refuses (or that
+# changes nothing), so that the admin key is seen to reach the service (not a 401)
+ADMIN_ROUTE_BODIES = [
+    ("/update_weights_from_disk", {"model_path": "/nonexistent/ckpt"}),
+    ("/update_weight_version", {"new_version": ""}),
+    ("/get_weights_by_name", {"name": "no.such.weight"}),
+    ("/release_memory_occupation", {"tags": ["gpu"]}),
+    ("/resume_memory_occupation", {"tags": ["gpu"]}),
+    ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1,
+                                    "rank_offset": 0, "world_size": 2}),
+    ("/update_weights_from_distributed", {"names": ["w"], "dtypes": ["float32"],
+                                          "shapes": [[1]], "group_name": "nope"}),
+    ("/destroy_weights_update_group", {"group_name": "nope"}),
+    ("/update_weights_from_tensor", {}),
+    ("/pause_generation", {"mode": "bogus"}),
+    ("/continue_generation", {}),
+    ("/load_lora_adapter", {"lora_name": "a", "lora_path": "/nonexistent"}),
+    ("/unload_lora_adapter", {"lora_name": "a"}),
+]
+
+
+def test_sglangs_admin_routes_follow_their_rpcs_auth_rule(pair: Pair) -> None:
+    url = pair.b.http_url
+    api, admin = {"Authorization": "Bearer k"}, {"Authorization": "Bearer adm"}
+    for path, body in ADMIN_ROUTE_BODIES:
+        data = json.dumps(body).encode()
+        assert http("POST", f"{url}{path}", data)[0] == 401, path
+        assert http("POST", f"{url}{path}", data, api)[0] == 401, path
+        status, text, _ = http("POST", f"{url}{path}", data, admin)
+        assert status in (200, 400) and "success" in json.loads(text), (path, status, text)
+    for path in ("/get_weight_version", "/get_load", "/v1/loads"):  # GetModelInfo, GetLoads
+        assert http("GET", f"{url}{path}")[0] == 401, path
+        assert http("GET", f"{url}{path}", headers=api)[0] == 200, path
+    one = json.dumps({"rid": "not-running"}).encode()
+    everything = json.dumps({"abort_all": True}).encode()
+    assert http("POST", f"{url}/abort_request", one)[0] == 401  # Abort: the API key
+    assert http("POST", f"{url}/abort_request", one, api)[0] == 200
+    assert http("POST", f"{url}/abort_request", everything, api)[0] == 401  # an admin op
+    assert http("POST", f"{url}/abort_request", everything, admin)[0] == 200
+    generate_on_both_ranks(pair.a, 60)  # worker A, keyless, unaffected
+    tokens, _ = run_generate(pair.b.stub(), greedy([3, 4, 5], 3), timeout=60,
+                             metadata=(("authorization", "Bearer k"),))
+    assert len(tokens) == 3
 
 
 @pytest.mark.parametrize("data, message", [

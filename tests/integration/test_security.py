@@ -210,7 +210,6 @@ NORMAL = {
                                                    metadata=md),
     "GetLoads": lambda s, md: s.GetLoads(pb.GetLoadsRequest(), timeout=10, metadata=md),
     "Generate": lambda s, md: list(s.Generate(greedy([1, 2], 2), timeout=30, metadata=md)),
-    "Abort": lambda s, md: s.Abort(pb.AbortRequest(request_id="nope"), timeout=10, metadata=md),
 }
 ADMIN = {
     "FlushCache": lambda s, md: s.FlushCache(pb.FlushCacheRequest(), timeout=30, metadata=md),
@@ -243,6 +242,25 @@ ADMIN = {
 def test_normal_rpcs_need_the_api_key(both, rpc: str, key: str | None, expect_ok: bool) -> None:
     code = code_of(lambda: NORMAL[rpc](both, bearer(key)))
     assert (code == OK) if expect_ok else (code == UNAUTH), code
+
+
+@pytest.mark.parametrize(
+    "key, one_code, all_code",
+    [(None, UNAUTH, UNAUTH), (WRONG_KEY, UNAUTH, UNAUTH), (API_KEY, OK, UNAUTH),
+     (ADMIN_KEY, OK, OK)],
+    ids=["no-key", "wrong-key", "api-key", "admin-key"],
+)
+def test_abort_takes_the_api_key_and_abort_all_the_admin_key(
+    both, key: str | None, one_code: grpc.StatusCode, all_code: grpc.StatusCode
+) -> None:
+    """Abort of one request is a normal call (the router sends its API key); abort_all is
+    an admin op, so with both keys set only the admin key opens it, and that key also
+    opens the one-request form."""
+    one = code_of(lambda: both.Abort(pb.AbortRequest(request_id="nope"), timeout=10,
+                                     metadata=bearer(key)))
+    every = code_of(lambda: both.Abort(pb.AbortRequest(abort_all=True), timeout=30,
+                                       metadata=bearer(key)))
+    assert (one, every) == (one_code, all_code)
 
 
 @pytest.mark.parametrize("rpc", sorted(ADMIN))

@@ -217,7 +217,7 @@ def test_two_servers_side_by_side_and_sigterm_leaves_no_process(tmp_path, server
         code = other.stop(signal.SIGTERM)
     assert code == 0, other.log()[-3000:]
     assert_gone(children)
-    # both ranks took the fast exit (scheduler/lifetime.py): an idle stop in ~0.2 s, not 3-6 s
+    # both ranks took the fast exit (scheduler/rank/lifetime.py): an idle stop in ~0.2 s, not 3-6 s
     assert other.log().count("skipping the interpreter's teardown") == 2, other.log()[-3000:]
 
 

@@ -400,7 +400,7 @@ def test_router_admin_routes_reach_the_rpcs_once_beside_the_sidecars(cluster: Cl
                 for w in cluster.workers]
 
     def sidecar_calls() -> list[int]:
-        return [w.log().count("sglang_admin.server.http_sidecar: http ") for w in cluster.workers]
+        return [w.log().count("sglang_admin.server.sidecar: http ") for w in cluster.workers]
 
     flushes, profiles, stops, direct = ops("flush_cache"), ops("start_profile"), \
         ops("stop_profile"), sidecar_calls()

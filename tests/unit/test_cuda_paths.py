@@ -18,7 +18,7 @@ from sglang_admin.model.device import kv_token_capacity, resolve_device
 from sglang_admin.model.dist_group import WeightGroup, concrete_device, wait_received
 from sglang_admin.model.loader import ModelLoadError
 from sglang_admin.pb import common_pb2 as pb
-from sglang_admin.scheduler.weight_groups import WeightGroups
+from sglang_admin.scheduler.ops.weight_groups import WeightGroups
 
 GiB = 1 << 30
 

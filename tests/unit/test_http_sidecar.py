@@ -1,4 +1,4 @@
-"""server/http_sidecar.py without a worker: each route's JSON -> protobuf request at the edge,
+"""server/sidecar/ without a worker: each route's JSON -> protobuf request at the edge,
 the answers and statuses, the auth rule of each route's RPC (the real AuthInterceptor),
 /metrics' format, and garbage that must end in a 4xx. The routes over a real worker:
 tests/integration/test_http_sidecar.py."""
@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -19,15 +20,10 @@ from sglang_admin.config import ServerArgs
 from sglang_admin.messages import RankState
 from sglang_admin.pb import common_pb2 as pb
 from sglang_admin.server.convert import Serialized, ServiceError
-from sglang_admin.server.http_sidecar import (
-    FLUSH_TEXT,
-    START_TEXT,
-    STOP_TEXT,
-    HttpSidecar,
-    start_profile_request,
-)
 from sglang_admin.server.interceptors import AuthInterceptor
 from sglang_admin.server.metrics import Metrics
+from sglang_admin.server.sidecar import FLUSH_TEXT, START_TEXT, STOP_TEXT, HttpSidecar
+from sglang_admin.server.sidecar.profile_routes import start_profile_request
 
 
 class FakeCache:
@@ -80,8 +76,11 @@ def sidecar(check=None, metrics: bool = True) -> tuple[HttpSidecar, FakeCache, F
     args = ServerArgs(enable_metrics=metrics)
     states = [(0, RankState(dp_rank=0), 0.0)]
     cache, info = FakeCache(), FakeInfo()
-    return HttpSidecar(args, cache, info, Metrics(args, lambda: "m", lambda: states),  # type: ignore[arg-type]
-                       check), cache, info
+    services = SimpleNamespace(cache=cache, info=info,
+                               metrics=Metrics(args, lambda: "m", lambda: states),
+                               weights=None, weight_sync=None, lora=None, generation=None,
+                               admin=None)
+    return HttpSidecar(args, services, check), cache, info  # type: ignore[arg-type]
 
 
 def call(app: HttpSidecar, method: str, path: str, **kw: Any) -> tuple[int, str, dict]:

@@ -28,7 +28,7 @@ from sglang_admin.messages import StartProfileReq
 from sglang_admin.model.default_model import ensure_default_model
 from sglang_admin.scheduler import late_imports
 from sglang_admin.scheduler.grammar import GrammarQueue, XGrammarBackend
-from sglang_admin.scheduler.profiler import Profiler
+from sglang_admin.scheduler.profiling.profiler import Profiler
 from sglang_admin.model.loader import load_model
 
 # a rank's start: the model built on the meta device, allocated and loaded (and a memory

@@ -1,4 +1,4 @@
-"""A stopped rank exits fast (scheduler/lifetime.py): what a normal exit does that anyone can
+"""A stopped rank exits fast (scheduler/rank/lifetime.py): what a normal exit does that anyone can
 see still happens, the interpreter's teardown (~1.5 s of CPU per torch rank) does not."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from tests.conftest import ROOT
 CHILD = textwrap.dedent("""
     import atexit, logging, sys, threading, time
     from pathlib import Path
-    from sglang_admin.scheduler.lifetime import run_then_exit
+    from sglang_admin.scheduler.rank.lifetime import run_then_exit
 
     out = Path(sys.argv[1])
     code = int(sys.argv[2])

@@ -1,6 +1,6 @@
 """Release and resume misuse is refused as SGLang refuses it, and changes nothing: a release
-of a released tag, a resume of a tag that is not released (scheduler/memory_tags.py and the
-rank's handlers in scheduler/weight_control.py, driven through the rank's loop)."""
+of a released tag, a resume of a tag that is not released (scheduler/ops/memory_tags.py and the
+rank's handlers in scheduler/ops/weight_control.py, driven through the rank's loop)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from sglang_admin.messages import AdminReply, ReleaseMemoryReq, ResumeMemoryReq
-from sglang_admin.scheduler.memory_tags import release_refusal, resume_refusal
+from sglang_admin.scheduler.ops.memory_tags import release_refusal, resume_refusal
 from tests.unit.test_rank_loop import Wires
 
 

@@ -1,4 +1,4 @@
-"""The rank profiler (scheduler/profiler.py) on a tiny torch workload, no server, and the
+"""The rank profiler (scheduler/profiling/profiler.py) on a tiny torch workload, no server, and the
 server-side helpers of server/profiles.py."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 from sglang_admin.config import ServerArgs
 from sglang_admin.messages import ProfileStopResult, StartProfileReq
 from sglang_admin.pb import common_pb2 as pb
-from sglang_admin.scheduler.profiler import (
+from sglang_admin.scheduler.profiling.profiler import (
     ALREADY_RUNNING,
     NOT_RUNNING,
     SEGMENT_STEPS,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from sglang_admin.model.step_io import SeqOutput
-from sglang_admin.scheduler.quiesce import Quiesce
+from sglang_admin.scheduler.ops.quiesce import Quiesce
 from tests.unit.test_scheduler import drive, make, req, solo
 
 

@@ -1,4 +1,4 @@
-"""The rank's loop (scheduler/process.py) driven in-process over inproc ZMQ sockets: what it
+"""The rank's loop (scheduler/rank/process.py) driven in-process over inproc ZMQ sockets: what it
 sends, in which order, for messages that arrive while a step runs."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from sglang_admin.messages import (
     decode,
     encode,
 )
-from sglang_admin.scheduler.process import STATE_PUBLISH_INTERVAL_S, RankLoop
+from sglang_admin.scheduler.rank.process import STATE_PUBLISH_INTERVAL_S, RankLoop
 
 
 class Wires:
@@ -227,7 +227,7 @@ def test_the_scheduler_never_claims_a_plain_argmax_the_fields_do_not(req: Genera
     alone from there on)."""
     import dataclasses
 
-    from sglang_admin.scheduler.process import batch_inputs
+    from sglang_admin.scheduler.rank.process import batch_inputs
     from sglang_admin.scheduler.scheduler import Scheduler, SchedulerConfig
 
     sched = Scheduler(SchedulerConfig(token_capacity=64, max_running_requests=4,
@@ -246,7 +246,7 @@ def test_batch_inputs_fills_every_field_of_the_sequence_with_its_request_s_value
     state sits in groups: sampling, LoRA, logprobs, hidden states), compared here with the
     same sequence built by keyword from the request."""
     from sglang_admin.model.step_io import SeqInput
-    from sglang_admin.scheduler.process import batch_inputs
+    from sglang_admin.scheduler.rank.process import batch_inputs
     from sglang_admin.scheduler.scheduler import Scheduler, SchedulerConfig
 
     sched = Scheduler(SchedulerConfig(token_capacity=64, max_running_requests=4,

@@ -12,11 +12,11 @@ import pytest
 
 from sglang_admin.messages import GenerateReq, SamplingParams
 from sglang_admin.scheduler.scheduler import Scheduler, SchedulerConfig
-from sglang_admin.scheduler.speculative import SpecConfig
+from sglang_admin.scheduler.speculative.policy import SpecConfig
 
 torch = pytest.importorskip("torch")
 from sglang_admin.model.runner import ModelRunner  # noqa: E402
-from sglang_admin.scheduler.process import batch_inputs  # noqa: E402
+from sglang_admin.scheduler.rank.process import batch_inputs  # noqa: E402
 
 # prompts on which the embedded model's greedy output falls into a loop (found by a probe):
 # n-gram drafts get accepted there

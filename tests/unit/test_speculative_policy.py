@@ -14,7 +14,7 @@ from sglang_admin.messages import GenerateReq, SamplingParams
 from sglang_admin.model.step_io import SeqOutput
 from sglang_admin.scheduler.request import Batch, Req
 from sglang_admin.scheduler.scheduler import Scheduler, SchedulerConfig
-from sglang_admin.scheduler.speculative import (
+from sglang_admin.scheduler.speculative.policy import (
     SpecConfig,
     SpecProgress,
     check_config,

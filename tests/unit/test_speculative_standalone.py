@@ -14,18 +14,18 @@ import pytest
 
 from sglang_admin.messages import GenerateReq, SamplingParams
 from sglang_admin.scheduler.scheduler import Scheduler, SchedulerConfig
-from sglang_admin.scheduler.speculative import SpecConfig
+from sglang_admin.scheduler.speculative.policy import SpecConfig
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
-from sglang_admin.model.draft_model import (  # noqa: E402
+from sglang_admin.model.runner import ModelRunner  # noqa: E402
+from sglang_admin.scheduler.rank.process import batch_inputs  # noqa: E402
+from sglang_admin.scheduler.speculative.draft_drafter import DraftModelDrafter  # noqa: E402
+from sglang_admin.scheduler.speculative.draft_model import (  # noqa: E402
     DraftModelError,
     check_draft_model,
     load_draft_runner,
 )
-from sglang_admin.model.runner import ModelRunner  # noqa: E402
-from sglang_admin.scheduler.draft_drafter import DraftModelDrafter  # noqa: E402
-from sglang_admin.scheduler.process import batch_inputs  # noqa: E402
 from sglang_admin.scheduler.step_plan import retract  # noqa: E402
 from tests.draft_models import build_other_vocab, build_pair  # noqa: E402
 

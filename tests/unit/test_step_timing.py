@@ -7,7 +7,7 @@ import time
 import pytest
 
 from sglang_admin.model.runner import ForwardTimes
-from sglang_admin.scheduler.step_timing import PHASES, StepTimer
+from sglang_admin.scheduler.profiling.step_timing import PHASES, StepTimer
 
 
 def test_a_decode_step_splits_into_its_phases() -> None:

@@ -1,4 +1,4 @@
-"""scheduler/trace_export.py: a trace is written by a forked child while the rank's threads
+"""scheduler/profiling/trace_export.py: a trace is written by a forked child while the rank's threads
 keep running; the child's failures come back as exceptions; a stuck child is killed."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from sglang_admin.scheduler import trace_export
+from sglang_admin.scheduler.profiling import trace_export
 
 pytestmark = pytest.mark.skipif(not trace_export.forks(), reason="no fork here")
 

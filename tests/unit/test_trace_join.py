@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from sglang_admin.scheduler import trace_join
-from sglang_admin.scheduler.profile_export import join_traces
+from sglang_admin.scheduler.profiling import trace_join
+from sglang_admin.scheduler.profiling.export import join_traces
 
 
 def _part(path: Path, base_ns: int, names: list[str]) -> str:
