@@ -105,6 +105,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gguf-dequantize", action="store_true",
                    help="load a GGUF model dequantized (the exact float reference, and what "
                         "LoRA, --tp-size > 1, CUDA, embedding models and memory release need)")
+    p.add_argument("--torchao-config", default=None,
+                   choices=["int8wo", "int4wo-32", "int4wo-64", "int4wo-128", "int4wo-256"],
+                   help="weight-only quantization of a checkpoint at load (SGLang's names; "
+                        "CPU; docs/gguf.md)")
     p.add_argument("--served-model-name", help="model name reported to clients")
     p.add_argument("--tokenizer-path", help="tokenizer directory (default: the model directory)")
     p.add_argument("--host", default="127.0.0.1")
@@ -318,13 +322,24 @@ def served_model_path(model_path: str | None, load_format: str = "auto") -> str 
 
 
 def served_quantization(model_dir: str | None, quantization: str | None,
-                        gguf_dequantize: bool, device: str = "auto") -> str:
+                        gguf_dequantize: bool, device: str = "auto",
+                        torchao_config: str | None = None) -> str:
     """ServerArgs.quantization for the served directory: "gguf" (weights kept quantized) for
-    one converted from a GGUF file on CPU unless ``gguf_dequantize``; "" otherwise.
-    ValueError (one line) for a contradiction."""
+    one converted from a GGUF file on CPU unless ``gguf_dequantize``; the
+    ``torchao_config`` name when given; "" otherwise. ValueError (one line) for a
+    contradiction."""
     from sglang_admin.model.gguf import gguf_source
 
     is_gguf = model_dir is not None and gguf_source(model_dir) is not None
+    if torchao_config is not None:
+        if quantization is not None:
+            raise ValueError("--torchao-config and --quantization contradict each other")
+        if is_gguf and not gguf_dequantize:
+            raise ValueError("--torchao-config quantizes a dense checkpoint: a GGUF model "
+                             "keeps its own quantization (or add --gguf-dequantize)")
+        if device == "cuda":
+            raise ValueError("--torchao-config runs on CPU only here")
+        return torchao_config
     if quantization == "gguf" and gguf_dequantize:
         raise ValueError("--quantization gguf and --gguf-dequantize contradict each other")
     if quantization == "gguf" and not is_gguf:
@@ -367,11 +382,15 @@ def run_serve(ns: argparse.Namespace) -> int:
     try:
         fields["model_path"] = served_model_path(ns.model_path, ns.load_format)
         fields["quantization"] = served_quantization(fields["model_path"], ns.quantization,
-                                                     ns.gguf_dequantize, ns.device)
+                                                     ns.gguf_dequantize, ns.device,
+                                                     fields.pop("torchao_config"))
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if fields["quantization"]:
+    if fields["quantization"] and fields["quantization"] != "gguf":
+        print(f"sglang-admin: projections quantized at load ({fields['quantization']}, "
+              "each rank logs how many)", file=sys.stderr, flush=True)
+    elif fields["quantization"]:
         print("sglang-admin: GGUF weights kept quantized on CPU (each rank logs which "
               "tensors; --gguf-dequantize loads them dense)", file=sys.stderr, flush=True)
     try:

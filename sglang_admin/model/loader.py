@@ -257,7 +257,9 @@ def load_model(
     model/embedding_model.py's LlamaForEmbedding. ``tensor_parallel``
     (model/tensor_parallel.py's, tp > 1): this rank's shard only (causal LMs only).
     ``quantization`` "gguf": a directory converted from a GGUF file keeps the file's
-    quantized projections (model/quant/); the model's ``quant`` is then their store.
+    quantized projections (model/quant/); a --torchao-config name ("int8wo",
+    "int4wo-128" ...): the projections are quantized once loaded; the model's ``quant`` is
+    then their store.
     """
     info = load_model_info(model_path, context_length, is_embedding)
     cfg = read_hf_config(model_path)
@@ -298,6 +300,10 @@ def load_model(
     missing = expected_weights(model) - loaded
     if missing:
         raise ModelLoadError(f"{model_path}: {missing_message(missing)}")
+    if quantization:
+        from sglang_admin.model.quant.attach import quantize_after_load
+
+        quantize_after_load(model, quantization, dtype)
     info.dtype = dtype_name(dtype)
     info.weight_bytes = model.weight_bytes()
     return model, info

@@ -208,3 +208,47 @@ def test_served_quantization_decides_from_the_path_and_flags(tmp_path: Path) -> 
         served_quantization(None, "gguf", False)
     with pytest.raises(ValueError, match="CPU only"):
         served_quantization(out, "gguf", False, "cuda")
+
+
+def test_int4_quantize_stays_within_half_a_step() -> None:
+    from sglang_admin.model.quant.gguf_blocks import int4_quantize
+
+    rng = np.random.default_rng(7)
+    w = rng.standard_normal((16, 256)).astype(np.float32)
+    for group in (32, 64, 128, 256):
+        q = int4_quantize(w, group)
+        step = np.repeat(q.scale, group, axis=1)
+        assert (np.abs(dequantize_int4(q) - w) <= step / 2 + 1e-6).all(), group
+
+
+@pytest.mark.parametrize("scheme", ["int8wo", "int4wo-32", "int4wo-64"])
+def test_torchao_config_quantizes_a_checkpoint_at_load(scheme: str) -> None:
+    """The embedded model (a dense checkpoint) quantized at load: its projections are
+    served by the store and compute what the dense model computes with the quantized
+    values (the embedded model's random weights say nothing of the quantization's own
+    error: tools/quant_quality.py measures that on a real model)."""
+    from sglang_admin.model.default_model import ensure_default_model
+
+    path = ensure_default_model()
+    dense = _runner(path, "float32", quantized=False)
+    kept = ModelRunner(path, device="cpu", dtype="float32", max_total_tokens=1024,
+                       max_running_requests=8, quantization=scheme)
+    store = kept.model.quant
+    assert store is not None and store.scheme == scheme and "dense" in store.summary
+    assert kept.weight_bytes > 0
+    load_weights(dense.model, [(name, store.dequantized(name)) for name in store.by_name])
+    ids = list(range(10, 40))
+    for decode in (True, False):
+        diff = (_logprobs(kept, ids, decode) - _logprobs(dense, ids, decode)).abs().max()
+        assert diff.item() < 1e-3, decode
+    with pytest.raises(RefitError, match="not refit yet") as info:
+        refit_from_disk(kept.model, path, path)
+    assert info.value.restored
+
+
+def test_torchao_config_flags() -> None:
+    assert served_quantization(None, None, False, "cpu", "int8wo") == "int8wo"
+    with pytest.raises(ValueError, match="contradict"):
+        served_quantization(None, "gguf", False, "cpu", "int8wo")
+    with pytest.raises(ValueError, match="CPU only"):
+        served_quantization(None, None, False, "cuda", "int4wo-128")

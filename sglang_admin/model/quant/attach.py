@@ -9,10 +9,11 @@ import torch
 
 from sglang_admin.model.gguf import GgufError
 from sglang_admin.model.quant.gguf_load import QUANTIZATION_GGUF, attach_gguf, gguf_source
+from sglang_admin.model.quant.online import TORCHAO_CONFIGS, quantize_loaded
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATIONS = (QUANTIZATION_GGUF,)
+QUANTIZATIONS = (QUANTIZATION_GGUF, *TORCHAO_CONFIGS)
 
 
 def attach(model: Any, model_path: str, quantization: str, dtype: torch.dtype,
@@ -25,25 +26,13 @@ def attach(model: Any, model_path: str, quantization: str, dtype: torch.dtype,
     """
     from sglang_admin.model.loader import ModelLoadError
 
-    if quantization not in QUANTIZATIONS:
-        raise ModelLoadError(f"quantization {quantization!r} is not supported "
-                             f"(supported: {', '.join(QUANTIZATIONS)})")
+    check_applies(quantization, device, is_generation, tensor_parallel, dtype)
+    if quantization != QUANTIZATION_GGUF:
+        return set()  # quantized after the dense load: quantize_after_load
     gguf_file = gguf_source(model_path)
     if gguf_file is None:
         raise ModelLoadError(f"{model_path}: quantization gguf needs a GGUF file "
                              "(--model-path FILE.gguf)")
-    if device.type != "cpu":
-        raise ModelLoadError("GGUF weights are kept quantized on CPU only; on "
-                             f"{device.type} serve with --gguf-dequantize")
-    if tensor_parallel is not None:
-        raise ModelLoadError("GGUF weights kept quantized are not yet served with "
-                             "--tp-size > 1; serve with --gguf-dequantize")
-    if not is_generation:
-        raise ModelLoadError("GGUF weights kept quantized serve generation models only; "
-                             "serve an embedding model with --gguf-dequantize")
-    if dtype not in (torch.bfloat16, torch.float32):
-        raise ModelLoadError(f"GGUF weights kept quantized serve bfloat16 or float32 "
-                             f"activations, not {dtype}")
     try:
         store, loaded = attach_gguf(model, gguf_file, dtype)
     except GgufError as exc:
@@ -51,6 +40,37 @@ def attach(model: Any, model_path: str, quantization: str, dtype: torch.dtype,
     model.quant = store
     logger.warning("%s", store.summary)
     return loaded
+
+
+def check_applies(quantization: str, device: torch.device, is_generation: bool,
+                  tensor_parallel: Any, dtype: torch.dtype) -> None:
+    """ModelLoadError (one line) where weights cannot be served quantized."""
+    from sglang_admin.model.loader import ModelLoadError
+
+    if quantization not in QUANTIZATIONS:
+        raise ModelLoadError(f"quantization {quantization!r} is not supported "
+                             f"(supported: {', '.join(QUANTIZATIONS)})")
+    what = ("GGUF weights kept quantized" if quantization == QUANTIZATION_GGUF
+            else f"--torchao-config {quantization}")
+    dense = ("serve with --gguf-dequantize" if quantization == QUANTIZATION_GGUF
+             else "serve without --torchao-config")
+    if device.type != "cpu":
+        raise ModelLoadError(f"{what}: CPU only (torch's int4/int8 CPU kernels); on "
+                             f"{device.type} {dense}")
+    if tensor_parallel is not None:
+        raise ModelLoadError(f"{what}: not yet with --tp-size > 1; {dense}")
+    if not is_generation:
+        raise ModelLoadError(f"{what}: generation models only; {dense}")
+    if dtype not in (torch.bfloat16, torch.float32):
+        raise ModelLoadError(f"{what}: bfloat16 or float32 activations, not {dtype}")
+
+
+def quantize_after_load(model: Any, quantization: str, dtype: torch.dtype) -> None:
+    """A --torchao-config model: its projections quantized now that they are loaded."""
+    if quantization == QUANTIZATION_GGUF:
+        return
+    model.quant = quantize_loaded(model, quantization, dtype)
+    logger.warning("%s", model.quant.summary)
 
 
 def refit_quantized(model: Any, model_path: str) -> None:
@@ -65,6 +85,9 @@ def refit_quantized(model: Any, model_path: str) -> None:
         check_checkpoint(model, model_path)
     except ModelLoadError as exc:
         raise RefitError(str(exc)) from None
+    if model.quant.scheme != QUANTIZATION_GGUF:
+        raise RefitError(f"weights quantized at load (--torchao-config {model.quant.scheme}) "
+                         "are not refit yet; the served weights are unchanged")
     gguf_file = gguf_source(model_path)
     if gguf_file is None:
         raise RefitError(f"{model_path}: the served weights are kept quantized (GGUF): a refit "

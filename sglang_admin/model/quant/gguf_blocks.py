@@ -30,12 +30,13 @@ class Int4Groups:
     """A [N, K] weight as 4-bit values and per-32-input scales and zeros (float32 here)."""
 
     q: np.ndarray  # uint8 [N, K], values 0..15
-    scale: np.ndarray  # float32 [N, K / 32]
-    zero: np.ndarray  # float32 [N, K / 32]
+    scale: np.ndarray  # float32 [N, K / group]
+    zero: np.ndarray  # float32 [N, K / group]
+    group: int = GROUP  # inputs per scale and zero (GGUF: 32)
 
     def take_rows(self, order: np.ndarray) -> Int4Groups:
         """The same weight with its rows reordered."""
-        return Int4Groups(self.q[order], self.scale[order], self.zero[order])
+        return Int4Groups(self.q[order], self.scale[order], self.zero[order], self.group)
 
 
 @dataclass
@@ -117,5 +118,17 @@ def int8_rows(values: np.ndarray) -> Int8Rows:
 def dequantize_int4(w: Int4Groups) -> np.ndarray:
     """float32 [N, K] of an :class:`Int4Groups` weight (exact up to float32 rounding)."""
     n, k = w.q.shape
-    q = w.q.reshape(n, k // GROUP, GROUP).astype(np.float32)
+    q = w.q.reshape(n, k // w.group, w.group).astype(np.float32)
     return ((q - 8) * w.scale[..., None] + w.zero[..., None]).reshape(n, k)
+
+
+def int4_quantize(values: np.ndarray, group: int) -> Int4Groups:
+    """A float [N, K] weight quantized to 4 bits per ``group`` inputs, asymmetric (the
+    group's min and max span 0..15): torchao's int4 weight-only scheme."""
+    values = np.asarray(values, dtype=np.float32)
+    n, k = values.shape
+    g = values.reshape(n, k // group, group)
+    lo, hi = g.min(axis=-1), g.max(axis=-1)
+    scale = np.where(hi > lo, (hi - lo) / 15.0, 1.0).astype(np.float32)
+    q = np.clip(np.rint((g - lo[..., None]) / scale[..., None]), 0, 15).astype(np.uint8)
+    return Int4Groups(q.reshape(n, k), scale, (lo + 8 * scale).astype(np.float32), group)

@@ -71,10 +71,11 @@ def _fuse(parts: list[Int4Groups | Int8Rows | np.ndarray], dtype: torch.dtype,
     """One projection for row-concatenated parts; None when none of them is quantized."""
     if all(isinstance(p, np.ndarray) for p in parts):
         return None
-    if all(isinstance(p, Int4Groups) for p in parts):
+    if all(isinstance(p, Int4Groups) for p in parts) and len({p.group for p in parts}) == 1:
         return QuantLinear(Int4Groups(np.concatenate([p.q for p in parts]),
                                       np.concatenate([p.scale for p in parts]),
-                                      np.concatenate([p.zero for p in parts])),
+                                      np.concatenate([p.zero for p in parts]),
+                                      parts[0].group),
                            dtype, dense_copy)
     if all(isinstance(p, Int8Rows) for p in parts):
         return QuantLinear(Int8Rows(np.concatenate([p.q for p in parts]),
@@ -136,12 +137,12 @@ def attach_gguf(model: Any, gguf_file: str, dtype: torch.dtype, *,
                 projection = _fuse([values[n] for n in names], dtype, dense_copy)
                 if projection is None:
                     continue
-                _install(store, owner, fused_attr, modules, names, projection, dtype)
+                install(store, owner, fused_attr, modules, names, projection, dtype)
                 loaded.update(names)
         if "lm_head.weight" in values and not model.config.tie_word_embeddings:
             projection = _fuse([values["lm_head.weight"]], dtype, dense_copy)
             if projection is not None:
-                _install(store, model, None, [model.lm_head], ["lm_head.weight"],
+                install(store, model, None, [model.lm_head], ["lm_head.weight"],
                          projection, dtype)
                 loaded.add("lm_head.weight")
         embed = values.get("model.embed_tokens.weight")
@@ -158,7 +159,7 @@ def attach_gguf(model: Any, gguf_file: str, dtype: torch.dtype, *,
     return store, loaded
 
 
-def _install(store: QuantStore, owner: Any, fused_attr: str | None, modules: list[nn.Linear],
+def install(store: QuantStore, owner: Any, fused_attr: str | None, modules: list[nn.Linear],
              names: list[str], projection: Projection, dtype: torch.dtype) -> None:
     """Replace the modules' weights by meta placeholders served by ``projection``."""
     sizes = [m.out_features for m in modules]

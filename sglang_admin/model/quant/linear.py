@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from sglang_admin.model.packed_linear import packing_available
-from sglang_admin.model.quant.gguf_blocks import GROUP, Int4Groups, Int8Rows
+from sglang_admin.model.quant.gguf_blocks import Int4Groups, Int8Rows
 
 # rows up to which a step takes the quantized kernel (measured crossover: 8-16 rows)
 KERNEL_MAX_ROWS = 8
@@ -36,6 +36,7 @@ class QuantLinear:
         self.dtype = dtype
         self.kind = "int4" if isinstance(weight, Int4Groups) else "int8"
         self.pad = 0  # int4: zero rows added to N (the packing wants a multiple of 16)
+        self.group = weight.group if isinstance(weight, Int4Groups) else 0
         if isinstance(weight, Int4Groups):
             n, k = weight.q.shape
             self.pad = -n % _N_MULTIPLE
@@ -43,8 +44,8 @@ class QuantLinear:
             scale, zero = torch.from_numpy(weight.scale), torch.from_numpy(weight.zero)
             if self.pad:  # q = 8, scale = zero = 0: rows of zeros, cut from the output
                 q = torch.cat([q, torch.full((self.pad, k), 8, dtype=torch.int32)])
-                scale = torch.cat([scale, torch.zeros(self.pad, k // GROUP)])
-                zero = torch.cat([zero, torch.zeros(self.pad, k // GROUP)])
+                scale = torch.cat([scale, torch.zeros(self.pad, k // self.group)])
+                zero = torch.cat([zero, torch.zeros(self.pad, k // self.group)])
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, _INNER_K_TILES)
             sz = torch.stack([scale.t(), zero.t()], -1)
             self.scales_zeros = sz.to(dtype).contiguous()  # [K / 32, N + pad, 2]
@@ -78,7 +79,7 @@ class QuantLinear:
             return (self.q8.float() * self.row_scale.float()[:, None]).to(self.dtype)
         eye = torch.eye(k, dtype=self.dtype)
         # the kernel itself on the identity: exactly the weights it multiplies with
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, GROUP,
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, self.group,
                                                          self.scales_zeros)
         return out[:, :n].t().contiguous()
 
@@ -111,7 +112,7 @@ class QuantLinear:
         if rows > KERNEL_MAX_ROWS and self.dense is not None:
             return F.linear(x, self.dense, bias)
         if self.kind == "int4":
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP,
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group,
                                                              self.scales_zeros)
             if self.pad:
                 out = out[:, : self.shape[0]]
@@ -157,6 +158,7 @@ class QuantStore:
 
     def __init__(self, summary: str) -> None:
         self.summary = summary  # one line: what is kept, what is dequantized
+        self.scheme = "gguf"  # or a --torchao-config name (model/quant/online.py)
         self._by_id: dict[int, tuple[torch.Tensor, Projection]] = {}
         # parameter name -> (projection, first row, end row): a dequantized view by name
         self.by_name: dict[str, tuple[Projection, int, int]] = {}
