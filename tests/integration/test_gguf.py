@@ -311,7 +311,7 @@ def test_smollm2_kept_quantized_answers_read_sensibly(tmp_path: Path) -> None:
     from sglang_admin.model.gguf import resolve_model_path
 
     path = smollm2_file()
-    srv = start_server(tmp_path / "kept", "--model-path", "smollm2")
+    srv = start_server(tmp_path, "--model-path", "smollm2")
     try:
         assert "GGUF weights kept quantized" in srv.log()
         stub = srv.stub()
