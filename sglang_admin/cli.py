@@ -321,39 +321,6 @@ def served_model_path(model_path: str | None, load_format: str = "auto") -> str 
     return path
 
 
-def served_quantization(model_dir: str | None, quantization: str | None,
-                        gguf_dequantize: bool, device: str = "auto",
-                        torchao_config: str | None = None) -> str:
-    """ServerArgs.quantization for the served directory: "gguf" (weights kept quantized) for
-    one converted from a GGUF file on CPU unless ``gguf_dequantize``; the
-    ``torchao_config`` name when given; "" otherwise. ValueError (one line) for a
-    contradiction."""
-    from sglang_admin.model.gguf import gguf_source
-
-    is_gguf = model_dir is not None and gguf_source(model_dir) is not None
-    if torchao_config is not None:
-        if quantization is not None:
-            raise ValueError("--torchao-config and --quantization contradict each other")
-        if is_gguf and not gguf_dequantize:
-            raise ValueError("--torchao-config quantizes a dense checkpoint: a GGUF model "
-                             "keeps its own quantization (or add --gguf-dequantize)")
-        if device == "cuda":
-            raise ValueError("--torchao-config runs on CPU only here")
-        return torchao_config
-    if quantization == "gguf" and gguf_dequantize:
-        raise ValueError("--quantization gguf and --gguf-dequantize contradict each other")
-    if quantization == "gguf" and not is_gguf:
-        raise ValueError("--quantization gguf needs a GGUF model (--model-path FILE.gguf)")
-    if quantization == "gguf" and device == "cuda":
-        raise ValueError("--quantization gguf runs on CPU only; on CUDA serve with "
-                         "--gguf-dequantize")
-    if not is_gguf or gguf_dequantize:
-        return ""
-    if quantization is None and device == "cuda":
-        return ""  # the dequantizing load, as before: the kept kernels are CPU ones
-    return "gguf"
-
-
 def draft_model_dir(draft_path: str) -> str:
     """The directory the ranks load for --speculative-draft-model-path (a GGUF file is
     converted as --model-path's; "toy": the embedded model). ValueError: why not, in one
@@ -381,6 +348,8 @@ def run_serve(ns: argparse.Namespace) -> int:
     fields.pop("gguf_dequantize")
     try:
         fields["model_path"] = served_model_path(ns.model_path, ns.load_format)
+        from sglang_admin.model.quant.flags import served_quantization
+
         fields["quantization"] = served_quantization(fields["model_path"], ns.quantization,
                                                      ns.gguf_dequantize, ns.device,
                                                      fields.pop("torchao_config"))

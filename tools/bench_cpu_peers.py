@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         elif mode == "vllm":
             print(json.dumps(_vllm(rest[0], int(rest[1]), int(rest[2]))))
         return 0
-    from sglang_admin.model.gguf import ensure_converted, open_gguf, packaged_model
+    from sglang_admin.model.gguf import open_gguf, packaged_model
 
     path = ns.model_path or packaged_model("smollm2")
     vocab = len(open_gguf(path).get("tokenizer.ggml.tokens"))

@@ -167,19 +167,6 @@ def resolve_model_path(path: str, load_format: str = "", *,
     return ensure_converted(gguf_file, progress=progress)
 
 
-def gguf_source(model_dir: str) -> str | None:
-    """The GGUF file a converted directory came from (its source.json), if it still exists."""
-    path = os.path.join(model_dir, "source.json")
-    if not os.path.isfile(path):
-        return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            source = json.load(f).get("gguf_file")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return source if isinstance(source, str) and os.path.isfile(source) else None
-
-
 def converted_dir(gguf_file: str) -> str:
     """The cache directory the conversion of ``gguf_file`` goes to (it may not exist yet)."""
     st = os.stat(gguf_file)

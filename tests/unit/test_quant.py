@@ -13,10 +13,10 @@ import torch
 
 gguf = pytest.importorskip("gguf", reason="the gguf package is not installed")
 
-from sglang_admin.cli import served_quantization  # noqa: E402
 from sglang_admin.messages import SamplingParams  # noqa: E402
 from sglang_admin.model.gguf import resolve_model_path  # noqa: E402
 from sglang_admin.model.loader import ModelLoadError, WeightMismatch, load_weights  # noqa: E402
+from sglang_admin.model.quant.flags import served_quantization  # noqa: E402
 from sglang_admin.model.quant.gguf_blocks import (  # noqa: E402
     Int4Groups,
     dequantize_int4,

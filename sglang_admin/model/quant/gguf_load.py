@@ -19,14 +19,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from sglang_admin.model.gguf import (
-    _PERMUTED_QK,
-    GgufError,
-    gguf_source,
-    hf_name,
-    open_gguf,
-    unpermute_rows,
-)
+from sglang_admin.model.gguf import _PERMUTED_QK, GgufError, hf_name, open_gguf, unpermute_rows
+from sglang_admin.model.quant.flags import gguf_source
 from sglang_admin.model.quant.gguf_blocks import (
     Int4Groups,
     Int8Rows,
