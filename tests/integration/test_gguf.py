@@ -321,8 +321,9 @@ def test_smollm2_kept_quantized_answers_read_sensibly(tmp_path: Path) -> None:
         tok = transformers.AutoTokenizer.from_pretrained(resolve_model_path(str(path)))
         answers = []
         for q in QUESTIONS:
-            ids = tok.apply_chat_template([{"role": "user", "content": q}],
-                                          add_generation_prompt=True)
+            text = tok.apply_chat_template([{"role": "user", "content": q}],
+                                           tokenize=False, add_generation_prompt=True)
+            ids = tok(text)["input_ids"]
             answers.append(tok.decode(run_generate(stub, greedy(ids, 24))[0]).lower())
         assert "paris" in answers[0], answers
         assert sum(c in answers[1] for c in ("red", "blue", "yellow", "green")) >= 2, answers
