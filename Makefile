@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: install smollm2 serve test proto lint bench clean
+.PHONY: install smollm2 serve router router-stop test proto lint bench clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv --system-site-packages $(VENV)
@@ -33,6 +33,15 @@ smollm2: $(SMOLLM2)
 MODEL ?= smollm2
 serve: install smollm2
 	$(PY) -m sglang_admin serve --model-path $(MODEL) $(ARGS)
+
+# The SMG router in front of `make serve`'s worker (grpc://127.0.0.1:30000) on 127.0.0.1:8080,
+# in the background: returns once it lists the model (tools/router.py; ROUTER_ARGS passes
+# --worker-urls, --port ...); `make router-stop` stops it.
+router: install
+	@$(PY) tools/router.py $(ROUTER_ARGS)
+
+router-stop:
+	@$(PY) tools/router.py --stop
 
 test: install smollm2
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -6,6 +6,7 @@ import argparse
 import logging
 import math
 import sys
+import unicodedata
 from typing import NoReturn
 
 from sglang_admin.config import (
@@ -51,6 +52,17 @@ def _port(text: str) -> int:
     if not 1 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be a TCP port in 1..65535, got {text}")
     return value
+
+
+def _served_name(text: str) -> str:
+    """--served-model-name: text a gRPC string field and a metrics label carry as given."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError("must be UTF-8 text") from None
+    if any(unicodedata.category(ch) == "Cc" for ch in text):
+        raise argparse.ArgumentTypeError(f"must have no control characters, got {text!r}")
+    return text
 
 
 def _seed(text: str) -> int:
@@ -109,7 +121,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    choices=["int8wo", "int4wo-32", "int4wo-64", "int4wo-128", "int4wo-256"],
                    help="weight-only quantization of a checkpoint at load (SGLang's names; "
                         "CPU; docs/gguf.md)")
-    p.add_argument("--served-model-name", help="model name reported to clients")
+    p.add_argument("--served-model-name", type=_served_name,
+                   help="the model's name in GetModelInfo, GetServerInfo, the router's "
+                        "/v1/models and the metrics (default: --model-path as given; "
+                        "SmolLM2-135M-Instruct for 'smollm2')")
     p.add_argument("--tokenizer-path", help="tokenizer directory (default: the model directory)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=_port, default=30000, help="TCP port, 1..65535")
@@ -321,6 +336,19 @@ def served_model_path(model_path: str | None, load_format: str = "auto") -> str 
     return path
 
 
+# short served names of the models --model-path names
+SERVED_NAMES = {"smollm2": "SmolLM2-135M-Instruct"}
+
+
+def default_served_model_name(model_path: str | None) -> str | None:
+    """SGLang's default --served-model-name: --model-path as the user gave it (a named
+    model's short name); None without --model-path (the server then reports the path of the
+    embedded model it loaded)."""
+    if model_path is None:
+        return None
+    return SERVED_NAMES.get(model_path, model_path)
+
+
 def draft_model_dir(draft_path: str) -> str:
     """The directory the ranks load for --speculative-draft-model-path (a GGUF file is
     converted as --model-path's; "toy": the embedded model). ValueError: why not, in one
@@ -346,6 +374,7 @@ def run_serve(ns: argparse.Namespace) -> int:
         fields.pop("profile_dir")
     fields.pop("load_format")
     fields.pop("gguf_dequantize")
+    fields["served_model_name"] = ns.served_model_name or default_served_model_name(ns.model_path)
     try:
         fields["model_path"] = served_model_path(ns.model_path, ns.load_format)
         from sglang_admin.model.quant.flags import served_quantization

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sglang_admin.model.gguf import byte_alphabet
+from sglang_admin.model.gguf_tokenizer import byte_alphabet
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r", "o n", "Ġ c", "a p", "Ġ w"]

@@ -503,7 +503,7 @@ def bench(ns: argparse.Namespace) -> dict[str, Any]:
         spec = {
             "info": info.SerializeToString().hex(),
             "flush": flush.SerializeToString().hex(),
-            "state_req": len(encode(StateReq(rid, time.time() + 5))),
+            "state_req": len(encode(StateReq(rid, deadline=time.time() + 5))),
             "state_reply": len(encode(AdminReply(rid, 0, True, "", {"state": state}))),
             "flush_req": len(encode(FlushCacheReq(rid, 0.0, time.time() + 30))),
             "flush_reply": len(encode(AdminReply(rid, 0, True, "Cache flushed successfully",

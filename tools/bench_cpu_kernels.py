@@ -28,10 +28,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from sglang_admin.messages import GenerateReq, SamplingParams  # noqa: E402
-from sglang_admin.model.cpu_kernels import CpuKernels, load_cpu_kernels  # noqa: E402
+from sglang_admin.model.cpu_kernels import CpuKernels  # noqa: E402
+from sglang_admin.model.cpu_kernels_build import load_cpu_kernels  # noqa: E402
 from sglang_admin.model.rotary import apply_rope  # noqa: E402
 from sglang_admin.model.runner import ModelRunner  # noqa: E402
-from sglang_admin.scheduler.rank.process import batch_inputs  # noqa: E402
+from sglang_admin.scheduler.rank.model_step import batch_inputs  # noqa: E402
 from sglang_admin.scheduler.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 from tools.workloads import mixed_workload  # noqa: E402
 

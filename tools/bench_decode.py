@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sglang_admin.messages import GenerateReq, SamplingParams  # noqa: E402
 from sglang_admin.model.runner import ModelRunner  # noqa: E402
-from sglang_admin.scheduler.rank.process import batch_inputs  # noqa: E402
+from sglang_admin.scheduler.rank.model_step import batch_inputs  # noqa: E402
 from sglang_admin.scheduler.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 
 SHAPES: dict[str, dict[str, int | float | bool]] = {

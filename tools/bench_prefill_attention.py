@@ -31,7 +31,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from sglang_admin.model.cpu_kernels import load_cpu_kernels  # noqa: E402
+from sglang_admin.model.cpu_kernels_build import load_cpu_kernels  # noqa: E402
 
 SHAPES = (("SmolLM2-135M", 9, 3, 64), ("Qwen2.5-0.5B", 14, 2, 64))
 CASES = ((0, 16), (0, 64), (0, 256), (0, 512), (0, 1024), (0, 2048), (1024, 256), (1536, 16))
@@ -60,7 +60,7 @@ def _prefill_step(path: str, tokens: int, rounds: int, clock) -> int:  # noqa: A
     from sglang_admin.messages import GenerateReq, SamplingParams
     from sglang_admin.model import batch as batch_module
     from sglang_admin.model.runner import ModelRunner
-    from sglang_admin.scheduler.rank.process import batch_inputs
+    from sglang_admin.scheduler.rank.model_step import batch_inputs
     from sglang_admin.scheduler.scheduler import Scheduler, SchedulerConfig
 
     runner = ModelRunner(path, device="cpu", dtype="bfloat16", max_running_requests=8,

@@ -56,7 +56,7 @@ def build_checkpoint(path: Path, layers: int) -> int:
 
 
 def rank_threads(dp_size: int = 1) -> int:
-    """The torch thread count a rank of a dp ``dp_size`` worker uses (scheduler/rank/process.py)."""
+    """The torch thread count a rank of a dp ``dp_size`` worker uses (scheduler/rank/builder.py)."""
     from sglang_admin.config import ServerArgs
 
     return ServerArgs(dp_size=dp_size).rank_threads

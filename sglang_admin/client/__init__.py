@@ -4,9 +4,10 @@ of every RPC method), :class:`Client` (its blocking twin, derived from it) and
 the docstring of :mod:`sglang_admin.client.client`."""
 
 from sglang_admin.client.blocking import Client, ClientClosedError
-from sglang_admin.client.client import DEFAULT_TARGET, AsyncClient, GenerateResult
+from sglang_admin.client.client import DEFAULT_TARGET, AsyncClient
 from sglang_admin.client.errors import ClientError, DownloadError
 from sglang_admin.client.fanout import SKIPPED, FanOut, TargetResult, fan_out
+from sglang_admin.client.generate_result import GenerateResult
 
 __all__ = [
     "DEFAULT_TARGET",

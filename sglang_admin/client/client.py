@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -27,9 +26,10 @@ import grpc
 import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from sglang_admin.client.channel import bearer_metadata, channel_credentials
 from sglang_admin.client.download import ProfileWriter
-from sglang_admin.client.errors import ClientError
-from sglang_admin.client.reflection import Metadata, list_services, offers
+from sglang_admin.client.generate_result import GenerateResult, collect, collect_samples
+from sglang_admin.client.reflection import list_services, offers
 from sglang_admin.pb import common_pb2 as pb
 from sglang_admin.pb import common_pb2_grpc as pb_grpc
 
@@ -40,73 +40,6 @@ CHANNEL_OPTIONS: list[tuple[str, Any]] = [("grpc.max_receive_message_length", 64
 # subchannel pool); this option gives a channel a connection of its own, e.g. to spread a
 # burst of thousands of streams over several connections (docs/bursts.md).
 OWN_CONNECTION: tuple[str, Any] = ("grpc.use_local_subchannel_pool", 1)
-
-
-@dataclass(frozen=True)
-class GenerateResult:
-    """The tokens of one Generate call and its final message."""
-
-    tokens: list[int]
-    complete: pb.GenerateComplete
-
-
-def _read(path: str | None) -> bytes | None:
-    if path is None:
-        return None
-    with open(path, "rb") as f:
-        return f.read()
-
-
-def channel_credentials(
-    tls_ca: str | None, tls_cert: str | None, tls_key: str | None
-) -> grpc.ChannelCredentials | None:
-    """TLS credentials when any TLS file is given (``tls_cert`` and ``tls_key`` together,
-    for mutual TLS); ``None`` means plaintext."""
-    if not (tls_ca or tls_cert or tls_key):
-        return None
-    if bool(tls_cert) != bool(tls_key):
-        raise ValueError("tls_cert and tls_key must be given together")
-    return grpc.ssl_channel_credentials(
-        root_certificates=_read(tls_ca),
-        private_key=_read(tls_key),
-        certificate_chain=_read(tls_cert),
-    )
-
-
-def bearer_metadata(api_key: str | None) -> Metadata:
-    """``authorization: Bearer KEY`` call metadata, or none without a key."""
-    return (("authorization", f"Bearer {api_key}"),) if api_key else ()
-
-
-def _collect(responses: Sequence[pb.GenerateResponse], stream: bool) -> GenerateResult:
-    """Tokens of a finished call: the chunks' tokens when streaming, else the final ids."""
-    tokens: list[int] = []
-    complete: pb.GenerateComplete | None = None
-    for resp in responses:
-        if resp.HasField("chunk"):
-            tokens.extend(resp.chunk.token_ids)
-        elif resp.HasField("complete"):
-            complete = resp.complete
-    if complete is None:
-        raise ClientError("Generate ended without a GenerateComplete")
-    return GenerateResult(tokens if stream else list(complete.output_ids), complete)
-
-
-def _collect_samples(responses: Sequence[pb.GenerateResponse], stream: bool,
-                     n: int) -> list[GenerateResult]:
-    """One result per sample of an n > 1 call, by ``index``."""
-    tokens: dict[int, list[int]] = {i: [] for i in range(n)}
-    completes: dict[int, pb.GenerateComplete] = {}
-    for resp in responses:
-        if resp.HasField("chunk"):
-            tokens.setdefault(resp.chunk.index, []).extend(resp.chunk.token_ids)
-        elif resp.HasField("complete"):
-            completes[resp.complete.index] = resp.complete
-    if sorted(completes) != list(range(n)):
-        raise ClientError(f"Generate ended with completes for samples {sorted(completes)} "
-                          f"of {n}")
-    return [GenerateResult(tokens[i] if stream else list(completes[i].output_ids),
-                           completes[i]) for i in range(n)]
 
 
 class AsyncClient:
@@ -488,7 +421,7 @@ class AsyncClient:
                 lora_id=lora_id,
             )
         ]
-        return _collect(responses, stream)
+        return collect(responses, stream)
 
     async def generate_samples(
         self,
@@ -517,7 +450,7 @@ class AsyncClient:
                 request_id=request_id, ignore_eos=ignore_eos, sampling_params=params,
             )
         ]
-        return _collect_samples(responses, stream, max(n, 1))
+        return collect_samples(responses, stream, max(n, 1))
 
     async def abort(
         self, request_id: str = "", reason: str = "", *, abort_all: bool = False

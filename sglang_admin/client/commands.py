@@ -22,12 +22,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from sglang_admin.client.client import (
-    DEFAULT_TARGET,
-    AsyncClient,
-    GenerateResult,
-    channel_credentials,
-)
+from sglang_admin.client.channel import channel_credentials
+from sglang_admin.client.client import DEFAULT_TARGET, AsyncClient
 from sglang_admin.client.command_base import (
     Call,
     Command,
@@ -38,6 +34,7 @@ from sglang_admin.client.command_base import (
     to_dict,
 )
 from sglang_admin.client.fanout import TargetResult, fan_out
+from sglang_admin.client.generate_result import GenerateResult
 from sglang_admin.client.lora_commands import LORA_COMMANDS, LORA_HELP
 from sglang_admin.client.refit_commands import REFIT_COMMANDS
 from sglang_admin.client.sync_commands import SYNC_COMMANDS

@@ -1,7 +1,7 @@
 """The message codec: a registered message packed as a msgpack extension whose code is its
-index in a closed registry, so only the types listed in ``_REGISTRY`` can be decoded (no
-pickle, no arbitrary classes). Nested messages (a ``SamplingParams`` inside a
-``GenerateReq``) travel the same way; a step's ``BatchOutput`` has a path of its own.
+index in a closed registry, so only the types registered with ``@message``
+(messages/types.py) can be decoded (no pickle, no arbitrary classes). Nested messages (a
+``SamplingParams`` inside a ``GenerateReq``) travel the same way; a step's ``BatchOutput`` has a path of its own.
 """
 
 from __future__ import annotations
@@ -14,106 +14,27 @@ from typing import Any
 
 import msgpack
 
-from sglang_admin.messages.types import (
-    AbortAllReq,
-    AbortReq,
-    AdminReply,
-    BatchOutput,
-    CancelAdminReq,
-    CheckWeightsReq,
-    ContinueReq,
-    CountResult,
-    DestroyWeightsGroupReq,
-    DigestResult,
-    FailedMsg,
-    FlushCacheReq,
-    FlushResult,
-    GenerateReq,
-    GetWeightsReq,
-    Heartbeat,
-    InitWeightsGroupReq,
-    KvEvents,
-    ListLoraReq,
-    LoadLoraReq,
-    LoraAdapterInfo,
-    LoraResult,
-    MemoryResult,
-    ModelInfo,
-    PauseReq,
-    ProfileStopResult,
-    RankState,
-    ReadyMsg,
-    RejectedResult,
-    ReleaseMemoryReq,
-    ReqOutput,
-    ResumeMemoryReq,
-    SamplingParams,
-    ShutdownReq,
-    StartProfileReq,
-    StateReq,
-    StateUpdate,
-    StopProfileReq,
-    UnloadLoraReq,
-    UpdateWeightsFromDiskReq,
-    UpdateWeightsFromDistributedReq,
-    UpdateWeightsFromTensorReq,
-    UpdateWeightVersionReq,
-    WeightsResult,
-    WeightValues,
-)
+from sglang_admin.messages.replies import BatchOutput, ReqOutput
+from sglang_admin.messages.types import REGISTRY
 
-_REGISTRY: tuple[type, ...] = (
-    SamplingParams,
-    GenerateReq,
-    AbortReq,
-    FlushCacheReq,
-    StartProfileReq,
-    StopProfileReq,
-    StateReq,
-    ShutdownReq,
-    RankState,
-    ReadyMsg,
-    FailedMsg,
-    ReqOutput,
-    BatchOutput,
-    AdminReply,
-    StateUpdate,
-    KvEvents,
-    CancelAdminReq,
-    AbortAllReq,
-    PauseReq,
-    ContinueReq,
-    UpdateWeightsFromDiskReq,
-    UpdateWeightVersionReq,
-    GetWeightsReq,
-    CheckWeightsReq,
-    ReleaseMemoryReq,
-    ResumeMemoryReq,
-    ModelInfo,
-    FlushResult,
-    ProfileStopResult,
-    CountResult,
-    WeightsResult,
-    WeightValues,
-    DigestResult,
-    MemoryResult,
-    Heartbeat,
-    LoadLoraReq,
-    UnloadLoraReq,
-    ListLoraReq,
-    LoraAdapterInfo,
-    LoraResult,
-    # the weight sync ops
-    InitWeightsGroupReq,
-    UpdateWeightsFromDistributedReq,
-    DestroyWeightsGroupReq,
-    UpdateWeightsFromTensorReq,
-    RejectedResult,
-)
+_REGISTRY: tuple[type, ...] = tuple(REGISTRY)  # every @message class of messages/types.py
 _CODES: dict[type, int] = {cls: code for code, cls in enumerate(_REGISTRY)}
-_FIELDS: tuple[tuple[str, ...], ...] = tuple(
-    tuple(f.name for f in dataclasses.fields(cls)) for cls in _REGISTRY
-)
+
+
+def _init_order(cls: type) -> tuple[str, ...]:
+    """A message's field names in its constructor's order: positional fields first, then the
+    keyword-only ones (RankCall's deadline and trace)."""
+    fields = dataclasses.fields(cls)
+    return (tuple(f.name for f in fields if not f.kw_only)
+            + tuple(f.name for f in fields if f.kw_only))
+
+
+_FIELDS: tuple[tuple[str, ...], ...] = tuple(_init_order(cls) for cls in _REGISTRY)
+# per code: how many of its values are positional, and the names of the keyword-only rest
+_POSITIONAL: tuple[int, ...] = tuple(
+    sum(not f.kw_only for f in dataclasses.fields(cls)) for cls in _REGISTRY)
+_KEYWORDS: tuple[tuple[str, ...], ...] = tuple(
+    names[n:] for names, n in zip(_FIELDS, _POSITIONAL))
 # each message's field values in one C call; a tuple packs as the same msgpack array as a
 # list (a BatchOutput's ReqOutputs have a path of their own, below)
 _VALUES: tuple[Callable[[Any], tuple[Any, ...]], ...] = tuple(
@@ -192,7 +113,11 @@ def _ext_hook(code: int, data: bytes) -> Any:
     if code == _BATCH_CODE:
         dp_rank, outputs = values
         return BatchOutput(dp_rank, [ReqOutput(*out) for out in outputs])
-    return _REGISTRY[code](*values)
+    keywords = _KEYWORDS[code]
+    if not keywords:
+        return _REGISTRY[code](*values)
+    n = _POSITIONAL[code]
+    return _REGISTRY[code](*values[:n], **dict(zip(keywords, values[n:])))
 
 
 def encode(msg: Message) -> bytes:

@@ -24,23 +24,27 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from sglang_admin.model.gguf_file import (
+    ARCHITECTURES,
+    GgufError,
+    GgufFile,
+    has_gguf_magic,
+    open_gguf,
+)
+from sglang_admin.model.gguf_tokenizer import build_tokenizer, tokenizer_config
 
 if TYPE_CHECKING:
     import numpy as np
 
 # bump whenever the output of the conversion changes: older caches are then not reused
-CONVERTER_VERSION = 2
+CONVERTER_VERSION = 3
 GGUF_LOAD_FORMAT = "gguf"
+# config.json key of a converted file: the GGUF type of most of its matrix elements ("Q4_1",
+# "F16", "F32" ...), which --dtype auto reads (model/cpu_dtype.py)
+GGUF_WEIGHT_TYPE_KEY = "gguf_weight_type"
 
-# general.architecture -> the Hugging Face architecture served for it
-ARCHITECTURES: dict[str, tuple[str, str]] = {
-    "llama": ("LlamaForCausalLM", "llama"),
-    "mistral": ("MistralForCausalLM", "mistral"),
-    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
-}
 # architectures whose q/k rows llama.cpp's converter permuted (rotary pairs interleaved)
 _PERMUTED_QK = frozenset({"llama", "mistral"})
 
@@ -63,37 +67,7 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 
-# llama.cpp's token types (tokenizer.ggml.token_type)
-_CONTROL, _USER_DEFINED = 3, 4
-
-# tokenizer.ggml.pre -> the split that runs before the byte-level mapping (None: GPT-2's)
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_PRE_SPLITS: dict[str, str] = {
-    "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
-    "smaug-bpe": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
-}
-
 _SHARD_BYTES = 512 << 20  # float32 bytes per written safetensors file
-
-
-class GgufError(ValueError):
-    """A GGUF file cannot be served; the message says why in one line.
-
-    ``code`` is the gRPC status an update from it answers with: INVALID_ARGUMENT for a file
-    that is not a readable GGUF, FAILED_PRECONDITION for a readable one this server cannot
-    serve (an architecture, quant type or tokenizer it does not support).
-    """
-
-    def __init__(self, message: str, code: str = "INVALID_ARGUMENT") -> None:
-        super().__init__(message)
-        self.code = code
 
 
 def cache_root() -> str:
@@ -112,7 +86,7 @@ def find_gguf(path: str) -> str | None:
     A directory with several .gguf files is a :class:`GgufError` (name one of them).
     """
     if os.path.isfile(path):
-        return path if path.endswith(".gguf") or _has_gguf_magic(path) else None
+        return path if path.endswith(".gguf") or has_gguf_magic(path) else None
     if not os.path.isdir(path) or os.path.isfile(os.path.join(path, "config.json")):
         return None
     found = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
@@ -120,14 +94,6 @@ def find_gguf(path: str) -> str | None:
         raise GgufError(f"{path} holds {len(found)} .gguf files ({', '.join(found[:3])}); "
                         "name one of them")
     return os.path.join(path, found[0]) if found else None
-
-
-def _has_gguf_magic(path: str) -> bool:
-    try:
-        with open(path, "rb") as f:
-            return f.read(4) == b"GGUF"
-    except OSError:
-        return False
 
 
 # served names of models that come in a PyPI package: (package, GGUF file in it, how to install)
@@ -216,109 +182,6 @@ def ensure_converted(gguf_file: str, *, progress: Callable[[str], None] | None =
     return target
 
 
-# ------------------------------------------------------------------ reading the file
-
-
-@dataclass
-class GgufFile:
-    """The parts of a GGUF file the conversion needs, checked."""
-
-    path: str
-    arch: str  # general.architecture
-    metadata: dict[str, Any]
-    reader: Any  # gguf.GGUFReader
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self.metadata.get(key, default)
-
-    def arch_key(self, key: str, default: Any = None) -> Any:
-        return self.metadata.get(f"{self.arch}.{key}", default)
-
-
-def _field_value(field: Any) -> Any:
-    value = field.contents()
-    return value
-
-
-def open_gguf(path: str) -> GgufFile:
-    """Read and check a GGUF file's header, metadata and tensor table (no tensor data yet).
-
-    A truncated or corrupt file is INVALID_ARGUMENT; an architecture, quant type or
-    tokenizer this server does not serve is FAILED_PRECONDITION; each names the problem.
-    """
-    import gguf
-
-    name = os.path.basename(path)
-    if not _has_gguf_magic(path):
-        raise GgufError(f"{name}: not a GGUF file (no GGUF magic at its start)")
-    try:
-        reader = gguf.GGUFReader(path, "r")
-    except Exception as exc:  # noqa: BLE001 - the reader raises whatever numpy does
-        raise GgufError(f"{name}: cannot read the GGUF file, truncated or corrupt "
-                        f"({type(exc).__name__}: {exc})") from None
-    metadata: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        try:
-            metadata[key] = _field_value(field)
-        except Exception as exc:  # noqa: BLE001
-            raise GgufError(f"{name}: metadata {key!r} is unreadable ({exc})") from None
-    arch = metadata.get("general.architecture")
-    if arch not in ARCHITECTURES:
-        raise GgufError(
-            f"{name}: unsupported architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}",
-            "FAILED_PRECONDITION",
-        )
-    # a file cut short: the last tensor's data must lie inside it
-    size = os.path.getsize(path)
-    for tensor in reader.tensors:
-        end = int(tensor.data_offset) + int(tensor.n_bytes)
-        if end > size:
-            raise GgufError(f"{name}: truncated: tensor {tensor.name} ends at byte {end}, "
-                            f"the file has {size}")
-    supported = dequantizable_types()
-    for tensor in reader.tensors:
-        qtype = gguf.GGMLQuantizationType(int(tensor.tensor_type))
-        if qtype not in supported:
-            raise GgufError(
-                f"{name}: tensor {tensor.name} has quant type {qtype.name}, which the gguf "
-                f"package cannot dequantize (supported: {', '.join(t.name for t in supported)})",
-                "FAILED_PRECONDITION",
-            )
-    if "tokenizer.ggml.tokens" not in metadata or "tokenizer.ggml.model" not in metadata:
-        raise GgufError(f"{name}: the metadata holds no tokenizer (tokenizer.ggml.model and "
-                        "tokenizer.ggml.tokens)", "FAILED_PRECONDITION")
-    if metadata["tokenizer.ggml.model"] != "gpt2":
-        raise GgufError(
-            f"{name}: tokenizer model {metadata['tokenizer.ggml.model']!r} is not supported "
-            "(only byte-level BPE, 'gpt2')", "FAILED_PRECONDITION")
-    if "tokenizer.ggml.merges" not in metadata:
-        raise GgufError(f"{name}: the BPE tokenizer in the metadata has no merges "
-                        "(tokenizer.ggml.merges)", "FAILED_PRECONDITION")
-    scaling = metadata.get(f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none") or any(t.name == "rope_freqs.weight" for t in reader.tensors):
-        raise GgufError(f"{name}: RoPE scaling ({scaling or 'rope_freqs'}) in a GGUF file is "
-                        "not supported", "FAILED_PRECONDITION")
-    return GgufFile(path, arch, metadata, reader)
-
-
-def dequantizable_types() -> list[Any]:
-    """The GGML tensor types the installed gguf package turns into floats."""
-    import gguf
-    from gguf import quants
-
-    out = [gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16]
-    traits = getattr(quants, "_type_traits", {})
-    for qtype in gguf.GGMLQuantizationType:
-        if qtype in out:
-            continue
-        cls = traits.get(qtype)
-        if cls is not None and "dequantize_blocks" in vars(cls):
-            out.append(qtype)
-    return out
-
-
 # ------------------------------------------------------------------ config
 
 
@@ -360,6 +223,17 @@ def hf_config(g: GgufFile, tensor_names: set[str], vocab_size: int) -> dict[str,
     if g.arch == "qwen2":
         cfg["use_sliding_window"] = False
     return cfg
+
+
+def weight_type(g: GgufFile) -> str:
+    """The GGUF type ("Q4_1", "F16", "F32" ...) holding most elements of the file's matrices
+    (the norms' vectors stay F32 in every file, so they do not count)."""
+    counts: dict[str, int] = {}
+    for tensor in g.reader.tensors:
+        if len(tensor.shape) >= 2:
+            name = tensor.tensor_type.name
+            counts[name] = counts.get(name, 0) + int(tensor.n_elements)
+    return max(counts, key=counts.__getitem__) if counts else "F32"
 
 
 # ------------------------------------------------------------------ tensors
@@ -437,80 +311,6 @@ def _write_weights(g: GgufFile, out_dir: str) -> None:
         json.dump(index_data, f, indent=2)
 
 
-# ------------------------------------------------------------------ tokenizer
-
-
-def byte_alphabet() -> dict[int, str]:
-    """GPT-2's byte-level alphabet: printable bytes stand for themselves, the others for
-    the characters from U+0100 up, in byte order."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1),
-                 *range(0xAE, 0xFF + 1)]
-    out = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in out:
-            out[b] = chr(256 + extra)
-            extra += 1
-    return out
-
-
-def build_tokenizer(g: GgufFile) -> Any:
-    """A ``tokenizers.Tokenizer`` for the byte-level BPE vocabulary in the metadata: the
-    merges, the split ``tokenizer.ggml.pre`` names, control tokens as special tokens."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-
-    alphabet = byte_alphabet()
-    letters = set(alphabet.values())
-    tokens: list[str] = list(g.get("tokenizer.ggml.tokens"))
-    spelled = [t if set(t) <= letters else "".join(alphabet[b] for b in t.encode("utf-8"))
-               for t in tokens]
-    vocab = {token: index for index, token in enumerate(spelled)}
-    merges = [tuple(m.split(" ", 1)) for m in g.get("tokenizer.ggml.merges")]
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-    split = _PRE_SPLITS.get(str(g.get("tokenizer.ggml.pre", "")))
-    if split is None:
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    else:
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(split), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
-    tok.decoder = decoders.ByteLevel()
-    types = list(g.get("tokenizer.ggml.token_type") or [])
-    control = [t for t, kind in zip(tokens, types) if kind == _CONTROL and set(t) <= letters]
-    user = [t for t, kind in zip(tokens, types) if kind == _USER_DEFINED and t in vocab]
-    if control:
-        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
-    if user:
-        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
-    return tok
-
-
-def tokenizer_config(g: GgufFile) -> dict[str, Any]:
-    """tokenizer_config.json: the chat template and the special tokens by name."""
-    tokens: list[str] = list(g.get("tokenizer.ggml.tokens"))
-
-    def token(key: str) -> str | None:
-        index = g.get(f"tokenizer.ggml.{key}")
-        return tokens[int(index)] if index is not None and 0 <= int(index) < len(tokens) else None
-
-    cfg: dict[str, Any] = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": token("bos_token_id"),
-        "eos_token": token("eos_token_id"),
-        "unk_token": token("unknown_token_id"),
-        "pad_token": token("padding_token_id"),
-        "add_bos_token": bool(g.get("tokenizer.ggml.add_bos_token", False)),
-        "add_eos_token": bool(g.get("tokenizer.ggml.add_eos_token", False)),
-        "model_max_length": int(g.arch_key("context_length", 2048)),
-        "clean_up_tokenization_spaces": False,
-    }
-    template = g.get("tokenizer.chat_template")
-    if template:
-        cfg["chat_template"] = str(template)
-    return cfg
-
-
 # ------------------------------------------------------------------ the conversion
 
 
@@ -526,6 +326,7 @@ def convert_gguf(source: str | GgufFile, out_dir: str) -> None:
                         "FAILED_PRECONDITION")
     vocab_size = int(embed.shape.tolist()[-1])
     config = hf_config(g, names, vocab_size)
+    config[GGUF_WEIGHT_TYPE_KEY] = weight_type(g)
     tok = build_tokenizer(g)
     tok_cfg = tokenizer_config(g)
     _write_weights(g, out_dir)

@@ -5,7 +5,7 @@ slots, the decode rows and lengths). Made the obvious way, with ``torch.frombuff
 ``split``, and written into the request-to-token table with ``index_copy_``, they cost three
 torch calls a step that, right after a forward pass has flushed the CPU caches, took 85 to
 200 us of a decode step in one process (1 to 32 sequences), about 85 us of a served
-32-stream decode step's ~1 ms of serving time (docs/changelog.md).
+32-stream decode step's ~1 ms of serving time (measured in one process and served).
 
 :class:`StagingBuffer` copies the lists into one persistent buffer instead and hands out
 views of it that were made once per layout (the lists' lengths: a decode step of n

@@ -12,8 +12,6 @@ scheduler never hands out. ``req_to_token[req_idx, pos]`` is the pool slot of po
 
 from __future__ import annotations
 
-import ctypes
-import gc
 import logging
 import operator
 import time
@@ -21,13 +19,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from sglang_admin.config import ATTENTION_BACKENDS
 from sglang_admin.model.attention.choice import cuda_attention_applies
-from sglang_admin.model.batch import BatchBuilder, ForwardBatch
-from sglang_admin.model.cpu_dtype import auto_cpu_dtype
-from sglang_admin.model.cpu_kernels import CpuKernels, load_cpu_kernels
+from sglang_admin.model.batch import BatchBuilder
+from sglang_admin.model.cpu_dtype import choose_dtype, gguf_weight_type
+from sglang_admin.model.cpu_kernels import CpuKernels
+from sglang_admin.model.cpu_kernels_build import load_cpu_kernels
 from sglang_admin.model.decode_graphs import DecodeGraphs
 from sglang_admin.model.device import (
     DEFAULT_MEM_FRACTION_STATIC,
@@ -36,28 +34,32 @@ from sglang_admin.model.device import (
     use_device,
 )
 from sglang_admin.model.grammar_mask import apply_grammar_masks
-from sglang_admin.model.hidden_extras import hidden_rows, input_logprobs
-from sglang_admin.model.lanes import LM_HEAD_SPLIT_PARAMS, SPLIT_MATMUL_PARAMS
-from sglang_admin.model.llama import Linear, LlamaForCausalLM
+from sglang_admin.model.lanes import SPLIT_MATMUL_PARAMS
+from sglang_admin.model.llama import LlamaForCausalLM
 from sglang_admin.model.loader import (
     ModelLoadError,
-    dtype_from_name,
     load_model,
     load_model_info,
 )
 from sglang_admin.model.lora import LoraBuffers
-from sglang_admin.model.packed_linear import PackedWeights, packed_linear, packing_available
-from sglang_admin.model.pooling import pool
-from sglang_admin.model.sampling import SampleRequest, SampleResult, sample
+from sglang_admin.model.packed_linear import PackedWeights, packing_available
+from sglang_admin.model.runner_lanes import RunnerLanes
+from sglang_admin.model.runner_memory import (
+    ResumeOutOfMemory,
+    RunnerMemory,
+    keep_freed_cpu_memory,
+    resolve_dtype,
+)
+from sglang_admin.model.runner_outputs import RunnerOutputs
+from sglang_admin.model.sampling import SampleRequest
 from sglang_admin.model.step_io import InvalidSequence, SeqInput, SeqOutput
 from sglang_admin.scheduler.speculative import verify as spec_verify
 
 __all__ = ["ForwardTimes", "InvalidSequence", "ModelRunner", "ResumeOutOfMemory", "SeqInput",
-           "SeqOutput"]
+           "SeqOutput", "keep_freed_cpu_memory", "resolve_dtype"]
 
 logger = logging.getLogger(__name__)
 
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,31 +71,11 @@ class ForwardTimes:
 
 
 
-def resolve_dtype(dtype: str, device: torch.device, checkpoint_dtype: str) -> torch.dtype:
-    """"auto" -> on CPU, model/cpu_dtype.py's rule (bfloat16 for a half-precision checkpoint
-    on a CPU with native bfloat16, else float32); on CUDA the checkpoint's half dtype, else
-    bfloat16."""
-    if dtype != "auto":
-        return dtype_from_name(dtype)
-    if device.type != "cuda":
-        return auto_cpu_dtype(checkpoint_dtype)
-    if checkpoint_dtype in ("float16", "bfloat16"):
-        return dtype_from_name(checkpoint_dtype)
-    return torch.bfloat16
-
-
-class ResumeOutOfMemory(RuntimeError):
-    """Resuming released memory ran out of it; that memory stays released."""
-
-    def __init__(self, tag: str, nbytes: int, cause: BaseException) -> None:
-        first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
-        super().__init__(f"resuming {tag} ({nbytes / 2**30:.2f} GiB) ran out of memory: {first}; "
-                         f"{tag} stays released: free memory on the device, then resume again")
-        self.tag = tag
-
-
-class ModelRunner:
-    """Forward + sampling for a continuous batch over a paged KV pool."""
+class ModelRunner(RunnerMemory, RunnerLanes, RunnerOutputs):
+    """Forward + sampling for a continuous batch over a paged KV pool: the model, its pools and
+    one step here; the memory occupation (runner_memory.py), the lane threads' work and the
+    logits (runner_lanes.py), sampling and the outputs' extras (runner_outputs.py) in the
+    classes it mixes in."""
 
     def __init__(
         self,
@@ -123,9 +105,9 @@ class ModelRunner:
         self.device = resolve_device(device, gpu_index)
         use_device(self.device)
         probe = load_model_info(model_path, context_length)
-        # weights kept quantized (model/quant/): activations as a half-precision checkpoint's
-        self.dtype = resolve_dtype(dtype, self.device,
-                                   "bfloat16" if quantization else probe.dtype)
+        dtype_choice = choose_dtype(dtype, self.device, probe.dtype,
+                                    gguf_weight_type(model_path))
+        self.dtype = dtype_choice.dtype
         self.model: LlamaForCausalLM
         self.model, self.info = load_model(
             model_path, dtype=self.dtype, device=self.device, context_length=context_length,
@@ -144,8 +126,8 @@ class ModelRunner:
         # LoRA adapter slots (count, max rank), allocated before the KV pool is sized
         self.lora: LoraBuffers | None = None
         if lora_slots is not None and getattr(self.model, "quant", None) is not None:
-            raise ModelLoadError("LoRA is not yet served on weights kept quantized (GGUF); "
-                                 "serve with --gguf-dequantize to use adapters")
+            raise ModelLoadError("LoRA is not yet served on quantized weights (model/quant/); "
+                                 "serve with --gguf-dequantize (or without --torchao-config)")
         if lora_slots is not None:
             self.lora = LoraBuffers(self.model, *lora_slots, self.dtype, self.device)
         cfg = self.model.config
@@ -212,8 +194,9 @@ class ModelRunner:
         if cuda_graph_max_bs > 0:
             self.graphs = self._decode_graphs(cuda_graph_max_bs, cuda_attention, tensor_parallel)
         logger.info(
-            "model %s loaded: %s on %s, %.1f MiB weights, KV pool %d tokens (%.1f MiB)",
-            self.info.architectures, self.info.dtype, self.device, self.weight_bytes / 2**20,
+            "model %s loaded: %s on %s (%s), %.1f MiB weights, KV pool %d tokens (%.1f MiB)",
+            self.info.architectures, self.info.dtype, self.device, dtype_choice.reason,
+            self.weight_bytes / 2**20,
             self.token_capacity, self.kv_cache_bytes / 2**20,
         )
 
@@ -270,83 +253,6 @@ class ModelRunner:
         if kernel is not None:
             logger.info("CPU kernels: %s", kernel.path)
         return kernel
-
-    def _allocate_kv(self) -> None:
-        """The KV pool: one allocation; per-layer K and V are contiguous views of it."""
-        cfg = self.model.config
-        self._kv = torch.zeros(
-            cfg.num_layers, 2, self.token_capacity + 1, cfg.num_kv_heads, cfg.head_dim,
-            dtype=self.dtype, device=self.device,
-        )
-        self.k_caches = [self._kv[i, 0] for i in range(cfg.num_layers)]
-        self.v_caches = [self._kv[i, 1] for i in range(cfg.num_layers)]
-
-    # ------------------------------------------------------------ memory occupation
-
-    @property
-    def kv_cache_released(self) -> bool:
-        return self._kv is None
-
-    @property
-    def weights_released(self) -> bool:
-        return self.model.model.embed_tokens.weight.is_meta
-
-    def release_kv_cache(self) -> int:
-        """Free the KV pool (the scheduler must hold no slot); bytes released."""
-        if self._kv is None:
-            return 0
-        self._kv = None
-        self.k_caches, self.v_caches = [], []
-        if self.graphs is not None:  # they point at the pool: captured again after resume
-            self.graphs.drop()
-        self.batches.drop_scratch()
-        self.reset()
-        _return_memory(self.device)
-        return self.kv_cache_bytes
-
-    def resume_kv_cache(self) -> None:
-        """Allocate the KV pool again (zeros); no-op when it is there. Raises
-        :class:`ResumeOutOfMemory` (the pool still released) when it does not fit."""
-        if self._kv is None:
-            try:
-                self._allocate_kv()
-            except (torch.OutOfMemoryError, MemoryError) as exc:
-                self._kv = None
-                self.k_caches, self.v_caches = [], []
-                _return_memory(self.device)
-                raise ResumeOutOfMemory("kv_cache", self.kv_cache_bytes, exc) from None
-
-    def release_weights(self) -> int:
-        """Free every parameter (shapes kept); bytes released. Load weights after resuming."""
-        if self.weights_released:
-            return 0
-        if getattr(self.model, "quant", None) is not None:
-            raise ModelLoadError("weights kept quantized (GGUF) cannot be released and "
-                                 "reloaded yet; serve with --gguf-dequantize for that")
-        if self.packed is not None:
-            self.packed.clear()
-        if self.graphs is not None:  # they point at the weights: captured again after resume
-            self.graphs.drop()
-        self.model.release_parameters()
-        _return_memory(self.device)
-        return self.weight_bytes
-
-    def resume_weights(self) -> None:
-        """Storage for the weights again, uninitialised: the caller loads weights next.
-        Raises :class:`ResumeOutOfMemory` (every weight released again) when they do not
-        fit."""
-        if self.weights_released:
-            try:
-                self.model.allocate_parameters(self.device)
-            except (torch.OutOfMemoryError, MemoryError) as exc:
-                self.model.release_parameters()  # what was allocated before the failure
-                _return_memory(self.device)
-                raise ResumeOutOfMemory("weights", self.weight_bytes, exc) from None
-
-    def empty_cache(self) -> None:
-        """Hand memory the allocator keeps cached back (CUDA's cached blocks; glibc's free
-        arenas on CPU): the torch_empty_cache of ContinueGeneration and weight updates."""
-        _return_memory(self.device)
 
     def reset(self) -> None:
         """Forget every sequence's slots (cache flush); the KV tensors are left as they are."""
@@ -458,243 +364,4 @@ class ModelRunner:
             by_seq[id(sampled[row])] = SeqOutput(0, error=reason, error_code="INTERNAL")
         return by_seq
 
-    def _split_lanes(self, ordered: list[SeqInput]) -> list[tuple[int, int]]:
-        """See :meth:`BatchBuilder.split_lanes`."""
-        return self.batches.split_lanes(ordered)
 
-    def _compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The logits of the rows that sample; on CPU with lanes and a large LM head, its
-        vocabulary cut in one part per lane, computed at once by the lane threads (the head
-        is a step's largest matmul: 2.8 GFLOP of SmolLM2-135M's batch-32 step, one thread)."""
-        quant = getattr(self.model, "quant", None)
-        if quant is not None and hidden.shape[0] > 0:  # model/quant/: the head kept quantized
-            fallback = self._packed_linear if self.packed is not None else F.linear
-            return quant.linear_with(fallback)(self.model.final_norm(hidden),
-                                               self.model.output_weight(), None)
-        if self.packed is not None and hidden.shape[0] > 0:
-            return self._packed_linear(self.model.final_norm(hidden), self.model.output_weight(),
-                                       None)
-        cfg = self.model.config
-        parts = self.lanes if cfg.vocab_size * cfg.hidden_size >= LM_HEAD_SPLIT_PARAMS else 1
-        if parts <= 1 or self.device.type != "cpu" or hidden.shape[0] == 0:
-            return self.model.compute_logits(hidden)
-        normed = self.model.final_norm(hidden)
-        vocab = cfg.vocab_size
-        logits = torch.empty(hidden.shape[0], vocab, dtype=normed.dtype)
-
-        def part(i: int) -> None:
-            a, b = vocab * i // parts, vocab * (i + 1) // parts
-            self.model.logits_into(normed, logits[:, a:b], a, b)
-
-        futures = [self._lanes_pool().submit(_in_inference_mode, part, i)
-                   for i in range(1, parts)]
-        part(0)
-        for f in futures:
-            f.result()
-        return logits
-
-    def _split_linear(self, x: torch.Tensor, weight: torch.Tensor,
-                      bias: torch.Tensor | None) -> torch.Tensor:
-        """``F.linear(x, weight, bias)`` with the weight's rows cut in one part per lane, the
-        parts computed at once by the lane threads and this one (each streams its part of
-        the weights once for every row of x): the C projection in float32, where it measured
-        faster than torch's one-thread GEMM at these shapes (SmolLM2-135M's gate/up at 32
-        rows: 1.85 vs 2.78 ms of CPU time), torch's elsewhere (bfloat16: oneDNN)."""
-        parts, n = self.lanes, weight.shape[0]
-        cuts = [n * i // parts for i in range(parts + 1)]
-        kernels = self.cpu_kernels
-        x = x.contiguous()
-        in_c = kernels is not None and x.dtype == torch.float32 and weight.is_contiguous()
-        if in_c:
-            out = torch.empty(x.shape[0], n, dtype=torch.float32)
-
-            def part(i: int) -> None:
-                a, b = cuts[i], cuts[i + 1]
-                kernels.linear(x, weight[a:b], None if bias is None else bias[a:b],
-                               out=out[:, a:b])
-        else:
-            outs: list[torch.Tensor | None] = [None] * parts
-
-            def part(i: int) -> None:
-                a, b = cuts[i], cuts[i + 1]
-                outs[i] = F.linear(x, weight[a:b], None if bias is None else bias[a:b])
-        futures = [self._lanes_pool().submit(_in_inference_mode, part, i)
-                   for i in range(1, parts)]
-        part(0)
-        for f in futures:
-            f.result()
-        return out if in_c else torch.cat(outs, dim=1)  # type: ignore[arg-type]
-
-    def _packed_linear(self, x: torch.Tensor, weight: torch.Tensor,
-                       bias: torch.Tensor | None) -> torch.Tensor:
-        """``F.linear(x, weight, bias)`` with packed weights (model/packed_linear.py), the
-        weight's rows cut in one part per lane, the parts computed at once by the lane
-        threads and this one (each streams its part of the weights once)."""
-        assert self.packed is not None
-        parts = self.packed.parts(weight, bias, self.lanes)
-        x = x.contiguous()
-        if len(parts) == 1:
-            return packed_linear(x, parts[0])
-        outs: list[torch.Tensor | None] = [None] * len(parts)
-
-        def part(i: int) -> None:
-            outs[i] = packed_linear(x, parts[i])
-
-        futures = [self._lanes_pool().submit(_in_inference_mode, part, i)
-                   for i in range(1, len(parts))]
-        part(0)
-        for f in futures:
-            f.result()
-        return torch.cat(outs, dim=1)  # type: ignore[arg-type]
-
-    def _packed_whole(self, x: torch.Tensor, weight: torch.Tensor,
-                      bias: torch.Tensor | None) -> torch.Tensor:
-        """``F.linear`` with packed weights, uncut: what each lane of a step cut into lanes
-        runs."""
-        assert self.packed is not None
-        return packed_linear(x.contiguous(), self.packed.parts(weight, bias, 1)[0])
-
-    def _lanes_pool(self) -> ThreadPoolExecutor:
-        """The lane threads (lanes past the first), started at first use."""
-        if self._lane_pool is None:
-            # a new thread does not inherit torch's thread count: without this, each lane
-            # would start an OpenMP team of the machine's size, whose threads spin
-            self._lane_pool = ThreadPoolExecutor(
-                self.lanes - 1, thread_name_prefix="lane",
-                initializer=torch.set_num_threads, initargs=(torch.get_num_threads(),))
-        return self._lane_pool
-
-    def _run_lanes(self, batch: ForwardBatch) -> torch.Tensor:
-        """Hidden states of every new token: one forward per lane, lanes past the first on
-        the lane threads while this thread computes the first; joined in token order."""
-        lanes, offsets, metas = batch.lanes, batch.offsets, batch.metas
-        ids, positions = batch.input_ids, batch.positions
-        decode = metas[0].paged_decode
-        if self.graphs is not None and decode is not None and metas[0].num_decode == len(ids):
-            hidden = self.graphs.run(ids, positions, metas[0].out_slots, decode.rows,
-                                     decode.lengths)
-            if hidden is not None:  # a decode batch no larger than the graphs' largest
-                return hidden
-
-        def run(i: int, linear: Linear | None = None) -> torch.Tensor:
-            a, b = offsets[lanes[i][0]], offsets[lanes[i][1]]
-            return self.model(ids[a:b], positions[a:b], metas[i], self.k_caches, self.v_caches,
-                              linear)
-
-        quant = getattr(self.model, "quant", None)
-        if len(lanes) == 1:
-            if quant is not None:  # model/quant/: projections kept quantized
-                return run(0, quant.linear_with(
-                    self._packed_linear if self.packed is not None else F.linear))
-            if self.packed is not None:
-                return run(0, self._packed_linear)
-            decode_only = ids.shape[0] == len(batch.ordered)
-            return run(0, self._split_linear if self.split_matmuls and decode_only else None)
-        whole = self._packed_whole if self.packed is not None else None
-        if quant is not None:
-            whole = quant.linear_with(whole or F.linear)
-        futures = [self._lanes_pool().submit(_in_inference_mode, run, i, whole)
-                   for i in range(1, len(lanes))]
-        first = run(0, whole)
-        return torch.cat([first, *(f.result() for f in futures)])
-
-    def _sample(self, logits: torch.Tensor, reqs: list[SampleRequest]) -> list[SeqOutput]:
-        """Sample the whole batch at once; when that raises, row by row, so that only the
-        rows that raise on their own fail (with the reason)."""
-        eos = self.info.eos_token_ids
-        try:
-            result = sample(logits, reqs, eos, self.generator)
-        except Exception as exc:  # noqa: BLE001 - isolate the request(s) that caused it
-            logger.warning("batch sampling failed (%s: %s); sampling row by row",
-                           type(exc).__name__, exc)
-            outputs: list[SeqOutput] = []
-            for i, r in enumerate(reqs):
-                try:
-                    one = sample(logits[i : i + 1], [r], eos, self.generator)
-                except Exception as row_exc:  # noqa: BLE001
-                    outputs.append(SeqOutput(
-                        0, error=f"sampling failed: {type(row_exc).__name__}: {row_exc}",
-                        error_code="INTERNAL",
-                    ))
-                    continue
-                outputs.append(_seq_output(one, 0))
-            return outputs
-        return [_seq_output(result, i) for i in range(len(reqs))]
-
-    def _with_extras(self, by_seq: dict[int, SeqOutput], seqs: list[SeqInput],
-                     batch: ForwardBatch, hidden: torch.Tensor) -> list[SeqOutput | None]:
-        """The step's outputs in ``seqs`` order, with what some sequences asked for beside
-        the token: hidden states of sampled rows and prompt logprobs (model/hidden_extras.py;
-        a sequence that sampled nothing gets an output only for its prompt logprobs)."""
-        ordered, sampled = batch.ordered, batch.sampled
-        if not self.info.is_generation:  # Embed requests' vectors (model/pooling.py)
-            self._pool(by_seq, ordered, batch.offsets, hidden)
-        if not any(s.return_hidden_states or s.logprob_start_len >= 0 for s in ordered):
-            return [by_seq.get(id(s)) for s in seqs]
-        if any(s.return_hidden_states for s in sampled):
-            wanted = [s.return_hidden_states for s in sampled]
-            for s, state in zip(sampled, hidden_rows(self.model, hidden, batch.select, wanted)):
-                by_seq[id(s)].hidden_state = state
-        if any(s.logprob_start_len >= 0 for s in ordered):
-            for key, entries in input_logprobs(self.model, hidden, ordered, batch.offsets).items():
-                by_seq.setdefault(key, SeqOutput(-1)).input_logprobs = entries
-        return [by_seq.get(id(s)) for s in seqs]
-
-    def _pool(self, by_seq: dict[int, SeqOutput], ordered: list[SeqInput], offsets: list[int],
-              hidden: torch.Tensor) -> None:
-        """Each embed sequence's vector at its last chunk; a failure of pooling fails the
-        step's embed sequences alone (INTERNAL)."""
-        try:
-            pooled = pool(self.model, hidden, ordered, offsets)
-        except Exception as exc:  # noqa: BLE001 - the embed requests fail, the rank serves
-            logger.exception("pooling failed")
-            pooled = {id(s): f"pooling failed: {type(exc).__name__}: {exc}"
-                      for s in ordered if s.embed is not None}
-        for key, value in pooled.items():
-            if isinstance(value, str):
-                by_seq[key] = SeqOutput(-1, error=value, error_code="INTERNAL")
-            else:
-                by_seq[key] = SeqOutput(-1, embedding=value)
-
-
-def _seq_output(result: SampleResult, i: int) -> SeqOutput:
-    error = result.errors[i]
-    out = SeqOutput(result.token_ids[i], result.logprobs[i], result.top_logprobs[i], error,
-                    "INVALID_ARGUMENT" if error is not None else None)
-    if result.token_ids_logprobs:
-        out.token_ids_logprobs = result.token_ids_logprobs[i]
-    return out
-
-def _in_inference_mode(fn, *args):  # noqa: ANN001, ANN202 - a lane thread's entry
-    """Run fn(*args) under torch.inference_mode (a per-thread mode: lane threads need it)."""
-    with torch.inference_mode():
-        return fn(*args)
-
-
-def keep_freed_cpu_memory() -> None:
-    """Let glibc keep freed memory for the next step instead of giving it back at once.
-
-    A forward pass allocates and frees megabytes of activations; by default glibc serves
-    such blocks with mmap and unmaps them when freed, so every step pays page faults on
-    fresh memory (a fifth of a CPU prefill step here: docs/benchmarks.md). Blocks up to
-    32 MiB now come from the heap, which is trimmed past 1 GiB of free space; the memory
-    release RPCs still hand everything back (``_return_memory`` trims).
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20)
-        libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30)
-    except (OSError, AttributeError):  # not glibc: nothing to tune
-        pass
-
-
-def _return_memory(device: torch.device) -> None:
-    """Hand freed memory back: CUDA's cached blocks, or glibc's arenas on CPU."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        return
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass

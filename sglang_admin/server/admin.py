@@ -25,7 +25,7 @@ from sglang_admin.config import ServerArgs
 from sglang_admin.messages import AdminReply, TraceCarrier
 from sglang_admin.pb import common_pb2 as pb
 from sglang_admin.server.communicator import Communicator, RankFailure
-from sglang_admin.server.convert import ServiceError
+from sglang_admin.server.errors import ServiceError
 from sglang_admin.tracing import carrier_from_metadata, server_span, trace_id_of
 
 # The request log (--log-requests) keeps the servicer's logger name, which operators grep

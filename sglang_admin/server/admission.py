@@ -24,7 +24,7 @@ from contextlib import contextmanager
 import grpc
 
 from sglang_admin.config import ServerArgs
-from sglang_admin.server.convert import ServiceError
+from sglang_admin.server.errors import ServiceError
 
 logger = logging.getLogger(__name__)
 

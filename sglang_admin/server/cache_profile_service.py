@@ -9,6 +9,7 @@ docstring.
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator
 
 import grpc
@@ -25,11 +26,24 @@ from sglang_admin.pb import common_pb2 as pb
 from sglang_admin.server import profiles
 from sglang_admin.server.admin import AdminCalls, CallContext, effective_timeout
 from sglang_admin.server.communicator import Communicator
-from sglang_admin.server.convert import ServiceError, flush_timeout_from_proto
+from sglang_admin.server.errors import ServiceError, invalid
 from sglang_admin.server.info_service import INFO_TIMEOUT_S
 
 FLUSH_MARGIN_S = 30.0
 PROFILE_TIMEOUT_S = 600.0
+
+
+MAX_FLUSH_TIMEOUT_S = 3600.0  # FlushCache.timeout_s; a flush waits at most an hour for idle
+
+
+def flush_timeout_from_proto(timeout_s: float) -> float:
+    """FlushCacheRequest.timeout_s checked: finite and at most MAX_FLUSH_TIMEOUT_S (<= 0:
+    fail at once when the ranks are busy)."""
+    if not math.isfinite(timeout_s):
+        raise invalid(f"timeout_s must be a finite number, got {timeout_s}")
+    if timeout_s > MAX_FLUSH_TIMEOUT_S:
+        raise invalid(f"timeout_s must be at most {MAX_FLUSH_TIMEOUT_S:g} seconds, got {timeout_s}")
+    return timeout_s
 
 
 class CacheAndProfile:
@@ -47,7 +61,8 @@ class CacheAndProfile:
         timeout_s = flush_timeout_from_proto(float(request.timeout_s))
         out = await self.admin.fan_out(
             context, "flush_cache",
-            lambda rid, deadline, trace: FlushCacheReq(rid, timeout_s, deadline, trace),
+            lambda rid, deadline, trace: FlushCacheReq(
+                rid, timeout_s, deadline=deadline, trace=trace),
             max(timeout_s, 0.0) + FLUSH_MARGIN_S, timeout_s=timeout_s,
         )
         response = pb.FlushCacheResponse(
@@ -90,7 +105,7 @@ class CacheAndProfile:
         async with registry.lock:
             out = await self.admin.fan_out(
                 context, "stop_profile",
-                lambda rid, deadline, trace: StopProfileReq(rid, deadline, trace),
+                lambda rid, deadline, trace: StopProfileReq(rid, deadline=deadline, trace=trace),
                 PROFILE_TIMEOUT_S, raise_unanswered=False,
             )
         results = out.rank_results()

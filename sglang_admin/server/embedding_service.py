@@ -13,7 +13,7 @@ from sglang_admin.messages import GenerateReq, ModelInfo, ReqOutput, SamplingPar
 from sglang_admin.pb import common_pb2 as pb
 from sglang_admin.server.admin import AdminCalls
 from sglang_admin.server.communicator import Communicator, RankUnavailable
-from sglang_admin.server.convert import MAX_REQUEST_ID_CHARS, ServiceError, invalid
+from sglang_admin.server.errors import MAX_REQUEST_ID_CHARS, ServiceError, invalid
 from sglang_admin.server.stream_buffer import StreamOverflow
 from sglang_admin.tracing import carrier_from_metadata, server_span
 

@@ -16,15 +16,15 @@ from sglang_admin.pb import common_pb2 as pb
 from sglang_admin.server.admin import AdminCalls, FanOut
 from sglang_admin.server.admission import GenerateAdmission
 from sglang_admin.server.communicator import Communicator, RankUnavailable
-from sglang_admin.server.convert import (
-    Limits,
-    ServiceError,
-    generate_from_proto,
-    invalid,
-)
 from sglang_admin.server.embedding_service import refuse_generate
-from sglang_admin.server.generation_features import FeatureError, stream_interval_of
-from sglang_admin.server.sample_streams import SampleStreams
+from sglang_admin.server.errors import ServiceError, invalid
+from sglang_admin.server.generate_codec import (
+    FeatureError,
+    Limits,
+    SampleStreams,
+    generate_from_proto,
+    stream_interval_of,
+)
 from sglang_admin.server.stream_buffer import StreamOverflow
 from sglang_admin.server.tokenizer_bundle import tokenizer_dir
 from sglang_admin.tracing import carrier_from_metadata, server_span
@@ -136,7 +136,7 @@ class Generation:
             self.admin.require_admin_key(context)
             out = await self.admin.fan_out(
                 context, "abort_all", lambda rid, deadline, trace: AbortAllReq(
-                    rid, reason, deadline, trace), CONTROL_TIMEOUT_S)
+                    rid, reason, deadline=deadline, trace=trace), CONTROL_TIMEOUT_S)
             return pb.AbortResponse(
                 success=out.ok, message=out.message(f"{_count(out)} request(s) aborted"))
         if not request.request_id:
@@ -156,7 +156,7 @@ class Generation:
             raise invalid(f"mode {request.mode!r} is not one of {', '.join(PAUSE_MODES)}")
         out = await self.admin.fan_out(
             context, "pause_generation",
-            lambda rid, deadline, trace: PauseReq(rid, mode, deadline, trace),
+            lambda rid, deadline, trace: PauseReq(rid, mode, deadline=deadline, trace=trace),
             CONTROL_TIMEOUT_S, mode=mode,
         )
         count = _count(out)
@@ -171,7 +171,7 @@ class Generation:
         empty = request.torch_empty_cache if request.HasField("torch_empty_cache") else False
         out = await self.admin.fan_out(
             context, "continue_generation",
-            lambda rid, deadline, trace: ContinueReq(rid, deadline, trace,
+            lambda rid, deadline, trace: ContinueReq(rid, deadline=deadline, trace=trace,
                                                      torch_empty_cache=empty),
             CONTROL_TIMEOUT_S,
         )

@@ -23,7 +23,7 @@ from sglang_admin.server.admin import (
     rank_failure_text,
 )
 from sglang_admin.server.communicator import Communicator, RankFailure
-from sglang_admin.server.convert import Serialized, ServiceError, invalid
+from sglang_admin.server.errors import Serialized, ServiceError, invalid
 from sglang_admin.server.tokenizer_bundle import (
     NoTokenizerFiles,
     bundle_for,

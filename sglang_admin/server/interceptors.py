@@ -13,7 +13,7 @@ from typing import Any
 import grpc
 
 from sglang_admin.server.admin import admin_methods
-from sglang_admin.server.convert import Serialized, ServiceError
+from sglang_admin.server.errors import Serialized, ServiceError
 from sglang_admin.server.servicer import SglangSchedulerServicer
 from sglang_admin.tracing import carrier_from_metadata, trace_id_of
 

@@ -77,7 +77,7 @@ import grpc
 from sglang_admin.constants import LORA_NAMESPACE_SHIFT, LORA_TOKEN_MASK
 from sglang_admin.messages import KvEvents
 from sglang_admin.pb import common_pb2 as pb
-from sglang_admin.server.convert import ServiceError
+from sglang_admin.server.errors import ServiceError
 
 logger = logging.getLogger(__name__)
 

@@ -312,7 +312,9 @@ class Server:
             self.stop_event.set()
         elif self.comm.ready.is_set() and not self.stop_event.is_set():
             await self._set_health(health_pb2.HealthCheckResponse.SERVING)
-            logger.info("all %d scheduler rank(s) ready; serving", args.dp_size)
+            info = self.comm.model_info
+            logger.info("serving on %s:%d: %s in %s, %d scheduler rank(s)", args.host, port,
+                        self.comm.served_model_name(), info.dtype if info else "?", args.dp_size)
         await stopped
         ready.cancel()
         await self.shutdown()

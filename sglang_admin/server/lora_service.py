@@ -18,7 +18,7 @@ from sglang_admin.constants import LORA_NOT_ENABLED
 from sglang_admin.messages import ListLoraReq, LoadLoraReq, LoraResult, UnloadLoraReq
 from sglang_admin.pb import common_pb2 as pb
 from sglang_admin.server.admin import AdminCalls, FanOut
-from sglang_admin.server.convert import MAX_REQUEST_ID_CHARS, ServiceError, invalid
+from sglang_admin.server.errors import MAX_REQUEST_ID_CHARS, ServiceError, invalid
 
 LOAD_TIMEOUT_S = 120.0  # reads the adapter from disk
 UNLOAD_TIMEOUT_S = 600.0  # waits for the requests that use the adapter
@@ -76,7 +76,7 @@ class Lora:
             context, "load_lora_adapter",
             lambda rid, deadline, trace: LoadLoraReq(
                 rid, request.lora_id, request.lora_name, request.lora_path, request.pinned,
-                deadline, trace),
+                deadline=deadline, trace=trace),
             LOAD_TIMEOUT_S, lora_id=request.lora_id, lora_path=request.lora_path,
         )
         _raise_uniform_failure(out)
@@ -98,7 +98,7 @@ class Lora:
         out = await self.admin.fan_out(
             context, "unload_lora_adapter",
             lambda rid, deadline, trace: UnloadLoraReq(
-                rid, request.lora_id, request.lora_name, deadline, trace),
+                rid, request.lora_id, request.lora_name, deadline=deadline, trace=trace),
             UNLOAD_TIMEOUT_S, lora=which,
         )
         _raise_uniform_failure(out)
@@ -113,7 +113,7 @@ class Lora:
         self._require_enabled()
         out = await self.admin.fan_out(
             context, "list_lora_adapters",
-            lambda rid, deadline, trace: ListLoraReq(rid, deadline, trace),
+            lambda rid, deadline, trace: ListLoraReq(rid, deadline=deadline, trace=trace),
             LIST_TIMEOUT_S,
         )
         if not out.ok:

@@ -39,7 +39,7 @@ from prometheus_client.registry import Collector
 from sglang_admin.config import ServerArgs
 from sglang_admin.messages import RankState, ReqOutput
 from sglang_admin.pb import common_pb2 as pb
-from sglang_admin.server.convert import ServiceError
+from sglang_admin.server.errors import ServiceError
 
 # Bucket bounds (seconds) in the style of SGLang's defaults; not checked against every
 # SGLang version (its bounds changed over time). Dashboards' histogram_quantile() reads the

@@ -37,7 +37,7 @@ from sglang_admin.constants import DEFAULT_PROFILE_ACTIVITIES, profile_file_stem
 from sglang_admin.messages import StartProfileReq, StateReq
 from sglang_admin.pb import common_pb2 as pb
 from sglang_admin.server import trace_merge
-from sglang_admin.server.convert import ServiceError, invalid
+from sglang_admin.server.errors import ServiceError, invalid
 
 ACTIVITIES = ("CPU", "GPU", "CUDA", "MEM")
 STAGES = {"prefill": "prefill", "extend": "prefill", "decode": "decode"}

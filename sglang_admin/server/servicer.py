@@ -20,8 +20,8 @@ from sglang_admin.server.admin import AdminCalls, admin_rpc
 from sglang_admin.server.admission import GenerateAdmission
 from sglang_admin.server.cache_profile_service import CacheAndProfile
 from sglang_admin.server.communicator import Communicator
-from sglang_admin.server.convert import Serialized
 from sglang_admin.server.embedding_service import Embedding
+from sglang_admin.server.errors import Serialized
 from sglang_admin.server.generation_service import Generation
 from sglang_admin.server.info_service import Info
 from sglang_admin.server.lora_service import Lora

@@ -22,7 +22,7 @@ from sglang_admin.messages import (
 from sglang_admin.pb import common_pb2 as pb
 from sglang_admin.server.admin import AdminCalls, FanOut
 from sglang_admin.server.communicator import Communicator
-from sglang_admin.server.convert import ServiceError, invalid
+from sglang_admin.server.errors import ServiceError, invalid
 from sglang_admin.server.weights_service import weights_updated
 
 INIT_TIMEOUT_S = 300.0  # waits for the trainer and every other rank to join
@@ -93,7 +93,8 @@ class WeightSync:
             context, "init_weights_update_group",
             lambda rid, deadline, trace: InitWeightsGroupReq(
                 rid, request.master_address, request.master_port, request.rank_offset,
-                request.world_size, request.group_name, request.backend, deadline, trace),
+                request.world_size, request.group_name, request.backend,
+                deadline=deadline, trace=trace),
             INIT_TIMEOUT_S, group_name=request.group_name,
         )
         _raise_rejected(out)
@@ -112,7 +113,7 @@ class WeightSync:
         out = await self.admin.fan_out(
             context, "destroy_weights_update_group",
             lambda rid, deadline, trace: DestroyWeightsGroupReq(
-                rid, request.group_name, deadline, trace),
+                rid, request.group_name, deadline=deadline, trace=trace),
             DESTROY_TIMEOUT_S, group_name=request.group_name,
         )
         _raise_rejected(out)
@@ -138,7 +139,7 @@ class WeightSync:
             lambda rid, deadline, trace: UpdateWeightsFromDistributedReq(
                 rid, list(request.names), list(request.dtypes), shapes, request.group_name,
                 flush, request.abort_all_requests, request.weight_version,
-                request.load_format, deadline, trace),
+                request.load_format, deadline=deadline, trace=trace),
             UPDATE_TIMEOUT_S, group_name=request.group_name, tensors=len(request.names),
         )
         return self._updated(out, "Succeeded to update parameter online.")
@@ -161,7 +162,8 @@ class WeightSync:
             context, "update_weights_from_tensor",
             lambda rid, deadline, trace: UpdateWeightsFromTensorReq(
                 rid, request.shm_name, names, dtypes, shapes, offsets, flush,
-                request.abort_all_requests, request.weight_version, deadline, trace),
+                request.abort_all_requests, request.weight_version,
+                deadline=deadline, trace=trace),
             UPDATE_TIMEOUT_S, shm_name=request.shm_name, tensors=len(tensors),
         )
         return self._updated(out, "Succeeded to update parameter online.")

@@ -31,7 +31,7 @@ from sglang_admin.model.gguf import GGUF_LOAD_FORMAT, GgufError, resolve_model_p
 from sglang_admin.pb import common_pb2 as pb
 from sglang_admin.server.admin import AdminCalls, FanOut
 from sglang_admin.server.communicator import Communicator
-from sglang_admin.server.convert import ServiceError, invalid
+from sglang_admin.server.errors import ServiceError, invalid
 
 UPDATE_TIMEOUT_S = 600.0  # waits for running requests, then reads the checkpoint
 READ_TIMEOUT_S = 60.0
@@ -123,7 +123,7 @@ class Weights:
             context, "update_weights_from_disk",
             lambda rid, deadline, trace: UpdateWeightsFromDiskReq(
                 rid, path, request.abort_all_requests, request.weight_version, flush,
-                deadline, trace, torch_empty_cache=request.torch_empty_cache),
+                deadline=deadline, trace=trace, torch_empty_cache=request.torch_empty_cache),
             UPDATE_TIMEOUT_S, model_path=path,
         )
         return weights_updated(self.comm, out, "Succeeded to update model weights.")
@@ -137,7 +137,7 @@ class Weights:
         out = await self.admin.fan_out(
             context, "update_weight_version",
             lambda rid, deadline, trace: UpdateWeightVersionReq(
-                rid, request.new_version, abort, deadline, trace),
+                rid, request.new_version, abort, deadline=deadline, trace=trace),
             READ_TIMEOUT_S, new_version=request.new_version,
         )
         adopt(self.comm, out)
@@ -157,8 +157,8 @@ class Weights:
             raise invalid(f"truncate_size must be in [0, {MAX_TRUNCATE}], got {truncate}")
         out = await self.admin.fan_out(
             context, "get_weights_by_name",
-            lambda rid, deadline, trace: GetWeightsReq(rid, request.name, truncate, deadline,
-                                                       trace),
+            lambda rid, deadline, trace: GetWeightsReq(
+                rid, request.name, truncate, deadline=deadline, trace=trace),
             READ_TIMEOUT_S, parameter=request.name,
         )
         values = [out.result(r) for r in sorted(out.replies)]
@@ -179,7 +179,8 @@ class Weights:
             raise invalid(f"action {request.action!r} is not supported; use checksum")
         out = await self.admin.fan_out(
             context, "check_weights",
-            lambda rid, deadline, trace: CheckWeightsReq(rid, deadline, trace), READ_TIMEOUT_S,
+            lambda rid, deadline, trace: CheckWeightsReq(rid, deadline=deadline, trace=trace),
+            READ_TIMEOUT_S,
         )
         results = out.rank_results()
         for res in results:
@@ -202,7 +203,8 @@ class Weights:
         tags = _tags(list(request.tags))
         out = await self.admin.fan_out(
             context, "release_memory_occupation",
-            lambda rid, deadline, trace: ReleaseMemoryReq(rid, tags, deadline, trace),
+            lambda rid, deadline, trace: ReleaseMemoryReq(
+                rid, tags, deadline=deadline, trace=trace),
             MEMORY_TIMEOUT_S, tags=",".join(tags),
         )
         results = out.rank_results()
@@ -219,7 +221,7 @@ class Weights:
         tags = _tags(list(request.tags))
         out = await self.admin.fan_out(
             context, "resume_memory_occupation",
-            lambda rid, deadline, trace: ResumeMemoryReq(rid, tags, deadline, trace),
+            lambda rid, deadline, trace: ResumeMemoryReq(rid, tags, deadline=deadline, trace=trace),
             MEMORY_TIMEOUT_S, tags=",".join(tags),
         )
         return pb.AdminResponse(success=out.ok, message=out.message(f"resumed {', '.join(tags)}"),

@@ -211,14 +211,16 @@ QUESTIONS = ["What is the capital of France?", "Name three primary colors.",
 
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, ServerProc]]:
-    """The packaged model served dequantized (``--model-path smollm2 --gguf-dequantize``:
-    the exact float32 reference of transformers' load), shared by the tests of the real
-    model: they only read. Not waited for here:
-    each test calls ``wait_started`` once its own work without the server is done (the
-    transformers reference boots beside it)."""
+    """The packaged model (``--model-path smollm2``) dequantized, in float32
+    (``--gguf-dequantize --dtype float32``): the precision of the transformers reference
+    (``make serve`` keeps its weights quantized and runs bfloat16 on a CPU with native
+    bfloat16: tests/integration/test_readme_quickstart.py and the kept test below), shared by
+    the tests of the real model: they only read. Not waited for here: each test calls
+    ``wait_started`` once its own work without the server is done (the transformers
+    reference boots beside it)."""
     path = smollm2_file()
     srv = start_server(tmp_path_factory.mktemp("smollm2"), "--model-path", "smollm2",
-                       "--gguf-dequantize", wait=False)
+                       "--dtype", "float32", "--gguf-dequantize", wait=False)
     yield path, srv
     srv.stop(signal.SIGTERM, timeout=30)
 
@@ -240,8 +242,6 @@ def test_smollm2_greedy_tokens_and_chat_template_match_transformers(smollm2) -> 
         want = hf_greedy(path, prompts, N)  # while the worker boots
     wait_started(srv)
     stub = srv.stub()
-    # the converted checkpoint is float32, so --dtype auto serves it in float32: the
-    # precision of the reference above
     info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=30)
     assert info.server_args["dtype"] == "float32"
     got = outputs(stub, prompts)
@@ -278,6 +278,7 @@ def test_smollm2_chat_through_the_smg_router(smollm2, tmp_path: Path) -> None:
             return body["data"][0]["id"] if status == 200 and body.get("data") else None
 
         model = wait_for(ready, 90, "the router to list the model")
+        assert model == "SmolLM2-135M-Instruct"  # --model-path smollm2's served name
         wait_for(lambda: "Successfully loaded tokenizer" in log.read_text(errors="replace"), 60,
                  "the router to load the tokenizer with GetTokenizer")
         status, body = http("POST", f"{base}/v1/chat/completions", {

@@ -33,6 +33,7 @@ pytest.importorskip("smg", reason="the SMG gateway (pip package `smg`) is not in
 from sglang_admin.pb import common_pb2 as pb
 from tests.conftest import ROOT, ServerProc, free_port, start_server, wait_serving
 
+SERVED_NAME = "tiny-chat"  # the workers' --served-model-name: what clients call the model
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 TRACE_ID = re.compile(r"trace_id=([0-9a-f]{32})")
 
@@ -160,7 +161,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             prof.mkdir()
             workers.append(start_server(
                 tmp, "--log-requests", "--model-path", str(model), "--profile-dir", str(prof),
-                wait=False,
+                "--served-model-name", SERVED_NAME, "--enable-metrics", wait=False,
             ))
         for w in workers:
             try:
@@ -203,7 +204,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         c = Cluster(
             workers=workers, router=router, router_log=router_log,
             base=f"http://127.0.0.1:{port}", metrics=f"http://127.0.0.1:{metrics_port}",
-            model=str(model), profile_dirs=profile_dirs,
+            model=SERVED_NAME, profile_dirs=profile_dirs,
         )
 
         def both_healthy() -> bool:
@@ -533,3 +534,29 @@ def test_workers_stayed_healthy_without_flapping(cluster: Cluster) -> None:
         connected = [line for line in lines if "KV event stream connected" in line]
         assert len(connected) == 1, connected  # subscribed once, never reconnected
     assert "does not implement SubscribeKvEvents" not in log
+
+
+def test_the_served_model_name_is_the_one_name_everywhere(cluster: Cluster) -> None:
+    """--served-model-name (SGLang's flag) names the model in GetModelInfo, GetServerInfo,
+    the metrics' model_name label and, through them, the router's /v1/models and requests;
+    the model path stays the directory the worker loaded. (Runs last: it scrapes the
+    sidecars, which the admin-routes test above counts.)"""
+    status, models = http("GET", f"{cluster.base}/v1/models")
+    assert status == 200 and [m["id"] for m in models["data"]] == [SERVED_NAME]
+    for w in cluster.workers:
+        stub = w.stub()
+        info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+        assert info.served_model_name == SERVED_NAME
+        assert info.model_path.endswith("/model")  # the path given, not the name
+        args = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10).server_args
+        assert args["served_model_name"] == SERVED_NAME
+        with urllib.request.urlopen(f"{w.http_url}/metrics", timeout=10) as resp:
+            labels = set(re.findall(r'model_name="([^"]*)"', resp.read().decode()))
+        assert labels == {SERVED_NAME}
+    status, body = http("POST", f"{cluster.base}/v1/completions", {
+        "model": SERVED_NAME, "prompt": "Named", "max_tokens": 3, "temperature": 0})
+    assert status == 200 and body["model"] == SERVED_NAME, body
+    # the directory is not a name of the model
+    status, body = http("POST", f"{cluster.base}/v1/completions", {
+        "model": info.model_path, "prompt": "x", "max_tokens": 1})
+    assert status == 404 and body["error"]["code"] == "model_not_found", body

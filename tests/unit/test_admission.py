@@ -7,7 +7,7 @@ import pytest
 
 from sglang_admin.config import ServerArgs
 from sglang_admin.server.admission import GenerateAdmission, derived_limit
-from sglang_admin.server.convert import ServiceError
+from sglang_admin.server.errors import ServiceError
 
 
 @pytest.mark.parametrize(("running", "pool", "dp", "limit"), [

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_admin.cli import build_parser
+from sglang_admin.cli import build_parser, default_served_model_name
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,6 +31,8 @@ BAD = [
      "--stream-buffer-bytes-total: must be a positive integer"),
     (["--torch-threads", "-1"], "--torch-threads: must be an integer >= 0, got -1"),
     (["--preempt-wait", "-1"], "--preempt-wait: must be a finite number >= 0, got -1"),
+    (["--served-model-name", "a\nb"], "--served-model-name: must have no control characters"),
+    (["--served-model-name", "x\udcff"], "--served-model-name: must be UTF-8 text"),
 ]
 
 
@@ -93,3 +95,43 @@ def test_serve_with_a_bad_port_exits_2_with_one_line(port: str) -> None:
     assert done.stdout == ""
     assert done.stderr.count("\n") == 1, done.stderr
     assert f"argument --port: must be a TCP port in 1..65535, got {port}" in done.stderr
+
+
+def test_the_served_model_name_defaults_to_the_model_path_as_given() -> None:
+    # SGLang's default: --model-path as the user spelled it, not the directory it resolves to
+    assert default_served_model_name("/models/llama-3") == "/models/llama-3"
+    assert default_served_model_name("rel/dir") == "rel/dir"
+    assert default_served_model_name("tiny.Q4_0.gguf") == "tiny.Q4_0.gguf"
+    assert default_served_model_name("smollm2") == "SmolLM2-135M-Instruct"  # the built-in
+    assert default_served_model_name("toy") == "toy"
+    assert default_served_model_name(None) is None  # the server reports the loaded path
+
+
+def test_fuzzed_served_model_names_are_refused_or_carried_as_given() -> None:
+    """Any name --served-model-name takes goes into GetModelInfo and a metrics label as it
+    is; anything else is refused at the flag."""
+    import random
+
+    from prometheus_client import CollectorRegistry, Gauge, generate_latest
+
+    from sglang_admin.pb import common_pb2 as pb
+
+    rng = random.Random(7)
+    alphabet = "aZ09-_./: \t\n\x00\x7f\u00e9\u4e2d\U0001f600\udcff\"'{}"
+    refused = 0
+    for _ in range(300):
+        name = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 12)))
+        try:
+            ns = build_parser().parse_args(["serve", f"--served-model-name={name}"])
+        except SystemExit:
+            refused += 1
+            assert any(ord(c) < 32 or c == "\x7f" or 0xD800 <= ord(c) < 0xE000 for c in name)
+            continue
+        assert ns.served_model_name == name
+        wire = pb.GetModelInfoResponse(served_model_name=name).SerializeToString()
+        assert pb.GetModelInfoResponse.FromString(wire).served_model_name == name
+        registry = CollectorRegistry()
+        Gauge("g", "g", ["model_name"], registry=registry).labels(name).set(1)
+        assert generate_latest(registry)
+    assert 0 < refused < 300
+

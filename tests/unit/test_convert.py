@@ -13,14 +13,12 @@ import pytest
 
 from sglang_admin.config import ServerArgs
 from sglang_admin.pb import common_pb2 as pb
-from sglang_admin.server.convert import (
+from sglang_admin.server.cache_profile_service import MAX_FLUSH_TIMEOUT_S, flush_timeout_from_proto
+from sglang_admin.server.errors import MAX_REQUEST_ID_CHARS, ServiceError
+from sglang_admin.server.generate_codec import (
     DEFAULT_MAX_NEW_TOKENS,
     MAX_CONSTRAINT_CHARS,
-    MAX_FLUSH_TIMEOUT_S,
-    MAX_REQUEST_ID_CHARS,
     Limits,
-    ServiceError,
-    flush_timeout_from_proto,
     generate_from_proto,
 )
 from sglang_admin.server.launch import max_message_bytes

@@ -7,10 +7,11 @@ import torch
 import torch.nn.functional as F
 
 from sglang_admin.messages import SamplingParams
-from sglang_admin.model import cpu_kernels
+from sglang_admin.model import cpu_kernels, cpu_kernels_build
 from sglang_admin.model.attention import AttentionMetadata
 from sglang_admin.model.config import LlamaConfig
-from sglang_admin.model.cpu_kernels import DecodeBatch, load_cpu_kernels, reference_attend
+from sglang_admin.model.cpu_kernels import DecodeBatch
+from sglang_admin.model.cpu_kernels_build import load_cpu_kernels, reference_attend
 from sglang_admin.model.llama import DecoderLayer
 from sglang_admin.model.loader import ModelLoadError
 from sglang_admin.model.rotary import RotaryEmbedding, apply_rope
@@ -108,7 +109,7 @@ def test_prefill_kernel_matches_torch(prefix: int, n: int, heads: int, kv_heads:
     assert kernel.extend_applies(dim)
     got = kernel.extend_attend(q, k_pool, v_pool, slots, prefix, dim**-0.5, window)
     assert torch.isfinite(got).all()
-    want = cpu_kernels.reference_extend(q, k_pool, v_pool, slots, prefix, dim**-0.5, window)
+    want = cpu_kernels_build.reference_extend(q, k_pool, v_pool, slots, prefix, dim**-0.5, window)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
 
@@ -264,7 +265,7 @@ def test_plain_c_build_matches_torch() -> None:
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         pytest.skip("no C compiler")
-    path = cpu_kernels._compile(cc, *cpu_kernels._FLAG_SETS[-1])
+    path = cpu_kernels_build._compile(cc, *cpu_kernels_build._FLAG_SETS[-1])
     assert path is not None
     plain = cpu_kernels.CpuKernels(path)
     for heads, kv_heads, dim in [(8, 2, 32), (16, 8, 128), (3, 1, 12)]:
@@ -276,7 +277,7 @@ def test_plain_c_build_matches_torch() -> None:
     _check_elementwise(plain)
     _check_decode_layer(plain, 5)
     _check_argmax(plain)
-    assert cpu_kernels._bf16_agrees_with_torch(plain)  # bfloat16's scalar loops too
+    assert cpu_kernels_build._bf16_agrees_with_torch(plain)  # bfloat16's scalar loops too
     assert not plain.extend_applies(32)  # no prefill kernel without AVX2: torch's attention
     pool = torch.randn(20, 2, 32)
     with pytest.raises(ValueError, match="no fast path"):
@@ -383,11 +384,11 @@ def test_build_without_compiler_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_
     """No compiler at all: no kernel, no exception (the runner keeps torch's path)."""
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("SGLANG_ADMIN_CACHE_DIR", str(tmp_path))
-    cpu_kernels.load_cpu_kernels.cache_clear()
+    cpu_kernels_build.load_cpu_kernels.cache_clear()
     try:
-        assert cpu_kernels.load_cpu_kernels() is None
+        assert cpu_kernels_build.load_cpu_kernels() is None
     finally:
-        cpu_kernels.load_cpu_kernels.cache_clear()
+        cpu_kernels_build.load_cpu_kernels.cache_clear()
 
 
 def test_unknown_backend_is_refused() -> None:
@@ -829,11 +830,11 @@ def test_bf16_prefill_kernel_is_torchs_flash_arithmetic(prefix: int, n: int, hea
     torch.testing.assert_close(got.float(), emulated.float(), rtol=2.0**-7,
                                atol=2.0**-10 * v_max)
     assert (got == emulated).float().mean().item() >= 0.999
-    sdpa = cpu_kernels.reference_extend(q, k_pool, v_pool, slots, prefix, scale, window)
+    sdpa = cpu_kernels_build.reference_extend(q, k_pool, v_pool, slots, prefix, scale, window)
     # two steps, or (near zero, where the weighted values cancel) P's other roundings
     torch.testing.assert_close(got.float(), sdpa.float(), rtol=2.0**-6, atol=2.0**-10 * v_max)
     assert (got == sdpa).float().mean().item() >= 0.75
-    exact = cpu_kernels.reference_extend(q.float(), k_pool.float(), v_pool.float(), slots,
+    exact = cpu_kernels_build.reference_extend(q.float(), k_pool.float(), v_pool.float(), slots,
                                          prefix, scale, window)
     # the output's rounding (half a step) and P's (2^-9 of each weight: 2^-9 of max |v|),
     # and no further from float32 than torch's bfloat16 SDPA is (to within a step)

@@ -1,4 +1,6 @@
-"""The docs: every relative link resolves, and CONTRIBUTING.md's worked example is the code."""
+"""The docs: every relative link resolves, CONTRIBUTING.md's worked example is the code, and
+the pages are reference, not history (no work item named by its number), and the source
+files they name exist."""
 
 from __future__ import annotations
 
@@ -90,3 +92,30 @@ def test_contributing_example_is_the_code() -> None:
         for piece in pieces:
             assert piece.strip(), f"an empty piece in the excerpt of {path}"
             assert piece in source, f"CONTRIBUTING.md's excerpt of {path} drifted:\n{piece}"
+
+
+_HISTORY = re.compile(r"\b([Ii]ssue|[Ss]ession) [0-9]+")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_pages_name_things_by_function_not_by_work_item(page: Path) -> None:
+    """A page says what is true now: no "issue N" / "session N" (which work item changed
+    what lives in git's history, not in the docs)."""
+    hits = [f"{n}: {line.strip()[:80]}" for n, line in enumerate(page.read_text().splitlines(), 1)
+            if _HISTORY.search(line)]
+    assert not hits, f"{page.relative_to(ROOT)} names work items: {hits}"
+
+
+# a source path a page names: under sglang_admin/ (with or without the prefix), tests/, tools/
+_SOURCE = re.compile(r"(?<![\w/.])((?:sglang_admin/)?(?:scheduler|model|server|client|messages"
+                     r"|tests|tools)/[\w/.-]*\w\.(?:py|c|sh))")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_source_files_a_page_names_exist(page: Path) -> None:
+    """A page that points at a module points at one that exists: a move or a rename updates
+    the pages that name the file."""
+    missing = sorted({path for path in _SOURCE.findall(page.read_text())
+                      if not (ROOT / path).exists() and not (ROOT / "sglang_admin" / path).exists()})
+    assert not missing, f"{page.relative_to(ROOT)} names files that do not exist: {missing}"
+

@@ -16,11 +16,11 @@ transformers = pytest.importorskip("transformers")
 
 from sglang_admin.model.gguf import (  # noqa: E402
     GgufError,
-    byte_alphabet,
     find_gguf,
     open_gguf,
     resolve_model_path,
 )
+from sglang_admin.model.gguf_tokenizer import byte_alphabet  # noqa: E402
 from sglang_admin.model.loader import iter_checkpoint  # noqa: E402
 from tests.gguf_models import (  # noqa: E402
     QUANT_TYPES,
@@ -81,6 +81,7 @@ def test_weights_and_greedy_tokens_match_transformers(
                      "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]
     assert config["architectures"] == [expected_arch]
     assert config["tie_word_embeddings"] is tied
+    assert config["gguf_weight_type"] == qtype  # what --dtype auto reads (cpu_dtype.py)
 
     ref = hf_from_gguf(path)
     theirs = ref.state_dict()
@@ -182,3 +183,35 @@ def test_model_path_names(tmp_path: Path) -> None:
     assert served_model_path(str(tmp_path), "gguf") == out
     with pytest.raises(ValueError, match="no .gguf file"):
         served_model_path(out, "gguf")
+
+
+@pytest.mark.parametrize(("flags", "want"), [
+    (frozenset({"avx512f", "avx512_bf16", "amx_bf16"}), "bfloat16"),  # native bfloat16
+    (frozenset({"avx2", "avx512f", "avx512bw"}), "float32"),  # it would be emulated
+], ids=["native-bf16", "emulated-bf16"])
+def test_dtype_auto_serves_a_quantized_gguf_as_the_cpu_allows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+    flags: frozenset[str], want: str,
+) -> None:
+    """The runner as `make serve` builds it (--dtype auto) on a Q4_1 file: bfloat16 where the
+    CPU has native bfloat16, float32 elsewhere; the start line says which and why."""
+    import logging
+
+    from sglang_admin.model import cpu_dtype
+    from sglang_admin.model.runner import ModelRunner
+
+    if want == "bfloat16" and not torch.backends.mkldnn.is_available():
+        pytest.skip("torch built without oneDNN")
+    out = resolve_model_path(str(write_gguf(tmp_path / "q.gguf", qtype="Q4_1", seed=3)))
+    monkeypatch.setattr(cpu_dtype, "cpu_flags", lambda cpuinfo="/proc/cpuinfo": flags)
+    with caplog.at_level(logging.INFO, logger="sglang_admin.model.runner"):
+        runner = ModelRunner(out, device="cpu", dtype="auto", max_total_tokens=256,
+                             max_running_requests=2)
+    assert runner.dtype == getattr(torch, want) and runner.info.dtype == want
+    lines = [r.getMessage() for r in caplog.records if " loaded: " in r.getMessage()]
+    why = "and a CPU with native bfloat16" if want == "bfloat16" else "would be emulated"
+    assert len(lines) == 1 and f"loaded: {want} on cpu (--dtype auto: Q4_1 GGUF weights" in lines[0]
+    assert why in lines[0], lines[0]
+    reqs = simulate(runner, [Req([5, 6, 7, 8])], 4)  # and it serves
+    assert len(reqs[0].out) == 4
+

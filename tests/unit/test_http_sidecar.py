@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sglang_admin.config import ServerArgs
 from sglang_admin.messages import RankState
 from sglang_admin.pb import common_pb2 as pb
-from sglang_admin.server.convert import Serialized, ServiceError
+from sglang_admin.server.errors import Serialized, ServiceError
 from sglang_admin.server.interceptors import AuthInterceptor
 from sglang_admin.server.metrics import Metrics
 from sglang_admin.server.sidecar import FLUSH_TEXT, START_TEXT, STOP_TEXT, HttpSidecar

@@ -13,7 +13,7 @@ from sglang_admin.messages import KvEvents
 from sglang_admin.pb import common_pb2 as pb
 from sglang_admin.scheduler.kv_pool import TokenAllocator
 from sglang_admin.scheduler.radix_cache import RadixCache
-from sglang_admin.server.convert import ServiceError
+from sglang_admin.server.errors import ServiceError
 from sglang_admin.server.kv_events import (
     KvEventHub,
     KvSubscription,

@@ -78,7 +78,7 @@ def test_no_import_cycles() -> None:
 
 def test_the_graph_sees_the_known_edges() -> None:
     graph = import_graph()
-    assert "sglang_admin.scheduler.scheduler" in graph["sglang_admin.scheduler.rank.process"]
+    assert "sglang_admin.scheduler.scheduler" in graph["sglang_admin.scheduler.rank.builder"]
     assert "sglang_admin.pb.common_pb2" in graph["sglang_admin.server.servicer"]
 
 

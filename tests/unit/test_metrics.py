@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sglang_admin.config import ServerArgs
 from sglang_admin.messages import Heartbeat, RankState, ReqOutput
 from sglang_admin.pb import common_pb2 as pb
-from sglang_admin.server.convert import ServiceError
+from sglang_admin.server.errors import ServiceError
 from sglang_admin.server.metrics import Metrics
 from sglang_admin.server.watchdog import stuck_reason
 

@@ -322,6 +322,7 @@ def test_large_model_decode_steps_cut_each_matmul_among_lanes_the_same(
     the weight rows per lane thread (model/lanes.py's thresholds, lowered here to the test
     model): the same tokens and logprobs as one lane."""
     from sglang_admin.model import runner as runner_module
+    from sglang_admin.model import runner_lanes
 
     path = model_dirs[kind]
     assert not _runner(path, lanes=2).split_matmuls  # the test model is far below the bar
@@ -330,7 +331,7 @@ def test_large_model_decode_steps_cut_each_matmul_among_lanes_the_same(
     for lanes in (1, 2):
         if lanes == 2:
             monkeypatch.setattr(runner_module, "SPLIT_MATMUL_PARAMS", 0)
-            monkeypatch.setattr(runner_module, "LM_HEAD_SPLIT_PARAMS", 0)
+            monkeypatch.setattr(runner_lanes, "LM_HEAD_SPLIT_PARAMS", 0)
         runner = _runner(path, lanes=lanes)
         assert runner.split_matmuls == (lanes == 2)
         reqs = mixed_workload(runner.info.vocab_size)

@@ -31,7 +31,7 @@ from sglang_admin.scheduler.profiling.profiler import (
 from sglang_admin.server import profiles
 from sglang_admin.server.admin import rank_failure_text
 from sglang_admin.server.communicator import RankFailure
-from sglang_admin.server.convert import ServiceError
+from sglang_admin.server.errors import ServiceError
 from sglang_admin.server.metrics import Metrics
 
 X = torch.randn(32, 32)

@@ -1,4 +1,4 @@
-"""The rank's loop (scheduler/rank/process.py) driven in-process over inproc ZMQ sockets: what it
+"""The rank's loop (scheduler/rank/loop.py) driven in-process over inproc ZMQ sockets: what it
 sends, in which order, for messages that arrive while a step runs."""
 
 from __future__ import annotations
@@ -26,11 +26,12 @@ from sglang_admin.messages import (
     decode,
     encode,
 )
-from sglang_admin.scheduler.rank.process import STATE_PUBLISH_INTERVAL_S, RankLoop
+from sglang_admin.scheduler.rank.loop import STATE_PUBLISH_INTERVAL_S, Rank
+from sglang_admin.scheduler.rank.process import handler_table
 
 
 class Wires:
-    """A RankLoop between two inproc sockets of the test: ``to_rank`` and ``from_rank``."""
+    """A Rank between two inproc sockets of the test: ``to_rank`` and ``from_rank``."""
 
     def __init__(self) -> None:
         self.ctx = zmq.Context()
@@ -43,7 +44,7 @@ class Wires:
         outbox = self.ctx.socket(zmq.PUSH)
         outbox.connect("inproc://rank-out")
         self.sockets = (inbox, self.to_rank, self.from_rank, outbox)
-        self.loop = RankLoop(ServerArgs(), 0, inbox, outbox, os.getppid())
+        self.loop = Rank(ServerArgs(), 0, inbox, outbox, os.getppid(), handler_table())
 
     def send(self, msg: Any) -> None:
         self.to_rank.send(encode(msg))
@@ -105,7 +106,7 @@ def test_messages_handled_during_a_step_are_not_counted_as_its_serving_time(
     loop.step(loop.scheduler.schedule())
     slow = loop.handlers[StateReq]
 
-    def handle_slowly(rank: RankLoop, msg: StateReq) -> None:
+    def handle_slowly(rank: Rank, msg: StateReq) -> None:
         import time
 
         time.sleep(0.2)
@@ -227,7 +228,7 @@ def test_the_scheduler_never_claims_a_plain_argmax_the_fields_do_not(req: Genera
     alone from there on)."""
     import dataclasses
 
-    from sglang_admin.scheduler.rank.process import batch_inputs
+    from sglang_admin.scheduler.rank.model_step import batch_inputs
     from sglang_admin.scheduler.scheduler import Scheduler, SchedulerConfig
 
     sched = Scheduler(SchedulerConfig(token_capacity=64, max_running_requests=4,
@@ -246,7 +247,7 @@ def test_batch_inputs_fills_every_field_of_the_sequence_with_its_request_s_value
     state sits in groups: sampling, LoRA, logprobs, hidden states), compared here with the
     same sequence built by keyword from the request."""
     from sglang_admin.model.step_io import SeqInput
-    from sglang_admin.scheduler.rank.process import batch_inputs
+    from sglang_admin.scheduler.rank.model_step import batch_inputs
     from sglang_admin.scheduler.scheduler import Scheduler, SchedulerConfig
 
     sched = Scheduler(SchedulerConfig(token_capacity=64, max_running_requests=4,

@@ -1,5 +1,5 @@
 """The server side of n > 1, stream_interval and stop-string trimming: the answer built
-from rank outputs (server/sample_streams.py) and per-sample coalescing in the stream
+from rank outputs (server/generate_codec/streams.py) and per-sample coalescing in the stream
 buffer."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from sglang_admin.messages import GenerateReq, ReqOutput, SamplingParams
-from sglang_admin.server.sample_streams import SampleStreams
+from sglang_admin.server.generate_codec import SampleStreams
 from sglang_admin.server.stream_buffer import OutputBuffer
 
 

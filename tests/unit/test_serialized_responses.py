@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 
 from sglang_admin.pb import common_pb2 as pb
-from sglang_admin.server.convert import Serialized
+from sglang_admin.server.errors import Serialized
 from sglang_admin.server.interceptors import error_wrapped
 
 

@@ -18,7 +18,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from sglang_admin.config import ServerArgs
 from sglang_admin.pb import common_pb2 as pb
-from sglang_admin.server.convert import ServiceError
+from sglang_admin.server.errors import ServiceError
 from sglang_admin.server.interceptors import AuthInterceptor
 from sglang_admin.server.sidecar import HttpSidecar
 from sglang_admin.server.sidecar.body import FLAG, INTEGER, NULL, SHAPES, TEXT, TEXTS

@@ -16,7 +16,7 @@ from sglang_admin.scheduler.speculative.policy import SpecConfig
 
 torch = pytest.importorskip("torch")
 from sglang_admin.model.runner import ModelRunner  # noqa: E402
-from sglang_admin.scheduler.rank.process import batch_inputs  # noqa: E402
+from sglang_admin.scheduler.rank.model_step import batch_inputs  # noqa: E402
 
 # prompts on which the embedded model's greedy output falls into a loop (found by a probe):
 # n-gram drafts get accepted there

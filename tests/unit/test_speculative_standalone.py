@@ -19,7 +19,7 @@ from sglang_admin.scheduler.speculative.policy import SpecConfig
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 from sglang_admin.model.runner import ModelRunner  # noqa: E402
-from sglang_admin.scheduler.rank.process import batch_inputs  # noqa: E402
+from sglang_admin.scheduler.rank.model_step import batch_inputs  # noqa: E402
 from sglang_admin.scheduler.speculative.draft_drafter import DraftModelDrafter  # noqa: E402
 from sglang_admin.scheduler.speculative.draft_model import (  # noqa: E402
     DraftModelError,

@@ -11,9 +11,13 @@ abandoned flush never blocks admission for long). One pending flush at a time.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from sglang_admin.messages import FlushCacheReq, FlushResult
-from sglang_admin.scheduler.ops.control import Rank
+from sglang_admin.scheduler.ops.registry import handles
+
+if TYPE_CHECKING:
+    from sglang_admin.scheduler.rank.loop import Rank
 
 # The rank's flush gives up this long after the caller's deadline: the server answers
 # DEADLINE_EXCEEDED first and cancels the flush; this only covers a cancel that never came.
@@ -21,6 +25,7 @@ FLUSH_DEADLINE_GRACE_S = 0.5
 OP = "flush_cache"
 
 
+@handles(FlushCacheReq)
 def on_flush(rank: Rank, msg: FlushCacheReq) -> None:
     if rank.quiesce.waiting(OP):
         rank.reply(msg, False, "Another flush_cache is already in progress.")
@@ -69,6 +74,3 @@ def flush_now(rank: Rank) -> int:
     # last, so that the rank's I/O thread, not more of its own work, runs right after it
     rank.publish_state(force=True)
     return freed
-
-
-HANDLERS = {FlushCacheReq: on_flush}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from sglang_admin.messages import (
     AbortAllReq,
@@ -12,7 +13,7 @@ from sglang_admin.messages import (
     GenerateReq,
     PauseReq,
 )
-from sglang_admin.scheduler.ops.control import Rank
+from sglang_admin.scheduler.ops.registry import handles
 from sglang_admin.tracing import trace_id_of
 
 logger = logging.getLogger(__name__)
@@ -23,7 +24,11 @@ WEIGHTS_INVALID = (
     "(UpdateWeightsFromDistributed, UpdateWeightsFromTensor) or UpdateWeightsFromDisk"
 )
 
+if TYPE_CHECKING:
+    from sglang_admin.scheduler.rank.loop import Rank
 
+
+@handles(GenerateReq)
 def on_generate(rank: Rank, msg: GenerateReq) -> None:
     trace_id = trace_id_of(msg.trace)
     if rank.args.log_requests:
@@ -41,15 +46,18 @@ def on_generate(rank: Rank, msg: GenerateReq) -> None:
     rank.scheduler.add_request(msg, trace_id)
 
 
+@handles(AbortReq)
 def on_abort(rank: Rank, msg: AbortReq) -> None:
     rank.scheduler.abort(msg.rid, msg.reason)
 
 
+@handles(AbortAllReq)
 def on_abort_all(rank: Rank, msg: AbortAllReq) -> None:
     count = rank.scheduler.abort_all(msg.reason)
     rank.reply(msg, True, f"{count} request(s) aborted", CountResult(count))
 
 
+@handles(PauseReq)
 def on_pause(rank: Rank, msg: PauseReq) -> None:
     """SGLang's pause_generation; a second pause changes the mode (applied again)."""
     count = rank.scheduler.pause(msg.mode)
@@ -59,6 +67,7 @@ def on_pause(rank: Rank, msg: PauseReq) -> None:
                CountResult(count))
 
 
+@handles(ContinueReq)
 def on_continue(rank: Rank, msg: ContinueReq) -> None:
     was = rank.scheduler.paused
     rank.scheduler.resume()
@@ -67,12 +76,3 @@ def on_continue(rank: Rank, msg: ContinueReq) -> None:
         logger.info("rank %d: cached memory handed back (torch_empty_cache)", rank.rank)
     rank.publish_state(force=True)
     rank.reply(msg, True, "Generation continued" if was else "Generation was not paused")
-
-
-HANDLERS = {
-    GenerateReq: on_generate,
-    AbortReq: on_abort,
-    AbortAllReq: on_abort_all,
-    PauseReq: on_pause,
-    ContinueReq: on_continue,
-}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sglang_admin.constants import LORA_NOT_ENABLED
 from sglang_admin.messages import (
@@ -20,37 +20,15 @@ from sglang_admin.messages import (
     LoraResult,
     UnloadLoraReq,
 )
-from sglang_admin.model.lora import LoraAdapterError, LoraBuffers, read_adapter, served_config
+from sglang_admin.model.lora import LoraAdapterError, read_adapter, served_config
 from sglang_admin.scheduler.lora_registry import Adapter, LoraRegistry
-from sglang_admin.scheduler.ops.control import Rank
+from sglang_admin.scheduler.ops.registry import handles
+
+if TYPE_CHECKING:
+    from sglang_admin.scheduler.rank.loop import Rank
 
 logger = logging.getLogger(__name__)
 
-
-
-def setup_lora(rank: Any) -> LoraRegistry | None:
-    """With --enable-lora: the registry over the runner's slot buffers (allocated with the
-    model, before the KV pool took the free memory) handed to the scheduler, and the
-    --lora-paths adapters loaded (a bad one fails the start)."""
-    args = rank.args
-    runner = rank.runner
-    buffers: LoraBuffers | None = runner.lora
-    if not args.enable_lora or buffers is None:
-        return None
-    registry = LoraRegistry(args.max_loaded_loras, lambda a: buffers.clear(a.slot))
-    rank.scheduler.lora = registry
-    for name, path in args.lora_paths:
-        try:
-            adapter = read_adapter(path, served_config(runner.model), args.max_lora_rank)
-        except LoraAdapterError as exc:
-            raise RuntimeError(f"--lora-paths {name}={path}: {exc}") from None
-        slot, _ = registry.plan_load(name, name)
-        buffers.write(slot, adapter)
-        registry.add(name, name, path, False, slot)
-    logger.info("LoRA enabled: %d slots of rank <= %d (%.1f MiB), %d adapter(s) loaded",
-                args.max_loaded_loras, args.max_lora_rank, buffers.nbytes() / 2**20,
-                len(args.lora_paths))
-    return registry
 
 
 def _infos(registry: LoraRegistry) -> list[LoraAdapterInfo]:
@@ -64,6 +42,7 @@ def _fail(rank: Rank, msg: Any, text: str, code: str) -> None:
     rank.reply(msg, False, text, LoraResult(infos, error_code=code))
 
 
+@handles(LoadLoraReq)
 def on_load(rank: Rank, msg: LoadLoraReq) -> None:
     registry: LoraRegistry | None = getattr(rank, "lora", None)
     if registry is None:
@@ -96,6 +75,7 @@ def on_load(rank: Rank, msg: LoadLoraReq) -> None:
     rank.reply(msg, True, text, LoraResult(_infos(registry), evicted))
 
 
+@handles(UnloadLoraReq)
 def on_unload(rank: Rank, msg: UnloadLoraReq) -> None:
     registry: LoraRegistry | None = getattr(rank, "lora", None)
     if registry is None:
@@ -122,12 +102,10 @@ def on_unload(rank: Rank, msg: UnloadLoraReq) -> None:
     rank.reply_when_done(msg, done)
 
 
+@handles(ListLoraReq)
 def on_list(rank: Rank, msg: ListLoraReq) -> None:
     registry: LoraRegistry | None = getattr(rank, "lora", None)
     if registry is None:
         _fail(rank, msg, LORA_NOT_ENABLED, "FAILED_PRECONDITION")
         return
     rank.reply(msg, True, "", LoraResult(_infos(registry)))
-
-
-HANDLERS = {LoadLoraReq: on_load, UnloadLoraReq: on_unload, ListLoraReq: on_list}

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sglang_admin.constants import MEMORY_TAGS
 from sglang_admin.messages import (
@@ -48,10 +48,13 @@ from sglang_admin.model.weights import (
     weights_digest,
 )
 from sglang_admin.scheduler.ops.cache_control import flush_now
-from sglang_admin.scheduler.ops.control import Rank
 from sglang_admin.scheduler.ops.generation_control import WEIGHTS_INVALID
 from sglang_admin.scheduler.ops.memory_tags import release_refusal, resume_refusal
+from sglang_admin.scheduler.ops.registry import handles
 from sglang_admin.scheduler.tp.weights import followers_of, replica_digest
+
+if TYPE_CHECKING:
+    from sglang_admin.scheduler.rank.loop import Rank
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +66,7 @@ def _wait_s(msg: UpdateWeightsFromDiskReq) -> float:
     return max(0.0, msg.deadline - time.time()) if msg.deadline is not None else 3600.0
 
 
+@handles(UpdateWeightsFromDiskReq)
 def on_update_from_disk(rank: Rank, msg: UpdateWeightsFromDiskReq) -> None:
     if rank.runner.weights_released:
         rank.reply(msg, False, "the weights are released: ResumeMemoryOccupation first")
@@ -133,6 +137,7 @@ def _invalidate(rank: Rank) -> None:
     rank.scheduler.fail_all(WEIGHTS_INVALID, "FAILED_PRECONDITION")
 
 
+@handles(UpdateWeightVersionReq)
 def on_update_version(rank: Rank, msg: UpdateWeightVersionReq) -> None:
     aborted = rank.scheduler.abort_all("weight version update") if msg.abort_all_requests else 0
     rank.model_info.weight_version = msg.new_version
@@ -140,6 +145,7 @@ def on_update_version(rank: Rank, msg: UpdateWeightVersionReq) -> None:
                WeightsResult(rank.model_info, aborted))
 
 
+@handles(GetWeightsReq)
 def on_get_weights(rank: Rank, msg: GetWeightsReq) -> None:
     if rank.runner.weights_released:
         rank.reply(msg, False, "the weights are released")
@@ -156,6 +162,7 @@ def on_get_weights(rank: Rank, msg: GetWeightsReq) -> None:
     rank.reply(msg, True, "", WeightValues(shape, values))
 
 
+@handles(CheckWeightsReq)
 def on_check_weights(rank: Rank, msg: CheckWeightsReq) -> None:
     if rank.runner.weights_released:
         rank.reply(msg, False, "the weights are released")
@@ -184,6 +191,7 @@ def released_tags(rank: Rank) -> set[str]:
     return {tag for tag in MEMORY_TAGS if flags[tag]}
 
 
+@handles(ReleaseMemoryReq)
 def on_release_memory(rank: Rank, msg: ReleaseMemoryReq) -> None:
     s = rank.scheduler
     refusal = release_refusal(released_tags(rank), msg.tags)
@@ -219,6 +227,7 @@ def on_release_memory(rank: Rank, msg: ReleaseMemoryReq) -> None:
                MemoryResult(released))
 
 
+@handles(ResumeMemoryReq)
 def on_resume_memory(rank: Rank, msg: ResumeMemoryReq) -> None:
     runner = rank.runner
     refusal = resume_refusal(released_tags(rank), msg.tags)
@@ -269,13 +278,3 @@ def _lift_if_whole(rank: Rank) -> None:
     if not rank.runner.kv_cache_released and not rank.runner.weights_released:
         rank.quiesce.lift(RELEASED)
     rank.publish_state(force=True)
-
-
-HANDLERS = {
-    UpdateWeightsFromDiskReq: on_update_from_disk,
-    UpdateWeightVersionReq: on_update_version,
-    GetWeightsReq: on_get_weights,
-    CheckWeightsReq: on_check_weights,
-    ReleaseMemoryReq: on_release_memory,
-    ResumeMemoryReq: on_resume_memory,
-}

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sglang_admin.messages import (
     DestroyWeightsGroupReq,
@@ -40,7 +40,7 @@ from sglang_admin.model.pushed_weights import (
     load_from_segment,
     receive_weights,
 )
-from sglang_admin.scheduler.ops.control import Rank
+from sglang_admin.scheduler.ops.registry import handles
 from sglang_admin.scheduler.ops.weight_control import weights_now_served
 from sglang_admin.scheduler.tp.weights import (
     DESTROY,
@@ -51,6 +51,9 @@ from sglang_admin.scheduler.tp.weights import (
     followers_of,
     group_rank,
 )
+
+if TYPE_CHECKING:
+    from sglang_admin.scheduler.rank.loop import Rank
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +117,7 @@ def _reject(rank: Rank, msg: Any, code: str, reason: str) -> None:
 # ---------------------------------------------------------------- groups
 
 
+@handles(InitWeightsGroupReq)
 def on_init_group(rank: Rank, msg: InitWeightsGroupReq) -> None:
     sync = rank.weight_sync
     device = rank.runner.device.type
@@ -170,6 +174,7 @@ def on_init_group(rank: Rank, msg: InitWeightsGroupReq) -> None:
     _run_on_thread(rank, join, finish, msg)
 
 
+@handles(DestroyWeightsGroupReq)
 def on_destroy_group(rank: Rank, msg: DestroyWeightsGroupReq) -> None:
     group = rank.weight_sync.groups.pop(msg.group_name, None)
     if group is None:
@@ -228,6 +233,7 @@ def _failed(rank: Rank, aborted: int, reason: str) -> tuple[bool, str, Any]:
     return False, f"{reason}; {PARTIAL}", WeightsResult(rank.model_info, aborted)
 
 
+@handles(UpdateWeightsFromDistributedReq)
 def on_update_from_distributed(rank: Rank, msg: UpdateWeightsFromDistributedReq) -> None:
     specs = _checked(rank, msg, msg.names, msg.dtypes, msg.shapes, msg.load_format)
     if specs is None:
@@ -280,6 +286,7 @@ def on_update_from_distributed(rank: Rank, msg: UpdateWeightsFromDistributedReq)
     _when_drained(rank, msg, start)
 
 
+@handles(UpdateWeightsFromTensorReq)
 def on_update_from_tensor(rank: Rank, msg: UpdateWeightsFromTensorReq) -> None:
     busy = rank.weight_sync.busy()
     if busy is not None:
@@ -323,11 +330,3 @@ def on_update_from_tensor(rank: Rank, msg: UpdateWeightsFromTensorReq) -> None:
                                     f"{time.perf_counter() - t0:.2f}s"))
 
     _when_drained(rank, msg, run)
-
-
-HANDLERS = {
-    InitWeightsGroupReq: on_init_group,
-    DestroyWeightsGroupReq: on_destroy_group,
-    UpdateWeightsFromDistributedReq: on_update_from_distributed,
-    UpdateWeightsFromTensorReq: on_update_from_tensor,
-}

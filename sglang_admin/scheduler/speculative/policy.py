@@ -251,7 +251,7 @@ class NgramDrafter:
 def make_drafter(config: SpecConfig) -> Drafter | None:
     """The drafter of ``config.algorithm`` (check_config refused the others at start); None
     for STANDALONE, whose drafter needs the draft model: the rank installs it
-    (scheduler/speculative/draft_drafter.py, wired by scheduler/rank/process.py)."""
+    (scheduler/speculative/draft_drafter.py, wired by scheduler/speculative/setup.py)."""
     if config.algorithm == "NGRAM":
         return NgramDrafter(config)
     if config.algorithm == "STANDALONE":

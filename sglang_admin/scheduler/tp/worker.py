@@ -1,6 +1,6 @@
 """The TP ranks of one replica (--tp-size > 1): the leader's runner and the followers' loop.
 
-TP rank 0 runs the replica's whole rank loop (scheduler/rank/process.py) with its ModelRunner
+TP rank 0 runs the replica's whole rank loop (scheduler/rank/loop.py) with its ModelRunner
 wrapped in :class:`LeaderRunner`, which sends every command that touches the model to the
 other TP ranks first (the step's batch, a cache reset, a refit, a memory release or
 resume, a LoRA adapter written or cleared, stop; the weight-sync and read-back commands are
@@ -149,7 +149,7 @@ def build_runner(args: ServerArgs, dp_rank: int, tp_rank: int,
                  tensor_parallel: TensorParallel | None) -> ModelRunner:
     """The ModelRunner of TP rank ``tp_rank`` of replica ``dp_rank`` from the server's
     arguments: every rank's, the TP followers' and each replica's rank loop's
-    (scheduler/rank/process.py; ``tensor_parallel`` None at tp 1)."""
+    (scheduler/rank/builder.py; ``tensor_parallel`` None at tp 1)."""
     return ModelRunner(
         args.model_path,
         device=args.device,

@@ -10,7 +10,7 @@ import time
 from aiohttp import web
 
 from sglang_admin.config import ServerArgs
-from sglang_admin.server.convert import ServiceError
+from sglang_admin.server.errors import ServiceError
 from sglang_admin.server.sidecar.body import BadRequest
 from sglang_admin.server.sidecar.control_routes import ControlRoutes
 from sglang_admin.server.sidecar.edge import (

@@ -9,7 +9,7 @@ from typing import Any
 from aiohttp import web
 
 from sglang_admin.pb import common_pb2 as pb
-from sglang_admin.server.convert import ServiceError
+from sglang_admin.server.errors import ServiceError
 from sglang_admin.server.sidecar.body import FLAG, NULL, TEXT, Field, json_body, read_fields
 from sglang_admin.server.sidecar.edge import (
     Edge,

@@ -19,7 +19,7 @@ import grpc
 from aiohttp import web
 
 from sglang_admin.config import ServerArgs
-from sglang_admin.server.convert import ServiceError
+from sglang_admin.server.errors import ServiceError
 from sglang_admin.server.interceptors import SERVICE
 
 # One logger for the sidecar (operators grep "sglang_admin.server.sidecar: http ").

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from sglang_admin.messages import GenerateReq, ReqOutput
 from sglang_admin.pb import common_pb2 as pb
-from sglang_admin.server.generation_features import (
+from sglang_admin.server.generate_codec.response import (
     hidden_states_proto,
     input_logprobs_proto,
     stop_trimmed,

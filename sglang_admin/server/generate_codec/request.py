@@ -1,54 +1,49 @@
-"""Proto <-> message conversion at the edge, with the input validation it implies.
+"""A GenerateRequest converted, in one pass, into the rank's GenerateReq: every field checked
+(sampling parameters, constraint, generation features, limits of the served model).
 
-Every refusal raises :class:`ServiceError` with the gRPC status and a message that names
-the offending field; the interceptor turns it into the call's status.
-"""
+Every refusal raises :class:`~sglang_admin.server.errors.ServiceError` with the gRPC status
+and a message that names the offending field; the interceptor turns it into the call's
+status."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-
-import grpc
+from typing import Any
 
 from sglang_admin.messages import GenerateReq, SamplingParams
 from sglang_admin.pb import common_pb2 as pb
-from sglang_admin.server.generation_features import FeatureError, generation_features_from_proto
+from sglang_admin.server.errors import MAX_REQUEST_ID_CHARS, invalid
 
 DEFAULT_MAX_NEW_TOKENS = 128
 MAX_TOP_LOGPROBS = 20
-MAX_REQUEST_ID_CHARS = 512  # echoed in every response and log line
 MAX_ABS_LOGIT_BIAS = 100.0  # as OpenAI: a bias of +-100 already forces or bans a token
 MIN_REPETITION_PENALTY = 0.01  # below it a positive logit is multiplied past any useful range
 MAX_REPETITION_PENALTY = 2.0
 _F32_SLACK = 1 - 1e-6
 MAX_CONSTRAINT_CHARS = 1 << 20  # regex / json_schema / ebnf_grammar / structural_tag text
-MAX_FLUSH_TIMEOUT_S = 3600.0  # FlushCache.timeout_s; a flush waits at most an hour for idle
+MAX_N = 64  # samples per request (each holds a table row and its own decode KV)
+MAX_STOP_STRINGS = 32
+MAX_STOP_CHARS = 256  # the rank decodes this many tokens and a few more per step
+MAX_TOKEN_IDS_LOGPROB = 128
+MAX_STREAM_INTERVAL = 1 << 20
 
 
-class Serialized:
-    """A response already in its wire form (``data``): the server's handlers send it as it
-    is (see ``interceptors.passing_serialized``). An answer whose bulk never changes keeps
-    that part serialized once and appends what does change (protobuf merges concatenated
-    messages)."""
-
-    __slots__ = ("data",)
-
-    def __init__(self, data: bytes) -> None:
-        self.data = data
+class FeatureError(ValueError):
+    """A field of these features is out of range; the message names it."""
 
 
-class ServiceError(Exception):
-    """A refusal with a gRPC status code and a message for the caller."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-def invalid(message: str) -> ServiceError:
-    return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, message)
+def stream_interval_of(request: pb.GenerateRequest) -> int:
+    """sampling_params.stream_interval checked (unset: 1, a chunk per token)."""
+    sp = request.sampling_params
+    if not sp.HasField("stream_interval"):
+        return 1
+    value = sp.stream_interval
+    if not 1 <= value <= MAX_STREAM_INTERVAL:
+        raise FeatureError(
+            f"sampling_params.stream_interval must be in [1, {MAX_STREAM_INTERVAL}] "
+            f"(unset: 1), got {value}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -176,16 +171,6 @@ def _constraint_from_proto(sp: pb.SamplingParams) -> tuple[str, str]:
     return kind, text
 
 
-def flush_timeout_from_proto(timeout_s: float) -> float:
-    """FlushCacheRequest.timeout_s checked: finite and at most MAX_FLUSH_TIMEOUT_S (<= 0:
-    fail at once when the ranks are busy)."""
-    if not math.isfinite(timeout_s):
-        raise invalid(f"timeout_s must be a finite number, got {timeout_s}")
-    if timeout_s > MAX_FLUSH_TIMEOUT_S:
-        raise invalid(f"timeout_s must be at most {MAX_FLUSH_TIMEOUT_S:g} seconds, got {timeout_s}")
-    return timeout_s
-
-
 def generate_from_proto(request: pb.GenerateRequest, rid: str, limits: Limits) -> GenerateReq:
     """Validate a GenerateRequest and build the scheduler's message."""
     for field_name in ("mm_inputs", "disaggregated_params"):
@@ -237,7 +222,7 @@ def generate_from_proto(request: pb.GenerateRequest, rid: str, limits: Limits) -
             f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {request.top_logprobs_num}"
         )
     try:
-        features = generation_features_from_proto(request, limits.vocab_size)
+        features = _features(request, limits.vocab_size)
     except FeatureError as exc:
         raise invalid(str(exc)) from None
     return GenerateReq(
@@ -248,10 +233,52 @@ def generate_from_proto(request: pb.GenerateRequest, rid: str, limits: Limits) -
         top_logprobs_num=request.top_logprobs_num if request.return_logprob else 0,
         stream=request.stream,
         lora_id=request.lora_id,
-        n=features.n,
-        stop=features.stop,
-        no_stop_trim=features.no_stop_trim,
-        logprob_start_len=features.logprob_start_len,
-        token_ids_logprob=features.token_ids_logprob,
-        return_hidden_states=features.return_hidden_states,
+        **features,
     )
+
+
+def _features(request: pb.GenerateRequest, vocab_size: int) -> dict[str, Any]:
+    """The generation features (n, stop strings, stream_interval, prompt logprobs, token-id
+    logprobs, hidden states) checked, as GenerateReq's fields; raises :class:`FeatureError`
+    naming the bad one."""
+    sp = request.sampling_params
+    n = sp.n or 1
+    if n > MAX_N:
+        raise FeatureError(f"sampling_params.n must be in [1, {MAX_N}] (0: 1), got {n}")
+    stops = list(sp.stop)
+    if len(stops) > MAX_STOP_STRINGS:
+        raise FeatureError(
+            f"sampling_params.stop has {len(stops)} strings, at most {MAX_STOP_STRINGS}")
+    for i, stop in enumerate(stops):
+        if not stop:
+            raise FeatureError(f"sampling_params.stop[{i}] is empty")
+        if len(stop) > MAX_STOP_CHARS:
+            raise FeatureError(
+                f"sampling_params.stop[{i}] has {len(stop)} characters, at most "
+                f"{MAX_STOP_CHARS}")
+    ids = list(request.token_ids_logprob)
+    if len(ids) > MAX_TOKEN_IDS_LOGPROB:
+        raise FeatureError(
+            f"token_ids_logprob has {len(ids)} ids, at most {MAX_TOKEN_IDS_LOGPROB}")
+    bad = next((t for t in ids if t >= vocab_size), None)
+    if bad is not None:
+        raise FeatureError(
+            f"token_ids_logprob has {bad}, outside the vocabulary of {vocab_size} tokens")
+    start = request.logprob_start_len
+    if start < -1:
+        raise FeatureError(f"logprob_start_len must be >= -1 (-1: none), got {start}")
+    prompt_len = len(request.tokenized.input_ids)
+    if request.return_logprob and start >= prompt_len:
+        raise FeatureError(
+            f"logprob_start_len = {start} must be below the prompt length {prompt_len}")
+    stream_interval_of(request)  # checked with the rest; the call's streams read it
+    return {
+        "n": n,
+        "stop": stops,
+        "no_stop_trim": sp.no_stop_trim,
+        # As SGLang: -1 (what the SMG gateway sends by default) is none, >= 0 the first
+        # prompt position whose logprob is returned (only with return_logprob).
+        "logprob_start_len": start if request.return_logprob else -1,
+        "token_ids_logprob": ids if request.return_logprob else [],
+        "return_hidden_states": request.return_hidden_states,
+    }
