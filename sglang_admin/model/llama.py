@@ -351,8 +351,7 @@ class LlamaForCausalLM(nn.Module):
         kernels = self.model.norm.kernels
         weight = self.output_weight()
         if self.quant is not None:  # model/quant/: the head may be kept quantized
-            return self.quant.linear_with(F.linear)(self.model.norm(hidden).contiguous(),
-                                                    weight, None)
+            return self.quant.logits(self.model.norm(hidden).contiguous(), weight, F.linear)
         if (kernels is not None and weight.is_contiguous()
                 and weight.dtype == torch.float32):  # a few rows: see CpuKernels.linear
             return kernels.linear(self.model.norm(hidden).contiguous(), weight)
@@ -360,7 +359,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits_normed(self, normed: torch.Tensor) -> torch.Tensor:
         """Logits of rows the final norm was applied to, through the quantized head."""
-        return self.quant.linear_with(F.linear)(normed, self.output_weight(), None)
+        return self.quant.logits(normed, self.output_weight(), F.linear)
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         """The final RMSNorm of selected hidden rows, contiguous (for :meth:`logits_into`)."""

@@ -30,8 +30,8 @@ class RunnerLanes:
         quant = getattr(self.model, "quant", None)
         if quant is not None and hidden.shape[0] > 0:  # model/quant/: the head kept quantized
             fallback = self._packed_linear if self.packed is not None else F.linear
-            return quant.linear_with(fallback)(self.model.final_norm(hidden),
-                                               self.model.output_weight(), None)
+            return quant.logits(self.model.final_norm(hidden), self.model.output_weight(),
+                                fallback)
         if self.packed is not None and hidden.shape[0] > 0:
             return self._packed_linear(self.model.final_norm(hidden), self.model.output_weight(),
                                        None)

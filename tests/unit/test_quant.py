@@ -269,3 +269,18 @@ def test_where_quantized_weights_are_refused_each_says_why() -> None:
     for args, words in cases:
         with pytest.raises(ModelLoadError, match=words):
             check_applies(*args)
+
+
+def test_an_int8_heads_top_logits_are_refined_in_float32() -> None:
+    from sglang_admin.model.quant.linear import refined_logits
+
+    rng = np.random.default_rng(5)
+    head = QuantLinear(int8_rows(rng.standard_normal((300, 64)).astype(np.float32)),
+                       torch.bfloat16)
+    x = (torch.randn(3, 64) * 4).to(torch.bfloat16)
+    exact = x.float() @ (head.q8.float() * head.row_scale_f32[:, None]).t()
+    got = refined_logits(head, x, head(x))
+    assert got.dtype == torch.float32
+    top = exact.topk(8, dim=-1).indices
+    torch.testing.assert_close(got.gather(1, top), exact.gather(1, top), rtol=1e-5, atol=1e-4)
+    assert torch.equal(got.argmax(-1), exact.argmax(-1))

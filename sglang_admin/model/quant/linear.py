@@ -26,6 +26,8 @@ from sglang_admin.model.quant.gguf_blocks import Int4Groups, Int8Rows
 KERNEL_MAX_ROWS = 8
 _INNER_K_TILES = 2
 _N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu's rows
+# an int8 LM head's largest logits per row recomputed in float32 (refined_logits)
+REFINE_TOP = 8
 
 
 class QuantLinear:
@@ -42,6 +44,13 @@ class QuantLinear:
             self.pad = -n % _N_MULTIPLE
             q = torch.from_numpy(weight.q.astype("int32"))
             scale, zero = torch.from_numpy(weight.scale), torch.from_numpy(weight.zero)
+            if dtype != torch.float32:
+                # the scale rounded to the served dtype shifts every weight of its group the
+                # same way: move the zero so that the group's mean weight stays exact
+                rounded = scale.to(dtype).float()
+                mean_q = (q.view(n, k // self.group, self.group).float() - 8).mean(-1)
+                zero = zero + mean_q * (scale - rounded)
+                scale = rounded
             if self.pad:  # q = 8, scale = zero = 0: rows of zeros, cut from the output
                 q = torch.cat([q, torch.full((self.pad, k), 8, dtype=torch.int32)])
                 scale = torch.cat([scale, torch.zeros(self.pad, k // self.group)])
@@ -55,6 +64,7 @@ class QuantLinear:
             n, k = weight.q.shape
             self.q8 = torch.from_numpy(weight.q).contiguous()
             self.row_scale = torch.from_numpy(weight.scale).to(dtype)
+            self.row_scale_f32 = torch.from_numpy(weight.scale).float()
         self.shape = (n, k)
         self.dense: torch.Tensor | None = None
         self._dense_packed: torch.Tensor | None = None
@@ -119,6 +129,21 @@ class QuantLinear:
         else:
             out = torch.ops.aten._weight_int8pack_mm(x, self.q8, self.row_scale)
         return out if bias is None else out + bias
+
+
+def refined_logits(head: QuantLinear | ConcatLinear | None, x: torch.Tensor,
+                   logits: torch.Tensor, top: int = REFINE_TOP) -> torch.Tensor:
+    """float32 logits whose ``top`` largest per row are computed again in float32 from the
+    int8 head's rows: bfloat16 logits of magnitude 16-32 are 0.125 apart, so near-ties
+    of greedy decoding would be decided by rounding (the rest keep the served precision)."""
+    out = logits.float()
+    if not isinstance(head, QuantLinear) or head.kind != "int8" or top <= 0:
+        return out
+    k = min(top, out.shape[1])
+    idx = out.topk(k, dim=-1).indices  # [M, k]
+    rows = head.q8[idx].float() * head.row_scale_f32[idx].unsqueeze(-1)  # [M, k, K]
+    exact = torch.einsum("mk,mjk->mj", x.float(), rows)
+    return out.scatter_(1, idx, exact)
 
 
 class ConcatLinear:
@@ -187,6 +212,15 @@ class QuantStore:
             return projection(x, bias)
 
         return linear
+
+    def logits(self, x: torch.Tensor, weight: torch.Tensor,
+               fallback: Callable[..., torch.Tensor]) -> torch.Tensor:
+        """The LM head's logits of normed rows ``x`` (float32, the top ones refined:
+        :func:`refined_logits`)."""
+        head = self.find(weight)
+        if head is None:
+            return fallback(x, weight, None)
+        return refined_logits(head, x, head(x))
 
     def projections(self) -> list[Projection]:
         """Each projection once."""
