@@ -8,7 +8,9 @@ gguf``, bfloat16 activations) against the runner on the dequantized load in floa
 (``--gguf-dequantize --dtype float32``, the exact reference), position by position:
 
 - top-1 agreement: the share of positions whose most likely next token is the same;
-- perplexity of the held text under each, and their ratio.
+- perplexity of the held text under each, and their ratio;
+- the same two for the dequantized load in bfloat16 beside it (what bfloat16 activations
+  alone cost).
 
 Positions go one decode step each (one row: the quantized kernel's path), and once more as
 one prefill of the whole text (many rows: the dense copy's path).
@@ -52,12 +54,13 @@ HELD_TEXT = (
 )
 
 
-def runner_for(directory: str, quantized: bool) -> ModelRunner:
-    """The served runner of a converted GGUF directory, kept quantized or dequantized."""
+def runner_for(directory: str, quantized: bool, dtype: str = "float32") -> ModelRunner:
+    """The served runner of a converted GGUF directory, kept quantized (``--dtype auto``:
+    bfloat16 on a CPU with native bfloat16) or dequantized in ``dtype``."""
     if quantized:
         return ModelRunner(directory, device="cpu", dtype="auto", max_total_tokens=2048,
                            max_running_requests=4, quantization="gguf")
-    return ModelRunner(directory, device="cpu", dtype="float32", max_total_tokens=2048,
+    return ModelRunner(directory, device="cpu", dtype=dtype, max_total_tokens=2048,
                        max_running_requests=4)
 
 
@@ -120,14 +123,19 @@ def main() -> None:
         t0 = time.perf_counter()
         ref_runner = runner_for(directory, quantized=False)
         kept_runner = runner_for(directory, quantized=True)
+        # context: the dequantized load in bfloat16 (the activations' share of the gap)
+        bf16_runner = runner_for(directory, quantized=False, dtype="bfloat16")
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(directory)
         ids = tok(HELD_TEXT)["input_ids"][: args.tokens]
         for path, fn in (("decode", teacher_forced), ("prefill", prefill_forced)):
-            agree, p_ref, p_got = compare(fn(ref_runner, ids), fn(kept_runner, ids))
+            ref = fn(ref_runner, ids)
+            agree, p_ref, p_got = compare(ref, fn(kept_runner, ids))
+            agree16, _, p16 = compare(ref, fn(bf16_runner, ids))
             print(f"{type_name:<8}{path:<10}{agree:>11.1%}{p_ref:>10.3f}{p_got:>10.3f}"
-                  f"{p_got / p_ref:>8.4f}", flush=True)
+                  f"{p_got / p_ref:>8.4f}   (dequantized bfloat16: {agree16:.1%}, "
+                  f"{p16 / p_ref:.4f})", flush=True)
         print(f"  ({len(ids)} tokens, {time.perf_counter() - t0:.0f} s; kept: "
               f"{kept_runner.model.quant.summary})")
 
