@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: install smollm2 serve router router-stop test proto lint bench clean
+.PHONY: install ibverbs smollm2 serve router router-stop test test-long proto lint bench clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv --system-site-packages $(VENV)
@@ -13,8 +13,17 @@ $(VENV)/bin/python:
 # torch 2.13.0 first (the CPU build on this disk); a torch that is already importable stands.
 $(STAMP): pyproject.toml | $(VENV)/bin/python
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test]'
+	$(MAKE) --no-print-directory ibverbs
+	$(PIP) install -q -e '.[test,pd]'
 	touch $(STAMP)
+
+# The mooncake KV transfer backend (the `pd` extra) loads libibverbs.so.1 even for its TCP
+# protocol. apt-get runs only when the library is missing (as root, or through sudo when
+# there is one); elsewhere install libibverbs1 (Debian/Ubuntu) or rdma-core (RHEL) yourself.
+ibverbs:
+	@ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 ' || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -q && $$SUDO apt-get install -y -q libibverbs1; }
 
 install: $(STAMP)
 
@@ -43,8 +52,19 @@ router: install
 router-stop:
 	@$(PY) tools/router.py --stop
 
+# `make test`: every test but the few soak, fuzz and benchmark-style runs marked `long`
+# (docs/test-suite-cost.md); `make test-long` runs those (CI runs both: .ci/run). A plain
+# `pytest` runs all of them.
+# TEST_PROCESSES pytest processes (pytest-xdist), each taking whole modules (their workers
+# are module- or session-scoped); TEST_PROCESSES=0 runs them all in one.
+TEST_PROCESSES ?= 2
 test: install smollm2
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not long" -n $(TEST_PROCESSES) --dist loadfile $(PYTEST_ARGS)
+
+# pytest's exit 5 ("no tests collected", e.g. PYTEST_ARGS that select none of them) is not
+# a failure here
+test-long: install smollm2
+	$(PY) -m pytest -q -m long $(PYTEST_ARGS); rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
 
 # The file registers as "sglang_admin/common.proto" in the descriptor pool, but its package
 # (sglang.grpc.scheduler) is smg-grpc-proto's, so these stubs and smg's cannot be imported into

@@ -281,6 +281,13 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--speculative-draft-model-path", default=None, metavar="PATH",
                    help="STANDALONE: the draft model (a checkpoint directory or GGUF file "
                         "of the target's vocabulary)")
+    p.add_argument("--preferred-sampling-params", default=None, metavar="JSON",
+                   help="a JSON object of sampling parameters reported as GetModelInfo's "
+                        "preferred_sampling_params (SGLang's flag)")
+    p.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                   help="the model's reasoning format (SGLang's names: deepseek-r1, qwen3, "
+                        "...): a Generate with require_reasoning counts the tokens of the "
+                        "think span as reasoning_tokens")
     p.set_defaults(func=run_serve)
 
 
@@ -397,6 +404,16 @@ def run_serve(ns: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     fields["enable_lora"] = ns.enable_lora or bool(fields["lora_paths"])
+    from sglang_admin.scheduler.reasoning import (
+        check_preferred_sampling_params,
+        check_reasoning_parser,
+    )
+
+    for refusal in (check_preferred_sampling_params(ns.preferred_sampling_params),
+                    check_reasoning_parser(ns.reasoning_parser)):
+        if refusal is not None:
+            print(f"error: {refusal}", file=sys.stderr)
+            return 2
     from sglang_admin.scheduler.speculative.policy import check_config
 
     refusal = check_config(ns.speculative_algorithm, ns.speculative_num_draft_tokens,

@@ -141,6 +141,13 @@ class ServerArgs:
     speculative_draft_model_path: str | None = None
     # serve a decoder checkpoint as an embedding model (Embed, not Generate)
     is_embedding: bool = False
+    # SGLang's --preferred-sampling-params: a JSON object reported as
+    # GetModelInfo.preferred_sampling_params (the router's clients read it; checked at start)
+    preferred_sampling_params: str | None = None
+    # SGLang's --reasoning-parser: the think span's end token of that parser family; a
+    # Generate with require_reasoning counts the output tokens up to it as reasoning_tokens
+    # (server/reasoning.py)
+    reasoning_parser: str | None = None
     ipc_dir: str = ""  # set by launch: a fresh private directory per instance
 
     def scheduler_addr(self, rank: int) -> str:

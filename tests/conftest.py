@@ -43,6 +43,25 @@ from sglang_admin.client.testing import (  # noqa: F401  (re-exported for the te
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """The ``long`` marker; under xdist, the workers' OpenMP setting; and with
+    ``SGLANG_ADMIN_TEST_COST=file.json``, each module's wall and CPU seconds recorded
+    (tests/cost.py; docs/test-suite-cost.md quotes them)."""
+    config.addinivalue_line(
+        "markers", "long: a soak, fuzz or benchmark-style run of fixed length; `make test` "
+        "leaves it to `make test-long` (docs/test-suite-cost.md)")
+    path = os.environ.get("SGLANG_ADMIN_TEST_COST")
+    controller = _parallel(config) and not getattr(config, "workerinput", None)
+    if controller and _PASSIVE_HERE:
+        # xdist's workers inherit this process's environment: each sets (and takes back)
+        # its own OpenMP setting, as one process does (see the top of this file)
+        os.environ.pop("OMP_WAIT_POLICY", None)
+    if path and not controller:  # an xdist controller runs no test: its workers record
+        from tests.cost import CostRecorder
+
+        config.pluginmanager.register(CostRecorder(Path(path)), "sglang-admin-cost")
+
+
 def _session_worker_args(name: str, tmp: Path) -> list[str]:
     """The flags of the session's shared workers (the fixtures below), by fixture name."""
     if name == "server":
@@ -50,7 +69,7 @@ def _session_worker_args(name: str, tmp: Path) -> list[str]:
         return ["--log-requests", "--profile-dir", str(tmp / "profiles")]
     if name == "dp2_server":
         return ["--dp-size", "2", "--profile-dir", str(tmp / "profiles"), "--log-requests",
-                "--watchdog-probe-timeout", "120"]
+                "--watchdog-probe-timeout", "120", "--enable-metrics"]
     if name == "small_server":
         return ["--max-running-requests", "2"]
     raise KeyError(name)
@@ -82,12 +101,20 @@ def _runs_the_integration_tests(config: pytest.Config) -> bool:
     return False
 
 
+def _parallel(config: pytest.Config) -> bool:
+    """A pytest-xdist run (``-n N``): the controller runs no test, and each of its workers
+    gets only some modules, so none boots the shared workers ahead: a worker starts the
+    ones its tests take, when they take them."""
+    return bool(getattr(config, "workerinput", None)) or bool(
+        getattr(config.option, "numprocesses", None))
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     """A run of the integration tests boots the session's shared workers while the test
     modules are collected (one core for ~15-30 s, importing torch, transformers and the
     tests): a worker's start (~3 s of CPU at dp 1, ~6 at dp 2) then costs the run little
     wall time. pytest_collection_finish stops those that no selected test uses."""
-    if not _runs_the_integration_tests(session.config):
+    if not _runs_the_integration_tests(session.config) or _parallel(session.config):
         return
     factory: pytest.TempPathFactory = session.config._tmp_path_factory  # the tmpdir plugin's
     # the workers get the environment they would get after collection: without this
@@ -120,11 +147,12 @@ def server_profiles(server: ServerProc) -> Path:
 
 @pytest.fixture(scope="session")
 def dp2_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
-    """One ``--dp-size 2`` worker (embedded model, --profile-dir, --log-requests), shared by
-    the modules that need two ranks and no other flag (admin ops, bad input, fuzz, profiles,
-    rank isolation, the CLI): each leaves it as it found it (no profile running, nothing in
-    flight, every rank up). ``--watchdog-probe-timeout 120``: test_admin.py stops a rank for
-    a few seconds, and it must come back to a live server on a loaded machine."""
+    """One ``--dp-size 2`` worker (embedded model, --profile-dir, --log-requests,
+    --enable-metrics), shared by the modules that need two ranks and no other flag (admin
+    ops, bad input, fuzz, profiles, rank isolation, the CLI, the served-benchmark client):
+    each leaves it as it found it (no profile running, nothing in flight, every rank up).
+    ``--watchdog-probe-timeout 120``: test_admin.py stops a rank for a few seconds, and it
+    must come back to a live server on a loaded machine."""
     srv = _session_worker("dp2_server", tmp_path_factory)
     yield srv
     srv.stop()
@@ -144,6 +172,26 @@ def small_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPro
 def dp2_profiles(dp2_server: ServerProc) -> Path:
     """The session ``dp2_server``'s --profile-dir (created by its first profile)."""
     return Path(dp2_server.extra_args[dp2_server.extra_args.index("--profile-dir") + 1])
+
+
+# The modules that take the longest (wall seconds in the one-process run of
+# docs/test-suite-cost.md, most first; the long tests aside). Run on several processes,
+# they start first, so that no process is left alone with one of them at the end while the
+# other has nothing to do.
+LONGEST_MODULES = (
+    "test_tensor_parallel.py", "test_weight_sync.py", "test_gguf.py", "test_speculative.py",
+    "test_metrics.py", "test_gpu_check.py", "test_http_sidecar.py", "test_embed.py",
+    "test_lora.py", "test_faults.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """On several processes (xdist), the longest modules first (each module's tests keep
+    their order); one process keeps pytest's order."""
+    if not _parallel(config):
+        return
+    first = {name: i for i, name in enumerate(LONGEST_MODULES)}
+    items.sort(key=lambda item: first.get(item.path.name, len(first)))
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

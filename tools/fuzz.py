@@ -235,6 +235,7 @@ class Fuzzer:
             req.logprob_start_len = r.randrange(-1, len(req.tokenized.input_ids))
             req.token_ids_logprob.extend(r.randrange(self.vocab) for _ in range(r.randint(0, 3)))
         req.return_hidden_states = r.random() < 0.1
+        req.require_reasoning = r.random() < 0.2  # counts nothing without --reasoning-parser
 
     def extreme(self) -> pb.GenerateRequest:
         r = self.rng

@@ -375,7 +375,8 @@ def _embed_arguments(p: argparse.ArgumentParser) -> None:
 
 def _generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-ids", type=_token_ids, required=True, metavar="1,2,3")
-    p.add_argument("--max-new-tokens", type=int, help="default: the server's (128)")
+    p.add_argument("--max-new-tokens", type=int,
+                   help="default: up to the context (the server's, as SGLang's scheduler)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--stream", action="store_true", help="use the streaming form of the call")

@@ -53,6 +53,8 @@ class RankState:
     spec_verify_steps: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    graph_gb: float = 0.0  # device memory of the captured CUDA graphs (0: none)
+    num_paused_reqs: int = 0  # requests held by PauseGeneration (0 while not paused)
 
     @property
     def spec_accept_length(self) -> float:
@@ -100,6 +102,12 @@ class ModelInfo:
     id2label: dict[str, str] = field(default_factory=dict)
     embedding_dim: int = 0  # the length of an Embed answer; 0 for a generation model
     pooling: str = ""  # LAST | CLS | MEAN for an embedding model
+    # the sampling defaults of the checkpoint's generation_config.json (temperature, top_p,
+    # top_k, min_p, repetition_penalty: those it names), GetModelInfo's
+    # default_sampling_params_json
+    sampling_defaults: dict[str, float] = field(default_factory=dict)
+    # --reasoning-parser's think-span end token in this tokenizer (-1: none; the rank sets it)
+    think_end_id: int = -1
 
     def to_dict(self) -> dict[str, Any]:
         """A plain dict (JSON and msgpack friendly)."""

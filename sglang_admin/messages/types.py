@@ -66,6 +66,9 @@ class SamplingParams:
     # Constrained decoding: one of GRAMMAR_KINDS and its text ("" kind: unconstrained)
     grammar_kind: str = ""
     grammar: str = ""
+    # the grammar applies from the end of the think span on (--reasoning-parser's end token),
+    # as SGLang's require_reasoning: the model reasons freely first
+    require_reasoning: bool = False
 
     @property
     def is_greedy(self) -> bool:

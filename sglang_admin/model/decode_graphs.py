@@ -73,6 +73,9 @@ class DecodeGraphs:
         self.num_heads, self.head_dim = num_heads, head_dim
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        # the device memory the captures reserved (their pool and outputs; 0 when none are
+        # captured): GetLoads' memory.graph_gb
+        self.graph_bytes = 0
 
     def _metadata(self, size: int) -> AttentionMetadata:
         """The metadata of a decode batch of ``size`` rows, read from the static buffers."""
@@ -93,6 +96,7 @@ class DecodeGraphs:
         if not self.capture_enabled:
             return
         self._pad(0, self.sizes[-1])
+        before = torch.cuda.memory_reserved(self.device)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -105,6 +109,7 @@ class DecodeGraphs:
             with torch.cuda.graph(graph, pool=pool):
                 self.outputs[size] = self._run_static(size)
             self.graphs[size] = graph
+        self.graph_bytes = max(0, torch.cuda.memory_reserved(self.device) - before)
         logger.info("CUDA graphs captured for decode batches of %s", self.sizes)
 
     def drop(self) -> None:
@@ -112,6 +117,7 @@ class DecodeGraphs:
         captures again at its next call."""
         self.graphs.clear()
         self.outputs.clear()
+        self.graph_bytes = 0
 
     def _pad(self, n: int, size: int) -> None:
         """Rows [n, size) of the static inputs: token 0 at position 0, K/V to the scratch

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -141,7 +142,28 @@ def load_model_info(model_path: str, context_length: int | None = None,
         id2label=dict(spec.id2label),
         embedding_dim=0 if spec.is_generation else (spec.num_labels or lcfg.hidden_size),
         pooling="" if spec.is_generation else spec.pooling.name,
+        sampling_defaults=generation_sampling_defaults(gen),
     )
+
+
+# generation_config.json keys that are sampling defaults (as SGLang's model config reads
+# them; length limits such as max_new_tokens are not defaults a router may fill in)
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def generation_sampling_defaults(gen: dict[str, Any]) -> dict[str, float]:
+    """The sampling defaults a checkpoint's generation_config.json names: each of
+    SAMPLING_DEFAULT_KEYS present with a finite number (others, nulls and non-numbers are
+    left out); top_k as an int."""
+    out: dict[str, float] = {}
+    for key in SAMPLING_DEFAULT_KEYS:
+        value = gen.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if not math.isfinite(value):
+            continue
+        out[key] = int(value) if key == "top_k" else float(value)
+    return out
 
 
 def weight_files(model_path: str) -> list[str]:

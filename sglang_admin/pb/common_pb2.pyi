@@ -999,16 +999,140 @@ class SubscribeKvEventsRequest(_message.Message):
     def __init__(self, start_sequence_number: _Optional[int] = ..., load_records_before_first_batch: _Optional[bool] = ...) -> None: ...
 
 class KvEventBatch(_message.Message):
-    __slots__ = ("sequence_number", "timestamp", "events", "dp_rank")
+    __slots__ = ("sequence_number", "timestamp", "events", "dp_rank", "snapshot", "load")
     SEQUENCE_NUMBER_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
     sequence_number: int
     timestamp: float
     events: _containers.RepeatedCompositeFieldContainer[KvCacheEvent]
     dp_rank: int
-    def __init__(self, sequence_number: _Optional[int] = ..., timestamp: _Optional[float] = ..., events: _Optional[_Iterable[_Union[KvCacheEvent, _Mapping]]] = ..., dp_rank: _Optional[int] = ...) -> None: ...
+    snapshot: KvSnapshotChunk
+    load: EngineLoad
+    def __init__(self, sequence_number: _Optional[int] = ..., timestamp: _Optional[float] = ..., events: _Optional[_Iterable[_Union[KvCacheEvent, _Mapping]]] = ..., dp_rank: _Optional[int] = ..., snapshot: _Optional[_Union[KvSnapshotChunk, _Mapping]] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ...) -> None: ...
+
+class EngineLoad(_message.Message):
+    __slots__ = ("running_requests", "waiting_requests", "waiting_uncached_tokens", "token_usage", "active_token_usage", "gen_throughput", "max_running_requests", "age_ms", "sample", "load_only", "cache_hit_rate", "num_used_tokens", "max_total_num_tokens", "memory", "queues", "speculative", "lora", "disaggregation", "engine_silence_ms", "engine_reports_steps", "prefill_pending_tokens")
+    RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_UNCACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_USAGE_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_TOKEN_USAGE_FIELD_NUMBER: _ClassVar[int]
+    GEN_THROUGHPUT_FIELD_NUMBER: _ClassVar[int]
+    MAX_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    AGE_MS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    LOAD_ONLY_FIELD_NUMBER: _ClassVar[int]
+    CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    NUM_USED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOTAL_NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    QUEUES_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
+    DISAGGREGATION_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_SILENCE_MS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_REPORTS_STEPS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_PENDING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    running_requests: int
+    waiting_requests: int
+    waiting_uncached_tokens: int
+    token_usage: float
+    active_token_usage: float
+    gen_throughput: float
+    max_running_requests: int
+    age_ms: int
+    sample: int
+    load_only: bool
+    cache_hit_rate: float
+    num_used_tokens: int
+    max_total_num_tokens: int
+    memory: EngineMemory
+    queues: EngineQueues
+    speculative: EngineSpeculative
+    lora: EngineLora
+    disaggregation: EngineDisaggregation
+    engine_silence_ms: int
+    engine_reports_steps: bool
+    prefill_pending_tokens: int
+    def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., waiting_uncached_tokens: _Optional[int] = ..., token_usage: _Optional[float] = ..., active_token_usage: _Optional[float] = ..., gen_throughput: _Optional[float] = ..., max_running_requests: _Optional[int] = ..., age_ms: _Optional[int] = ..., sample: _Optional[int] = ..., load_only: _Optional[bool] = ..., cache_hit_rate: _Optional[float] = ..., num_used_tokens: _Optional[int] = ..., max_total_num_tokens: _Optional[int] = ..., memory: _Optional[_Union[EngineMemory, _Mapping]] = ..., queues: _Optional[_Union[EngineQueues, _Mapping]] = ..., speculative: _Optional[_Union[EngineSpeculative, _Mapping]] = ..., lora: _Optional[_Union[EngineLora, _Mapping]] = ..., disaggregation: _Optional[_Union[EngineDisaggregation, _Mapping]] = ..., engine_silence_ms: _Optional[int] = ..., engine_reports_steps: _Optional[bool] = ..., prefill_pending_tokens: _Optional[int] = ...) -> None: ...
+
+class EngineMemory(_message.Message):
+    __slots__ = ("weight_gb", "kv_cache_gb", "graph_gb", "token_capacity")
+    WEIGHT_GB_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_GB_FIELD_NUMBER: _ClassVar[int]
+    GRAPH_GB_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    weight_gb: float
+    kv_cache_gb: float
+    graph_gb: float
+    token_capacity: int
+    def __init__(self, weight_gb: _Optional[float] = ..., kv_cache_gb: _Optional[float] = ..., graph_gb: _Optional[float] = ..., token_capacity: _Optional[int] = ...) -> None: ...
+
+class EngineQueues(_message.Message):
+    __slots__ = ("waiting", "grammar", "paused", "retracted")
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_FIELD_NUMBER: _ClassVar[int]
+    RETRACTED_FIELD_NUMBER: _ClassVar[int]
+    waiting: int
+    grammar: int
+    paused: int
+    retracted: int
+    def __init__(self, waiting: _Optional[int] = ..., grammar: _Optional[int] = ..., paused: _Optional[int] = ..., retracted: _Optional[int] = ...) -> None: ...
+
+class EngineSpeculative(_message.Message):
+    __slots__ = ("accept_length", "accept_rate")
+    ACCEPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    ACCEPT_RATE_FIELD_NUMBER: _ClassVar[int]
+    accept_length: float
+    accept_rate: float
+    def __init__(self, accept_length: _Optional[float] = ..., accept_rate: _Optional[float] = ...) -> None: ...
+
+class EngineLora(_message.Message):
+    __slots__ = ("slots_used", "slots_total", "utilization")
+    SLOTS_USED_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    UTILIZATION_FIELD_NUMBER: _ClassVar[int]
+    slots_used: int
+    slots_total: int
+    utilization: float
+    def __init__(self, slots_used: _Optional[int] = ..., slots_total: _Optional[int] = ..., utilization: _Optional[float] = ...) -> None: ...
+
+class EngineDisaggregation(_message.Message):
+    __slots__ = ("mode", "prefill_prealloc_queue_reqs", "prefill_inflight_queue_reqs", "decode_prealloc_queue_reqs", "decode_transfer_queue_reqs", "decode_retracted_queue_reqs", "kv_transfer_speed_gb_s", "kv_transfer_latency_ms")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_PREALLOC_QUEUE_REQS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_INFLIGHT_QUEUE_REQS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_PREALLOC_QUEUE_REQS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TRANSFER_QUEUE_REQS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_RETRACTED_QUEUE_REQS_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_SPEED_GB_S_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_LATENCY_MS_FIELD_NUMBER: _ClassVar[int]
+    mode: str
+    prefill_prealloc_queue_reqs: int
+    prefill_inflight_queue_reqs: int
+    decode_prealloc_queue_reqs: int
+    decode_transfer_queue_reqs: int
+    decode_retracted_queue_reqs: int
+    kv_transfer_speed_gb_s: float
+    kv_transfer_latency_ms: float
+    def __init__(self, mode: _Optional[str] = ..., prefill_prealloc_queue_reqs: _Optional[int] = ..., prefill_inflight_queue_reqs: _Optional[int] = ..., decode_prealloc_queue_reqs: _Optional[int] = ..., decode_transfer_queue_reqs: _Optional[int] = ..., decode_retracted_queue_reqs: _Optional[int] = ..., kv_transfer_speed_gb_s: _Optional[float] = ..., kv_transfer_latency_ms: _Optional[float] = ...) -> None: ...
+
+class KvSnapshotChunk(_message.Message):
+    __slots__ = ("index", "count", "blocks", "unknown_before")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    UNKNOWN_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    count: int
+    blocks: int
+    unknown_before: int
+    def __init__(self, index: _Optional[int] = ..., count: _Optional[int] = ..., blocks: _Optional[int] = ..., unknown_before: _Optional[int] = ...) -> None: ...
 
 class KvCacheEvent(_message.Message):
     __slots__ = ("event_id", "stored", "removed", "cleared")

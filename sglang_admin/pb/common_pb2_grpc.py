@@ -195,14 +195,18 @@ class SglangSchedulerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Embed(self, request, context):
-        """Embeddings: not served by this worker (UNIMPLEMENTED).
+        """The pooled vector of one tokenized input (an embedding model: --is-embedding, or a
+        base-model / *ForSequenceClassification checkpoint); FAILED_PRECONDITION on a
+        generation model.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def HealthCheck(self, request, context):
-        """Healthy only when every scheduler rank answers a round trip within a short deadline.
+        """Healthy only when every scheduler rank's main loop is alive: it published or confirmed
+        its state within the last second (a busy rank does as it steps), else it answers a
+        round trip within a short deadline.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -69,14 +69,18 @@ def absorb_token(req: Req, result: StepResult) -> None:
 
 def attach(req: Req, out: ReqOutput, final: bool) -> None:
     """Move the request's unsent extras onto ``out``: per-token ones every time, the input
-    logprobs and an Embed request's vector with the final output."""
+    logprobs once, with the first output token (the prompt is prefilled then; SGLang's
+    servicer sends them in the first streamed chunk) or the final output, and an Embed
+    request's vector with the final output."""
     lp, hidden = req.logprob, req.hidden
     out.token_ids_logprobs = lp.token_ids_logprobs[lp.sent_token_ids :]
     lp.sent_token_ids = len(lp.token_ids_logprobs)
     out.hidden_states = hidden.states[hidden.sent :]
     hidden.sent = len(hidden.states)
-    if final:
-        if req.embed is not None and req.embed.vector is not None:
-            out.embedding = req.embed.vector
+    if not lp.input_sent and (final or out.new_token_ids):
+        lp.input_sent = True
         out.input_logprobs = list(lp.input_logprobs)
         out.input_top_logprobs = list(lp.input_top_logprobs)
+    if final and req.embed is not None and req.embed.vector is not None:
+        out.embedding = req.embed.vector
+

@@ -54,6 +54,7 @@ class LogprobState:
     sent: int = 0  # of logprobs and top_logprobs, those already reported
     input_logprobs: list[float | None] = field(default_factory=list)  # prompt positions
     input_top_logprobs: list[TopList] = field(default_factory=list)
+    input_sent: bool = False  # the prompt logprobs went out (with the first output token)
     token_ids_logprobs: list[TopList] = field(default_factory=list)  # one per output token
     sent_token_ids: int = 0
 

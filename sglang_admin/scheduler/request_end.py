@@ -38,7 +38,8 @@ def progress(req: Req, final: bool = False) -> ReqOutput:
     out = ReqOutput(req.rid, new, len(req.prompt_ids), req.sent_tokens,
                     max(req.cached_tokens, 0), req.queue_time_s, req.index, lps, tops,
                     None, None, None, None, None, 0, [], [], [], [])
-    if final or lp.token_ids_logprobs or req.hidden.states:
+    if (final or lp.token_ids_logprobs or req.hidden.states
+            or (lp.logprob_start_len >= 0 and not lp.input_sent)):
         output_extras.attach(req, out, final)
     return out
 

@@ -19,6 +19,7 @@ from sglang_admin.scheduler import postprocess as step_results
 from sglang_admin.scheduler import preemption, request_end, step_plan
 from sglang_admin.scheduler.lora_registry import LoraUnavailable
 from sglang_admin.scheduler.output_extras import StepResult
+from sglang_admin.scheduler.reasoning import ThinkingGate
 from sglang_admin.scheduler.request import Batch, Req, samples_of
 from sglang_admin.scheduler.speculative.policy import SpecProgress
 from sglang_admin.scheduler.state import SchedulerConfig, SchedulerState
@@ -106,7 +107,10 @@ class Scheduler(SchedulerState):
             if done.state is None:
                 request_end.finish(self, req, "abort", error=done.error, code=done.code)
                 continue
-            req.sampling.grammar = done.state
+            req.sampling.grammar = (
+                ThinkingGate(done.state, self.think_end_id)
+                if req.sampling.params.require_reasoning and self.think_end_id >= 0
+                else done.state)
             req.waiting_since = self.clock()
             self.waiting.append(req)
 

@@ -71,6 +71,8 @@ class SchedulerState:
         self.clock: Callable[[], float] = time.monotonic  # what turns go by (tests set theirs)
         self.lora: LoraRegistry | None = None  # set by the rank when LoRA is enabled
         self.detokenize: Detokenize | None = None  # for stop strings (set by the rank)
+        # --reasoning-parser's think-span end token (-1: none; set by the rank)
+        self.think_end_id = -1
         # the drafter and the rank's accept figures (speculative/policy.py)
         self.drafter: Drafter | None = (
             make_drafter(config.speculative) if config.speculative is not None else None)

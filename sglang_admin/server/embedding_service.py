@@ -44,9 +44,18 @@ def embed_from_proto(request: pb.EmbedRequest, rid: str, info: ModelInfo) -> Gen
         raise invalid("mm_inputs is not supported by this worker")
     if request.is_cross_encoder:
         raise invalid("is_cross_encoder is not supported: this worker serves no reranker")
+    if any(request.token_type_ids):
+        raise invalid("token_type_ids is not supported: this worker's embedding models take "
+                      "no segment ids (all zeros or none)")
+    if request.HasField("sampling_params"):
+        raise invalid("sampling_params is not supported by Embed: an embedding samples no "
+                      "token (leave the field unset)")
+    if request.texts:
+        raise invalid("texts is not supported: this worker does not tokenize text (the router "
+                      "sends tokenized.input_ids)")
     ids = list(request.tokenized.input_ids)
     if not ids:
-        if request.tokenized.original_text or request.texts:
+        if request.tokenized.original_text:
             raise invalid("tokenized.input_ids must not be empty: this worker does not "
                           "tokenize text (the router sends token ids)")
         raise invalid("tokenized.input_ids must not be empty")
@@ -87,7 +96,13 @@ class Embedding:
         remaining = context.time_remaining()
         if remaining is not None:
             req.deadline = time.time() + remaining
-        rank = self.comm.pick_rank()
+        # EmbedRequest.data_parallel_rank is a plain int32: 0 cannot be told from unset, so
+        # (as SGLang's servicer) only a non-zero value pins the rank
+        pinned = request.data_parallel_rank
+        if pinned and not 0 <= pinned < self.args.dp_size:
+            raise invalid(f"data_parallel_rank = {pinned} is out of range "
+                          f"[0, {self.args.dp_size - 1}]")
+        rank = self.comm.pick_rank(pinned or None)
         carrier = carrier_from_metadata(context.invocation_metadata())
         final: ReqOutput | None = None
         with server_span("Embed", carrier, request_id=rid) as forward:

@@ -108,7 +108,8 @@ class Generation:
             with server_span("Generate", carrier, request_id=rid) as forward:
                 req.trace = forward
                 self.admin.log("generate", rid, carrier, rank=rank, prompt_tokens=len(req.input_ids))
-                answer = SampleStreams(rid, req, interval)
+                think_end = info.think_end_id if request.require_reasoning and info else -1
+                answer = SampleStreams(rid, req, interval, think_end)
                 try:
                     async for out in self.comm.metrics.observe(self.comm.generate(req, rank), rank):
                         if out.error:

@@ -24,6 +24,7 @@ from sglang_admin.server.admin import (
 )
 from sglang_admin.server.communicator import Communicator, RankFailure
 from sglang_admin.server.errors import Serialized, ServiceError, invalid
+from sglang_admin.server.kv_loads import LoadFeed, batches_with_loads
 from sglang_admin.server.tokenizer_bundle import (
     NoTokenizerFiles,
     bundle_for,
@@ -35,7 +36,14 @@ from sglang_admin.tracing import carrier_from_metadata
 # Server-side default deadlines (the caller's deadline wins when smaller).
 INFO_TIMEOUT_S = 5.0
 HEALTH_TIMEOUT_S = 3.0
+# A rank whose main loop published or confirmed its state this recently is alive for
+# HealthCheck (no round trip)
+HEALTH_FRESH_S = 1.0
 LOAD_SECTIONS = ("core", "memory", "spec", "lora", "disagg", "queues", "all")
+# The version GetServerInfo.sglang_version and GetLoads.version report: what answers, and
+# the wire it speaks (this is not SGLang; its clients should not read an SGLang release here)
+WIRE_PROTO = "smg-grpc-proto 0.4.28"
+VERSION = f"sglang_admin {__version__} ({WIRE_PROTO} SglangScheduler wire)"
 
 
 class Info:
@@ -71,6 +79,13 @@ class Info:
                 or "model loading"
             )
             return pb.HealthCheckResponse(healthy=False, message=f"not ready: {reason}")
+        if all(self.comm.rank_states[r] is not None
+               and self.comm.state_age(r) <= HEALTH_FRESH_S for r in range(self.args.dp_size)):
+            # Every rank's main loop published or confirmed its state within the last
+            # HEALTH_FRESH_S: alive, shown without a round trip. A busy rank publishes as it
+            # steps; a round trip would wait for its step to end (a burst of thousands of
+            # calls made the answer late enough for a router to take the worker for dead).
+            return pb.HealthCheckResponse(healthy=True, message="OK")
         _, failures = await self.rank_states(effective_timeout(context, HEALTH_TIMEOUT_S))
         if failures:
             return pb.HealthCheckResponse(
@@ -98,9 +113,22 @@ class Info:
             eos_token_ids=info.eos_token_ids,
             pad_token_id=info.pad_token_id or 0,
             bos_token_id=info.bos_token_id or 0,
-            max_req_input_len=info.context_length - 1,
+            max_req_input_len=self.max_req_input_len,
             architectures=info.architectures,
+            # the checkpoint's generation_config.json defaults: the router fills the sampling
+            # fields a request leaves unset from them (SGLang's servicer sends the same)
+            default_sampling_params_json=(
+                json.dumps(info.sampling_defaults, separators=(",", ":"), sort_keys=True)
+                if info.sampling_defaults else ""),
+            preferred_sampling_params=self.args.preferred_sampling_params or "",
         )
+
+    @property
+    def max_req_input_len(self) -> int:
+        """The longest prompt Generate takes: the context or the KV pool, whichever is
+        smaller, less one (server/generate_codec/request.py's Limits)."""
+        info = self.model
+        return min(info.context_length, info.token_capacity) - 1
 
     @property
     def served_model_name(self) -> str:
@@ -125,7 +153,31 @@ class Info:
             dtype=info.dtype,
         )
         out.pop("ipc_dir", None)
+        out.update(self._sglang_names())
         return out
+
+    def _sglang_names(self) -> dict[str, Any]:
+        """SGLang's server_args keys for the settings that have one here (SGLang's clients
+        read these names); this worker's own names stay beside them."""
+        a = self.args
+        return {
+            "random_seed": a.seed,
+            "watchdog_timeout": a.watchdog_timeout_s,
+            "chunked_prefill_size": a.max_prefill_tokens,
+            "disable_cuda_graph": a.cuda_graph_max_bs == 0,
+            "enable_trace": a.otlp_traces_endpoint is not None,
+            "kv_cache_dtype": "auto",  # the KV pool holds the model's dtype
+            "page_size": 1,  # the radix cache and KV pool are token-granular
+            "chat_template": None,  # the tokenizer's own (the router applies it)
+            "tool_call_parser": None,  # the router parses tool calls
+            "reasoning_parser": a.reasoning_parser,
+            "preferred_sampling_params": a.preferred_sampling_params,
+            "sampling_defaults": "model",  # generation_config.json, through the router
+            "skip_tokenizer_init": True,  # prompts arrive as token ids
+            "grpc_mode": True,
+            "enable_lora": a.enable_lora,
+            "max_lora_rank": a.max_lora_rank if a.enable_lora else None,
+        }
 
     def _static_info(self) -> bytes:
         """The part of GetServerInfo's answer that changes only with the model info the ranks
@@ -143,7 +195,8 @@ class Info:
                 {
                     "max_total_num_tokens": info.token_capacity,
                     "max_running_requests": self.args.max_running_requests,
-                    "max_req_input_len": info.context_length - 1,
+                    "max_req_input_len": self.max_req_input_len,
+                    "max_req_len": min(info.context_length, info.token_capacity),
                     "context_length": info.context_length,
                     "is_generation": info.is_generation,
                     "dp_size": self.args.dp_size,
@@ -157,7 +210,7 @@ class Info:
         static = pb.GetServerInfoResponse(
             server_args=server_args,
             scheduler_info=scheduler_info,
-            sglang_version=__version__,
+            sglang_version=VERSION,
             server_type="grpc",
             start_time=start,
             max_total_num_tokens=info.token_capacity,
@@ -198,7 +251,7 @@ class Info:
         self, request: pb.GetLoadsRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetLoadsResponse:
         self.admin.require_ready()
-        include = set(request.include) or {"core"}
+        include = set(request.include) or {"all"}  # as SGLang: none named is every one
         unknown = sorted(include - set(LOAD_SECTIONS))
         if unknown:
             raise invalid(
@@ -224,7 +277,7 @@ class Info:
         n = max(len(loads), 1)
         return pb.GetLoadsResponse(
             timestamp=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            version=__version__,
+            version=VERSION,
             dp_rank_count=self.args.dp_size,
             loads=loads,
             aggregate=pb.AggregateMetrics(
@@ -259,7 +312,9 @@ class Info:
 
     async def kv_events(
         self, request: pb.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.KvEventBatch]:
+    ) -> AsyncIterator[pb.KvEventBatch | Serialized]:
+        """The KV event stream (server/kv_events.py), each batch with its rank's load and
+        load-only batches between them (server/kv_loads.py)."""
         hub = self.comm.kv_hub
         sub = hub.subscribe(int(request.start_sequence_number))
         try:
@@ -269,7 +324,10 @@ class Info:
                 start=request.start_sequence_number, initial_batches=len(sub.initial),
             )
             await context.send_initial_metadata(())
-            async for batch in sub.batches():
+            feed = LoadFeed(lambda: self.comm.rank_states, self.comm.state_age,
+                            request.load_records_before_first_batch,
+                            self.args.speculative_algorithm is not None)
+            async for batch in batches_with_loads(sub, feed):
                 yield batch
         finally:
             hub.unsubscribe(sub)
@@ -336,13 +394,14 @@ def _load_proto(s: RankState, include: set[str], age: float,
     if "memory" in include:
         load.memory.CopyFrom(
             pb.MemoryMetrics(
-                weight_gb=s.weight_gb, kv_cache_gb=s.kv_cache_gb, token_capacity=s.token_capacity
+                weight_gb=s.weight_gb, kv_cache_gb=s.kv_cache_gb, graph_gb=s.graph_gb,
+                token_capacity=s.token_capacity,
             )
         )
     if "queues" in include:
         load.queues.CopyFrom(
             pb.QueueMetrics(waiting=s.num_waiting_reqs, grammar=s.num_grammar_queue_reqs,
-                            retracted=s.num_retracted_reqs)
+                            paused=s.num_paused_reqs, retracted=s.num_retracted_reqs)
         )
     if "disagg" in include:
         load.disaggregation.CopyFrom(pb.DisaggregationMetrics(mode="null"))

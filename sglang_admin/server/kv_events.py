@@ -487,12 +487,13 @@ class KvEventHub:
                 chunks[-1].append(event)
                 size += blocks
             first = rank.seq - len(chunks) + 1
-            for i, chunk in enumerate(chunks):
-                if not chunk and dp_rank != 0:
-                    continue
+            sent = [(i, chunk) for i, chunk in enumerate(chunks) if chunk or dp_rank == 0]
+            blocks = sum(len(e.stored.blocks) for e in events)
+            for n, (i, chunk) in enumerate(sent):
                 batches.append(
                     pb.KvEventBatch(
-                        sequence_number=first + i, timestamp=now, events=chunk, dp_rank=dp_rank
+                        sequence_number=first + i, timestamp=now, events=chunk, dp_rank=dp_rank,
+                        snapshot=pb.KvSnapshotChunk(index=n, count=len(sent), blocks=blocks),
                     )
                 )
         return batches

@@ -103,8 +103,9 @@ class SglangSchedulerServicer(pb_grpc.SglangSchedulerServicer):
 
     async def SubscribeKvEvents(
         self, request: pb.SubscribeKvEventsRequest, context: Context
-    ) -> AsyncIterator[pb.KvEventBatch]:
-        """Radix cache events as fixed-size KV blocks (server/kv_events.py)."""
+    ) -> AsyncIterator[pb.KvEventBatch | Serialized]:
+        """Radix cache events as fixed-size KV blocks (server/kv_events.py), with each
+        rank's load (server/kv_loads.py)."""
         async for batch in self.info.kv_events(request, context):
             yield batch
 

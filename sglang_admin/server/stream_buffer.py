@@ -219,6 +219,10 @@ class Backlog:
             part.matched_stop_str = last.matched_stop_str
             part.stop_trim = last.stop_trim
             part.error, part.error_code = last.error, last.error_code
+            part.embedding = last.embedding
+            part.spec_verify_ct = last.spec_verify_ct  # the accept figures (final output)
+            part.spec_draft_tokens = last.spec_draft_tokens
+            part.spec_accepted_tokens = last.spec_accepted_tokens
         taken = output_bytes(part)
         self.nbytes = max(0, self.nbytes - taken)
         return part, taken

@@ -75,8 +75,6 @@ CASES = [
     ("token-id-huge", call_generate(gen([2**32 - 1])), INVALID, "tokenized.input_ids[0]"),
     ("prompt-over-context", call_generate(gen([7] * CONTEXT)), INVALID,
      f"exceeds the context length {CONTEXT}"),
-    ("max-new-tokens-overflow", call_generate(gen([7] * 100, max_new_tokens=CONTEXT - 99)),
-     INVALID, "sampling_params.max_new_tokens"),
     ("temperature-negative", call_generate(gen([1], temperature=-1.0)), INVALID,
      "sampling_params.temperature must be >= 0"),
     ("temperature-nan", call_generate(gen([1], temperature=NAN)), INVALID,
@@ -151,6 +149,14 @@ def test_full_context_prompt_fits_the_receive_limit(stub: pb_grpc.SglangSchedule
     # The largest prompt the context allows, one token of room left: accepted.
     tokens, complete = run_generate(stub, greedy([VOCAB - 1] * (CONTEXT - 1), 1), timeout=120)
     assert len(tokens) == 1 and complete.prompt_tokens == CONTEXT - 1
+
+
+def test_max_new_tokens_above_the_room_is_capped(stub: pb_grpc.SglangSchedulerStub) -> None:
+    """As SGLang's scheduler: a max_new_tokens past the context is capped to the room the
+    prompt leaves (the answer ends there with "length"), not refused."""
+    tokens, complete = run_generate(stub, greedy([VOCAB - 1] * (CONTEXT - 3), CONTEXT),
+                                    timeout=120)
+    assert len(tokens) == 3 and complete.finish_reason == "length"
 
 
 def test_duplicate_in_flight_request_id(stub: pb_grpc.SglangSchedulerStub) -> None:

@@ -15,6 +15,7 @@ from tools.workloads import Workload
 pytest.importorskip("transformers")
 
 
+@pytest.mark.long
 def test_the_smallest_matrix_runs_end_to_end(tmp_path: Path, capsys) -> None:
     out = tmp_path / "matrix.json"
     code = bench_matrix.main([

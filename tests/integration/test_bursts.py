@@ -80,6 +80,9 @@ async def _held_burst(target: str) -> None:
             await asyncio.sleep(0.2)
             loads = await stub.GetLoads(pb.GetLoadsRequest(), timeout=5)
         assert sum(ld.num_running_reqs + ld.num_waiting_reqs for ld in loads.loads) == LIMIT
+        # GetLoads with no include answers every section: the paused queue holds them all
+        assert sum(ld.queues.paused for ld in loads.loads) == LIMIT
+        assert all(ld.HasField("memory") and ld.memory.graph_gb == 0 for ld in loads.loads)
         assert flush.message  # answered (held calls are queued: they hold no KV)
         one_more = await _stream(stub, 99)
         assert one_more[0] == "RESOURCE_EXHAUSTED", one_more
@@ -92,6 +95,7 @@ async def _held_burst(target: str) -> None:
         assert (await stub.FlushCache(pb.FlushCacheRequest(timeout_s=10), timeout=30)).success
         loads = await stub.GetLoads(pb.GetLoadsRequest(), timeout=5)
         assert all(ld.num_used_tokens == 0 and ld.num_running_reqs == 0 for ld in loads.loads)
+        assert all(ld.queues.paused == 0 for ld in loads.loads)  # no longer paused
 
 
 def test_burst_past_the_limit_is_refused_with_a_message(burst_server: ServerProc) -> None:
@@ -100,6 +104,7 @@ def test_burst_past_the_limit_is_refused_with_a_message(burst_server: ServerProc
     assert "refused" in log and "RESOURCE_EXHAUSTED" in log
 
 
+@pytest.mark.long
 def test_burst_past_grpc_core_backlog_is_never_cancelled(burst_server: ServerProc) -> None:
     """3500 calls at once (grpc core's default backlog drops everything past 3000)."""
     report = asyncio.run(burst.run(burst_server.target, streams=3500, channels=1,

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
 import signal
 import socket
+import tempfile
 import time
 from pathlib import Path
 
@@ -74,8 +76,16 @@ def test_default_server_keeps_an_idle_connection(server: ServerProc) -> None:
 
 
 def test_sigkilled_servers_ipc_dir_removed_at_next_start(tmp_path: Path) -> None:
-    tmpdir = tmp_path / "tmp"
-    tmpdir.mkdir()
+    # a short TMPDIR: the IPC sockets' paths under it must fit a unix socket's 107 bytes
+    # (pytest's tmp_path under an xdist process is too long for them)
+    tmpdir = Path(tempfile.mkdtemp(prefix="ipc-"))
+    try:
+        check_stale_ipc_dir_removed(tmp_path, tmpdir)
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def check_stale_ipc_dir_removed(tmp_path: Path, tmpdir: Path) -> None:
     env = {"TMPDIR": str(tmpdir)}
     first = start_server(tmp_path, env=env)
     try:

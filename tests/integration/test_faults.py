@@ -335,6 +335,7 @@ def test_sigterm_past_the_grace_period_cuts_streams_and_exits_zero(tmp_path: Pat
 # ---------------------------------------------------------------------- short soak
 
 
+@pytest.mark.long
 def test_short_soak(tmp_path: Path) -> None:
     out = tmp_path / "soak.json"
     proc = subprocess.run(

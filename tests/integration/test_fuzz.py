@@ -38,6 +38,7 @@ def srv(dp2_server: ServerProc) -> Iterator[ServerProc]:
     raise AssertionError(f"the fuzz run left the shared worker busy: {states}")
 
 
+@pytest.mark.long
 def test_brief_fuzz_run_finds_no_death(srv: ServerProc, capsys: pytest.CaptureFixture[str]) -> None:
     code = fuzz.main(["--target", srv.target, "--requests", "300", "--seconds", "30",
                       "--concurrency", "8", "--seed", "7", "--kinds", KINDS])

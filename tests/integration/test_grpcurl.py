@@ -262,7 +262,9 @@ def test_get_loads(srv: ServerUnderTest) -> None:
     assert resp["dp_rank_count"] == 1 and resp["version"]
     (load,) = resp["loads"]
     assert load["max_total_num_tokens"] > 0 and load["max_running_requests"] > 0
-    assert "memory" not in load  # only the core section unless asked
+    assert "memory" in load and "queues" in load  # none named: every section (as SGLang)
+    core = srv.call_one("GetLoads", {"include": ["core"]})
+    assert "memory" not in core["loads"][0]  # the core section alone when asked
     full = srv.call_one("GetLoads", {"include": ["all"]})
     (load,) = full["loads"]
     assert load["memory"]["token_capacity"] == load["max_total_num_tokens"]

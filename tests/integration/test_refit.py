@@ -8,6 +8,7 @@ compared token for token with transformers' greedy generate on A or on B.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
 import random
 import shutil
 import threading
@@ -521,6 +522,26 @@ def rss_bytes(pid: int) -> int:
     raise AssertionError(f"no VmRSS for {pid}")
 
 
+def rank_cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def wait_quiet(pid: int, window: float = 2.0, cpu: float = 0.03, timeout: float = 90) -> None:
+    """Until the idle rank spends (almost) no CPU for ``window`` seconds: its late imports
+    (torch._dynamo, xgrammar: scheduler/late_imports.py, ~100 MB) are done, so they do not
+    grow its RSS while the test measures a drop."""
+    deadline = time.monotonic() + timeout
+    last = rank_cpu_seconds(pid)
+    while time.monotonic() < deadline:
+        time.sleep(window)
+        now = rank_cpu_seconds(pid)
+        if now - last < cpu:
+            return
+        last = now
+    raise AssertionError(f"rank {pid} still busy after {timeout} s")
+
+
 def test_release_memory_lowers_rss_and_resume_serves_the_same(tmp_path: Path) -> None:
     # ~110 MB of float32 weights and ~100 MB of KV pool, so the drop is measurable.
     path = build_qwen2(tmp_path / "big", seed=5, hidden=768, intermediate=2048, layers=2,
@@ -533,6 +554,7 @@ def test_release_memory_lowers_rss_and_resume_serves_the_same(tmp_path: Path) ->
         prompt = [5, 900, 77, 3001, 42, 16000]
         before, _ = run_generate(stub, greedy(prompt, 8), timeout=120)
         pid = server_info(stub).rank_states[0].pid
+        wait_quiet(pid)
         rss_before = rss_bytes(pid)
 
         released = stub.ReleaseMemoryOccupation(pb.ReleaseMemoryOccupationRequest(), timeout=120)

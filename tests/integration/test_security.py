@@ -336,7 +336,7 @@ def test_refused_calls_do_no_work(servers: Servers, both) -> None:
     # The server (started with --log-requests) logs every request the servicer sees.
     assert both.GetModelInfo(pb.GetModelInfoRequest(), timeout=10, metadata=bearer(API_KEY))
     assert rid not in servers.both.log()
-    assert generate(both, API_KEY, request_id=rid + "-ok")
+    assert len(generate(both, API_KEY, request_id=rid + "-ok")) == 3
     assert rid + "-ok" in servers.both.log()
 
 
@@ -365,25 +365,34 @@ def test_api_key_alone_opens_the_admin_rpcs(servers: Servers) -> None:
         code = code_of(lambda: stub.StopProfile(pb.StopProfileRequest(), timeout=30,
                                                 metadata=bearer(API_KEY)))
         assert code != UNAUTH
-        assert generate(stub, API_KEY)
+        assert len(generate(stub, API_KEY)) == 3
         assert stub.HealthCheck(pb.HealthCheckRequest(), timeout=10).healthy
 
 
 def test_admin_key_alone_guards_only_the_admin_rpcs() -> None:
+    missing_admin = "missing 'authorization: Bearer <admin API key>' metadata"
+    wrong_admin = "invalid admin API key (this admin RPC accepts only the admin API key)"
     auth = AuthInterceptor(api_key=None, admin_api_key=ADMIN_KEY)
     md = bearer(ADMIN_KEY)
     for method in (f"/{SERVICE}/Generate", f"/{SERVICE}/GetServerInfo", f"/{SERVICE}/Abort"):
         assert auth.check(method, ()) is None
     for method in ADMIN_METHODS:
-        assert auth.check(method, ()) is not None
-        assert auth.check(method, bearer(API_KEY)) is not None
+        assert auth.check(method, ()) == missing_admin
+        assert auth.check(method, bearer(API_KEY)) == wrong_admin
+        assert auth.check(method, [("authorization", f"Basic {ADMIN_KEY}")]) == wrong_admin
         assert auth.check(method, md) is None
     both = AuthInterceptor(api_key=API_KEY, admin_api_key=ADMIN_KEY)
     assert both.check("/grpc.health.v1.Health/Check", ()) is None
     assert both.check("/grpc.reflection.v1.ServerReflection/ServerReflectionInfo", ()) is None
     assert both.check(f"/{SERVICE}/HealthCheck", ()) is None
-    assert both.check(f"/{SERVICE}/Generate", [("authorization", "Bearer ")]) is not None
-    assert both.check(f"/{SERVICE}/Generate", [("authorization", "Bearer")]) is not None
+    generate = f"/{SERVICE}/Generate"
+    assert both.check(generate, ()) == "missing 'authorization: Bearer <API key>' metadata"
+    for empty in ("Bearer ", "Bearer", "bearer  "):
+        assert both.check(generate, [("authorization", empty)]) == "invalid API key", empty
+    assert both.check(generate, bearer(ADMIN_KEY)) == "invalid API key"
+    assert both.check(generate, bearer(API_KEY)) is None
+    assert both.check(generate, [("authorization", f"bearer {API_KEY}")]) is None
+    assert both.check(next(iter(ADMIN_METHODS)), bearer(API_KEY)) == wrong_admin
 
 
 # ---------------------------------------------------------------------- TLS
@@ -392,7 +401,10 @@ def test_admin_key_alone_guards_only_the_admin_rpcs() -> None:
 def test_tls_round_trip_with_api_key(servers: Servers) -> None:
     with grpc.secure_channel(servers.tls.target, tls_creds(servers.pki)) as ch:
         stub = pb_grpc.SglangSchedulerStub(ch)
-        assert generate(stub, API_KEY) == generate(stub, API_KEY)
+        # the same greedy tokens as the plaintext worker of the same model gives
+        with servers.both.channel() as plain:
+            want = generate(pb_grpc.SglangSchedulerStub(plain), API_KEY)
+        assert len(want) == 3 and generate(stub, API_KEY) == want
         assert code_of(lambda: generate(stub, None)) == UNAUTH
     # By host name too (the certificate names localhost and 127.0.0.1).
     with grpc.secure_channel(f"localhost:{servers.tls.port}", tls_creds(servers.pki)) as ch:

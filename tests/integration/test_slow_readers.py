@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import grpc
+import pytest
 
 from sglang_admin.pb import common_pb2 as pb
 from sglang_admin.pb import common_pb2_grpc as pb_grpc
@@ -28,6 +29,7 @@ def kv_in_use(stub: pb_grpc.SglangSchedulerStub) -> int:
     return sum(s.num_used_tokens for s in info.rank_states)
 
 
+@pytest.mark.long
 def test_slow_and_stalled_readers_keep_the_server_bounded(tmp_path: Path) -> None:
     srv = start_server(tmp_path, "--stream-buffer-tokens", str(BUFFER_TOKENS))
     try:
@@ -85,6 +87,7 @@ def test_overflow_message_names_the_limit(tmp_path: Path) -> None:
         srv.stop()
 
 
+@pytest.mark.long
 def test_logprob_heavy_stalled_streams_at_default_client_settings_stay_bounded(
         tmp_path: Path) -> None:
     """Issue 33: streams with 20 top logprobs a token, 8 read one message a second and 8

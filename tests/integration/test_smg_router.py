@@ -116,6 +116,18 @@ def metric(cluster: Cluster, name: str) -> dict[str, float]:
     return out
 
 
+def pushed_load_polls_skipped(cluster: Cluster) -> dict[str, float]:
+    """The gateway's GetLoads polls skipped because the worker's pushed load was fresh, by
+    worker."""
+    with urllib.request.urlopen(f"{cluster.metrics}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for m in re.finditer(r'smg_engine_load_polls_total\{worker="([^"]*)",mode="skipped_fresh_push"'
+                         r'\} (\S+)', text):
+        out[m.group(1)] = float(m.group(2))
+    return out
+
+
 def trace_files(directory: Path) -> list[Path]:
     return sorted(directory.rglob("*.trace.json*"))
 
@@ -240,9 +252,15 @@ def test_workers_register_and_the_tokenizer_comes_from_a_worker(cluster: Cluster
         assert int(labels["context_length"]) == info.max_context_length
         assert int(labels["vocab_size"]) == info.vocab_size
         assert int(labels["max_total_tokens"]) > 0
-    for worker in cluster.workers:  # the gateway's load polls and health probes succeed
-        wait_for(lambda w=worker: "SglangScheduler/GetLoads status=OK" in w.log(), 10,
-                 f"a GetLoads poll of {worker.target}")
+    # The gateway takes each worker's load from the EngineLoad records on its KV event stream
+    # (it skips the GetLoads poll while they are fresh); its health probes succeed.
+    for url in cluster.urls:
+        wait_for(lambda u=url: pushed_load_polls_skipped(cluster).get(u, 0) > 0, 15,
+                 f"the gateway to take {url}'s load from its pushes")
+    status, loads = http("GET", f"{cluster.base}/loads")
+    assert status == 200 and {ld["worker"] for ld in loads["loads"]} == set(cluster.urls)
+    assert all(ld["max_total_num_tokens"] > 0 for ld in loads["loads"])
+    for worker in cluster.workers:
         log = worker.log()
         assert "SglangScheduler/HealthCheck status=OK" in log
         assert not re.search(r"SglangScheduler/(GetLoads|HealthCheck) status=(?!OK)", log)
@@ -267,14 +285,27 @@ def test_generate_with_input_ids_matches_the_worker(cluster: Cluster) -> None:
 
 
 def test_completions_and_chat_completions_with_text(cluster: Cluster) -> None:
+    from transformers import AutoTokenizer
+
+    from sglang_admin.model.default_model import ensure_default_model
+
+    prompt = "The router tokenizes this prompt."
     status, body = http("POST", f"{cluster.base}/v1/completions", {
-        "model": cluster.model, "prompt": "The router tokenizes this prompt.",
-        "max_tokens": 5, "temperature": 0,
+        "model": cluster.model, "prompt": prompt, "max_tokens": 5, "temperature": 0,
     })
     assert status == 200, body
-    assert isinstance(body["choices"][0]["text"], str)
-    assert 1 <= body["usage"]["completion_tokens"] <= 5
-    assert body["usage"]["prompt_tokens"] > 5
+    # what the worker itself makes of the prompt (tokenized with the model's tokenizer, the
+    # one the gateway fetched with GetTokenizer: the workers serve a copy of the default
+    # model): the same greedy tokens, as text
+    tok = AutoTokenizer.from_pretrained(ensure_default_model())
+    ids = tok(prompt)["input_ids"]
+    direct = list(cluster.workers[0].stub().Generate(pb.GenerateRequest(
+        tokenized=pb.TokenizedInput(input_ids=ids),
+        sampling_params=pb.SamplingParams(temperature=0.0, max_new_tokens=5),
+    ), timeout=60))[-1].complete
+    assert body["usage"]["prompt_tokens"] == len(ids)
+    assert body["usage"]["completion_tokens"] == len(direct.output_ids)
+    assert body["choices"][0]["text"] == tok.decode(direct.output_ids, skip_special_tokens=True)
     status, body = http("POST", f"{cluster.base}/v1/chat/completions", {
         "model": cluster.model, "messages": [{"role": "user", "content": "Hello there"}],
         "max_tokens": 5, "temperature": 0,

@@ -51,7 +51,6 @@ def generate(stub, ids: list[int], stream: bool = False, **sampling
 def test_greedy_served_equals_the_plain_worker_with_drafts_accepted(
         spec_server: ServerProc, server: ServerProc) -> None:
     spec, plain = spec_server.stub(), server.stub()
-    accepted = 0
     for ids in [*LOOPING, PLAIN]:
         want, _, _ = generate(plain, ids, max_new_tokens=48, ignore_eos=True)
         got, completes, streamed = generate(spec, ids, stream=True, max_new_tokens=48,
@@ -59,9 +58,9 @@ def test_greedy_served_equals_the_plain_worker_with_drafts_accepted(
         assert got == want and len(streamed) > 1, ids
         c = completes[0]
         assert c.spec_accepted_tokens <= c.spec_draft_tokens
-        assert c.spec_verify_ct > 0 or c.spec_draft_tokens == 0
-        accepted += c.spec_accepted_tokens
-    assert accepted > 0, "no draft accepted: the test proves nothing"
+        assert (c.spec_verify_ct > 0) == (c.spec_draft_tokens > 0)
+        if ids in LOOPING:  # its output loops: its drafts are accepted
+            assert c.spec_verify_ct > 0 and c.spec_accepted_tokens > 0, ids
 
 
 def test_stop_strings_logprobs_and_n2_inside_accepted_runs(
@@ -83,16 +82,9 @@ def test_stop_strings_logprobs_and_n2_inside_accepted_runs(
                              sampling_params=pb.SamplingParams(max_new_tokens=30,
                                                                ignore_eos=True))
     a = [r.complete for r in plain.Generate(req, timeout=60)][-1]
-    # Once in a full CI run (and once in 4 tries by hand, pinned to the rank that had not
-    # served this prompt yet) the first such request drafted nothing at all (0 drafted, 0
-    # verify steps; output equal): an open finding of session 17 (docs/speculative.md).
-    # The point here is logprobs of accepted runs: up to 3 tries for a request that drafts.
-    for _ in range(3):
-        b = [r.complete for r in spec.Generate(req, timeout=60)][-1]
-        assert list(a.output_ids) == list(b.output_ids)
-        if b.spec_accepted_tokens > 0:
-            break
-    assert b.spec_accepted_tokens > 0
+    b = [r.complete for r in spec.Generate(req, timeout=60)][-1]
+    assert list(a.output_ids) == list(b.output_ids)
+    assert b.spec_verify_ct > 0 and b.spec_accepted_tokens > 0
     assert len(b.output_logprobs.token_logprobs) == 30
     assert list(b.output_logprobs.token_logprobs) == pytest.approx(
         list(a.output_logprobs.token_logprobs), abs=1e-4)

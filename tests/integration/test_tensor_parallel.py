@@ -79,10 +79,26 @@ def reference(model, prompt: list[int], n: int) -> tuple[list[int], list[float]]
     return tokens, logprobs
 
 
+_BUILT: dict[tuple[str, int], Path] = {}
+_MODELS: dict[Path, object] = {}
+
+
+def shared_checkpoint(kind: str, factory: pytest.TempPathFactory, seed: int = 0) -> Path:
+    """``build_checkpoint(kind, seed=seed)`` built once per run: the workers and the
+    references only read it (a dp 1 and a dp 2 worker of one kind, the killed rank's)."""
+    key = (kind, seed)
+    if key not in _BUILT:
+        _BUILT[key] = build_checkpoint(kind, factory.mktemp(f"{kind}-{seed}") / "ckpt", seed)
+    return _BUILT[key]
+
+
 def hf_model(path: Path):
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model.eval()
-    return model
+    """transformers' model of the checkpoint, loaded once per path (read only: its greedy
+    references are kept on it, computed once: assert_equal_to_transformers)."""
+    if path not in _MODELS:
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        _MODELS[path] = model.eval()
+    return _MODELS[path]
 
 
 def start_tp(tmp: Path, path: Path, dp: int = 1, *extra: str, wait: bool = True) -> ServerProc:
@@ -127,7 +143,7 @@ def tp_workers_ahead(tmp_path_factory) -> tuple[Prestart, dict[str, Path]]:
 
     def start(name: str) -> ServerProc:
         kind, dp = name.split("-")[0], int(name[-1])
-        paths[name] = build_checkpoint(kind, tmp_path_factory.mktemp(kind))
+        paths[name] = shared_checkpoint(kind, tmp_path_factory)
         return start_tp(tmp_path_factory.mktemp(f"{kind}-srv"), paths[name], dp, wait=False)
 
     return Prestart(TP_WORKERS, start), paths
@@ -394,8 +410,9 @@ def test_memory_release_and_resume_on_every_tp_rank(sync_worker) -> None:
     assert sync_outputs(srv) == before
 
 
-def test_update_weights_from_disk_reaches_every_tp_rank(tmp_path: Path) -> None:
-    first = build_checkpoint("llama", tmp_path / "first", seed=0)
+def test_update_weights_from_disk_reaches_every_tp_rank(tmp_path: Path,
+                                                        tmp_path_factory) -> None:
+    first = shared_checkpoint("llama", tmp_path_factory)
     second = build_checkpoint("llama", tmp_path / "second", seed=1)
     srv = start_tp(tmp_path, first)
     try:
@@ -432,10 +449,11 @@ def _tp_follower_pids(srv: ServerProc) -> list[int]:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
-def test_a_killed_or_stopped_tp_rank_takes_the_worker_down(tmp_path: Path, sig: int) -> None:
+def test_a_killed_or_stopped_tp_rank_takes_the_worker_down(tmp_path: Path, sig: int,
+                                                            tmp_path_factory) -> None:
     """SIGKILL: the server sees the exit; SIGSTOP: the follower's heartbeat falls silent
     (--watchdog-probe-timeout 2) while rank 0 waits for it in an all-reduce."""
-    path = build_checkpoint("qwen2", tmp_path / "ckpt")
+    path = shared_checkpoint("qwen2", tmp_path_factory)
     srv = start_tp(tmp_path, path, 1, "--watchdog-probe-timeout", "2")
     try:
         children = srv.children()

@@ -16,7 +16,6 @@ from sglang_admin.pb import common_pb2 as pb
 from sglang_admin.server.cache_profile_service import MAX_FLUSH_TIMEOUT_S, flush_timeout_from_proto
 from sglang_admin.server.errors import MAX_REQUEST_ID_CHARS, ServiceError
 from sglang_admin.server.generate_codec import (
-    DEFAULT_MAX_NEW_TOKENS,
     MAX_CONSTRAINT_CHARS,
     Limits,
     generate_from_proto,
@@ -63,8 +62,6 @@ BAD = [
     ("token-eq-vocab", req([1, 261]), "tokenized.input_ids[1] = 261"),
     ("token-max-uint32", req([2**32 - 1]), "tokenized.input_ids[0]"),
     ("prompt-eq-context", req([1] * 8192), "context length 8192"),
-    ("max-new-overflow", req([1] * 100, max_new_tokens=8093), "sampling_params.max_new_tokens"),
-    ("max-new-huge", req([1], max_new_tokens=2**32 - 1), "sampling_params.max_new_tokens"),
     ("min-new-gt-max", req([1], max_new_tokens=4, min_new_tokens=5),
      "sampling_params.min_new_tokens"),
     ("temperature-neg", req([1], temperature=-0.5), "sampling_params.temperature"),
@@ -147,7 +144,8 @@ def test_proto_zeros_map_to_sglang_defaults() -> None:
     sp = out.sampling
     assert (sp.temperature, sp.top_p, sp.top_k, sp.min_p) == (0.0, 1.0, -1, 0.0)
     assert sp.repetition_penalty == 1.0
-    assert sp.max_new_tokens == DEFAULT_MAX_NEW_TOKENS
+    # unset max_new_tokens: up to the context, as SGLang's scheduler
+    assert sp.max_new_tokens == 8192 - 3
     assert out.input_ids == [1, 2, 3] and out.rid == "rid"
 
 
@@ -158,6 +156,17 @@ def test_edges_that_are_valid() -> None:
     # Default max_new_tokens shrinks to the room left.
     out = generate_from_proto(req([1] * 8150), "rid", LIMITS)
     assert out.sampling.max_new_tokens == 8192 - 8150
+    # Above the room: capped to it (SGLang's scheduler caps, it does not refuse).
+    out = generate_from_proto(req([1] * 100, max_new_tokens=8093), "rid", LIMITS)
+    assert out.sampling.max_new_tokens == 8092
+    out = generate_from_proto(req([1], max_new_tokens=2**32 - 1, min_new_tokens=9000),
+                              "rid", LIMITS)
+    assert (out.sampling.max_new_tokens, out.sampling.min_new_tokens) == (8191, 8191)
+    # The KV pool counts when it is smaller than the context.
+    pool = Limits(vocab_size=261, context_length=8192, token_capacity=100, dp_size=1)
+    assert pool.max_req_input_len == 99
+    assert generate_from_proto(req([1] * 99), "rid", pool).sampling.max_new_tokens == 1
+    assert generate_from_proto(req([1] * 40), "rid", pool).sampling.max_new_tokens == 60
     r = bias({"0": -100.0, "260": 5.5}, temperature=0.7, top_p=1.0, top_k=-1, min_p=1.0,
              frequency_penalty=-2.0, presence_penalty=2.0, repetition_penalty=2.0,
              stop_token_ids=[260])

@@ -325,6 +325,11 @@ def test_large_snapshot_is_chunked_with_consecutive_numbers(monkeypatch) -> None
         for e in b.events:
             view.apply(e)
     assert len(view.blocks) == 5
+    # each batch is marked as chunk i of n of the rank's snapshot of its 5 live blocks
+    marks = [(b.snapshot.index, b.snapshot.count, b.snapshot.blocks) for b in sub.initial]
+    assert marks == [(i, len(seqs), 5) for i in range(len(seqs))]
+    hub.publish(stored_msg(0, 9, None, [9] * B))
+    assert not sub.queue.get_nowait().HasField("snapshot")  # a live batch is no chunk
 
 
 def test_resume_from_history_and_out_of_range() -> None:

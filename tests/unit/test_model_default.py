@@ -70,7 +70,8 @@ def test_info(default_dir: str) -> None:
     assert info.context_length >= 4096
     assert info.tokenizer_path == default_dir
     assert len(info.eos_token_ids) == 2
-    assert info.bos_token_id is not None and info.pad_token_id is not None
+    # the embedded model's special ids (its bytes take 0-255)
+    assert (info.bos_token_id, info.pad_token_id, sorted(info.eos_token_ids)) == (256, 260, [257, 259])
 
 
 def test_loads_with_transformers_and_tokenizers(default_dir: str) -> None:

@@ -153,3 +153,18 @@ def test_config_parsing_old_and_new_rope_layout() -> None:
         LlamaConfig.from_hf({**base, "hidden_act": "gelu"})
     with pytest.raises(ValueError, match="invalid rope_scaling"):
         LlamaConfig.from_hf({**base, "rope_scaling": {"type": "linear"}})
+
+
+def test_sampling_defaults_come_from_generation_config() -> None:
+    from sglang_admin.model.loader import generation_sampling_defaults
+
+    gen = {"temperature": 0.6, "top_p": 0.95, "top_k": 20.0, "min_p": 0,
+           "repetition_penalty": 1.05, "max_new_tokens": 512, "do_sample": True}
+    assert generation_sampling_defaults(gen) == {
+        "temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0,
+        "repetition_penalty": 1.05}  # length limits are not sampling defaults
+    # nulls, non-numbers, booleans and non-finite values are left out
+    bad = {"temperature": None, "top_p": "0.9", "top_k": True, "min_p": float("nan"),
+           "repetition_penalty": float("inf")}
+    assert generation_sampling_defaults(bad) == {}
+    assert generation_sampling_defaults({}) == {}

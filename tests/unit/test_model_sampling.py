@@ -238,6 +238,7 @@ def test_nan_and_inf_logits_are_sanitized() -> None:
     result = sample(logits, reqs, EOS, torch.Generator().manual_seed(0))
     assert result.token_ids[0] == 5 and result.errors[0] is None
     assert result.errors[1] is not None
+    assert result.errors[1].startswith("sampling_params leave no token to choose at output position 0")
 
 
 @pytest.mark.parametrize(("params", "wants_logprobs", "expected"), [

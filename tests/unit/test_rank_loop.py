@@ -140,7 +140,8 @@ def test_an_op_waiting_for_a_drained_rank_answers_after_the_outputs_it_waited_fo
     loop.drain_inbox(block=False)  # the loop's next iteration
     sent = [m for m in wires.received() if isinstance(m, (AdminReply, BatchOutput))]
     assert [type(m) for m in sent] == [BatchOutput, AdminReply]
-    assert sent[0].outputs[0].finish_reason is not None
+    final = sent[0].outputs[0]
+    assert (final.rid, final.finish_reason, final.completion_tokens) == ("r1", "length", 2)
     assert sent[1].rid == "flush-1" and sent[1].success
 
 

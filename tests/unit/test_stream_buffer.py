@@ -224,3 +224,48 @@ def test_the_token_count_follows_every_way_out() -> None:
         assert other.tokens == 0 and other.push(ReqOutput("r", [1, 2, 3, 4], 3, 4, 0))
 
     asyncio.run(go())
+
+
+# what a backlog's part takes from its outputs token by token, or recomputes; every other
+# field of ReqOutput is said once, by the final output, and must reach the reader
+PER_TOKEN = {"rid", "new_token_ids", "prompt_tokens", "completion_tokens", "cached_tokens",
+             "queue_time_s", "index", "logprobs", "top_logprobs", "token_ids_logprobs",
+             "hidden_states"}
+
+
+def test_the_final_outputs_fields_survive_a_backlog_whole_or_split() -> None:
+    """Two or more outputs of a sample pile up when the reader is slower than the rank (a
+    loaded server, a logprob stream): the backlog's last part must carry everything the
+    final output says, the speculative accept figures included (they were dropped, so a
+    request that verified drafts reported 0 drafted now and then)."""
+    import dataclasses
+
+    final_values = {
+        "finish_reason": "stop", "matched_token_id": 7, "error": "e", "error_code": "INTERNAL",
+        "matched_stop_str": "ab", "stop_trim": 2, "input_logprobs": [None, -1.0],
+        "input_top_logprobs": [[], [(1, -1.0)]], "embedding": [0.5, 0.25],
+        "spec_verify_ct": 5, "spec_draft_tokens": 22, "spec_accepted_tokens": 21,
+    }
+    names = {f.name for f in dataclasses.fields(ReqOutput)}
+    assert names - PER_TOKEN == set(final_values), "a new final field: add it here and to Backlog.take"
+
+    async def go(steps: int) -> list[ReqOutput]:
+        buf = OutputBuffer(max_tokens=100_000)
+        for i in range(steps - 1):
+            assert buf.push(out([i], i + 1))
+        assert buf.push(ReqOutput("r", [99], 3, steps, 0, logprobs=[-0.5], **final_values))
+        parts: list[ReqOutput] = []
+        while not parts or parts[-1].finish_reason is None:
+            got = await buf.get()
+            assert isinstance(got, ReqOutput)
+            parts.append(got)
+        return parts
+
+    for steps in (2, 20_000):  # taken whole; split into parts of MESSAGE_BYTES
+        parts = asyncio.run(go(steps))
+        assert (len(parts) > 1) == (steps > 2)
+        assert sum(len(p.new_token_ids) for p in parts) == steps
+        for name, value in final_values.items():
+            assert getattr(parts[-1], name) == value, name
+            for early in parts[:-1]:
+                assert getattr(early, name) in (None, 0, []), name

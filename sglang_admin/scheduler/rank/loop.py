@@ -33,6 +33,7 @@ from sglang_admin.scheduler.ops.registry import Handler, op_name
 from sglang_admin.scheduler.profiling.step_timing import StepTimer
 from sglang_admin.scheduler.rank.builder import build_runner, build_scheduler, setup_lora
 from sglang_admin.scheduler.rank.model_step import batch_inputs, forward
+from sglang_admin.scheduler.reasoning import think_end_id
 from sglang_admin.scheduler.request import Batch
 from sglang_admin.scheduler.speculative.setup import install_draft_model
 from sglang_admin.tracing import child_span, trace_id_of
@@ -52,7 +53,7 @@ _CLEARED = ["cleared"]  # the radix cache's event of a flush (scheduler/radix_ca
 
 
 # RankState's fields after its timestamp (_state_figures' last ones)
-_AFTER_TIMESTAMP = 6
+_AFTER_TIMESTAMP = 8
 
 
 class Rank:
@@ -110,6 +111,9 @@ class Rank:
         info.token_capacity = self.runner.token_capacity
         info.kv_cache_bytes = self.runner.kv_cache_bytes
         info.device = str(self.runner.device)
+        info.think_end_id = think_end_id(
+            self.args.reasoning_parser, self.args.tokenizer_path or info.tokenizer_path)
+        self.scheduler.think_end_id = info.think_end_id
         self.weights_source: str | None = info.model_path
         self.weights_valid = True
         self.released_digest: str | None = None
@@ -181,7 +185,12 @@ class Rank:
             # after the timestamp (filled in by _state_of):
             lora.used if lora is not None else 0, lora.slots if lora is not None else 0,
             s.num_grammar_queue_reqs, s.spec.verify_steps, s.spec.drafted, s.spec.accepted,
+            self._graph_gb(), len(s.running) + len(s.waiting) if s.paused else 0,
         )
+
+    def _graph_gb(self) -> float:
+        graphs = getattr(self.runner, "graphs", None)
+        return graphs.graph_bytes / 2**30 if graphs is not None else 0.0
 
     @staticmethod
     def _state_of(figures: tuple) -> RankState:

@@ -7,7 +7,6 @@
 """
 
 from sglang_admin.server.generate_codec.request import (
-    DEFAULT_MAX_NEW_TOKENS,
     MAX_CONSTRAINT_CHARS,
     FeatureError,
     Limits,
@@ -18,7 +17,6 @@ from sglang_admin.server.generate_codec.request import (
 from sglang_admin.server.generate_codec.streams import SampleStreams
 
 __all__ = [
-    "DEFAULT_MAX_NEW_TOKENS",
     "MAX_CONSTRAINT_CHARS",
     "FeatureError",
     "Limits",

@@ -15,7 +15,6 @@ from sglang_admin.messages import GenerateReq, SamplingParams
 from sglang_admin.pb import common_pb2 as pb
 from sglang_admin.server.errors import MAX_REQUEST_ID_CHARS, invalid
 
-DEFAULT_MAX_NEW_TOKENS = 128
 MAX_TOP_LOGPROBS = 20
 MAX_ABS_LOGIT_BIAS = 100.0  # as OpenAI: a bias of +-100 already forces or bans a token
 MIN_REPETITION_PENALTY = 0.01  # below it a positive logit is multiplied past any useful range
@@ -56,6 +55,25 @@ class Limits:
     dp_size: int
     lora_enabled: bool = False  # --enable-lora: GenerateRequest.lora_id is accepted
 
+    @property
+    def max_req_len(self) -> int:
+        """The most tokens one request may hold, prompt and output: the context, or the KV
+        pool when it is smaller (a rank ends a sequence with "length" at either)."""
+        return min(self.context_length, self.token_capacity)
+
+    @property
+    def max_req_input_len(self) -> int:
+        """The longest prompt this worker takes (GetModelInfo.max_req_input_len): one token
+        below ``max_req_len``, so that every prompt it takes may still generate."""
+        return self.max_req_len - 1
+
+    def room(self, prompt_len: int) -> int:
+        """The most output tokens a prompt of ``prompt_len`` tokens may get: SGLang's
+        scheduler caps max_new_tokens the same way, at ``max_req_len - prompt - 1`` with its
+        own ``max_req_len`` of ``min(context, pool) - 1``; this worker's sequences hold the
+        whole context, so its bound is ``min(context, pool) - prompt``."""
+        return max(0, self.max_req_len - prompt_len)
+
 
 def _finite(name: str, value: float) -> float:
     if math.isnan(value) or math.isinf(value):
@@ -89,21 +107,17 @@ def sampling_from_proto(sp: pb.SamplingParams, limits: Limits, prompt_len: int) 
             f"sampling_params.repetition_penalty must be in [{MIN_REPETITION_PENALTY}, "
             f"{MAX_REPETITION_PENALTY:g}] (0 or unset: 1), got {repetition_penalty}"
         )
-    room = limits.context_length - prompt_len
-    if sp.HasField("max_new_tokens"):
-        max_new = sp.max_new_tokens  # 0: prefill only (scoring, echo)
-        if max_new > room:
-            raise invalid(
-                f"sampling_params.max_new_tokens = {max_new} with a prompt of {prompt_len} "
-                f"tokens exceeds the context length {limits.context_length}"
-            )
-    else:
-        max_new = min(DEFAULT_MAX_NEW_TOKENS, room)
-    if sp.min_new_tokens > max_new:
+    # As SGLang's scheduler: unset is "up to the context", a value above the room is capped
+    # to it (the answer then ends with "length" there); 0 is prefill only (scoring, echo).
+    room = limits.room(prompt_len)
+    asked = sp.max_new_tokens if sp.HasField("max_new_tokens") else None
+    if asked is not None and sp.min_new_tokens > asked:  # SamplingParams.verify's check
         raise invalid(
             f"sampling_params.min_new_tokens = {sp.min_new_tokens} exceeds max_new_tokens = "
-            f"{max_new}"
+            f"{asked}"
         )
+    max_new = room if asked is None else min(asked, room)
+    min_new = min(sp.min_new_tokens, max_new)  # capped with max_new_tokens
     for tid in sp.stop_token_ids:
         if tid >= limits.vocab_size:
             raise invalid(
@@ -144,13 +158,19 @@ def sampling_from_proto(sp: pb.SamplingParams, limits: Limits, prompt_len: int) 
         presence_penalty=sp.presence_penalty,
         repetition_penalty=repetition_penalty,
         max_new_tokens=max_new,
-        min_new_tokens=sp.min_new_tokens,
+        min_new_tokens=min_new,
         stop_token_ids=list(sp.stop_token_ids),
         ignore_eos=sp.ignore_eos,
         logit_bias=logit_bias,
         grammar_kind=grammar_kind,
         grammar=grammar,
     )
+
+
+def with_reasoning(params: SamplingParams, require_reasoning: bool) -> SamplingParams:
+    """``params`` marked for a request whose constraint starts after its think span."""
+    params.require_reasoning = require_reasoning
+    return params
 
 
 def _constraint_from_proto(sp: pb.SamplingParams) -> tuple[str, str]:
@@ -185,6 +205,9 @@ def generate_from_proto(request: pb.GenerateRequest, rid: str, limits: Limits) -
         raise invalid(f"lora_id is longer than {MAX_REQUEST_ID_CHARS} characters")
     if request.custom_logit_processor:
         raise invalid("custom_logit_processor is not supported by this worker")
+    if request.sampling_params.HasField("custom_params"):
+        raise invalid("sampling_params.custom_params is not supported by this worker: it is "
+                      "read only by a custom_logit_processor, which this worker does not run")
     if len(request.request_id) > MAX_REQUEST_ID_CHARS:
         raise invalid(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
     ids = list(request.tokenized.input_ids)
@@ -201,14 +224,13 @@ def generate_from_proto(request: pb.GenerateRequest, rid: str, limits: Limits) -
             f"tokenized.input_ids[{bad}] = {ids[bad]} is outside the vocabulary of "
             f"{limits.vocab_size} tokens"
         )
-    if len(ids) >= limits.context_length:
+    if len(ids) > limits.max_req_input_len:
+        bound = ("the context length" if limits.context_length <= limits.token_capacity
+                 else "the KV pool of")
+        size = min(limits.context_length, limits.token_capacity)
         raise invalid(
-            f"prompt of {len(ids)} tokens exceeds the context length "
-            f"{limits.context_length} (at most {limits.context_length - 1} input tokens)"
-        )
-    if len(ids) >= limits.token_capacity:
-        raise invalid(
-            f"prompt of {len(ids)} tokens exceeds the KV pool of {limits.token_capacity} tokens"
+            f"prompt of {len(ids)} tokens exceeds {bound} {size} tokens: this worker takes "
+            f"at most {limits.max_req_input_len} input tokens (GetModelInfo.max_req_input_len)"
         )
     if request.HasField("data_parallel_rank") and not (
         0 <= request.data_parallel_rank < limits.dp_size
@@ -228,7 +250,8 @@ def generate_from_proto(request: pb.GenerateRequest, rid: str, limits: Limits) -
     return GenerateReq(
         rid=rid,
         input_ids=ids,
-        sampling=sampling_from_proto(request.sampling_params, limits, len(ids)),
+        sampling=with_reasoning(sampling_from_proto(request.sampling_params, limits, len(ids)),
+                                request.require_reasoning),
         return_logprob=request.return_logprob,
         top_logprobs_num=request.top_logprobs_num if request.return_logprob else 0,
         stream=request.stream,

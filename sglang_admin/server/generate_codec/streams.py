@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from sglang_admin.messages import GenerateReq, ReqOutput
 from sglang_admin.pb import common_pb2 as pb
+from sglang_admin.scheduler.reasoning import count_reasoning
 from sglang_admin.server.generate_codec.response import (
     hidden_states_proto,
     input_logprobs_proto,
@@ -58,15 +59,24 @@ class _Sample:
     pending: _Part = field(default_factory=_Part)  # streaming: not sent in a chunk yet
     sent: int = 0  # output tokens already streamed
     done: bool = False
+    reasoning: int = 0  # output tokens inside the think span (require_reasoning)
+    thinking: bool = True  # the think span has not ended yet
 
 
 class SampleStreams:
     """The answer of one Generate call: feed it rank outputs, send what it returns."""
 
-    def __init__(self, rid: str, req: GenerateReq, stream_interval: int) -> None:
+    def __init__(self, rid: str, req: GenerateReq, stream_interval: int,
+                 think_end_id: int = -1) -> None:
         self.rid = rid
         self.req = req
         self.interval = stream_interval
+        # require_reasoning with --reasoning-parser: the token that ends the think span (as
+        # SGLang's scheduler, the tokens up to and including it are reasoning tokens)
+        self.think_end_id = think_end_id
+        # the prompt logprobs (built when they come), and whether a chunk carried them
+        self.prompt_logprobs: pb.InputLogProbs | None = None
+        self.input_logprobs_sent = False
         self.samples = [_Sample() for _ in range(max(req.n, 1))]
         self.done = 0  # samples completed
         # a chunk per output with its tokens alone (most calls): no pending bookkeeping
@@ -86,6 +96,12 @@ class SampleStreams:
         if not 0 <= out.index < len(self.samples):
             return []
         sample = self.samples[out.index]
+        if out.input_logprobs:
+            self._input_logprobs(out)
+        if self.think_end_id >= 0 and sample.thinking and out.new_token_ids:
+            count, ended = count_reasoning(out.new_token_ids, self.think_end_id)
+            sample.reasoning += count
+            sample.thinking = not ended
         if self.tokens_only and out.finish_reason is None and not sample.pending.ids:
             ids = out.new_token_ids  # what _due and _chunk make of it, without the copies
             sample.tokens += len(ids)
@@ -97,6 +113,7 @@ class SampleStreams:
             chunk.prompt_tokens = out.prompt_tokens
             chunk.completion_tokens = sample.sent
             chunk.cached_tokens = out.cached_tokens
+            chunk.reasoning_tokens = sample.reasoning
             chunk.index = out.index
             return [response]
         sample.tokens += len(out.new_token_ids)
@@ -106,15 +123,16 @@ class SampleStreams:
             final = out.finish_reason is not None
             last = _Part()
             for part in self._due(sample.pending, final, bool(out.new_token_ids)):
-                answers.append(self._chunk(out, part, sample.sent))
+                answers.append(self._chunk(out, part, sample.sent, sample.reasoning))
                 last, sample.sent = part, sample.sent + len(part.ids)
             if final:
-                answers.append(self._complete(out, last, sample.sent - len(last.ids)))
+                answers.append(self._complete(out, last, sample.sent - len(last.ids),
+                                              sample.reasoning))
         else:
             sample.all.add(out)
         if not self.req.stream and out.finish_reason is not None:
             keep = stop_trimmed(out, sample.tokens)
-            answers.append(self._complete(out, sample.all.cut(keep), 0))
+            answers.append(self._complete(out, sample.all.cut(keep), 0, sample.reasoning))
         if out.finish_reason is not None and not sample.done:
             sample.done = True
             self.done += 1
@@ -147,27 +165,47 @@ class SampleStreams:
             lps.token_ids_logprobs.extend(token_ids_logprobs_proto(part.by_ids))
         return lps
 
-    def _chunk(self, out: ReqOutput, part: _Part, first: int) -> pb.GenerateResponse:
+    def _input_logprobs(self, out: ReqOutput) -> pb.InputLogProbs | None:
+        """The prompt logprobs (the rank sends them once, with the first output token), for
+        the first streamed chunk and every complete, as SGLang's servicer; None when the
+        request asked for none or they have not come yet."""
+        if (self.prompt_logprobs is None and self.req.return_logprob and out.input_logprobs
+                and self.req.logprob_start_len >= 0):
+            self.prompt_logprobs = input_logprobs_proto(
+                self.req.input_ids, self.req.logprob_start_len, out.input_logprobs,
+                out.input_top_logprobs)
+        return self.prompt_logprobs
+
+    def _chunk(self, out: ReqOutput, part: _Part, first: int,
+               reasoning: int = 0) -> pb.GenerateResponse:
         response = pb.GenerateResponse(request_id=self.rid)
         chunk = response.chunk  # filled in place, not built apart and copied in
         chunk.token_ids.extend(part.ids)
         chunk.prompt_tokens = out.prompt_tokens
         chunk.completion_tokens = first + len(part.ids)
         chunk.cached_tokens = out.cached_tokens
+        chunk.reasoning_tokens = reasoning
         chunk.index = out.index
         if self.req.return_logprob:
             chunk.output_logprobs.CopyFrom(self._logprobs(part))
+            if not self.input_logprobs_sent and out.index == 0:
+                prompt = self._input_logprobs(out)
+                if prompt is not None:
+                    chunk.input_logprobs.CopyFrom(prompt)
+                    self.input_logprobs_sent = True
         for row in part.hidden:
             chunk.hidden_states.extend(row)
         return response
 
-    def _complete(self, out: ReqOutput, part: _Part, first: int) -> pb.GenerateResponse:
+    def _complete(self, out: ReqOutput, part: _Part, first: int,
+                  reasoning: int = 0) -> pb.GenerateResponse:
         complete = pb.GenerateComplete(
             output_ids=part.ids,
             finish_reason=out.finish_reason or "stop",
             prompt_tokens=out.prompt_tokens,
             completion_tokens=out.completion_tokens,
             cached_tokens=out.cached_tokens,
+            reasoning_tokens=reasoning,
             index=out.index,
             spec_accepted_tokens=out.spec_accepted_tokens,
             spec_draft_tokens=out.spec_draft_tokens,
@@ -179,10 +217,9 @@ class SampleStreams:
             complete.matched_stop_str = out.matched_stop_str
         if self.req.return_logprob:
             complete.output_logprobs.CopyFrom(self._logprobs(part))
-            if out.input_logprobs and self.req.logprob_start_len >= 0:
-                complete.input_logprobs.CopyFrom(input_logprobs_proto(
-                    self.req.input_ids, self.req.logprob_start_len, out.input_logprobs,
-                    out.input_top_logprobs))
+            prompt = self._input_logprobs(out) if out.index == 0 else None
+            if prompt is not None:
+                complete.input_logprobs.CopyFrom(prompt)
         if part.hidden:
             complete.all_hidden_states.extend(
                 hidden_states_proto(part.hidden, out.prompt_tokens + first))

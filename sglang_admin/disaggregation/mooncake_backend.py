@@ -1,0 +1,284 @@
+"""The `mooncake` KV transfer backend: one-sided writes with the Mooncake transfer engine.
+
+The prefill side writes a room's KV rows straight into the decode worker's registered pool
+(`batch_transfer_sync_write`), the way SGLang's mooncake connector does; the decode side
+only registers its pool and advertises its session id ("host:rpc_port"). Engines find each
+other without a metadata server ("P2PHANDSHAKE"): the first write to a session opens it with
+a handshake on that rpc port, and the engine caches the connection. (The engine's
+asynchronous batch status, `transfer_check_status`, reported batches complete before all of
+their bytes had landed in about one run in four here, so writes are synchronous, each on its
+own thread to keep the caller's deadline.)
+
+Protocol: "tcp" (any machine; needs the system library libibverbs.so.1 all the same, since
+the engine loads it) or "rdma" (an InfiniBand/RoCE cluster; the NIC from `ib_device`, or
+all NICs when empty). Chosen by the constructor's arguments, else the environment:
+SGLANG_ADMIN_MOONCAKE_PROTOCOL (tcp|rdma) and SGLANG_ADMIN_MOONCAKE_IB_DEVICE (comma
+separated NIC names; setting it alone selects rdma, as SGLang's --disaggregation-ib-device).
+
+The receiver's engine checks every remote-supplied address against its registered buffers
+and rejects a write outside them; this backend also checks slot numbers against both sides'
+buffer sizes before it writes, so a bad handshake fails that room alone with a
+"kv transfer failed" message.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import operator
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from sglang_admin.disaggregation.transfer import (
+    BufferInfo,
+    KVTransferBackend,
+    KVTransferError,
+    PeerDescriptor,
+    TransferResult,
+    check_compatible,
+)
+
+logger = logging.getLogger(__name__)
+
+PROTOCOL_ENV = "SGLANG_ADMIN_MOONCAKE_PROTOCOL"
+IB_DEVICE_ENV = "SGLANG_ADMIN_MOONCAKE_IB_DEVICE"
+PROTOCOLS = ("tcp", "rdma")
+INSTALL_HINT = ("install it with `pip install 'sglang-admin[pd]'` (mooncake-transfer-engine-"
+                "non-cuda) and the system library libibverbs1 (`make ibverbs`)")
+
+def _resolve_protocol(protocol: str | None, ib_device: str | None) -> tuple[str, str]:
+    device = ib_device if ib_device is not None else os.environ.get(IB_DEVICE_ENV, "")
+    proto = protocol or os.environ.get(PROTOCOL_ENV, "") or ("rdma" if device else "tcp")
+    proto = proto.strip().lower()
+    if proto not in PROTOCOLS:
+        raise KVTransferError(f"kv transfer: mooncake protocol {proto!r} is not one of "
+                              f"{', '.join(PROTOCOLS)}")
+    return proto, device.strip()
+
+
+def coalesce(src_slots: Sequence[int], dst_slots: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(src_start, dst_start, count) runs where both slot lists advance by one together."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src_slots, dst_slots):
+        if runs:
+            s0, d0, n = runs[-1]
+            if s == s0 + n and d == d0 + n:
+                runs[-1] = (s0, d0, n + 1)
+                continue
+        runs.append((int(s), int(d), 1))
+    return runs
+
+
+def _rdma_nics(engine: Any, ib_device: str) -> list[str]:
+    """The RDMA NICs in the engine's topology ({"cpu:0": [[preferred], [available]], ...})."""
+    try:
+        topo = json.loads(engine.get_local_topology(ib_device))
+        return sorted({nic for lists in topo.values() for group in lists for nic in group})
+    except (ValueError, TypeError, AttributeError):
+        return []
+
+
+def _non_cuda_build() -> bool:
+    """The installed engine is mooncake-transfer-engine-non-cuda (it cannot read GPU memory)."""
+    from importlib import metadata
+
+    try:
+        metadata.version("mooncake-transfer-engine")
+        return False
+    except metadata.PackageNotFoundError:
+        return True
+
+
+def _check_slots(slots: Sequence[int], num_slots: int, side: str) -> str | None:
+    if len(slots) and not (min(slots) >= 0 and max(slots) < num_slots):
+        bad = next(int(s) for s in slots if not 0 <= s < num_slots)
+        return (f"kv transfer failed: {side} slot {bad} is outside its pool of "
+                f"{num_slots} slots")
+    return None
+
+
+class MooncakeBackend(KVTransferBackend):
+    """KV transfer through the Mooncake transfer engine (TCP here, RDMA on a cluster)."""
+
+    name = "mooncake"
+
+    def __init__(self, host: str = "127.0.0.1", protocol: str | None = None,
+                 ib_device: str | None = None) -> None:
+        super().__init__(host)
+        self.protocol, self.ib_device = _resolve_protocol(protocol, ib_device)
+        self._engine: Any = None
+        self._session_id = ""
+        self._registered: list[int] = []  # pointers registered with the engine
+        self._lock = threading.Lock()  # start/close/register against each other
+        self._closed = False
+        self.rdma_nics: list[str] = []  # with protocol rdma: the NICs the engine found
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Initialise the engine (P2P handshake, no metadata server) and register the pool."""
+        with self._lock:
+            if self._closed:
+                raise KVTransferError("kv transfer: the mooncake backend is closed")
+            if self._engine is not None:
+                return
+            os.environ.setdefault("MC_LOG_LEVEL", "WARNING")  # its INFO lines: per connection
+            try:
+                from mooncake.engine import TransferEngine
+            except ImportError as exc:
+                raise KVTransferError(f"kv transfer backend 'mooncake' is not available "
+                                      f"({exc}); {INSTALL_HINT}") from None
+            engine = TransferEngine()
+            rc = engine.initialize(self.host, "P2PHANDSHAKE", self.protocol, self.ib_device)
+            if rc != 0:
+                raise KVTransferError(
+                    f"kv transfer: mooncake engine failed to start on {self.host} with "
+                    f"protocol {self.protocol}" + (f" device {self.ib_device}"
+                                                   if self.ib_device else "") + f" (rc {rc})")
+            self._engine = engine
+            if self.protocol == "rdma":
+                self.rdma_nics = _rdma_nics(engine, self.ib_device)
+                if not self.rdma_nics:
+                    logger.warning("mooncake: protocol rdma, but the engine found no RDMA NIC%s; "
+                                   "its writes take its fallback transport (TCP)",
+                                   f" among {self.ib_device}" if self.ib_device else "")
+            host = f"[{self.host}]" if ":" in self.host else self.host
+            self._session_id = f"{host}:{engine.get_rpc_port()}"
+            try:
+                self._register_locked()
+            except KVTransferError:
+                self._engine, self._session_id = None, ""
+                raise
+
+    def register_buffers(self, buffers: Sequence[Any]) -> None:
+        """Take the pool's tensors; after `start`, swap the engine's registrations too."""
+        super().register_buffers(buffers)
+        with self._lock:
+            if self._engine is not None:
+                self._register_locked()
+
+    def _register_locked(self) -> None:
+        if any(t.device.type != "cpu" for t in self._buffers) and _non_cuda_build():
+            raise KVTransferError(
+                "kv transfer: the KV pool is in GPU memory and the installed mooncake engine "
+                "is the non-CUDA build (host memory only); install mooncake-transfer-engine "
+                "(the CUDA build) or use --disaggregation-transfer-backend zmq")
+        for ptr in self._registered:
+            self._engine.unregister_memory(ptr)
+        self._registered = []
+        for info in self.buffer_infos():
+            if info.nbytes == 0:
+                continue
+            rc = self._engine.register_memory(info.ptr, info.nbytes)
+            if rc != 0:
+                raise KVTransferError(f"kv transfer: mooncake could not register a KV buffer "
+                                      f"of {info.nbytes} bytes (rc {rc})")
+            self._registered.append(info.ptr)
+
+    def endpoint(self) -> str:
+        """The mooncake session id peers write to: "host:rpc_port"."""
+        if not self._session_id:
+            raise KVTransferError("kv transfer: the mooncake backend is not started")
+        return self._session_id
+
+    def close(self) -> None:
+        """Unregister the pool and drop the engine (its threads end with it). Idempotent."""
+        with self._lock:
+            self._closed = True
+            engine, self._engine = self._engine, None
+            if engine is not None:
+                for ptr in self._registered:
+                    engine.unregister_memory(ptr)
+            self._registered = []
+
+    # ------------------------------------------------------------------ sender side
+    def send(self, room: int, peer: PeerDescriptor, src_slots: Sequence[int],
+             dst_slots: Sequence[int], timeout_s: float) -> TransferResult:
+        """Write `src_slots` of every buffer into the peer's `dst_slots`; wait up to
+        `timeout_s`. A failure comes back as TransferResult(ok=False), never raised."""
+        t0 = time.perf_counter()
+
+        def fail(msg: str) -> TransferResult:
+            return TransferResult(False, f"{msg} (room {room}, peer {peer.endpoint})",
+                                  seconds=time.perf_counter() - t0)
+
+        engine = self._engine
+        if engine is None:
+            return fail("kv transfer failed: the mooncake backend is not started")
+        try:  # slot lists can come from a peer: integers only
+            src_slots = [operator.index(s) for s in src_slots]
+            dst_slots = [operator.index(s) for s in dst_slots]
+        except TypeError:
+            return fail("kv transfer failed: slot numbers must be integers")
+        if len(src_slots) != len(dst_slots):
+            return fail(f"kv transfer failed: {len(src_slots)} source slots for "
+                        f"{len(dst_slots)} destination slots")
+        if len(set(dst_slots)) != len(dst_slots):  # the writes of one batch run in parallel
+            return fail("kv transfer failed: a destination slot is listed twice")
+        local = self.buffer_infos()
+        why = check_compatible(local, peer)
+        if why:
+            return fail(why.replace("kv transfer:", "kv transfer failed:", 1))
+        why = self._check_ranges(local, peer.buffers, src_slots, dst_slots)
+        if why:
+            return fail(why)
+        srcs, dsts, lens = [], [], []
+        runs = coalesce(src_slots, dst_slots)
+        for mine, theirs in zip(local, peer.buffers):
+            item = mine.item_bytes
+            for s, d, n in runs:
+                srcs.append(mine.ptr + s * item)
+                dsts.append(theirs.ptr + d * item)
+                lens.append(n * item)
+        nbytes = sum(lens)
+        if nbytes == 0:
+            return TransferResult(True, nbytes=0, seconds=time.perf_counter() - t0)
+        rc = self._bounded(lambda: engine.batch_transfer_sync_write(peer.endpoint, srcs,
+                                                                    dsts, lens),
+                           max(0.0, timeout_s))
+        secs = time.perf_counter() - t0
+        if rc is None:
+            return fail(f"kv transfer failed: timed out after {secs:.1f} s writing {nbytes} "
+                        "bytes (decode worker stalled or the link is too slow)")
+        if rc != 0:
+            return fail(f"kv transfer failed: mooncake write of {nbytes} bytes was refused "
+                        f"or broke off (rc {rc}: decode worker dead or unreachable, or "
+                        "addresses outside its registered pool)")
+        return TransferResult(True, nbytes=nbytes, seconds=secs,
+                              extra={"runs": len(runs), "protocol": self.protocol})
+
+    @staticmethod
+    def _bounded(call: Callable[[], int], timeout_s: float) -> int | None:
+        """`call()` on its own thread, its result, or None after `timeout_s`.
+
+        The engine's sync write waits for its own limits (a stalled peer's handshake up to a
+        minute, a write up to MC_TRANSFER_TIMEOUT, 30 s by default); `send` keeps the
+        caller's deadline instead. A write given up on still runs to the engine's limit, so
+        its rows may yet land: the caller frees the destination slots only once the
+        receiver has been told the room failed (the control plane's rule)."""
+        box: list[int] = []
+
+        def run() -> None:
+            try:
+                box.append(int(call()))
+            except Exception:  # the binding raising is a failed write, like rc -1
+                box.append(-1)
+
+        t = threading.Thread(target=run, name="mooncake-write", daemon=True)
+        t.start()
+        t.join(timeout_s)
+        return box[0] if box else None
+
+    @staticmethod
+    def _check_ranges(local: tuple[BufferInfo, ...], remote: tuple[BufferInfo, ...],
+                      src_slots: Sequence[int], dst_slots: Sequence[int]) -> str | None:
+        if not local:
+            return "kv transfer failed: no KV buffers are registered"
+        if any(b.item_bytes <= 0 for b in (*local, *remote)):
+            return "kv transfer failed: a KV buffer has an item size of 0"
+        n_local = min(b.nbytes // b.item_bytes for b in local)
+        n_remote = min(b.nbytes // b.item_bytes for b in remote)
+        return (_check_slots(src_slots, n_local, "source")
+                or _check_slots(dst_slots, n_remote, "destination"))

@@ -1,0 +1,186 @@
+"""The KV transfer backend interface: moves one request's KV pages from a prefill worker's
+pool into a decode worker's pool, keyed by the request's bootstrap room.
+
+A backend is data plane only. The control plane (disaggregation/ bootstrap + handshake)
+tells the sender where to write (the receiver's `descriptor()` and the receiver's slots);
+after `send` returns ok the control plane notifies the receiver, with a `checksum` of the
+source pages so the receiver verifies the bytes that landed (corrupt or short transfers
+fail the request, never decode on bad KV).
+
+Layout contract: `register_buffers` gets the KV pool as a list of tensors, each of shape
+[num_slots, ...] and contiguous, one item (= one token slot, page size 1) per row. Both
+sides register the same number of buffers with the same item sizes (the control plane
+checks the descriptors before any send). Slot lists name rows in every buffer.
+
+Backends are picked by name (`--disaggregation-transfer-backend`) through `BACKENDS`
+in disaggregation/backends.py: "mooncake" (the mooncake transfer engine) and "zmq"
+(pyzmq over TCP).
+"""
+
+from __future__ import annotations
+
+import abc
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+
+class KVTransferError(RuntimeError):
+    """A transfer could not be set up or failed; the message says why ("kv transfer ..")."""
+
+
+@dataclass(frozen=True)
+class BufferInfo:
+    """One registered buffer as the peer sees it: base address, total bytes, bytes per slot."""
+
+    ptr: int
+    nbytes: int
+    item_bytes: int
+
+
+@dataclass(frozen=True)
+class PeerDescriptor:
+    """What a sender needs to write into a receiver: its endpoint and its buffers.
+
+    Sent over the control plane as a msgpack-able dict (`to_wire` / `from_wire`).
+    """
+
+    endpoint: str  # backend-specific address, e.g. "10.0.0.2:17001" (zmq, mooncake session)
+    buffers: tuple[BufferInfo, ...]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"endpoint": self.endpoint,
+                "buffers": [[b.ptr, b.nbytes, b.item_bytes] for b in self.buffers]}
+
+    @staticmethod
+    def from_wire(obj: Any) -> "PeerDescriptor":
+        """Parse a wire dict; raises KVTransferError on a malformed one (network input)."""
+        try:
+            endpoint = obj["endpoint"]
+            bufs = tuple(BufferInfo(int(p), int(n), int(i)) for p, n, i in obj["buffers"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise KVTransferError(f"kv transfer: malformed peer descriptor ({exc})") from None
+        if not isinstance(endpoint, str) or not endpoint:
+            raise KVTransferError("kv transfer: peer descriptor has no endpoint")
+        return PeerDescriptor(endpoint, bufs)
+
+
+@dataclass
+class TransferResult:
+    """Outcome of one room's transfer: ok, or failed with a message naming the cause."""
+
+    ok: bool
+    error: str = ""
+    nbytes: int = 0
+    seconds: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class KVTransferBackend(abc.ABC):
+    """Moves KV slots between two registered pools. One instance per rank process.
+
+    Thread-safety: `send` may be called from several worker threads at once (one per room);
+    `expect`/`release` are called from the scheduler thread. Implementations must be safe
+    under that use.
+    """
+
+    #: the name used by --disaggregation-transfer-backend
+    name: str = ""
+
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        self.host = host
+        self._buffers: list[Any] = []  # torch tensors, [num_slots, ...] contiguous
+
+    # ------------------------------------------------------------------ lifecycle
+    def register_buffers(self, buffers: Sequence[Any]) -> None:
+        """Register the KV pool (tensors [num_slots, ...], contiguous, same num_slots).
+
+        Called once after the pool is allocated, and again if the pool is reallocated
+        (release/resume memory): the new pointers replace the old ones.
+        """
+        for t in buffers:
+            if not t.is_contiguous():
+                raise KVTransferError("kv transfer: a registered KV buffer is not contiguous")
+        self._buffers = list(buffers)
+
+    def buffer_infos(self) -> tuple[BufferInfo, ...]:
+        """The registered buffers as (ptr, nbytes, item_bytes)."""
+        out = []
+        for t in self._buffers:
+            nbytes = t.numel() * t.element_size()
+            out.append(BufferInfo(t.data_ptr(), nbytes, nbytes // max(1, t.shape[0])))
+        return tuple(out)
+
+    @abc.abstractmethod
+    def endpoint(self) -> str:
+        """The address a peer's backend reaches this one at (after `start`)."""
+
+    def descriptor(self) -> PeerDescriptor:
+        """This side as a receiver: endpoint + buffers (sent to the sender at handshake)."""
+        return PeerDescriptor(self.endpoint(), self.buffer_infos())
+
+    @abc.abstractmethod
+    def start(self) -> None:
+        """Open sockets / initialise the engine. Raises KVTransferError when it cannot."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop the backend; pending sends fail, later calls are errors. Idempotent."""
+
+    # ------------------------------------------------------------------ receiver side
+    def expect(self, room: int, dst_slots: Sequence[int]) -> None:
+        """Decode: the pages of `room` may now arrive into `dst_slots` (which it owns).
+
+        Backends that receive actively (zmq) refuse data for a room not expected, or for
+        slots other than these; one-sided backends (mooncake) may ignore this.
+        """
+
+    def release(self, room: int) -> None:
+        """Decode: stop accepting data for `room` (done, aborted or failed). Idempotent.
+        After it returns the backend writes nothing more into that room's slots."""
+
+    # ------------------------------------------------------------------ sender side
+    @abc.abstractmethod
+    def send(self, room: int, peer: PeerDescriptor, src_slots: Sequence[int],
+             dst_slots: Sequence[int], timeout_s: float) -> TransferResult:
+        """Prefill: write the pages in local `src_slots` into the peer's `dst_slots`, every
+        registered buffer, blocking until the bytes are in the peer's memory or failed.
+
+        Never raises for a transfer failure: returns TransferResult(ok=False, error=...)
+        with an error text containing "kv transfer" (dead peer, refused room, timeout).
+        """
+
+    # ------------------------------------------------------------------ verification
+    def read_slots(self, slots: Sequence[int]) -> bytes:
+        """The bytes of `slots` in every buffer, buffer-major (tests and checksums)."""
+        import torch
+
+        idx = torch.tensor(list(slots), dtype=torch.long)
+        parts = []
+        for t in self._buffers:
+            rows = t.index_select(0, idx.to(t.device)).contiguous().cpu()
+            parts.append(rows.view(torch.uint8).numpy().tobytes())
+        return b"".join(parts)
+
+    def checksum(self, slots: Sequence[int]) -> int:
+        """CRC32 of `read_slots(slots)`: sender and receiver compare it after a transfer."""
+        import torch
+
+        crc = 0
+        idx = torch.tensor(list(slots), dtype=torch.long)
+        for t in self._buffers:
+            rows = t.index_select(0, idx.to(t.device)).contiguous().cpu()
+            crc = zlib.crc32(memoryview(rows.view(torch.uint8).numpy()), crc)
+        return crc
+
+
+def check_compatible(local: Sequence[BufferInfo], peer: PeerDescriptor) -> str | None:
+    """None when the peer's buffers match ours in count and item size, else why not."""
+    if len(local) != len(peer.buffers):
+        return (f"kv transfer: peer has {len(peer.buffers)} KV buffers, this worker "
+                f"{len(local)} (different model or layer count)")
+    for i, (a, b) in enumerate(zip(local, peer.buffers)):
+        if a.item_bytes != b.item_bytes:
+            return (f"kv transfer: KV buffer {i} item size differs ({a.item_bytes} vs "
+                    f"{b.item_bytes} bytes: model, dtype or tp split differ)")
+    return None
