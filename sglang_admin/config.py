@@ -129,6 +129,9 @@ class ServerArgs:
     cpu_lanes: int = 0  # threads that compute parts of a CPU step at once; 0: see rank_lanes
     attention_backend: str = "auto"  # one of ATTENTION_BACKENDS
     cuda_graph_max_bs: int = 0  # CUDA graphs for decode batches up to this size; 0: off
+    # "gguf": a GGUF model's projections kept quantized (model/quant/, docs/gguf.md); "":
+    # dense (the dequantizing load of a GGUF file, any other checkpoint)
+    quantization: str = ""
     seed: int = 0
     # LoRA (scheduler/ops/lora_control.py): adapters live in --max-loaded-loras slots of rank
     # up to --max-lora-rank; lora_paths are (name, path) pairs loaded at start.

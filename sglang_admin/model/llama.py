@@ -209,6 +209,9 @@ class LlamaForCausalLM(nn.Module):
         # every layer as CpuKernels.decode_layer reads it, built at the first decode step;
         # weights change in place (copy_), and whatever replaces tensors drops it
         self._decode_layers: list[DecodeLayerWeights] | None = None
+        # model/quant/'s QuantStore when projections are kept quantized (their parameters
+        # are then placeholders on the meta device, multiplied through it)
+        self.quant: Any = None
 
     def output_weight(self) -> torch.Tensor:
         """The LM head matrix (the embedding when tied)."""
@@ -217,8 +220,10 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head.weight
 
     def weight_bytes(self) -> int:
-        """Bytes held by the parameters (a fused matrix counted once, through its views)."""
-        return sum(p.numel() * p.element_size() for p in self.parameters())
+        """Bytes held by the parameters (a fused matrix counted once, through its views), and
+        by the quantized projections when some are kept quantized."""
+        dense = sum(p.numel() * p.element_size() for p in self.parameters() if not p.is_meta)
+        return dense + (self.quant.nbytes if self.quant is not None else 0)
 
     def materialize_buffers(self, device: torch.device) -> None:
         """Recompute non-persistent buffers (RoPE frequencies, float32) on device.
@@ -345,10 +350,16 @@ class LlamaForCausalLM(nn.Module):
         """Logits [N, vocab] for selected hidden rows (applies the final norm)."""
         kernels = self.model.norm.kernels
         weight = self.output_weight()
+        if self.quant is not None:  # model/quant/: the head may be kept quantized
+            return self.quant.logits(self.model.norm(hidden).contiguous(), weight, F.linear)
         if (kernels is not None and weight.is_contiguous()
                 and weight.dtype == torch.float32):  # a few rows: see CpuKernels.linear
             return kernels.linear(self.model.norm(hidden).contiguous(), weight)
         return F.linear(self.model.norm(hidden), weight)
+
+    def compute_logits_normed(self, normed: torch.Tensor) -> torch.Tensor:
+        """Logits of rows the final norm was applied to, through the quantized head."""
+        return self.quant.logits(normed, self.output_weight(), F.linear)
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         """The final RMSNorm of selected hidden rows, contiguous (for :meth:`logits_into`)."""
@@ -359,6 +370,9 @@ class LlamaForCausalLM(nn.Module):
         written to ``out`` [N, end - start] (a column slice of the whole logits): threads
         each computing a part of the LM head (model/runner.py)."""
         kernels = self.model.norm.kernels
+        if self.quant is not None:  # model/quant/: the whole head, then the columns
+            out.copy_(self.compute_logits_normed(normed)[:, start:end])
+            return
         weight = self.output_weight()[start:end]
         if kernels is not None and weight.is_contiguous() and weight.dtype == torch.float32:
             kernels.linear(normed, weight, out=out)

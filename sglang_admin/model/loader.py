@@ -188,8 +188,10 @@ class WeightMismatch(ModelLoadError):
     """A tensor offered to :func:`load_weights` does not fit the served model."""
 
 
-def iter_checkpoint(model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of a checkpoint's safetensors files, one at a time, as (name, tensor).
+def iter_checkpoint(model_path: str, skip: frozenset[str] | set[str] = frozenset()
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of a checkpoint's safetensors files, one at a time, as (name, tensor),
+    but those named in ``skip`` (not read).
 
     Tensors are read lazily (one in memory at a time); an unreadable or truncated file is a
     :class:`ModelLoadError` naming it.
@@ -198,7 +200,8 @@ def iter_checkpoint(model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
         try:
             with safe_open(path, framework="pt", device="cpu") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
-                    yield name, f.get_tensor(name)
+                    if name not in skip:
+                        yield name, f.get_tensor(name)
         except Exception as exc:  # noqa: BLE001 - safetensors' errors are their own type
             raise ModelLoadError(f"cannot read weights {path}: {exc}") from None
 
@@ -232,6 +235,10 @@ def load_weights(
                 continue
             param = found.param
             assert param is not None
+            if param.is_meta:  # model/quant/: a projection kept quantized
+                raise WeightMismatch(
+                    f"weight {name!r} is kept quantized (GGUF): it is replaced by a refit "
+                    "from a GGUF file, or serve with --gguf-dequantize to load it dense")
             if tuple(tensor.shape) != tuple(param.shape):
                 raise WeightMismatch(
                     f"weight {name!r} has shape {list(tensor.shape)}, the model's is "
@@ -262,6 +269,7 @@ def load_model(
     context_length: int | None = None,
     is_embedding: bool = False,
     tensor_parallel: Any = None,
+    quantization: str = "",
 ) -> tuple[LlamaForCausalLM, ModelInfo]:
     """Build the model from a Hugging Face directory, weights cast to dtype on device.
 
@@ -270,6 +278,10 @@ def load_model(
     An embedding or classification checkpoint (or ``is_embedding``) builds
     model/embedding_model.py's LlamaForEmbedding. ``tensor_parallel``
     (model/tensor_parallel.py's, tp > 1): this rank's shard only (causal LMs only).
+    ``quantization`` "gguf": a directory converted from a GGUF file keeps the file's
+    quantized projections (model/quant/); a --torchao-config name ("int8wo",
+    "int4wo-128" ...): the projections are quantized once loaded; the model's ``quant`` is
+    then their store.
     """
     info = load_model_info(model_path, context_length, is_embedding)
     cfg = read_hf_config(model_path)
@@ -292,13 +304,28 @@ def load_model(
     model.allocate_parameters(device)
     model.eval()
     model.requires_grad_(False)
+    kept: set[str] = set()
+    if quantization:
+        from sglang_admin.model.quant.attach import attach
+
+        kept = attach(model, model_path, quantization, dtype, device, spec.is_generation,
+                      tensor_parallel)
     try:
-        loaded = load_weights(model, iter_checkpoint(model_path))
+        loaded = load_weights(model, iter_checkpoint(model_path, kept)) | kept
     except WeightMismatch as exc:
         raise ModelLoadError(f"{model_path}: weights do not fit the config: {exc}") from None
+    quant = getattr(model, "quant", None)
+    if quant is not None:
+        from sglang_admin.model.quant.gguf_load import finish_tied_head
+
+        finish_tied_head(model, quant, True)
     missing = expected_weights(model) - loaded
     if missing:
         raise ModelLoadError(f"{model_path}: {missing_message(missing)}")
+    if quantization:
+        from sglang_admin.model.quant.attach import quantize_after_load
+
+        quantize_after_load(model, quantization, dtype)
     info.dtype = dtype_name(dtype)
     info.weight_bytes = model.weight_bytes()
     return model, info

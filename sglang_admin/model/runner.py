@@ -96,6 +96,7 @@ class ModelRunner(RunnerMemory, RunnerLanes, RunnerOutputs):
         tensor_parallel: object = None,
         lanes_as_threads: bool = True,
         cuda_graph_max_bs: int = 0,
+        quantization: str = "",
     ) -> None:
         if model_path is None:
             from sglang_admin.model.default_model import ensure_default_model
@@ -111,6 +112,7 @@ class ModelRunner(RunnerMemory, RunnerLanes, RunnerOutputs):
         self.model, self.info = load_model(
             model_path, dtype=self.dtype, device=self.device, context_length=context_length,
             is_embedding=is_embedding, tensor_parallel=tensor_parallel,
+            quantization=quantization,
         )
         # CUDA: the Triton decode kernel and mask-free prefix prefill (model/attention/choice.py)
         mcfg = self.model.config
@@ -123,6 +125,9 @@ class ModelRunner(RunnerMemory, RunnerLanes, RunnerOutputs):
         self.max_running_requests = max_running_requests
         # LoRA adapter slots (count, max rank), allocated before the KV pool is sized
         self.lora: LoraBuffers | None = None
+        if lora_slots is not None and getattr(self.model, "quant", None) is not None:
+            raise ModelLoadError("LoRA is not yet served on quantized weights (model/quant/); "
+                                 "serve with --gguf-dequantize (or without --torchao-config)")
         if lora_slots is not None:
             self.lora = LoraBuffers(self.model, *lora_slots, self.dtype, self.device)
         cfg = self.model.config

@@ -27,6 +27,11 @@ class RunnerLanes:
         """The logits of the rows that sample; on CPU with lanes and a large LM head, its
         vocabulary cut in one part per lane, computed at once by the lane threads (the head
         is a step's largest matmul: 2.8 GFLOP of SmolLM2-135M's batch-32 step, one thread)."""
+        quant = getattr(self.model, "quant", None)
+        if quant is not None and hidden.shape[0] > 0:  # model/quant/: the head kept quantized
+            fallback = self._packed_linear if self.packed is not None else F.linear
+            return quant.logits(self.model.final_norm(hidden), self.model.output_weight(),
+                                fallback)
         if self.packed is not None and hidden.shape[0] > 0:
             return self._packed_linear(self.model.final_norm(hidden), self.model.output_weight(),
                                        None)
@@ -137,12 +142,18 @@ class RunnerLanes:
             return self.model(ids[a:b], positions[a:b], metas[i], self.k_caches, self.v_caches,
                               linear)
 
+        quant = getattr(self.model, "quant", None)
         if len(lanes) == 1:
+            if quant is not None:  # model/quant/: projections kept quantized
+                return run(0, quant.linear_with(
+                    self._packed_linear if self.packed is not None else F.linear))
             if self.packed is not None:
                 return run(0, self._packed_linear)
             decode_only = ids.shape[0] == len(batch.ordered)
             return run(0, self._split_linear if self.split_matmuls and decode_only else None)
         whole = self._packed_whole if self.packed is not None else None
+        if quant is not None:
+            whole = quant.linear_with(whole or F.linear)
         futures = [self._lanes_pool().submit(_in_inference_mode, run, i, whole)
                    for i in range(1, len(lanes))]
         first = run(0, whole)

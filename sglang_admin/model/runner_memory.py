@@ -9,6 +9,7 @@ import gc
 import torch
 
 from sglang_admin.model.cpu_dtype import choose_dtype
+from sglang_admin.model.loader import ModelLoadError
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 
@@ -83,6 +84,9 @@ class RunnerMemory:
         """Free every parameter (shapes kept); bytes released. Load weights after resuming."""
         if self.weights_released:
             return 0
+        if getattr(self.model, "quant", None) is not None:
+            raise ModelLoadError("quantized weights (model/quant/) cannot be released and "
+                                 "reloaded yet; serve with --gguf-dequantize for that")
         if self.packed is not None:
             self.packed.clear()
         if self.graphs is not None:  # they point at the weights: captured again after resume

@@ -103,7 +103,14 @@ def refit_from_disk(model: LlamaForCausalLM, model_path: str, restore_from: str 
 
     ``restore_from`` is the checkpoint the served weights came from (None: they came from
     no checkpoint, e.g. a trainer's tensors, so a failed copy cannot be undone).
+    A model whose projections are kept quantized refits from a GGUF file
+    (model/quant/attach.py).
     """
+    if getattr(model, "quant", None) is not None:
+        from sglang_admin.model.quant.attach import refit_quantized
+
+        refit_quantized(model, model_path)
+        return
     try:
         check_checkpoint(model, model_path)
     except ModelLoadError as exc:
@@ -128,8 +135,12 @@ def refit_from_disk(model: LlamaForCausalLM, model_path: str, restore_from: str 
 def weights_digest(model: LlamaForCausalLM) -> str:
     """SHA-256 over every parameter's name, dtype, shape and bytes, in name order."""
     digest = hashlib.sha256()
+    quant = getattr(model, "quant", None)
     for name, param in sorted(model_parameters(model).items()):
-        data = param.detach().to("cpu").contiguous()
+        if param.is_meta and quant is not None:  # kept quantized: its dequantized values
+            data = quant.dequantized(name).contiguous()
+        else:
+            data = param.detach().to("cpu").contiguous()
         digest.update(f"{name}|{data.dtype}|{list(data.shape)}\n".encode())
         digest.update(data.view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
@@ -145,6 +156,10 @@ def weight_values(model: LlamaForCausalLM, name: str, truncate_size: int) -> tup
     found = resolve(model, name)
     if found.param is None:
         raise UnknownWeightName(name)  # a computed buffer, not a weight
+    quant = getattr(model, "quant", None)
+    if found.param.is_meta and quant is not None and found.param_name is not None:
+        # kept quantized (model/quant/): the values its kernel multiplies with
+        return truncated(quant.dequantized(found.param_name), truncate_size)
     return truncated(found.param.detach(), truncate_size)
 
 

@@ -137,7 +137,7 @@ def on_gguf(files, cache, tmp_path_factory) -> Iterator[tuple[ServerProc, dict]]
            "prompts": prompts}
     assert ref["a"] != ref["b"]
     srv = start_server(tmp_path_factory.mktemp("gguf-srv"), "--model-path",
-                       str(files["a"].parent), "--dtype", "float32",
+                       str(files["a"].parent), "--dtype", "float32", "--gguf-dequantize",
                        env={"SGLANG_ADMIN_CACHE_DIR": str(cache)})
     yield srv, ref
     srv.stop()
@@ -211,14 +211,16 @@ QUESTIONS = ["What is the capital of France?", "Name three primary colors.",
 
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, ServerProc]]:
-    """The packaged model (``--model-path smollm2``) in float32, the precision of the
-    transformers reference (``make serve`` runs it in bfloat16 on a CPU with native bfloat16:
-    tests/integration/test_readme_quickstart.py), shared by the tests of the real model: they
-    only read. Not waited for here: each test calls ``wait_started`` once its own work
-    without the server is done (the transformers reference boots beside it)."""
+    """The packaged model (``--model-path smollm2``) dequantized, in float32
+    (``--gguf-dequantize --dtype float32``): the precision of the transformers reference
+    (``make serve`` keeps its weights quantized and runs bfloat16 on a CPU with native
+    bfloat16: tests/integration/test_readme_quickstart.py and the kept test below), shared by
+    the tests of the real model: they only read. Not waited for here: each test calls
+    ``wait_started`` once its own work without the server is done (the transformers
+    reference boots beside it)."""
     path = smollm2_file()
     srv = start_server(tmp_path_factory.mktemp("smollm2"), "--model-path", "smollm2",
-                       "--dtype", "float32", wait=False)
+                       "--dtype", "float32", "--gguf-dequantize", wait=False)
     yield path, srv
     srv.stop(signal.SIGTERM, timeout=30)
 
@@ -301,3 +303,31 @@ def test_smollm2_chat_through_the_smg_router(smollm2, tmp_path: Path) -> None:
         assert all(isinstance(v, str) for v in answer.values())
     finally:
         stop_router(router)
+
+
+@pytest.mark.slow
+def test_smollm2_kept_quantized_answers_read_sensibly(tmp_path: Path) -> None:
+    """``make serve``'s default: the packaged Q4_1 file with its weights kept quantized
+    (bfloat16 activations); greedy chat answers still say what the questions ask."""
+    from sglang_admin.model.gguf import resolve_model_path
+
+    path = smollm2_file()
+    srv = start_server(tmp_path, "--model-path", "smollm2")
+    try:
+        assert "GGUF weights kept quantized" in srv.log()
+        stub = srv.stub()
+        info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=30)
+        assert info.server_args["quantization"] == "gguf"
+        assert info.server_args["dtype"] == "bfloat16"
+        tok = transformers.AutoTokenizer.from_pretrained(resolve_model_path(str(path)))
+        answers = []
+        for q in QUESTIONS:
+            text = tok.apply_chat_template([{"role": "user", "content": q}],
+                                           tokenize=False, add_generation_prompt=True)
+            ids = tok(text)["input_ids"]
+            answers.append(tok.decode(run_generate(stub, greedy(ids, 24))[0]).lower())
+        assert "paris" in answers[0], answers
+        assert sum(c in answers[1] for c in ("red", "blue", "yellow", "green")) >= 2, answers
+        assert any(w in answers[2] for w in ("sea", "ocean", "wave", "water")), answers
+    finally:
+        srv.stop(signal.SIGTERM, timeout=30)

@@ -1,0 +1,179 @@
+"""Load a GGUF file's projections kept quantized into a model built from its converted
+directory (model/gguf.py's conversion still provides config, tokenizer and the tensors that
+stay dense: norms, the embedding, any projection of a type that is not kept).
+
+:func:`attach_gguf` reads the quantized tensors straight from the file, repacks them
+(model/quant/gguf_blocks.py) and replaces the model's projection weights with placeholders
+on the meta device, whose matmuls the returned :class:`QuantStore` serves
+(``QuantStore.linear_with``): any path that is not routed through it fails loudly on a
+meta tensor instead of computing with stale numbers.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from sglang_admin.model.gguf import _PERMUTED_QK, GgufError, hf_name, open_gguf, unpermute_rows
+from sglang_admin.model.quant.flags import gguf_source
+from sglang_admin.model.quant.gguf_blocks import (
+    Int4Groups,
+    Int8Rows,
+    int4_groups,
+    int8_rows,
+    plan_for,
+)
+from sglang_admin.model.quant.linear import ConcatLinear, Projection, QuantLinear, QuantStore
+
+QUANTIZATION_GGUF = "gguf"
+__all__ = ["QUANTIZATION_GGUF", "attach_gguf", "finish_tied_head", "gguf_source"]
+_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _read(g: Any, tensor: Any, target: str, heads: int, kv_heads: int
+          ) -> Int4Groups | Int8Rows | np.ndarray:
+    """One tensor as its plan wants it, q/k rows unpermuted like the conversion does."""
+    from gguf import GGMLQuantizationType, quants
+
+    type_name = GGMLQuantizationType(int(tensor.tensor_type)).name
+    n, k = (int(d) for d in reversed(tensor.shape.tolist()))
+    plan = plan_for(type_name)
+    try:
+        if plan == "int4":
+            value: Int4Groups | Int8Rows | np.ndarray = int4_groups(
+                np.asarray(tensor.data), type_name, n, k)
+        else:
+            dense = np.asarray(quants.dequantize(np.asarray(tensor.data), tensor.tensor_type),
+                               dtype=np.float32).reshape(n, k)
+            value = int8_rows(dense) if plan == "int8" else dense
+    except Exception as exc:  # noqa: BLE001 - a short or corrupt block
+        raise GgufError(f"{os.path.basename(g.path)}: cannot read {tensor.name} "
+                        f"({type(exc).__name__}: {exc})") from None
+    if g.arch in _PERMUTED_QK and target.endswith(("q_proj.weight", "k_proj.weight")):
+        order = unpermute_rows(np.arange(n), heads if "q_proj" in target else kv_heads)
+        value = value[order] if isinstance(value, np.ndarray) else value.take_rows(order)
+    return value
+
+
+def _fuse(parts: list[Int4Groups | Int8Rows | np.ndarray], dtype: torch.dtype,
+          dense_copy: bool) -> Projection | None:
+    """One projection for row-concatenated parts; None when none of them is quantized."""
+    if all(isinstance(p, np.ndarray) for p in parts):
+        return None
+    if all(isinstance(p, Int4Groups) for p in parts) and len({p.group for p in parts}) == 1:
+        return QuantLinear(Int4Groups(np.concatenate([p.q for p in parts]),
+                                      np.concatenate([p.scale for p in parts]),
+                                      np.concatenate([p.zero for p in parts]),
+                                      parts[0].group),
+                           dtype, dense_copy)
+    if all(isinstance(p, Int8Rows) for p in parts):
+        return QuantLinear(Int8Rows(np.concatenate([p.q for p in parts]),
+                                    np.concatenate([p.scale for p in parts])),
+                           dtype, dense_copy)
+    return ConcatLinear([torch.from_numpy(p).to(dtype) if isinstance(p, np.ndarray)
+                         else QuantLinear(p, dtype, dense_copy) for p in parts])
+
+
+def _placeholder(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def attach_gguf(model: Any, gguf_file: str, dtype: torch.dtype, *,
+                dense_copy: bool = True) -> tuple[QuantStore, set[str]]:
+    """Load ``gguf_file``'s kept projections into ``model`` (a LlamaForCausalLM already
+    allocated and fused); (the store, the Hugging Face names it loaded). The caller loads
+    every other name dense and then calls :func:`finish_tied_head`."""
+    g = open_gguf(gguf_file)
+    heads = int(g.arch_key("attention.head_count"))
+    kv_heads = int(g.arch_key("attention.head_count_kv", heads))
+    values: dict[str, Int4Groups | Int8Rows | np.ndarray] = {}
+    types: Counter[str] = Counter()
+    from gguf import GGMLQuantizationType
+
+    for tensor in g.reader.tensors:
+        target = hf_name(tensor.name)
+        if target is None:
+            raise GgufError(f"{os.path.basename(g.path)}: tensor {tensor.name!r} has no "
+                            f"counterpart in a {g.arch} model", "FAILED_PRECONDITION")
+        type_name = GGMLQuantizationType(int(tensor.tensor_type)).name
+        is_proj = target == "lm_head.weight" or any(f".{p}.weight" in target for p in _PROJ)
+        tied_head = target == "model.embed_tokens.weight" and model.config.tie_word_embeddings
+        if not (is_proj or tied_head) or len(tensor.shape) != 2:
+            continue
+        plan = plan_for(type_name)
+        types[f"{type_name}->{plan}"] += 1
+        if plan == "dense" and not is_proj:
+            continue
+        values[target] = _read(g, tensor, target, heads, kv_heads)
+    store = QuantStore("")
+    loaded: set[str] = set()
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            pre = f"model.layers.{i}."
+            attn, mlp = layer.self_attn, layer.mlp
+            groups = (
+                (attn, "qkv_weight", [attn.q_proj, attn.k_proj, attn.v_proj],
+                 ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]),
+                (attn, None, [attn.o_proj], ["self_attn.o_proj"]),
+                (mlp, "gate_up_weight", [mlp.gate_proj, mlp.up_proj],
+                 ["mlp.gate_proj", "mlp.up_proj"]),
+                (mlp, None, [mlp.down_proj], ["mlp.down_proj"]),
+            )
+            for owner, fused_attr, modules, names in groups:
+                names = [f"{pre}{n}.weight" for n in names]
+                if any(n not in values for n in names):
+                    continue
+                projection = _fuse([values[n] for n in names], dtype, dense_copy)
+                if projection is None:
+                    continue
+                install(store, owner, fused_attr, modules, names, projection, dtype)
+                loaded.update(names)
+        if "lm_head.weight" in values and not model.config.tie_word_embeddings:
+            projection = _fuse([values["lm_head.weight"]], dtype, dense_copy)
+            if projection is not None:
+                install(store, model, None, [model.lm_head], ["lm_head.weight"],
+                         projection, dtype)
+                loaded.add("lm_head.weight")
+        embed = values.get("model.embed_tokens.weight")
+        if embed is not None and not isinstance(embed, np.ndarray):
+            # tied: the embedding stays dense for lookups, the LM head reads it quantized
+            head = QuantLinear(embed, dtype, dense_copy=False)
+            store.add(model.model.embed_tokens.weight, head)
+            store.tied_head = head
+    kept = ", ".join(f"{n} x{c}" for n, c in sorted(types.items()))
+    store.summary = (f"GGUF weights kept quantized ({os.path.basename(gguf_file)}): {kept}; "
+                     "int4: torch's _weight_int4pack_mm_for_cpu (groups of 32), int8: "
+                     "_weight_int8pack_mm (per row, requantized); norms and the embedding "
+                     "lookup dense")
+    return store, loaded
+
+
+def install(store: QuantStore, owner: Any, fused_attr: str | None, modules: list[nn.Linear],
+             names: list[str], projection: Projection, dtype: torch.dtype) -> None:
+    """Replace the modules' weights by meta placeholders served by ``projection``."""
+    sizes = [m.out_features for m in modules]
+    k = modules[0].in_features
+    whole = _placeholder((sum(sizes), k), dtype)
+    if fused_attr is not None:
+        setattr(owner, fused_attr, whole)
+        parts = whole.split(sizes)
+    else:
+        parts = (whole,)
+    row = 0
+    for module, part, name, size in zip(modules, parts, names, sizes):
+        module.weight = nn.Parameter(part, requires_grad=False)
+        store.by_name[name] = (projection, row, row + size)
+        row += size
+    store.add(whole if fused_attr is not None else modules[0].weight, projection)
+
+
+def finish_tied_head(model: Any, store: QuantStore, dense_copy: bool) -> None:
+    """After the dense load: a tied LM head's batched rows read the (dense) embedding."""
+    head = store.tied_head
+    if head is not None and dense_copy:
+        head.set_dense(model.model.embed_tokens.weight.detach())

@@ -1,0 +1,74 @@
+"""Weight-only quantization of a dense checkpoint at load, under SGLang's
+``--torchao-config`` names: ``int8wo`` (int8, one scale per output row) and
+``int4wo-<group>`` (4 bits, a scale and a zero per ``group`` inputs, group 32, 64, 128 or
+256). The same kernels and dense copy as GGUF weights kept quantized (model/quant/linear.py);
+torchao itself is not needed (its CPU paths call these same torch kernels)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from sglang_admin.model.quant.gguf_blocks import int4_quantize, int8_rows
+from sglang_admin.model.quant.gguf_load import install
+from sglang_admin.model.quant.linear import QuantLinear, QuantStore
+
+TORCHAO_CONFIGS = ("int8wo", "int4wo-32", "int4wo-64", "int4wo-128", "int4wo-256")
+
+
+def _quantized(weight: torch.Tensor, scheme: str, dtype: torch.dtype) -> QuantLinear | None:
+    values = weight.detach().float().numpy()
+    if scheme == "int8wo":
+        return QuantLinear(int8_rows(values), dtype)
+    group = int(scheme.split("-")[1])
+    if values.shape[1] % group:
+        return None  # stays dense: its inputs are not whole groups
+    return QuantLinear(int4_quantize(values, group), dtype)
+
+
+def quantize_loaded(model: Any, scheme: str, dtype: torch.dtype) -> QuantStore:
+    """Quantize a loaded model's projections and LM head as ``scheme`` says, in place;
+    the store that serves them."""
+    if scheme not in TORCHAO_CONFIGS:
+        raise ValueError(f"torchao config {scheme!r} is not supported "
+                         f"(supported: {', '.join(TORCHAO_CONFIGS)})")
+    store = QuantStore("")
+    kept = dense = 0
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            pre = f"model.layers.{i}."
+            attn, mlp = layer.self_attn, layer.mlp
+            groups = (
+                (attn, "qkv_weight", [attn.q_proj, attn.k_proj, attn.v_proj],
+                 ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]),
+                (attn, None, [attn.o_proj], ["self_attn.o_proj"]),
+                (mlp, "gate_up_weight", [mlp.gate_proj, mlp.up_proj],
+                 ["mlp.gate_proj", "mlp.up_proj"]),
+                (mlp, None, [mlp.down_proj], ["mlp.down_proj"]),
+            )
+            for owner, fused_attr, modules, names in groups:
+                weight = getattr(owner, fused_attr) if fused_attr else modules[0].weight
+                projection = _quantized(weight, scheme, dtype)
+                if projection is None:
+                    dense += 1
+                    continue
+                install(store, owner, fused_attr, modules, [f"{pre}{n}.weight" for n in names],
+                        projection, dtype)
+                kept += 1
+        head = _quantized(model.output_weight(), scheme, dtype)
+        if head is None:
+            dense += 1
+        elif model.config.tie_word_embeddings:
+            head.set_dense(model.model.embed_tokens.weight.detach())
+            store.add(model.model.embed_tokens.weight, head)
+            store.tied_head = head
+            kept += 1
+        else:
+            install(store, model, None, [model.lm_head], ["lm_head.weight"], head, dtype)
+            kept += 1
+    store.summary = (f"weights quantized at load ({scheme}): {kept} projections kept "
+                     f"quantized, {dense} dense (inputs not whole groups); norms and the "
+                     "embedding lookup dense")
+    store.scheme = scheme
+    return store

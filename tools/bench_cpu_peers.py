@@ -1,0 +1,319 @@
+#!/usr/bin/env python
+"""Ours (served) against llama.cpp (and vLLM-CPU when installed) on the same GGUF file and
+threads, side by side in one run.
+
+- **ours**: ``python -m sglang_admin serve --model-path FILE`` (weights kept quantized, the
+  default for a GGUF file; ``--server-arg`` adds flags), driven by a gRPC client in a
+  process of its own;
+- **llama.cpp**: llama-cpp-python's raw API in a process of its own (the ``bench`` extra:
+  ``pip install '.[bench]'``, built from its sdist), ``n_threads`` = ``--threads``; the
+  batched rows put every sequence in one ``llama_batch``, as llama-server's slots do;
+- **vLLM-CPU**: ``vllm`` offline on the same file when it imports (optional; skipped
+  otherwise, with a line saying so).
+
+Workloads (greedy, ignore EOS): batch 1 (a 32-token prompt, 128 new tokens: time to first
+token and decode tok/s), chat 32 x 64 (32 prompts of 40-100 tokens at once, 64 new tokens
+each: tok/s), and one 2048-token prompt's time to first token. Rounds alternate engines;
+the best round of each counts. Printed: each figure, ours / theirs, and the batch-1 floor:
+the weight bytes a decode token reads (the quantized projections and LM head) over this
+machine's read bandwidth (measured here: a sum over a 1 GiB array), as tok/s.
+
+Usage: python tools/bench_cpu_peers.py [--model-path FILE] [--threads 2] [--rounds 2]
+       [--server-arg=--flag ...] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+B1_PROMPT, B1_NEW = 32, 128
+CHAT_N, CHAT_NEW = 32, 64
+LONG_PROMPT = 2048
+
+
+def workloads(vocab: int) -> dict[str, list[list[int]]]:
+    """The prompts of each workload (random token ids past the first 100, fixed seed)."""
+    rng = random.Random(53)
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(100, vocab) for _ in range(n)]
+
+    return {"b1": [prompt(B1_PROMPT)],
+            "chat": [prompt(rng.randrange(40, 101)) for _ in range(CHAT_N)],
+            "long": [prompt(LONG_PROMPT)]}
+
+
+# ------------------------------------------------------------------ ours: the client process
+
+
+async def _ours(target: str, vocab: int) -> dict[str, float]:
+    import grpc.aio
+
+    from sglang_admin.pb import common_pb2 as pb
+    from sglang_admin.pb import common_pb2_grpc as pb_grpc
+
+    work = workloads(vocab)
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = pb_grpc.SglangSchedulerStub(channel)
+
+        async def one(i: int, ids: list[int], n: int) -> tuple[float, float, int]:
+            """(first token s, last token s, tokens) from the call's start."""
+            req = pb.GenerateRequest(
+                request_id=f"peer-{i}-{time.monotonic_ns()}",
+                tokenized=pb.TokenizedInput(input_ids=ids),
+                sampling_params=pb.SamplingParams(max_new_tokens=n, ignore_eos=True,
+                                                  temperature=0.0),
+                stream=True)
+            t0 = time.perf_counter()
+            first = last = 0.0
+            got = 0
+            async for resp in stub.Generate(req, timeout=900):
+                if resp.HasField("chunk") and resp.chunk.token_ids:
+                    now = time.perf_counter() - t0
+                    first = first or now
+                    last = now
+                    got += len(resp.chunk.token_ids)
+            return first, last, got
+
+        async def flush() -> None:
+            await stub.FlushCache(pb.FlushCacheRequest(timeout_s=60), timeout=120)
+
+        await one(-1, work["b1"][0][:8], 4)  # warm
+        await flush()
+        first, last, got = await one(0, work["b1"][0], B1_NEW)
+        out = {"b1_ttft_ms": first * 1e3, "b1_decode_tok_s": (got - 1) / (last - first)}
+        await flush()
+        t0 = time.perf_counter()
+        res = await asyncio.gather(*(one(i, p, CHAT_NEW) for i, p in enumerate(work["chat"])))
+        out["chat_tok_s"] = sum(r[2] for r in res) / (time.perf_counter() - t0)
+        await flush()
+        first, _, _ = await one(1, work["long"][0], 1)
+        out["long_ttft_ms"] = first * 1e3
+    return out
+
+
+# ------------------------------------------------------------------ llama.cpp's process
+
+
+def _llama_cpp(model_path: str, threads: int, vocab: int) -> dict[str, float]:
+    import llama_cpp as L
+    import numpy as np
+
+    L.llama_backend_init()
+    mparams = L.llama_model_default_params()
+    model = L.llama_model_load_from_file(model_path.encode(), mparams)
+    if not model:
+        raise RuntimeError(f"llama.cpp cannot load {model_path}")
+    cparams = L.llama_context_default_params()
+    cparams.n_ctx = 8192
+    cparams.n_batch = cparams.n_ubatch = 2048
+    cparams.n_seq_max = CHAT_N
+    cparams.n_threads = cparams.n_threads_batch = threads
+    ctx = L.llama_init_from_model(model, cparams)
+    n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
+    batch = L.llama_batch_init(4096, 0, 1)
+    mem = L.llama_get_memory(ctx)
+
+    def decode(items: list[tuple[int, int, int, bool]]) -> dict[int, int]:
+        """items: (token, position, sequence, wants logits), in chunks of the batch size;
+        the greedy next token of each sequence that wanted logits."""
+        nxt: dict[int, int] = {}
+        for start in range(0, len(items), 2048):
+            chunk = items[start:start + 2048]
+            batch.n_tokens = len(chunk)
+            for j, (tok, pos, seq, logits) in enumerate(chunk):
+                batch.token[j] = tok
+                batch.pos[j] = pos
+                batch.n_seq_id[j] = 1
+                batch.seq_id[j][0] = seq
+                batch.logits[j] = logits
+            if L.llama_decode(ctx, batch) != 0:
+                raise RuntimeError("llama_decode failed")
+            for j, (_, _, seq, logits) in enumerate(chunk):
+                if logits:
+                    row = L.llama_get_logits_ith(ctx, j)
+                    nxt[seq] = int(np.argmax(np.ctypeslib.as_array(row, shape=(n_vocab,))))
+        return nxt
+
+    def generate(prompts: list[list[int]], n_new: int) -> tuple[float, float, int]:
+        """Greedy tokens for every prompt at once: (first token s, last token s, tokens)."""
+        L.llama_memory_clear(mem, True)
+        t0 = time.perf_counter()
+        nxt = decode([(tok, pos, s, pos == len(p) - 1)
+                      for s, p in enumerate(prompts) for pos, tok in enumerate(p)])
+        first = time.perf_counter() - t0
+        got = len(prompts)
+        lengths = [len(p) for p in prompts]
+        for step in range(1, n_new):
+            nxt = decode([(nxt[s], lengths[s] + step - 1, s, True)
+                          for s in range(len(prompts))])
+            got += len(prompts)
+        return first, time.perf_counter() - t0, got
+
+    work = workloads(vocab)
+    generate([work["b1"][0][:8]], 4)  # warm
+    first, last, got = generate(work["b1"], B1_NEW)
+    out = {"b1_ttft_ms": first * 1e3, "b1_decode_tok_s": (got - 1) / (last - first)}
+    t0 = time.perf_counter()
+    _, _, got = generate(work["chat"], CHAT_NEW)
+    out["chat_tok_s"] = got / (time.perf_counter() - t0)
+    first, _, _ = generate(work["long"], 1)
+    out["long_ttft_ms"] = first * 1e3
+    return out
+
+
+# ------------------------------------------------------------------ vLLM (optional)
+
+
+def _vllm(model_path: str, threads: int, vocab: int) -> dict[str, float]:
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    llm = LLM(model=model_path, dtype="bfloat16", max_model_len=4096)
+    work = workloads(vocab)
+
+    def run(prompts: list[list[int]], n: int) -> float:
+        t0 = time.perf_counter()
+        llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                     SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True),
+                     use_tqdm=False)
+        return time.perf_counter() - t0
+
+    run([work["b1"][0][:8]], 4)
+    ttft = run(work["b1"], 1)
+    total = run(work["b1"], B1_NEW)
+    return {"b1_ttft_ms": ttft * 1e3, "b1_decode_tok_s": (B1_NEW - 1) / (total - ttft),
+            "chat_tok_s": CHAT_N * CHAT_NEW / run(work["chat"], CHAT_NEW),
+            "long_ttft_ms": run(work["long"], 1) * 1e3}
+
+
+# ------------------------------------------------------------------ the driver
+
+
+def read_bandwidth_gb_s() -> float:
+    """This machine's read bandwidth: the best of 5 sums over a 1 GiB array (torch, its
+    threads)."""
+    import torch
+
+    data = torch.ones(1 << 28, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - t0)
+    return data.numel() * 4 / best / 1e9
+
+
+def decode_bytes(model_path: str) -> int:
+    """Bytes of weights a batch-1 decode token reads with the weights kept quantized: the
+    kept projections and LM head (the quantized store's), the norms' few bytes aside."""
+    import torch
+
+    from sglang_admin.model.gguf import ensure_converted
+    from sglang_admin.model.runner import ModelRunner
+
+    runner = ModelRunner(ensure_converted(model_path), device="cpu", max_total_tokens=256,
+                         max_running_requests=1, quantization="gguf")
+    del torch
+    return runner.model.quant.quantized_bytes()
+
+
+def _child(mode: str, *args: str) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--child", mode, *args],
+                         capture_output=True, text=True, cwd=ROOT, timeout=3600)
+    if out.returncode != 0:
+        raise RuntimeError(f"{mode} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model-path", default="", help="a .gguf file (default: smollm2's Q4_1)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--server-arg", action="append", default=[])
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    ns = ap.parse_args(argv)
+    if ns.child:
+        mode, *rest = ns.child
+        if mode == "ours":
+            print(json.dumps(asyncio.run(_ours(rest[0], int(rest[1])))))
+        elif mode == "llama":
+            print(json.dumps(_llama_cpp(rest[0], int(rest[1]), int(rest[2]))))
+        elif mode == "vllm":
+            print(json.dumps(_vllm(rest[0], int(rest[1]), int(rest[2]))))
+        return 0
+    from sglang_admin.model.gguf import open_gguf, packaged_model
+
+    path = ns.model_path or packaged_model("smollm2")
+    vocab = len(open_gguf(path).get("tokenizer.ggml.tokens"))
+    engines: dict[str, list[dict[str, float]]] = {"ours": [], "llama.cpp": []}
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError as exc:
+        print(f"llama.cpp: not installed ({exc}); pip install '.[bench]'")
+        engines.pop("llama.cpp")
+    try:
+        import vllm  # noqa: F401
+
+        engines["vllm"] = []
+    except ImportError:
+        print("vLLM-CPU: not installed, skipped")
+    from sglang_admin.client.testing import start_server
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-peers-"))
+    srv = start_server(tmp, "--model-path", path, "--torch-threads", str(ns.threads),
+                       "--cpu-lanes", "1", *ns.server_arg)
+    try:
+        for r in range(ns.rounds):
+            engines["ours"].append(_child("ours", srv.target, str(vocab)))
+            if "llama.cpp" in engines:
+                engines["llama.cpp"].append(_child("llama", path, str(ns.threads), str(vocab)))
+            if "vllm" in engines:
+                engines["vllm"].append(_child("vllm", path, str(ns.threads), str(vocab)))
+            print(f"round {r + 1}: " + "; ".join(
+                f"{name} " + ", ".join(f"{k} {v:.1f}" for k, v in runs[-1].items())
+                for name, runs in engines.items()), flush=True)
+    finally:
+        srv.stop()
+    best: dict[str, dict[str, float]] = {}
+    for name, runs in engines.items():
+        best[name] = {k: (min if k.endswith("_ms") else max)(run[k] for run in runs)
+                      for k in runs[0]}
+    keys = list(best["ours"])
+    print(f"\n{'(best of ' + str(ns.rounds) + ')':<22}" + "".join(f"{k:>18}" for k in keys))
+    for name, figures in best.items():
+        print(f"{name:<22}" + "".join(f"{figures[k]:>18.1f}" for k in keys))
+    for name in best:
+        if name == "ours":
+            continue
+        ratios = [best[name][k] / best["ours"][k] if k.endswith("_ms")
+                  else best["ours"][k] / best[name][k] for k in keys]
+        print(f"{'ours / ' + name:<22}" + "".join(f"{x:>17.2f}x" for x in ratios))
+    bandwidth = read_bandwidth_gb_s()
+    nbytes = decode_bytes(path)
+    floor = bandwidth * 1e9 / nbytes
+    print(f"\nbatch-1 floor: {nbytes / 1e6:.1f} MB of weights a token / {bandwidth:.1f} GB/s "
+          f"read = {floor:.0f} tok/s; ours at {best['ours']['b1_decode_tok_s']:.1f} "
+          f"(a token takes {floor / best['ours']['b1_decode_tok_s']:.2f}x the floor's time)")
+    if ns.json:
+        print(json.dumps({"best": best, "floor_tok_s": floor, "bandwidth_gb_s": bandwidth,
+                          "decode_bytes": nbytes, "threads": ns.threads}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
