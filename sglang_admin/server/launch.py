@@ -415,8 +415,8 @@ def serve(args: ServerArgs) -> int:
     if args.tp_size > 1 and not args.tp_ports and args.nnodes == 1:  # one per replica
         args = args.replace(tp_ports=tuple(free_port() for _ in range(args.dp_size)))
     try:
-        if args.node_rank > 0:  # its ranks and health only (multinode/node_server.py)
-            from sglang_admin.multinode.node_server import serve_node
+        if args.node_rank > 0:  # its ranks and health only (server/node_server.py)
+            from sglang_admin.server.node_server import serve_node
 
             return serve_node(args)
         return asyncio.run(Server(args).run())
