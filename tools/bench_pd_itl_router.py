@@ -12,15 +12,15 @@ Setups (both started at once, driven one at a time):
 
 A worker sizes its threads from the cores it may run on (``config.rank_lanes`` /
 ``rank_threads``): with 2 cores the plain worker computes a step on 2 lanes of 1 thread, each
-PD leg on 1 lane of 1 thread. The printed config says what each worker reported.
+PD leg on 1 lane of 1 thread; the printout says what each worker computes with.
 
 Each round runs the same workload on each setup (the order alternates round to round); the
 client is a process of its own (this script's ``client`` subcommand), speaking HTTP to the
 router: ``--streams`` greedy streams of ``--stream-tokens`` tokens each (``/generate``,
 ``stream: true``) start together; while they run, a long prompt of ``--long-tokens`` tokens
-(one output token) arrives every ``--long-every`` seconds until the streams end. ITL: the
-gaps between consecutive tokens of a stream as the client receives them (the first token
-excluded). Printed: p50/p99 per setup per round, the best round of each (lowest p99), and the
+(one output token) arrives every ``--long-every`` seconds, at most ``--max-long`` of them,
+until the streams end. ITL: the gaps between consecutive tokens of a stream as the client
+receives them (the wait for the first token excluded). Printed: p50/p99 per setup per round, the best round of each (lowest p99), and the
 ratio pd/plain of the best rounds (goal p99 <= 0.5x). Every output is checked: each stream's
 greedy tokens and each long prompt's token must be equal across the setups and rounds.
 
@@ -138,8 +138,14 @@ def start_router(tmp: Path, name: str, *workers: str) -> tuple[subprocess.Popen,
     cmd = [sys.executable, "-m", "smg.launch_router", *workers,
            "--host", "127.0.0.1", "--port", str(port),
            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-           "--worker-startup-check-interval", "1", "--health-check-interval-secs", "5",
-           "--log-level", "warn"]
+           "--worker-startup-check-interval", "1", "--log-level", "warn",
+           # A worker busy with long prefills on a loaded machine answers probes late and
+           # its waiting queue grows: that is the workload measured, so neither setup's
+           # router may stop routing to a worker for it (one worker per role: nowhere else).
+           "--health-check-interval-secs", "10", "--health-check-timeout-secs", "120",
+           "--health-failure-threshold", "1000", "--worker-stall-secs", "3600",
+           "--worker-wedge-secs", "3600", "--disable-worker-overload-protection",
+           "--worker-warmup-secs", "0", "--worker-warmup-divert-every", "0"]
     with open(tmp / f"router-{name}.log", "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
                                 env={**os.environ, "NO_COLOR": "1"})
@@ -287,8 +293,9 @@ def add_workload_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--streams", type=int, default=8)
     p.add_argument("--stream-tokens", type=int, default=256)
     p.add_argument("--long-tokens", type=int, default=1500)
-    p.add_argument("--long-every", type=float, default=2.0)
-    p.add_argument("--max-long", type=int, default=1000,
+    p.add_argument("--long-every", type=float, default=2.0,
+                   help="seconds between long prompts while the streams run")
+    p.add_argument("--max-long", type=int, default=6,
                    help="at most this many long prompts per workload")
     p.add_argument("--vocab", type=int, default=250,
                    help="prompt token ids in 1..this-1 (the embedded model has 256 + specials)")
