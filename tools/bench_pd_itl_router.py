@@ -18,8 +18,8 @@ Each round runs the same workload on each setup (the order alternates round to r
 client is a process of its own (this script's ``client`` subcommand), speaking HTTP to the
 router: ``--streams`` greedy streams of ``--stream-tokens`` tokens each (``/generate``,
 ``stream: true``) start together; while they run, a long prompt of ``--long-tokens`` tokens
-(one output token) arrives every ``--long-every`` seconds, at most ``--max-long`` of them,
-until the streams end. ITL: the gaps between consecutive tokens of a stream as the client
+(one output token) arrives every ``--long-every`` seconds, ``--long`` of them (the same
+number on both setups). ITL: the gaps between consecutive tokens of a stream as the client
 receives them (the wait for the first token excluded). Printed: p50/p99 per setup per round, the best round of each (lowest p99), and the
 ratio pd/plain of the best rounds (goal p99 <= 0.5x). Every output is checked: each stream's
 greedy tokens and each long prompt's token must be equal across the setups and rounds.
@@ -104,14 +104,13 @@ async def client_async(args: argparse.Namespace) -> dict:
         t0 = time.perf_counter()
         running = [asyncio.create_task(stream(session, args.url, args.model, ids,
                                               args.stream_tokens)) for ids in streams]
-        arrivals, i = [], 0
-        while not all(t.done() for t in running) and i < args.max_long:
+        arrivals = []
+        for i in range(args.long):  # the same number on every setup, whatever its speed
             await asyncio.sleep(args.long_every)
             ids = [random.Random(f"{args.seed}-{i}").randrange(1, vocab)
                    for _ in range(args.long_tokens)]
             arrivals.append(asyncio.create_task(long_prompt(session, args.url, args.model,
                                                             ids)))
-            i += 1
         done = await asyncio.gather(*running)
         wall = time.perf_counter() - t0
         longs = await asyncio.gather(*arrivals)
@@ -190,7 +189,7 @@ def run_client(base: str, model: str, args: argparse.Namespace, seed: int) -> di
     cmd = [sys.executable, __file__, "client", "--url", base, "--model", model,
            "--seed", str(seed), "--streams", str(args.streams),
            "--stream-tokens", str(args.stream_tokens), "--long-tokens", str(args.long_tokens),
-           "--long-every", str(args.long_every), "--max-long", str(args.max_long),
+           "--long-every", str(args.long_every), "--long", str(args.long),
            "--vocab", str(args.vocab)]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=3600)
     if out.returncode != 0:
@@ -236,7 +235,7 @@ def bench(args: argparse.Namespace) -> dict:
                    "decode": worker_threads(",".join(cores[half:]) or cores[0], extra)}
         # warm-up, not measured: one short workload on each setup (kernels, a long prefill)
         warm = argparse.Namespace(**{**vars(args), "streams": 2, "stream_tokens": 4,
-                                     "max_long": 1})
+                                     "long": 1})
         for k in ("plain", "pd"):
             run_client(bases[k], names[k], warm, 1)
         rounds: dict[str, list[dict]] = {"plain": [], "pd": []}
@@ -295,8 +294,7 @@ def add_workload_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--long-tokens", type=int, default=1500)
     p.add_argument("--long-every", type=float, default=2.0,
                    help="seconds between long prompts while the streams run")
-    p.add_argument("--max-long", type=int, default=6,
-                   help="at most this many long prompts per workload")
+    p.add_argument("--long", type=int, default=4, help="long prompts per workload")
     p.add_argument("--vocab", type=int, default=250,
                    help="prompt token ids in 1..this-1 (the embedded model has 256 + specials)")
     p.add_argument("--seed", type=int, default=1000)
