@@ -21,8 +21,9 @@ router: ``--streams`` greedy streams of ``--stream-tokens`` tokens each (``/gene
 (one output token) arrives every ``--long-every`` seconds, ``--long`` of them (the same
 number on both setups). ITL: the gaps between consecutive tokens of a stream as the client
 receives them (the wait for the first token excluded). Printed: p50/p99 per setup per round, the best round of each (lowest p99), and the
-ratio pd/plain of the best rounds (goal p99 <= 0.5x). Every output is checked: each stream's
-greedy tokens and each long prompt's token must be equal across the setups and rounds.
+ratio pd/plain of the best rounds (goal p99 <= 0.5x). Each round has prompts of its own (none
+served from the prefix cache), the same on both setups: each stream's greedy tokens and each
+long prompt's token must be equal across the setups.
 
 Usage: python tools/bench_pd_itl_router.py [--model-path smollm2] [--cores 0,1] [--rounds 2]
 """
@@ -239,14 +240,16 @@ def bench(args: argparse.Namespace) -> dict:
         for k in ("plain", "pd"):
             run_client(bases[k], names[k], warm, 1)
         rounds: dict[str, list[dict]] = {"plain": [], "pd": []}
-        ref: dict | None = None
         equal = True
         loads = []
         for r in range(args.rounds):
+            # new prompts each round (a prompt seen before would come from the prefix cache
+            # and cost no prefill), the same ones on both setups (outputs compared)
+            ref: dict | None = None
             order = ("plain", "pd") if r % 2 == 0 else ("pd", "plain")
             for k in order:
                 loads.append(os.getloadavg()[0])
-                out = run_client(bases[k], names[k], args, args.seed)
+                out = run_client(bases[k], names[k], args, args.seed + 7919 * r)
                 got = {"tokens": out["tokens"], "long_tokens": out["long_tokens"]}
                 if ref is None:
                     ref = got
@@ -256,7 +259,7 @@ def bench(args: argparse.Namespace) -> dict:
                     equal = False
                     diff = [i for i, (a, b) in enumerate(zip(got["tokens"], ref["tokens"]))
                             if a != b]
-                    print(f"round {r} {k}: outputs differ from the first run "
+                    print(f"round {r} {k}: outputs differ from the other setup's "
                           f"(streams {diff})", file=sys.stderr)
                 row = {"p50_ms": pct(out["gaps"], 50), "p99_ms": pct(out["gaps"], 99),
                        "gaps": len(out["gaps"]), "longs": len(out["long_tokens"]),
