@@ -20,6 +20,7 @@ from sglang_admin.model.embedding_spec import (
     embedding_spec,
 )
 from sglang_admin.model.llama import LlamaForCausalLM
+from sglang_admin.model.load_error import ModelLoadError
 from sglang_admin.model.weight_names import UnknownWeightName, model_parameters, resolve
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -27,10 +28,6 @@ _DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
 }
-
-
-class ModelLoadError(ValueError):
-    """A model directory cannot be loaded; the message says why in one line."""
 
 
 def dtype_from_name(name: str) -> torch.dtype:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 import os
 
 import torch
@@ -32,6 +33,8 @@ from sglang_admin.model.loader import (
     weight_files,
 )
 from sglang_admin.model.weight_names import UnknownWeightName, model_parameters, resolve
+
+logger = logging.getLogger(__name__)
 
 # LlamaConfig fields that may differ between two checkpoints of one served model.
 _FREE_FIELDS = frozenset({"max_position_embeddings"})
@@ -104,12 +107,10 @@ def refit_from_disk(model: LlamaForCausalLM, model_path: str, restore_from: str 
     ``restore_from`` is the checkpoint the served weights came from (None: they came from
     no checkpoint, e.g. a trainer's tensors, so a failed copy cannot be undone).
     A model whose projections are kept quantized refits from a GGUF file
-    (model/quant/attach.py).
+    (:func:`_refit_quantized`).
     """
     if getattr(model, "quant", None) is not None:
-        from sglang_admin.model.quant.attach import refit_quantized
-
-        refit_quantized(model, model_path)
+        _refit_quantized(model, model_path)
         return
     try:
         check_checkpoint(model, model_path)
@@ -167,3 +168,41 @@ def truncated(tensor: torch.Tensor, truncate_size: int) -> tuple[list[int], list
     """(shape, first ``truncate_size`` values of the flattened ``tensor``) as floats."""
     flat = tensor.reshape(-1)[: max(truncate_size, 0)]
     return list(tensor.shape), flat.to("cpu", torch.float32).tolist()
+
+
+def _refit_quantized(model: LlamaForCausalLM, model_path: str) -> None:
+    """Replace a quantized model's weights with a converted GGUF directory's, its kept
+    projections read from the GGUF file again (they may be of other types than before).
+    Raises RefitError: ``restored`` True when nothing was changed."""
+    from sglang_admin.model.gguf import GgufError
+    from sglang_admin.model.quant.gguf_load import (
+        QUANTIZATION_GGUF,
+        attach_gguf,
+        finish_tied_head,
+        gguf_source,
+    )
+
+    try:
+        check_checkpoint(model, model_path)
+    except ModelLoadError as exc:
+        raise RefitError(str(exc)) from None
+    if model.quant.scheme != QUANTIZATION_GGUF:
+        raise RefitError(f"weights quantized at load (--torchao-config {model.quant.scheme}) "
+                         "are not refit yet; the served weights are unchanged")
+    gguf_file = gguf_source(model_path)
+    if gguf_file is None:
+        raise RefitError(f"{model_path}: the served weights are kept quantized (GGUF): a refit "
+                         "takes a GGUF file (or serve with --gguf-dequantize)")
+    dtype = model.model.norm.weight.dtype
+    try:
+        store, kept = attach_gguf(model, gguf_file, dtype)
+    except GgufError as exc:  # raised while reading, before any weight changed
+        raise RefitError(str(exc)) from None
+    model.quant = store
+    try:
+        load_weights(model, iter_checkpoint(model_path, kept))
+        finish_tied_head(model, store, True)
+    except Exception as exc:  # noqa: BLE001 - the projections are new already
+        raise RefitError(f"{type(exc).__name__}: {exc}; the weights are partially updated",
+                         False) from None
+    logger.warning("refit: %s", store.summary)

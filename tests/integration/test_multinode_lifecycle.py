@@ -184,7 +184,9 @@ def test_smollm2_over_three_nodes_equals_tp1(tmp_path: Path) -> None:
         model = served_model_path("smollm2")
     except ValueError as exc:
         pytest.skip(f"SmolLM2 is not available here: {exc}")
-    common = ("--model-path", str(model), "--dtype", "float32", "--max-prefill-tokens", "64")
+    # dense (GGUF weights kept quantized are not yet sharded over TP ranks)
+    common = ("--model-path", str(model), "--dtype", "float32", "--max-prefill-tokens", "64",
+              "--gguf-dequantize")
     port = init_port()
     nodes = [start_node(tmp_path, k, port, *common, nnodes=3, tp=3) for k in range(3)]
     ref = start_server(tmp_path, *common, "--max-total-tokens", "2048", wait=False)

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from sglang_admin.model.gguf import GgufError
+from sglang_admin.model.load_error import ModelLoadError
 from sglang_admin.model.quant.gguf_load import QUANTIZATION_GGUF, attach_gguf, gguf_source
 from sglang_admin.model.quant.online import TORCHAO_CONFIGS, quantize_loaded
 
@@ -24,8 +25,6 @@ def attach(model: Any, model_path: str, quantization: str, dtype: torch.dtype,
     directory converted from a GGUF file, not the CPU, tensor parallelism, an embedding
     model, a dtype the kernels do not take.
     """
-    from sglang_admin.model.loader import ModelLoadError
-
     check_applies(quantization, device, is_generation, tensor_parallel, dtype)
     if quantization != QUANTIZATION_GGUF:
         return set()  # quantized after the dense load: quantize_after_load
@@ -45,8 +44,6 @@ def attach(model: Any, model_path: str, quantization: str, dtype: torch.dtype,
 def check_applies(quantization: str, device: torch.device, is_generation: bool,
                   tensor_parallel: Any, dtype: torch.dtype) -> None:
     """ModelLoadError (one line) where weights cannot be served quantized."""
-    from sglang_admin.model.loader import ModelLoadError
-
     if quantization not in QUANTIZATIONS:
         raise ModelLoadError(f"quantization {quantization!r} is not supported "
                              f"(supported: {', '.join(QUANTIZATIONS)})")
@@ -71,37 +68,3 @@ def quantize_after_load(model: Any, quantization: str, dtype: torch.dtype) -> No
         return
     model.quant = quantize_loaded(model, quantization, dtype)
     logger.warning("%s", model.quant.summary)
-
-
-def refit_quantized(model: Any, model_path: str) -> None:
-    """Replace a quantized model's weights with a converted GGUF directory's, its kept
-    projections read from the GGUF file again (they may be of other types than before).
-    Raises model/weights.py's RefitError: ``restored`` True when nothing was changed."""
-    from sglang_admin.model.loader import ModelLoadError, iter_checkpoint, load_weights
-    from sglang_admin.model.quant.gguf_load import finish_tied_head
-    from sglang_admin.model.weights import RefitError, check_checkpoint
-
-    try:
-        check_checkpoint(model, model_path)
-    except ModelLoadError as exc:
-        raise RefitError(str(exc)) from None
-    if model.quant.scheme != QUANTIZATION_GGUF:
-        raise RefitError(f"weights quantized at load (--torchao-config {model.quant.scheme}) "
-                         "are not refit yet; the served weights are unchanged")
-    gguf_file = gguf_source(model_path)
-    if gguf_file is None:
-        raise RefitError(f"{model_path}: the served weights are kept quantized (GGUF): a refit "
-                         "takes a GGUF file (or serve with --gguf-dequantize)")
-    dtype = model.model.norm.weight.dtype
-    try:
-        store, kept = attach_gguf(model, gguf_file, dtype)
-    except GgufError as exc:  # raised while reading, before any weight changed
-        raise RefitError(str(exc)) from None
-    model.quant = store
-    try:
-        load_weights(model, iter_checkpoint(model_path, kept))
-        finish_tied_head(model, store, True)
-    except Exception as exc:  # noqa: BLE001 - the projections are new already
-        raise RefitError(f"{type(exc).__name__}: {exc}; the weights are partially updated",
-                         False) from None
-    logger.warning("refit: %s", store.summary)
