@@ -83,6 +83,19 @@ def _placeholder(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device="meta")
 
 
+def projection_groups(layer: Any) -> tuple[tuple[Any, str | None, list[Any], list[str]], ...]:
+    """A decoder layer's projections as they are kept quantized: (the module owning the fused
+    weight, its attribute or None, the projections, their checkpoint names in the layer)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return (
+        (attn, "qkv_weight", [attn.q_proj, attn.k_proj, attn.v_proj],
+         ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]),
+        (attn, None, [attn.o_proj], ["self_attn.o_proj"]),
+        (mlp, "gate_up_weight", [mlp.gate_proj, mlp.up_proj], ["mlp.gate_proj", "mlp.up_proj"]),
+        (mlp, None, [mlp.down_proj], ["mlp.down_proj"]),
+    )
+
+
 def attach_gguf(model: Any, gguf_file: str, dtype: torch.dtype, *,
                 dense_copy: bool = True) -> tuple[QuantStore, set[str]]:
     """Load ``gguf_file``'s kept projections into ``model`` (a LlamaForCausalLM already
@@ -115,16 +128,7 @@ def attach_gguf(model: Any, gguf_file: str, dtype: torch.dtype, *,
     with torch.no_grad():
         for i, layer in enumerate(model.model.layers):
             pre = f"model.layers.{i}."
-            attn, mlp = layer.self_attn, layer.mlp
-            groups = (
-                (attn, "qkv_weight", [attn.q_proj, attn.k_proj, attn.v_proj],
-                 ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]),
-                (attn, None, [attn.o_proj], ["self_attn.o_proj"]),
-                (mlp, "gate_up_weight", [mlp.gate_proj, mlp.up_proj],
-                 ["mlp.gate_proj", "mlp.up_proj"]),
-                (mlp, None, [mlp.down_proj], ["mlp.down_proj"]),
-            )
-            for owner, fused_attr, modules, names in groups:
+            for owner, fused_attr, modules, names in projection_groups(layer):
                 names = [f"{pre}{n}.weight" for n in names]
                 if any(n not in values for n in names):
                     continue

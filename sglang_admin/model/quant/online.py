@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from sglang_admin.model.quant.gguf_blocks import int4_quantize, int8_rows
-from sglang_admin.model.quant.gguf_load import install
+from sglang_admin.model.quant.gguf_load import install, projection_groups
 from sglang_admin.model.quant.linear import QuantLinear, QuantStore
 
 TORCHAO_CONFIGS = ("int8wo", "int4wo-32", "int4wo-64", "int4wo-128", "int4wo-256")
@@ -38,16 +38,7 @@ def quantize_loaded(model: Any, scheme: str, dtype: torch.dtype) -> QuantStore:
     with torch.no_grad():
         for i, layer in enumerate(model.model.layers):
             pre = f"model.layers.{i}."
-            attn, mlp = layer.self_attn, layer.mlp
-            groups = (
-                (attn, "qkv_weight", [attn.q_proj, attn.k_proj, attn.v_proj],
-                 ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]),
-                (attn, None, [attn.o_proj], ["self_attn.o_proj"]),
-                (mlp, "gate_up_weight", [mlp.gate_proj, mlp.up_proj],
-                 ["mlp.gate_proj", "mlp.up_proj"]),
-                (mlp, None, [mlp.down_proj], ["mlp.down_proj"]),
-            )
-            for owner, fused_attr, modules, names in groups:
+            for owner, fused_attr, modules, names in projection_groups(layer):
                 weight = getattr(owner, fused_attr) if fused_attr else modules[0].weight
                 projection = _quantized(weight, scheme, dtype)
                 if projection is None:
