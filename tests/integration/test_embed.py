@@ -22,7 +22,10 @@ from tests.embed_checkpoints import KINDS, Reference, build, server_flags
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-TOLERANCE = 1e-5
+# float32 against sentence-transformers: a served vector may be computed by other GEMM
+# kernels than the reference's (oneDNN picks them by row count and threads); 3.4e-5 was seen
+# once beside another test process. A wrong pooling or normalisation is off by far more.
+TOLERANCE = 1e-4
 # mixed lengths, one longer than --max-prefill-tokens (prefilled in chunks), a repeat of a
 # prefix of another (a radix cache hit) and a one-token input
 PROMPTS = [[3, 14, 15, 92, 65, 35], [27], list(range(40, 190)), [7] * 17, [5, 6],
