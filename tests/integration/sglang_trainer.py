@@ -146,6 +146,8 @@ def sglang_push(stub: pb_grpc.SglangSchedulerStub, model: Any, pg: Any, group: s
 def main() -> None:
     mode, target, ckpt, out = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
     port = int(sys.argv[5])
+    # the helper's group gets a port of its own: port + 1 may be any process's ephemeral port
+    helper_port = int(sys.argv[6])
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
     stub = pb_grpc.SglangSchedulerStub(grpc.insecure_channel(target))
@@ -168,7 +170,7 @@ def main() -> None:
     dist.destroy_process_group(pg)
     train(model, 2, seed=2)
     pusher = WeightPusher([target], timeout_s=120, bucket_bytes=64 << 10, flatten=True)
-    pusher.join("127.0.0.1", port + 1, group_name="helper-group")
+    pusher.join("127.0.0.1", helper_port, group_name="helper-group")
     pusher.push(model.named_parameters(), weight_version="helper-2")
     save(model, out, "helper")
     sys.stdin.readline()

@@ -335,7 +335,8 @@ def test_a_trainer_pushes_to_every_tp_rank_as_a_refit_from_disk_would(
     log = tmp_path / "trainer.log"
     with open(log, "w") as err:
         trainer = subprocess.Popen(
-            [*TRAINER, "sglang", srv.target, str(ckpt), str(tmp_path), str(free_port())],
+            [*TRAINER, "sglang", srv.target, str(ckpt), str(tmp_path), str(free_port()),
+             str(free_port())],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT,
             env={**os.environ, "PYTHONPATH": str(ROOT)})
 

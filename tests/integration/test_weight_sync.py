@@ -70,7 +70,8 @@ class Trainer:
         self.log = out / f"trainer-{mode}.log"
         with open(self.log, "w") as log:  # the child keeps its own descriptor
             self.proc = subprocess.Popen(
-                [*TRAINER, mode, worker.target, str(ckpt), str(out), str(free_port())],
+                [*TRAINER, mode, worker.target, str(ckpt), str(out), str(free_port()),
+                 str(free_port())],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
                 text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
             )
