@@ -212,7 +212,8 @@ class FollowerProfiler:
         self.profiler = profiler
         self.ship = ship
         self.stopping: Future | None = None  # the last StopProfile's files
-        self.finished: Future | None = None  # the paths of a profile that ended by itself
+        # the paths of each profile that ended by itself, oldest first, until node 0 asks
+        self.finished: list[Future] = []
 
     def handle(self, command: tuple, gather: Any) -> None:
         """One of :data:`PROFILE_COMMANDS`; ``gather`` hands this rank's answer to rank 0."""
@@ -236,11 +237,11 @@ class FollowerProfiler:
     def _finished_traces(self) -> dict[str, bytes] | str | None:
         """For :data:`PROFILE_SHIP`: this remote rank's traces of the profile that ended by
         itself, or why not; None on node 0 (nothing to send)."""
-        fut, self.finished = self.finished, None
         if not self.ship:
             return None
-        if fut is None:
+        if not self.finished:
             return "its profile did not end by itself on the step rank 0's did"
+        fut = self.finished.pop(0)
         try:
             return _read_traces(list(fut.result(EXPORT_WAIT_S)))
         except FutureTimeout:
@@ -268,4 +269,4 @@ class FollowerProfiler:
             finished.add_done_callback(
                 lambda fut: logger.info("profile finished by itself: %s", fut.result()))
             if self.ship:  # node 0 asks for its traces (PROFILE_SHIP)
-                self.finished = finished
+                self.finished.append(finished)
