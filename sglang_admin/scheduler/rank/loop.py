@@ -33,6 +33,7 @@ from sglang_admin.scheduler.ops.registry import op_name
 from sglang_admin.scheduler.profiling.step_timing import StepTimer
 from sglang_admin.scheduler.rank.model_step import batch_inputs, forward
 from sglang_admin.scheduler.reasoning import think_end_id
+from sglang_admin.scheduler.tp.profile import ship_remote_traces
 from sglang_admin.tracing import child_span, trace_id_of
 
 if TYPE_CHECKING:
@@ -348,6 +349,7 @@ class Rank:
             finished_profile.add_done_callback(
                 lambda fut: logger.info("profile finished by itself: %s", fut.result())
             )
+            ship_remote_traces(self, finished_profile)  # --nnodes > 1
 
     def send_outputs(self, outputs: list[ReqOutput]) -> None:
         """One message for every request update of a step; log finishes when asked."""
@@ -417,7 +419,8 @@ class Rank:
                 ok, text, result = fut.result()
             except Exception as exc:  # noqa: BLE001 - a worker thread's failure, reported
                 ok, text, result = False, f"{type(exc).__name__}: {exc}", None
-            self.reply(msg, ok, text, result)
+            if msg is not None:
+                self.reply(msg, ok, text, result)
         self.deferred = still
 
 
