@@ -1036,19 +1036,20 @@ def test_smollm2_pair_through_the_router_equals_a_plain_worker(tmp_path: Path) -
             assert [lp[0] for lp in out["meta_info"]["output_token_logprobs"]] == \
                 pytest.approx(list(want.output_logprobs.token_logprobs), abs=2e-3)
             assert out["text"] == tok.decode(want.output_ids, skip_special_tokens=True)
-            cold()
-            events = sse(f"{base}/generate", {**body, "stream": True}, timeout=180)
-            streamed = [t for e in events for t in e.get("output_ids", [])]
-            assert streamed[:16] == list(want.output_ids), events[-2:]
+            if len(ids) < 50:  # streamed once: the same tokens
+                cold()
+                events = sse(f"{base}/generate", {**body, "stream": True}, timeout=180)
+                streamed = [t for e in events for t in e.get("output_ids", [])]
+                assert streamed[:16] == list(want.output_ids), events[-2:]
 
         # chat: the router renders the model's template; the same ids given to the plain
         # path give the same greedy answer (EOS honoured, as the router asks)
         messages = [{"role": "user", "content": "What is the capital of France?"}]
         rendered = tok.apply_chat_template(messages, add_generation_prompt=True)
         ids = list(rendered if isinstance(rendered, list) else rendered["input_ids"])
-        want = plain(ids, 24, ignore_eos=False)
+        want = plain(ids, 16, ignore_eos=False)
         text = tok.decode(want.output_ids, skip_special_tokens=True)
-        chat = {"model": model, "messages": messages, "max_tokens": 24, "temperature": 0}
+        chat = {"model": model, "messages": messages, "max_tokens": 16, "temperature": 0}
         status, answer = http("POST", f"{base}/v1/chat/completions",
                               {**chat, "logprobs": True}, timeout=180)
         assert status == 200, answer
