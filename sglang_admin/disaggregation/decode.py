@@ -24,6 +24,7 @@ from typing import Any
 
 from sglang_admin.disaggregation import settings
 from sglang_admin.disaggregation.control import ControlSocket, http_ok, resolve_prefill_rank
+from sglang_admin.disaggregation.figures import FailureCounts
 from sglang_admin.disaggregation.transfer import KVTransferBackend
 
 logger = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ class DecodeRoom:
     future: Future | None = None
     prefill_addr: str = ""
     handshake_at: float = 0.0
+    reserved_at: float = 0.0  # its KV slots reserved (the end of prealloc)
     grammar_wait: bool = False  # constrained: its grammar is still compiling
     arrived: dict[str, Any] | None = None  # prefill's "done", kept while the grammar compiles
 
@@ -74,6 +76,10 @@ class DecodeRooms:
         self.transfers_failed = 0
         self.last_gb_s = 0.0
         self.last_latency_ms = 0.0
+        self.last_total_mb = 0.0
+        self.last_alloc_ms = 0.0  # the last room's wait for its KV slots
+        self.last_bootstrap_ms = 0.0  # the last room's bootstrap lookup and handshake
+        self.failures = FailureCounts()
 
     @property
     def busy(self) -> bool:
@@ -189,6 +195,8 @@ class DecodeRooms:
                 return
             self.prealloc.popleft()
             self.backend.expect(droom.room, req.slots)
+            droom.reserved_at = time.monotonic()
+            self.last_alloc_ms = (droom.reserved_at - droom.created) * 1000
             droom.phase = "bootstrap"
             droom.future = self.pool.submit(resolve_prefill_rank, droom.host, droom.port,
                                             droom.room)
@@ -212,6 +220,7 @@ class DecodeRooms:
             return
         droom.phase = "transfer"
         droom.handshake_at = time.monotonic()
+        self.last_bootstrap_ms = (droom.handshake_at - droom.reserved_at) * 1000
 
     def _on_message(self, msg: dict[str, Any]) -> None:
         room_id = msg["room"]
@@ -253,6 +262,7 @@ class DecodeRooms:
         if seconds > 0:
             self.last_gb_s = float(msg.get("nbytes") or 0) / seconds / 1e9
             self.last_latency_ms = seconds * 1000
+            self.last_total_mb = float(msg.get("nbytes") or 0) / 1e6
         if droom.grammar_wait:
             droom.arrived, droom.phase = msg, "grammar"
             return
@@ -341,6 +351,7 @@ class DecodeRooms:
         if req.req_idx >= 0:
             state.memory.release(req, keep=False)
         if error is not None:
+            self.failures.count(error)
             logger.warning("room %d (%s): %s", droom.room, req.rid, error)
         if req.key in state.by_rid:
             finish(state, req, "abort", error=error,

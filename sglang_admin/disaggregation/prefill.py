@@ -21,6 +21,7 @@ from typing import Any
 
 from sglang_admin.disaggregation import settings
 from sglang_admin.disaggregation.control import ControlSocket
+from sglang_admin.disaggregation.figures import FailureCounts
 from sglang_admin.disaggregation.transfer import (
     KVTransferBackend,
     KVTransferError,
@@ -48,6 +49,7 @@ class PrefillRoom:
     aborted: str | None = None  # abort reason, while a send is in flight
     cancelled: str = ""  # decode gave the room up before the request ended
     version: str = ""  # the weight version the KV was computed with
+    handshake_at: float = 0.0  # decode's handshake arrived
 
 
 class PrefillRooms:
@@ -71,6 +73,9 @@ class PrefillRooms:
         self.transfers_failed = 0
         self.last_gb_s = 0.0
         self.last_latency_ms = 0.0
+        self.last_total_mb = 0.0
+        self.last_bootstrap_ms = 0.0  # the last room's held KV waiting for the handshake
+        self.failures = FailureCounts()
 
     # ------------------------------------------------------------------ figures
     @property
@@ -95,7 +100,7 @@ class PrefillRooms:
         self.by_rid[req.rid] = prefill_room
         early = self.early.pop(room, None)
         if early is not None:
-            prefill_room.handshake = early[0]
+            prefill_room.handshake, prefill_room.handshake_at = early
         return None
 
     def hold(self, req: Any, out: ReqOutput) -> bool:
@@ -187,7 +192,7 @@ class PrefillRooms:
         if room.handshake is not None:
             logger.warning("second handshake for room %s ignored", room_id)
             return
-        room.handshake = msg
+        room.handshake, room.handshake_at = msg, time.monotonic()
         if room.out is not None:
             self._start(room)
 
@@ -195,6 +200,7 @@ class PrefillRooms:
     def _start(self, room: PrefillRoom) -> None:
         hs = room.handshake
         assert hs is not None
+        self.last_bootstrap_ms = max(room.handshake_at - room.held_since, 0.0) * 1000
         req = room.req
         src = list(req.slots[: len(req.prompt_ids)])
         try:
@@ -233,6 +239,7 @@ class PrefillRooms:
         if result.seconds > 0:
             self.last_gb_s = result.nbytes / result.seconds / 1e9
             self.last_latency_ms = result.seconds * 1000
+            self.last_total_mb = result.nbytes / 1e6
         lp = req.logprob
         done = {
             "kind": "done", "room": room.room, "ok": room.aborted is None,
@@ -274,6 +281,7 @@ class PrefillRooms:
         if code == "abort":
             out.finish_reason, out.error, out.error_code = "abort", None, None
         elif error is not None:
+            self.failures.count(error)
             out.finish_reason, out.error, out.error_code = "abort", error, code
             logger.warning("room %d (%s): %s", room.room, req.rid, error)
         state.pending_outputs.append(out)

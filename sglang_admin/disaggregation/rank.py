@@ -14,6 +14,7 @@ import zmq
 
 from sglang_admin.disaggregation.backends import make_backend
 from sglang_admin.disaggregation.control import ControlSocket, advertised_host, http_json
+from sglang_admin.disaggregation.figures import rooms_figures
 
 logger = logging.getLogger(__name__)
 
@@ -62,18 +63,8 @@ class RankPD:
         return r.num_prealloc, r.num_transfer
 
     def figures(self) -> dict[str, Any]:
-        """GetLoads' DisaggregationMetrics fields, and the transfer counts."""
-        r = self.rooms
-        first, second = self.queue_sizes()
-        out: dict[str, Any] = {
-            "mode": r.role, "kv_transfer_speed_gb_s": r.last_gb_s,
-            "kv_transfer_latency_ms": r.last_latency_ms,
-            "transfers_ok": r.transfers_ok, "transfers_failed": r.transfers_failed}
-        if r.role == "prefill":
-            out.update(prefill_prealloc_queue_reqs=first, prefill_inflight_queue_reqs=second)
-        else:
-            out.update(decode_prealloc_queue_reqs=first, decode_transfer_queue_reqs=second)
-        return out
+        """GetLoads' DisaggregationMetrics fields, SGLang's other PD series, the counts."""
+        return rooms_figures(self.rooms, *self.queue_sizes())
 
     def close(self) -> None:
         self.rooms.close()

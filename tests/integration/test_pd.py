@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import threading
@@ -103,12 +104,48 @@ def pd_request(ids: list[int], n: int, host: str, port: int, room: int,
     return req
 
 
+def launch_pd_router(prefill: ServerProc, decode: ServerProc, bport: int, tmp: Path
+                     ) -> tuple[subprocess.Popen, str, Path]:
+    """The real SMG router in PD mode over one prefill and one decode worker, ready (both
+    seen healthy): the process, its base URL and its log."""
+    port = free_port()
+    router_log = tmp / "router.log"
+    with open(router_log, "w") as log:
+        router = subprocess.Popen(
+            [sys.executable, "-m", "smg.launch_router", "--pd-disaggregation",
+             "--prefill", f"grpc://127.0.0.1:{prefill.port}", str(bport),
+             "--decode", f"grpc://127.0.0.1:{decode.port}",
+             "--host", "127.0.0.1", "--port", str(port),
+             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+             "--worker-startup-check-interval", "1", "--health-check-interval-secs", "2",
+             "--log-level", "info"],
+            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "NO_COLOR": "1"})
+    base = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        if router.poll() is not None:
+            raise RuntimeError(f"router exited:\n{router_log.read_text()[-4000:]}")
+        try:
+            status, body = http("GET", f"{base}/workers", timeout=5)
+        except OSError:
+            return False
+        return status == 200 and sum(bool(w.get("is_healthy"))
+                                     for w in body.get("workers", [])) == 2
+
+    try:
+        wait_for(ready, 90, "the router to see a healthy prefill and decode")
+    except BaseException:
+        stop_router(router)
+        raise
+    return router, base, router_log
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
          ) -> Iterator[Pair]:
     tmp = tmp_path_factory.mktemp("pd")
     bport = free_port()
-    common = ["--disaggregation-transfer-backend", "zmq", "--log-requests"]
+    common = ["--disaggregation-transfer-backend", "zmq", "--log-requests", "--enable-metrics"]
     for leg in ("prefill", "decode"):
         (tmp / f"prof_{leg}").mkdir()
     # two data-parallel ranks on each side (a room's KV is on prefill rank room % 2), and
@@ -125,31 +162,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureReques
         plain = request.getfixturevalue("server")
         for srv in (prefill, decode):
             wait_started(srv)
-        port = free_port()
-        router_log = tmp / "router.log"
-        with open(router_log, "w") as log:
-            router = subprocess.Popen(
-                [sys.executable, "-m", "smg.launch_router", "--pd-disaggregation",
-                 "--prefill", f"grpc://127.0.0.1:{prefill.port}", str(bport),
-                 "--decode", f"grpc://127.0.0.1:{decode.port}",
-                 "--host", "127.0.0.1", "--port", str(port),
-                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-                 "--worker-startup-check-interval", "1", "--health-check-interval-secs", "2",
-                 "--log-level", "info"],
-                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "NO_COLOR": "1"})
-        base = f"http://127.0.0.1:{port}"
-
-        def ready() -> bool:
-            if router.poll() is not None:
-                raise RuntimeError(f"router exited:\n{router_log.read_text()[-4000:]}")
-            try:
-                status, body = http("GET", f"{base}/workers", timeout=5)
-            except OSError:
-                return False
-            return status == 200 and sum(bool(w.get("is_healthy"))
-                                         for w in body.get("workers", [])) == 2
-
-        wait_for(ready, 90, "the router to see a healthy prefill and decode")
+        router, base, router_log = launch_pd_router(prefill, decode, bport, tmp)
         status, models = http("GET", f"{base}/v1/models")
         assert status == 200
         yield Pair(prefill, decode, plain, bport, router, base, models["data"][0]["id"],
@@ -402,6 +415,78 @@ def test_bad_disaggregated_params_are_refused(pair: Pair) -> None:
                                              timeout=30))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (host, port, room)
     assert_serving(pair)
+
+
+def pd_series(srv: ServerProc) -> dict[str, float]:
+    """SGLang's PD Prometheus series of a worker (GetMetrics), summed over its ranks."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = srv.stub().GetMetrics(pb.GetMetricsRequest(), timeout=10).text
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if "transfer" in sample.name or "bootstrap" in sample.name \
+                    or "_queue_reqs" in sample.name:
+                out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    return out
+
+
+PD_SERIES = {"sglang:num_prefill_prealloc_queue_reqs", "sglang:num_prefill_inflight_queue_reqs",
+             "sglang:num_decode_prealloc_queue_reqs", "sglang:num_decode_transfer_queue_reqs",
+             "sglang:kv_transfer_speed_gb_s", "sglang:kv_transfer_latency_ms",
+             "sglang:kv_transfer_total_mb", "sglang:kv_transfer_bootstrap_ms",
+             "sglang:kv_transfer_alloc_ms", "sglang:num_bootstrap_failed_reqs_total",
+             "sglang:num_transfer_failed_reqs_total"}
+
+
+def test_sglang_pd_series_on_metrics(pair: Pair) -> None:
+    """SGLang's PD series on both legs: the last transfer's speed, latency and size, the
+    queue a waiting room is in, and a failed request counted by the phase it failed in."""
+    router_generate(pair, PROMPTS[3], 2)
+    for srv in (pair.prefill, pair.decode):
+        def moved(s: ServerProc = srv) -> Any:
+            got = pd_series(s)
+            return got if got.get("sglang:kv_transfer_total_mb", 0) > 0 else False
+        got = wait_for(moved, 10, f"a transfer in {srv.target}'s PD series")
+        assert set(got) >= PD_SERIES, PD_SERIES - set(got)
+        assert got["sglang:kv_transfer_speed_gb_s"] > 0
+        assert got["sglang:kv_transfer_latency_ms"] > 0
+        # 100 prompt tokens x 4 layers x K,V x 2 KV heads x 32 dims x float32 (one rank's)
+        assert got["sglang:kv_transfer_total_mb"] >= 100 * 8 * 2 * 32 * 4 / 1e6 - 1e-9
+    before = pd_series(pair.decode)
+    # a room waiting for its KV is in decode's transfer queue; its failure is a transfer's
+    fake = FakePrefill()
+    try:
+        result: dict[str, Any] = {}
+
+        def run() -> None:
+            result["err"], _ = _fail_after(pair.decode.stub().Generate(
+                pd_request(PROMPTS[2], 3, "127.0.0.1", fake.port, 33001), timeout=60))
+
+        t = threading.Thread(target=run)
+        t.start()
+        hs = fake.handshake()
+        wait_for(lambda: pd_series(pair.decode)["sglang:num_decode_transfer_queue_reqs"] == 1,
+                 10, "decode's transfer queue 1")
+        fake.notify(hs["notify"], {"kind": "done", "room": 33001, "ok": False,
+                                   "error": "kv transfer failed: disk on fire"})
+        t.join(60)
+        assert "disk on fire" in result["err"].details()
+    finally:
+        fake.close()
+    # and an unreachable bootstrap server is a bootstrap failure
+    _fail_after(pair.decode.stub().Generate(
+        pd_request(PROMPTS[0], 3, "127.0.0.1", free_port(), 33002), timeout=60))
+
+    def counted() -> Any:
+        got = pd_series(pair.decode)
+        return got if got["sglang:num_decode_transfer_queue_reqs"] == 0 and got[
+            "sglang:num_bootstrap_failed_reqs_total"] > before[
+            "sglang:num_bootstrap_failed_reqs_total"] else False
+    after = wait_for(counted, 10, "the failures counted")
+    for name in ("sglang:num_bootstrap_failed_reqs_total", "sglang:num_transfer_failed_reqs_total"):
+        assert after[name] == before[name] + 1, name
+    assert_freed(pair.decode)
 
 
 # ---------------------------------------------------------------------- failures
@@ -699,6 +784,78 @@ def test_a_streaming_client_that_drops_through_the_router_frees_both(pair: Pair)
     assert_serving(pair)
 
 
+# ------------------------------------------------ real processes killed (a pair's last act)
+# The pairs of their own below (LoRA, SmolLM2, mooncake) end with one of these: a real worker
+# process SIGKILLed (its scheduler ranks die with it) while the other leg holds KV for a room.
+
+
+def decode_queue(decode: ServerProc) -> int:
+    """Rooms at the decode worker past their handshake, waiting for their KV."""
+    loads = decode.stub().GetLoads(pb.GetLoadsRequest(include=["disagg"]), timeout=10)
+    return sum(ld.disaggregation.decode_transfer_queue_reqs for ld in loads.loads)
+
+
+def _decode_leg_waiting(decode: ServerProc, bport: int, room: int, ids: list[int]
+                        ) -> tuple[threading.Thread, dict[str, Any]]:
+    """The decode leg of ``room`` alone, in a thread: its prealloc, bootstrap and handshake
+    run against the real prefill, and it waits for a KV that nothing will send yet."""
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            result["out"] = list(decode.stub().Generate(
+                pd_request(ids, 4, "127.0.0.1", bport, room), timeout=120))
+        except grpc.RpcError as exc:
+            result["err"], result["at"] = exc, time.monotonic()
+
+    t = threading.Thread(target=run)
+    t.start()
+    wait_for(lambda: decode_queue(decode) == 1, 30, "decode's handshake (transfer queue 1)")
+    wait_for(lambda: used_tokens(decode) >= len(ids), 10, "decode's KV reserved")
+    return t, result
+
+
+def kill_prefill_while_decode_waits(prefill: ServerProc, decode: ServerProc, bport: int,
+                                    room: int) -> None:
+    """The prefill worker SIGKILLed while decode waits for its KV: decode fails on its own
+    (UNAVAILABLE, the words the router sorts by) within the heartbeat's bound (1 s x 2
+    misses, not the 12 s waiting timeout), its KV is freed and it keeps serving."""
+    ids = list(range(60, 100))
+    t, result = _decode_leg_waiting(decode, bport, room, ids)
+    killed_at = time.monotonic()
+    assert prefill.stop(signal.SIGKILL) == -signal.SIGKILL
+    t.join(60)
+    assert not t.is_alive() and "err" in result, result
+    err, took = result["err"], result["at"] - killed_at
+    assert err.code() == grpc.StatusCode.UNAVAILABLE, err
+    assert "kv transfer failed" in err.details() and "might be dead" in err.details(), err
+    assert took < 11, took  # before the waiting timeout (12 s) could have ended it
+    assert_freed(decode)
+    plain = greedy(ids, 4)
+    plain.disaggregated_params.bootstrap_host = "2.2.2.2"  # SGLang's fake host: no transfer
+    assert len(list(decode.stub().Generate(plain, timeout=60))[-1].complete.output_ids) == 4
+
+
+def kill_decode_after_its_handshake(prefill: ServerProc, decode: ServerProc, bport: int,
+                                    room: int) -> None:
+    """The decode worker SIGKILLed after its handshake for a room, before the KV went: the
+    prefill leg's send finds no one, fails with "kv transfer failed" within the transfer
+    timeout (4 s here, generous bound), frees the KV and keeps serving."""
+    ids = list(range(100, 150))
+    t, _ = _decode_leg_waiting(decode, bport, room, ids)
+    time.sleep(0.5)  # the handshake, sent before decode's queue said so, reaches prefill
+    assert decode.stop(signal.SIGKILL) == -signal.SIGKILL
+    t.join(30)
+    err, took = _fail_after(prefill.stub().Generate(
+        pd_request(ids, 4, "127.0.0.1", bport, room), timeout=120))
+    assert err.code() == grpc.StatusCode.UNAVAILABLE, err
+    assert "kv transfer failed" in err.details(), err
+    assert took < 30, took  # the transfer timeout (4 s) and the prefill forward
+    assert_freed(prefill)
+    want = list(prefill.stub().Generate(greedy(ids, 4), timeout=60))[-1].complete.output_ids
+    assert len(want) == 4  # a plain request at the prefill worker: still serving
+
+
 # ---------------------------------------------------------------------- LoRA (a pair of its own)
 
 
@@ -751,6 +908,7 @@ def test_lora_requests_decode_with_the_adapter(tmp_path: Path) -> None:
             assert got[lora_id] == list(want), lora_id
         assert got["attn"] != got[""]  # the adapter changed the tokens on both legs
         assert_freed(prefill, decode)
+        kill_prefill_while_decode_waits(prefill, decode, bport, room=13)
     finally:
         prefill.stop()
         decode.stop()
@@ -823,10 +981,14 @@ def test_fuzzed_control_messages_harm_no_leg(pair: Pair) -> None:
 # ---------------------------------------------------------------------- SmolLM2 (a pair of its own)
 
 
-def test_smollm2_pair_equals_a_plain_worker(tmp_path: Path) -> None:
-    """The real SmolLM2-135M-Instruct GGUF: a PD pair's greedy tokens and logprobs equal the
-    plain path's (the prefill worker answers requests without disaggregated_params as a plain
-    worker does)."""
+def test_smollm2_pair_through_the_router_equals_a_plain_worker(tmp_path: Path) -> None:
+    """The real SmolLM2-135M-Instruct GGUF behind the real router in PD mode: `/generate`
+    and `/v1/chat/completions`, streaming and not, give a plain worker's greedy tokens,
+    text and logprobs (the plain path: the prefill worker answers a request without
+    disaggregated_params as a plain worker does). Then the decode worker is SIGKILLed after
+    its handshake for a room: the prefill leg fails, frees its KV and keeps serving."""
+    from transformers import AutoTokenizer
+
     from sglang_admin.cli import served_model_path
 
     try:
@@ -839,21 +1001,74 @@ def test_smollm2_pair_equals_a_plain_worker(tmp_path: Path) -> None:
                            "--disaggregation-bootstrap-port", str(bport), env=PD_ENV, wait=False)
     decode = start_server(tmp_path, *common, "--disaggregation-mode", "decode", env=PD_ENV,
                           wait=False)
+    tok = AutoTokenizer.from_pretrained(path)
+    router = None
     try:
         for srv in (prefill, decode):
             wait_started(srv)
-        for room, ids in enumerate(([1, 504, 3458, 314, 260, 2389, 30], list(range(40, 140))),
-                                   start=21):
-            want = list(prefill.stub().Generate(greedy(ids, 16, return_logprob=True),
-                                                timeout=120))[-1].complete
-            _, d = _both_legs(prefill, decode, bport, room,
-                              lambda i=ids: greedy(i, 16, return_logprob=True))
-            got = d[-1].complete
-            assert list(got.output_ids) == list(want.output_ids)
-            assert list(got.output_logprobs.token_logprobs) == pytest.approx(
-                list(want.output_logprobs.token_logprobs), abs=2e-3)
+        router, base, _ = launch_pd_router(prefill, decode, bport, tmp_path)
+        model = http("GET", f"{base}/v1/models")[1]["data"][0]["id"]
+
+        def cold() -> None:
+            """Prefill's prefix cache emptied: the plain path and the PD leg then prefill the
+            whole prompt alike (in bfloat16 a cached prefix's shorter forward moves the
+            logprobs by ~1e-2)."""
+            assert prefill.stub().FlushCache(pb.FlushCacheRequest(timeout_s=10),
+                                             timeout=30).success
+
+        def plain(ids: list[int], n: int, ignore_eos: bool = True) -> pb.GenerateComplete:
+            req = greedy(ids, n, return_logprob=True)
+            req.sampling_params.ignore_eos = ignore_eos
+            cold()
+            out = list(prefill.stub().Generate(req, timeout=120))[-1].complete
+            cold()
+            return out
+
+        for ids in ([1, 504, 3458, 314, 260, 2389, 30], list(range(40, 140))):
+            want = plain(ids, 16)
+            body = {"model": model, "input_ids": ids, "sampling_params": {
+                "max_new_tokens": 16, "temperature": 0, "ignore_eos": True}}
+            status, out = http("POST", f"{base}/generate", {**body, "return_logprob": True},
+                               timeout=180)
+            assert status == 200, out
+            out = out[0] if isinstance(out, list) else out
+            assert out["output_ids"] == list(want.output_ids)
+            assert [lp[0] for lp in out["meta_info"]["output_token_logprobs"]] == \
+                pytest.approx(list(want.output_logprobs.token_logprobs), abs=2e-3)
+            assert out["text"] == tok.decode(want.output_ids, skip_special_tokens=True)
+            if len(ids) < 50:  # streamed once: the same tokens
+                cold()
+                events = sse(f"{base}/generate", {**body, "stream": True}, timeout=180)
+                streamed = [t for e in events for t in e.get("output_ids", [])]
+                assert streamed[:16] == list(want.output_ids), events[-2:]
+
+        # chat: the router renders the model's template; the same ids given to the plain
+        # path give the same greedy answer (EOS honoured, as the router asks)
+        messages = [{"role": "user", "content": "What is the capital of France?"}]
+        rendered = tok.apply_chat_template(messages, add_generation_prompt=True)
+        ids = list(rendered if isinstance(rendered, list) else rendered["input_ids"])
+        want = plain(ids, 16, ignore_eos=False)
+        text = tok.decode(want.output_ids, skip_special_tokens=True)
+        chat = {"model": model, "messages": messages, "max_tokens": 16, "temperature": 0}
+        status, answer = http("POST", f"{base}/v1/chat/completions",
+                              {**chat, "logprobs": True}, timeout=180)
+        assert status == 200, answer
+        assert answer["usage"]["prompt_tokens"] == len(ids)
+        assert answer["choices"][0]["message"]["content"] == text
+        got = [c["logprob"] for c in answer["choices"][0]["logprobs"]["content"]]
+        assert len(got) >= 1 and got == pytest.approx(list(want.output_logprobs.token_logprobs)[:len(got)],
+                                    abs=2e-3)
+        cold()
+        events = sse(f"{base}/v1/chat/completions", {**chat, "stream": True}, timeout=180)
+        assert "".join(c.get("delta", {}).get("content") or ""
+                       for e in events for c in e.get("choices", [])) == text
         assert_freed(prefill, decode)
+        stop_router(router)
+        router = None
+        kill_decode_after_its_handshake(prefill, decode, bport, room=31)
     finally:
+        if router is not None:
+            stop_router(router)
         prefill.stop()
         decode.stop()
 
@@ -893,6 +1108,7 @@ def test_mooncake_pair_equals_a_plain_worker(tmp_path: Path, request: pytest.Fix
                 range(100, 132)))
         assert all(len(o.output_ids) == 6 for o in outs)
         assert_freed(prefill, decode)
+        kill_decode_after_its_handshake(prefill, decode, bport, room=140)
     finally:
         prefill.stop()
         decode.stop()

@@ -35,16 +35,23 @@ def pair():
     receiver.close()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_transfer_lands_byte_for_byte(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("dtype, layout", [(torch.float32, "scattered"),
+                                            (torch.bfloat16, "scattered"),
+                                            (torch.float32, "runs")])
+def test_a_transfer_lands_byte_for_byte(dtype: torch.dtype, layout: str) -> None:
+    """Scattered slots, and one run of consecutive slots on each side (sent as a view of
+    the pool, written as one block): the same bytes land, nothing else is written."""
     sender, receiver = ZmqBackend(), ZmqBackend()
     sender.register_buffers(pool(True, dtype=dtype))
     receiver.register_buffers(pool(False, dtype=dtype))
     sender.start()
     receiver.start()
     try:
-        src = random.Random(1).sample(range(1, 64), 20)
-        dst = random.Random(2).sample(range(1, 64), 20)
+        if layout == "runs":
+            src, dst = list(range(5, 25)), list(range(30, 50))
+        else:
+            src = random.Random(1).sample(range(1, 64), 20)
+            dst = random.Random(2).sample(range(1, 64), 20)
         untouched = sorted(set(range(64)) - set(dst))
         receiver.expect(7, dst)
         result = sender.send(7, receiver.descriptor(), src, dst, 10)
@@ -181,3 +188,12 @@ def test_a_wrong_combination_is_refused_at_start_with_one_line_and_exit_2(
     assert done.returncode == 2
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and words in lines[0], done.stderr
+
+
+def test_slot_run_is_one_run_of_consecutive_slots_only() -> None:
+    from sglang_admin.disaggregation.transfer import slot_run
+
+    assert slot_run([3, 4, 5]) == slice(3, 6)
+    assert slot_run([7]) == slice(7, 8)
+    for slots in ([], [3, 5, 4], [3, 4, 4, 6], [5, 4], [-1, 0, 1], [2, 4, 6]):
+        assert slot_run(slots) is None, slots
