@@ -1197,33 +1197,58 @@ def test_tp2_pair_equals_a_plain_worker_and_refuses_another_tp_size(pair: Pair,
             err = out["p"]  # the prefill leg, told by decode, frees its held KV at once
             assert isinstance(err, grpc.RpcError) and "bootstrap failed" in err.details(), out
 
-        # a handshake with one descriptor (a tp 1 decode of an older kind) at the tp 2
-        # prefill: refused there, and decode's notify address is told
+        # handshakes a tp 2 decode would not send, at the tp 2 prefill: one descriptor (a
+        # tp 1 decode of an older kind), three, no list; and a live TP rank 0 beside a dead
+        # TP rank 1, so that only the follower's send fails. Each fails its room with a
+        # clear status, decode's notify address is told, and the KV is freed.
+        import torch
+
+        from sglang_admin.disaggregation.zmq_backend import ZmqBackend
+
         fake = FakePrefill()  # for its control socket and PUSH helper
+        live, gone = ZmqBackend(), ZmqBackend()
         try:
-            room = 9400
-            result: dict[str, Any] = {}
-
-            def run() -> None:
-                result["err"], _ = _fail_after(prefill.stub().Generate(
-                    pd_request(PROMPTS[0], 4, "127.0.0.1", bport, room), timeout=60))
-
-            t = threading.Thread(target=run)
-            t.start()
             with urllib.request.urlopen(f"http://127.0.0.1:{bport}/route", timeout=5) as r:
                 table = json.loads(r.read())
             assert table["tp_size"] == 2
-            desc = {"endpoint": "127.0.0.1:1", "buffers": [[0, 0, 0]]}
-            fake.notify(table["ranks"]["0"], {
-                "kind": "handshake", "room": room, "rid": "x", "peer": desc,
-                "dst_slots": list(range(1, len(PROMPTS[0]) + 1)), "notify": fake.control})
-            t.join(60)
-            err = result["err"]
-            assert err.code() == grpc.StatusCode.UNAVAILABLE, err
-            assert "bootstrap failed" in err.details() and "handshake" in err.details(), err
-            told = fake.next_message(5)
-            assert told is not None and told["ok"] is False and "--tp-size" in told["error"]
+            # a shard of the embedded model's pool: 4 layers x K,V; 1 of 2 KV heads x 32 fp32
+            for backend in (live, gone):
+                backend.register_buffers([torch.zeros(200, 32 * 4, dtype=torch.uint8)
+                                          for _ in range(8)])
+                backend.start()
+            dead = gone.descriptor().to_wire()
+            gone.close()
+            dst = list(range(1, len(PROMPTS[0]) + 1))
+            cases = [([dead], "bootstrap failed: the handshake for room", "--tp-size 1"),
+                     ([dead] * 3, "bootstrap failed: the handshake for room", "--tp-size 3"),
+                     ("x", "kv transfer failed: bad handshake", "descriptor"),
+                     ([live.descriptor().to_wire(), dead], "kv transfer failed", "(TP rank 1)")]
+            for room, (peers, head, words) in enumerate(cases, start=9400):
+                live.expect(room, dst)
+                result: dict[str, Any] = {}
+
+                def run(room: int = room, result: dict[str, Any] = result) -> None:
+                    result["err"], result["s"] = _fail_after(prefill.stub().Generate(
+                        pd_request(PROMPTS[0], 4, "127.0.0.1", bport, room), timeout=60))
+
+                t = threading.Thread(target=run)
+                t.start()
+                fake.notify(table["ranks"]["0"], {
+                    "kind": "handshake", "room": room, "rid": "x", "peer": dead, "peers": peers,
+                    "tp_size": 2, "dst_slots": dst, "notify": fake.control})
+                t.join(60)
+                err = result["err"]
+                assert err.code() == grpc.StatusCode.UNAVAILABLE, err
+                assert err.details().startswith(head) and words in err.details(), err.details()
+                assert result["s"] < 30  # the transfer timeout (4 s) and a forward: no hang
+                told = fake.next_message(5)
+                assert told is not None and told["ok"] is False and words in told["error"], told
+            assert_freed(prefill)
+            assert list(plain_generate(pair, PROMPTS[2], 5).output_ids) == list(_both_legs(
+                prefill, decode, bport, 9500, lambda: greedy(PROMPTS[2], 5))[1][-1]
+                .complete.output_ids)  # the pair still serves
         finally:
+            live.close()
             fake.close()
         assert_freed(prefill, decode, pair.prefill, pair.decode)
     finally:
