@@ -36,6 +36,7 @@ from sglang_admin.messages import ReqOutput
 logger = logging.getLogger(__name__)
 
 MAX_EARLY_HANDSHAKES = 10000
+SHARD_QUERY_INTERVAL_S = 0.002  # the least time between two asks of a still-sending follower
 
 
 @dataclass(eq=False)
@@ -81,6 +82,7 @@ class PrefillRooms:
         self.last_bootstrap_ms = 0.0  # the last room's held KV waiting for the handshake
         self.failures = FailureCounts()
         self.shards: LeaderShards | None = None  # the TP followers' backends (tp > 1)
+        self._next_shard_query = 0.0  # a follower still sending: asked again from then on
 
     @property
     def tp_size(self) -> int:
@@ -184,13 +186,17 @@ class PrefillRooms:
         assert self.shards is not None
         asking = [r for r in self.rooms.values() if r.future is not None and r.future.done()
                   and len(r.shard_results) < self.tp_size - 1]
-        if not asking:
+        now = time.monotonic()
+        if not asking or now < self._next_shard_query:
             return
         got = self.shards.results([r.room for r in asking])
         for tp_rank, outcomes in enumerate(got, start=1):
             for room in asking:
                 if room.room in outcomes:
                     room.shard_results[tp_rank] = outcomes[room.room]
+        if any(len(r.shard_results) < self.tp_size - 1 for r in asking):
+            # not every round: the follower's send thread needs its CPU more than a query
+            self._next_shard_query = now + SHARD_QUERY_INTERVAL_S
 
     def _on_message(self, msg: dict[str, Any]) -> None:
         kind, room_id = msg["kind"], msg["room"]
