@@ -964,7 +964,8 @@ def test_fuzzed_control_messages_harm_no_leg(pair: Pair) -> None:
                 kind = rng.choice(["handshake", "done", "cancel", "x", 5])
                 msg = {"kind": kind, "room": rng.choice([room, 1, -3, 2**40, "r"])}
                 for key in ("ok", "error", "first_token", "checksum", "peer", "dst_slots",
-                            "notify", "top_logprobs", "logprob", "weight_version"):
+                            "notify", "top_logprobs", "logprob", "weight_version", "peers",
+                            "tp_size", "checksums"):
                     if rng.random() < 0.5:
                         msg[key] = rng.choice(values)
                 sock.send(msgpack.packb(msg) if rng.random() < 0.9 else rng.randbytes(20))
@@ -1198,21 +1199,22 @@ def test_tp2_pair_equals_a_plain_worker_and_refuses_another_tp_size(pair: Pair,
             assert isinstance(err, grpc.RpcError) and "bootstrap failed" in err.details(), out
 
         # handshakes a tp 2 decode would not send, at the tp 2 prefill: one descriptor (a
-        # tp 1 decode of an older kind), three, no list; and a live TP rank 0 beside a dead
-        # TP rank 1, so that only the follower's send fails. Each fails its room with a
-        # clear status, decode's notify address is told, and the KV is freed.
+        # tp 1 decode of an older kind), three, no list; and a TP rank 0 that expects the
+        # room beside a TP rank 1 that refuses it, so that only the follower's send fails
+        # (a dead follower peer: tests/unit/test_pd_tp_shards.py). Each fails its room with
+        # a clear status, decode's notify address is told, and the KV is freed.
         import torch
 
         from sglang_admin.disaggregation.zmq_backend import ZmqBackend
 
         fake = FakePrefill()  # for its control socket and PUSH helper
-        live, gone = ZmqBackend(), ZmqBackend()
+        live, refusing, gone = ZmqBackend(), ZmqBackend(), ZmqBackend()
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{bport}/route", timeout=5) as r:
                 table = json.loads(r.read())
             assert table["tp_size"] == 2
             # a shard of the embedded model's pool: 4 layers x K,V; 1 of 2 KV heads x 32 fp32
-            for backend in (live, gone):
+            for backend in (live, refusing, gone):
                 backend.register_buffers([torch.zeros(200, 32 * 4, dtype=torch.uint8)
                                           for _ in range(8)])
                 backend.start()
@@ -1222,7 +1224,8 @@ def test_tp2_pair_equals_a_plain_worker_and_refuses_another_tp_size(pair: Pair,
             cases = [([dead], "bootstrap failed: the handshake for room", "--tp-size 1"),
                      ([dead] * 3, "bootstrap failed: the handshake for room", "--tp-size 3"),
                      ("x", "kv transfer failed: bad handshake", "descriptor"),
-                     ([live.descriptor().to_wire(), dead], "kv transfer failed", "(TP rank 1)")]
+                     ([live.descriptor().to_wire(), refusing.descriptor().to_wire()],
+                      "kv transfer failed", "(TP rank 1)")]
             for room, (peers, head, words) in enumerate(cases, start=9400):
                 live.expect(room, dst)
                 result: dict[str, Any] = {}
@@ -1240,7 +1243,7 @@ def test_tp2_pair_equals_a_plain_worker_and_refuses_another_tp_size(pair: Pair,
                 err = result["err"]
                 assert err.code() == grpc.StatusCode.UNAVAILABLE, err
                 assert err.details().startswith(head) and words in err.details(), err.details()
-                assert result["s"] < 30  # the transfer timeout (4 s) and a forward: no hang
+                assert result["s"] < 30  # at once (a forward, the refusal): no hang
                 told = fake.next_message(5)
                 assert told is not None and told["ok"] is False and words in told["error"], told
             assert_freed(prefill)
@@ -1249,6 +1252,7 @@ def test_tp2_pair_equals_a_plain_worker_and_refuses_another_tp_size(pair: Pair,
                 .complete.output_ids)  # the pair still serves
         finally:
             live.close()
+            refusing.close()
             fake.close()
         assert_freed(prefill, decode, pair.prefill, pair.decode)
     finally:
