@@ -137,8 +137,6 @@ def test_flags_refuse_wrong_combinations() -> None:
     assert "embedding" in check_flags("decode", "zmq", 8998, is_embedding=True)
     assert "decode worker" in check_flags("prefill", "zmq", 8998, speculative_algorithm="NGRAM")
     assert check_flags("decode", "zmq", 8998, speculative_algorithm="NGRAM") is None
-    assert "--nnodes" in check_flags("prefill", "zmq", 8998, nnodes=2)
-    assert check_flags("null", "zmq", 8998, nnodes=2) is None
 
 
 def test_bootstrap_server_checks_what_it_is_sent() -> None:
