@@ -211,7 +211,8 @@ class DecodeRooms:
             droom.phase = "bootstrap"
             if self.shards is not None:
                 droom.shard_peers = self.shards.expect(droom.room, req.slots)
-                bad = [(t, p) for t, p in enumerate(droom.shard_peers, 1) if not isinstance(p, dict)]
+                bad = [(t, p) for t, p in enumerate(droom.shard_peers, 1)
+                       if not isinstance(p, dict)]
                 if bad:
                     self._end(droom, f"bootstrap failed: TP rank {bad[0][0]} cannot receive "
                                      f"room {droom.room}: {bad[0][1]}", "UNAVAILABLE")

@@ -294,7 +294,8 @@ class PrefillRooms:
             "token_ids_logprobs": ([list(p) for p in lp.token_ids_logprobs[0]]
                                    if lp.token_ids_logprobs else []),
             "cached_tokens": max(req.cached_tokens, 0),
-            "checksum": checksum, "checksums": checksums, "nbytes": result.nbytes, "seconds": result.seconds,
+            "checksum": checksum, "checksums": checksums,
+            "nbytes": result.nbytes, "seconds": result.seconds,
             "weight_version": room.version,
         }
         if not notify or not self.control.send(notify, done):
