@@ -93,7 +93,7 @@ class Rank:
         from sglang_admin.disaggregation.rank import attach_pd
 
         self.pd = attach_pd(args, rank, self.runner, self.scheduler,  # None: not PD
-                            lambda: self.model_info.weight_version)
+                            lambda: self.model_info.weight_version, self.tensor_parallel)
         self.profiler = Profiler(rank, str(self.runner.device), args.profile_max_steps)
         self.quiesce = Quiesce(self.scheduler)
         self.handlers = handlers
