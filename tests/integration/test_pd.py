@@ -412,8 +412,8 @@ def test_sglangs_own_bench_serving_profiles_each_leg(pair: Pair) -> None:
     ``--profile-prefill-url`` (the prefill worker's sidecar) and once with
     ``--profile-decode-url`` (SGLang refuses both in one run: argparse makes them mutually
     exclusive). Each run completes its requests and the named worker alone writes traces,
-    one per rank, under its ``--profile-dir``: prefill steps on prefill, decode steps on
-    decode (decode never runs a prefill forward)."""
+    one per rank, under its ``--profile-dir``: prefill steps on prefill, decode steps only
+    on decode (decode never runs a prefill forward)."""
     root = pair.router_log.parent
 
     def traces_of(leg: str) -> set[Path]:
@@ -445,7 +445,13 @@ def test_sglangs_own_bench_serving_profiles_each_leg(pair: Pair) -> None:
         traces = sorted(run.glob("*.trace.json.gz"))
         assert len(traces) == 2, traces  # one per data-parallel rank
         steps = {s for t in traces for s in forward_steps(t)}
-        assert steps == {f"forward_{'extend' if leg == 'prefill' else 'decode'}"}, (leg, steps)
+        if leg == "prefill":
+            # its prompts' prefills (bench_serving's warm-up prompt comes again in the run:
+            # found in the prefix cache, its last token runs as a 1-token step, which the
+            # trace labels forward_decode, as it labels any step of 1-token rows on a prefix)
+            assert "forward_extend" in steps, steps
+        else:  # decode joins its requests without a prefill forward
+            assert steps == {"forward_decode"}, steps
         assert traces_of(other) == before, f"the {other} worker was profiled too"
     assert_freed(pair.prefill, pair.decode)
 
