@@ -73,9 +73,10 @@ class RankPD:
 
 
 def attach_pd(args: Any, rank: int, runner: Any, scheduler: Any,
-              weight_version: Callable[[], str]) -> RankPD | None:
+              weight_version: Callable[[], str], tensor_parallel: Any = None) -> RankPD | None:
     """The rank's PD side, installed on the scheduler (``scheduler.pd``); None when
-    --disaggregation-mode is null."""
+    --disaggregation-mode is null. ``tensor_parallel``: this TP rank 0's group at tp > 1,
+    whose followers move their own KV shards (tp_shards.py)."""
     mode = args.disaggregation_mode
     if mode == "null":
         return None
@@ -92,6 +93,10 @@ def attach_pd(args: Any, rank: int, runner: Any, scheduler: Any,
     rooms_cls = PrefillRooms if mode == "prefill" else DecodeRooms
     pd.rooms = rooms_cls(scheduler, backend, control)
     pd.rooms.weight_version = weight_version
+    if tensor_parallel is not None and tensor_parallel.size > 1:
+        from sglang_admin.disaggregation.tp_shards import LeaderShards
+
+        pd.rooms.shards = LeaderShards(tensor_parallel)
     scheduler.pd = pd.rooms
     if mode == "prefill":
         threading.Thread(target=_register, args=(args.disaggregation_bootstrap_port, rank,
@@ -100,6 +105,21 @@ def attach_pd(args: Any, rank: int, runner: Any, scheduler: Any,
     logger.info("rank %d: PD %s, %s backend at %s, control at %s", rank, mode, backend.name,
                 backend.endpoint(), control.address)
     return pd
+
+
+def follower_shards(args: Any, tp_rank: int, runner: Any) -> Any:
+    """A TP follower's transfer backend over its KV shard, started (tp_shards.py); None
+    when --disaggregation-mode is null."""
+    if args.disaggregation_mode == "null":
+        return None
+    from sglang_admin.disaggregation.tp_shards import FollowerShards
+
+    backend = make_backend(args.disaggregation_transfer_backend, advertised_host(args.host))
+    shards = FollowerShards(backend, lambda: list(runner.k_caches) + list(runner.v_caches),
+                            tp_rank)
+    logger.info("TP rank %d: PD %s, %s backend at %s", tp_rank, args.disaggregation_mode,
+                backend.name, backend.endpoint())
+    return shards
 
 
 def _register(port: int, rank: int, addr: str) -> None:

@@ -72,8 +72,9 @@ def check_flags(args: ServerArgs) -> str | None:
                 f"--nnodes {n} (every node holds the same share of each replica)")
     if args.disaggregation_mode != "null":
         return (f"--disaggregation-mode {args.disaggregation_mode} with --nnodes {n} is not "
-                "supported: a prefill or decode worker runs on one host (its KV leaves from "
-                "one rank); start one worker per host and let the router pair them")
+                "supported: a prefill or decode worker runs on one host (its TP ranks' KV "
+                "shards leave from there); start one worker per host and let the router pair "
+                "them")
     return None
 
 

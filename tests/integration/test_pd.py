@@ -508,17 +508,19 @@ PD_SERIES = {"sglang:num_prefill_prealloc_queue_reqs", "sglang:num_prefill_infli
 def test_sglang_pd_series_on_metrics(pair: Pair) -> None:
     """SGLang's PD series on both legs: the last transfer's speed, latency and size, the
     queue a waiting room is in, and a failed request counted by the phase it failed in."""
-    router_generate(pair, PROMPTS[3], 2)
+    # a prompt no earlier request began with (no cached prefix on either leg)
+    router_generate(pair, list(range(129, 29, -1)), 2)
+    # 100 prompt tokens x 4 layers x K,V x 2 KV heads x 32 dims x float32 (the sum over the
+    # ranks of each one's last transfer holds at least this one's)
+    size_mb = 100 * 8 * 2 * 32 * 4 / 1e6 - 1e-9
     for srv in (pair.prefill, pair.decode):
         def moved(s: ServerProc = srv) -> Any:
             got = pd_series(s)
-            return got if got.get("sglang:kv_transfer_total_mb", 0) > 0 else False
-        got = wait_for(moved, 10, f"a transfer in {srv.target}'s PD series")
+            return got if got.get("sglang:kv_transfer_total_mb", 0) >= size_mb else False
+        got = wait_for(moved, 10, f"the transfer in {srv.target}'s PD series")
         assert set(got) >= PD_SERIES, PD_SERIES - set(got)
         assert got["sglang:kv_transfer_speed_gb_s"] > 0
         assert got["sglang:kv_transfer_latency_ms"] > 0
-        # 100 prompt tokens x 4 layers x K,V x 2 KV heads x 32 dims x float32 (one rank's)
-        assert got["sglang:kv_transfer_total_mb"] >= 100 * 8 * 2 * 32 * 4 / 1e6 - 1e-9
     before = pd_series(pair.decode)
     # a room waiting for its KV is in decode's transfer queue; its failure is a transfer's
     fake = FakePrefill()
@@ -1030,7 +1032,8 @@ def test_fuzzed_control_messages_harm_no_leg(pair: Pair) -> None:
                 kind = rng.choice(["handshake", "done", "cancel", "x", 5])
                 msg = {"kind": kind, "room": rng.choice([room, 1, -3, 2**40, "r"])}
                 for key in ("ok", "error", "first_token", "checksum", "peer", "dst_slots",
-                            "notify", "top_logprobs", "logprob", "weight_version"):
+                            "notify", "top_logprobs", "logprob", "weight_version", "peers",
+                            "tp_size", "checksums"):
                     if rng.random() < 0.5:
                         msg[key] = rng.choice(values)
                 sock.send(msgpack.packb(msg) if rng.random() < 0.9 else rng.randbytes(20))
@@ -1192,3 +1195,134 @@ def test_a_prefill_leg_pinned_to_another_rank_still_meets_decode(pair: Pair) -> 
     _, d = _both_legs(pair.prefill, pair.decode, pair.bootstrap_port, room, pinned)
     assert list(d[-1].complete.output_ids) == want
     assert_freed(pair.prefill, pair.decode)
+
+
+# ---------------------------------------------------------------------- --tp-size 2 (a pair of its own)
+
+
+def _legs(prefill: ServerProc, decode: ServerProc, bport: int, room: int, ids: list[int],
+          n: int = 4) -> dict[str, Any]:
+    """Both legs of ``room`` at once; each leg's last response, or its RpcError."""
+    out: dict[str, Any] = {}
+
+    def leg(name: str, srv: ServerProc) -> None:
+        try:
+            out[name] = list(srv.stub().Generate(
+                pd_request(ids, n, "127.0.0.1", bport, room, rid=f"legs{room}"), timeout=60))[-1]
+        except grpc.RpcError as exc:
+            out[name] = exc
+
+    threads = [threading.Thread(target=leg, args=a) for a in (("p", prefill), ("d", decode))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    return out
+
+
+def test_tp2_pair_equals_a_plain_worker_and_refuses_another_tp_size(pair: Pair,
+                                                                    tmp_path: Path) -> None:
+    """A --tp-size 2 prefill and a --tp-size 2 decode: each TP rank moves its own KV heads'
+    shard, so greedy tokens and logprobs equal the plain tp 1 worker's (one by one and 8
+    rooms at once) and the KV is freed on both; a leg of another TP size (this module's tp 1
+    pair) is refused with "bootstrap" in the status, on either side, and frees its KV."""
+    bport = free_port()
+    common = ["--disaggregation-transfer-backend", "zmq", "--tp-size", "2"]
+    prefill = start_server(tmp_path, *common, "--disaggregation-mode", "prefill",
+                           "--disaggregation-bootstrap-port", str(bport), env=PD_ENV, wait=False)
+    decode = start_server(tmp_path, *common, "--disaggregation-mode", "decode", env=PD_ENV,
+                          wait=False)
+    try:
+        for srv in (prefill, decode):
+            wait_started(srv)
+        for room, ids in enumerate(PROMPTS, start=9100):
+            want = plain_generate(pair, ids, 10, return_logprob=True)
+            _, d = _both_legs(prefill, decode, bport, room,
+                              lambda i=ids: greedy(i, 10, return_logprob=True))
+            got = d[-1].complete
+            assert list(got.output_ids) == list(want.output_ids), ids
+            assert list(got.output_logprobs.token_logprobs) == pytest.approx(
+                list(want.output_logprobs.token_logprobs), abs=1e-4)
+        rng = random.Random(11)
+        prompts = [[rng.randrange(0, 256) for _ in range(rng.randrange(5, 40))] for _ in range(8)]
+        with ThreadPoolExecutor(8) as pool:
+            outs = list(pool.map(lambda a: _legs(prefill, decode, bport, 9200 + a[0], a[1], 6),
+                                 enumerate(prompts)))
+        for ids, out in zip(prompts, outs):
+            assert list(out["d"].complete.output_ids) == list(
+                plain_generate(pair, ids, 6).output_ids), out
+        assert_freed(prefill, decode)
+
+        # another TP size on the other side: refused at bootstrap, before any handshake
+        for room, (p_srv, d_srv, port, theirs) in enumerate(
+                ((pair.prefill, decode, pair.bootstrap_port, 1),
+                 (prefill, pair.decode, bport, 2)), start=9300):
+            out = _legs(p_srv, d_srv, port, room, PROMPTS[1])
+            err = out["d"]
+            assert isinstance(err, grpc.RpcError), out
+            assert err.code() == grpc.StatusCode.UNAVAILABLE, err
+            assert err.details().startswith("bootstrap failed") and (
+                f"runs --tp-size {theirs}" in err.details()), err.details()
+            err = out["p"]  # the prefill leg, told by decode, frees its held KV at once
+            assert isinstance(err, grpc.RpcError) and "bootstrap failed" in err.details(), out
+
+        # handshakes a tp 2 decode would not send, at the tp 2 prefill: one descriptor (a
+        # tp 1 decode of an older kind), three, no list; and a TP rank 0 that expects the
+        # room beside a TP rank 1 that refuses it, so that only the follower's send fails
+        # (a dead follower peer: tests/unit/test_pd_tp_shards.py). Each fails its room with
+        # a clear status, decode's notify address is told, and the KV is freed.
+        import torch
+
+        from sglang_admin.disaggregation.zmq_backend import ZmqBackend
+
+        fake = FakePrefill()  # for its control socket and PUSH helper
+        live, refusing, gone = ZmqBackend(), ZmqBackend(), ZmqBackend()
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{bport}/route", timeout=5) as r:
+                table = json.loads(r.read())
+            assert table["tp_size"] == 2
+            # a shard of the embedded model's pool: 4 layers x K,V; 1 of 2 KV heads x 32 fp32
+            for backend in (live, refusing, gone):
+                backend.register_buffers([torch.zeros(200, 32 * 4, dtype=torch.uint8)
+                                          for _ in range(8)])
+                backend.start()
+            dead = gone.descriptor().to_wire()
+            gone.close()
+            dst = list(range(1, len(PROMPTS[0]) + 1))
+            cases = [([dead], "bootstrap failed: the handshake for room", "--tp-size 1"),
+                     ([dead] * 3, "bootstrap failed: the handshake for room", "--tp-size 3"),
+                     ("x", "kv transfer failed: bad handshake", "descriptor"),
+                     ([live.descriptor().to_wire(), refusing.descriptor().to_wire()],
+                      "kv transfer failed", "(TP rank 1)")]
+            for room, (peers, head, words) in enumerate(cases, start=9400):
+                live.expect(room, dst)
+                result: dict[str, Any] = {}
+
+                def run(room: int = room, result: dict[str, Any] = result) -> None:
+                    result["err"], result["s"] = _fail_after(prefill.stub().Generate(
+                        pd_request(PROMPTS[0], 4, "127.0.0.1", bport, room), timeout=60))
+
+                t = threading.Thread(target=run)
+                t.start()
+                fake.notify(table["ranks"]["0"], {
+                    "kind": "handshake", "room": room, "rid": "x", "peer": dead, "peers": peers,
+                    "tp_size": 2, "dst_slots": dst, "notify": fake.control})
+                t.join(60)
+                err = result["err"]
+                assert err.code() == grpc.StatusCode.UNAVAILABLE, err
+                assert err.details().startswith(head) and words in err.details(), err.details()
+                assert result["s"] < 30  # at once (a forward, the refusal): no hang
+                told = fake.next_message(5)
+                assert told is not None and told["ok"] is False and words in told["error"], told
+            assert_freed(prefill)
+            assert list(plain_generate(pair, PROMPTS[2], 5).output_ids) == list(_both_legs(
+                prefill, decode, bport, 9500, lambda: greedy(PROMPTS[2], 5))[1][-1]
+                .complete.output_ids)  # the pair still serves
+        finally:
+            live.close()
+            refusing.close()
+            fake.close()
+        assert_freed(prefill, decode, pair.prefill, pair.decode)
+    finally:
+        prefill.stop()
+        decode.stop()

@@ -145,7 +145,7 @@ def test_bootstrap_server_checks_what_it_is_sent() -> None:
     from sglang_admin.disaggregation.bootstrap_server import BootstrapServer
 
     async def run() -> None:
-        boot = BootstrapServer("127.0.0.1", 0, 2)
+        boot = BootstrapServer("127.0.0.1", 0, 2)  # tp_size 1
         async with TestClient(TestServer(boot.app())) as client:
             assert (await client.get("/health")).status == 503
             assert (await client.get("/route")).status == 503
@@ -159,7 +159,7 @@ def test_bootstrap_server_checks_what_it_is_sent() -> None:
                                       json={"dp_rank": 1, "rank_addr": "h:2"})).status == 200
             assert (await client.get("/health")).status == 200
             table = await (await client.get("/route")).json()
-            assert table == {"dp_size": 2, "ranks": {"0": "h:1", "1": "h:2"}}
+            assert table == {"dp_size": 2, "tp_size": 1, "ranks": {"0": "h:1", "1": "h:2"}}
             one = await (await client.get("/route", params={"dp_rank": "1"})).json()
             assert one["rank_addr"] == "h:2"
             assert (await client.get("/route", params={"dp_rank": "x"})).status == 400
@@ -171,8 +171,6 @@ def test_bootstrap_server_checks_what_it_is_sent() -> None:
 
 @pytest.mark.parametrize("args, words", [
     (["--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "nccl"], "one of"),
-    (["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "zmq",
-      "--tp-size", "2"], "--tp-size"),
     (["--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "zmq",
       "--disaggregation-bootstrap-port", "70000"], "1..65535"),
     (["--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "zmq",

@@ -33,7 +33,7 @@ from sglang_admin.scheduler.ops.registry import op_name
 from sglang_admin.scheduler.profiling.step_timing import StepTimer
 from sglang_admin.scheduler.rank.model_step import batch_inputs, forward
 from sglang_admin.scheduler.reasoning import think_end_id
-from sglang_admin.scheduler.tp.profile import ship_remote_traces
+from sglang_admin.scheduler.tp.profile import remote_trace_shipment
 from sglang_admin.tracing import child_span, trace_id_of
 
 if TYPE_CHECKING:
@@ -93,7 +93,7 @@ class Rank:
         from sglang_admin.disaggregation.rank import attach_pd
 
         self.pd = attach_pd(args, rank, self.runner, self.scheduler,  # None: not PD
-                            lambda: self.model_info.weight_version)
+                            lambda: self.model_info.weight_version, self.tensor_parallel)
         self.profiler = Profiler(rank, str(self.runner.device), args.profile_max_steps)
         self.quiesce = Quiesce(self.scheduler)
         self.handlers = handlers
@@ -349,7 +349,10 @@ class Rank:
             finished_profile.add_done_callback(
                 lambda fut: logger.info("profile finished by itself: %s", fut.result())
             )
-            ship_remote_traces(self, finished_profile)  # --nnodes > 1
+            shipment = remote_trace_shipment(self.runner, finished_profile,
+                                             self.profiler.export)
+            if shipment is not None:  # --nnodes > 1
+                self.deferred.append((None, shipment))
 
     def send_outputs(self, outputs: list[ReqOutput]) -> None:
         """One message for every request update of a step; log finishes when asked."""

@@ -10,7 +10,7 @@ handed over its own (the follower's export runs on its export thread, as rank 0'
 Across nodes (--nnodes > 1) a follower on another node sends its traces to node 0 with
 that answer; a profile that ends by itself (num_steps, the step cap) has no StopProfile,
 so once rank 0's own traces are written its loop asks those followers for theirs
-(:func:`ship_remote_traces`), and reports ``exporting`` until they are beside its own.
+(:func:`remote_trace_shipment`), and reports ``exporting`` until they are beside its own.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from sglang_admin.model.step_io import SeqInput
 
 if TYPE_CHECKING:
     from sglang_admin.scheduler.profiling.profiler import Profiler
-    from sglang_admin.scheduler.rank.loop import Rank
     from sglang_admin.scheduler.tp.weights import Followers
 
 logger = logging.getLogger(__name__)
@@ -181,20 +180,20 @@ class _ShipAfterAutoStop(Future):
         return not problems, text, None
 
 
-def ship_remote_traces(rank: Rank, finished: Future) -> None:
+def remote_trace_shipment(runner: Any, finished: Future, exporter: Any) -> Future | None:
     """TP rank 0's profile ended by itself (``finished``: the Future of its trace paths):
-    when followers run on other nodes, the loop's deferred list gets the Future that brings
-    their traces beside rank 0's once those are written (nothing to answer: the outcome is
-    logged)."""
+    when followers run on other nodes, the Future that brings their traces beside rank 0's
+    once those are written, for the loop's deferred list (nothing to answer: the outcome is
+    logged); None when every TP rank is on this node."""
     from sglang_admin.scheduler.tp.weights import followers_of
 
-    followers = followers_of(rank.runner)
+    followers = followers_of(runner)
     if followers is None:
-        return
+        return None
     tp = followers.tp
     if tp.ranks_per_node and tp.size > tp.ranks_per_node:
-        rank.deferred.append((None, _ShipAfterAutoStop(finished, followers,
-                                                       rank.profiler.export)))
+        return _ShipAfterAutoStop(finished, followers, exporter)
+    return None
 
 
 def stop_on_followers(followers: Followers, own: Future) -> Future:
