@@ -11,6 +11,7 @@ leaves both serving.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import random
@@ -386,8 +387,73 @@ def test_each_leg_profiles_through_its_sidecar(pair: Pair) -> None:
             assert resp.status == 200
     root = pair.router_log.parent
     for leg in ("prefill", "decode"):
-        traces = sorted((root / f"prof_{leg}").rglob("*.trace.json.gz"))
+        traces = sorted((root / f"prof_{leg}").glob("*.trace.json.gz"))  # (SGLang client runs: bench/)
         assert len(traces) == 2, (leg, traces)  # one per data-parallel rank
+
+
+BENCH_PYTHONPATH = os.environ.get("SGLANG_BENCH_PYTHONPATH", "")
+
+
+def forward_steps(path: Path) -> list[str]:
+    """The forward-step names (``forward_extend`` / ``forward_decode``) in a gzipped
+    Chrome trace, batch sizes cut off."""
+    with gzip.open(path, "rt") as f:
+        data = json.load(f)
+    return [e["name"].split("_bs")[0] for e in data["traceEvents"]
+            if e.get("name", "").startswith("forward_")]
+
+
+@pytest.mark.skipif(not BENCH_PYTHONPATH, reason=(
+    "SGLang's bench_serving needs sglang and much of its stack: set SGLANG_BENCH_PYTHONPATH "
+    "to a PYTHONPATH where `import sglang.benchmark.serving` works (docs/pd.md)"))
+def test_sglangs_own_bench_serving_profiles_each_leg(pair: Pair) -> None:
+    """SGLang's own client, ``python -m sglang.benchmark.serving --backend sglang
+    --pd-separated --profile``, requests through the router, once with
+    ``--profile-prefill-url`` (the prefill worker's sidecar) and once with
+    ``--profile-decode-url`` (SGLang refuses both in one run: argparse makes them mutually
+    exclusive). Each run completes its requests and the named worker alone writes traces,
+    one per rank, under its ``--profile-dir``: prefill steps on prefill, decode steps only
+    on decode (decode never runs a prefill forward)."""
+    root = pair.router_log.parent
+
+    def traces_of(leg: str) -> set[Path]:
+        return set((root / f"prof_{leg}").rglob("*.trace.json.gz"))
+
+    for leg, srv in (("prefill", pair.prefill), ("decode", pair.decode)):
+        out = root / f"prof_{leg}" / "bench"
+        out.mkdir()
+        other = "decode" if leg == "prefill" else "prefill"
+        before = traces_of(other)
+        done = subprocess.run(
+            [sys.executable, "-m", "sglang.benchmark.serving", "--backend", "sglang",
+             "--base-url", pair.base, "--model", pair.model, "--tokenizer", pair.model,
+             "--extra-request-body", json.dumps({"model": pair.model}),  # the router needs it
+             "--dataset-name", "random-ids", "--num-prompts", "8", "--random-input-len", "16",
+             "--random-output-len", "4", "--profile", "--profile-activities", "CPU",
+             "--pd-separated", f"--profile-{leg}-url", srv.http_url],
+            capture_output=True, text=True, timeout=300, cwd=root,
+            env={**os.environ, "PYTHONPATH": BENCH_PYTHONPATH, "HF_HUB_OFFLINE": "1",
+                 # where bench_serving puts output_dir (<it>/<time>): inside --profile-dir
+                 "SGLANG_TORCH_PROFILER_DIR": str(out)},
+        )
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        name = f"{leg.capitalize()}-0"
+        assert f"Profiler started for {name} worker at {srv.http_url}" in done.stdout
+        assert f"Profiler stopped for {name} worker at {srv.http_url}" in done.stdout
+        assert "Successful requests:                     8" in done.stdout, done.stdout[-3000:]
+        (run,) = out.iterdir()  # the <time> directory of this run's start_profile
+        traces = sorted(run.glob("*.trace.json.gz"))
+        assert len(traces) == 2, traces  # one per data-parallel rank
+        steps = {s for t in traces for s in forward_steps(t)}
+        if leg == "prefill":
+            # its prompts' prefills (bench_serving's warm-up prompt comes again in the run:
+            # found in the prefix cache, its last token runs as a 1-token step, which the
+            # trace labels forward_decode, as it labels any step of 1-token rows on a prefix)
+            assert "forward_extend" in steps, steps
+        else:  # decode joins its requests without a prefill forward
+            assert steps == {"forward_decode"}, steps
+        assert traces_of(other) == before, f"the {other} worker was profiled too"
+    assert_freed(pair.prefill, pair.decode)
 
 
 def test_fake_bootstrap_host_runs_without_a_transfer(pair: Pair) -> None:
