@@ -26,9 +26,38 @@ from sglang_admin.pb import common_pb2_grpc as pb_grpc
 PACKAGE_PARENT = Path(__file__).resolve().parents[2]
 
 
+# Ports handed out below the kernel's ephemeral range (32768-60999 by default): a port the
+# kernel gave away with bind(0) can be taken again, before the worker binds it, by any
+# process's next outgoing connection or bind(0). Each pytest-xdist process (and any other
+# process) takes its own block, walked in turn, so two test processes never draw the same;
+# each draw skips PORT_STRIDE - 1 ports, left to what a caller puts beside its port (a
+# worker's default sidecar at port + 1, a multi-node group at port + 1 + dp rank).
+PORT_BLOCKS_FROM, PORT_BLOCK, PORT_BLOCKS, PORT_STRIDE = 20000, 1500, 8, 4
+_next_port: list[int] = []
+
+
+def _port_block() -> int:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # gw0, gw1, ...
+    index = int(worker[2:]) if worker[2:].isdigit() else os.getpid()
+    return PORT_BLOCKS_FROM + (index % PORT_BLOCKS) * PORT_BLOCK
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
+    """A TCP port on 127.0.0.1 that nothing listens on right now, from this process's block
+    below the ephemeral range (the next one each call)."""
+    if not _next_port:
+        _next_port.append(os.getpid() % PORT_BLOCK // PORT_STRIDE * PORT_STRIDE)
+    block = _port_block()
+    for _ in range(PORT_BLOCK // PORT_STRIDE):
+        port = block + _next_port[0]
+        _next_port[0] = (_next_port[0] + PORT_STRIDE) % PORT_BLOCK
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # in use (or in TIME_WAIT): the next one
+            return port
+    with socket.socket() as s:  # the whole block taken: any port the kernel gives
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
