@@ -8,6 +8,11 @@ them in a daemon thread started once it has told the server it is ready
 (:func:`wait_until_imported`) instead of importing themselves: the profiler before it
 starts tracing, a grammar compile (in the compile pool) before it touches xgrammar.
 
+The thread starts :data:`DELAY_S` after READY, or at once when one of those two asks
+first. A worker that lives less than that and never profiles nor constrains (most of a
+test suite's, a short benchmark's) never pays for them; one that does pays the same ~2 s of
+CPU, off its loop, once.
+
 Why not simply import them where they are used: on the rank's loop the import takes
 seconds where the loop must answer (HealthCheck wants every rank within 3 s), and inside
 a profile's traced window the import's millions of traced calls made the profile's stop
@@ -39,10 +44,14 @@ GRAMMAR_MODULES = ("xgrammar",)
 
 # a shorter --watchdog-probe-timeout than this: the imports run before READY
 MIN_PROBE_TIMEOUT_S = 5.0
+# seconds from READY to the thread's start, unless the profiler or a compile asks first
+DELAY_S = 30.0
 
 _done = threading.Event()
 _lock = threading.Lock()
-_started = False
+_started = False  # the imports are scheduled (or done before READY)
+_thread: threading.Thread | None = None  # the late-imports thread, once it started
+_timer: threading.Timer | None = None
 
 
 def _import_all(names: tuple[str, ...]) -> None:
@@ -77,16 +86,31 @@ def import_before_ready(probe_timeout_s: float, grammar: bool = True) -> None:
 
 
 def start_in_background(grammar: bool = True) -> None:
-    """Start the imports in a daemon thread (once per process; later calls do nothing).
+    """Start the imports in a daemon thread :data:`DELAY_S` from now, or when
+    :func:`wait_until_imported` asks first (once per process; later calls do nothing).
     ``grammar=False``: a process that never compiles a grammar (a TP follower) imports
     only what the profiler needs."""
-    global _started
+    global _started, _thread, _timer
     with _lock:
         if _started:
             return
         _started = True
-    names = PROFILER_MODULES + (GRAMMAR_MODULES if grammar else ())
-    threading.Thread(target=_run, args=(names,), name="late-imports", daemon=True).start()
+        names = PROFILER_MODULES + (GRAMMAR_MODULES if grammar else ())
+        _thread = threading.Thread(target=_run, args=(names,), name="late-imports",
+                                   daemon=True)
+        _timer = threading.Timer(DELAY_S, _start_thread)
+        _timer.daemon = True
+        _timer.start()
+
+
+def _start_thread() -> None:
+    """Start the late-imports thread now (once; the timer's start and a waiter's race)."""
+    with _lock:
+        if _thread is None or _thread.ident is not None:
+            return
+        if _timer is not None:
+            _timer.cancel()
+        _thread.start()
 
 
 def imported() -> bool:
@@ -95,10 +119,11 @@ def imported() -> bool:
 
 
 def wait_until_imported() -> None:
-    """Block until the late-imports thread is done. In a process that never started it (a
-    tool, a unit test building a Profiler by hand) the modules are imported here, on this
-    thread."""
+    """Block until the late-imports thread is done, starting it now if its delay has not
+    run out. In a process that never scheduled it (a tool, a unit test building a Profiler
+    by hand) the modules are imported here, on this thread."""
     if not _started:
         _import_all(PROFILER_MODULES + GRAMMAR_MODULES)
         return
+    _start_thread()
     _done.wait()

@@ -529,8 +529,9 @@ def rank_cpu_seconds(pid: int) -> float:
 
 def wait_quiet(pid: int, window: float = 2.0, cpu: float = 0.03, timeout: float = 90) -> None:
     """Until the idle rank spends (almost) no CPU for ``window`` seconds: its late imports
-    (torch._dynamo, xgrammar: scheduler/late_imports.py, ~100 MB) are done, so they do not
-    grow its RSS while the test measures a drop."""
+    (torch._dynamo, xgrammar: scheduler/late_imports.py, ~100 MB; a profile's start runs
+    them) and the trace's export are done, so they do not grow its RSS while the test
+    measures a drop."""
     deadline = time.monotonic() + timeout
     last = rank_cpu_seconds(pid)
     while time.monotonic() < deadline:
@@ -548,12 +549,17 @@ def test_release_memory_lowers_rss_and_resume_serves_the_same(tmp_path: Path) ->
                        heads=12, kv_heads=4, vocab=16384)
     kv_tokens = 25600  # 2 layers * (k, v) * 4 kv heads * 64 dims * 4 bytes = 4 KiB a token
     srv = start_server(tmp_path, "--model-path", str(path), "--dtype", "float32",
-                       "--max-total-tokens", str(kv_tokens))
+                       "--max-total-tokens", str(kv_tokens), "--profile-dir", str(tmp_path))
     try:
         stub = srv.stub()
         prompt = [5, 900, 77, 3001, 42, 16000]
         before, _ = run_generate(stub, greedy(prompt, 8), timeout=120)
         pid = server_info(stub).rank_states[0].pid
+        # a profile's start has the rank's late imports run now (not DELAY_S after READY,
+        # inside the measurement)
+        assert stub.StartProfile(pb.StartProfileRequest(output_dir="prof", activities=["CPU"]),
+                                 timeout=120).success
+        assert stub.StopProfile(pb.StopProfileRequest(), timeout=120).success
         wait_quiet(pid)
         rss_before = rss_bytes(pid)
 

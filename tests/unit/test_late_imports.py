@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 _PROBE = """
 import sys, tempfile, threading
 import torch
@@ -85,3 +87,33 @@ def test_profile_and_grammar_wait_for_the_late_imports_thread(tmp_path: Path) ->
                              ("sympy", "torch._dynamo", "torch._inductor", "transformers",
                               "xgrammar")])
 
+
+
+_DELAY_PROBE = """
+import sys, time
+from sglang_admin.scheduler import late_imports
+
+late_imports.DELAY_S = float(sys.argv[1])
+late_imports.start_in_background()
+time.sleep(0.3)
+print(late_imports.imported(), "torch._dynamo" in sys.modules)
+if sys.argv[2] == "ask":
+    late_imports.wait_until_imported()  # as a profile's start: the thread starts now
+else:
+    deadline = time.monotonic() + 60
+    while not late_imports.imported():  # the delay runs out: it starts by itself
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+print(late_imports.imported(), "torch._dynamo" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("how", ["ask", "delay"])
+def test_the_late_imports_wait_for_their_delay_or_the_first_that_needs_them(how: str) -> None:
+    """Scheduled at READY, the imports do not run before their delay unless a profile's
+    start or a compile asks (a short-lived worker never pays for them)."""
+    delay = "600" if how == "ask" else "1"
+    done = subprocess.run([sys.executable, "-c", _DELAY_PROBE, delay, how], capture_output=True,
+                          text=True, timeout=120, cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-2:] == ["False False", "True True"]
