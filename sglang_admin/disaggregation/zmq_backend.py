@@ -1,11 +1,13 @@
 """The pyzmq TCP KV transfer backend: for machines without the mooncake transfer engine.
 
-The receiver (decode) binds a ROUTER socket; a sender (prefill) connects a DEALER per room
-and sends one multipart message: a msgpack header ``{room, dst_slots, nbuf}`` then one frame
-per registered buffer with the rows of the source slots. The receiver checks the room is
-expected, the slots are the ones it reserved for it and every frame has the exact size,
-writes the rows into its pool and answers ``{ok, error}``. Data for a room it does not
-expect is refused (never written).
+The receiver (decode) binds a ROUTER socket; a sender (prefill) keeps one DEALER per peer
+in each sending thread (a room's transfer is one request and its answer, so a connection
+serves the next room once answered; any failure or timeout closes it, and the next room
+connects anew) and sends one multipart message: a msgpack header ``{room, dst_slots, nbuf}``
+then one frame per registered buffer with the rows of the source slots. The receiver checks
+the room is expected, the slots are the ones it reserved for it and every frame has the
+exact size, writes the rows into its pool and answers ``{room, ok, error}``. Data for a room
+it does not expect is refused (never written).
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class ZmqBackend(KVTransferBackend):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._local = threading.local()  # a sending thread's DEALER per peer endpoint
 
     def endpoint(self) -> str:
         if not self._port:
@@ -85,7 +88,7 @@ class ZmqBackend(KVTransferBackend):
         if self._thread is not None:
             self._thread.join(timeout=2)
         if self._ctx is not None:
-            self._ctx.term()
+            self._ctx.destroy(linger=0)  # the senders' kept connections too
 
     # ------------------------------------------------------------------ receiver side
     def expect(self, room: int, dst_slots: Sequence[int]) -> None:
@@ -105,29 +108,33 @@ class ZmqBackend(KVTransferBackend):
                     continue
                 frames = sock.recv_multipart(copy=False)
                 ident, rest = frames[0], frames[1:]
+                room: int | None = None
                 try:
-                    error = self._write(rest)
+                    room, error = self._write(rest)
                 except Exception as exc:  # noqa: BLE001 - a bad message fails its room only
                     logger.exception("kv transfer receive failed")
                     error = f"kv transfer failed: receiver error {type(exc).__name__}: {exc}"
-                sock.send_multipart([ident, msgpack.packb({"ok": error is None,
+                sock.send_multipart([ident, msgpack.packb({"room": room, "ok": error is None,
                                                            "error": error or ""})])
         finally:
             sock.close(linger=0)
 
-    def _write(self, frames: list[Any]) -> str | None:
-        """Write one room's rows; None when done, else why refused."""
-        import torch
-
+    def _write(self, frames: list[Any]) -> tuple[int | None, str | None]:
+        """Write one room's rows: (the room, None when done, else why refused)."""
         if not frames:
-            return "kv transfer failed: empty message"
+            return None, "kv transfer failed: empty message"
         try:
             header = msgpack.unpackb(frames[0].bytes, raw=False)
             room = int(header["room"])
             dst = [int(s) for s in header["dst_slots"]]
         except Exception:  # noqa: BLE001 - network input
-            return "kv transfer failed: malformed header"
-        data = frames[1:]
+            return None, "kv transfer failed: malformed header"
+        return room, self._write_rows(room, dst, frames[1:])
+
+    def _write_rows(self, room: int, dst: list[int], data: list[Any]) -> str | None:
+        """Write the rows of ``room`` into slots ``dst``; None when done, else why refused."""
+        import torch
+
         if len(data) != len(self._buffers):
             return (f"kv transfer failed: room {room} sent {len(data)} buffers, "
                     f"expected {len(self._buffers)} (short transfer)")
@@ -173,11 +180,15 @@ class ZmqBackend(KVTransferBackend):
             rows = self.rows_of(i, src_slots)
             nbytes += rows.nbytes
             parts.append(memoryview(rows))
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
+        kept: dict[str, zmq.Socket] = self._local.__dict__.setdefault("socks", {})
+        sock = kept.pop(peer.endpoint, None)  # back in the dict only once answered
+        reply: Any = None
         try:
-            sock.connect(f"tcp://{peer.endpoint}")
-            sock.send_multipart(parts, copy=False)
+            if sock is None:
+                sock = self._ctx.socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.connect(f"tcp://{peer.endpoint}")
+            sock.send_multipart(parts, flags=zmq.NOBLOCK, copy=False)  # never waits
             if not sock.poll(int(timeout_s * 1000)):
                 return TransferResult(False, f"kv transfer failed: no answer from decode at "
                                              f"{peer.endpoint} within {timeout_s:g}s "
@@ -187,9 +198,15 @@ class ZmqBackend(KVTransferBackend):
             return TransferResult(False, f"kv transfer failed: {exc}", nbytes,
                                   time.perf_counter() - t0)
         finally:
-            sock.close(linger=0)
-        if not isinstance(reply, dict) or not reply.get("ok"):
-            error = reply.get("error") if isinstance(reply, dict) else "bad reply"
-            return TransferResult(False, str(error) or "kv transfer failed", nbytes,
+            if isinstance(reply, dict) and reply.get("room") == room:
+                kept[peer.endpoint] = sock  # answered: the next room may use it
+            elif sock is not None:
+                sock.close(linger=0)
+        if not isinstance(reply, dict) or reply.get("room") not in (room, None):
+            return TransferResult(False, f"kv transfer failed: decode at {peer.endpoint} "
+                                         f"answered {reply!r:.200} for room {room}", nbytes,
                                   time.perf_counter() - t0)
+        if not reply.get("ok"):
+            return TransferResult(False, str(reply.get("error")) or "kv transfer failed",
+                                  nbytes, time.perf_counter() - t0)
         return TransferResult(True, "", nbytes, time.perf_counter() - t0)

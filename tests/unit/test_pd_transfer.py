@@ -91,6 +91,36 @@ def test_a_dead_receiver_fails_within_the_timeout(pair) -> None:
     assert not result.ok and "kv transfer failed" in result.error and result.seconds < 5
 
 
+def test_rooms_to_one_peer_share_a_connection_until_it_dies(pair) -> None:
+    """A sending thread keeps its connection to a peer once a room is answered (refused
+    rooms too); a receiver that died mid-way fails the next room within the timeout, and one
+    at a new endpoint is reached on a new connection."""
+    sender, receiver = pair
+    for room in (1, 2, 3):
+        receiver.expect(room, [room * 2, room * 2 + 1])
+        assert sender.send(room, receiver.descriptor(), [5, 6], [room * 2, room * 2 + 1],
+                           10).ok
+    assert not sender.send(4, receiver.descriptor(), [5], [9], 10).ok  # unknown room
+    assert len(sender._local.socks) == 1  # one connection served all four
+    receiver.expect(5, [20])
+    assert sender.send(5, receiver.descriptor(), [7], [20], 10).ok
+    assert receiver.read_slots([20]) == sender.read_slots([7])
+    desc = receiver.descriptor()
+    receiver.close()
+    result = sender.send(6, desc, [1], [1], 0.5)
+    assert not result.ok and "no answer from decode" in result.error and result.seconds < 5
+    assert sender._local.socks == {}  # closed, not kept
+    again = ZmqBackend()
+    again.register_buffers(pool(False))
+    again.start()
+    try:
+        again.expect(7, [3])
+        assert sender.send(7, again.descriptor(), [4], [3], 10).ok
+        assert again.read_slots([3]) == sender.read_slots([4])
+    finally:
+        again.close()
+
+
 def test_a_pool_of_another_shape_is_refused_before_sending(pair) -> None:
     sender, receiver = pair
     other = ZmqBackend()
