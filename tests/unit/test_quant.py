@@ -76,6 +76,25 @@ def test_q8_0_blocks_and_their_nibble_halves_stand_for_the_stored_values() -> No
     np.testing.assert_allclose(h[:, :96] + h[:, 96:], ref, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize(("qtype", "rel"), [("Q4_K", 0.12), ("Q6_K", 0.03)])
+def test_k_quant_writers_write_what_the_gguf_reader_reads(qtype: str, rel: float) -> None:
+    """model/quant/kquants.py (the quality tool's Q4_K / Q6_K inputs): the blocks read back
+    by the gguf package near the values written, and Q4_K read by ours alike."""
+    from gguf import quants
+
+    from sglang_admin.model.quant.kquants import quantize_q4_k, quantize_q6_k
+
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal((6, 512)).astype(np.float32) * rng.uniform(0.01, 1, (6, 1))
+    raw = (quantize_q4_k if qtype == "Q4_K" else quantize_q6_k)(w)
+    back = quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(6, 512)
+    err = np.sqrt(((back - w) ** 2).mean(axis=1)) / w.std(axis=1)
+    assert err.max() < rel, err
+    if qtype == "Q4_K":
+        np.testing.assert_allclose(dequantize_int4(int4_groups(raw, "Q4_K", 6, 512)), back,
+                                   rtol=1e-5, atol=1e-6)
+
+
 def test_q4_k_sub_blocks_stand_for_the_stored_values() -> None:
     blocks, ref = random_q4_k(8, 512, np.random.default_rng(2))
     np.testing.assert_allclose(dequantize_int4(int4_groups(blocks, "Q4_K", 8, 512)), ref,
