@@ -136,6 +136,12 @@ def test_quant_linear_matches_its_dequantized_weight_at_any_rows(seed: int) -> N
             ref = x.float() @ dense.t() + bias.float()
             scale = ref.abs().max().item() + 1
             assert (got - ref).abs().max().item() <= tol * scale, (rows, dtype)
+        # without a dense copy every step takes the kernel (float32 too, where a layer with
+        # a copy does not: kernel_rows)
+        bare = QuantLinear(weight, dtype, dense_copy=False)
+        x = torch.randn(3, k, dtype=dtype)
+        ref = x.float() @ dense.t()
+        assert (bare(x).float() - ref).abs().max().item() <= tol * (ref.abs().max().item() + 1)
 
 
 def _logprobs(runner: ModelRunner, ids: list[int], decode: bool) -> torch.Tensor:

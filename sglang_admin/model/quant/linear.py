@@ -32,6 +32,9 @@ from sglang_admin.model.quant.gguf_blocks import (
 
 # rows up to which a step takes the quantized kernel (measured crossover: 8-16 rows)
 KERNEL_MAX_ROWS = 8
+# float32 activations: the int4 kernel has no vectorized float32 path in torch's CPU build
+# (measured 75-300x slower than its bfloat16 path, _weight_int8pack_mm 4x): every step of
+# a float32 model with a dense copy takes the copy
 _INNER_K_TILES = 2
 _N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu's rows
 # an int8 LM head's largest logits per row recomputed in float32 (refined_logits)
@@ -73,6 +76,8 @@ class QuantLinear:
             self.row_scale = torch.from_numpy(weight.scale).to(dtype)
             self.row_scale_f32 = torch.from_numpy(weight.scale).float()
         self.shape = (n, k)
+        # rows up to which a step takes the quantized kernel when there is a dense copy
+        self.kernel_rows = KERNEL_MAX_ROWS if dtype != torch.float32 else 0
         self.dense: torch.Tensor | None = None
         self._dense_packed: torch.Tensor | None = None
         if dense_copy:
@@ -126,8 +131,27 @@ class QuantLinear:
         if self.kind == "int8":
             assert self.q8 is not None and self.row_scale is not None
             return (self.q8.float() * self.row_scale.float()[:, None]).to(self.dtype)
+        if self.dtype == torch.float32:  # exact scales: (q - 8) * scale + zero directly
+            return self._unpacked_float32()
         # the kernel itself on the identity: exactly the weights it multiplies with
         return self._int4(torch.eye(k, dtype=self.dtype)).t().contiguous()
+
+    def _unpacked_float32(self) -> torch.Tensor:
+        """float32 [N, K] of the packed int4 weight, its float32 scales and zeros applied
+        (the kernel's values; its own float32 path is slow, see ``kernel_rows``)."""
+        n, k = self.shape
+        assert self.packed is not None and self.scales_zeros is not None
+        kk = k * self.repeat
+        # the kernel on the identity in bfloat16 recovers the 4-bit values exactly (0..15)
+        ones = torch.stack([torch.ones_like(self.scales_zeros[..., 0]),
+                            torch.zeros_like(self.scales_zeros[..., 1])], -1)
+        q = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            torch.eye(kk, dtype=torch.bfloat16), self.packed, self.group,
+            ones.to(torch.bfloat16)).float().t()  # [N + pad, kk]: q - 8
+        sz = self.scales_zeros.float()  # [kk / group, N + pad, 2]
+        w = (q.view(-1, kk // self.group, self.group) * sz[..., 0].t().unsqueeze(-1)
+             + sz[..., 1].t().unsqueeze(-1)).reshape(-1, kk)[:n]
+        return w.view(n, self.repeat, k).sum(1) if self.repeat > 1 else w.contiguous()
 
     def _int4(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] -> [M, N] through the int4 kernel (int4 and int8x32 kinds)."""
@@ -171,9 +195,9 @@ class QuantLinear:
         if x.dtype != self.dtype:
             raise TypeError(f"activations are {x.dtype}, the quantized weight serves {self.dtype}")
         rows = x.shape[0]
-        if rows > KERNEL_MAX_ROWS and self._dense_packed is not None:
+        if rows > self.kernel_rows and self._dense_packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._dense_packed, bias, "none", [], "")
-        if rows > KERNEL_MAX_ROWS and self.dense is not None:
+        if rows > self.kernel_rows and self.dense is not None:
             return F.linear(x, self.dense, bias)
         if self.kind != "int8":
             out = self._int4(x)
