@@ -159,6 +159,8 @@ def attach_gguf(model: Any, gguf_file: str, dtype: torch.dtype, *,
             store.add(model.model.embed_tokens.weight, head)
             store.tied_head = head
     kept = ", ".join(f"{n} x{c}" for n, c in sorted(types.items()))
+    if dtype == torch.float32:
+        kept += " (float32 activations: every step through the dense copy, see linear.py)"
     store.summary = (f"GGUF weights kept quantized ({os.path.basename(gguf_file)}): {kept}; "
                      "int4: torch's _weight_int4pack_mm_for_cpu (groups of 32), int8x32: "
                      "the same kernel on two 4-bit halves (the blocks' scales as stored), "
