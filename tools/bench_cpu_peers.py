@@ -111,12 +111,16 @@ async def _ours(target: str, vocab: int) -> dict[str, float]:
 # ------------------------------------------------------------------ llama.cpp's process
 
 
-def _llama_cpp(model_path: str, threads: int, vocab: int) -> dict[str, float]:
+def _llama_cpp(model_path: str, threads: int, vocab: int, extra_bufts: bool
+               ) -> dict[str, float]:
     import llama_cpp as L
     import numpy as np
 
     L.llama_backend_init()
     mparams = L.llama_model_default_params()
+    # llama.cpp's extra buffer types (AMX, weight repacking); its AMX matmul crashed
+    # (SIGSEGV in ggml_backend_amx_mul_mat) on this VM's AMX CPU: off unless asked for
+    mparams.use_extra_bufts = extra_bufts
     model = L.llama_model_load_from_file(model_path.encode(), mparams)
     if not model:
         raise RuntimeError(f"llama.cpp cannot load {model_path}")
@@ -124,6 +128,9 @@ def _llama_cpp(model_path: str, threads: int, vocab: int) -> dict[str, float]:
     cparams.n_ctx = 8192
     cparams.n_batch = cparams.n_ubatch = 2048
     cparams.n_seq_max = CHAT_N
+    # one KV pool shared by the sequences, as llama-server's slots (per sequence, each
+    # would get n_ctx / n_seq_max = 256 cells, too few for the 2048-token prompt)
+    cparams.kv_unified = True
     cparams.n_threads = cparams.n_threads_batch = threads
     ctx = L.llama_init_from_model(model, cparams)
     n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
@@ -268,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--server-arg", action="append", default=[])
     ap.add_argument("--llama-python", default=sys.executable,
                     help="a Python that imports llama_cpp (e.g. a venv of its own)")
+    ap.add_argument("--llama-extra-bufts", action="store_true",
+                    help="llama.cpp's AMX / repacked weight buffers (off: its AMX matmul "
+                    "crashed on this VM)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     ns = ap.parse_args(argv)
@@ -276,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         if mode == "ours":
             print(json.dumps(asyncio.run(_ours(rest[0], int(rest[1])))))
         elif mode == "llama":
-            print(json.dumps(_llama_cpp(rest[0], int(rest[1]), int(rest[2]))))
+            print(json.dumps(_llama_cpp(rest[0], int(rest[1]), int(rest[2]), rest[3] == "1")))
         elif mode == "vllm":
             print(json.dumps(_vllm(rest[0], int(rest[1]), int(rest[2]))))
         return 0
@@ -309,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
             engines["ours"].append(_child("ours", srv.target, str(vocab)))
             if "llama.cpp" in engines:
                 engines["llama.cpp"].append(_child("llama", path, str(ns.threads), str(vocab),
+                                                   str(int(ns.llama_extra_bufts)),
                                                    python=ns.llama_python))
             if "vllm" in engines:
                 engines["vllm"].append(_child("vllm", path, str(ns.threads), str(vocab)))
