@@ -321,8 +321,8 @@ def test_where_quantized_weights_are_refused_each_says_why() -> None:
             check_applies(*args)
 
 
-@pytest.mark.parametrize("kind", ["int8", "int8x32"])
-def test_an_int8_heads_top_logits_are_refined_in_float32(kind: str) -> None:
+@pytest.mark.parametrize("kind", ["int8", "int8x32", "int4"])
+def test_a_quantized_heads_top_logits_are_refined_in_float32(kind: str) -> None:
     from sglang_admin.model.quant.linear import refined_logits
 
     rng = np.random.default_rng(5)
@@ -330,6 +330,12 @@ def test_an_int8_heads_top_logits_are_refined_in_float32(kind: str) -> None:
     if kind == "int8":
         head = QuantLinear(int8_rows(values), torch.bfloat16)
         weight = head.q8.float() * head.row_scale_f32[:, None]
+    elif kind == "int4":
+        groups = Int4Groups(rng.integers(0, 16, (300, 64)).astype(np.uint8),
+                            rng.uniform(0.01, 0.3, (300, 2)).astype(np.float32),
+                            rng.uniform(-0.1, 0.1, (300, 2)).astype(np.float32))
+        head = QuantLinear(groups, torch.bfloat16, dense_copy=False, keep_rows=True)
+        weight = torch.from_numpy(dequantize_int4(groups))
     else:
         blocks = Int8Blocks(rng.integers(-127, 128, (300, 64)).astype(np.int8),
                             rng.uniform(0.001, 0.03, (300, 2)).astype(np.float32))

@@ -75,7 +75,7 @@ def _fuse(parts: list[Kept], dtype: torch.dtype, dense_copy: bool,
                                       np.concatenate([p.scale for p in parts]),
                                       np.concatenate([p.zero for p in parts]),
                                       parts[0].group),
-                           dtype, dense_copy)
+                           dtype, dense_copy, keep_rows)
     if all(isinstance(p, Int8Blocks) for p in parts):
         return QuantLinear(Int8Blocks(np.concatenate([p.q for p in parts]),
                                       np.concatenate([p.scale for p in parts])),

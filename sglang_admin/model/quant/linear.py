@@ -44,9 +44,9 @@ REFINE_TOP = 8
 class QuantLinear:
     """One projection's weight [N, K], quantized, with the matmul :meth:`__call__`.
 
-    ``keep_rows``: an :class:`Int8Blocks` weight also keeps its int8 values and float32
-    block scales, from which an LM head's top logits are computed again
-    (:func:`refined_logits`); an :class:`Int8Rows` weight always has them."""
+    ``keep_rows``: an :class:`Int8Blocks` or :class:`Int4Groups` weight also keeps its
+    values and float32 scales (and zeros), from which an LM head's top logits are computed
+    again (:func:`refined_logits`); an :class:`Int8Rows` weight always has them."""
 
     def __init__(self, weight: Int4Groups | Int8Rows | Int8Blocks, dtype: torch.dtype,
                  dense_copy: bool = True, keep_rows: bool = False) -> None:
@@ -60,6 +60,9 @@ class QuantLinear:
         self.row_scale: torch.Tensor | None = None
         self.row_scale_f32: torch.Tensor | None = None
         self.block_scale_f32: torch.Tensor | None = None
+        self.q4: torch.Tensor | None = None  # int4 with keep_rows: uint8 [N, K], 0..15
+        self.group_scale_f32: torch.Tensor | None = None
+        self.group_zero_f32: torch.Tensor | None = None
         n, k = weight.q.shape
         if isinstance(weight, Int8Blocks):
             self.kind, self.group, self.repeat = "int8x32", GROUP, 2
@@ -69,6 +72,10 @@ class QuantLinear:
             self._pack_int4(nibble_halves(weight), dtype, weight)
         elif isinstance(weight, Int4Groups):
             self.kind, self.group = "int4", weight.group
+            if keep_rows:
+                self.q4 = torch.from_numpy(weight.q.copy())
+                self.group_scale_f32 = torch.from_numpy(weight.scale.astype("float32"))
+                self.group_zero_f32 = torch.from_numpy(weight.zero.astype("float32"))
             self._pack_int4(weight, dtype, None)
         else:
             self.kind = "int8"
@@ -163,10 +170,18 @@ class QuantLinear:
 
     def rows_float(self, idx: torch.Tensor) -> torch.Tensor | None:
         """float32 rows ``idx`` [M, j] -> [M, j, K] of the stored int8 values times their
-        scales; None where they are not kept (int4, int8x32 without ``keep_rows``)."""
+        scales; None where they are not kept (int4 and int8x32 without ``keep_rows``)."""
         if self.kind == "int8":
             assert self.q8 is not None and self.row_scale_f32 is not None
             return self.q8[idx].float() * self.row_scale_f32[idx].unsqueeze(-1)
+        if self.kind == "int4":
+            if self.q4 is None or self.group_scale_f32 is None or self.group_zero_f32 is None:
+                return None
+            m, j = idx.shape
+            k, g = self.shape[1], self.group
+            rows = self.q4[idx].float().view(m, j, k // g, g) - 8
+            return (rows * self.group_scale_f32[idx].unsqueeze(-1)
+                    + self.group_zero_f32[idx].unsqueeze(-1)).view(m, j, k)
         if self.q8 is None or self.block_scale_f32 is None:
             return None
         m, j = idx.shape
@@ -178,7 +193,8 @@ class QuantLinear:
     def nbytes(self) -> int:
         """Bytes held: the quantized weight, its scales, and the dense copy if any."""
         held = [self.dense, self._dense_packed, self.packed, self.scales_zeros, self.q8,
-                self.row_scale, self.block_scale_f32]
+                self.row_scale, self.block_scale_f32, self.q4, self.group_scale_f32,
+                self.group_zero_f32]
         return sum(t.numel() * t.element_size() for t in held if t is not None)
 
     def quantized_bytes(self) -> int:
@@ -209,11 +225,11 @@ class QuantLinear:
 def refined_logits(head: QuantLinear | ConcatLinear | None, x: torch.Tensor,
                    logits: torch.Tensor, top: int = REFINE_TOP) -> torch.Tensor:
     """float32 logits whose ``top`` largest per row are computed again in float32 from the
-    int8 head's stored rows (:meth:`QuantLinear.rows_float`): bfloat16 logits of magnitude
+    quantized head's stored rows (:meth:`QuantLinear.rows_float`): bfloat16 logits of magnitude
     16-32 are 0.125 apart, so near-ties of greedy decoding would be decided by rounding
     (the rest keep the served precision)."""
     out = logits.float()
-    if not isinstance(head, QuantLinear) or top <= 0 or head.kind == "int4":
+    if not isinstance(head, QuantLinear) or top <= 0:
         return out
     k = min(top, out.shape[1])
     idx = out.topk(k, dim=-1).indices  # [M, k]
