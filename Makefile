@@ -57,7 +57,7 @@ router-stop:
 # `pytest` runs all of them.
 # TEST_PROCESSES pytest processes (pytest-xdist), each taking whole modules (their workers
 # are module- or session-scoped); TEST_PROCESSES=0 runs them all in one.
-TEST_PROCESSES ?= 2
+TEST_PROCESSES ?= 3
 test: install smollm2
 	$(PY) -m pytest -q -m "not long" -n $(TEST_PROCESSES) --dist loadfile $(PYTEST_ARGS)
 

@@ -387,8 +387,7 @@ def run_serve(ns: argparse.Namespace) -> int:
 
         refusal = check_flags(ns.disaggregation_mode, ns.disaggregation_transfer_backend,
                               ns.disaggregation_bootstrap_port, is_embedding=ns.is_embedding,
-                              speculative_algorithm=ns.speculative_algorithm,
-                              tp_size=ns.tp_size)
+                              speculative_algorithm=ns.speculative_algorithm)
     if refusal is not None:
         print(f"error: {refusal}", file=sys.stderr)
         return 2

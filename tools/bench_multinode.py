@@ -1,19 +1,22 @@
 """Step time of one replica over two nodes vs on one host vs tp 1, and the bytes per step
-that cross between the nodes, served end to end on this machine.
+that cross between the nodes, served end to end on this machine, side by side in one run.
 
-Three workers in turn, each started, warmed up and measured alike: tp 1; ``--tp-size 2`` on
-one host; ``--tp-size 2 --nnodes 2``, two ``sglang-admin serve`` trees on 127.0.0.1. Each
-runs ``--batch`` greedy streams of ``--new-tokens`` tokens at once, ``--rounds`` times; the
-step time is the wall time over the rank's forward steps in that window (GetServerInfo's
-``forward_steps``). The bytes per step are the TCP bytes node 1's rank process sent and
-received in the window (``ss -tin`` on its sockets: the step commands and the all-reduces),
+Three workers started together: tp 1; ``--tp-size 2`` on one host; ``--tp-size 2 --nnodes
+2``, two ``sglang-admin serve`` trees on 127.0.0.1. After a warm-up round each, the rounds
+alternate between them (tp 1, one host, two nodes, tp 1, ...), so that the machine's load
+drifts over all three alike; a round is ``--batch`` greedy streams of ``--new-tokens``
+tokens at once, and its step time the round's wall time over the rank's forward steps in it
+(GetServerInfo's ``forward_steps``). Reported: each worker's best and median step time, and
+the ratios taken within each round (its three measurements are seconds apart) with their
+median over the rounds. The bytes per step are the TCP bytes node 1's rank process sent and
+received in a round (``ss -tin`` on its sockets: the step commands and the all-reduces),
 over the same steps. Loopback has no wire latency: across real hosts each of a step's
 collectives adds a network round trip (docs/multinode.md).
 
 ``--codec-only``: only the cost of a step's command on the wire (multinode/wire.py) beside
 pickle's (what ``broadcast_object_list`` did), encode + decode of one batch, alternated.
 
-Usage: python -m tools.bench_multinode [--batch 8] [--new-tokens 64] [--rounds 3]
+Usage: python -m tools.bench_multinode [--batch 8] [--new-tokens 64] [--rounds 7]
        python -m tools.bench_multinode --codec-only [--batch 64] [--prompt-len 512]
 """
 
@@ -24,10 +27,12 @@ import concurrent.futures as cf
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -70,24 +75,40 @@ def steps(stub: pb_grpc.SglangSchedulerStub) -> int:
     return sum(s.forward_steps for s in info.rank_states)
 
 
-def measure(target: str, opts: argparse.Namespace, remote_pid: int | None
-            ) -> tuple[float, float | None]:
-    stub = pb_grpc.SglangSchedulerStub(grpc.insecure_channel(target))
-    prompts = [[(i * 13 + j) % 250 + 2 for j in range(32)] for i in range(opts.batch)]
+@dataclass
+class Worker:
+    """One measured worker: its processes, its gRPC target, the rank whose bytes count."""
 
-    def batch() -> None:
-        with cf.ThreadPoolExecutor(opts.batch) as pool:
-            list(pool.map(lambda p: run_generate(stub, greedy(p, opts.new_tokens),
-                                                 timeout=600), prompts))
+    name: str
+    procs: list[subprocess.Popen]
+    target: str
+    remote_pid: int | None = None  # node 1's rank process (the two-node worker)
+    steps: list[float] = field(default_factory=list)  # seconds per step, one per round
+    wire: list[float] = field(default_factory=list)  # bytes per step, one per round
 
-    batch()  # warm-up
-    s0, b0, t0 = steps(stub), tcp_bytes(remote_pid) if remote_pid else 0, time.perf_counter()
-    for _ in range(opts.rounds):
-        batch()
+    def stub(self) -> pb_grpc.SglangSchedulerStub:
+        return pb_grpc.SglangSchedulerStub(grpc.insecure_channel(self.target))
+
+
+def prompts(batch: int) -> list[list[int]]:
+    return [[(i * 13 + j) % 250 + 2 for j in range(32)] for i in range(batch)]
+
+
+def one_round(worker: Worker, opts: argparse.Namespace, record: bool = True) -> None:
+    """``--batch`` greedy streams at once on ``worker``; its step time (and bytes per step)
+    appended when ``record``."""
+    stub = worker.stub()
+    s0, t0 = steps(stub), time.perf_counter()
+    b0 = tcp_bytes(worker.remote_pid) if worker.remote_pid else 0
+    with cf.ThreadPoolExecutor(opts.batch) as pool:
+        list(pool.map(lambda p: run_generate(stub, greedy(p, opts.new_tokens), timeout=600),
+                      prompts(opts.batch)))
     wall = time.perf_counter() - t0
     n = steps(stub) - s0
-    per_step = None if remote_pid is None else (tcp_bytes(remote_pid) - b0) / n
-    return wall / n, per_step
+    if record:
+        worker.steps.append(wall / n)
+        if worker.remote_pid:
+            worker.wire.append((tcp_bytes(worker.remote_pid) - b0) / n)
 
 
 def stop(*procs: subprocess.Popen) -> None:
@@ -131,11 +152,51 @@ def codec_costs(batch: int, prompt_len: int, rounds: int = 7) -> None:
               f"{best[name] / best['pickle']:5.2f}x")
 
 
+def start_workers(tmp: Path, model: list[str]) -> list[Worker]:
+    """The three workers, booting together; returned once every one serves."""
+    workers = []
+    for name, extra in (("tp1", []), ("tp2 one host", ["--tp-size", "2"])):
+        proc, port = serve(tmp, name.replace(" ", "-"), *model, *extra)
+        workers.append(Worker(name, [proc], f"127.0.0.1:{port}"))
+    common = [*model, "--tp-size", "2", "--nnodes", "2",
+              "--dist-init-addr", f"127.0.0.1:{free_port()}"]
+    node0, port0 = serve(tmp, "node0", *common, "--node-rank", "0")
+    node1, port1 = serve(tmp, "node1", *common, "--node-rank", "1")
+    pair = Worker("tp2 over 2 nodes", [node0, node1], f"127.0.0.1:{port0}")
+    workers.append(pair)
+    try:
+        for w in workers:
+            wait_serving(w.target, w.procs[0], 600)
+        info = pb_grpc.SglangSchedulerStub(grpc.insecure_channel(f"127.0.0.1:{port1}")
+                                           ).GetServerInfo(pb.GetServerInfoRequest(), timeout=60)
+        pair.remote_pid = int(info.scheduler_info["local_ranks"][0]["pid"])
+    except BaseException:
+        stop(*(p for w in workers for p in w.procs))
+        raise
+    return workers
+
+
+def report(workers: list[Worker], opts: argparse.Namespace) -> None:
+    base, host, pair = workers
+    print(f"batch {opts.batch} x {opts.new_tokens} new tokens, {opts.rounds} rounds "
+          f"alternated, load average {os.getloadavg()[0]:.1f}")
+    print(f"{'worker':<18} {'best ms':>8} {'median ms':>10} {'bytes/step (node 1)':>20}")
+    for w in workers:
+        wire = f"{statistics.median(w.wire):,.0f}" if w.wire else ""
+        print(f"{w.name:<18} {min(w.steps) * 1e3:8.2f} {statistics.median(w.steps) * 1e3:10.2f}"
+              f" {wire:>20}")
+    print("step-time ratios, within each round (median over rounds; best rounds' ratio):")
+    for a, b in ((pair, host), (pair, base), (host, base)):
+        within = [x / y for x, y in zip(a.steps, b.steps, strict=True)]
+        print(f"  {a.name} / {b.name}: {statistics.median(within):.2f}x "
+              f"({min(a.steps) / min(b.steps):.2f}x)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--model-path", default=None, help="default: the embedded model")
     ap.add_argument("--codec-only", action="store_true")
     ap.add_argument("--prompt-len", type=int, default=512, help="--codec-only's prompts")
@@ -144,36 +205,17 @@ def main() -> None:
         codec_costs(opts.batch, opts.prompt_len)
         return
     model = ["--model-path", opts.model_path] if opts.model_path else []
-    results: dict[str, tuple[float, float | None]] = {}
     with tempfile.TemporaryDirectory() as tmp_dir:
-        tmp = Path(tmp_dir)
-        for name, extra in (("tp1", []), ("tp2 one host", ["--tp-size", "2"])):
-            proc, port = serve(tmp, name.replace(" ", "-"), *model, *extra)
-            try:
-                wait_serving(f"127.0.0.1:{port}", proc, 300)
-                results[name] = measure(f"127.0.0.1:{port}", opts, None)
-            finally:
-                stop(proc)
-        init = free_port()
-        common = [*model, "--tp-size", "2", "--nnodes", "2",
-                  "--dist-init-addr", f"127.0.0.1:{init}"]
-        node0, port0 = serve(tmp, "node0", *common, "--node-rank", "0")
-        node1, port1 = serve(tmp, "node1", *common, "--node-rank", "1")
+        workers = start_workers(Path(tmp_dir), model)
         try:
-            wait_serving(f"127.0.0.1:{port0}", node0, 300)
-            info = pb_grpc.SglangSchedulerStub(grpc.insecure_channel(f"127.0.0.1:{port1}")
-                                               ).GetServerInfo(pb.GetServerInfoRequest())
-            rank_pid = int(info.scheduler_info["local_ranks"][0]["pid"])
-            results["tp2 over 2 nodes"] = measure(f"127.0.0.1:{port0}", opts, rank_pid)
+            for w in workers:
+                one_round(w, opts, record=False)  # warm-up
+            for _ in range(opts.rounds):
+                for w in workers:
+                    one_round(w, opts)
         finally:
-            stop(node0, node1)
-    base = results["tp1"][0]
-    print(f"batch {opts.batch} x {opts.new_tokens} new tokens, {opts.rounds} rounds, "
-          f"load average {os.getloadavg()[0]:.1f}")
-    print(f"{'worker':<18} {'step ms':>8} {'vs tp1':>7} {'bytes/step (node 1)':>20}")
-    for name, (step, per_step) in results.items():
-        extra = "" if per_step is None else f"{per_step:,.0f}"
-        print(f"{name:<18} {step * 1e3:8.2f} {step / base:6.2f}x {extra:>20}")
+            stop(*(p for w in workers for p in w.procs))
+    report(workers, opts)
 
 
 if __name__ == "__main__":

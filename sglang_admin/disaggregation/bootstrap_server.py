@@ -5,7 +5,8 @@ that holds a room's KV.
 Routes (JSON):
 - ``PUT /route`` / ``POST /register_dp_rank``: a prefill rank registers
   ``{"dp_rank": int, "rank_addr": "host:port"}`` (its control socket).
-- ``GET /route``: ``{"dp_size": N, "ranks": {"0": "host:port", ...}}``; with
+- ``GET /route``: ``{"dp_size": N, "tp_size": T, "ranks": {"0": "host:port", ...}}``
+  (a decode worker refuses a prefill of another TP size before its handshake); with
   ``?dp_rank=k`` just ``{"dp_rank": k, "rank_addr": ...}``. 503 until every rank registered.
 - ``GET /query_dp_ranks``: ``{"dp_size": N, "registered": [0, ...]}``.
 - ``GET /health``: 200 once every rank registered, else 503.
@@ -30,8 +31,8 @@ def _bad(message: str) -> web.Response:
 class BootstrapServer:
     """Registry of this prefill worker's rank control addresses, served over HTTP."""
 
-    def __init__(self, host: str, port: int, dp_size: int) -> None:
-        self.host, self.port, self.dp_size = host, port, dp_size
+    def __init__(self, host: str, port: int, dp_size: int, tp_size: int = 1) -> None:
+        self.host, self.port, self.dp_size, self.tp_size = host, port, dp_size, tp_size
         self.ranks: dict[int, str] = {}
         self._runner: web.AppRunner | None = None
 
@@ -86,7 +87,7 @@ class BootstrapServer:
                           "registered"}, status=503)
         raw = request.query.get("dp_rank")
         if raw is None:
-            return web.json_response({"dp_size": self.dp_size,
+            return web.json_response({"dp_size": self.dp_size, "tp_size": self.tp_size,
                                       "ranks": {str(k): v for k, v in self.ranks.items()}})
         try:
             dp_rank = int(raw)

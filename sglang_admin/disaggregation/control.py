@@ -2,10 +2,12 @@
 (msgpack dicts, never pickle), PUSH sockets to peers, and the bootstrap-server HTTP calls.
 
 Messages (``kind``):
-- ``handshake`` decode -> prefill: ``room, rid, peer (PeerDescriptor wire), dst_slots,
-  notify ("host:port" of decode's control socket)``
+- ``handshake`` decode -> prefill: ``room, rid, peer (PeerDescriptor wire), peers (one
+  descriptor per decode TP rank, rank 0's first), tp_size, dst_slots, notify ("host:port"
+  of decode's control socket)``
 - ``done`` prefill -> decode: ``room, ok, error, first_token, logprob, top_logprobs,
-  token_ids_logprobs, cached_tokens, checksum, nbytes, seconds``
+  token_ids_logprobs, cached_tokens, checksum, checksums (one per TP rank), nbytes,
+  seconds, weight_version``
 - ``cancel`` either way: ``room, reason`` (the other side gave the room up)
 """
 
@@ -134,12 +136,14 @@ def http_ok(url: str, timeout: float = HTTP_TIMEOUT_S) -> None:
         raise OSError(f"{url} unreachable: {getattr(exc, 'reason', exc)}") from None
 
 
-def resolve_prefill_rank(host: str, port: int, room: int) -> str:
-    """The control address of the prefill rank holding ``room``: rank room % prefill dp."""
+def resolve_prefill_rank(host: str, port: int, room: int) -> tuple[str, int]:
+    """The control address of the prefill rank holding ``room`` (rank room % prefill dp)
+    and the prefill worker's TP size (1 when its bootstrap server does not say)."""
     table = http_json("GET", f"http://{host}:{port}/route")
     try:
         dp_size = int(table["dp_size"])
         ranks = table["ranks"]
-        return str(ranks[str(room % dp_size)])
-    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        tp_size = int(table.get("tp_size", 1))
+        return str(ranks[str(room % dp_size)]), tp_size
+    except (AttributeError, KeyError, TypeError, ValueError, ZeroDivisionError):
         raise OSError(f"bootstrap server {host}:{port} answered a malformed route") from None

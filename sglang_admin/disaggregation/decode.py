@@ -10,6 +10,10 @@ Every failure (bootstrap unreachable, a timeout, a dead prefill, a failed or cor
 transfer, an abort) frees the request's KV, tells the prefill side when it knows it, and
 ends the request with a clear error using the words the router classifies ("bootstrap",
 "kv transfer"). Runs in the rank's thread; HTTP calls run in worker threads. No torch here.
+At --tp-size > 1 each TP rank receives its own KV shard (tp_shards.py): the followers
+expect the room with rank 0, the handshake lists every TP rank's descriptor, and each
+rank's checksum is checked before the request joins; the prefill must run the same TP size
+(its bootstrap server says which; another is refused before the handshake).
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from typing import Any
 
 from sglang_admin.disaggregation import settings
 from sglang_admin.disaggregation.control import ControlSocket, http_ok, resolve_prefill_rank
+from sglang_admin.disaggregation.figures import FailureCounts
+from sglang_admin.disaggregation.tp_shards import LeaderShards
 from sglang_admin.disaggregation.transfer import KVTransferBackend
 
 logger = logging.getLogger(__name__)
@@ -46,8 +52,10 @@ class DecodeRoom:
     future: Future | None = None
     prefill_addr: str = ""
     handshake_at: float = 0.0
+    reserved_at: float = 0.0  # its KV slots reserved (the end of prealloc)
     grammar_wait: bool = False  # constrained: its grammar is still compiling
     arrived: dict[str, Any] | None = None  # prefill's "done", kept while the grammar compiles
+    shard_peers: list[Any] = field(default_factory=list)  # TP ranks 1.. descriptors (tp > 1)
 
 
 class DecodeRooms:
@@ -74,6 +82,15 @@ class DecodeRooms:
         self.transfers_failed = 0
         self.last_gb_s = 0.0
         self.last_latency_ms = 0.0
+        self.last_total_mb = 0.0
+        self.last_alloc_ms = 0.0  # the last room's wait for its KV slots
+        self.last_bootstrap_ms = 0.0  # the last room's bootstrap lookup and handshake
+        self.failures = FailureCounts()
+        self.shards: LeaderShards | None = None  # the TP followers' backends (tp > 1)
+
+    @property
+    def tp_size(self) -> int:
+        return 1 if self.shards is None else self.shards.size
 
     @property
     def busy(self) -> bool:
@@ -189,29 +206,47 @@ class DecodeRooms:
                 return
             self.prealloc.popleft()
             self.backend.expect(droom.room, req.slots)
+            droom.reserved_at = time.monotonic()
+            self.last_alloc_ms = (droom.reserved_at - droom.created) * 1000
             droom.phase = "bootstrap"
+            if self.shards is not None:
+                droom.shard_peers = self.shards.expect(droom.room, req.slots)
+                bad = [(t, p) for t, p in enumerate(droom.shard_peers, 1)
+                       if not isinstance(p, dict)]
+                if bad:
+                    self._end(droom, f"bootstrap failed: TP rank {bad[0][0]} cannot receive "
+                                     f"room {droom.room}: {bad[0][1]}", "UNAVAILABLE")
+                    continue
             droom.future = self.pool.submit(resolve_prefill_rank, droom.host, droom.port,
                                             droom.room)
 
     def _bootstrapped(self, droom: DecodeRoom) -> None:
         fut, droom.future = droom.future, None
         try:
-            addr = fut.result()
+            addr, prefill_tp = fut.result()
         except Exception as exc:  # noqa: BLE001 - unreachable or malformed
             self._end(droom, f"bootstrap failed: cannot reach the prefill bootstrap server "
                              f"{droom.host}:{droom.port} for room {droom.room}: {exc}",
                       "UNAVAILABLE")
             return
         droom.prefill_addr = addr
+        if prefill_tp != self.tp_size:  # each TP rank's shard has one peer: equal sizes only
+            why = (f"bootstrap failed: the prefill worker at {droom.host}:{droom.port} runs "
+                   f"--tp-size {prefill_tp}, this decode worker --tp-size {self.tp_size}: a PD "
+                   f"pair needs equal TP sizes (no handshake sent for room {droom.room})")
+            self._end(droom, why, "UNAVAILABLE", tell_prefill=why)
+            return
+        own = self.backend.descriptor().to_wire()
         msg = {"kind": "handshake", "room": droom.room, "rid": droom.req.rid,
-               "peer": self.backend.descriptor().to_wire(), "dst_slots": list(droom.req.slots),
-               "notify": self.control.address}
+               "peer": own, "peers": [own, *droom.shard_peers], "tp_size": self.tp_size,
+               "dst_slots": list(droom.req.slots), "notify": self.control.address}
         if not self.control.send(addr, msg):
             self._end(droom, f"bootstrap failed: handshake with prefill rank {addr} could "
                              "not be sent", "UNAVAILABLE")
             return
         droom.phase = "transfer"
         droom.handshake_at = time.monotonic()
+        self.last_bootstrap_ms = (droom.handshake_at - droom.reserved_at) * 1000
 
     def _on_message(self, msg: dict[str, Any]) -> None:
         room_id = msg["room"]
@@ -248,15 +283,35 @@ class DecodeRooms:
             self._end(droom, f"kv transfer failed: checksum mismatch for room {room_id} "
                              "(corrupt or short transfer)", "UNAVAILABLE")
             return
+        if self.shards is not None:
+            why = self._shard_checksums(room_id, msg.get("checksums"), req.slots)
+            if why:
+                self.transfers_failed += 1
+                self._end(droom, why, "UNAVAILABLE")
+                return
         self.transfers_ok += 1
         seconds = float(msg.get("seconds") or 0.0)
         if seconds > 0:
             self.last_gb_s = float(msg.get("nbytes") or 0) / seconds / 1e9
             self.last_latency_ms = seconds * 1000
+            self.last_total_mb = float(msg.get("nbytes") or 0) / 1e6
         if droom.grammar_wait:
             droom.arrived, droom.phase = msg, "grammar"
             return
         self._join(droom, first, msg)
+
+    def _shard_checksums(self, room_id: int, theirs: Any, slots: list[int]) -> str:
+        """Why the followers' shards of the room are not what prefill's TP ranks sent ("" when
+        every TP rank's checksum matches)."""
+        assert self.shards is not None
+        if not isinstance(theirs, list) or len(theirs) != self.tp_size:
+            return (f"kv transfer failed: prefill sent no checksum per TP rank for room "
+                    f"{room_id} (this decode worker runs --tp-size {self.tp_size})")
+        for tp_rank, (ours, sent) in enumerate(zip(self.shards.checksums(slots), theirs[1:]), 1):
+            if not isinstance(sent, int) or ours != sent:
+                return (f"kv transfer failed: checksum mismatch for room {room_id} on TP rank "
+                        f"{tp_rank} (corrupt or short transfer)")
+        return ""
 
     def _join(self, droom: DecodeRoom, first: int, msg: dict[str, Any]) -> None:
         """The KV is in place: the request runs from its second token."""
@@ -341,6 +396,7 @@ class DecodeRooms:
         if req.req_idx >= 0:
             state.memory.release(req, keep=False)
         if error is not None:
+            self.failures.count(error)
             logger.warning("room %d (%s): %s", droom.room, req.rid, error)
         if req.key in state.by_rid:
             finish(state, req, "abort", error=error,
@@ -350,6 +406,8 @@ class DecodeRooms:
 
     def _forget(self, droom: DecodeRoom) -> None:
         self.backend.release(droom.room)
+        if self.shards is not None and droom.phase != "prealloc":  # the followers expected it
+            self.shards.release(droom.room)
         if self.rooms.get(droom.room) is droom:
             del self.rooms[droom.room]
         if self.by_rid.get(droom.req.rid) is droom:

@@ -7,7 +7,9 @@ cache). Every failure (no handshake in time, a failed send, an abort) releases t
 ends the request with a clear error.
 
 Runs in the rank's thread (``poll`` each loop round); only ``backend.send`` runs in worker
-threads. No torch here.
+threads. No torch here. At --tp-size > 1 every TP rank sends its own KV shard
+(tp_shards.py): the handshake lists one descriptor per decode TP rank, and the room
+completes once every TP rank's send is in.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from typing import Any
 
 from sglang_admin.disaggregation import settings
 from sglang_admin.disaggregation.control import ControlSocket
+from sglang_admin.disaggregation.figures import FailureCounts
+from sglang_admin.disaggregation.tp_shards import LeaderShards
 from sglang_admin.disaggregation.transfer import (
     KVTransferBackend,
     KVTransferError,
@@ -32,6 +36,7 @@ from sglang_admin.messages import ReqOutput
 logger = logging.getLogger(__name__)
 
 MAX_EARLY_HANDSHAKES = 10000
+SHARD_QUERY_INTERVAL_S = 0.002  # the least time between two asks of a still-sending follower
 
 
 @dataclass(eq=False)
@@ -48,6 +53,8 @@ class PrefillRoom:
     aborted: str | None = None  # abort reason, while a send is in flight
     cancelled: str = ""  # decode gave the room up before the request ended
     version: str = ""  # the weight version the KV was computed with
+    handshake_at: float = 0.0  # decode's handshake arrived
+    shard_results: dict[int, list[Any]] = field(default_factory=dict)  # TP rank -> outcome
 
 
 class PrefillRooms:
@@ -71,6 +78,15 @@ class PrefillRooms:
         self.transfers_failed = 0
         self.last_gb_s = 0.0
         self.last_latency_ms = 0.0
+        self.last_total_mb = 0.0
+        self.last_bootstrap_ms = 0.0  # the last room's held KV waiting for the handshake
+        self.failures = FailureCounts()
+        self.shards: LeaderShards | None = None  # the TP followers' backends (tp > 1)
+        self._next_shard_query = 0.0  # a follower still sending: asked again from then on
+
+    @property
+    def tp_size(self) -> int:
+        return 1 if self.shards is None else self.shards.size
 
     # ------------------------------------------------------------------ figures
     @property
@@ -95,7 +111,7 @@ class PrefillRooms:
         self.by_rid[req.rid] = prefill_room
         early = self.early.pop(room, None)
         if early is not None:
-            prefill_room.handshake = early[0]
+            prefill_room.handshake, prefill_room.handshake_at = early
         return None
 
     def hold(self, req: Any, out: ReqOutput) -> bool:
@@ -148,10 +164,12 @@ class PrefillRooms:
             except Exception as exc:  # noqa: BLE001 - a peer's malformed message is dropped
                 logger.warning("malformed PD message for room %s dropped: %s", msg["room"], exc)
         now = time.monotonic()
+        if self.shards is not None:
+            self._collect_shards()
         for room in list(self.rooms.values()):
             fut = room.future
             if fut is not None:
-                if fut.done():
+                if fut.done() and len(room.shard_results) == self.tp_size - 1:
                     self._finish_send(room, fut)
                 continue
             if room.out is not None and now - room.held_since > self.bootstrap_timeout:
@@ -161,6 +179,24 @@ class PrefillRooms:
             for key, (_, at) in list(self.early.items()):
                 if now - at > self.bootstrap_timeout:
                     del self.early[key]
+
+    def _collect_shards(self) -> None:
+        """Ask the TP followers (once this round) for the outcomes of the rooms whose send
+        is done here and whose followers have not all answered yet."""
+        assert self.shards is not None
+        asking = [r for r in self.rooms.values() if r.future is not None and r.future.done()
+                  and len(r.shard_results) < self.tp_size - 1]
+        now = time.monotonic()
+        if not asking or now < self._next_shard_query:
+            return
+        got = self.shards.results([r.room for r in asking])
+        for tp_rank, outcomes in enumerate(got, start=1):
+            for room in asking:
+                if room.room in outcomes:
+                    room.shard_results[tp_rank] = outcomes[room.room]
+        if any(len(r.shard_results) < self.tp_size - 1 for r in asking):
+            # not every round: the follower's send thread needs its CPU more than a query
+            self._next_shard_query = now + SHARD_QUERY_INTERVAL_S
 
     def _on_message(self, msg: dict[str, Any]) -> None:
         kind, room_id = msg["kind"], msg["room"]
@@ -187,7 +223,7 @@ class PrefillRooms:
         if room.handshake is not None:
             logger.warning("second handshake for room %s ignored", room_id)
             return
-        room.handshake = msg
+        room.handshake, room.handshake_at = msg, time.monotonic()
         if room.out is not None:
             self._start(room)
 
@@ -195,21 +231,33 @@ class PrefillRooms:
     def _start(self, room: PrefillRoom) -> None:
         hs = room.handshake
         assert hs is not None
+        self.last_bootstrap_ms = max(room.handshake_at - room.held_since, 0.0) * 1000
         req = room.req
         src = list(req.slots[: len(req.prompt_ids)])
         try:
-            peer = PeerDescriptor.from_wire(hs.get("peer"))
-            dst = [int(s) for s in hs.get("dst_slots", [])]
             notify = str(hs["notify"])
+            wires = hs.get("peers")  # one per decode TP rank; a tp 1 peer may send "peer" only
+            peers = [PeerDescriptor.from_wire(w)
+                     for w in (wires if wires is not None else [hs.get("peer")])]
+            dst = [int(s) for s in hs.get("dst_slots", [])]
         except (KVTransferError, KeyError, TypeError, ValueError) as exc:
             self._end(room, f"kv transfer failed: bad handshake for room {room.room}: {exc}",
                       "UNAVAILABLE")
+            return
+        if len(peers) != self.tp_size:
+            self._end(room, f"bootstrap failed: the handshake for room {room.room} comes from "
+                            f"a decode worker with --tp-size {len(peers)}, this prefill worker "
+                            f"runs --tp-size {self.tp_size}: a PD pair needs equal TP sizes",
+                      "UNAVAILABLE", notify)
             return
         if len(dst) != len(src):
             self._end(room, f"kv transfer failed: decode reserved {len(dst)} slots for room "
                             f"{room.room}, the prompt has {len(src)}", "UNAVAILABLE", notify)
             return
-        room.future = self.pool.submit(self._send, room.room, peer, src, dst)
+        if self.shards is not None:  # the followers send their shards beside this one
+            self.shards.send(room.room, [p.to_wire() for p in peers], src, dst,
+                             self.transfer_timeout)
+        room.future = self.pool.submit(self._send, room.room, peers[0], src, dst)
 
     def _send(self, room: int, peer: PeerDescriptor, src: list[int],
               dst: list[int]) -> tuple[TransferResult, int]:
@@ -222,6 +270,7 @@ class PrefillRooms:
             result, checksum = fut.result()
         except Exception as exc:  # noqa: BLE001 - a backend bug fails the room, not the rank
             result, checksum = TransferResult(False, f"kv transfer failed: {exc}"), 0
+        result, checksums = self._with_shards(room, result, checksum)
         hs = room.handshake or {}
         notify = str(hs.get("notify", ""))
         req = room.req
@@ -233,6 +282,7 @@ class PrefillRooms:
         if result.seconds > 0:
             self.last_gb_s = result.nbytes / result.seconds / 1e9
             self.last_latency_ms = result.seconds * 1000
+            self.last_total_mb = result.nbytes / 1e6
         lp = req.logprob
         done = {
             "kind": "done", "room": room.room, "ok": room.aborted is None,
@@ -244,7 +294,8 @@ class PrefillRooms:
             "token_ids_logprobs": ([list(p) for p in lp.token_ids_logprobs[0]]
                                    if lp.token_ids_logprobs else []),
             "cached_tokens": max(req.cached_tokens, 0),
-            "checksum": checksum, "nbytes": result.nbytes, "seconds": result.seconds,
+            "checksum": checksum, "checksums": checksums,
+            "nbytes": result.nbytes, "seconds": result.seconds,
             "weight_version": room.version,
         }
         if not notify or not self.control.send(notify, done):
@@ -255,6 +306,26 @@ class PrefillRooms:
             self._end(room, None, "abort")
             return
         self._end(room, None, None)
+
+    def _with_shards(self, room: PrefillRoom, result: TransferResult, checksum: int
+                     ) -> tuple[TransferResult, list[int]]:
+        """The room's outcome over every TP rank: failed when any rank failed (the first
+        failing follower named), bytes summed, the slowest rank's time; every rank's
+        checksum, in TP rank order."""
+        checksums = [checksum]
+        if self.tp_size == 1:
+            return result, checksums
+        nbytes, seconds = result.nbytes, result.seconds
+        for tp_rank in range(1, self.tp_size):
+            ok, error, shard_bytes, shard_seconds, shard_sum = room.shard_results[tp_rank]
+            if not ok and result.ok:
+                result = TransferResult(False, f"{error} (TP rank {tp_rank})")
+            nbytes += int(shard_bytes)
+            seconds = max(seconds, float(shard_seconds))
+            checksums.append(int(shard_sum))
+        if result.ok:
+            result = TransferResult(True, nbytes=nbytes, seconds=seconds)
+        return result, checksums
 
     # ------------------------------------------------------------------ ending
     def _end(self, room: PrefillRoom, error: str | None, code: str | None,
@@ -274,6 +345,7 @@ class PrefillRooms:
         if code == "abort":
             out.finish_reason, out.error, out.error_code = "abort", None, None
         elif error is not None:
+            self.failures.count(error)
             out.finish_reason, out.error, out.error_code = "abort", error, code
             logger.warning("room %d (%s): %s", room.room, req.rid, error)
         state.pending_outputs.append(out)

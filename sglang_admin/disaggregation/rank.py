@@ -14,6 +14,7 @@ import zmq
 
 from sglang_admin.disaggregation.backends import make_backend
 from sglang_admin.disaggregation.control import ControlSocket, advertised_host, http_json
+from sglang_admin.disaggregation.figures import rooms_figures
 
 logger = logging.getLogger(__name__)
 
@@ -62,18 +63,8 @@ class RankPD:
         return r.num_prealloc, r.num_transfer
 
     def figures(self) -> dict[str, Any]:
-        """GetLoads' DisaggregationMetrics fields, and the transfer counts."""
-        r = self.rooms
-        first, second = self.queue_sizes()
-        out: dict[str, Any] = {
-            "mode": r.role, "kv_transfer_speed_gb_s": r.last_gb_s,
-            "kv_transfer_latency_ms": r.last_latency_ms,
-            "transfers_ok": r.transfers_ok, "transfers_failed": r.transfers_failed}
-        if r.role == "prefill":
-            out.update(prefill_prealloc_queue_reqs=first, prefill_inflight_queue_reqs=second)
-        else:
-            out.update(decode_prealloc_queue_reqs=first, decode_transfer_queue_reqs=second)
-        return out
+        """GetLoads' DisaggregationMetrics fields, SGLang's other PD series, the counts."""
+        return rooms_figures(self.rooms, *self.queue_sizes())
 
     def close(self) -> None:
         self.rooms.close()
@@ -82,9 +73,10 @@ class RankPD:
 
 
 def attach_pd(args: Any, rank: int, runner: Any, scheduler: Any,
-              weight_version: Callable[[], str]) -> RankPD | None:
+              weight_version: Callable[[], str], tensor_parallel: Any = None) -> RankPD | None:
     """The rank's PD side, installed on the scheduler (``scheduler.pd``); None when
-    --disaggregation-mode is null."""
+    --disaggregation-mode is null. ``tensor_parallel``: this TP rank 0's group at tp > 1,
+    whose followers move their own KV shards (tp_shards.py)."""
     mode = args.disaggregation_mode
     if mode == "null":
         return None
@@ -101,6 +93,10 @@ def attach_pd(args: Any, rank: int, runner: Any, scheduler: Any,
     rooms_cls = PrefillRooms if mode == "prefill" else DecodeRooms
     pd.rooms = rooms_cls(scheduler, backend, control)
     pd.rooms.weight_version = weight_version
+    if tensor_parallel is not None and tensor_parallel.size > 1:
+        from sglang_admin.disaggregation.tp_shards import LeaderShards
+
+        pd.rooms.shards = LeaderShards(tensor_parallel)
     scheduler.pd = pd.rooms
     if mode == "prefill":
         threading.Thread(target=_register, args=(args.disaggregation_bootstrap_port, rank,
@@ -109,6 +105,21 @@ def attach_pd(args: Any, rank: int, runner: Any, scheduler: Any,
     logger.info("rank %d: PD %s, %s backend at %s, control at %s", rank, mode, backend.name,
                 backend.endpoint(), control.address)
     return pd
+
+
+def follower_shards(args: Any, tp_rank: int, runner: Any) -> Any:
+    """A TP follower's transfer backend over its KV shard, started (tp_shards.py); None
+    when --disaggregation-mode is null."""
+    if args.disaggregation_mode == "null":
+        return None
+    from sglang_admin.disaggregation.tp_shards import FollowerShards
+
+    backend = make_backend(args.disaggregation_transfer_backend, advertised_host(args.host))
+    shards = FollowerShards(backend, lambda: list(runner.k_caches) + list(runner.v_caches),
+                            tp_rank)
+    logger.info("TP rank %d: PD %s, %s backend at %s", tp_rank, args.disaggregation_mode,
+                backend.name, backend.endpoint())
+    return shards
 
 
 def _register(port: int, rank: int, addr: str) -> None:

@@ -51,8 +51,7 @@ def transfer_timeout_s() -> float:
 
 
 def check_flags(mode: str, backend: str, bootstrap_port: int, *, is_embedding: bool = False,
-                speculative_algorithm: str | None = None, tp_size: int = 1,
-                ) -> str | None:
+                speculative_algorithm: str | None = None) -> str | None:
     """None when the disaggregation flags make sense together, else a one-line reason."""
     if mode not in MODES:
         return f"--disaggregation-mode must be one of {', '.join(MODES)}, got {mode!r}"
@@ -65,9 +64,6 @@ def check_flags(mode: str, backend: str, bootstrap_port: int, *, is_embedding: b
         return None
     if is_embedding:
         return "--disaggregation-mode prefill/decode serves generation; not with an embedding model"
-    if tp_size > 1:
-        return ("--disaggregation-mode with --tp-size > 1 is not supported yet (each TP rank "
-                "would send its own KV shard); use --dp-size")
     if backend == "mooncake":
         import importlib.util
 

@@ -166,6 +166,9 @@ class KVTransferBackend(abc.ABC):
         t = self._buffers[index]
         if t.device.type == "cpu":
             rows = t.view(torch.uint8).reshape(t.shape[0], -1).numpy()
+            run = slot_run(slots)
+            if run is not None:  # one run of consecutive slots: a view, no copy
+                return rows[run]
             return np.take(rows, np.asarray(slots, dtype=np.int64), axis=0)
         idx = torch.as_tensor(list(slots), dtype=torch.long, device=t.device)
         rows = t.view(torch.uint8).reshape(t.shape[0], -1)
@@ -181,6 +184,21 @@ class KVTransferBackend(abc.ABC):
         for i in range(len(self._buffers)):
             crc = zlib.crc32(memoryview(self.rows_of(i, slots)), crc)
         return crc
+
+
+def slot_run(slots: Sequence[int]) -> slice | None:
+    """``slots`` as a slice when they are one run of consecutive slots (a fresh request's
+    usually are), else None."""
+    n = len(slots)
+    if n == 0:
+        return None
+    first = int(slots[0])
+    if int(slots[-1]) - first != n - 1 or first < 0:
+        return None
+    for k, s in enumerate(slots):
+        if int(s) != first + k:
+            return None
+    return slice(first, first + n)
 
 
 def check_compatible(local: Sequence[BufferInfo], peer: PeerDescriptor) -> str | None:

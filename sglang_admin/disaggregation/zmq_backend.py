@@ -26,6 +26,7 @@ from sglang_admin.disaggregation.transfer import (
     PeerDescriptor,
     TransferResult,
     check_compatible,
+    slot_run,
 )
 
 logger = logging.getLogger(__name__)
@@ -141,11 +142,12 @@ class ZmqBackend(KVTransferBackend):
                 if len(frame.buffer) != len(dst) * item:
                     return (f"kv transfer failed: room {room} buffer of {len(frame.buffer)} "
                             f"bytes, expected {len(dst) * item} (short transfer)")
+            run = slot_run(dst)  # a run of slots: one block copy, not a scatter
             idx = np.asarray(dst, dtype=np.int64)
             for frame, t in zip(data, self._buffers):
                 src = np.frombuffer(frame.buffer, dtype=np.uint8).reshape(len(dst), -1)
                 if t.device.type == "cpu":  # numpy alone: no torch op in this thread
-                    _rows(t).numpy()[idx] = src
+                    _rows(t).numpy()[idx if run is None else run] = src
                 else:
                     _rows(t).index_copy_(0, torch.as_tensor(idx, device=t.device),
                                          torch.from_numpy(src.copy()).to(t.device))

@@ -47,8 +47,8 @@ def parse_init_addr(text: str) -> InitAddress:
 
 
 def check_flags(args: ServerArgs) -> str | None:
-    """Why this combination of --nnodes, --node-rank, --dist-init-addr, --tp-size and
-    --dp-size cannot start (one line), or None."""
+    """Why this combination of --nnodes, --node-rank, --dist-init-addr, --tp-size,
+    --dp-size and --disaggregation-mode cannot start (one line), or None."""
     n, k = args.nnodes, args.node_rank
     if n < 1:
         return f"--nnodes must be >= 1, got {n}"
@@ -70,6 +70,11 @@ def check_flags(args: ServerArgs) -> str | None:
     if args.tp_size % n:
         return (f"--tp-size {args.tp_size} is the total over the nodes and must divide by "
                 f"--nnodes {n} (every node holds the same share of each replica)")
+    if args.disaggregation_mode != "null":
+        return (f"--disaggregation-mode {args.disaggregation_mode} with --nnodes {n} is not "
+                "supported: a prefill or decode worker runs on one host (its TP ranks' KV "
+                "shards leave from there); start one worker per host and let the router pair "
+                "them")
     return None
 
 

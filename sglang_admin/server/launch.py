@@ -272,7 +272,8 @@ class Server:
 
         args = self.args
         bind = "0.0.0.0" if args.host not in ("127.0.0.1", "localhost") else args.host
-        self.bootstrap = BootstrapServer(bind, args.disaggregation_bootstrap_port, args.dp_size)
+        self.bootstrap = BootstrapServer(bind, args.disaggregation_bootstrap_port, args.dp_size,
+                                         args.tp_size)
         try:
             await self.bootstrap.start()
         except OSError as exc:

@@ -78,6 +78,36 @@ RANK_GAUGES: tuple[tuple[str, str, Callable[[RankState], float]], ...] = (
      lambda s: s.spec_accept_rate),
 )
 
+# SGLang's PD series (a worker with --disaggregation-mode prefill or decode): name (after
+# "sglang:"), help, the key of the rank's PD figures (disaggregation/figures.py). Queue
+# sizes of the other role are 0, as on SGLang.
+PD_GAUGES: tuple[tuple[str, str, str], ...] = (
+    ("num_prefill_prealloc_queue_reqs", "The number of requests in the prefill prealloc "
+     "queue (their KV held, waiting for decode's handshake).", "prefill_prealloc_queue_reqs"),
+    ("num_prefill_inflight_queue_reqs", "The number of requests in the prefill inflight "
+     "queue (their KV being sent).", "prefill_inflight_queue_reqs"),
+    ("num_decode_prealloc_queue_reqs", "The number of requests in the decode prealloc queue "
+     "(reserving KV, bootstrap, handshake).", "decode_prealloc_queue_reqs"),
+    ("num_decode_transfer_queue_reqs", "The number of requests in the decode transfer queue "
+     "(waiting for their KV).", "decode_transfer_queue_reqs"),
+    ("kv_transfer_speed_gb_s", "The transfer speed of the KV cache in GB/s (the last "
+     "transfer).", "kv_transfer_speed_gb_s"),
+    ("kv_transfer_latency_ms", "The transfer latency of the KV cache in ms (the last "
+     "transfer).", "kv_transfer_latency_ms"),
+    ("kv_transfer_total_mb", "The size of the last KV transfer in MB.", "kv_transfer_total_mb"),
+    ("kv_transfer_bootstrap_ms", "The bootstrap time of the last KV transfer in ms (decode: "
+     "the prefill rank's lookup and the handshake; prefill: its held KV's wait for the "
+     "handshake).", "kv_transfer_bootstrap_ms"),
+    ("kv_transfer_alloc_ms", "The allocation waiting time of the last KV transfer in ms "
+     "(decode: the wait for KV slots; 0 on prefill).", "kv_transfer_alloc_ms"),
+)
+PD_COUNTERS: tuple[tuple[str, str, str], ...] = (
+    ("num_bootstrap_failed_reqs", "The number of bootstrap failed requests.",
+     "bootstrap_failed_reqs"),
+    ("num_transfer_failed_reqs", "The number of transfer failed requests.",
+     "transfer_failed_reqs"),
+)
+
 StateSource = Callable[[], Iterable[tuple[int, RankState, float]]]
 
 
@@ -108,6 +138,14 @@ class RankStateCollector(Collector):
             "schedule, prepare, sample, postprocess, output: the serving work around it).",
             labels=[*labels, "phase"],
         )
+        pd_families = [
+            (GaugeMetricFamily(f"sglang:{name}", text, labels=labels), key)
+            for name, text, key in PD_GAUGES
+        ] + [
+            (CounterMetricFamily(f"sglang:{name}", text, labels=labels), key)
+            for name, text, key in PD_COUNTERS
+        ]
+        pd_seen = False
         model_name = self.model_name()
         for rank, state, state_age in self.states():
             values = [model_name, str(rank)]
@@ -117,11 +155,18 @@ class RankStateCollector(Collector):
             steps.add_metric(values, float(state.decode_steps))
             for phase, seconds in state.decode_phase_s.items():
                 phases.add_metric([*values, phase], seconds)
+            if state.pd:  # a PD rank: SGLang's PD series
+                pd_seen = True
+                for pd_family, key in pd_families:
+                    pd_family.add_metric(values, float(state.pd.get(key, 0)))
         for family, _ in families:
             yield family
         yield age
         yield steps
         yield phases
+        if pd_seen:
+            for pd_family, _ in pd_families:
+                yield pd_family
 
 
 @dataclass

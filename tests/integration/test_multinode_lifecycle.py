@@ -49,6 +49,9 @@ def test_wrong_flag_combinations_are_refused_in_one_line(tmp_path: Path) -> None
          "expected HOST:PORT"),
         (["--nnodes", "2", "--tp-size", "2", "--dist-init-addr", "127.0.0.1:99999"],
          "1..65535"),
+        (["--nnodes", "2", "--tp-size", "2", "--dist-init-addr", "127.0.0.1:5000",
+          "--disaggregation-mode", "prefill"],
+         "--disaggregation-mode prefill with --nnodes 2 is not supported"),
     ]
     for args, text in cases:
         out = subprocess.run([sys.executable, "-m", "sglang_admin", "serve", *args],

@@ -11,9 +11,11 @@ leaves both serving.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import threading
@@ -103,12 +105,48 @@ def pd_request(ids: list[int], n: int, host: str, port: int, room: int,
     return req
 
 
+def launch_pd_router(prefill: ServerProc, decode: ServerProc, bport: int, tmp: Path
+                     ) -> tuple[subprocess.Popen, str, Path]:
+    """The real SMG router in PD mode over one prefill and one decode worker, ready (both
+    seen healthy): the process, its base URL and its log."""
+    port = free_port()
+    router_log = tmp / "router.log"
+    with open(router_log, "w") as log:
+        router = subprocess.Popen(
+            [sys.executable, "-m", "smg.launch_router", "--pd-disaggregation",
+             "--prefill", f"grpc://127.0.0.1:{prefill.port}", str(bport),
+             "--decode", f"grpc://127.0.0.1:{decode.port}",
+             "--host", "127.0.0.1", "--port", str(port),
+             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+             "--worker-startup-check-interval", "1", "--health-check-interval-secs", "2",
+             "--log-level", "info"],
+            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "NO_COLOR": "1"})
+    base = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        if router.poll() is not None:
+            raise RuntimeError(f"router exited:\n{router_log.read_text()[-4000:]}")
+        try:
+            status, body = http("GET", f"{base}/workers", timeout=5)
+        except OSError:
+            return False
+        return status == 200 and sum(bool(w.get("is_healthy"))
+                                     for w in body.get("workers", [])) == 2
+
+    try:
+        wait_for(ready, 90, "the router to see a healthy prefill and decode")
+    except BaseException:
+        stop_router(router)
+        raise
+    return router, base, router_log
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
          ) -> Iterator[Pair]:
     tmp = tmp_path_factory.mktemp("pd")
     bport = free_port()
-    common = ["--disaggregation-transfer-backend", "zmq", "--log-requests"]
+    common = ["--disaggregation-transfer-backend", "zmq", "--log-requests", "--enable-metrics"]
     for leg in ("prefill", "decode"):
         (tmp / f"prof_{leg}").mkdir()
     # two data-parallel ranks on each side (a room's KV is on prefill rank room % 2), and
@@ -125,31 +163,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureReques
         plain = request.getfixturevalue("server")
         for srv in (prefill, decode):
             wait_started(srv)
-        port = free_port()
-        router_log = tmp / "router.log"
-        with open(router_log, "w") as log:
-            router = subprocess.Popen(
-                [sys.executable, "-m", "smg.launch_router", "--pd-disaggregation",
-                 "--prefill", f"grpc://127.0.0.1:{prefill.port}", str(bport),
-                 "--decode", f"grpc://127.0.0.1:{decode.port}",
-                 "--host", "127.0.0.1", "--port", str(port),
-                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-                 "--worker-startup-check-interval", "1", "--health-check-interval-secs", "2",
-                 "--log-level", "info"],
-                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "NO_COLOR": "1"})
-        base = f"http://127.0.0.1:{port}"
-
-        def ready() -> bool:
-            if router.poll() is not None:
-                raise RuntimeError(f"router exited:\n{router_log.read_text()[-4000:]}")
-            try:
-                status, body = http("GET", f"{base}/workers", timeout=5)
-            except OSError:
-                return False
-            return status == 200 and sum(bool(w.get("is_healthy"))
-                                         for w in body.get("workers", [])) == 2
-
-        wait_for(ready, 90, "the router to see a healthy prefill and decode")
+        router, base, router_log = launch_pd_router(prefill, decode, bport, tmp)
         status, models = http("GET", f"{base}/v1/models")
         assert status == 200
         yield Pair(prefill, decode, plain, bport, router, base, models["data"][0]["id"],
@@ -373,8 +387,73 @@ def test_each_leg_profiles_through_its_sidecar(pair: Pair) -> None:
             assert resp.status == 200
     root = pair.router_log.parent
     for leg in ("prefill", "decode"):
-        traces = sorted((root / f"prof_{leg}").rglob("*.trace.json.gz"))
+        traces = sorted((root / f"prof_{leg}").glob("*.trace.json.gz"))  # (SGLang client runs: bench/)
         assert len(traces) == 2, (leg, traces)  # one per data-parallel rank
+
+
+BENCH_PYTHONPATH = os.environ.get("SGLANG_BENCH_PYTHONPATH", "")
+
+
+def forward_steps(path: Path) -> list[str]:
+    """The forward-step names (``forward_extend`` / ``forward_decode``) in a gzipped
+    Chrome trace, batch sizes cut off."""
+    with gzip.open(path, "rt") as f:
+        data = json.load(f)
+    return [e["name"].split("_bs")[0] for e in data["traceEvents"]
+            if e.get("name", "").startswith("forward_")]
+
+
+@pytest.mark.skipif(not BENCH_PYTHONPATH, reason=(
+    "SGLang's bench_serving needs sglang and much of its stack: set SGLANG_BENCH_PYTHONPATH "
+    "to a PYTHONPATH where `import sglang.benchmark.serving` works (docs/pd.md)"))
+def test_sglangs_own_bench_serving_profiles_each_leg(pair: Pair) -> None:
+    """SGLang's own client, ``python -m sglang.benchmark.serving --backend sglang
+    --pd-separated --profile``, requests through the router, once with
+    ``--profile-prefill-url`` (the prefill worker's sidecar) and once with
+    ``--profile-decode-url`` (SGLang refuses both in one run: argparse makes them mutually
+    exclusive). Each run completes its requests and the named worker alone writes traces,
+    one per rank, under its ``--profile-dir``: prefill steps on prefill, decode steps only
+    on decode (decode never runs a prefill forward)."""
+    root = pair.router_log.parent
+
+    def traces_of(leg: str) -> set[Path]:
+        return set((root / f"prof_{leg}").rglob("*.trace.json.gz"))
+
+    for leg, srv in (("prefill", pair.prefill), ("decode", pair.decode)):
+        out = root / f"prof_{leg}" / "bench"
+        out.mkdir()
+        other = "decode" if leg == "prefill" else "prefill"
+        before = traces_of(other)
+        done = subprocess.run(
+            [sys.executable, "-m", "sglang.benchmark.serving", "--backend", "sglang",
+             "--base-url", pair.base, "--model", pair.model, "--tokenizer", pair.model,
+             "--extra-request-body", json.dumps({"model": pair.model}),  # the router needs it
+             "--dataset-name", "random-ids", "--num-prompts", "8", "--random-input-len", "16",
+             "--random-output-len", "4", "--profile", "--profile-activities", "CPU",
+             "--pd-separated", f"--profile-{leg}-url", srv.http_url],
+            capture_output=True, text=True, timeout=300, cwd=root,
+            env={**os.environ, "PYTHONPATH": BENCH_PYTHONPATH, "HF_HUB_OFFLINE": "1",
+                 # where bench_serving puts output_dir (<it>/<time>): inside --profile-dir
+                 "SGLANG_TORCH_PROFILER_DIR": str(out)},
+        )
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        name = f"{leg.capitalize()}-0"
+        assert f"Profiler started for {name} worker at {srv.http_url}" in done.stdout
+        assert f"Profiler stopped for {name} worker at {srv.http_url}" in done.stdout
+        assert "Successful requests:                     8" in done.stdout, done.stdout[-3000:]
+        (run,) = out.iterdir()  # the <time> directory of this run's start_profile
+        traces = sorted(run.glob("*.trace.json.gz"))
+        assert len(traces) == 2, traces  # one per data-parallel rank
+        steps = {s for t in traces for s in forward_steps(t)}
+        if leg == "prefill":
+            # its prompts' prefills (bench_serving's warm-up prompt comes again in the run:
+            # found in the prefix cache, its last token runs as a 1-token step, which the
+            # trace labels forward_decode, as it labels any step of 1-token rows on a prefix)
+            assert "forward_extend" in steps, steps
+        else:  # decode joins its requests without a prefill forward
+            assert steps == {"forward_decode"}, steps
+        assert traces_of(other) == before, f"the {other} worker was profiled too"
+    assert_freed(pair.prefill, pair.decode)
 
 
 def test_fake_bootstrap_host_runs_without_a_transfer(pair: Pair) -> None:
@@ -402,6 +481,80 @@ def test_bad_disaggregated_params_are_refused(pair: Pair) -> None:
                                              timeout=30))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (host, port, room)
     assert_serving(pair)
+
+
+def pd_series(srv: ServerProc) -> dict[str, float]:
+    """SGLang's PD Prometheus series of a worker (GetMetrics), summed over its ranks."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = srv.stub().GetMetrics(pb.GetMetricsRequest(), timeout=10).text
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if "transfer" in sample.name or "bootstrap" in sample.name \
+                    or "_queue_reqs" in sample.name:
+                out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    return out
+
+
+PD_SERIES = {"sglang:num_prefill_prealloc_queue_reqs", "sglang:num_prefill_inflight_queue_reqs",
+             "sglang:num_decode_prealloc_queue_reqs", "sglang:num_decode_transfer_queue_reqs",
+             "sglang:kv_transfer_speed_gb_s", "sglang:kv_transfer_latency_ms",
+             "sglang:kv_transfer_total_mb", "sglang:kv_transfer_bootstrap_ms",
+             "sglang:kv_transfer_alloc_ms", "sglang:num_bootstrap_failed_reqs_total",
+             "sglang:num_transfer_failed_reqs_total"}
+
+
+def test_sglang_pd_series_on_metrics(pair: Pair) -> None:
+    """SGLang's PD series on both legs: the last transfer's speed, latency and size, the
+    queue a waiting room is in, and a failed request counted by the phase it failed in."""
+    # a prompt no earlier request began with (no cached prefix on either leg)
+    router_generate(pair, list(range(129, 29, -1)), 2)
+    # 100 prompt tokens x 4 layers x K,V x 2 KV heads x 32 dims x float32 (the sum over the
+    # ranks of each one's last transfer holds at least this one's)
+    size_mb = 100 * 8 * 2 * 32 * 4 / 1e6 - 1e-9
+    for srv in (pair.prefill, pair.decode):
+        def moved(s: ServerProc = srv) -> Any:
+            got = pd_series(s)
+            return got if got.get("sglang:kv_transfer_total_mb", 0) >= size_mb else False
+        got = wait_for(moved, 10, f"the transfer in {srv.target}'s PD series")
+        assert set(got) >= PD_SERIES, PD_SERIES - set(got)
+        assert got["sglang:kv_transfer_speed_gb_s"] > 0
+        assert got["sglang:kv_transfer_latency_ms"] > 0
+    before = pd_series(pair.decode)
+    # a room waiting for its KV is in decode's transfer queue; its failure is a transfer's
+    fake = FakePrefill()
+    try:
+        result: dict[str, Any] = {}
+
+        def run() -> None:
+            result["err"], _ = _fail_after(pair.decode.stub().Generate(
+                pd_request(PROMPTS[2], 3, "127.0.0.1", fake.port, 33001), timeout=60))
+
+        t = threading.Thread(target=run)
+        t.start()
+        hs = fake.handshake()
+        wait_for(lambda: pd_series(pair.decode)["sglang:num_decode_transfer_queue_reqs"] == 1,
+                 10, "decode's transfer queue 1")
+        fake.notify(hs["notify"], {"kind": "done", "room": 33001, "ok": False,
+                                   "error": "kv transfer failed: disk on fire"})
+        t.join(60)
+        assert "disk on fire" in result["err"].details()
+    finally:
+        fake.close()
+    # and an unreachable bootstrap server is a bootstrap failure
+    _fail_after(pair.decode.stub().Generate(
+        pd_request(PROMPTS[0], 3, "127.0.0.1", free_port(), 33002), timeout=60))
+
+    def counted() -> Any:
+        got = pd_series(pair.decode)
+        return got if got["sglang:num_decode_transfer_queue_reqs"] == 0 and got[
+            "sglang:num_bootstrap_failed_reqs_total"] > before[
+            "sglang:num_bootstrap_failed_reqs_total"] else False
+    after = wait_for(counted, 10, "the failures counted")
+    for name in ("sglang:num_bootstrap_failed_reqs_total", "sglang:num_transfer_failed_reqs_total"):
+        assert after[name] == before[name] + 1, name
+    assert_freed(pair.decode)
 
 
 # ---------------------------------------------------------------------- failures
@@ -699,6 +852,78 @@ def test_a_streaming_client_that_drops_through_the_router_frees_both(pair: Pair)
     assert_serving(pair)
 
 
+# ------------------------------------------------ real processes killed (a pair's last act)
+# The pairs of their own below (LoRA, SmolLM2, mooncake) end with one of these: a real worker
+# process SIGKILLed (its scheduler ranks die with it) while the other leg holds KV for a room.
+
+
+def decode_queue(decode: ServerProc) -> int:
+    """Rooms at the decode worker past their handshake, waiting for their KV."""
+    loads = decode.stub().GetLoads(pb.GetLoadsRequest(include=["disagg"]), timeout=10)
+    return sum(ld.disaggregation.decode_transfer_queue_reqs for ld in loads.loads)
+
+
+def _decode_leg_waiting(decode: ServerProc, bport: int, room: int, ids: list[int]
+                        ) -> tuple[threading.Thread, dict[str, Any]]:
+    """The decode leg of ``room`` alone, in a thread: its prealloc, bootstrap and handshake
+    run against the real prefill, and it waits for a KV that nothing will send yet."""
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            result["out"] = list(decode.stub().Generate(
+                pd_request(ids, 4, "127.0.0.1", bport, room), timeout=120))
+        except grpc.RpcError as exc:
+            result["err"], result["at"] = exc, time.monotonic()
+
+    t = threading.Thread(target=run)
+    t.start()
+    wait_for(lambda: decode_queue(decode) == 1, 30, "decode's handshake (transfer queue 1)")
+    wait_for(lambda: used_tokens(decode) >= len(ids), 10, "decode's KV reserved")
+    return t, result
+
+
+def kill_prefill_while_decode_waits(prefill: ServerProc, decode: ServerProc, bport: int,
+                                    room: int) -> None:
+    """The prefill worker SIGKILLed while decode waits for its KV: decode fails on its own
+    (UNAVAILABLE, the words the router sorts by) within the heartbeat's bound (1 s x 2
+    misses, not the 12 s waiting timeout), its KV is freed and it keeps serving."""
+    ids = list(range(60, 100))
+    t, result = _decode_leg_waiting(decode, bport, room, ids)
+    killed_at = time.monotonic()
+    assert prefill.stop(signal.SIGKILL) == -signal.SIGKILL
+    t.join(60)
+    assert not t.is_alive() and "err" in result, result
+    err, took = result["err"], result["at"] - killed_at
+    assert err.code() == grpc.StatusCode.UNAVAILABLE, err
+    assert "kv transfer failed" in err.details() and "might be dead" in err.details(), err
+    assert took < 11, took  # before the waiting timeout (12 s) could have ended it
+    assert_freed(decode)
+    plain = greedy(ids, 4)
+    plain.disaggregated_params.bootstrap_host = "2.2.2.2"  # SGLang's fake host: no transfer
+    assert len(list(decode.stub().Generate(plain, timeout=60))[-1].complete.output_ids) == 4
+
+
+def kill_decode_after_its_handshake(prefill: ServerProc, decode: ServerProc, bport: int,
+                                    room: int) -> None:
+    """The decode worker SIGKILLed after its handshake for a room, before the KV went: the
+    prefill leg's send finds no one, fails with "kv transfer failed" within the transfer
+    timeout (4 s here, generous bound), frees the KV and keeps serving."""
+    ids = list(range(100, 150))
+    t, _ = _decode_leg_waiting(decode, bport, room, ids)
+    time.sleep(0.5)  # the handshake, sent before decode's queue said so, reaches prefill
+    assert decode.stop(signal.SIGKILL) == -signal.SIGKILL
+    t.join(30)
+    err, took = _fail_after(prefill.stub().Generate(
+        pd_request(ids, 4, "127.0.0.1", bport, room), timeout=120))
+    assert err.code() == grpc.StatusCode.UNAVAILABLE, err
+    assert "kv transfer failed" in err.details(), err
+    assert took < 30, took  # the transfer timeout (4 s) and the prefill forward
+    assert_freed(prefill)
+    want = list(prefill.stub().Generate(greedy(ids, 4), timeout=60))[-1].complete.output_ids
+    assert len(want) == 4  # a plain request at the prefill worker: still serving
+
+
 # ---------------------------------------------------------------------- LoRA (a pair of its own)
 
 
@@ -751,6 +976,7 @@ def test_lora_requests_decode_with_the_adapter(tmp_path: Path) -> None:
             assert got[lora_id] == list(want), lora_id
         assert got["attn"] != got[""]  # the adapter changed the tokens on both legs
         assert_freed(prefill, decode)
+        kill_prefill_while_decode_waits(prefill, decode, bport, room=13)
     finally:
         prefill.stop()
         decode.stop()
@@ -806,7 +1032,8 @@ def test_fuzzed_control_messages_harm_no_leg(pair: Pair) -> None:
                 kind = rng.choice(["handshake", "done", "cancel", "x", 5])
                 msg = {"kind": kind, "room": rng.choice([room, 1, -3, 2**40, "r"])}
                 for key in ("ok", "error", "first_token", "checksum", "peer", "dst_slots",
-                            "notify", "top_logprobs", "logprob", "weight_version"):
+                            "notify", "top_logprobs", "logprob", "weight_version", "peers",
+                            "tp_size", "checksums"):
                     if rng.random() < 0.5:
                         msg[key] = rng.choice(values)
                 sock.send(msgpack.packb(msg) if rng.random() < 0.9 else rng.randbytes(20))
@@ -823,10 +1050,14 @@ def test_fuzzed_control_messages_harm_no_leg(pair: Pair) -> None:
 # ---------------------------------------------------------------------- SmolLM2 (a pair of its own)
 
 
-def test_smollm2_pair_equals_a_plain_worker(tmp_path: Path) -> None:
-    """The real SmolLM2-135M-Instruct GGUF: a PD pair's greedy tokens and logprobs equal the
-    plain path's (the prefill worker answers requests without disaggregated_params as a plain
-    worker does)."""
+def test_smollm2_pair_through_the_router_equals_a_plain_worker(tmp_path: Path) -> None:
+    """The real SmolLM2-135M-Instruct GGUF behind the real router in PD mode: `/generate`
+    and `/v1/chat/completions`, streaming and not, give a plain worker's greedy tokens,
+    text and logprobs (the plain path: the prefill worker answers a request without
+    disaggregated_params as a plain worker does). Then the decode worker is SIGKILLed after
+    its handshake for a room: the prefill leg fails, frees its KV and keeps serving."""
+    from transformers import AutoTokenizer
+
     from sglang_admin.cli import served_model_path
 
     try:
@@ -839,21 +1070,74 @@ def test_smollm2_pair_equals_a_plain_worker(tmp_path: Path) -> None:
                            "--disaggregation-bootstrap-port", str(bport), env=PD_ENV, wait=False)
     decode = start_server(tmp_path, *common, "--disaggregation-mode", "decode", env=PD_ENV,
                           wait=False)
+    tok = AutoTokenizer.from_pretrained(path)
+    router = None
     try:
         for srv in (prefill, decode):
             wait_started(srv)
-        for room, ids in enumerate(([1, 504, 3458, 314, 260, 2389, 30], list(range(40, 140))),
-                                   start=21):
-            want = list(prefill.stub().Generate(greedy(ids, 16, return_logprob=True),
-                                                timeout=120))[-1].complete
-            _, d = _both_legs(prefill, decode, bport, room,
-                              lambda i=ids: greedy(i, 16, return_logprob=True))
-            got = d[-1].complete
-            assert list(got.output_ids) == list(want.output_ids)
-            assert list(got.output_logprobs.token_logprobs) == pytest.approx(
-                list(want.output_logprobs.token_logprobs), abs=2e-3)
+        router, base, _ = launch_pd_router(prefill, decode, bport, tmp_path)
+        model = http("GET", f"{base}/v1/models")[1]["data"][0]["id"]
+
+        def cold() -> None:
+            """Prefill's prefix cache emptied: the plain path and the PD leg then prefill the
+            whole prompt alike (in bfloat16 a cached prefix's shorter forward moves the
+            logprobs by ~1e-2)."""
+            assert prefill.stub().FlushCache(pb.FlushCacheRequest(timeout_s=10),
+                                             timeout=30).success
+
+        def plain(ids: list[int], n: int, ignore_eos: bool = True) -> pb.GenerateComplete:
+            req = greedy(ids, n, return_logprob=True)
+            req.sampling_params.ignore_eos = ignore_eos
+            cold()
+            out = list(prefill.stub().Generate(req, timeout=120))[-1].complete
+            cold()
+            return out
+
+        for ids in ([1, 504, 3458, 314, 260, 2389, 30], list(range(40, 140))):
+            want = plain(ids, 16)
+            body = {"model": model, "input_ids": ids, "sampling_params": {
+                "max_new_tokens": 16, "temperature": 0, "ignore_eos": True}}
+            status, out = http("POST", f"{base}/generate", {**body, "return_logprob": True},
+                               timeout=180)
+            assert status == 200, out
+            out = out[0] if isinstance(out, list) else out
+            assert out["output_ids"] == list(want.output_ids)
+            assert [lp[0] for lp in out["meta_info"]["output_token_logprobs"]] == \
+                pytest.approx(list(want.output_logprobs.token_logprobs), abs=2e-3)
+            assert out["text"] == tok.decode(want.output_ids, skip_special_tokens=True)
+            if len(ids) < 50:  # streamed once: the same tokens
+                cold()
+                events = sse(f"{base}/generate", {**body, "stream": True}, timeout=180)
+                streamed = [t for e in events for t in e.get("output_ids", [])]
+                assert streamed[:16] == list(want.output_ids), events[-2:]
+
+        # chat: the router renders the model's template; the same ids given to the plain
+        # path give the same greedy answer (EOS honoured, as the router asks)
+        messages = [{"role": "user", "content": "What is the capital of France?"}]
+        rendered = tok.apply_chat_template(messages, add_generation_prompt=True)
+        ids = list(rendered if isinstance(rendered, list) else rendered["input_ids"])
+        want = plain(ids, 16, ignore_eos=False)
+        text = tok.decode(want.output_ids, skip_special_tokens=True)
+        chat = {"model": model, "messages": messages, "max_tokens": 16, "temperature": 0}
+        status, answer = http("POST", f"{base}/v1/chat/completions",
+                              {**chat, "logprobs": True}, timeout=180)
+        assert status == 200, answer
+        assert answer["usage"]["prompt_tokens"] == len(ids)
+        assert answer["choices"][0]["message"]["content"] == text
+        got = [c["logprob"] for c in answer["choices"][0]["logprobs"]["content"]]
+        assert len(got) >= 1 and got == pytest.approx(list(want.output_logprobs.token_logprobs)[:len(got)],
+                                    abs=2e-3)
+        cold()
+        events = sse(f"{base}/v1/chat/completions", {**chat, "stream": True}, timeout=180)
+        assert "".join(c.get("delta", {}).get("content") or ""
+                       for e in events for c in e.get("choices", [])) == text
         assert_freed(prefill, decode)
+        stop_router(router)
+        router = None
+        kill_decode_after_its_handshake(prefill, decode, bport, room=31)
     finally:
+        if router is not None:
+            stop_router(router)
         prefill.stop()
         decode.stop()
 
@@ -893,6 +1177,7 @@ def test_mooncake_pair_equals_a_plain_worker(tmp_path: Path, request: pytest.Fix
                 range(100, 132)))
         assert all(len(o.output_ids) == 6 for o in outs)
         assert_freed(prefill, decode)
+        kill_decode_after_its_handshake(prefill, decode, bport, room=140)
     finally:
         prefill.stop()
         decode.stop()
@@ -910,3 +1195,134 @@ def test_a_prefill_leg_pinned_to_another_rank_still_meets_decode(pair: Pair) -> 
     _, d = _both_legs(pair.prefill, pair.decode, pair.bootstrap_port, room, pinned)
     assert list(d[-1].complete.output_ids) == want
     assert_freed(pair.prefill, pair.decode)
+
+
+# ---------------------------------------------------------------------- --tp-size 2 (a pair of its own)
+
+
+def _legs(prefill: ServerProc, decode: ServerProc, bport: int, room: int, ids: list[int],
+          n: int = 4) -> dict[str, Any]:
+    """Both legs of ``room`` at once; each leg's last response, or its RpcError."""
+    out: dict[str, Any] = {}
+
+    def leg(name: str, srv: ServerProc) -> None:
+        try:
+            out[name] = list(srv.stub().Generate(
+                pd_request(ids, n, "127.0.0.1", bport, room, rid=f"legs{room}"), timeout=60))[-1]
+        except grpc.RpcError as exc:
+            out[name] = exc
+
+    threads = [threading.Thread(target=leg, args=a) for a in (("p", prefill), ("d", decode))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    return out
+
+
+def test_tp2_pair_equals_a_plain_worker_and_refuses_another_tp_size(pair: Pair,
+                                                                    tmp_path: Path) -> None:
+    """A --tp-size 2 prefill and a --tp-size 2 decode: each TP rank moves its own KV heads'
+    shard, so greedy tokens and logprobs equal the plain tp 1 worker's (one by one and 8
+    rooms at once) and the KV is freed on both; a leg of another TP size (this module's tp 1
+    pair) is refused with "bootstrap" in the status, on either side, and frees its KV."""
+    bport = free_port()
+    common = ["--disaggregation-transfer-backend", "zmq", "--tp-size", "2"]
+    prefill = start_server(tmp_path, *common, "--disaggregation-mode", "prefill",
+                           "--disaggregation-bootstrap-port", str(bport), env=PD_ENV, wait=False)
+    decode = start_server(tmp_path, *common, "--disaggregation-mode", "decode", env=PD_ENV,
+                          wait=False)
+    try:
+        for srv in (prefill, decode):
+            wait_started(srv)
+        for room, ids in enumerate(PROMPTS, start=9100):
+            want = plain_generate(pair, ids, 10, return_logprob=True)
+            _, d = _both_legs(prefill, decode, bport, room,
+                              lambda i=ids: greedy(i, 10, return_logprob=True))
+            got = d[-1].complete
+            assert list(got.output_ids) == list(want.output_ids), ids
+            assert list(got.output_logprobs.token_logprobs) == pytest.approx(
+                list(want.output_logprobs.token_logprobs), abs=1e-4)
+        rng = random.Random(11)
+        prompts = [[rng.randrange(0, 256) for _ in range(rng.randrange(5, 40))] for _ in range(8)]
+        with ThreadPoolExecutor(8) as pool:
+            outs = list(pool.map(lambda a: _legs(prefill, decode, bport, 9200 + a[0], a[1], 6),
+                                 enumerate(prompts)))
+        for ids, out in zip(prompts, outs):
+            assert list(out["d"].complete.output_ids) == list(
+                plain_generate(pair, ids, 6).output_ids), out
+        assert_freed(prefill, decode)
+
+        # another TP size on the other side: refused at bootstrap, before any handshake
+        for room, (p_srv, d_srv, port, theirs) in enumerate(
+                ((pair.prefill, decode, pair.bootstrap_port, 1),
+                 (prefill, pair.decode, bport, 2)), start=9300):
+            out = _legs(p_srv, d_srv, port, room, PROMPTS[1])
+            err = out["d"]
+            assert isinstance(err, grpc.RpcError), out
+            assert err.code() == grpc.StatusCode.UNAVAILABLE, err
+            assert err.details().startswith("bootstrap failed") and (
+                f"runs --tp-size {theirs}" in err.details()), err.details()
+            err = out["p"]  # the prefill leg, told by decode, frees its held KV at once
+            assert isinstance(err, grpc.RpcError) and "bootstrap failed" in err.details(), out
+
+        # handshakes a tp 2 decode would not send, at the tp 2 prefill: one descriptor (a
+        # tp 1 decode of an older kind), three, no list; and a TP rank 0 that expects the
+        # room beside a TP rank 1 that refuses it, so that only the follower's send fails
+        # (a dead follower peer: tests/unit/test_pd_tp_shards.py). Each fails its room with
+        # a clear status, decode's notify address is told, and the KV is freed.
+        import torch
+
+        from sglang_admin.disaggregation.zmq_backend import ZmqBackend
+
+        fake = FakePrefill()  # for its control socket and PUSH helper
+        live, refusing, gone = ZmqBackend(), ZmqBackend(), ZmqBackend()
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{bport}/route", timeout=5) as r:
+                table = json.loads(r.read())
+            assert table["tp_size"] == 2
+            # a shard of the embedded model's pool: 4 layers x K,V; 1 of 2 KV heads x 32 fp32
+            for backend in (live, refusing, gone):
+                backend.register_buffers([torch.zeros(200, 32 * 4, dtype=torch.uint8)
+                                          for _ in range(8)])
+                backend.start()
+            dead = gone.descriptor().to_wire()
+            gone.close()
+            dst = list(range(1, len(PROMPTS[0]) + 1))
+            cases = [([dead], "bootstrap failed: the handshake for room", "--tp-size 1"),
+                     ([dead] * 3, "bootstrap failed: the handshake for room", "--tp-size 3"),
+                     ("x", "kv transfer failed: bad handshake", "descriptor"),
+                     ([live.descriptor().to_wire(), refusing.descriptor().to_wire()],
+                      "kv transfer failed", "(TP rank 1)")]
+            for room, (peers, head, words) in enumerate(cases, start=9400):
+                live.expect(room, dst)
+                result: dict[str, Any] = {}
+
+                def run(room: int = room, result: dict[str, Any] = result) -> None:
+                    result["err"], result["s"] = _fail_after(prefill.stub().Generate(
+                        pd_request(PROMPTS[0], 4, "127.0.0.1", bport, room), timeout=60))
+
+                t = threading.Thread(target=run)
+                t.start()
+                fake.notify(table["ranks"]["0"], {
+                    "kind": "handshake", "room": room, "rid": "x", "peer": dead, "peers": peers,
+                    "tp_size": 2, "dst_slots": dst, "notify": fake.control})
+                t.join(60)
+                err = result["err"]
+                assert err.code() == grpc.StatusCode.UNAVAILABLE, err
+                assert err.details().startswith(head) and words in err.details(), err.details()
+                assert result["s"] < 30  # at once (a forward, the refusal): no hang
+                told = fake.next_message(5)
+                assert told is not None and told["ok"] is False and words in told["error"], told
+            assert_freed(prefill)
+            assert list(plain_generate(pair, PROMPTS[2], 5).output_ids) == list(_both_legs(
+                prefill, decode, bport, 9500, lambda: greedy(PROMPTS[2], 5))[1][-1]
+                .complete.output_ids)  # the pair still serves
+        finally:
+            live.close()
+            refusing.close()
+            fake.close()
+        assert_freed(prefill, decode, pair.prefill, pair.decode)
+    finally:
+        prefill.stop()
+        decode.stop()

@@ -112,6 +112,37 @@ def test_grammar_queue_gauge_comes_from_the_rank_state() -> None:
     assert found[("sglang:num_grammar_queue_reqs", RANK0)] == 4
 
 
+def test_pd_series_only_on_a_pd_rank() -> None:
+    """SGLang's PD series come from a PD rank's figures (disaggregation/figures.py); a plain
+    rank has none of them."""
+    pd = {"mode": "decode", "decode_prealloc_queue_reqs": 2, "decode_transfer_queue_reqs": 1,
+          "kv_transfer_speed_gb_s": 1.5, "kv_transfer_latency_ms": 3.0,
+          "kv_transfer_total_mb": 4.5, "kv_transfer_bootstrap_ms": 6.0,
+          "kv_transfer_alloc_ms": 0.5, "bootstrap_failed_reqs": 3, "transfer_failed_reqs": 7}
+    found = values(make_metrics(states=[(0, RankState(dp_rank=0, pd=pd), 0.0)]))
+    want = {"sglang:num_decode_prealloc_queue_reqs": 2, "sglang:num_decode_transfer_queue_reqs": 1,
+            "sglang:num_prefill_prealloc_queue_reqs": 0, "sglang:num_prefill_inflight_queue_reqs": 0,
+            "sglang:kv_transfer_speed_gb_s": 1.5, "sglang:kv_transfer_latency_ms": 3.0,
+            "sglang:kv_transfer_total_mb": 4.5, "sglang:kv_transfer_bootstrap_ms": 6.0,
+            "sglang:kv_transfer_alloc_ms": 0.5, "sglang:num_bootstrap_failed_reqs_total": 3,
+            "sglang:num_transfer_failed_reqs_total": 7}
+    for name, value in want.items():
+        assert found[(name, RANK0)] == value, name
+    plain = values(make_metrics(states=[(0, RankState(dp_rank=0), 0.0)]))
+    assert not [key for key in plain if "transfer" in key[0] or "bootstrap" in key[0]]
+
+
+def test_pd_failures_are_counted_by_the_words_the_router_sorts_by() -> None:
+    from sglang_admin.disaggregation.figures import FailureCounts
+
+    counts = FailureCounts()
+    for error in ("bootstrap failed: cannot reach", "bootstrap timed out: no decode handshake",
+                  "kv transfer failed: checksum mismatch", "kv transfer timed out: no KV",
+                  "deadline exceeded while waiting for the KV", "grammar compile failed"):
+        counts.count(error)
+    assert (counts.bootstrap, counts.transfer) == (2, 2)
+
+
 def test_admin_outcomes_are_ok_failed_or_the_status_code() -> None:
     metrics = make_metrics()
     with metrics.admin_call("flush_cache") as outcome:

@@ -93,6 +93,11 @@ def test_flag_checks_and_placement() -> None:
     assert [r["node_rank"] for r in placement(ok)] == [0, 0, 1, 1, 0, 0, 1, 1]
     assert "past 65535" in check_flags(ok.replace(dist_init_addr="h:65535"))
     assert check_flags(ok.replace(dist_init_addr="[::1]:5000")) is None
+    for mode in ("prefill", "decode"):  # a PD worker is one host: refused in one line
+        assert check_flags(ok.replace(disaggregation_mode=mode)).startswith(
+            f"--disaggregation-mode {mode} with --nnodes 2 is not supported")
+    assert check_flags(ok.replace(nnodes=1, node_rank=0, dist_init_addr="",
+                                  disaggregation_mode="prefill")) is None
 
 
 def _args(port: int, node: int, **kw) -> ServerArgs:

@@ -35,16 +35,23 @@ def pair():
     receiver.close()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_transfer_lands_byte_for_byte(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("dtype, layout", [(torch.float32, "scattered"),
+                                            (torch.bfloat16, "scattered"),
+                                            (torch.float32, "runs")])
+def test_a_transfer_lands_byte_for_byte(dtype: torch.dtype, layout: str) -> None:
+    """Scattered slots, and one run of consecutive slots on each side (sent as a view of
+    the pool, written as one block): the same bytes land, nothing else is written."""
     sender, receiver = ZmqBackend(), ZmqBackend()
     sender.register_buffers(pool(True, dtype=dtype))
     receiver.register_buffers(pool(False, dtype=dtype))
     sender.start()
     receiver.start()
     try:
-        src = random.Random(1).sample(range(1, 64), 20)
-        dst = random.Random(2).sample(range(1, 64), 20)
+        if layout == "runs":
+            src, dst = list(range(5, 25)), list(range(30, 50))
+        else:
+            src = random.Random(1).sample(range(1, 64), 20)
+            dst = random.Random(2).sample(range(1, 64), 20)
         untouched = sorted(set(range(64)) - set(dst))
         receiver.expect(7, dst)
         result = sender.send(7, receiver.descriptor(), src, dst, 10)
@@ -138,7 +145,7 @@ def test_bootstrap_server_checks_what_it_is_sent() -> None:
     from sglang_admin.disaggregation.bootstrap_server import BootstrapServer
 
     async def run() -> None:
-        boot = BootstrapServer("127.0.0.1", 0, 2)
+        boot = BootstrapServer("127.0.0.1", 0, 2)  # tp_size 1
         async with TestClient(TestServer(boot.app())) as client:
             assert (await client.get("/health")).status == 503
             assert (await client.get("/route")).status == 503
@@ -152,7 +159,7 @@ def test_bootstrap_server_checks_what_it_is_sent() -> None:
                                       json={"dp_rank": 1, "rank_addr": "h:2"})).status == 200
             assert (await client.get("/health")).status == 200
             table = await (await client.get("/route")).json()
-            assert table == {"dp_size": 2, "ranks": {"0": "h:1", "1": "h:2"}}
+            assert table == {"dp_size": 2, "tp_size": 1, "ranks": {"0": "h:1", "1": "h:2"}}
             one = await (await client.get("/route", params={"dp_rank": "1"})).json()
             assert one["rank_addr"] == "h:2"
             assert (await client.get("/route", params={"dp_rank": "x"})).status == 400
@@ -164,8 +171,6 @@ def test_bootstrap_server_checks_what_it_is_sent() -> None:
 
 @pytest.mark.parametrize("args, words", [
     (["--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "nccl"], "one of"),
-    (["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "zmq",
-      "--tp-size", "2"], "--tp-size"),
     (["--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "zmq",
       "--disaggregation-bootstrap-port", "70000"], "1..65535"),
     (["--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "zmq",
@@ -181,3 +186,12 @@ def test_a_wrong_combination_is_refused_at_start_with_one_line_and_exit_2(
     assert done.returncode == 2
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and words in lines[0], done.stderr
+
+
+def test_slot_run_is_one_run_of_consecutive_slots_only() -> None:
+    from sglang_admin.disaggregation.transfer import slot_run
+
+    assert slot_run([3, 4, 5]) == slice(3, 6)
+    assert slot_run([7]) == slice(7, 8)
+    for slots in ([], [3, 5, 4], [3, 4, 4, 6], [5, 4], [-1, 0, 1], [2, 4, 6]):
+        assert slot_run(slots) is None, slots

@@ -66,8 +66,10 @@ def test_the_loop_keeps_running_while_a_trace_is_written(big_profile: Any, tmp_p
     assert error is None
     events = json.loads(path.read_text())["traceEvents"]
     assert sum(e.get("name") == "aten::softmax" for e in events) == 4000
-    # One tick per ~1 ms nap: the other thread ran through most of the export.
-    assert ticks >= 0.2 * took * 1000 and ticks >= 20, (ticks, took)
+    # One tick per ~1 ms nap when this thread runs: an export that held the GIL throughout
+    # leaves it 1 or 2 ticks; a loaded machine's scheduler alone takes it down to ~20% of one
+    # a millisecond, never to 5%.
+    assert ticks >= 0.05 * took * 1000 and ticks >= 20, (ticks, took)
 
 
 def test_gzip_by_suffix(big_profile: Any, tmp_path: Path) -> None:

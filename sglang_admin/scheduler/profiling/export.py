@@ -120,6 +120,17 @@ class TraceExporter:
 
         return self.pool.submit(job)
 
+    def hold(self) -> None:
+        """Count work done elsewhere for a finished profile (another node's traces still on
+        their way) as pending: the rank reports ``exporting`` until :meth:`release`."""
+        with self.lock:
+            self.pending_jobs += 1
+
+    def release(self) -> None:
+        """The end of what :meth:`hold` counted."""
+        with self.lock:
+            self.pending_jobs -= 1
+
     def failed(self, run: ProfileRun) -> bool:
         with self.lock:
             return bool(run.errors)

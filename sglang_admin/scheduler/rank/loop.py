@@ -33,6 +33,7 @@ from sglang_admin.scheduler.ops.registry import op_name
 from sglang_admin.scheduler.profiling.step_timing import StepTimer
 from sglang_admin.scheduler.rank.model_step import batch_inputs, forward
 from sglang_admin.scheduler.reasoning import think_end_id
+from sglang_admin.scheduler.tp.profile import remote_trace_shipment
 from sglang_admin.tracing import child_span, trace_id_of
 
 if TYPE_CHECKING:
@@ -92,7 +93,7 @@ class Rank:
         from sglang_admin.disaggregation.rank import attach_pd
 
         self.pd = attach_pd(args, rank, self.runner, self.scheduler,  # None: not PD
-                            lambda: self.model_info.weight_version)
+                            lambda: self.model_info.weight_version, self.tensor_parallel)
         self.profiler = Profiler(rank, str(self.runner.device), args.profile_max_steps)
         self.quiesce = Quiesce(self.scheduler)
         self.handlers = handlers
@@ -348,6 +349,10 @@ class Rank:
             finished_profile.add_done_callback(
                 lambda fut: logger.info("profile finished by itself: %s", fut.result())
             )
+            shipment = remote_trace_shipment(self.runner, finished_profile,
+                                             self.profiler.export)
+            if shipment is not None:  # --nnodes > 1
+                self.deferred.append((None, shipment))
 
     def send_outputs(self, outputs: list[ReqOutput]) -> None:
         """One message for every request update of a step; log finishes when asked."""
@@ -417,7 +422,8 @@ class Rank:
                 ok, text, result = fut.result()
             except Exception as exc:  # noqa: BLE001 - a worker thread's failure, reported
                 ok, text, result = False, f"{type(exc).__name__}: {exc}", None
-            self.reply(msg, ok, text, result)
+            if msg is not None:
+                self.reply(msg, ok, text, result)
         self.deferred = still
 
 

@@ -7,6 +7,10 @@ steps as rank 0's profiler (each step rank 0 broadcasts, counted once however of
 is resent, with the stage its batch has), so start_step, num_steps, the per-stage sessions and the step cap end on the same step
 everywhere. StopProfile answers once rank 0's files are written and every follower has
 handed over its own (the follower's export runs on its export thread, as rank 0's does).
+Across nodes (--nnodes > 1) a follower on another node sends its traces to node 0 with
+that answer; a profile that ends by itself (num_steps, the step cap) has no StopProfile,
+so once rank 0's own traces are written its loop asks those followers for theirs
+(:func:`remote_trace_shipment`), and reports ``exporting`` until they are beside its own.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 PROFILE_START, PROFILE_STOP, PROFILE_COLLECT = "profile-start", "profile-stop", "profile-collect"
-PROFILE_COMMANDS = frozenset({PROFILE_START, PROFILE_STOP, PROFILE_COLLECT})
+PROFILE_SHIP = "profile-ship"  # a profile ended by itself: the remote traces, to node 0
+PROFILE_COMMANDS = frozenset({PROFILE_START, PROFILE_STOP, PROFILE_COLLECT, PROFILE_SHIP})
 EXPORT_WAIT_S = 600.0  # a follower's traces are written by then, or the stop reports it
 SHIP_MAX_BYTES = 512 << 20  # a remote follower's traces sent to node 0, at most this much
 _TRACE_NAME = re.compile(r"^[\w.+-]+\.trace\.json\.gz$")
@@ -124,6 +129,73 @@ def _read_traces(files: list[str]) -> dict[str, bytes] | str:
     return out
 
 
+class _ShipAfterAutoStop(Future):
+    """Rank 0's profile ended by itself: once its own traces are written (``own``, the
+    Future of their paths), the followers on other nodes send theirs, written beside them.
+    Read on the rank loop's thread (``answer_deferred``), where the followers are asked;
+    the exporter counts it as pending until then."""
+
+    def __init__(self, own: Future, followers: Followers, exporter: Any) -> None:
+        super().__init__()
+        self._followers = followers
+        self._exporter = exporter
+        self._answer: tuple[bool, str, Any] | None = None
+        exporter.hold()
+        own.add_done_callback(self._settle)
+
+    def _settle(self, own: Future) -> None:
+        try:
+            self.set_result(list(own.result()))
+        except BaseException as exc:  # noqa: BLE001 - its own log says why; nothing to put
+            self.set_result(exc)      # the remote traces beside
+
+    def result(self, timeout: float | None = None) -> tuple[bool, str, Any]:
+        if self._answer is None:
+            try:
+                self._answer = self._ship(super().result(timeout))
+            finally:
+                self._exporter.release()
+        return self._answer
+
+    def _ship(self, own: list[str] | BaseException) -> tuple[bool, str, Any]:
+        self._followers.send(PROFILE_SHIP)
+        theirs = self._followers.gather(None)[1:]
+        here = os.path.dirname(own[0]) if isinstance(own, list) and own else ""
+        problems, stored = [], 0
+        for tp_rank, answer in enumerate(theirs, start=1):
+            if isinstance(answer, dict):
+                problem = (_store_shipped(here, answer) if here else
+                           "TP rank 0 wrote no trace of this profile to put its traces beside")
+                stored += 0 if problem else len(answer)
+            else:
+                problem = answer  # None: on node 0, its traces are there already
+            if problem:
+                problems.append(f"{self._followers.tp.name(tp_rank)}: {problem}")
+        text = f"{stored} trace(s) of other nodes written to {here or '(nowhere)'}"
+        if problems:
+            text += f"; not all: {'; '.join(problems)}"
+            logger.warning("profile finished by itself: %s", text)
+        else:
+            logger.info("profile finished by itself: %s", text)
+        return not problems, text, None
+
+
+def remote_trace_shipment(runner: Any, finished: Future, exporter: Any) -> Future | None:
+    """TP rank 0's profile ended by itself (``finished``: the Future of its trace paths):
+    when followers run on other nodes, the Future that brings their traces beside rank 0's
+    once those are written, for the loop's deferred list (nothing to answer: the outcome is
+    logged); None when every TP rank is on this node."""
+    from sglang_admin.scheduler.tp.weights import followers_of
+
+    followers = followers_of(runner)
+    if followers is None:
+        return None
+    tp = followers.tp
+    if tp.ranks_per_node and tp.size > tp.ranks_per_node:
+        return _ShipAfterAutoStop(finished, followers, exporter)
+    return None
+
+
 def stop_on_followers(followers: Followers, own: Future) -> Future:
     """The followers stop too; the Future of the replica's (ok, text, every TP rank's files)."""
     followers.send(PROFILE_STOP)
@@ -139,6 +211,8 @@ class FollowerProfiler:
         self.profiler = profiler
         self.ship = ship
         self.stopping: Future | None = None  # the last StopProfile's files
+        # the paths of each profile that ended by itself, oldest first, until node 0 asks
+        self.finished: list[Future] = []
 
     def handle(self, command: tuple, gather: Any) -> None:
         """One of :data:`PROFILE_COMMANDS`; ``gather`` hands this rank's answer to rank 0."""
@@ -156,6 +230,23 @@ class FollowerProfiler:
                 else:
                     answer = (*answer, traces)
             gather(answer)
+        elif kind == PROFILE_SHIP:
+            gather(self._finished_traces())
+
+    def _finished_traces(self) -> dict[str, bytes] | str | None:
+        """For :data:`PROFILE_SHIP`: this remote rank's traces of the profile that ended by
+        itself, or why not; None on node 0 (nothing to send)."""
+        if not self.ship:
+            return None
+        if not self.finished:
+            return "its profile did not end by itself on the step rank 0's did"
+        fut = self.finished.pop(0)
+        try:
+            return _read_traces(list(fut.result(EXPORT_WAIT_S)))
+        except FutureTimeout:
+            return f"its traces were not written within {EXPORT_WAIT_S:.0f}s"
+        except Exception as exc:  # noqa: BLE001 - reported to TP rank 0, which logs it
+            return f"{type(exc).__name__}: {exc}"
 
     def _stopped(self) -> tuple[bool, str, ProfileStopResult | None]:
         fut, self.stopping = self.stopping, None
@@ -176,3 +267,5 @@ class FollowerProfiler:
         if finished is not None:
             finished.add_done_callback(
                 lambda fut: logger.info("profile finished by itself: %s", fut.result()))
+            if self.ship:  # node 0 asks for its traces (PROFILE_SHIP)
+                self.finished.append(finished)

@@ -24,6 +24,8 @@ import torch
 import zmq
 
 from sglang_admin.config import ServerArgs
+from sglang_admin.disaggregation.rank import follower_shards
+from sglang_admin.disaggregation.tp_shards import PD_COMMANDS
 from sglang_admin.logging_utils import setup_logging
 from sglang_admin.model.device import resolve_device, use_device
 from sglang_admin.model.lora import AdapterWeights, LoraBuffers
@@ -188,18 +190,22 @@ def build_runner(args: ServerArgs, dp_rank: int, tp_rank: int,
     )
 
 
-def follow(runner: ModelRunner, tp: TensorParallel, profiler: Profiler) -> None:
-    """Run rank 0's commands until it says stop."""
+def follow(runner: ModelRunner, tp: TensorParallel, profiler: Profiler,
+           shards: Any = None) -> None:
+    """Run rank 0's commands until it says stop (``shards``: this rank's PD transfer
+    backend, disaggregation/tp_shards.py; None without --disaggregation-mode)."""
     weights = FollowerWeights(runner, tp)
     try:
         remote = bool(tp.ranks_per_node) and tp.rank >= tp.ranks_per_node  # not on node 0
-        _follow(runner, tp, weights, FollowerProfiler(profiler, ship=remote))
+        _follow(runner, tp, weights, FollowerProfiler(profiler, ship=remote), shards)
     finally:
         weights.close()
+        if shards is not None:
+            shards.close()
 
 
 def _follow(runner: ModelRunner, tp: TensorParallel, weights: FollowerWeights,
-            profiler: FollowerProfiler) -> None:
+            profiler: FollowerProfiler, shards: Any) -> None:
     resent = False  # the last step raised InvalidSequence: rank 0 resends it, less that one
     stage = "prefill"
     while True:
@@ -209,6 +215,8 @@ def _follow(runner: ModelRunner, tp: TensorParallel, weights: FollowerWeights,
             weights.handle(command)
         elif kind in PROFILE_COMMANDS:
             profiler.handle(command, tp.gather)
+        elif kind in PD_COMMANDS:  # only a PD leader sends them: shards is set
+            shards.handle(command, tp.gather)
         elif kind == STEP:
             if not resent:  # rank 0's profiler counts the step once, at its first try
                 stage = step_stage(command[1])
@@ -254,11 +262,12 @@ def run_follower(args: ServerArgs, dp_rank: int, tp_rank: int, parent_pid: int) 
         tp = join_replica(args, dp_rank, tp_rank)
         runner = build_runner(args, dp_rank, tp_rank, tp)
         late_imports.import_before_ready(args.watchdog_probe_timeout_s, grammar=False)
+        shards = follower_shards(args, tp_rank, runner)
         tp.barrier()
         logger.info("TP rank %d of replica %d ready on %s", tp_rank, dp_rank, runner.device)
         late_imports.start_in_background(grammar=False)  # what its profiler needs
         follow(runner, tp, Profiler(dp_rank, str(runner.device), args.profile_max_steps,
-                                    tp_rank=tp_rank))
+                                    tp_rank=tp_rank), shards)
     except Exception as exc:  # noqa: BLE001 - the server sees the exit and goes down
         logger.error("TP rank %d of replica %d failed: %s: %s", tp_rank, dp_rank,
                      type(exc).__name__, exc)
