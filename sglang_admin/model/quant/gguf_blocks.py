@@ -1,15 +1,19 @@
 """GGUF quantized blocks turned into what torch's CPU matmul kernels take, in numpy.
 
-Three outcomes per tensor type (:func:`plan_for`):
+Four outcomes per tensor type (:func:`plan_for`):
 
 - **int4 in groups of 32** (``INT4_TYPES``: Q4_0, Q4_1, Q4_K) kept exactly as stored: 4-bit
   values 0..15 and, per 32 inputs, a scale and a zero with ``w = (q - 8) * scale + zero``
   (Q4_0: ``d * (q - 8)``; Q4_1: ``d * q + m``; Q4_K: ``d * sc * q - dmin * m`` per
   sub-block of 32); the scales and zeros are rounded to the served dtype by the kernel's
   layout (bfloat16: 8 bits of mantissa).
-- **int8 per output row** (``INT8_TYPES``: Q8_0, Q6_K) requantized: the stored blocks are
-  dequantized and each row quantized again symmetrically with one scale (what
-  ``_weight_int8pack_mm`` takes); a rounding of its own, measured in docs/gguf.md.
+- **int8 in blocks of 32** (``INT8_BLOCK_TYPES``: Q8_0) kept exactly as stored: int8
+  values and one scale per 32 inputs, ``w = q * d`` (:class:`Int8Blocks`); served as two
+  4-bit halves of each value (:func:`nibble_halves`) through the int4 kernel.
+- **int8 per output row** (``INT8_TYPES``: Q6_K, whose scales are per 16 inputs, a group
+  the int4 kernel does not take) requantized: the stored blocks are dequantized and each
+  row quantized again symmetrically with one scale (what ``_weight_int8pack_mm`` takes); a
+  rounding of its own, measured in docs/gguf.md.
 - **dense** (every other type: F32, F16, BF16, Q5_*, Q2_K, Q3_K, Q5_K, the IQ types ...):
   dequantized to the served dtype, as the dequantizing load does.
 """
@@ -22,7 +26,8 @@ import numpy as np
 
 GROUP = 32
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
-INT8_TYPES = ("Q8_0", "Q6_K")
+INT8_BLOCK_TYPES = ("Q8_0",)
+INT8_TYPES = ("Q6_K",)
 
 
 @dataclass
@@ -51,10 +56,26 @@ class Int8Rows:
         return Int8Rows(self.q[order], self.scale[order])
 
 
+@dataclass
+class Int8Blocks:
+    """A [N, K] weight as int8 values and one scale per 32 inputs: ``w = q * scale``
+    (GGUF's Q8_0 as stored)."""
+
+    q: np.ndarray  # int8 [N, K]
+    scale: np.ndarray  # float32 [N, K / 32]
+
+    def take_rows(self, order: np.ndarray) -> Int8Blocks:
+        """The same weight with its rows reordered."""
+        return Int8Blocks(self.q[order], self.scale[order])
+
+
 def plan_for(type_name: str) -> str:
-    """"int4", "int8" or "dense": how a tensor of GGML type ``type_name`` is served."""
+    """"int4", "int8x32" (int8 blocks of 32), "int8" (per row) or "dense": how a tensor of
+    GGML type ``type_name`` is served."""
     if type_name in INT4_TYPES:
         return "int4"
+    if type_name in INT8_BLOCK_TYPES:
+        return "int8x32"
     if type_name in INT8_TYPES:
         return "int8"
     return "dense"
@@ -104,6 +125,35 @@ def int4_groups(raw: np.ndarray, type_name: str, n: int, k: int) -> Int4Groups:
         raise ValueError(f"{type_name} is not a 4-bit type kept as int4")
     return Int4Groups(q.reshape(n, k), scale.reshape(n, k // GROUP).astype(np.float32),
                       zero.reshape(n, k // GROUP).astype(np.float32))
+
+
+def int8_blocks(raw: np.ndarray, n: int, k: int) -> Int8Blocks:
+    """Q8_0 bytes of a [n, k] tensor (per block an fp16 scale and 32 int8 values) as
+    :class:`Int8Blocks`."""
+    blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(-1, 34)
+    d = blocks[:, :2].copy().view(np.float16).astype(np.float32)  # [B, 1]
+    q = blocks[:, 2:].copy().view(np.int8)
+    return Int8Blocks(q.reshape(n, k), d.reshape(n, k // GROUP))
+
+
+def nibble_halves(w: Int8Blocks) -> Int4Groups:
+    """The same weight as 4-bit groups over twice the inputs, for the int4 kernel on the
+    input repeated twice ``[x, x]``: with ``u = q + 128 = 16 h + l`` (h, l in 0..15),
+    ``q * d = (h - 8) * 16 d + (l - 8) * d + 8 d``: the high nibbles (scale 16 d, zero 0)
+    in the first K inputs, the low ones (scale d, zero 8 d) in the next K. Exact."""
+    u = w.q.astype(np.int16) + 128
+    high, low = (u >> 4).astype(np.uint8), (u & 0x0F).astype(np.uint8)
+    s = w.scale.astype(np.float32)
+    return Int4Groups(np.concatenate([high, low], axis=1),
+                      np.concatenate([16 * s, s], axis=1),
+                      np.concatenate([np.zeros_like(s), 8 * s], axis=1))
+
+
+def dequantize_int8_blocks(w: Int8Blocks) -> np.ndarray:
+    """float32 [N, K] of an :class:`Int8Blocks` weight."""
+    n, k = w.q.shape
+    return (w.q.reshape(n, k // GROUP, GROUP).astype(np.float32)
+            * w.scale[..., None]).reshape(n, k)
 
 
 def int8_rows(values: np.ndarray) -> Int8Rows:

@@ -23,20 +23,23 @@ from sglang_admin.model.gguf import _PERMUTED_QK, GgufError, hf_name, open_gguf,
 from sglang_admin.model.quant.flags import gguf_source
 from sglang_admin.model.quant.gguf_blocks import (
     Int4Groups,
+    Int8Blocks,
     Int8Rows,
     int4_groups,
+    int8_blocks,
     int8_rows,
     plan_for,
 )
 from sglang_admin.model.quant.linear import ConcatLinear, Projection, QuantLinear, QuantStore
 
 QUANTIZATION_GGUF = "gguf"
+Kept = Int4Groups | Int8Blocks | Int8Rows | np.ndarray  # one tensor as read
 __all__ = ["QUANTIZATION_GGUF", "attach_gguf", "finish_tied_head", "gguf_source"]
 _PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def _read(g: Any, tensor: Any, target: str, heads: int, kv_heads: int
-          ) -> Int4Groups | Int8Rows | np.ndarray:
+          ) -> Kept:
     """One tensor as its plan wants it, q/k rows unpermuted like the conversion does."""
     from gguf import GGMLQuantizationType, quants
 
@@ -45,8 +48,9 @@ def _read(g: Any, tensor: Any, target: str, heads: int, kv_heads: int
     plan = plan_for(type_name)
     try:
         if plan == "int4":
-            value: Int4Groups | Int8Rows | np.ndarray = int4_groups(
-                np.asarray(tensor.data), type_name, n, k)
+            value: Kept = int4_groups(np.asarray(tensor.data), type_name, n, k)
+        elif plan == "int8x32":
+            value = int8_blocks(np.asarray(tensor.data), n, k)
         else:
             dense = np.asarray(quants.dequantize(np.asarray(tensor.data), tensor.tensor_type),
                                dtype=np.float32).reshape(n, k)
@@ -60,9 +64,10 @@ def _read(g: Any, tensor: Any, target: str, heads: int, kv_heads: int
     return value
 
 
-def _fuse(parts: list[Int4Groups | Int8Rows | np.ndarray], dtype: torch.dtype,
-          dense_copy: bool) -> Projection | None:
-    """One projection for row-concatenated parts; None when none of them is quantized."""
+def _fuse(parts: list[Kept], dtype: torch.dtype, dense_copy: bool,
+          keep_rows: bool = False) -> Projection | None:
+    """One projection for row-concatenated parts; None when none of them is quantized
+    (``keep_rows``: an LM head's, see QuantLinear)."""
     if all(isinstance(p, np.ndarray) for p in parts):
         return None
     if all(isinstance(p, Int4Groups) for p in parts) and len({p.group for p in parts}) == 1:
@@ -70,7 +75,11 @@ def _fuse(parts: list[Int4Groups | Int8Rows | np.ndarray], dtype: torch.dtype,
                                       np.concatenate([p.scale for p in parts]),
                                       np.concatenate([p.zero for p in parts]),
                                       parts[0].group),
-                           dtype, dense_copy)
+                           dtype, dense_copy, keep_rows)
+    if all(isinstance(p, Int8Blocks) for p in parts):
+        return QuantLinear(Int8Blocks(np.concatenate([p.q for p in parts]),
+                                      np.concatenate([p.scale for p in parts])),
+                           dtype, dense_copy, keep_rows)
     if all(isinstance(p, Int8Rows) for p in parts):
         return QuantLinear(Int8Rows(np.concatenate([p.q for p in parts]),
                                     np.concatenate([p.scale for p in parts])),
@@ -104,7 +113,7 @@ def attach_gguf(model: Any, gguf_file: str, dtype: torch.dtype, *,
     g = open_gguf(gguf_file)
     heads = int(g.arch_key("attention.head_count"))
     kv_heads = int(g.arch_key("attention.head_count_kv", heads))
-    values: dict[str, Int4Groups | Int8Rows | np.ndarray] = {}
+    values: dict[str, Kept] = {}
     types: Counter[str] = Counter()
     from gguf import GGMLQuantizationType
 
@@ -138,7 +147,7 @@ def attach_gguf(model: Any, gguf_file: str, dtype: torch.dtype, *,
                 install(store, owner, fused_attr, modules, names, projection, dtype)
                 loaded.update(names)
         if "lm_head.weight" in values and not model.config.tie_word_embeddings:
-            projection = _fuse([values["lm_head.weight"]], dtype, dense_copy)
+            projection = _fuse([values["lm_head.weight"]], dtype, dense_copy, keep_rows=True)
             if projection is not None:
                 install(store, model, None, [model.lm_head], ["lm_head.weight"],
                          projection, dtype)
@@ -146,14 +155,17 @@ def attach_gguf(model: Any, gguf_file: str, dtype: torch.dtype, *,
         embed = values.get("model.embed_tokens.weight")
         if embed is not None and not isinstance(embed, np.ndarray):
             # tied: the embedding stays dense for lookups, the LM head reads it quantized
-            head = QuantLinear(embed, dtype, dense_copy=False)
+            head = QuantLinear(embed, dtype, dense_copy=False, keep_rows=True)
             store.add(model.model.embed_tokens.weight, head)
             store.tied_head = head
     kept = ", ".join(f"{n} x{c}" for n, c in sorted(types.items()))
+    if dtype == torch.float32:
+        kept += " (float32 activations: every step through the dense copy, see linear.py)"
     store.summary = (f"GGUF weights kept quantized ({os.path.basename(gguf_file)}): {kept}; "
-                     "int4: torch's _weight_int4pack_mm_for_cpu (groups of 32), int8: "
-                     "_weight_int8pack_mm (per row, requantized); norms and the embedding "
-                     "lookup dense")
+                     "int4: torch's _weight_int4pack_mm_for_cpu (groups of 32), int8x32: "
+                     "the same kernel on two 4-bit halves (the blocks' scales as stored), "
+                     "int8: _weight_int8pack_mm (per row, requantized); norms and the "
+                     "embedding lookup dense")
     return store, loaded
 
 

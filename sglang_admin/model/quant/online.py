@@ -17,14 +17,16 @@ from sglang_admin.model.quant.linear import QuantLinear, QuantStore
 TORCHAO_CONFIGS = ("int8wo", "int4wo-32", "int4wo-64", "int4wo-128", "int4wo-256")
 
 
-def _quantized(weight: torch.Tensor, scheme: str, dtype: torch.dtype) -> QuantLinear | None:
+def _quantized(weight: torch.Tensor, scheme: str, dtype: torch.dtype,
+               keep_rows: bool = False) -> QuantLinear | None:
     values = weight.detach().float().numpy()
     if scheme == "int8wo":
         return QuantLinear(int8_rows(values), dtype)
     group = int(scheme.split("-")[1])
     if values.shape[1] % group:
         return None  # stays dense: its inputs are not whole groups
-    return QuantLinear(int4_quantize(values, group), dtype)
+    # keep_rows (the LM head): its top logits refined in float32 (linear.refined_logits)
+    return QuantLinear(int4_quantize(values, group), dtype, keep_rows=keep_rows)
 
 
 def quantize_loaded(model: Any, scheme: str, dtype: torch.dtype) -> QuantStore:
@@ -47,7 +49,7 @@ def quantize_loaded(model: Any, scheme: str, dtype: torch.dtype) -> QuantStore:
                 install(store, owner, fused_attr, modules, [f"{pre}{n}.weight" for n in names],
                         projection, dtype)
                 kept += 1
-        head = _quantized(model.output_weight(), scheme, dtype)
+        head = _quantized(model.output_weight(), scheme, dtype, keep_rows=True)
         if head is None:
             dense += 1
         elif model.config.tie_word_embeddings:

@@ -1,6 +1,8 @@
 """Write a GGUF file whose projections are re-quantized to another type (Q8_0, Q4_0, ...)
 from a source file's dequantized values, the rest copied as is: test and quality inputs
-of each kept type, made with the ``gguf`` package's writer and quantizers."""
+of each kept type, made with the ``gguf`` package's writer and quantizers (Q4_K, Q6_K:
+model/quant/kquants.py; a tensor whose inputs are not whole 256-blocks takes
+``K_FALLBACK``'s type instead, as llama.cpp does on such shapes)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,22 @@ import numpy as np
 
 _PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
                 "output", "token_embd")
+K_FALLBACK = {"Q4_K": "Q4_1", "Q6_K": "Q8_0"}
+
+
+def _quantize(values: np.ndarray, type_name: str) -> tuple[np.ndarray, str]:
+    """(the bytes, the type written) of float [N, K] ``values`` as ``type_name``."""
+    from gguf import GGMLQuantizationType, quants
+
+    from sglang_admin.model.quant.kquants import SUPER, quantize_q4_k, quantize_q6_k
+
+    if type_name in K_FALLBACK:
+        if values.shape[1] % SUPER:
+            type_name = K_FALLBACK[type_name]
+        else:
+            kq = quantize_q4_k if type_name == "Q4_K" else quantize_q6_k
+            return kq(values), type_name
+    return quants.quantize(values, GGMLQuantizationType[type_name]), type_name
 
 
 def requantize_gguf(source: str, target: str, type_name: str) -> None:
@@ -16,7 +34,6 @@ def requantize_gguf(source: str, target: str, type_name: str) -> None:
     import gguf
     from gguf import quants
 
-    qtype = gguf.GGMLQuantizationType[type_name]
     reader = gguf.GGUFReader(source, "r")
     arch = reader.fields["general.architecture"].contents()
     writer = gguf.GGUFWriter(target, arch)
@@ -32,8 +49,9 @@ def requantize_gguf(source: str, target: str, type_name: str) -> None:
             shape = [int(d) for d in reversed(tensor.shape.tolist())]
             values = np.asarray(quants.dequantize(data, tensor.tensor_type),
                                 dtype=np.float32).reshape(shape)
-            packed = quants.quantize(values, qtype)
-            writer.add_tensor(tensor.name, packed, raw_shape=packed.shape, raw_dtype=qtype)
+            packed, written = _quantize(values, type_name)
+            writer.add_tensor(tensor.name, packed, raw_shape=packed.shape,
+                              raw_dtype=gguf.GGMLQuantizationType[written])
         else:
             writer.add_tensor(tensor.name, data, raw_shape=data.shape,
                               raw_dtype=gguf.GGMLQuantizationType(int(tensor.tensor_type)))
