@@ -275,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--server-arg", action="append", default=[])
     ap.add_argument("--llama-python", default=sys.executable,
                     help="a Python that imports llama_cpp (e.g. a venv of its own)")
+    ap.add_argument("--vllm-python", default=sys.executable,
+                    help="a Python that imports vllm (vLLM-CPU wants a venv of its own)")
     ap.add_argument("--llama-extra-bufts", action="store_true",
                     help="llama.cpp's AMX / repacked weight buffers (off: its AMX matmul "
                     "crashed on this VM)")
@@ -303,12 +305,13 @@ def main(argv: list[str] | None = None) -> int:
         engines.pop("llama.cpp")
     else:
         print(f"llama.cpp: llama-cpp-python {probe.stdout.strip()} ({ns.llama_python})")
-    try:
-        import vllm  # noqa: F401
-
+    probe = subprocess.run([ns.vllm_python, "-c", "import vllm; print(vllm.__version__)"],
+                           capture_output=True, text=True)
+    if probe.returncode == 0:
         engines["vllm"] = []
-    except ImportError:
-        print("vLLM-CPU: not installed, skipped")
+        print(f"vLLM-CPU: vllm {probe.stdout.strip().splitlines()[-1]} ({ns.vllm_python})")
+    else:
+        print(f"vLLM-CPU: {ns.vllm_python} does not import vllm, skipped")
     from sglang_admin.client.testing import start_server
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-peers-"))
@@ -322,7 +325,8 @@ def main(argv: list[str] | None = None) -> int:
                                                    str(int(ns.llama_extra_bufts)),
                                                    python=ns.llama_python))
             if "vllm" in engines:
-                engines["vllm"].append(_child("vllm", path, str(ns.threads), str(vocab)))
+                engines["vllm"].append(_child("vllm", path, str(ns.threads), str(vocab),
+                                              python=ns.vllm_python))
             print(f"round {r + 1}: " + "; ".join(
                 f"{name} " + ", ".join(f"{k} {v:.1f}" for k, v in runs[-1].items())
                 for name, runs in engines.items()), flush=True)

@@ -11,7 +11,11 @@ starts tracing, a grammar compile (in the compile pool) before it touches xgramm
 The thread starts :data:`DELAY_S` after READY, or at once when one of those two asks
 first. A worker that lives less than that and never profiles nor constrains (most of a
 test suite's, a short benchmark's) never pays for them; one that does pays the same ~2 s of
-CPU, off its loop, once.
+CPU, off its loop, once. The delay is short: a constrained request or a profile that comes
+later finds them done, as they found them when the thread started at READY (the first
+grammar would otherwise wait ~2 s, past a PD router's 3 s limit for a silent prefill leg
+on a loaded machine, and a profile's start would hold the loop, past a health probe's 3 s).
+A TP follower starts it at READY (it is driven by rank 0: its loop must not wait).
 
 Why not simply import them where they are used: on the rank's loop the import takes
 seconds where the loop must answer (HealthCheck wants every rank within 3 s), and inside
@@ -45,7 +49,7 @@ GRAMMAR_MODULES = ("xgrammar",)
 # a shorter --watchdog-probe-timeout than this: the imports run before READY
 MIN_PROBE_TIMEOUT_S = 5.0
 # seconds from READY to the thread's start, unless the profiler or a compile asks first
-DELAY_S = 30.0
+DELAY_S = 10.0
 
 _done = threading.Event()
 _lock = threading.Lock()
@@ -85,9 +89,10 @@ def import_before_ready(probe_timeout_s: float, grammar: bool = True) -> None:
     _run(PROFILER_MODULES + (GRAMMAR_MODULES if grammar else ()))
 
 
-def start_in_background(grammar: bool = True) -> None:
+def start_in_background(grammar: bool = True, delay_s: float | None = None) -> None:
     """Start the imports in a daemon thread :data:`DELAY_S` from now, or when
-    :func:`wait_until_imported` asks first (once per process; later calls do nothing).
+    :func:`wait_until_imported` asks first (once per process; later calls do nothing);
+    ``delay_s``: another delay (0: now).
     ``grammar=False``: a process that never compiles a grammar (a TP follower) imports
     only what the profiler needs."""
     global _started, _thread, _timer
@@ -98,7 +103,7 @@ def start_in_background(grammar: bool = True) -> None:
         names = PROFILER_MODULES + (GRAMMAR_MODULES if grammar else ())
         _thread = threading.Thread(target=_run, args=(names,), name="late-imports",
                                    daemon=True)
-        _timer = threading.Timer(DELAY_S, _start_thread)
+        _timer = threading.Timer(DELAY_S if delay_s is None else delay_s, _start_thread)
         _timer.daemon = True
         _timer.start()
 

@@ -265,7 +265,8 @@ def run_follower(args: ServerArgs, dp_rank: int, tp_rank: int, parent_pid: int) 
         shards = follower_shards(args, tp_rank, runner)
         tp.barrier()
         logger.info("TP rank %d of replica %d ready on %s", tp_rank, dp_rank, runner.device)
-        late_imports.start_in_background(grammar=False)  # what its profiler needs
+        # what its profiler needs, at once: rank 0 waits for its answer to a StartProfile
+        late_imports.start_in_background(grammar=False, delay_s=0)
         follow(runner, tp, Profiler(dp_rank, str(runner.device), args.profile_max_steps,
                                     tp_rank=tp_rank), shards)
     except Exception as exc:  # noqa: BLE001 - the server sees the exit and goes down
