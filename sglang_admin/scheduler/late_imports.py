@@ -15,7 +15,8 @@ CPU, off its loop, once. The delay is short: a constrained request or a profile 
 later finds them done, as they found them when the thread started at READY (the first
 grammar would otherwise wait ~2 s, past a PD router's 3 s limit for a silent prefill leg
 on a loaded machine, and a profile's start would hold the loop, past a health probe's 3 s).
-A TP follower starts it at READY (it is driven by rank 0: its loop must not wait).
+A TP follower starts it at READY (it is driven by rank 0: its loop must not wait), and so
+does a PD leg (the router gives up on a leg that stays silent for 3 s).
 
 Why not simply import them where they are used: on the rank's loop the import takes
 seconds where the loop must answer (HealthCheck wants every rank within 3 s), and inside
