@@ -11,12 +11,12 @@ starts tracing, a grammar compile (in the compile pool) before it touches xgramm
 The thread starts :data:`DELAY_S` after READY, or at once when one of those two asks
 first. A worker that lives less than that and never profiles nor constrains (most of a
 test suite's, a short benchmark's) never pays for them; one that does pays the same ~2 s of
-CPU, off its loop, once. The delay is short: a constrained request or a profile that comes
-later finds them done, as they found them when the thread started at READY (the first
-grammar would otherwise wait ~2 s, past a PD router's 3 s limit for a silent prefill leg
-on a loaded machine, and a profile's start would hold the loop, past a health probe's 3 s).
-A TP follower starts it at READY (it is driven by rank 0: its loop must not wait), and so
-does a PD leg (the router gives up on a leg that stays silent for 3 s).
+CPU, off its loop, once. A StartProfile that comes first is answered once they are done,
+the loop serving meanwhile (scheduler/profiling/control.py); the first constrained request
+waits ~2 s for them in its compile thread. A TP follower starts them at READY (it is driven
+by rank 0: its loop must not wait), and so does a PD leg (a router gives up on a prefill
+leg that stays silent for 3 s, which a first grammar waiting for them was on a loaded
+machine).
 
 Why not simply import them where they are used: on the rank's loop the import takes
 seconds where the loop must answer (HealthCheck wants every rank within 3 s), and inside
@@ -50,7 +50,7 @@ GRAMMAR_MODULES = ("xgrammar",)
 # a shorter --watchdog-probe-timeout than this: the imports run before READY
 MIN_PROBE_TIMEOUT_S = 5.0
 # seconds from READY to the thread's start, unless the profiler or a compile asks first
-DELAY_S = 10.0
+DELAY_S = 30.0
 
 _done = threading.Event()
 _lock = threading.Lock()
@@ -107,6 +107,17 @@ def start_in_background(grammar: bool = True, delay_s: float | None = None) -> N
         _timer = threading.Timer(DELAY_S if delay_s is None else delay_s, _start_thread)
         _timer.daemon = True
         _timer.start()
+
+
+def pending() -> bool:
+    """The imports are scheduled in this process and not done yet."""
+    return _thread is not None and not _done.is_set()
+
+
+def start_now() -> None:
+    """Start the scheduled imports now without waiting for them (a profile's start, which
+    then waits off the loop for :func:`imported`)."""
+    _start_thread()
 
 
 def _start_thread() -> None:

@@ -267,3 +267,26 @@ def test_a_profile_left_running_stops_at_its_step_cap(tmp_path: Path) -> None:
         assert stub.StopProfile(pb.StopProfileRequest(), timeout=TIMEOUT).message == NOT_RUNNING
     finally:
         server.stop()
+
+
+def test_a_profile_started_before_the_late_imports_waits_off_the_loop(tmp_path: Path) -> None:
+    """Right after READY a rank has not imported what torch.profiler needs yet
+    (scheduler/late_imports.py): StartProfile is answered once it has, and meanwhile the
+    loop serves (a request sent after it is answered before it) and health stays good."""
+    srv = start_server(tmp_path, "--model-path", "toy", "--profile-dir", str(tmp_path))
+    try:
+        stub = srv.stub()
+        start = stub.StartProfile.future(
+            pb.StartProfileRequest(output_dir="early", activities=["CPU"]), timeout=120)
+        time.sleep(0.2)  # the StartProfile reached the rank first
+        assert not start.done()
+        run_generate(stub, greedy([5, 6, 7], 4), timeout=60)
+        assert not start.done()  # the loop answered the request while the start waited
+        assert stub.HealthCheck(pb.HealthCheckRequest(), timeout=10).healthy
+        assert start.result().success, start.result().message
+        run_generate(stub, greedy([5, 6, 7], 4), timeout=60)
+        stopped = stub.StopProfile(pb.StopProfileRequest(), timeout=120)
+        assert stopped.success, stopped.message
+        assert list((tmp_path / "early").rglob("*.trace.json.gz"))
+    finally:
+        srv.stop()
