@@ -15,6 +15,7 @@ CHECKS = ("greedy", "logprobs", "sampling", "json", "lora", "refit", "memory", "
 
 
 @pytest.mark.slow
+@pytest.mark.long  # the device's one command run end to end, as the benchmarks' smoke runs
 def test_the_served_checks_pass_on_the_cpu() -> None:
     out = subprocess.run([sys.executable, "tools/gpu_check.py", "--device", "cpu"], cwd=ROOT,
                          capture_output=True, text=True, timeout=600)
