@@ -182,11 +182,25 @@ def test_dead_peer_fails_fast(own_peer: Peer, sender: MooncakeBackend) -> None:
     assert not res.ok and "kv transfer failed" in res.error
 
 
+def _wait_stopped(pid: int, timeout: float = 10.0) -> None:
+    """Until every thread of ``pid`` is stopped (state T): a loaded machine delivers the
+    SIGSTOP to a thread only when it next runs."""
+    deadline = time.monotonic() + timeout
+    while True:
+        states = [(Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()[0])
+                  for tid in os.listdir(f"/proc/{pid}/task")]
+        if all(state == "T" for state in states):
+            return
+        assert time.monotonic() < deadline, states
+        time.sleep(0.01)
+
+
 def test_stalled_peer_keeps_the_deadline(own_peer: Peer, sender: MooncakeBackend) -> None:
     """A stopped peer accepts the TCP connect and then says nothing: the handshake would
     wait a minute in the engine; send returns at its own deadline."""
     os.kill(own_peer.proc.pid, signal.SIGSTOP)
     try:
+        _wait_stopped(own_peer.proc.pid)  # every thread, the engine's too, before the send
         t = time.monotonic()
         res = sender.send(7, own_peer.descriptor, list(range(8)), list(range(8)), 1.5)
         took = time.monotonic() - t
