@@ -1,6 +1,6 @@
 """The life of a replica over several nodes (tests/integration/multinode_nodes.py): the
 join check (flags, settings that disagree, a node that never joins), three nodes at tp 3
-(SmolLM2 equal to tp 1), and the faults: node 1 killed mid-stream, node 0 killed, a stopped
+(SmolLM2's head counts, equal to transformers), and the faults: node 1 killed mid-stream, node 0 killed, a stopped
 rank on node 1, a stopped node; each with its time to fail and no process left.
 """
 
@@ -37,7 +37,12 @@ from tests.integration.test_faults import assert_gone
 # ------------------------------------------------------------------ the join check
 
 
-def test_wrong_flag_combinations_are_refused_in_one_line(tmp_path: Path) -> None:
+def test_wrong_flag_combinations_are_refused_in_one_line(tmp_path: Path, capsys,
+                                                         monkeypatch) -> None:
+    """The first case through the real command (its exit status 2 and one stderr line); the
+    others through the same entry point, ``sglang_admin.cli.main``, in this process (a
+    Python start each cost more than the check), where a case the flags let through would
+    reach ``serve`` and fail here."""
     cases = [
         (["--nnodes", "2"], "needs --dist-init-addr"),
         (["--nnodes", "2", "--node-rank", "2", "--dist-init-addr", "127.0.0.1:5000"],
@@ -53,13 +58,38 @@ def test_wrong_flag_combinations_are_refused_in_one_line(tmp_path: Path) -> None
           "--disaggregation-mode", "prefill"],
          "--disaggregation-mode prefill with --nnodes 2 is not supported"),
     ]
-    for args, text in cases:
-        out = subprocess.run([sys.executable, "-m", "sglang_admin", "serve", *args],
-                             capture_output=True, text=True, timeout=120, cwd=ROOT,
-                             env={**os.environ, "PYTHONPATH": str(ROOT)})
-        assert out.returncode == 2, (args, out.stderr)
-        lines = [line for line in out.stderr.splitlines() if line.strip()]
-        assert len(lines) == 1 and text in lines[0], (args, out.stderr)
+    args, text = cases[0]
+    out = subprocess.run([sys.executable, "-m", "sglang_admin", "serve", *args],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 2, (args, out.stderr)
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and text in lines[0], (args, out.stderr)
+
+    import logging
+
+    import sglang_admin.server.launch as launch
+    from sglang_admin.cli import main
+
+    def not_refused(server_args) -> int:
+        raise AssertionError(f"serve was reached: {server_args}")
+
+    monkeypatch.setattr(launch, "serve", not_refused)
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    capsys.readouterr()
+    for args, text in cases[1:]:
+        try:  # serve's start sets the root logger up for a worker: put this process's back
+            try:
+                code = main(["serve", *args])
+            except SystemExit as exc:  # argparse's refusals
+                code = exc.code
+        finally:
+            root.handlers[:], root.level = handlers, level
+        err = capsys.readouterr().err
+        assert code == 2, (args, err)
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert len(lines) == 1 and text in lines[0], (args, err)
 
 
 def test_nodes_that_disagree_are_refused_on_every_node(tmp_path: Path) -> None:
@@ -177,43 +207,57 @@ def test_a_stopped_node_is_seen_by_its_silence(tmp_path: Path) -> None:
     assert_gone(pids)
 
 
-def test_smollm2_over_three_nodes_equals_tp1(tmp_path: Path) -> None:
-    """SmolLM2-135M (9 heads, 3 KV heads: tp 2 cannot split it) at tp 3 over three nodes,
-    each holding one TP rank: greedy tokens and logprobs equal to tp 1's."""
-    from sglang_admin.cli import served_model_path
-    from tests.conftest import start_server, wait_started
+def build_nine_heads(path: Path) -> Path:
+    """A tiny random Llama with SmolLM2-135M's head counts (9 query heads, 3 KV heads, tied
+    embeddings): tp 2 cannot split it, tp 3 gives each TP rank 3 query heads and 1 KV head.
+    Its other sizes are a tiny model's (head_dim 16, 2 layers): what the test checks, the
+    heads and the MLP split over three nodes, does not depend on them."""
+    import torch
+    import transformers
 
-    try:
-        model = served_model_path("smollm2")
-    except ValueError as exc:
-        pytest.skip(f"SmolLM2 is not available here: {exc}")
-    # dense (GGUF weights kept quantized are not yet sharded over TP ranks)
-    common = ("--model-path", str(model), "--dtype", "float32", "--max-prefill-tokens", "64",
-              "--gguf-dequantize")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=320, hidden_size=144, intermediate_size=192, num_hidden_layers=2,
+        num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True,
+        max_position_embeddings=512, eos_token_id=1, bos_token_id=0, pad_token_id=0)
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():  # a larger init than 0.02 keeps greedy outputs varied
+        for p in model.parameters():
+            p.normal_(0, 0.2) if p.dim() == 2 else None
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def test_nine_heads_over_three_nodes_equal_transformers(tmp_path: Path) -> None:
+    """A model with SmolLM2-135M's 9 heads and 3 KV heads (tp 2 cannot split it) at tp 3
+    over three nodes, each holding one TP rank: greedy tokens and logprobs equal to
+    transformers' (a 100-token prompt prefills in 64-token chunks); then node 0's stop
+    ends all three cleanly."""
+    from tests.integration.test_tensor_parallel import reference
+
+    import torch
+    import transformers
+
+    path = build_nine_heads(tmp_path / "nine-heads")
+    common = ("--model-path", str(path), "--dtype", "float32", "--max-prefill-tokens", "64")
     port = init_port()
     nodes = [start_node(tmp_path, k, port, *common, nnodes=3, tp=3) for k in range(3)]
-    ref = start_server(tmp_path, *common, "--max-total-tokens", "2048", wait=False)
-    try:
-        wait_both(nodes)
-        wait_started(ref)
-        stub = pb_grpc.SglangSchedulerStub(grpc.insecure_channel(nodes[0].target))
-        ref_stub = ref.stub()
-        info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=30)
-        assert [int(r["node_rank"]) for r in info.scheduler_info["tp_ranks"]] == [0, 1, 2]
-        for prompt, n in zip(PROMPTS[:3], (10, 6, 8)):
-            ours, complete = run_generate(stub, greedy(prompt, n, return_logprob=True),
-                                          timeout=300)
-            theirs, ref_complete = run_generate(ref_stub, greedy(prompt, n,
-                                                                 return_logprob=True),
-                                                timeout=300)
-            assert ours == theirs
-            a = list(complete.output_logprobs.token_logprobs)
-            b = list(ref_complete.output_logprobs.token_logprobs)
-            assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
-        pids = [pid for node in nodes for pid in node.tree()]
-        nodes[0].stop()
-        assert nodes[0].proc.returncode == 0
-        assert [node.proc.wait(60) for node in nodes[1:]] == [0, 0]
-        assert_gone(pids)
-    finally:
-        ref.stop()
+    # transformers' side while the nodes boot
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    cases = list(zip(PROMPTS[:3], (10, 6, 8)))
+    refs = [reference(model, prompt, n) for prompt, n in cases]
+    wait_both(nodes)
+    stub = pb_grpc.SglangSchedulerStub(grpc.insecure_channel(nodes[0].target))
+    info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=30)
+    assert [int(r["node_rank"]) for r in info.scheduler_info["tp_ranks"]] == [0, 1, 2]
+    for (prompt, n), (ref_tokens, ref_logprobs) in zip(cases, refs):
+        ours, complete = run_generate(stub, greedy(prompt, n, return_logprob=True),
+                                      timeout=300)
+        assert ours == ref_tokens
+        a = list(complete.output_logprobs.token_logprobs)
+        assert len(a) == n and max(abs(x - y) for x, y in zip(a, ref_logprobs)) < 1e-4
+    pids = [pid for node in nodes for pid in node.tree()]
+    nodes[0].stop()
+    assert nodes[0].proc.returncode == 0
+    assert [node.proc.wait(60) for node in nodes[1:]] == [0, 0]
+    assert_gone(pids)

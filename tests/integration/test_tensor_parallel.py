@@ -209,7 +209,7 @@ def test_profiles_are_written_by_every_tp_rank(tp_server) -> None:
     """SGLang's names, {id}-TP-{tp}[-DP-{dp}]; num_steps ends the profile on the same step
     on both TP ranks (each counts rank 0's steps), and StopProfile hands over every file."""
     srv, _, dp, path = tp_server
-    if path.name.startswith("qwen2"):
+    if path.parent.name.startswith("qwen2"):  # shared_checkpoint's {kind}-{seed}/ckpt
         pytest.skip("the file names do not depend on the architecture: llama covers them")
     stub = srv.stub()
     dp_part = [f"-DP-{r}" if dp > 1 else "" for r in range(dp)]
@@ -286,7 +286,7 @@ SYNC_TOKENS = 8
 
 @pytest.fixture(scope="module")
 def sync_worker(tmp_path_factory) -> Iterator[tuple[ServerProc, Path, dict[str, Path]]]:
-    """One tp 2 worker for the weight-sync, memory and LoRA tests: test_lora.py's Llama
+    """One tp 2 worker for the weight-sync, refit, memory and LoRA tests: test_lora.py's Llama
     base (2 KV heads split, untied LM head) with LoRA on, its "attn" adapter (q/k/v/o)
     given at start and "mlp" (gate/up/down and q) loaded at run time. Each test starts by
     loading the base checkpoint from disk, whatever ran before."""
@@ -423,30 +423,35 @@ def test_memory_release_and_resume_on_every_tp_rank(sync_worker) -> None:
     assert sync_outputs(srv) == before
 
 
-def test_update_weights_from_disk_reaches_every_tp_rank(tmp_path: Path,
-                                                        tmp_path_factory) -> None:
-    first = shared_checkpoint("llama", tmp_path_factory)
-    second = build_checkpoint("llama", tmp_path / "second", seed=1)
-    srv = start_tp(tmp_path, first)
-    try:
-        assert_equal_to_transformers(srv, hf_model(first), 1)
-        resp = srv.stub().UpdateWeightsFromDisk(
-            pb.UpdateWeightsFromDiskRequest(model_path=str(second)), timeout=120)
-        assert resp.success, resp.message
-        second_model = hf_model(second)
-        assert_equal_to_transformers(srv, second_model, 1)
-        # a checkpoint of another shape is refused by every rank; the old weights stay
-        other = tmp_path / "other"
-        torch.manual_seed(2)
-        transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2)).save_pretrained(other)
-        resp = srv.stub().UpdateWeightsFromDisk(
-            pb.UpdateWeightsFromDiskRequest(model_path=str(other)), timeout=120)
-        assert not resp.success and "intermediate_size" in resp.message, resp.message
-        assert_equal_to_transformers(srv, second_model, 1)
-    finally:
-        assert srv.stop() == 0, srv.log()[-3000:]
+def test_update_weights_from_disk_reaches_every_tp_rank(sync_worker, tmp_path: Path) -> None:
+    """A refit from disk to other weights of the same shapes: both TP ranks load their shard
+    (all prompts at once equal transformers on the new weights); a checkpoint of another
+    shape is refused by every rank and the new weights stay."""
+    srv, ckpt, _ = sync_worker
+    load_base(srv, ckpt)
+    assert_equal_to_transformers(srv, hf_model(ckpt), 1)
+    second = tmp_path / "second"  # the base's weights, each drawn again
+    torch.manual_seed(1)
+    model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2) if p.dim() == 2 else None
+    model.save_pretrained(second, safe_serialization=True)
+    resp = srv.stub().UpdateWeightsFromDisk(
+        pb.UpdateWeightsFromDiskRequest(model_path=str(second)), timeout=120)
+    assert resp.success, resp.message
+    second_model = hf_model(second)
+    assert_equal_to_transformers(srv, second_model, 1)
+    # a checkpoint of another shape is refused by every rank; the old weights stay
+    other = tmp_path / "other"
+    torch.manual_seed(2)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2)).save_pretrained(other)
+    resp = srv.stub().UpdateWeightsFromDisk(
+        pb.UpdateWeightsFromDiskRequest(model_path=str(other)), timeout=120)
+    assert not resp.success and "intermediate_size" in resp.message, resp.message
+    assert_equal_to_transformers(srv, second_model, 1)
 
 
 def _tp_follower_pids(srv: ServerProc) -> list[int]:
@@ -464,10 +469,14 @@ def _tp_follower_pids(srv: ServerProc) -> list[int]:
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
 def test_a_killed_or_stopped_tp_rank_takes_the_worker_down(tmp_path: Path, sig: int,
                                                             tmp_path_factory) -> None:
-    """SIGKILL: the server sees the exit; SIGSTOP: the follower's heartbeat falls silent
-    (--watchdog-probe-timeout 2) while rank 0 waits for it in an all-reduce."""
+    """SIGKILL: the server sees the exit (the default probe timeout); SIGSTOP: the
+    follower's heartbeat falls silent (--watchdog-probe-timeout 2) while rank 0 waits for
+    it in an all-reduce."""
     path = shared_checkpoint("qwen2", tmp_path_factory)
-    srv = start_tp(tmp_path, path, 1, "--watchdog-probe-timeout", "2")
+    # the short probe only where the test needs it: it makes both ranks import their late
+    # imports before READY (scheduler/late_imports.py), and an exit needs no probe
+    probe = ("--watchdog-probe-timeout", "2") if sig == signal.SIGSTOP else ()
+    srv = start_tp(tmp_path, path, 1, *probe)
     try:
         children = srv.children()
         stub = srv.stub()
