@@ -144,30 +144,63 @@ def assert_equal_to_transformers(srv: ServerProc, model, dp: int) -> None:
 
 
 TP_WORKERS = ["llama-tp2-dp1", "qwen2-tp2-dp1", "llama-tp2-dp2", "qwen2-tp2-dp2"]
+# the first TP worker is also the weight-sync, refit, memory and LoRA tests' (sync_worker):
+# test_lora.py's flags, its "attn" adapter given at start; requests without an adapter are
+# served as by the base model (test_lora.py's mixed batch compares them with transformers)
+SYNC_WORKER = TP_WORKERS[0]
 
 
 @pytest.fixture(scope="module")
-def tp_workers_ahead(tmp_path_factory) -> tuple[Prestart, dict[str, Path]]:
+def tp_workers_ahead(tmp_path_factory) -> tuple[Prestart, dict[str, Path], dict[str, Path]]:
     """Each TP worker's checkpoint and worker, the next one booting while one's tests run
     (the tests' results do not depend on how the ranks' batches were cut: greedy tokens, a
-    1e-4 logprob tolerance, files and weights)."""
+    1e-4 logprob tolerance, files and weights); and the sync worker's LoRA adapters."""
+    from tests.integration.test_lora import SERVER_ARGS
+    from tests.lora_models import build_adapter
+
     paths: dict[str, Path] = {}
+    adapters: dict[str, Path] = {}
 
     def start(name: str) -> ServerProc:
         kind, dp = name.split("-")[0], int(name[-1])
         paths[name] = shared_checkpoint(kind, tmp_path_factory)
-        return start_tp(tmp_path_factory.mktemp(f"{kind}-srv"), paths[name], dp, wait=False)
+        root = tmp_path_factory.mktemp(f"{kind}-srv")
+        lora: tuple[str, ...] = ()
+        if name == SYNC_WORKER:
+            adapters.update({n: build_adapter(paths[name], n, root / n, seed)
+                             for seed, n in enumerate(["attn", "mlp"], start=1)})
+            adapters["base"] = paths[name]
+            lora = (*SERVER_ARGS, "--lora-paths", f"attn={adapters['attn']}")
+        return start_tp(root, paths[name], dp, *lora, wait=False)
 
-    return Prestart(TP_WORKERS, start), paths
+    return Prestart(TP_WORKERS, start), paths, adapters
+
+
+@pytest.fixture(scope="module")
+def sync_worker(tp_workers_ahead) -> Iterator[tuple[ServerProc, Path, dict[str, Path]]]:
+    """The first TP worker (the shared Llama checkpoint: 2 KV heads split, untied LM head,
+    biases), kept for the module: the weight-sync, refit, memory and LoRA tests' too, with
+    LoRA on, its "attn" adapter (q/k/v/o) given at start and "mlp" (gate/up/down and q)
+    loaded at run time. Each test that uses it starts by loading the checkpoint from disk,
+    whatever ran before."""
+    prestart, paths, adapters = tp_workers_ahead
+    srv = prestart.take(SYNC_WORKER)
+    yield srv, paths[SYNC_WORKER], adapters
+    assert srv.stop() == 0, srv.log()[-3000:]
 
 
 @pytest.fixture(scope="module", params=TP_WORKERS)
 def tp_server(request, tp_workers_ahead) -> Iterator[tuple[ServerProc, object, int, Path]]:
-    prestart, paths = tp_workers_ahead
-    srv = prestart.take(request.param)
-    path = paths[request.param]
+    prestart, paths, _ = tp_workers_ahead
+    if request.param == SYNC_WORKER:
+        srv, path, _ = request.getfixturevalue("sync_worker")
+        load_base(srv, path)  # whatever the sync tests left
+    else:
+        srv = prestart.take(request.param)
+        path = paths[request.param]
     yield srv, hf_model(path), int(request.param[-1]), path
-    assert srv.stop() == 0, srv.log()[-3000:]
+    if request.param != SYNC_WORKER:
+        assert srv.stop() == 0, srv.log()[-3000:]
 
 
 def test_greedy_tokens_and_logprobs_equal_transformers(tp_server) -> None:
@@ -205,6 +238,9 @@ def test_a_bad_request_fails_alone(tp_server) -> None:
     assert sorted(len(c.output_ids) for c in completes) == [6, 6]
 
 
+LEAN = dict(with_stack=False, record_shapes=False)
+
+
 def test_profiles_are_written_by_every_tp_rank(tp_server) -> None:
     """SGLang's names, {id}-TP-{tp}[-DP-{dp}]; num_steps ends the profile on the same step
     on both TP ranks (each counts rank 0's steps), and StopProfile hands over every file."""
@@ -213,7 +249,9 @@ def test_profiles_are_written_by_every_tp_rank(tp_server) -> None:
         pytest.skip("the file names do not depend on the architecture: llama covers them")
     stub = srv.stub()
     dp_part = [f"-DP-{r}" if dp > 1 else "" for r in range(dp)]
-    start = stub.StartProfile(pb.StartProfileRequest(output_dir="tp"), timeout=60)
+    # no Python stacks nor shapes: what is checked here does not depend on them, and
+    # tracing every Python call makes each rank's steps and export several times dearer
+    start = stub.StartProfile(pb.StartProfileRequest(output_dir="tp", **LEAN), timeout=60)
     assert start.success, start.message
     for rank in range(dp):
         run_generate(stub, greedy([9, 8, 7, rank], 6, data_parallel_rank=rank), timeout=60)
@@ -225,7 +263,7 @@ def test_profiles_are_written_by_every_tp_rank(tp_server) -> None:
     assert [len(r.files) for r in stop.rank_results] == [2] * dp
     # num_steps: every TP rank stops by itself after the same 3 steps and writes its trace
     root = Path(srv.extra_args[srv.extra_args.index("--profile-dir") + 1])
-    start = stub.StartProfile(pb.StartProfileRequest(output_dir="steps", num_steps=3),
+    start = stub.StartProfile(pb.StartProfileRequest(output_dir="steps", num_steps=3, **LEAN),
                               timeout=60)
     assert start.success, start.message
     for rank in range(dp):
@@ -282,26 +320,6 @@ def test_get_weights_by_name_gathers_the_full_tensor_and_check_weights_is_per_ra
 
 TRAINER = [sys.executable, "-m", "tests.integration.sglang_trainer"]
 SYNC_TOKENS = 8
-
-
-@pytest.fixture(scope="module")
-def sync_worker(tmp_path_factory) -> Iterator[tuple[ServerProc, Path, dict[str, Path]]]:
-    """One tp 2 worker for the weight-sync, refit, memory and LoRA tests: test_lora.py's Llama
-    base (2 KV heads split, untied LM head) with LoRA on, its "attn" adapter (q/k/v/o)
-    given at start and "mlp" (gate/up/down and q) loaded at run time. Each test starts by
-    loading the base checkpoint from disk, whatever ran before."""
-    from tests.integration.test_lora import SERVER_ARGS
-    from tests.lora_models import build_adapter, build_base
-
-    root = tmp_path_factory.mktemp("sync")
-    base = build_base("llama", root / "base")
-    adapters = {name: build_adapter(base, name, root / name, seed)
-                for seed, name in enumerate(["attn", "mlp"], start=1)}
-    srv = start_server(root, "--model-path", str(base), *SERVER_ARGS, "--tp-size", "2",
-                       "--lora-paths", f"attn={adapters['attn']}")
-    adapters["base"] = base
-    yield srv, base, adapters
-    assert srv.stop() == 0, srv.log()[-3000:]
 
 
 def load_base(srv: ServerProc, ckpt: Path) -> None:
