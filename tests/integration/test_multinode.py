@@ -362,7 +362,10 @@ def test_profiles_of_both_nodes_download_from_node_0(pair: Pair) -> None:
     import time
 
     stub = pair.stub()
-    start = stub.StartProfile(pb.StartProfileRequest(output_dir="mn"), timeout=60)
+    # no Python stacks nor shapes (not what is checked here: tracing every Python call makes
+    # each rank's steps and export several times dearer)
+    lean = dict(with_stack=False, record_shapes=False)
+    start = stub.StartProfile(pb.StartProfileRequest(output_dir="mn", **lean), timeout=60)
     assert start.success, start.message
     run_generate(stub, greedy(PROMPTS[1], 4), timeout=120)
     stop = stub.StopProfile(pb.StopProfileRequest(), timeout=180)
@@ -374,7 +377,7 @@ def test_profiles_of_both_nodes_download_from_node_0(pair: Pair) -> None:
     for data in got.values():
         assert json.loads(gzip.decompress(data))["traceEvents"]
 
-    auto = stub.StartProfile(pb.StartProfileRequest(output_dir="mn-auto", num_steps=2),
+    auto = stub.StartProfile(pb.StartProfileRequest(output_dir="mn-auto", num_steps=2, **lean),
                              timeout=60)
     assert auto.success, auto.message
     run_generate(stub, greedy(PROMPTS[1], 4), timeout=120)
