@@ -32,7 +32,7 @@ from sglang_admin.model.quant.gguf_blocks import (
     plan_for,
 )
 from sglang_admin.model.quant.linear import ConcatLinear, Projection, QuantLinear, QuantStore
-from sglang_admin.model.quant.prepared import Prepared, load_prepared, save_prepared
+from sglang_admin.model.quant.prepared import Prepared, prepared_once
 
 QUANTIZATION_GGUF = "gguf"
 Kept = Int4Groups | Int8Blocks | Int8Rows | np.ndarray  # one tensor as read
@@ -122,12 +122,11 @@ def attach_gguf(model: Any, gguf_file: str, dtype: torch.dtype, *,
         model_dir: str | None = converted_dir(gguf_file)
     except OSError:
         model_dir = None
-    usable = model_dir is not None and os.path.isdir(model_dir) and dense_copy
-    prepared = load_prepared(model_dir, dtype) if usable else None  # type: ignore[arg-type]
-    if prepared is None:
+    if model_dir is not None and os.path.isdir(model_dir) and dense_copy:
+        prepared = prepared_once(model_dir, dtype, lambda: read_projections(
+            model, gguf_file, dtype, dense_copy))
+    else:
         prepared = read_projections(model, gguf_file, dtype, dense_copy)
-        if usable:
-            save_prepared(prepared, model_dir, dtype)  # type: ignore[arg-type]
     store = QuantStore(prepared.summary)
     loaded: set[str] = set()
     with torch.no_grad():

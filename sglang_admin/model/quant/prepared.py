@@ -13,20 +13,24 @@ next starts read that instead (about 1 s).
 The file holds tensors only (safetensors, no pickle); its metadata says which projections
 they form (JSON). A file of another format or torch version, or one that cannot be read,
 is ignored and written again; a cache directory that cannot be written just means the next
-start repacks too.
+start repacks too. Ranks that start at once (data parallel, a PD pair) take turns on a lock
+file beside it: one repacks, the others read what it saved.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from sglang_admin.model.gguf import cache_lock
 from sglang_admin.model.quant.linear import ConcatLinear, Projection, QuantLinear
 
 logger = logging.getLogger(__name__)
@@ -150,7 +154,7 @@ def load_prepared(model_dir: str, dtype: torch.dtype) -> Prepared | None:
             meta = f.metadata() or {}
             if meta.get("format") != FORMAT or meta.get("torch") != torch.__version__:
                 return None
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
+            tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
         entries = json.loads(meta["entries"])
         tied = json.loads(meta["tied_head"])
         prepared = Prepared(summary=meta["summary"])
@@ -164,3 +168,25 @@ def load_prepared(model_dir: str, dtype: torch.dtype) -> Prepared | None:
         logger.warning("the prepared GGUF projections in %s cannot be read (%s: %s): "
                        "repacking them from the GGUF file", path, type(exc).__name__, exc)
         return None
+
+
+def prepared_once(model_dir: str, dtype: torch.dtype,
+                  build: Callable[[], Prepared]) -> Prepared:
+    """The prepared projections of ``model_dir`` in ``dtype``: read back, or ``build()`` and
+    saved for the next start. Processes asking at once take turns: one builds, the others
+    read its file. Where no lock can be taken (a read-only cache), each builds its own."""
+    prepared = load_prepared(model_dir, dtype)
+    if prepared is not None:
+        return prepared
+    with contextlib.ExitStack() as stack:
+        try:
+            saved = prepared_path(model_dir, dtype)
+            lock = os.path.join(model_dir, f".{os.path.basename(saved)}.lock")
+            stack.enter_context(cache_lock(lock))
+        except OSError:  # a cache we may not write: no turns to take, nothing to save
+            return build()
+        prepared = load_prepared(model_dir, dtype)  # saved by another rank meanwhile
+        if prepared is None:
+            prepared = build()
+            save_prepared(prepared, model_dir, dtype)
+        return prepared
