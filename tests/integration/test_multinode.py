@@ -196,93 +196,6 @@ def test_lora_load_and_unload_across_nodes(pair: Pair, tmp_path_factory) -> None
     assert again == base and with_lora != base
 
 
-# ------------------------------------------------------------------ a saved Llama
-
-
-@pytest.fixture(scope="module")
-def llama_pair(tmp_path_factory) -> Iterator[tuple[Pair, Path]]:
-    tp_tests = pytest.importorskip("tests.integration.test_tensor_parallel")
-    tmp = tmp_path_factory.mktemp("multinode-llama")
-    path = tp_tests.build_checkpoint("llama", tmp / "llama")
-    p = start_pair(tmp, "--model-path", str(path), "--dtype", "float32",
-                   "--max-prefill-tokens", "64")
-    del STARTED[-2:]  # the module's: stopped below
-    try:
-        wait_both([p.node0, p.node1])
-        yield p, path
-        pids = p.node0.tree() + p.node1.tree()
-        p.node0.stop()
-        assert p.node0.proc.returncode == 0 and p.node1.proc.wait(30) == 0
-        assert_gone(pids)
-    finally:
-        for node in (p.node0, p.node1):
-            kill_group(node)
-
-
-def test_a_saved_llama_over_two_nodes_equals_transformers(llama_pair) -> None:
-    tp_tests = pytest.importorskip("tests.integration.test_tensor_parallel")
-    p, path = llama_pair
-    srv = ServerProc(p.node0.proc, p.node0.port, p.node0.log_path, [], None)
-    tp_tests.assert_equal_to_transformers(srv, tp_tests.hf_model(path), 1)
-
-
-def test_weights_read_checked_released_and_resumed_across_nodes(llama_pair) -> None:
-    tp_tests = pytest.importorskip("tests.integration.test_tensor_parallel")
-    p, path = llama_pair
-    stub = p.stub()
-    full = tp_tests.checkpoint_tensors(path)
-    for name in ("model.layers.1.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight",
-                 "model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.down_proj.bias"):
-        want = full[name]
-        resp = stub.GetWeightsByName(pb.GetWeightsByNameRequest(
-            name=name, truncate_size=want.numel()), timeout=60)
-        assert resp.success, resp.message
-        import torch
-
-        assert torch.equal(torch.tensor(list(resp.values)), want.reshape(-1).float()), name
-    check = stub.CheckWeights(pb.CheckWeightsRequest(), timeout=60)
-    assert check.success and [r.tp_rank for r in check.rank_results] == [0, 1]
-    before, _ = run_generate(stub, greedy(PROMPTS[0], 8), timeout=120)
-    released = stub.ReleaseMemoryOccupation(pb.ReleaseMemoryOccupationRequest(), timeout=60)
-    assert released.success, released.message
-    resumed = stub.ResumeMemoryOccupation(pb.ResumeMemoryOccupationRequest(), timeout=120)
-    assert resumed.success, resumed.message
-    again = stub.CheckWeights(pb.CheckWeightsRequest(), timeout=60)
-    assert [r.digest for r in again.rank_results] == [r.digest for r in check.rank_results]
-    after, _ = run_generate(stub, greedy(PROMPTS[0], 8), timeout=120)
-    assert after == before
-
-
-def test_a_trainer_pushes_to_the_ranks_on_both_nodes(llama_pair) -> None:
-    """After the pair served requests and released and resumed its memory (the tests
-    above), a trainer's step pushed by WeightPusher reaches both TP ranks: tokens and
-    logprobs as transformers' on the trained weights."""
-    tp_tests = pytest.importorskip("tests.integration.test_tensor_parallel")
-    import torch
-    import transformers
-
-    from sglang_admin.client.trainer import WeightPusher
-
-    p, path = llama_pair
-    # the trainer's own copy: hf_model(path) is shared, and stays the checkpoint's
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.no_grad():  # the trainer's step: new weights the workers do not have (with
-        for tensor in model.parameters():  # these, EOS comes first once: ignore_eos keeps it)
-            tensor.mul_(1.5)
-    pusher = WeightPusher([p.node0.target], timeout_s=120)
-    pusher.join("127.0.0.1", init_port(), group_name="multinode-weights")
-    try:
-        pusher.push(model.named_parameters(), weight_version="pushed")
-    finally:
-        pusher.destroy()
-    srv = ServerProc(p.node0.proc, p.node0.port, p.node0.log_path, [], None)
-    tp_tests.assert_equal_to_transformers(srv, model, 1)  # both TP ranks hold the new shards
-    back = p.stub().UpdateWeightsFromDisk(pb.UpdateWeightsFromDiskRequest(
-        model_path=str(path)), timeout=180)
-    assert back.success, back.message
-    tp_tests.assert_equal_to_transformers(srv, tp_tests.hf_model(path), 1)  # the checkpoint's
-
-
 def test_a_grammar_across_nodes(pair: Pair) -> None:
     """The grammar's matcher stays with TP rank 0 (the followers' samples are discarded):
     sampled outputs match the regex and a JSON schema exactly."""
@@ -393,3 +306,92 @@ def test_profiles_of_both_nodes_download_from_node_0(pair: Pair) -> None:
     assert sorted(got) == [f"{auto.profile_id}-TP-{t}.trace.json.gz" for t in range(2)]
     for data in got.values():
         assert json.loads(gzip.decompress(data))["traceEvents"]
+
+
+# ------------------------------------------------------------------ a saved Llama
+# (last in the module: its pair boots for these tests and stops with the module, so it
+# lives less than the 30 s after which a rank imports its late imports)
+
+
+@pytest.fixture(scope="module")
+def llama_pair(tmp_path_factory) -> Iterator[tuple[Pair, Path]]:
+    tp_tests = pytest.importorskip("tests.integration.test_tensor_parallel")
+    tmp = tmp_path_factory.mktemp("multinode-llama")
+    path = tp_tests.build_checkpoint("llama", tmp / "llama")
+    p = start_pair(tmp, "--model-path", str(path), "--dtype", "float32",
+                   "--max-prefill-tokens", "64")
+    del STARTED[-2:]  # the module's: stopped below
+    try:
+        wait_both([p.node0, p.node1])
+        yield p, path
+        pids = p.node0.tree() + p.node1.tree()
+        p.node0.stop()
+        assert p.node0.proc.returncode == 0 and p.node1.proc.wait(30) == 0
+        assert_gone(pids)
+    finally:
+        for node in (p.node0, p.node1):
+            kill_group(node)
+
+
+def test_a_saved_llama_over_two_nodes_equals_transformers(llama_pair) -> None:
+    tp_tests = pytest.importorskip("tests.integration.test_tensor_parallel")
+    p, path = llama_pair
+    srv = ServerProc(p.node0.proc, p.node0.port, p.node0.log_path, [], None)
+    tp_tests.assert_equal_to_transformers(srv, tp_tests.hf_model(path), 1)
+
+
+def test_weights_read_checked_released_and_resumed_across_nodes(llama_pair) -> None:
+    tp_tests = pytest.importorskip("tests.integration.test_tensor_parallel")
+    p, path = llama_pair
+    stub = p.stub()
+    full = tp_tests.checkpoint_tensors(path)
+    for name in ("model.layers.1.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight",
+                 "model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.down_proj.bias"):
+        want = full[name]
+        resp = stub.GetWeightsByName(pb.GetWeightsByNameRequest(
+            name=name, truncate_size=want.numel()), timeout=60)
+        assert resp.success, resp.message
+        import torch
+
+        assert torch.equal(torch.tensor(list(resp.values)), want.reshape(-1).float()), name
+    check = stub.CheckWeights(pb.CheckWeightsRequest(), timeout=60)
+    assert check.success and [r.tp_rank for r in check.rank_results] == [0, 1]
+    before, _ = run_generate(stub, greedy(PROMPTS[0], 8), timeout=120)
+    released = stub.ReleaseMemoryOccupation(pb.ReleaseMemoryOccupationRequest(), timeout=60)
+    assert released.success, released.message
+    resumed = stub.ResumeMemoryOccupation(pb.ResumeMemoryOccupationRequest(), timeout=120)
+    assert resumed.success, resumed.message
+    again = stub.CheckWeights(pb.CheckWeightsRequest(), timeout=60)
+    assert [r.digest for r in again.rank_results] == [r.digest for r in check.rank_results]
+    after, _ = run_generate(stub, greedy(PROMPTS[0], 8), timeout=120)
+    assert after == before
+
+
+def test_a_trainer_pushes_to_the_ranks_on_both_nodes(llama_pair) -> None:
+    """After the pair served requests and released and resumed its memory (the tests
+    above), a trainer's step pushed by WeightPusher reaches both TP ranks: tokens and
+    logprobs as transformers' on the trained weights."""
+    tp_tests = pytest.importorskip("tests.integration.test_tensor_parallel")
+    import torch
+    import transformers
+
+    from sglang_admin.client.trainer import WeightPusher
+
+    p, path = llama_pair
+    # the trainer's own copy: hf_model(path) is shared, and stays the checkpoint's
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():  # the trainer's step: new weights the workers do not have (with
+        for tensor in model.parameters():  # these, EOS comes first once: ignore_eos keeps it)
+            tensor.mul_(1.5)
+    pusher = WeightPusher([p.node0.target], timeout_s=120)
+    pusher.join("127.0.0.1", init_port(), group_name="multinode-weights")
+    try:
+        pusher.push(model.named_parameters(), weight_version="pushed")
+    finally:
+        pusher.destroy()
+    srv = ServerProc(p.node0.proc, p.node0.port, p.node0.log_path, [], None)
+    tp_tests.assert_equal_to_transformers(srv, model, 1)  # both TP ranks hold the new shards
+    back = p.stub().UpdateWeightsFromDisk(pb.UpdateWeightsFromDiskRequest(
+        model_path=str(path)), timeout=180)
+    assert back.success, back.message
+    tp_tests.assert_equal_to_transformers(srv, tp_tests.hf_model(path), 1)  # the checkpoint's
