@@ -107,11 +107,12 @@ def projection_groups(layer: Any) -> tuple[tuple[Any, str | None, list[Any], lis
     )
 
 
-def attach_gguf(model: Any, gguf_file: str, dtype: torch.dtype, *,
-                dense_copy: bool = True) -> tuple[QuantStore, set[str]]:
+def attach_gguf(model: Any, gguf_file: str, dtype: torch.dtype, *, dense_copy: bool = True,
+                head: bool = True) -> tuple[QuantStore, set[str]]:
     """Load ``gguf_file``'s kept projections into ``model`` (a LlamaForCausalLM already
     allocated and fused); (the store, the Hugging Face names it loaded). The caller loads
-    every other name dense and then calls :func:`finish_tied_head`.
+    every other name dense and then calls :func:`finish_tied_head`. ``head`` false (an
+    embedding model, which never computes logits): the LM head is not kept quantized.
 
     The projections come prepared from the file's converted directory when an earlier start
     saved them there (model/quant/prepared.py), else they are read and repacked from the
@@ -138,11 +139,11 @@ def attach_gguf(model: Any, gguf_file: str, dtype: torch.dtype, *,
                 if projection is not None:
                     install(store, owner, fused_attr, modules, names, projection, dtype)
                     loaded.update(names)
-        head = prepared.projections.get(("lm_head.weight",))
-        if head is not None and not model.config.tie_word_embeddings:
-            install(store, model, None, [model.lm_head], ["lm_head.weight"], head, dtype)
+        lm_head = prepared.projections.get(("lm_head.weight",)) if head else None
+        if lm_head is not None and not model.config.tie_word_embeddings:
+            install(store, model, None, [model.lm_head], ["lm_head.weight"], lm_head, dtype)
             loaded.add("lm_head.weight")
-        if prepared.tied_head is not None:
+        if prepared.tied_head is not None and head:
             # tied: the embedding stays dense for lookups, the LM head reads it quantized
             store.add(model.model.embed_tokens.weight, prepared.tied_head)
             store.tied_head = prepared.tied_head

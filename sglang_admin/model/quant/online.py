@@ -29,17 +29,22 @@ def _quantized(weight: torch.Tensor, scheme: str, dtype: torch.dtype,
     return QuantLinear(int4_quantize(values, group), dtype, keep_rows=keep_rows)
 
 
-def quantize_loaded(model: Any, scheme: str, dtype: torch.dtype) -> QuantStore:
-    """Quantize a loaded model's projections and LM head as ``scheme`` says, in place;
-    the store that serves them."""
+def quantize_loaded(model: Any, scheme: str, dtype: torch.dtype,
+                    head: bool = True) -> QuantStore:
+    """Quantize a loaded model's projections and LM head (not with ``head`` false: an
+    embedding model's, never multiplied with) as ``scheme`` says, in place; the store that
+    serves them."""
     if scheme not in TORCHAO_CONFIGS:
         raise ValueError(f"torchao config {scheme!r} is not supported "
                          f"(supported: {', '.join(TORCHAO_CONFIGS)})")
     store = QuantStore("")
     kept = dense = 0
+    # a base model's checkpoint (model/embedding_spec.py's unprefixed): its names, as the
+    # model's parameters are named, lack "model."
+    prefix = "" if getattr(getattr(model, "spec", None), "unprefixed", False) else "model."
     with torch.no_grad():
         for i, layer in enumerate(model.model.layers):
-            pre = f"model.layers.{i}."
+            pre = f"{prefix}layers.{i}."
             for owner, fused_attr, modules, names in projection_groups(layer):
                 weight = getattr(owner, fused_attr) if fused_attr else modules[0].weight
                 projection = _quantized(weight, scheme, dtype)
@@ -49,16 +54,17 @@ def quantize_loaded(model: Any, scheme: str, dtype: torch.dtype) -> QuantStore:
                 install(store, owner, fused_attr, modules, [f"{pre}{n}.weight" for n in names],
                         projection, dtype)
                 kept += 1
-        head = _quantized(model.output_weight(), scheme, dtype, keep_rows=True)
-        if head is None:
-            dense += 1
+        lm_head = (_quantized(model.output_weight(), scheme, dtype, keep_rows=True)
+                   if head else None)
+        if lm_head is None:
+            dense += head
         elif model.config.tie_word_embeddings:
-            head.set_dense(model.model.embed_tokens.weight.detach())
-            store.add(model.model.embed_tokens.weight, head)
-            store.tied_head = head
+            lm_head.set_dense(model.model.embed_tokens.weight.detach())
+            store.add(model.model.embed_tokens.weight, lm_head)
+            store.tied_head = lm_head
             kept += 1
         else:
-            install(store, model, None, [model.lm_head], ["lm_head.weight"], head, dtype)
+            install(store, model, None, [model.lm_head], ["lm_head.weight"], lm_head, dtype)
             kept += 1
     store.summary = (f"weights quantized at load ({scheme}): {kept} projections kept "
                      f"quantized, {dense} dense (inputs not whole groups); norms and the "
