@@ -308,7 +308,6 @@ def test_where_quantized_weights_are_refused_each_says_why() -> None:
     check_applies("gguf", cpu, None, torch.bfloat16)  # the served case
     cases = [
         (("gguf", cuda, None, torch.bfloat16), "CPU only.*--gguf-dequantize"),
-        (("gguf", cpu, object(), torch.bfloat16), "tp-size"),
         (("int8wo", cpu, object(), torch.float32), "tp-size.*without --torchao-config"),
         (("gguf", cpu, None, torch.float16), "bfloat16 or float32"),
         (("int3wo", cpu, None, torch.float32), "not supported"),

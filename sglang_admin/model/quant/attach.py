@@ -22,8 +22,8 @@ def attach(model: Any, model_path: str, quantization: str, dtype: torch.dtype,
     """Keep ``model``'s projections quantized as ``quantization`` says; the names loaded.
 
     Refused (model/loader.py's ModelLoadError, one line) where it does not apply: not a
-    directory converted from a GGUF file, not the CPU, tensor parallelism, a dtype the
-    kernels do not take. An embedding model (``is_generation`` false) keeps its decoder's
+    directory converted from a GGUF file, not the CPU, --torchao-config with tensor
+    parallelism, a dtype the kernels do not take. An embedding model (``is_generation`` false) keeps its decoder's
     projections quantized; its LM head, which it never multiplies with, stays as loaded.
     """
     check_applies(quantization, device, tensor_parallel, dtype)
@@ -55,7 +55,7 @@ def check_applies(quantization: str, device: torch.device, tensor_parallel: Any,
     if device.type != "cpu":
         raise ModelLoadError(f"{what}: CPU only (torch's int4/int8 CPU kernels); on "
                              f"{device.type} {dense}")
-    if tensor_parallel is not None:
+    if tensor_parallel is not None and quantization != QUANTIZATION_GGUF:
         raise ModelLoadError(f"{what}: not yet with --tp-size > 1; {dense}")
     if dtype not in (torch.bfloat16, torch.float32):
         raise ModelLoadError(f"{what}: bfloat16 or float32 activations, not {dtype}")
