@@ -23,8 +23,10 @@ def attach(model: Any, model_path: str, quantization: str, dtype: torch.dtype,
 
     Refused (model/loader.py's ModelLoadError, one line) where it does not apply: not a
     directory converted from a GGUF file, not the CPU, --torchao-config with tensor
-    parallelism, a dtype the kernels do not take. An embedding model (``is_generation`` false) keeps its decoder's
-    projections quantized; its LM head, which it never multiplies with, stays as loaded.
+    parallelism, a dtype the kernels do not take. An embedding model (``is_generation``
+    false) keeps its decoder's projections quantized; its LM head, which it never
+    multiplies with, stays as loaded. At --tp-size > 1 (``tensor_parallel``, installed on
+    the model) each rank keeps its shard (model/quant/shard.py).
     """
     check_applies(quantization, device, tensor_parallel, dtype)
     if quantization != QUANTIZATION_GGUF:
