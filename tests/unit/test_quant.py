@@ -305,12 +305,12 @@ def test_where_quantized_weights_are_refused_each_says_why() -> None:
     from sglang_admin.model.quant.attach import check_applies
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    check_applies("gguf", cpu, None, torch.bfloat16)  # the served case
+    check_applies("gguf", cpu, torch.bfloat16)  # the served case
     cases = [
-        (("gguf", cuda, None, torch.bfloat16), "CPU only.*--gguf-dequantize"),
-        (("int8wo", cpu, object(), torch.float32), "tp-size.*without --torchao-config"),
-        (("gguf", cpu, None, torch.float16), "bfloat16 or float32"),
-        (("int3wo", cpu, None, torch.float32), "not supported"),
+        (("gguf", cuda, torch.bfloat16), "CPU only.*--gguf-dequantize"),
+        (("int8wo", cuda, torch.float32), "CPU only.*without --torchao-config"),
+        (("gguf", cpu, torch.float16), "bfloat16 or float32"),
+        (("int3wo", cpu, torch.float32), "not supported"),
     ]
     for args, words in cases:
         with pytest.raises(ModelLoadError, match=words):

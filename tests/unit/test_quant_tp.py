@@ -51,14 +51,14 @@ class ThreadSum:
         tensor.copy_(total)
 
 
-def _ranks(path: str, dtype: str) -> list[ModelRunner]:
+def _ranks(path: str, dtype: str, quantization: str = "gguf") -> list[ModelRunner]:
     hub = ThreadSum()
     runners = []
     for rank in range(RANKS):
         tp = TensorParallel(rank, RANKS, None, torch.device("cpu"))
         tp.all_reduce = lambda t, r=rank: hub.all_reduce(r, t)  # type: ignore[method-assign]
         runners.append(ModelRunner(path, device="cpu", dtype=dtype, max_total_tokens=512,
-                                   max_running_requests=4, quantization="gguf",
+                                   max_running_requests=4, quantization=quantization,
                                    tensor_parallel=tp, lora_slots=(2, 8)))
     return runners
 
@@ -121,6 +121,20 @@ def test_tp_shards_of_kept_weights_compute_what_one_rank_computes(
     got = _on_ranks(ranks16, lambda r: _logprobs(r, ids, [-1], True))
     want = _logprobs(whole16, ids, [-1], True)
     assert (got[0] - want).abs().max().item() < 0.1
+
+
+def test_tp_shards_quantized_at_load_compute_what_one_rank_computes(tmp_path: Path) -> None:
+    """--torchao-config int4wo-32 at tp 2: each rank quantizes its shard (the cuts fall on
+    whole groups, so the values are tp 1's), the row-parallel outputs summed."""
+    out = resolve_model_path(str(write_gguf(tmp_path / "m.gguf", qtype="F32", seed=13)))
+    whole = ModelRunner(out, device="cpu", dtype="float32", max_total_tokens=512,
+                        max_running_requests=4, quantization="int4wo-32")
+    ranks = _ranks(out, "float32", "int4wo-32")
+    assert all(r.model.quant.scheme == "int4wo-32" for r in ranks)
+    ids = list(range(30, 40))
+    want = _logprobs(whole, ids, [-1], True)
+    got = _on_ranks(ranks, lambda r: _logprobs(r, ids, [-1], True))
+    assert (got[0] - want).abs().max().item() < 1e-4
 
 
 def test_a_row_parallel_cut_inside_a_group_is_refused(tmp_path: Path) -> None:

@@ -18,17 +18,16 @@ QUANTIZATIONS = (QUANTIZATION_GGUF, *TORCHAO_CONFIGS)
 
 
 def attach(model: Any, model_path: str, quantization: str, dtype: torch.dtype,
-           device: torch.device, is_generation: bool, tensor_parallel: Any) -> set[str]:
+           device: torch.device, is_generation: bool) -> set[str]:
     """Keep ``model``'s projections quantized as ``quantization`` says; the names loaded.
 
     Refused (model/loader.py's ModelLoadError, one line) where it does not apply: not a
-    directory converted from a GGUF file, not the CPU, --torchao-config with tensor
-    parallelism, a dtype the kernels do not take. An embedding model (``is_generation``
+    directory converted from a GGUF file, not the CPU, a dtype the kernels do not take. An embedding model (``is_generation``
     false) keeps its decoder's projections quantized; its LM head, which it never
-    multiplies with, stays as loaded. At --tp-size > 1 (``tensor_parallel``, installed on
-    the model) each rank keeps its shard (model/quant/shard.py).
+    multiplies with, stays as loaded. At --tp-size > 1 (``model.tensor_parallel``) each
+    rank keeps its shard (model/quant/shard.py).
     """
-    check_applies(quantization, device, tensor_parallel, dtype)
+    check_applies(quantization, device, dtype)
     if quantization != QUANTIZATION_GGUF:
         return set()  # quantized after the dense load: quantize_after_load
     gguf_file = gguf_source(model_path)
@@ -44,8 +43,7 @@ def attach(model: Any, model_path: str, quantization: str, dtype: torch.dtype,
     return loaded
 
 
-def check_applies(quantization: str, device: torch.device, tensor_parallel: Any,
-                  dtype: torch.dtype) -> None:
+def check_applies(quantization: str, device: torch.device, dtype: torch.dtype) -> None:
     """ModelLoadError (one line) where weights cannot be served quantized."""
     if quantization not in QUANTIZATIONS:
         raise ModelLoadError(f"quantization {quantization!r} is not supported "
@@ -57,8 +55,6 @@ def check_applies(quantization: str, device: torch.device, tensor_parallel: Any,
     if device.type != "cpu":
         raise ModelLoadError(f"{what}: CPU only (torch's int4/int8 CPU kernels); on "
                              f"{device.type} {dense}")
-    if tensor_parallel is not None and quantization != QUANTIZATION_GGUF:
-        raise ModelLoadError(f"{what}: not yet with --tp-size > 1; {dense}")
     if dtype not in (torch.bfloat16, torch.float32):
         raise ModelLoadError(f"{what}: bfloat16 or float32 activations, not {dtype}")
 

@@ -33,7 +33,7 @@ from sglang_admin.model.quant.gguf_blocks import (
 )
 from sglang_admin.model.quant.linear import ConcatLinear, Projection, QuantLinear, QuantStore
 from sglang_admin.model.quant.prepared import Prepared, prepared_once
-from sglang_admin.model.quant.shard import Kept, shard_kept
+from sglang_admin.model.quant.shard import Kept, shard_kept, sum_row_parallel
 
 QUANTIZATION_GGUF = "gguf"
 __all__ = ["QUANTIZATION_GGUF", "attach_gguf", "finish_tied_head", "gguf_source"]
@@ -152,10 +152,7 @@ def attach_gguf(model: Any, gguf_file: str, dtype: torch.dtype, *, dense_copy: b
             # tied: the embedding stays dense for lookups, the LM head reads it quantized
             store.add(model.model.embed_tokens.weight, prepared.tied_head)
             store.tied_head = prepared.tied_head
-    if tensor_parallel is not None:  # o_proj and down_proj, kept or dense: sum the parts
-        store.reduce_outputs(tensor_parallel.all_reduce, [
-            w for layer in model.model.layers
-            for w in (layer.self_attn.o_proj.weight, layer.mlp.down_proj.weight)])
+    sum_row_parallel(store, model)
     return store, loaded
 
 

@@ -13,6 +13,7 @@ import torch
 from sglang_admin.model.quant.gguf_blocks import int4_quantize, int8_rows
 from sglang_admin.model.quant.gguf_load import install, projection_groups
 from sglang_admin.model.quant.linear import QuantLinear, QuantStore
+from sglang_admin.model.quant.shard import sum_row_parallel
 
 TORCHAO_CONFIGS = ("int8wo", "int4wo-32", "int4wo-64", "int4wo-128", "int4wo-256")
 
@@ -66,6 +67,9 @@ def quantize_loaded(model: Any, scheme: str, dtype: torch.dtype,
         else:
             install(store, model, None, [model.lm_head], ["lm_head.weight"], lm_head, dtype)
             kept += 1
+    # --tp-size > 1: each rank quantized its shard (a row-parallel shard's groups and
+    # per-row scales over its own inputs); the row-parallel outputs summed over the ranks
+    sum_row_parallel(store, model)
     store.summary = (f"weights quantized at load ({scheme}): {kept} projections kept "
                      f"quantized, {dense} dense (inputs not whole groups); norms and the "
                      "embedding lookup dense")

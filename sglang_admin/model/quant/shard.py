@@ -1,7 +1,9 @@
 """A tensor-parallel rank's shard of a projection kept quantized (model/tensor_parallel.py's
 cut, applied to the quantized values): a column-parallel projection (q/k/v, gate/up) keeps
 its rows with their scales and zeros; a row-parallel one (o, down) keeps its inputs, cut on
-whole groups of the scales (a cut inside a group is refused: one line says so)."""
+whole groups of the scales (a cut inside a group is refused: one line says so). And the
+sum over the ranks of the row-parallel outputs, which the store's matmul does
+(:func:`sum_row_parallel`)."""
 
 from __future__ import annotations
 
@@ -51,3 +53,16 @@ def _cut(tp: Any, name: str, array: np.ndarray) -> np.ndarray:
     """TensorParallel.shard on an array: the rows, or the columns (a row-parallel weight's
     values and its per-group scales alike: the same share of each)."""
     return np.ascontiguousarray(tp.shard(name, torch.from_numpy(array)).numpy())
+
+
+def sum_row_parallel(store: Any, model: Any) -> None:
+    """At --tp-size > 1 (``model.tensor_parallel``): ``store`` (a QuantStore) sums the
+    outputs of every o_proj and down_proj matmul over the ranks, kept or dense (the
+    modules' all-reduce hooks do not run when a matmul goes through the store); at tp 1
+    nothing."""
+    tp = getattr(model, "tensor_parallel", None)
+    if tp is None:
+        return
+    store.reduce_outputs(tp.all_reduce, [
+        w for layer in model.model.layers
+        for w in (layer.self_attn.o_proj.weight, layer.mlp.down_proj.weight)])
