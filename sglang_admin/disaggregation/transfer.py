@@ -90,7 +90,12 @@ class KVTransferBackend(abc.ABC):
 
     def __init__(self, host: str = "127.0.0.1") -> None:
         self.host = host
-        self._buffers: list[Any] = []  # torch tensors, [num_slots, ...] contiguous
+        self._pool = RegisteredPool.of([])
+
+    @property
+    def _buffers(self) -> list[Any]:
+        """The registered tensors, [num_slots, ...] contiguous."""
+        return self._pool.tensors
 
     # ------------------------------------------------------------------ lifecycle
     def register_buffers(self, buffers: Sequence[Any]) -> None:
@@ -102,15 +107,11 @@ class KVTransferBackend(abc.ABC):
         for t in buffers:
             if not t.is_contiguous():
                 raise KVTransferError("kv transfer: a registered KV buffer is not contiguous")
-        self._buffers = list(buffers)
+        self._pool = RegisteredPool.of(buffers)  # one swap: a sending thread sees either
 
     def buffer_infos(self) -> tuple[BufferInfo, ...]:
         """The registered buffers as (ptr, nbytes, item_bytes)."""
-        out = []
-        for t in self._buffers:
-            nbytes = t.numel() * t.element_size()
-            out.append(BufferInfo(t.data_ptr(), nbytes, nbytes // max(1, t.shape[0])))
-        return tuple(out)
+        return self._pool.infos
 
     @abc.abstractmethod
     def endpoint(self) -> str:
@@ -163,27 +164,57 @@ class KVTransferBackend(abc.ABC):
         import numpy as np
         import torch
 
-        t = self._buffers[index]
-        if t.device.type == "cpu":
-            rows = t.view(torch.uint8).reshape(t.shape[0], -1).numpy()
+        pool = self._pool
+        rows = pool.host_rows[index]
+        if rows is not None:
             run = slot_run(slots)
             if run is not None:  # one run of consecutive slots: a view, no copy
                 return rows[run]
             return np.take(rows, np.asarray(slots, dtype=np.int64), axis=0)
+        t = pool.tensors[index]
         idx = torch.as_tensor(list(slots), dtype=torch.long, device=t.device)
-        rows = t.view(torch.uint8).reshape(t.shape[0], -1)
-        return rows.index_select(0, idx).cpu().numpy()
+        return byte_rows(t).index_select(0, idx).cpu().numpy()
 
     def read_slots(self, slots: Sequence[int]) -> bytes:
         """The bytes of `slots` in every buffer, buffer-major (tests and checksums)."""
-        return b"".join(self.rows_of(i, slots).tobytes() for i in range(len(self._buffers)))
+        return b"".join(self.rows_of(i, slots).tobytes() for i in range(len(self._pool.tensors)))
 
     def checksum(self, slots: Sequence[int]) -> int:
         """CRC32 of `read_slots(slots)`: sender and receiver compare it after a transfer."""
         crc = 0
-        for i in range(len(self._buffers)):
+        for i in range(len(self._pool.tensors)):
             crc = zlib.crc32(memoryview(self.rows_of(i, slots)), crc)
         return crc
+
+
+def byte_rows(t: Any) -> Any:
+    """A registered tensor as bytes rows [num_slots, item_bytes] (a view)."""
+    import torch
+
+    return t.view(torch.uint8).reshape(t.shape[0],
+                                       t.numel() * t.element_size() // max(1, t.shape[0]))
+
+
+@dataclass(frozen=True)
+class RegisteredPool:
+    """The registered KV buffers and what a transfer reads of them on every room, taken
+    once per registration (a torch view costs microseconds a call: 60 layer buffers' worth
+    per room was most of a small room's transfer)."""
+
+    tensors: list[Any]
+    infos: tuple[BufferInfo, ...]
+    host_rows: list[Any]  # per buffer: numpy uint8 rows [num_slots, item] (host), or None
+    item_bytes: tuple[int, ...]
+
+    @staticmethod
+    def of(buffers: Sequence[Any]) -> RegisteredPool:
+        tensors = list(buffers)
+        infos, host = [], []
+        for t in tensors:
+            nbytes = t.numel() * t.element_size()
+            infos.append(BufferInfo(t.data_ptr(), nbytes, nbytes // max(1, t.shape[0])))
+            host.append(byte_rows(t).numpy() if t.device.type == "cpu" else None)
+        return RegisteredPool(tensors, tuple(infos), host, tuple(i.item_bytes for i in infos))
 
 
 def slot_run(slots: Sequence[int]) -> slice | None:
