@@ -48,10 +48,17 @@ class PeerDescriptor:
 
     endpoint: str  # backend-specific address, e.g. "10.0.0.2:17001" (zmq, mooncake session)
     buffers: tuple[BufferInfo, ...]
+    #: one room's staging region on the receiver (address, bytes), where a backend that
+    #: stages small rooms (mooncake) writes every buffer's rows as one block; None: none
+    staging: tuple[int, int] | None = None
 
     def to_wire(self) -> dict[str, Any]:
-        return {"endpoint": self.endpoint,
-                "buffers": [[b.ptr, b.nbytes, b.item_bytes] for b in self.buffers]}
+        wire: dict[str, Any] = {"endpoint": self.endpoint,
+                                "buffers": [[b.ptr, b.nbytes, b.item_bytes]
+                                            for b in self.buffers]}
+        if self.staging is not None:
+            wire["staging"] = list(self.staging)
+        return wire
 
     @staticmethod
     def from_wire(obj: Any) -> PeerDescriptor:
@@ -59,11 +66,17 @@ class PeerDescriptor:
         try:
             endpoint = obj["endpoint"]
             bufs = tuple(BufferInfo(int(p), int(n), int(i)) for p, n, i in obj["buffers"])
-        except (KeyError, TypeError, ValueError) as exc:
+            staged = obj.get("staging")
+            staging = None if staged is None else (int(staged[0]), int(staged[1]))
+            if staged is not None and len(staged) != 2:
+                raise ValueError("staging is not [address, bytes]")
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
             raise KVTransferError(f"kv transfer: malformed peer descriptor ({exc})") from None
         if not isinstance(endpoint, str) or not endpoint:
             raise KVTransferError("kv transfer: peer descriptor has no endpoint")
-        return PeerDescriptor(endpoint, bufs)
+        if staging is not None and (staging[0] <= 0 or staging[1] <= 0):
+            raise KVTransferError("kv transfer: peer descriptor's staging region is empty")
+        return PeerDescriptor(endpoint, bufs, staging)
 
 
 @dataclass
@@ -117,8 +130,9 @@ class KVTransferBackend(abc.ABC):
     def endpoint(self) -> str:
         """The address a peer's backend reaches this one at (after `start`)."""
 
-    def descriptor(self) -> PeerDescriptor:
-        """This side as a receiver: endpoint + buffers (sent to the sender at handshake)."""
+    def descriptor(self, room: int | None = None) -> PeerDescriptor:
+        """This side as a receiver: endpoint + buffers (sent to the sender at handshake);
+        with ``room`` (expected), the staging region a backend set aside for it, if any."""
         return PeerDescriptor(self.endpoint(), self.buffer_infos())
 
     @abc.abstractmethod
@@ -136,6 +150,12 @@ class KVTransferBackend(abc.ABC):
         Backends that receive actively (zmq) refuse data for a room not expected, or for
         slots other than these; one-sided backends (mooncake) may ignore this.
         """
+        return None
+
+    def land(self, room: int) -> None:
+        """Decode: prefill reported ``room``'s send done; before its checksum, move what
+        the backend staged for it into the room's slots (a backend that stages nothing:
+        nothing to do)."""
         return None
 
     def release(self, room: int) -> None:
