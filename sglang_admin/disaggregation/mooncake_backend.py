@@ -38,6 +38,7 @@ import json
 import logging
 import operator
 import os
+import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -130,6 +131,36 @@ def _check_slots(slots: Sequence[int], num_slots: int, side: str) -> str | None:
         return (f"kv transfer failed: {side} slot {bad} is outside its pool of "
                 f"{num_slots} slots")
     return None
+
+
+class _Writers:
+    """Daemon threads that run the engine's blocking writes: an idle one takes the next
+    write, a new one starts when none is idle (a stalled write holds its thread until the
+    engine gives up). A thread started per write cost a loaded machine a scheduling round
+    trip of its own (the start waits for the new thread to run)."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self._lock:
+            if self._idle:
+                self._idle -= 1  # that thread takes this job
+            else:
+                threading.Thread(target=self._work, name="mooncake-write",
+                                 daemon=True).start()
+        self._jobs.put(job)
+
+    def _work(self) -> None:
+        while True:
+            self._jobs.get()()
+            with self._lock:
+                self._idle += 1
+
+
+_WRITERS = _Writers()
 
 
 class MooncakeBackend(KVTransferBackend):
@@ -353,7 +384,7 @@ class MooncakeBackend(KVTransferBackend):
 
     @staticmethod
     def _bounded(call: Callable[[], int], timeout_s: float) -> int | None:
-        """`call()` on its own thread, its result, or None after `timeout_s`.
+        """`call()` on a writer thread, its result, or None after `timeout_s`.
 
         The engine's sync write waits for its own limits (a stalled peer's handshake up to a
         minute, a write up to MC_TRANSFER_TIMEOUT, 30 s by default); `send` keeps the
@@ -361,16 +392,17 @@ class MooncakeBackend(KVTransferBackend):
         its rows may yet land: the caller frees the destination slots only once the
         receiver has been told the room failed (the control plane's rule)."""
         box: list[int] = []
+        done = threading.Event()
 
         def run() -> None:
             try:
                 box.append(int(call()))
             except Exception:  # the binding raising is a failed write, like rc -1
                 box.append(-1)
+            done.set()
 
-        t = threading.Thread(target=run, name="mooncake-write", daemon=True)
-        t.start()
-        t.join(timeout_s)
+        _WRITERS.submit(run)
+        done.wait(timeout_s)
         return box[0] if box else None
 
     @staticmethod
