@@ -40,8 +40,9 @@ from sglang_admin.disaggregation.transfer import (
 logger = logging.getLogger(__name__)
 
 _POLL_MS = 100
-#: rooms of up to this many bytes go as one gathered frame (see the module doc)
-GATHER_MAX_BYTES = 32 << 20
+#: rooms of up to this many bytes go as one gathered frame (see the module doc); each
+#: sending thread keeps a staging buffer of up to this size
+GATHER_MAX_BYTES = 16 << 20
 
 
 class ZmqBackend(KVTransferBackend):
