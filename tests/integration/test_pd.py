@@ -9,10 +9,10 @@ with a clear status within the (shortened) timeouts, frees the KV on both worker
 leaves both serving.
 
 Workers: the module's pair (dp 2 a leg, the router in front) serves every test that leaves
-it serving, and loses its prefill worker in the module's last test; a tiny Llama pair with
-a LoRA adapter over mooncake serves the LoRA and the mooncake tests (its decode worker
-killed at the end); SmolLM2's pair (loaded dequantized, its own router) and the tp 2 pair
-live for one test each.
+it serving, and loses its prefill worker in the module's last test; a pair of the embedded
+model with a LoRA adapter on both legs, its KV over mooncake, serves the LoRA and the
+mooncake tests (its decode worker killed at the end); SmolLM2's pair (its own router) and
+the tp 2 pair live for one test each.
 """
 
 from __future__ import annotations
@@ -1051,22 +1051,47 @@ class LoraPair:
     backend: str
 
 
+def write_lora_adapter(model_dir: Path, path: Path, rank: int = 8, seed: int = 3) -> Path:
+    """A random PEFT LoRA adapter (q_proj and v_proj of every layer) for the Llama
+    checkpoint in ``model_dir``, written as PEFT's save_pretrained writes one
+    (adapter_config.json, adapter_model.safetensors): no model is loaded to build it."""
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    hidden, head_dim = cfg["hidden_size"], cfg["head_dim"]
+    outs = {"q_proj": cfg["num_attention_heads"] * head_dim,
+            "v_proj": cfg["num_key_value_heads"] * head_dim}
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(cfg["num_hidden_layers"]):
+        for target, out in outs.items():
+            key = f"base_model.model.model.layers.{layer}.self_attn.{target}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, hidden, generator=gen) * 0.15
+            tensors[f"{key}.lora_B.weight"] = torch.randn(out, rank, generator=gen) * 0.15
+    path.mkdir(parents=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "lora_dropout": 0.0,
+        "target_modules": list(outs), "bias": "none", "task_type": "CAUSAL_LM"}))
+    return path
+
+
 @pytest.fixture(scope="module")
 def lora_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoraPair]:
-    """A pair of a tiny Llama with a LoRA adapter loaded on both legs, its KV over the
-    mooncake transfer engine (TCP here; zmq where the pd extra is not installed, for the
-    LoRA test alone). The mooncake test, which runs after the LoRA test, ends it."""
+    """A pair of the embedded model with a LoRA adapter loaded on both legs, its KV over
+    the mooncake transfer engine (TCP here; zmq where the pd extra is not installed, for
+    the LoRA test alone). The mooncake test, which runs after the LoRA test, ends it."""
     import importlib.util
 
-    from tests.lora_models import build_adapter, build_base
+    from sglang_admin.model.default_model import ensure_default_model
 
     tmp = tmp_path_factory.mktemp("pd_lora")
-    base = build_base("llama", tmp / "base")
-    adapter = build_adapter(base, "attn", tmp / "attn", seed=3)
+    adapter = write_lora_adapter(Path(ensure_default_model()), tmp / "attn")
     backend = "mooncake" if importlib.util.find_spec("mooncake") else "zmq"
     bport = free_port()
-    common = ["--model-path", str(base), "--enable-lora", "--max-lora-rank", "8",
-              "--lora-paths", f"attn={adapter}", "--disaggregation-transfer-backend", backend]
+    common = ["--enable-lora", "--max-lora-rank", "8", "--lora-paths", f"attn={adapter}",
+              "--disaggregation-transfer-backend", backend]
     prefill = start_server(tmp, *common, "--disaggregation-mode", "prefill",
                            "--disaggregation-bootstrap-port", str(bport), env=PD_ENV, wait=False)
     decode = start_server(tmp, *common, "--disaggregation-mode", "decode", env=PD_ENV,
@@ -1097,19 +1122,18 @@ def test_lora_requests_decode_with_the_adapter(lora_pair: LoraPair) -> None:
     assert_freed(prefill, decode)
 
 
-def test_mooncake_pair_equals_a_plain_worker(lora_pair: LoraPair) -> None:
+def test_mooncake_pair_equals_a_plain_worker(lora_pair: LoraPair, server: ServerProc) -> None:
     """The same control plane over the mooncake transfer engine (TCP here): tokens and
-    logprobs equal the plain path's (the prefill worker answers a request without
-    disaggregated_params as a plain worker does; asked first, so the pair's prefill leg
-    finds its own KV of the prompt cached), concurrent pairs complete, the KV is freed.
+    logprobs equal the plain worker's (the session's, the same embedded model: requests
+    naming no adapter are the base model's), concurrent pairs complete, the KV is freed.
     Then the pair's last act: the decode worker is SIGKILLed after its handshake for a
     room, and the prefill leg's mooncake send fails, frees its KV and keeps serving."""
     if lora_pair.backend != "mooncake":
         pytest.skip("the pd extra (mooncake) is not installed")
     prefill, decode, bport = lora_pair.prefill, lora_pair.decode, lora_pair.bootstrap_port
     for room, ids in enumerate(PROMPTS, start=70):
-        want = list(prefill.stub().Generate(greedy(ids, 10, return_logprob=True),
-                                            timeout=60))[-1].complete
+        want = list(server.stub().Generate(greedy(ids, 10, return_logprob=True),
+                                           timeout=60))[-1].complete
         _, d = _both_legs(prefill, decode, bport, room,
                           lambda i=ids: greedy(i, 10, return_logprob=True))
         got = d[-1].complete
@@ -1146,11 +1170,7 @@ def test_smollm2_pair_through_the_router_equals_a_plain_worker(tmp_path: Path) -
     except ValueError as exc:
         pytest.skip(f"SmolLM2 is not installed (make smollm2): {exc}")
     bport = free_port()
-    # loaded dequantized: the PD path is the point here, and the kept-quantized load
-    # (repacking every projection: ~10 s of CPU a worker, 3x the dequantizing load) is
-    # tests/integration/test_gguf.py's
-    common = ["--model-path", str(path), "--gguf-dequantize",
-              "--disaggregation-transfer-backend", "zmq"]
+    common = ["--model-path", str(path), "--disaggregation-transfer-backend", "zmq"]
     prefill = start_server(tmp_path, *common, "--disaggregation-mode", "prefill",
                            "--disaggregation-bootstrap-port", str(bport), env=PD_ENV, wait=False)
     decode = start_server(tmp_path, *common, "--disaggregation-mode", "decode", env=PD_ENV,
@@ -1166,9 +1186,9 @@ def test_smollm2_pair_through_the_router_equals_a_plain_worker(tmp_path: Path) -
         def cold() -> None:
             """Both legs' prefix caches emptied: the plain path and the PD leg then prefill
             the whole prompt alike, and decode holds no earlier prompt's KV that it would
-            adopt for a shared prefix (in bfloat16 a prefix's KV from another forward moves
-            the logprobs by up to ~5e-2: the chat prompt shares its first token with the
-            first /generate prompt)."""
+            adopt for a shared prefix (the chat prompt shares its first token with the
+            first /generate prompt). In bfloat16 a prefix's KV from another forward moves
+            the logprobs by ~1e-2 (up to 5e-2 seen at the dequantized load)."""
             for srv in (prefill, decode):
                 assert srv.stub().FlushCache(pb.FlushCacheRequest(timeout_s=10),
                                              timeout=30).success
