@@ -7,6 +7,12 @@ drive one real leg with a test-side stand-in for the other (tests/integration/pd
 so that leg can die, withhold, corrupt or shorten the pages: each failure ends its request
 with a clear status within the (shortened) timeouts, frees the KV on both workers, and
 leaves both serving.
+
+Workers: the module's pair (dp 2 a leg, the router in front) serves every test that leaves
+it serving, and loses its prefill worker in the module's last test; a pair of the embedded
+model with a LoRA adapter on both legs, its KV over mooncake, serves the LoRA and the
+mooncake tests (its decode worker killed at the end); SmolLM2's pair (its own router) and
+the tp 2 pair live for one test each.
 """
 
 from __future__ import annotations
@@ -357,12 +363,12 @@ def test_200_concurrent_requests_all_complete(pair: Pair) -> None:
     rng = random.Random(5)
     prompts = [[rng.randrange(0, 256) for _ in range(rng.randrange(3, 40))] for _ in range(200)]
 
-    def one(ids: list[int]) -> int:
-        return len(router_generate(pair, ids, 8)["output_ids"])
+    def one(ids: list[int]) -> int:  # short: prefill's first token, then two decode steps
+        return len(router_generate(pair, ids, 3)["output_ids"])
 
     with ThreadPoolExecutor(32) as pool:
         lengths = list(pool.map(one, prompts))
-    assert lengths == [8] * 200
+    assert lengths == [3] * 200
     assert_freed(pair.prefill, pair.decode, timeout=20)
 
 
@@ -740,12 +746,29 @@ def test_kv_of_other_weights_is_never_decoded(pair: Pair) -> None:
     assert_serving(pair)
 
 
-def test_a_room_that_never_arrives_times_out(pair: Pair) -> None:
-    """Decode handshakes with the real prefill, which never gets the request."""
-    err, took = _fail_after(pair.decode.stub().Generate(
-        pd_request(PROMPTS[0], 4, "127.0.0.1", pair.bootstrap_port, 99001), timeout=60))
+def test_a_room_never_arriving_and_a_handshake_never_coming_time_out(pair: Pair) -> None:
+    """Decode handshakes with the real prefill, which never gets the request: decode's
+    waiting timeout ends it ("kv transfer timed out"). Prefill gets a request whose decode
+    never handshakes: its bootstrap timeout ends it ("bootstrap timed out"). Both 12 s
+    clocks run at once (two rooms, one on each leg)."""
+    results: dict[str, tuple[grpc.RpcError, float]] = {}
+
+    def run(leg: str, srv: ServerProc, room: int) -> None:
+        results[leg] = _fail_after(srv.stub().Generate(
+            pd_request(PROMPTS[0], 4, "127.0.0.1", pair.bootstrap_port, room), timeout=60))
+
+    threads = [threading.Thread(target=run, args=("decode", pair.decode, 99001)),
+               threading.Thread(target=run, args=("prefill", pair.prefill, 88002))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    err, took = results["decode"]
     assert err.code() == grpc.StatusCode.UNAVAILABLE
     assert "kv transfer timed out" in err.details()
+    assert 11 < took < 30
+    err, took = results["prefill"]
+    assert err.code() == grpc.StatusCode.UNAVAILABLE and "bootstrap timed out" in err.details()
     assert 11 < took < 30
     assert_freed(pair.decode, pair.prefill)
     assert_serving(pair)
@@ -805,14 +828,6 @@ def test_decode_dies_mid_transfer_prefill_fails_and_frees(pair: Pair) -> None:
     assert_serving(pair)
 
 
-def test_prefill_without_a_handshake_times_out_with_bootstrap(pair: Pair) -> None:
-    err, took = _fail_after(pair.prefill.stub().Generate(
-        pd_request(PROMPTS[0], 4, "127.0.0.1", pair.bootstrap_port, 88002), timeout=60))
-    assert err.code() == grpc.StatusCode.UNAVAILABLE and "bootstrap timed out" in err.details()
-    assert 11 < took < 30
-    assert_freed(pair.prefill)
-
-
 @pytest.mark.parametrize("leg", ["decode", "prefill"])
 def test_a_client_that_disconnects_while_waiting_frees_the_kv(pair: Pair, leg: str) -> None:
     """Decode waiting for its KV, or prefill holding KV for a handshake: the call is
@@ -852,9 +867,110 @@ def test_a_streaming_client_that_drops_through_the_router_frees_both(pair: Pair)
     assert_serving(pair)
 
 
+def test_deadline_passing_while_decode_waits_frees_the_kv(pair: Pair) -> None:
+    fake = FakePrefill()
+    try:
+        t0 = time.monotonic()
+        call = pair.decode.stub().Generate(
+            pd_request(PROMPTS[3], 4, "127.0.0.1", fake.port, 55001), timeout=3)
+        fake.handshake()
+        with pytest.raises(grpc.RpcError) as err:
+            list(call)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert time.monotonic() - t0 < 8
+        msg = fake.next_message(5)  # prefill is told
+        assert msg is not None and msg["kind"] == "cancel"
+    finally:
+        fake.close()
+    assert_freed(pair.decode, timeout=5)
+
+
+def test_fuzzed_control_messages_harm_no_leg(pair: Pair) -> None:
+    """Garbage on both legs' control sockets: dropped (or the room they name fails); both
+    keep serving, no KV held."""
+    import zmq
+
+    fake = FakePrefill()
+    rng = random.Random(11)
+    try:
+        room = 44001
+        result: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                result["out"] = list(pair.decode.stub().Generate(
+                    pd_request(FAKE_KV_PROMPTS[2], 4, "127.0.0.1", fake.port, room), timeout=60))
+            except grpc.RpcError as exc:
+                result["err"] = exc
+
+        t = threading.Thread(target=run)
+        t.start()
+        hs = fake.handshake()
+        targets = [hs["notify"], _prefill_control(pair, 0), _prefill_control(pair, 1)]
+        values = [None, -1, 2**63 - 1, -2**63, "x", b"\xff", 3.5, [], {}, [[1, "a"]], {"a": 1}, True]
+        ctx = zmq.Context.instance()
+        for addr in targets:
+            sock = ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 1000)
+            sock.connect(f"tcp://{addr}")
+            for _ in range(200):
+                kind = rng.choice(["handshake", "done", "cancel", "x", 5])
+                msg = {"kind": kind, "room": rng.choice([room, 1, -3, 2**40, "r"])}
+                for key in ("ok", "error", "first_token", "checksum", "peer", "dst_slots",
+                            "notify", "top_logprobs", "logprob", "weight_version", "peers",
+                            "tp_size", "checksums"):
+                    if rng.random() < 0.5:
+                        msg[key] = rng.choice(values)
+                sock.send(msgpack.packb(msg) if rng.random() < 0.9 else rng.randbytes(20))
+            sock.close()
+        t.join(60)
+        if "err" in result:  # the room got a malformed completion: failed with a clear status
+            assert "kv transfer" in result["err"].details()
+    finally:
+        fake.close()
+    assert_freed(pair.prefill, pair.decode, timeout=20)
+    assert_serving(pair)
+
+
+def _both_legs(prefill: ServerProc, decode: ServerProc, bport: int, room: int,
+               make: Any) -> tuple[list[pb.GenerateResponse], list[pb.GenerateResponse]]:
+    """Both legs at once with one room, as the router sends them."""
+    out: dict[str, Any] = {}
+
+    def leg(name: str, srv: ServerProc) -> None:
+        req = make()
+        req.request_id = f"pair{room}"
+        req.disaggregated_params.bootstrap_host = "127.0.0.1"
+        req.disaggregated_params.bootstrap_port = bport
+        req.disaggregated_params.bootstrap_room = room
+        out[name] = list(srv.stub().Generate(req, timeout=120))
+
+    threads = [threading.Thread(target=leg, args=a) for a in (("p", prefill), ("d", decode))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(150)
+    return out["p"], out["d"]
+
+
+def test_a_prefill_leg_pinned_to_another_rank_still_meets_decode(pair: Pair) -> None:
+    """data_parallel_rank on the prefill leg does not move the room off rank room % 2."""
+    ids = PROMPTS[0]
+    want = list(plain_generate(pair, ids, 4).output_ids)
+    room = 4001  # rank 1
+
+    def pinned() -> pb.GenerateRequest:
+        return greedy(ids, 4, data_parallel_rank=0)
+
+    _, d = _both_legs(pair.prefill, pair.decode, pair.bootstrap_port, room, pinned)
+    assert list(d[-1].complete.output_ids) == want
+    assert_freed(pair.prefill, pair.decode)
+
+
 # ------------------------------------------------ real processes killed (a pair's last act)
-# The pairs of their own below (LoRA, SmolLM2, mooncake) end with one of these: a real worker
-# process SIGKILLed (its scheduler ranks die with it) while the other leg holds KV for a room.
+# The pairs below end with one of these: a real worker process SIGKILLed (its scheduler ranks
+# die with it) while the other leg holds KV for a room. The mooncake pair and SmolLM2's lose
+# their decode worker, the module's pair (in the module's last test) its prefill worker.
 
 
 def decode_queue(decode: ServerProc) -> int:
@@ -924,127 +1040,116 @@ def kill_decode_after_its_handshake(prefill: ServerProc, decode: ServerProc, bpo
     assert len(want) == 4  # a plain request at the prefill worker: still serving
 
 
-# ---------------------------------------------------------------------- LoRA (a pair of its own)
+# ------------------------------------------------ LoRA and mooncake (a pair of their own)
 
 
-def _both_legs(prefill: ServerProc, decode: ServerProc, bport: int, room: int,
-               make: Any) -> tuple[list[pb.GenerateResponse], list[pb.GenerateResponse]]:
-    """Both legs at once with one room, as the router sends them."""
-    out: dict[str, Any] = {}
-
-    def leg(name: str, srv: ServerProc) -> None:
-        req = make()
-        req.request_id = f"pair{room}"
-        req.disaggregated_params.bootstrap_host = "127.0.0.1"
-        req.disaggregated_params.bootstrap_port = bport
-        req.disaggregated_params.bootstrap_room = room
-        out[name] = list(srv.stub().Generate(req, timeout=120))
-
-    threads = [threading.Thread(target=leg, args=a) for a in (("p", prefill), ("d", decode))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(150)
-    return out["p"], out["d"]
+@dataclass
+class LoraPair:
+    prefill: ServerProc
+    decode: ServerProc
+    bootstrap_port: int
+    backend: str
 
 
-def test_lora_requests_decode_with_the_adapter(tmp_path: Path) -> None:
-    from tests.lora_models import build_adapter, build_base
+def write_lora_adapter(model_dir: Path, path: Path, rank: int = 8, seed: int = 3) -> Path:
+    """A random PEFT LoRA adapter (q_proj and v_proj of every layer) for the Llama
+    checkpoint in ``model_dir``, written as PEFT's save_pretrained writes one
+    (adapter_config.json, adapter_model.safetensors): no model is loaded to build it."""
+    import torch
+    from safetensors.torch import save_file
 
-    base = build_base("llama", tmp_path / "base")
-    adapter = build_adapter(base, "attn", tmp_path / "attn", seed=3)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    hidden, head_dim = cfg["hidden_size"], cfg["head_dim"]
+    outs = {"q_proj": cfg["num_attention_heads"] * head_dim,
+            "v_proj": cfg["num_key_value_heads"] * head_dim}
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(cfg["num_hidden_layers"]):
+        for target, out in outs.items():
+            key = f"base_model.model.model.layers.{layer}.self_attn.{target}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, hidden, generator=gen) * 0.15
+            tensors[f"{key}.lora_B.weight"] = torch.randn(out, rank, generator=gen) * 0.15
+    path.mkdir(parents=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "lora_dropout": 0.0,
+        "target_modules": list(outs), "bias": "none", "task_type": "CAUSAL_LM"}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def lora_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoraPair]:
+    """A pair of the embedded model with a LoRA adapter loaded on both legs, its KV over
+    the mooncake transfer engine (TCP here; zmq where the pd extra is not installed, for
+    the LoRA test alone). The mooncake test, which runs after the LoRA test, ends it."""
+    import importlib.util
+
+    from sglang_admin.model.default_model import ensure_default_model
+
+    tmp = tmp_path_factory.mktemp("pd_lora")
+    adapter = write_lora_adapter(Path(ensure_default_model()), tmp / "attn")
+    backend = "mooncake" if importlib.util.find_spec("mooncake") else "zmq"
     bport = free_port()
-    common = ["--model-path", str(base), "--enable-lora", "--max-lora-rank", "8",
-              "--lora-paths", f"attn={adapter}", "--disaggregation-transfer-backend", "zmq"]
-    prefill = start_server(tmp_path, *common, "--disaggregation-mode", "prefill",
+    common = ["--enable-lora", "--max-lora-rank", "8", "--lora-paths", f"attn={adapter}",
+              "--disaggregation-transfer-backend", backend]
+    prefill = start_server(tmp, *common, "--disaggregation-mode", "prefill",
                            "--disaggregation-bootstrap-port", str(bport), env=PD_ENV, wait=False)
-    decode = start_server(tmp_path, *common, "--disaggregation-mode", "decode", env=PD_ENV,
+    decode = start_server(tmp, *common, "--disaggregation-mode", "decode", env=PD_ENV,
                           wait=False)
     try:
         for srv in (prefill, decode):
             wait_started(srv)
-        ids = [3, 14, 15, 92, 65, 35, 89, 79]
-        got: dict[str, list[int]] = {}
-        for lora_id, room in (("attn", 11), ("", 12)):
-            _, d = _both_legs(prefill, decode, bport, room,
-                              lambda lid=lora_id: greedy(ids, 8, lora_id=lid))
-            # the plain path on the same worker (SGLang's fake bootstrap host: no transfer)
-            plain = greedy(ids, 8, lora_id=lora_id)
-            plain.disaggregated_params.bootstrap_host = "2.2.2.2"
-            want = list(decode.stub().Generate(plain, timeout=60))[-1].complete.output_ids
-            got[lora_id] = list(d[-1].complete.output_ids)
-            assert got[lora_id] == list(want), lora_id
-        assert got["attn"] != got[""]  # the adapter changed the tokens on both legs
-        assert_freed(prefill, decode)
-        kill_prefill_while_decode_waits(prefill, decode, bport, room=13)
+        yield LoraPair(prefill, decode, bport, backend)
     finally:
         prefill.stop()
         decode.stop()
 
 
-def test_deadline_passing_while_decode_waits_frees_the_kv(pair: Pair) -> None:
-    fake = FakePrefill()
-    try:
-        t0 = time.monotonic()
-        call = pair.decode.stub().Generate(
-            pd_request(PROMPTS[3], 4, "127.0.0.1", fake.port, 55001), timeout=3)
-        fake.handshake()
-        with pytest.raises(grpc.RpcError) as err:
-            list(call)
-        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        assert time.monotonic() - t0 < 8
-        msg = fake.next_message(5)  # prefill is told
-        assert msg is not None and msg["kind"] == "cancel"
-    finally:
-        fake.close()
-    assert_freed(pair.decode, timeout=5)
+def test_lora_requests_decode_with_the_adapter(lora_pair: LoraPair) -> None:
+    prefill, decode, bport = lora_pair.prefill, lora_pair.decode, lora_pair.bootstrap_port
+    ids = [3, 14, 15, 92, 65, 35, 89, 79]
+    got: dict[str, list[int]] = {}
+    for lora_id, room in (("attn", 11), ("", 12)):
+        _, d = _both_legs(prefill, decode, bport, room,
+                          lambda lid=lora_id: greedy(ids, 8, lora_id=lid))
+        # the plain path on the same worker (SGLang's fake bootstrap host: no transfer)
+        plain = greedy(ids, 8, lora_id=lora_id)
+        plain.disaggregated_params.bootstrap_host = "2.2.2.2"
+        want = list(decode.stub().Generate(plain, timeout=60))[-1].complete.output_ids
+        got[lora_id] = list(d[-1].complete.output_ids)
+        assert got[lora_id] == list(want), lora_id
+    assert got["attn"] != got[""]  # the adapter changed the tokens on both legs
+    assert_freed(prefill, decode)
 
 
-def test_fuzzed_control_messages_harm_no_leg(pair: Pair) -> None:
-    """Garbage on both legs' control sockets: dropped (or the room they name fails); both
-    keep serving, no KV held."""
-    import zmq
-
-    fake = FakePrefill()
-    rng = random.Random(11)
-    try:
-        room = 44001
-        result: dict[str, Any] = {}
-
-        def run() -> None:
-            try:
-                result["out"] = list(pair.decode.stub().Generate(
-                    pd_request(FAKE_KV_PROMPTS[2], 4, "127.0.0.1", fake.port, room), timeout=60))
-            except grpc.RpcError as exc:
-                result["err"] = exc
-
-        t = threading.Thread(target=run)
-        t.start()
-        hs = fake.handshake()
-        targets = [hs["notify"], _prefill_control(pair, 0), _prefill_control(pair, 1)]
-        values = [None, -1, 2**63 - 1, -2**63, "x", b"\xff", 3.5, [], {}, [[1, "a"]], {"a": 1}, True]
-        ctx = zmq.Context.instance()
-        for addr in targets:
-            sock = ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 1000)
-            sock.connect(f"tcp://{addr}")
-            for _ in range(200):
-                kind = rng.choice(["handshake", "done", "cancel", "x", 5])
-                msg = {"kind": kind, "room": rng.choice([room, 1, -3, 2**40, "r"])}
-                for key in ("ok", "error", "first_token", "checksum", "peer", "dst_slots",
-                            "notify", "top_logprobs", "logprob", "weight_version", "peers",
-                            "tp_size", "checksums"):
-                    if rng.random() < 0.5:
-                        msg[key] = rng.choice(values)
-                sock.send(msgpack.packb(msg) if rng.random() < 0.9 else rng.randbytes(20))
-            sock.close()
-        t.join(60)
-        if "err" in result:  # the room got a malformed completion: failed with a clear status
-            assert "kv transfer" in result["err"].details()
-    finally:
-        fake.close()
-    assert_freed(pair.prefill, pair.decode, timeout=20)
-    assert_serving(pair)
+def test_mooncake_pair_equals_a_plain_worker(lora_pair: LoraPair, server: ServerProc) -> None:
+    """The same control plane over the mooncake transfer engine (TCP here): tokens and
+    logprobs equal the plain worker's (the session's, the same embedded model: requests
+    naming no adapter are the base model's), concurrent pairs complete, the KV is freed.
+    Then the pair's last act: the decode worker is SIGKILLed after its handshake for a
+    room, and the prefill leg's mooncake send fails, frees its KV and keeps serving."""
+    if lora_pair.backend != "mooncake":
+        pytest.skip("the pd extra (mooncake) is not installed")
+    prefill, decode, bport = lora_pair.prefill, lora_pair.decode, lora_pair.bootstrap_port
+    for room, ids in enumerate(PROMPTS, start=70):
+        want = list(server.stub().Generate(greedy(ids, 10, return_logprob=True),
+                                           timeout=60))[-1].complete
+        _, d = _both_legs(prefill, decode, bport, room,
+                          lambda i=ids: greedy(i, 10, return_logprob=True))
+        got = d[-1].complete
+        assert list(got.output_ids) == list(want.output_ids)
+        assert list(got.output_logprobs.token_logprobs) == pytest.approx(
+            list(want.output_logprobs.token_logprobs), abs=1e-4)
+    rng = random.Random(9)
+    with ThreadPoolExecutor(16) as pool:
+        outs = list(pool.map(
+            lambda r: _both_legs(prefill, decode, bport, r, lambda: greedy(
+                [rng.randrange(0, 256) for _ in range(20)], 6))[1][-1].complete,
+            range(100, 132)))
+    assert all(len(o.output_ids) == 6 for o in outs)
+    assert_freed(prefill, decode)
+    kill_decode_after_its_handshake(prefill, decode, bport, room=140)
+    prefill.stop()  # (the pair is done: not left idle until the module's end)
 
 
 # ---------------------------------------------------------------------- SmolLM2 (a pair of its own)
@@ -1079,10 +1184,13 @@ def test_smollm2_pair_through_the_router_equals_a_plain_worker(tmp_path: Path) -
         model = http("GET", f"{base}/v1/models")[1]["data"][0]["id"]
 
         def cold() -> None:
-            """Prefill's prefix cache emptied: the plain path and the PD leg then prefill the
-            whole prompt alike (in bfloat16 a cached prefix's shorter forward moves the
-            logprobs by ~1e-2)."""
-            assert prefill.stub().FlushCache(pb.FlushCacheRequest(timeout_s=10),
+            """Both legs' prefix caches emptied: the plain path and the PD leg then prefill
+            the whole prompt alike, and decode holds no earlier prompt's KV that it would
+            adopt for a shared prefix (the chat prompt shares its first token with the
+            first /generate prompt). In bfloat16 a prefix's KV from another forward moves
+            the logprobs by ~1e-2 (up to 5e-2 seen at the dequantized load)."""
+            for srv in (prefill, decode):
+                assert srv.stub().FlushCache(pb.FlushCacheRequest(timeout_s=10),
                                              timeout=30).success
 
         def plain(ids: list[int], n: int, ignore_eos: bool = True) -> pb.GenerateComplete:
@@ -1140,61 +1248,6 @@ def test_smollm2_pair_through_the_router_equals_a_plain_worker(tmp_path: Path) -
             stop_router(router)
         prefill.stop()
         decode.stop()
-
-
-# ---------------------------------------------------------------------- mooncake (a pair of its own)
-
-
-def test_mooncake_pair_equals_a_plain_worker(tmp_path: Path, request: pytest.FixtureRequest
-                                             ) -> None:
-    """The same control plane over the mooncake transfer engine (TCP here): tokens and
-    logprobs equal the plain worker's, concurrent pairs complete, the KV is freed."""
-    pytest.importorskip("mooncake", reason="the pd extra (mooncake) is not installed")
-    bport = free_port()
-    common = ["--disaggregation-transfer-backend", "mooncake"]
-    prefill = start_server(tmp_path, *common, "--disaggregation-mode", "prefill",
-                           "--disaggregation-bootstrap-port", str(bport), env=PD_ENV, wait=False)
-    decode = start_server(tmp_path, *common, "--disaggregation-mode", "decode", env=PD_ENV,
-                          wait=False)
-    try:
-        plain = request.getfixturevalue("server")
-        for srv in (prefill, decode):
-            wait_started(srv)
-        for room, ids in enumerate(PROMPTS, start=70):
-            want = list(plain.stub().Generate(greedy(ids, 10, return_logprob=True),
-                                              timeout=60))[-1].complete
-            _, d = _both_legs(prefill, decode, bport, room,
-                              lambda i=ids: greedy(i, 10, return_logprob=True))
-            got = d[-1].complete
-            assert list(got.output_ids) == list(want.output_ids)
-            assert list(got.output_logprobs.token_logprobs) == pytest.approx(
-                list(want.output_logprobs.token_logprobs), abs=1e-4)
-        rng = random.Random(9)
-        with ThreadPoolExecutor(16) as pool:
-            outs = list(pool.map(
-                lambda r: _both_legs(prefill, decode, bport, r, lambda: greedy(
-                    [rng.randrange(0, 256) for _ in range(20)], 6))[1][-1].complete,
-                range(100, 132)))
-        assert all(len(o.output_ids) == 6 for o in outs)
-        assert_freed(prefill, decode)
-        kill_decode_after_its_handshake(prefill, decode, bport, room=140)
-    finally:
-        prefill.stop()
-        decode.stop()
-
-
-def test_a_prefill_leg_pinned_to_another_rank_still_meets_decode(pair: Pair) -> None:
-    """data_parallel_rank on the prefill leg does not move the room off rank room % 2."""
-    ids = PROMPTS[0]
-    want = list(plain_generate(pair, ids, 4).output_ids)
-    room = 4001  # rank 1
-
-    def pinned() -> pb.GenerateRequest:
-        return greedy(ids, 4, data_parallel_rank=0)
-
-    _, d = _both_legs(pair.prefill, pair.decode, pair.bootstrap_port, room, pinned)
-    assert list(d[-1].complete.output_ids) == want
-    assert_freed(pair.prefill, pair.decode)
 
 
 # ---------------------------------------------------------------------- --tp-size 2 (a pair of its own)
@@ -1326,3 +1379,13 @@ def test_tp2_pair_equals_a_plain_worker_and_refuses_another_tp_size(pair: Pair,
     finally:
         prefill.stop()
         decode.stop()
+
+
+# ------------------------------------------------ the module's pair: its last act, last
+
+
+def test_prefill_killed_while_decode_waits_decode_fails_alone(pair: Pair) -> None:
+    """The module pair's prefill worker (two ranks) SIGKILLed while decode waits for a
+    room's KV: decode fails the room on its own within the heartbeat's bound, frees its
+    KV and keeps serving. The last test of the module: the pair is not used after it."""
+    kill_prefill_while_decode_waits(pair.prefill, pair.decode, pair.bootstrap_port, room=13)
