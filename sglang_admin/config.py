@@ -54,10 +54,9 @@ class ServerArgs:
     port: int = 30000
     dp_size: int = 1
     # tensor parallelism (model/tensor_parallel.py): ranks per model replica; the server
-    # runs dp_size x tp_size rank processes. tp_ports: one rendezvous port per replica on
-    # 127.0.0.1, chosen by launch when tp_size > 1.
+    # runs dp_size x tp_size rank processes; on one host a replica's ranks meet through a
+    # file in ipc_dir (tp/worker.py's join_replica)
     tp_size: int = 1
-    tp_ports: tuple[int, ...] = ()
     # one replica over several hosts (multinode/): the hosts, this one's index, node 0's
     # HOST:PORT (its link at PORT, replica d's TP group at PORT + 1 + d), and how long a
     # node waits for the others at start

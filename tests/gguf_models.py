@@ -78,8 +78,9 @@ def random_q4_k(rows: int, cols: int, rng: np.random.Generator) -> tuple[np.ndar
 
 def write_gguf(path: Path, *, arch: str = "llama", qtype: str = "F32", tied: bool = False,
                seed: int = 0, hidden: int | None = None, name: str = "tiny",
-               tokenizer: bool = True) -> Path:
-    """Write a random 2-layer model of ``arch`` with its 2-D weights in ``qtype``."""
+               tokenizer: bool = True, v_qtype: str | None = None) -> Path:
+    """Write a random 2-layer model of ``arch`` with its 2-D weights in ``qtype`` (``attn_v``
+    in ``v_qtype`` when given: q/k/v of mixed types, as Q4_K_M files have)."""
     import gguf
     from gguf import GGMLQuantizationType as T
     from gguf.quants import quantize
@@ -120,11 +121,13 @@ def write_gguf(path: Path, *, arch: str = "llama", qtype: str = "F32", tied: boo
     def matrix(rows: int, cols: int) -> np.ndarray:
         return (rng.standard_normal((rows, cols)) * 0.15).astype(np.float32)
 
-    def add(name: str, values: np.ndarray, *, permute_heads: int = 0) -> None:
+    def add(name: str, values: np.ndarray, *, permute_heads: int = 0,
+            as_type: str | None = None) -> None:
+        qt = as_type or qtype
         if values.ndim == 1:
             w.add_tensor(name, values.astype(np.float32))
             return
-        if qtype.endswith("_K"):
+        if qt.endswith("_K"):
             blocks, values = random_q4_k(*values.shape, rng)
             if permute_heads:  # llama.cpp permutes before quantizing: rows move whole
                 blocks = llama_permute(blocks, permute_heads)
@@ -132,12 +135,12 @@ def write_gguf(path: Path, *, arch: str = "llama", qtype: str = "F32", tied: boo
             return
         if permute_heads:
             values = llama_permute(values, permute_heads)
-        if qtype == "F32":
+        if qt == "F32":
             w.add_tensor(name, values)
-        elif qtype == "F16":
+        elif qt == "F16":
             w.add_tensor(name, values.astype(np.float16))
         else:
-            w.add_tensor(name, quantize(values, T[qtype]), raw_dtype=T[qtype])
+            w.add_tensor(name, quantize(values, T[qt]), raw_dtype=T[qt])
 
     permute = arch == "llama"
     add("token_embd.weight", matrix(len(vocab), hidden))
@@ -147,7 +150,7 @@ def write_gguf(path: Path, *, arch: str = "llama", qtype: str = "F32", tied: boo
         add(p + "attn_q.weight", matrix(heads * head_dim, hidden), permute_heads=heads * permute)
         add(p + "attn_k.weight", matrix(kv_heads * head_dim, hidden),
             permute_heads=kv_heads * permute)
-        add(p + "attn_v.weight", matrix(kv_heads * head_dim, hidden))
+        add(p + "attn_v.weight", matrix(kv_heads * head_dim, hidden), as_type=v_qtype)
         if arch == "qwen2":
             for proj, size in (("q", heads), ("k", kv_heads), ("v", kv_heads)):
                 add(p + f"attn_{proj}.bias", 0.1 * rng.standard_normal(size * head_dim))

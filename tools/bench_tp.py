@@ -39,7 +39,8 @@ def run(tp_rank: int, tp_size: int, port: int, path: str, opts: argparse.Namespa
     tp = None
     reduce_s = [0.0]
     if tp_size > 1:
-        tp = tpm.join_tensor_parallel(port, tp_rank, tp_size, torch.device("cpu"))
+        tp = tpm.join_tensor_parallel(f"tcp://127.0.0.1:{port}", tp_rank, tp_size,
+                                      torch.device("cpu"))
         plain = tpm.TensorParallel._sum_output
 
         def timed(self, module, inputs, output):  # noqa: ANN001, ANN202

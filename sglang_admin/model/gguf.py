@@ -18,6 +18,8 @@ run the conversion before it fans an update out to the ranks without carrying th
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -144,11 +146,25 @@ def converted_dir(gguf_file: str) -> str:
     return os.path.join(cache_root(), f"{stem}-{key}")
 
 
+@contextlib.contextmanager
+def cache_lock(path: str) -> Iterator[None]:
+    """An exclusive lock on ``path`` (created) while the block runs: processes that would
+    write the same cache entry at once take turns, so the second finds the first's result
+    instead of computing it again. Released when the holder exits, however it exits."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
 def ensure_converted(gguf_file: str, *, progress: Callable[[str], None] | None = None) -> str:
     """The converted directory of ``gguf_file``, converting it first when the cache lacks it.
 
     The conversion writes a temporary sibling that is renamed into place, so a reader never
-    sees half a model and two processes converting at once both end with one good copy.
+    sees half a model; processes that start at once take turns on a lock file beside it, so
+    the file is converted once.
     ``progress`` gets one line when a conversion starts.
     """
     try:
@@ -157,22 +173,26 @@ def ensure_converted(gguf_file: str, *, progress: Callable[[str], None] | None =
         raise GgufError(f"cannot read {gguf_file}: {exc.strerror or exc}") from None
     if os.path.isfile(os.path.join(target, "config.json")):
         return target
-    checked = open_gguf(gguf_file)  # a file that cannot be served fails before any output
-    if progress is not None:
-        size = os.path.getsize(gguf_file) / 1e6
-        progress(f"converting {gguf_file} ({size:.0f} MB GGUF) into {target}, once")
     root = os.path.dirname(target)
     tmp = ""
     try:
         os.makedirs(root, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=".converting-", dir=root)
-        os.chmod(tmp, 0o755)
-        convert_gguf(checked, tmp)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not os.path.isfile(os.path.join(target, "config.json")):
-                raise
+        # a process converting it already: wait for it (a hidden lock file beside it)
+        with cache_lock(os.path.join(root, f".{os.path.basename(target)}.lock")):
+            if os.path.isfile(os.path.join(target, "config.json")):
+                return target
+            checked = open_gguf(gguf_file)  # a file that cannot be served: before any output
+            if progress is not None:
+                size = os.path.getsize(gguf_file) / 1e6
+                progress(f"converting {gguf_file} ({size:.0f} MB GGUF) into {target}, once")
+            tmp = tempfile.mkdtemp(prefix=".converting-", dir=root)
+            os.chmod(tmp, 0o755)
+            convert_gguf(checked, tmp)
+            try:
+                os.rename(tmp, target)
+            except OSError:
+                if not os.path.isfile(os.path.join(target, "config.json")):
+                    raise
     except OSError as exc:  # a full disk, a cache directory we may not write
         raise GgufError(f"cannot write the conversion of {os.path.basename(gguf_file)} into "
                         f"{root}: {exc.strerror or exc}", "FAILED_PRECONDITION") from None

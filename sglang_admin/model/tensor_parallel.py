@@ -205,11 +205,12 @@ class TensorParallel:
             dist.destroy_process_group()
 
 
-def join_tensor_parallel(port: int, tp_rank: int, tp_size: int,
+def join_tensor_parallel(init_method: str, tp_rank: int, tp_size: int,
                          dev: torch.device) -> TensorParallel:
-    """Join this replica's group on ``dev`` (every TP rank calls it; blocks until all have):
+    """Join this replica's group on ``dev`` (every TP rank calls it; blocks until all have)
+    through ``init_method`` (torch.distributed's: ``file://PATH``, ``tcp://HOST:PORT``):
     nccl on CUDA, gloo on the CPU."""
     backend = "nccl" if dev.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}",
+    dist.init_process_group(backend, init_method=init_method,
                             rank=tp_rank, world_size=tp_size, timeout=_IDLE_TIMEOUT)
     return TensorParallel(tp_rank, tp_size, dist.group.WORLD, dev)

@@ -8,7 +8,6 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
-import socket
 import ssl
 from typing import Any
 
@@ -36,13 +35,6 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = common_pb2.DESCRIPTOR.services_by_name["SglangScheduler"].full_name
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
 RANK_POLL_S = 0.2
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` now (a TP replica's rendezvous)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 class StartupError(Exception):
@@ -413,8 +405,6 @@ def serve(args: ServerArgs) -> int:
     ipc_dir.remove_stale()
     ipc_path = ipc_dir.create()
     args = args.replace(ipc_dir=ipc_path)
-    if args.tp_size > 1 and not args.tp_ports and args.nnodes == 1:  # one per replica
-        args = args.replace(tp_ports=tuple(free_port() for _ in range(args.dp_size)))
     try:
         if args.node_rank > 0:  # its ranks and health only (server/node_server.py)
             from sglang_admin.server.node_server import serve_node

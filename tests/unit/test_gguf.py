@@ -130,6 +130,53 @@ def test_second_resolve_uses_the_cache_and_a_changed_file_is_converted_again(
     assert len(lines) == 2
 
 
+def test_starts_at_once_convert_a_file_once(tmp_path: Path, cache_dir: Path) -> None:
+    """Workers started together (a PD pair, data-parallel ranks, test processes) convert a
+    new file once: the others wait on the lock beside it and take the result."""
+    import concurrent.futures as cf
+
+    path = write_gguf(tmp_path / "m.gguf")
+    lines: list[str] = []
+    with cf.ThreadPoolExecutor(3) as pool:
+        dirs = list(pool.map(lambda _: resolve_model_path(str(path), progress=lines.append),
+                             range(3)))
+    assert len(set(dirs)) == 1 and os.path.isfile(os.path.join(dirs[0], "config.json"))
+    assert len(lines) == 1 and "converting" in lines[0], lines
+
+
+def test_starts_at_once_prepare_kept_projections_once(tmp_path: Path) -> None:
+    """The same for the repacked projections of weights kept quantized: one rank builds
+    them, the others read what it saved."""
+    import concurrent.futures as cf
+    import threading
+    import time
+
+    from sglang_admin.model.quant.gguf_blocks import int4_quantize
+    from sglang_admin.model.quant.linear import QuantLinear
+    from sglang_admin.model.quant.prepared import Prepared, prepared_once
+
+    weight = int4_quantize(np.random.default_rng(0).standard_normal((32, 64)), 32)
+    builds: list[int] = []
+    lock = threading.Lock()
+
+    def build() -> Prepared:
+        with lock:
+            builds.append(1)
+        time.sleep(0.3)  # the others arrive while it builds
+        p = Prepared(summary="one projection")
+        p.projections[("w",)] = QuantLinear(weight, torch.bfloat16)
+        return p
+
+    with cf.ThreadPoolExecutor(3) as pool:
+        got = list(pool.map(lambda _: prepared_once(str(tmp_path), torch.bfloat16, build),
+                            range(3)))
+    assert len(builds) == 1
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    outs = [p.projections[("w",)](x) for p in got]
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    assert all(p.summary == "one projection" for p in got)
+
+
 def test_hf_directories_pass_through(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{}")
     assert find_gguf(str(tmp_path)) is None

@@ -351,3 +351,49 @@ def test_a_quantized_heads_top_logits_are_refined_in_float32(kind: str) -> None:
     top = served.float().topk(8, dim=-1).indices
     torch.testing.assert_close(got.gather(1, top), exact.gather(1, top), rtol=1e-5, atol=1e-4)
     assert torch.equal(got.argmax(-1), exact.argmax(-1))
+
+
+PREPARED = [("llama", "Q4_1", True, None), ("qwen2", "Q8_0", False, None),
+            ("llama", "Q6_K", False, None), ("llama", "Q4_0", False, "F16"),
+            ("llama", "Q4_1", False, "Q8_0")]
+
+
+@pytest.mark.parametrize(("arch", "qtype", "tied", "v_qtype"), PREPARED)
+def test_a_second_start_reads_the_prepared_projections_and_computes_the_same(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        arch: str, qtype: str, tied: bool, v_qtype: str | None) -> None:
+    """The first start repacks the file and saves the result beside its conversion; the next
+    start reads that instead of the GGUF file, with the same logprobs to the bit (batch-1
+    kernel rows and the dense copy's); a damaged file is repacked and written again. q/k/v
+    of mixed types (``v_qtype``) are parts run side by side (ConcatLinear)."""
+    from sglang_admin.model.quant import gguf_load
+    from sglang_admin.model.quant.prepared import prepared_path
+
+    out = resolve_model_path(str(write_gguf(tmp_path / "m.gguf", arch=arch, qtype=qtype,
+                                            tied=tied, seed=5, v_qtype=v_qtype)))
+    saved = Path(prepared_path(out, torch.bfloat16))
+    assert not saved.exists()
+    first = _runner(out, "bfloat16", quantized=True)
+    assert saved.is_file()
+    kinds = {type(p).__name__ for p in first.model.quant.projections()}
+    assert ("ConcatLinear" in kinds) == (v_qtype is not None), kinds
+    ids = list(range(5, 21))
+    want = [_logprobs(first, ids, decode) for decode in (True, False)]
+
+    def no_repack(*args: object, **kwargs: object) -> None:
+        raise AssertionError("repacked from the GGUF file although prepared")
+
+    with monkeypatch.context() as m:
+        m.setattr(gguf_load, "read_projections", no_repack)
+        second = _runner(out, "bfloat16", quantized=True)
+    assert second.model.quant.summary == first.model.quant.summary
+    assert second.model.quant.nbytes == first.model.quant.nbytes
+    for decode, w in zip((True, False), want):
+        assert torch.equal(_logprobs(second, ids, decode), w)
+    saved.write_bytes(saved.read_bytes()[: saved.stat().st_size // 2])
+    third = _runner(out, "bfloat16", quantized=True)
+    assert "cannot be read" in caplog.text
+    assert torch.equal(_logprobs(third, ids, True), want[0])
+    with monkeypatch.context() as m:
+        m.setattr(gguf_load, "read_projections", no_repack)
+        _runner(out, "bfloat16", quantized=True)  # written again, whole

@@ -6,7 +6,8 @@ stay dense: norms, the embedding, any projection of a type that is not kept).
 (model/quant/gguf_blocks.py) and replaces the model's projection weights with placeholders
 on the meta device, whose matmuls the returned :class:`QuantStore` serves
 (``QuantStore.linear_with``): any path that is not routed through it fails loudly on a
-meta tensor instead of computing with stale numbers.
+meta tensor instead of computing with stale numbers. What it repacks is saved for the next
+start (model/quant/prepared.py).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from sglang_admin.model.quant.gguf_blocks import (
     plan_for,
 )
 from sglang_admin.model.quant.linear import ConcatLinear, Projection, QuantLinear, QuantStore
+from sglang_admin.model.quant.prepared import Prepared, prepared_once
 
 QUANTIZATION_GGUF = "gguf"
 Kept = Int4Groups | Int8Blocks | Int8Rows | np.ndarray  # one tensor as read
@@ -109,7 +111,47 @@ def attach_gguf(model: Any, gguf_file: str, dtype: torch.dtype, *,
                 dense_copy: bool = True) -> tuple[QuantStore, set[str]]:
     """Load ``gguf_file``'s kept projections into ``model`` (a LlamaForCausalLM already
     allocated and fused); (the store, the Hugging Face names it loaded). The caller loads
-    every other name dense and then calls :func:`finish_tied_head`."""
+    every other name dense and then calls :func:`finish_tied_head`.
+
+    The projections come prepared from the file's converted directory when an earlier start
+    saved them there (model/quant/prepared.py), else they are read and repacked from the
+    file and saved for the next start."""
+    from sglang_admin.model.gguf import converted_dir
+
+    try:
+        model_dir: str | None = converted_dir(gguf_file)
+    except OSError:
+        model_dir = None
+    if model_dir is not None and os.path.isdir(model_dir) and dense_copy:
+        prepared = prepared_once(model_dir, dtype, lambda: read_projections(
+            model, gguf_file, dtype, dense_copy))
+    else:
+        prepared = read_projections(model, gguf_file, dtype, dense_copy)
+    store = QuantStore(prepared.summary)
+    loaded: set[str] = set()
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            pre = f"model.layers.{i}."
+            for owner, fused_attr, modules, names in projection_groups(layer):
+                names = [f"{pre}{n}.weight" for n in names]
+                projection = prepared.projections.get(tuple(names))
+                if projection is not None:
+                    install(store, owner, fused_attr, modules, names, projection, dtype)
+                    loaded.update(names)
+        head = prepared.projections.get(("lm_head.weight",))
+        if head is not None and not model.config.tie_word_embeddings:
+            install(store, model, None, [model.lm_head], ["lm_head.weight"], head, dtype)
+            loaded.add("lm_head.weight")
+        if prepared.tied_head is not None:
+            # tied: the embedding stays dense for lookups, the LM head reads it quantized
+            store.add(model.model.embed_tokens.weight, prepared.tied_head)
+            store.tied_head = prepared.tied_head
+    return store, loaded
+
+
+def read_projections(model: Any, gguf_file: str, dtype: torch.dtype,
+                     dense_copy: bool) -> Prepared:
+    """``gguf_file``'s kept projections read and repacked, fused as ``model`` fuses them."""
     g = open_gguf(gguf_file)
     heads = int(g.arch_key("attention.head_count"))
     kv_heads = int(g.arch_key("attention.head_count_kv", heads))
@@ -132,41 +174,33 @@ def attach_gguf(model: Any, gguf_file: str, dtype: torch.dtype, *,
         if plan == "dense" and not is_proj:
             continue
         values[target] = _read(g, tensor, target, heads, kv_heads)
-    store = QuantStore("")
-    loaded: set[str] = set()
+    prepared = Prepared()
     with torch.no_grad():
         for i, layer in enumerate(model.model.layers):
             pre = f"model.layers.{i}."
-            for owner, fused_attr, modules, names in projection_groups(layer):
+            for _, _, _, names in projection_groups(layer):
                 names = [f"{pre}{n}.weight" for n in names]
                 if any(n not in values for n in names):
                     continue
                 projection = _fuse([values[n] for n in names], dtype, dense_copy)
-                if projection is None:
-                    continue
-                install(store, owner, fused_attr, modules, names, projection, dtype)
-                loaded.update(names)
+                if projection is not None:
+                    prepared.projections[tuple(names)] = projection
         if "lm_head.weight" in values and not model.config.tie_word_embeddings:
             projection = _fuse([values["lm_head.weight"]], dtype, dense_copy, keep_rows=True)
             if projection is not None:
-                install(store, model, None, [model.lm_head], ["lm_head.weight"],
-                         projection, dtype)
-                loaded.add("lm_head.weight")
+                prepared.projections[("lm_head.weight",)] = projection
         embed = values.get("model.embed_tokens.weight")
         if embed is not None and not isinstance(embed, np.ndarray):
-            # tied: the embedding stays dense for lookups, the LM head reads it quantized
-            head = QuantLinear(embed, dtype, dense_copy=False, keep_rows=True)
-            store.add(model.model.embed_tokens.weight, head)
-            store.tied_head = head
+            prepared.tied_head = QuantLinear(embed, dtype, dense_copy=False, keep_rows=True)
     kept = ", ".join(f"{n} x{c}" for n, c in sorted(types.items()))
     if dtype == torch.float32:
         kept += " (float32 activations: every step through the dense copy, see linear.py)"
-    store.summary = (f"GGUF weights kept quantized ({os.path.basename(gguf_file)}): {kept}; "
-                     "int4: torch's _weight_int4pack_mm_for_cpu (groups of 32), int8x32: "
-                     "the same kernel on two 4-bit halves (the blocks' scales as stored), "
-                     "int8: _weight_int8pack_mm (per row, requantized); norms and the "
-                     "embedding lookup dense")
-    return store, loaded
+    prepared.summary = (f"GGUF weights kept quantized ({os.path.basename(gguf_file)}): {kept}; "
+                        "int4: torch's _weight_int4pack_mm_for_cpu (groups of 32), int8x32: "
+                        "the same kernel on two 4-bit halves (the blocks' scales as stored), "
+                        "int8: _weight_int8pack_mm (per row, requantized); norms and the "
+                        "embedding lookup dense")
+    return prepared
 
 
 def install(store: QuantStore, owner: Any, fused_attr: str | None, modules: list[nn.Linear],

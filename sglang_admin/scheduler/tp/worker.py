@@ -57,7 +57,10 @@ def join_replica(args: ServerArgs, dp_rank: int, tp_rank: int) -> TensorParallel
         from sglang_admin.multinode.group import join_across_nodes
 
         return join_across_nodes(args, dp_rank, tp_rank, dev)
-    return join_tensor_parallel(args.tp_ports[dp_rank], tp_rank, args.tp_size, dev)
+    # one host: the replica's ranks meet through a file of the server's private ipc_dir (no
+    # port to pick, so none another process can take first)
+    store = os.path.join(args.ipc_dir, f"tp-replica-{dp_rank}.rendezvous")
+    return join_tensor_parallel(f"file://{store}", tp_rank, args.tp_size, dev)
 
 
 def _path_problem(path: str) -> str | None:
