@@ -197,21 +197,39 @@ def test_a_real_prometheus_scrapes_the_exporter(
     assert all(r["metric"]["job"] == "sglang-admin" for r in result)
 
 
+class Watched:
+    """The module's worker whose server declares a rank dead after 0.3 s of silence, with
+    room for a 4k prefill: the long-prefill test reads it, then the stopped-rank test ends it
+    (one boot for both). ``get()`` starts it on first use, and again if it has exited (the
+    long-prefill test failed: the stopped-rank test still gets a live one)."""
+
+    def __init__(self, factory: pytest.TempPathFactory) -> None:
+        self.factory = factory
+        self.srv: ServerProc | None = None
+
+    def get(self) -> ServerProc:
+        if self.srv is not None and self.srv.proc.poll() is not None:
+            self.srv.stop(signal.SIGKILL)
+            self.srv = None
+        if self.srv is None:
+            self.srv = start_server(self.factory.mktemp("watched"), "--watchdog-probe-timeout",
+                                    str(PROBE_S), "--max-prefill-tokens", "4096",
+                                    "--context-length", "8192")
+        return self.srv
+
+
 @pytest.fixture(scope="module")
-def watched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
-    """One rank whose server declares it dead after 0.3 s of silence, with room for a 4k
-    prefill: the long-prefill test reads it, then the stopped-rank test ends it (one boot
-    for both)."""
-    srv = start_server(tmp_path_factory.mktemp("watched"), "--watchdog-probe-timeout",
-                       str(PROBE_S), "--max-prefill-tokens", "4096", "--context-length", "8192")
-    yield srv
-    srv.stop(signal.SIGKILL)
+def watched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Watched]:
+    workers = Watched(tmp_path_factory)
+    yield workers
+    if workers.srv is not None:
+        workers.srv.stop(signal.SIGKILL)
 
 
-def test_a_long_prefill_is_never_flagged(watched: ServerProc) -> None:
+def test_a_long_prefill_is_never_flagged(watched: Watched) -> None:
     """A 4k-token prefill is one step of seconds here; with a probe timeout far shorter
     than the step, the rank's heartbeat keeps it alive and its state age shows the step."""
-    srv = watched
+    srv = watched.get()
     stub = srv.stub()
     ages: list[float] = []
     done = threading.Event()
@@ -238,10 +256,10 @@ def test_a_long_prefill_is_never_flagged(watched: ServerProc) -> None:
 
 
 def test_a_stopped_rank_turns_health_not_serving_and_the_server_exits(
-        watched: ServerProc) -> None:
+        watched: Watched) -> None:
     """Runs after the long-prefill test: it ends their worker."""
     probe = PROBE_S
-    srv = watched
+    srv = watched.get()
     stopped_pid = 0
     try:
         children = srv.children()
