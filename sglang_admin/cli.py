@@ -122,7 +122,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                         "default for a .gguf model on CPU; docs/gguf.md)")
     p.add_argument("--gguf-dequantize", action="store_true",
                    help="load a GGUF model dequantized (the exact float reference, and what "
-                        "LoRA, --tp-size > 1, CUDA, embedding models and memory release need)")
+                        "CUDA and memory release need)")
     p.add_argument("--torchao-config", default=None,
                    choices=["int8wo", "int4wo-32", "int4wo-64", "int4wo-128", "int4wo-256"],
                    help="weight-only quantization of a checkpoint at load (SGLang's names; "

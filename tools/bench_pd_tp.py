@@ -104,6 +104,7 @@ def _room_tp1(p: ZmqBackend, d: ZmqBackend, room: int, src: list[int], dst: list
     d.expect(room, dst)
     result = p.send(room, d.descriptor(), src, dst, 30)
     sent = p.checksum(src)
+    d.land(room)
     got = d.checksum(dst)
     d.release(room)
     took = time.perf_counter() - t0
@@ -132,9 +133,10 @@ def _room_tp2(p: ZmqBackend, d: ZmqBackend, shards: LeaderShards, room: int, src
         if outcome is not None:
             break
         time.sleep(SHARD_QUERY_INTERVAL_S)
+    d.land(room)
     got = d.checksum(dst)
     c = time.perf_counter()
-    theirs = shards.checksums(dst)
+    theirs = shards.checksums(dst, room)
     shards.release(room)
     tp_time += time.perf_counter() - c
     d.release(room)
@@ -182,7 +184,7 @@ def main() -> None:
                 t2.append(took)
                 share.append(tp_time)
                 c = time.perf_counter()
-                shards.checksums([])  # one bare broadcast + gather round, for scale
+                shards.checksums([], 0)  # one bare broadcast + gather round, for scale
                 bare.append(time.perf_counter() - c)
             row = {"tokens": n, "kv_bytes": n * a.layers * 2 * a.heads * a.head_dim * 4,
                    "tp1_ms": statistics.median(t1) * 1000,

@@ -9,8 +9,11 @@ This process (the prefill side) holds a pool of the same shape and, per round an
 prompt length, moves one request's KV (the first N slots of every buffer into the
 receiver's slots, in the same order) with each method in turn:
 
-- a backend: `send(room, receiver.descriptor(), src, dst)` as the prefill worker calls it
-  (the zmq receiver is told `expect(room, dst)` first, as decode does), timed to its return;
+- a backend: the receiver is told `expect(room, dst)` first and hands over the room's
+  descriptor, as decode does at its handshake; then `send(room, descriptor, src, dst)` as the
+  prefill worker calls it, timed to its return, plus the receiver's `land(room)` (where a
+  backend staged the room, e.g. mooncake's small rooms: the scatter into the pool that decode
+  runs before its checksum), timed in the receiver;
 - raw: the rows of every buffer (views, no copies) gathered by `sendmsg` over one
   connected TCP socket (8 MiB socket buffers, no Nagle); the receiver `recv_into`s them
   straight into its pool's rows and answers one byte; timed to that byte. One stream on one
@@ -129,8 +132,13 @@ def serve(args: argparse.Namespace) -> None:
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["op"] == "expect":
-            backends[cmd["backend"]].expect(cmd["room"], cmd["slots"])
-            print("{}", flush=True)
+            b = backends[cmd["backend"]]
+            b.expect(cmd["room"], cmd["slots"])
+            print(json.dumps({"descriptor": b.descriptor(cmd["room"]).to_wire()}), flush=True)
+        elif cmd["op"] == "land":
+            t0 = time.perf_counter()
+            backends[cmd["backend"]].land(cmd["room"])
+            print(json.dumps({"seconds": time.perf_counter() - t0}), flush=True)
         elif cmd["op"] == "release":
             backends[cmd["backend"]].release(cmd["room"])
             print("{}", flush=True)
@@ -206,15 +214,15 @@ def main() -> None:
             if raw.recv(1) != b"\x01":
                 raise SystemExit("raw receiver failed")
             return time.perf_counter() - t0
-        if method == "zmq":
-            rx.ask(op="expect", backend=method, room=room, slots=slots)
+        desc = PeerDescriptor.from_wire(rx.ask(op="expect", backend=method, room=room,
+                                               slots=slots)["descriptor"])
         t0 = time.perf_counter()
-        res = senders[method].send(room, rx.descriptors[method], slots, slots, 120.0)
+        res = senders[method].send(room, desc, slots, slots, 120.0)
         took = time.perf_counter() - t0
-        if method == "zmq":
-            rx.ask(op="release", backend=method, room=room)
         if not res.ok:
             raise SystemExit(f"{method}: {res.error}")
+        took += rx.ask(op="land", backend=method, room=room)["seconds"]
+        rx.ask(op="release", backend=method, room=room)
         return took
 
     results: dict[str, Any] = {"args": {k: v for k, v in vars(args).items()

@@ -236,7 +236,7 @@ class DecodeRooms:
                    f"pair needs equal TP sizes (no handshake sent for room {droom.room})")
             self._end(droom, why, "UNAVAILABLE", tell_prefill=why)
             return
-        own = self.backend.descriptor().to_wire()
+        own = self.backend.descriptor(droom.room).to_wire()
         msg = {"kind": "handshake", "room": droom.room, "rid": droom.req.rid,
                "peer": own, "peers": [own, *droom.shard_peers], "tp_size": self.tp_size,
                "dst_slots": list(droom.req.slots), "notify": self.control.address}
@@ -277,6 +277,7 @@ class DecodeRooms:
                              f"the KV with {theirs!r}, decode runs {ours!r}): refit both "
                              "legs to the same version", "UNAVAILABLE")
             return
+        self.backend.land(room_id)  # a staged room's rows into its slots first
         got = self.backend.checksum(req.slots)
         if got != checksum:
             self.transfers_failed += 1
@@ -307,7 +308,8 @@ class DecodeRooms:
         if not isinstance(theirs, list) or len(theirs) != self.tp_size:
             return (f"kv transfer failed: prefill sent no checksum per TP rank for room "
                     f"{room_id} (this decode worker runs --tp-size {self.tp_size})")
-        for tp_rank, (ours, sent) in enumerate(zip(self.shards.checksums(slots), theirs[1:]), 1):
+        ours_all = self.shards.checksums(slots, room_id)
+        for tp_rank, (ours, sent) in enumerate(zip(ours_all, theirs[1:]), 1):
             if not isinstance(sent, int) or ours != sent:
                 return (f"kv transfer failed: checksum mismatch for room {room_id} on TP rank "
                         f"{tp_rank} (corrupt or short transfer)")

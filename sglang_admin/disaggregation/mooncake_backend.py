@@ -15,6 +15,17 @@ all NICs when empty). Chosen by the constructor's arguments, else the environmen
 SGLANG_ADMIN_MOONCAKE_PROTOCOL (tcp|rdma) and SGLANG_ADMIN_MOONCAKE_IB_DEVICE (comma
 separated NIC names; setting it alone selects rdma, as SGLang's --disaggregation-ib-device).
 
+A small room (up to ``STAGE_MAX_BYTES``, host pools) is staged (disaggregation/staging.py):
+at `expect` the receiver sets a region of its registered staging area aside for the room and
+advertises it in the room's descriptor; the sender gathers the rows of every buffer into a
+region of its own registered staging area and writes that block with a few write entries
+(``STAGE_ENTRIES``, one per engine connection), and the receiver scatters it into the room's
+slots at `land` (on prefill's "done", before the checksum). The engine costs a fixed amount
+per write entry, which for the 60 layer buffers of a small room was most of its transfer; a
+larger room's bytes dominate, and it is written straight from pool to pool, one entry per
+buffer and run of slots. (A sender whose staging area is full writes the rows straight into
+the peer's staging region instead: a staged room always lands from there.)
+
 The receiver's engine checks every remote-supplied address against its registered buffers
 and rejects a write outside them; this backend also checks slot numbers against both sides'
 buffer sizes before it writes, so a bad handshake fails that room alone with a
@@ -27,11 +38,13 @@ import json
 import logging
 import operator
 import os
+import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from sglang_admin.disaggregation.staging import StagingArea, gather, host_only, scatter
 from sglang_admin.disaggregation.transfer import (
     BufferInfo,
     KVTransferBackend,
@@ -48,6 +61,26 @@ IB_DEVICE_ENV = "SGLANG_ADMIN_MOONCAKE_IB_DEVICE"
 PROTOCOLS = ("tcp", "rdma")
 INSTALL_HINT = ("install it with `pip install 'sglang-admin[pd]'` (mooncake-transfer-engine-"
                 "non-cuda) and the system library libibverbs1 (`make ibverbs`)")
+
+#: rooms of up to this many bytes are staged (see the module doc): measured on loopback,
+#: a 1.5 MB room (32 tokens of SmolLM2-135M float32) gains, 2.9 MB ones and up lose (the
+#: gather and scatter cost more than the entries they save)
+STAGE_MAX_BYTES = 2 << 20
+RX_STAGING_BYTES = 32 << 20  # the receiver's staging area: rooms expected at once
+TX_STAGING_BYTES = 8 << 20  # the sender's: rooms being sent at once
+STAGE_ENTRIES = 4  # a staged block's entries at most: the engine's TCP connections per peer
+STAGE_MIN_ENTRY_BYTES = 256 << 10
+
+
+def _split(src: int, dst: int, nbytes: int) -> tuple[list[int], list[int], list[int]]:
+    """A block's write entries: ``STAGE_ENTRIES`` parts of it at most (the engine moves
+    each entry over one of its connections to the peer, in chunks, one at a time)."""
+    parts = max(1, min(STAGE_ENTRIES, nbytes // STAGE_MIN_ENTRY_BYTES))
+    step = -(-nbytes // parts)
+    offs = range(0, nbytes, step)
+    return ([src + o for o in offs], [dst + o for o in offs],
+            [min(step, nbytes - o) for o in offs])
+
 
 def _resolve_protocol(protocol: str | None, ib_device: str | None) -> tuple[str, str]:
     device = ib_device if ib_device is not None else os.environ.get(IB_DEVICE_ENV, "")
@@ -100,6 +133,36 @@ def _check_slots(slots: Sequence[int], num_slots: int, side: str) -> str | None:
     return None
 
 
+class _Writers:
+    """Daemon threads that run the engine's blocking writes: an idle one takes the next
+    write, a new one starts when none is idle (a stalled write holds its thread until the
+    engine gives up). A thread started per write cost a loaded machine a scheduling round
+    trip of its own (the start waits for the new thread to run)."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self._lock:
+            if self._idle:
+                self._idle -= 1  # that thread takes this job
+            else:
+                threading.Thread(target=self._work, name="mooncake-write",
+                                 daemon=True).start()
+        self._jobs.put(job)
+
+    def _work(self) -> None:
+        while True:
+            self._jobs.get()()
+            with self._lock:
+                self._idle += 1
+
+
+_WRITERS = _Writers()
+
+
 class MooncakeBackend(KVTransferBackend):
     """KV transfer through the Mooncake transfer engine (TCP here, RDMA on a cluster)."""
 
@@ -115,6 +178,9 @@ class MooncakeBackend(KVTransferBackend):
         self._lock = threading.Lock()  # start/close/register against each other
         self._closed = False
         self.rdma_nics: list[str] = []  # with protocol rdma: the NICs the engine found
+        self._rx = StagingArea(RX_STAGING_BYTES)  # regions of expected rooms
+        self._tx = StagingArea(TX_STAGING_BYTES)  # regions of rooms being sent
+        self._staged: dict[int, list[int]] = {}  # room -> its slots, staged rooms only
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -176,6 +242,12 @@ class MooncakeBackend(KVTransferBackend):
                 raise KVTransferError(f"kv transfer: mooncake could not register a KV buffer "
                                       f"of {info.nbytes} bytes (rc {rc})")
             self._registered.append(info.ptr)
+        for area in (self._rx, self._tx):
+            rc = self._engine.register_memory(area.ptr, area.nbytes)
+            if rc != 0:
+                raise KVTransferError(f"kv transfer: mooncake could not register its staging "
+                                      f"area of {area.nbytes} bytes (rc {rc})")
+            self._registered.append(area.ptr)
 
     def endpoint(self) -> str:
         """The mooncake session id peers write to: "host:rpc_port"."""
@@ -192,6 +264,36 @@ class MooncakeBackend(KVTransferBackend):
                 for ptr in self._registered:
                     engine.unregister_memory(ptr)
             self._registered = []
+
+    # ------------------------------------------------------------------ receiver side
+    def expect(self, room: int, dst_slots: Sequence[int]) -> None:
+        """A small room on a host pool gets a staging region (when one is free)."""
+        self.release(room)
+        pool = self._pool
+        nbytes = len(dst_slots) * sum(pool.item_bytes)
+        if (0 < nbytes <= STAGE_MAX_BYTES and host_only(pool)
+                and self._rx.take(room, nbytes) is not None):
+            self._staged[room] = [int(s) for s in dst_slots]
+
+    def descriptor(self, room: int | None = None) -> PeerDescriptor:
+        """The pool's buffers; for a staged room, its staging region too."""
+        region = self._rx.region(room) if room in self._staged else None
+        staging = None if region is None else (self._rx.ptr + region[0], region[1])
+        return PeerDescriptor(self.endpoint(), self.buffer_infos(), staging)
+
+    def land(self, room: int) -> None:
+        """A staged room's block, scattered into its slots."""
+        slots = self._staged.get(room)
+        region = self._rx.region(room) if slots is not None else None
+        if slots is not None and region is not None:
+            pool = self._pool
+            if region[1] == len(slots) * sum(pool.item_bytes) and host_only(pool):
+                scatter(pool, slots, self._rx.view(*region))
+
+    def release(self, room: int) -> None:
+        """The room's staging region is free again."""
+        self._staged.pop(room, None)
+        self._rx.give(room)
 
     # ------------------------------------------------------------------ sender side
     def send(self, room: int, peer: PeerDescriptor, src_slots: Sequence[int],
@@ -217,21 +319,29 @@ class MooncakeBackend(KVTransferBackend):
                         f"{len(dst_slots)} destination slots")
         if len(set(dst_slots)) != len(dst_slots):  # the writes of one batch run in parallel
             return fail("kv transfer failed: a destination slot is listed twice")
-        local = self.buffer_infos()
+        pool = self._pool  # one registration throughout
+        local = pool.infos
         why = check_compatible(local, peer)
         if why:
             return fail(why.replace("kv transfer:", "kv transfer failed:", 1))
         why = self._check_ranges(local, peer.buffers, src_slots, dst_slots)
         if why:
             return fail(why)
-        srcs, dsts, lens = [], [], []
-        runs = coalesce(src_slots, dst_slots)
-        for mine, theirs in zip(local, peer.buffers):
-            item = mine.item_bytes
-            for s, d, n in runs:
-                srcs.append(mine.ptr + s * item)
-                dsts.append(theirs.ptr + d * item)
-                lens.append(n * item)
+        total = len(src_slots) * sum(pool.item_bytes)
+        if peer.staging is not None and peer.staging[1] != total:
+            return fail(f"kv transfer failed: the peer's staging region holds "
+                        f"{peer.staging[1]} bytes, the room's rows are {total}")
+        key: object | None = None
+        if peer.staging is None:  # pool to pool: one entry per buffer and run of slots
+            srcs, dsts, lens, runs = self._entries(local, peer, src_slots, dst_slots)
+        elif host_only(pool) and (off := self._tx.take(key := object(), total)) is not None:
+            gather(pool, src_slots, self._tx.view(off, total))  # one block
+            srcs, dsts, lens = _split(self._tx.ptr + off, peer.staging[0], total)
+            runs = 1
+        else:  # no local staging free: the rows straight into the peer's staging region
+            key = None
+            srcs, dsts, lens, runs = self._entries(local, peer, src_slots,
+                                                   list(range(len(src_slots))))
         nbytes = sum(lens)
         if nbytes == 0:
             return TransferResult(True, nbytes=0, seconds=time.perf_counter() - t0)
@@ -239,6 +349,8 @@ class MooncakeBackend(KVTransferBackend):
                                                                     dsts, lens),
                            max(0.0, timeout_s))
         secs = time.perf_counter() - t0
+        if key is not None and rc is not None:  # a write given up on may still read it
+            self._tx.give(key)
         if rc is None:
             return fail(f"kv transfer failed: timed out after {secs:.1f} s writing {nbytes} "
                         "bytes (decode worker stalled or the link is too slow)")
@@ -247,11 +359,32 @@ class MooncakeBackend(KVTransferBackend):
                         f"or broke off (rc {rc}: decode worker dead or unreachable, or "
                         "addresses outside its registered pool)")
         return TransferResult(True, nbytes=nbytes, seconds=secs,
-                              extra={"runs": len(runs), "protocol": self.protocol})
+                              extra={"runs": runs, "entries": len(lens),
+                                     "staged": peer.staging is not None,
+                                     "protocol": self.protocol})
+
+    @staticmethod
+    def _entries(local: tuple[BufferInfo, ...], peer: PeerDescriptor, src_slots: list[int],
+                 dst_slots: list[int]) -> tuple[list[int], list[int], list[int], int]:
+        """Write entries (sources, destinations, lengths, runs) of the rows, one per buffer
+        and run of slots: into the peer's pool, or, where the peer staged the room, into
+        its staging region at the block's layout (``dst_slots`` = row numbers there)."""
+        srcs, dsts, lens = [], [], []
+        runs = coalesce(src_slots, dst_slots)
+        block = 0
+        for mine, theirs in zip(local, peer.buffers):
+            item = mine.item_bytes
+            base = theirs.ptr if peer.staging is None else peer.staging[0] + block
+            for s, d, n in runs:
+                srcs.append(mine.ptr + s * item)
+                dsts.append(base + d * item)
+                lens.append(n * item)
+            block += len(src_slots) * item
+        return srcs, dsts, lens, len(runs)
 
     @staticmethod
     def _bounded(call: Callable[[], int], timeout_s: float) -> int | None:
-        """`call()` on its own thread, its result, or None after `timeout_s`.
+        """`call()` on a writer thread, its result, or None after `timeout_s`.
 
         The engine's sync write waits for its own limits (a stalled peer's handshake up to a
         minute, a write up to MC_TRANSFER_TIMEOUT, 30 s by default); `send` keeps the
@@ -259,16 +392,17 @@ class MooncakeBackend(KVTransferBackend):
         its rows may yet land: the caller frees the destination slots only once the
         receiver has been told the room failed (the control plane's rule)."""
         box: list[int] = []
+        done = threading.Event()
 
         def run() -> None:
             try:
                 box.append(int(call()))
             except Exception:  # the binding raising is a failed write, like rc -1
                 box.append(-1)
+            done.set()
 
-        t = threading.Thread(target=run, name="mooncake-write", daemon=True)
-        t.start()
-        t.join(timeout_s)
+        _WRITERS.submit(run)
+        done.wait(timeout_s)
         return box[0] if box else None
 
     @staticmethod

@@ -8,14 +8,16 @@ it with commands on the replica's command channel (the broadcast that carries ev
 batch: msgpack in tensors, never pickle), so the commands keep one order with the steps:
 
 - decode, after reserving a room's slots: ``pd-expect`` (each follower's backend expects the
-  room in those slots; the followers' descriptors are gathered for the handshake, which
-  lists one descriptor per TP rank);
+  room in those slots; the followers' descriptors of the room, with the staging region a
+  backend set aside for it, are gathered for the handshake, which lists one descriptor per
+  TP rank);
 - prefill, once the handshake and the held KV are both there: ``pd-send`` (TP rank ``t``
   writes its rows into decode TP rank ``t``'s descriptor, on a thread of its own), then
   ``pd-results`` when rank 0's own send is done (every follower answers at once with the
   outcomes and checksums it has; rank 0 asks again next round for those still running);
-- decode, on prefill's ``done``: ``pd-checksum`` (each follower's CRC32 of the room's
-  slots, compared with the checksum its prefill peer sent);
+- decode, on prefill's ``done``: ``pd-checksum`` with the slots and the room (each
+  follower lands what its backend staged for the room, then answers its CRC32 of the
+  room's slots, compared with the checksum its prefill peer sent);
 - decode, when a room ends: ``pd-release``.
 
 Every collective here is answered by followers waiting in their command loop, so nothing
@@ -87,9 +89,10 @@ class LeaderShards:
         self.tp.broadcast((PD_RESULTS, rooms))
         return [{int(r): o for r, o in got} for got in self.tp.gather(None)[1:]]
 
-    def checksums(self, slots: Sequence[int]) -> list[int]:
-        """Decode: each follower's CRC32 of its rows ``slots`` (TP ranks 1..N-1)."""
-        self.tp.broadcast((PD_CHECKSUM, list(slots)))
+    def checksums(self, slots: Sequence[int], room: int) -> list[int]:
+        """Decode: each follower's CRC32 of its rows ``slots`` (TP ranks 1..N-1), once its
+        backend landed what it staged for ``room``."""
+        self.tp.broadcast((PD_CHECKSUM, list(slots), int(room)))
         return [int(c) for c in self.tp.gather(None)[1:]]
 
     def release(self, room: int) -> None:
@@ -130,7 +133,7 @@ class FollowerShards:
         elif kind == PD_RESULTS:
             gather(self._results([int(r) for r in command[1]]))
         elif kind == PD_CHECKSUM:
-            gather(self._checksum([int(s) for s in command[1]]))
+            gather(self._checksum([int(s) for s in command[1]], int(command[2])))
         elif kind == PD_RELEASE:
             self.backend.release(int(command[1]))
 
@@ -138,7 +141,7 @@ class FollowerShards:
         try:
             self.refresh()
             self.backend.expect(room, slots)
-            return self.backend.descriptor().to_wire()
+            return self.backend.descriptor(room).to_wire()
         except Exception as exc:  # noqa: BLE001 - named in the room's failure
             return f"{type(exc).__name__}: {exc}"
 
@@ -170,9 +173,10 @@ class FollowerShards:
                 out.append([room, fut.result()])
         return out
 
-    def _checksum(self, slots: list[int]) -> int:
+    def _checksum(self, slots: list[int], room: int) -> int:
         try:
             self.refresh()
+            self.backend.land(room)
             return self.backend.checksum(slots)
         except Exception as exc:  # noqa: BLE001 - -1 never equals a CRC32: the room fails
             logger.warning("PD checksum on this TP rank failed: %s", exc)

@@ -48,10 +48,17 @@ class PeerDescriptor:
 
     endpoint: str  # backend-specific address, e.g. "10.0.0.2:17001" (zmq, mooncake session)
     buffers: tuple[BufferInfo, ...]
+    #: one room's staging region on the receiver (address, bytes), where a backend that
+    #: stages small rooms (mooncake) writes every buffer's rows as one block; None: none
+    staging: tuple[int, int] | None = None
 
     def to_wire(self) -> dict[str, Any]:
-        return {"endpoint": self.endpoint,
-                "buffers": [[b.ptr, b.nbytes, b.item_bytes] for b in self.buffers]}
+        wire: dict[str, Any] = {"endpoint": self.endpoint,
+                                "buffers": [[b.ptr, b.nbytes, b.item_bytes]
+                                            for b in self.buffers]}
+        if self.staging is not None:
+            wire["staging"] = list(self.staging)
+        return wire
 
     @staticmethod
     def from_wire(obj: Any) -> PeerDescriptor:
@@ -59,11 +66,17 @@ class PeerDescriptor:
         try:
             endpoint = obj["endpoint"]
             bufs = tuple(BufferInfo(int(p), int(n), int(i)) for p, n, i in obj["buffers"])
-        except (KeyError, TypeError, ValueError) as exc:
+            staged = obj.get("staging")
+            staging = None if staged is None else (int(staged[0]), int(staged[1]))
+            if staged is not None and len(staged) != 2:
+                raise ValueError("staging is not [address, bytes]")
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
             raise KVTransferError(f"kv transfer: malformed peer descriptor ({exc})") from None
         if not isinstance(endpoint, str) or not endpoint:
             raise KVTransferError("kv transfer: peer descriptor has no endpoint")
-        return PeerDescriptor(endpoint, bufs)
+        if staging is not None and (staging[0] <= 0 or staging[1] <= 0):
+            raise KVTransferError("kv transfer: peer descriptor's staging region is empty")
+        return PeerDescriptor(endpoint, bufs, staging)
 
 
 @dataclass
@@ -90,7 +103,12 @@ class KVTransferBackend(abc.ABC):
 
     def __init__(self, host: str = "127.0.0.1") -> None:
         self.host = host
-        self._buffers: list[Any] = []  # torch tensors, [num_slots, ...] contiguous
+        self._pool = RegisteredPool.of([])
+
+    @property
+    def _buffers(self) -> list[Any]:
+        """The registered tensors, [num_slots, ...] contiguous."""
+        return self._pool.tensors
 
     # ------------------------------------------------------------------ lifecycle
     def register_buffers(self, buffers: Sequence[Any]) -> None:
@@ -102,22 +120,19 @@ class KVTransferBackend(abc.ABC):
         for t in buffers:
             if not t.is_contiguous():
                 raise KVTransferError("kv transfer: a registered KV buffer is not contiguous")
-        self._buffers = list(buffers)
+        self._pool = RegisteredPool.of(buffers)  # one swap: a sending thread sees either
 
     def buffer_infos(self) -> tuple[BufferInfo, ...]:
         """The registered buffers as (ptr, nbytes, item_bytes)."""
-        out = []
-        for t in self._buffers:
-            nbytes = t.numel() * t.element_size()
-            out.append(BufferInfo(t.data_ptr(), nbytes, nbytes // max(1, t.shape[0])))
-        return tuple(out)
+        return self._pool.infos
 
     @abc.abstractmethod
     def endpoint(self) -> str:
         """The address a peer's backend reaches this one at (after `start`)."""
 
-    def descriptor(self) -> PeerDescriptor:
-        """This side as a receiver: endpoint + buffers (sent to the sender at handshake)."""
+    def descriptor(self, room: int | None = None) -> PeerDescriptor:
+        """This side as a receiver: endpoint + buffers (sent to the sender at handshake);
+        with ``room`` (expected), the staging region a backend set aside for it, if any."""
         return PeerDescriptor(self.endpoint(), self.buffer_infos())
 
     @abc.abstractmethod
@@ -135,6 +150,12 @@ class KVTransferBackend(abc.ABC):
         Backends that receive actively (zmq) refuse data for a room not expected, or for
         slots other than these; one-sided backends (mooncake) may ignore this.
         """
+        return None
+
+    def land(self, room: int) -> None:
+        """Decode: prefill reported ``room``'s send done; before its checksum, move what
+        the backend staged for it into the room's slots (a backend that stages nothing:
+        nothing to do)."""
         return None
 
     def release(self, room: int) -> None:
@@ -163,27 +184,57 @@ class KVTransferBackend(abc.ABC):
         import numpy as np
         import torch
 
-        t = self._buffers[index]
-        if t.device.type == "cpu":
-            rows = t.view(torch.uint8).reshape(t.shape[0], -1).numpy()
+        pool = self._pool
+        rows = pool.host_rows[index]
+        if rows is not None:
             run = slot_run(slots)
             if run is not None:  # one run of consecutive slots: a view, no copy
                 return rows[run]
             return np.take(rows, np.asarray(slots, dtype=np.int64), axis=0)
+        t = pool.tensors[index]
         idx = torch.as_tensor(list(slots), dtype=torch.long, device=t.device)
-        rows = t.view(torch.uint8).reshape(t.shape[0], -1)
-        return rows.index_select(0, idx).cpu().numpy()
+        return byte_rows(t).index_select(0, idx).cpu().numpy()
 
     def read_slots(self, slots: Sequence[int]) -> bytes:
         """The bytes of `slots` in every buffer, buffer-major (tests and checksums)."""
-        return b"".join(self.rows_of(i, slots).tobytes() for i in range(len(self._buffers)))
+        return b"".join(self.rows_of(i, slots).tobytes() for i in range(len(self._pool.tensors)))
 
     def checksum(self, slots: Sequence[int]) -> int:
         """CRC32 of `read_slots(slots)`: sender and receiver compare it after a transfer."""
         crc = 0
-        for i in range(len(self._buffers)):
+        for i in range(len(self._pool.tensors)):
             crc = zlib.crc32(memoryview(self.rows_of(i, slots)), crc)
         return crc
+
+
+def byte_rows(t: Any) -> Any:
+    """A registered tensor as bytes rows [num_slots, item_bytes] (a view)."""
+    import torch
+
+    return t.view(torch.uint8).reshape(t.shape[0],
+                                       t.numel() * t.element_size() // max(1, t.shape[0]))
+
+
+@dataclass(frozen=True)
+class RegisteredPool:
+    """The registered KV buffers and what a transfer reads of them on every room, taken
+    once per registration (a torch view costs microseconds a call: 60 layer buffers' worth
+    per room was most of a small room's transfer)."""
+
+    tensors: list[Any]
+    infos: tuple[BufferInfo, ...]
+    host_rows: list[Any]  # per buffer: numpy uint8 rows [num_slots, item] (host), or None
+    item_bytes: tuple[int, ...]
+
+    @staticmethod
+    def of(buffers: Sequence[Any]) -> RegisteredPool:
+        tensors = list(buffers)
+        infos, host = [], []
+        for t in tensors:
+            nbytes = t.numel() * t.element_size()
+            infos.append(BufferInfo(t.data_ptr(), nbytes, nbytes // max(1, t.shape[0])))
+            host.append(byte_rows(t).numpy() if t.device.type == "cpu" else None)
+        return RegisteredPool(tensors, tuple(infos), host, tuple(i.item_bytes for i in infos))
 
 
 def slot_run(slots: Sequence[int]) -> slice | None:

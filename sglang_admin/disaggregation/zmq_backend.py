@@ -4,10 +4,15 @@ The receiver (decode) binds a ROUTER socket; a sender (prefill) keeps one DEALER
 in each sending thread (a room's transfer is one request and its answer, so a connection
 serves the next room once answered; any failure or timeout closes it, and the next room
 connects anew) and sends one multipart message: a msgpack header ``{room, dst_slots, nbuf}``
-then one frame per registered buffer with the rows of the source slots. The receiver checks
-the room is expected, the slots are the ones it reserved for it and every frame has the
-exact size, writes the rows into its pool and answers ``{room, ok, error}``. Data for a room
-it does not expect is refused (never written).
+then the rows of the source slots, buffer-major (every row of buffer 0, then of buffer 1, ..).
+A room of up to ``GATHER_MAX_BYTES`` goes as ONE data frame, gathered into the sending
+thread's staging buffer (a frame costs pyzmq and libzmq a fixed amount on both sides: 60
+layer buffers' frames cost a small room more than its bytes); a larger one as one frame per
+registered buffer (views of the pool, no gather: its bytes dominate). The receiver checks the
+room is expected, the slots are the ones it reserved for it and the data has the exact size
+(one frame of every buffer's rows, or one frame per buffer of its rows), writes the rows into
+its pool and answers ``{room, ok, error}``. Data for a room it does not expect is refused
+(never written).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from sglang_admin.disaggregation.transfer import (
     KVTransferError,
     PeerDescriptor,
     TransferResult,
+    byte_rows,
     check_compatible,
     slot_run,
 )
@@ -34,13 +40,9 @@ from sglang_admin.disaggregation.transfer import (
 logger = logging.getLogger(__name__)
 
 _POLL_MS = 100
-
-
-def _rows(t: Any) -> Any:
-    """A registered tensor as bytes rows [num_slots, item_bytes] (a view)."""
-    import torch
-
-    return t.view(torch.uint8).reshape(t.shape[0], -1)
+#: rooms of up to this many bytes go as one gathered frame (see the module doc); each
+#: sending thread keeps a staging buffer of up to this size
+GATHER_MAX_BYTES = 16 << 20
 
 
 class ZmqBackend(KVTransferBackend):
@@ -135,29 +137,40 @@ class ZmqBackend(KVTransferBackend):
         """Write the rows of ``room`` into slots ``dst``; None when done, else why refused."""
         import torch
 
-        if len(data) != len(self._buffers):
-            return (f"kv transfer failed: room {room} sent {len(data)} buffers, "
-                    f"expected {len(self._buffers)} (short transfer)")
+        pool = self._pool
+        items = pool.item_bytes
+        sizes = [len(f.buffer) for f in data]
+        if len(data) == 1 and len(items) != 1:  # one gathered frame: split it per buffer
+            if sizes[0] != len(dst) * sum(items):
+                return (f"kv transfer failed: room {room} sent {sizes[0]} bytes, expected "
+                        f"{len(dst) * sum(items)} (short transfer)")
+            whole = np.frombuffer(data[0].buffer, dtype=np.uint8)
+            offs = np.cumsum([0, *(len(dst) * i for i in items)])
+            parts = [whole[offs[k]:offs[k + 1]] for k in range(len(items))]
+        elif len(data) == len(items):
+            for k, (size, item) in enumerate(zip(sizes, items)):
+                if size != len(dst) * item:
+                    return (f"kv transfer failed: room {room} buffer {k} of {size} bytes, "
+                            f"expected {len(dst) * item} (short transfer)")
+            parts = [np.frombuffer(f.buffer, dtype=np.uint8) for f in data]
+        else:
+            return (f"kv transfer failed: room {room} sent {len(data)} data frames, "
+                    f"expected 1 or {len(items)} (short transfer)")
         with self._lock:
             want = self._expected.get(room)
             if want is None:
                 return f"kv transfer failed: unknown room {room} (not expected by decode)"
             if dst != want:
                 return f"kv transfer failed: room {room} slots differ from those reserved"
-            for frame, t in zip(data, self._buffers):
-                item = t.numel() * t.element_size() // t.shape[0]
-                if len(frame.buffer) != len(dst) * item:
-                    return (f"kv transfer failed: room {room} buffer of {len(frame.buffer)} "
-                            f"bytes, expected {len(dst) * item} (short transfer)")
             run = slot_run(dst)  # a run of slots: one block copy, not a scatter
             idx = np.asarray(dst, dtype=np.int64)
-            for frame, t in zip(data, self._buffers):
-                src = np.frombuffer(frame.buffer, dtype=np.uint8).reshape(len(dst), -1)
-                if t.device.type == "cpu":  # numpy alone: no torch op in this thread
-                    _rows(t).numpy()[idx if run is None else run] = src
+            for part, t, rows in zip(parts, pool.tensors, pool.host_rows):
+                src = part.reshape(len(dst), -1)
+                if rows is not None:  # numpy alone: no torch op in this thread
+                    rows[idx if run is None else run] = src
                 else:
-                    _rows(t).index_copy_(0, torch.as_tensor(idx, device=t.device),
-                                         torch.from_numpy(src.copy()).to(t.device))
+                    byte_rows(t).index_copy_(0, torch.as_tensor(idx, device=t.device),
+                                             torch.from_numpy(src.copy()).to(t.device))
         return None
 
     # ------------------------------------------------------------------ sender side
@@ -175,11 +188,8 @@ class ZmqBackend(KVTransferBackend):
             return TransferResult(False, why.replace("kv transfer:", "kv transfer failed:"))
         parts: list[Any] = [msgpack.packb({"room": room, "dst_slots": list(dst_slots),
                                            "nbuf": len(self._buffers)})]
-        nbytes = 0
-        for i in range(len(self._buffers)):
-            rows = self.rows_of(i, src_slots)
-            nbytes += rows.nbytes
-            parts.append(memoryview(rows))
+        parts += self._data_frames(src_slots)
+        nbytes = sum(len(p) for p in parts[1:])
         kept: dict[str, zmq.Socket] = self._local.__dict__.setdefault("socks", {})
         sock = kept.pop(peer.endpoint, None)  # back in the dict only once answered
         reply: Any = None
@@ -200,8 +210,12 @@ class ZmqBackend(KVTransferBackend):
         finally:
             if isinstance(reply, dict) and reply.get("room") == room:
                 kept[peer.endpoint] = sock  # answered: the next room may use it
-            elif sock is not None:
-                sock.close(linger=0)
+            else:
+                if sock is not None:
+                    sock.close(linger=0)
+                # unanswered: libzmq may still hold the staged frame; the next room stages
+                # into a new buffer
+                self._local.staging = None
         if not isinstance(reply, dict) or reply.get("room") not in (room, None):
             return TransferResult(False, f"kv transfer failed: decode at {peer.endpoint} "
                                          f"answered {reply!r:.200} for room {room}", nbytes,
@@ -210,3 +224,32 @@ class ZmqBackend(KVTransferBackend):
             return TransferResult(False, str(reply.get("error")) or "kv transfer failed",
                                   nbytes, time.perf_counter() - t0)
         return TransferResult(True, "", nbytes, time.perf_counter() - t0)
+
+    def _data_frames(self, src_slots: Sequence[int]) -> list[memoryview]:
+        """The rows of ``src_slots`` as the message's data frames (see the module doc).
+
+        The gathered frame lives in this thread's staging buffer, reused by its next room:
+        the message is answered only once all of it arrived, so libzmq is done with it (an
+        unanswered one drops the buffer instead)."""
+        pool = self._pool
+        n = len(src_slots)
+        total = n * sum(pool.item_bytes)
+        if total > GATHER_MAX_BYTES or len(pool.tensors) == 1:
+            return [memoryview(self.rows_of(i, src_slots)).cast("B")
+                    for i in range(len(pool.tensors))]
+        staging = getattr(self._local, "staging", None)
+        if staging is None or staging.nbytes < total:
+            staging = self._local.staging = np.empty(max(total, 1 << 20), dtype=np.uint8)
+        run = slot_run(src_slots)
+        idx = None if run is not None else np.asarray(src_slots, dtype=np.int64)
+        off = 0
+        for i, (rows, item) in enumerate(zip(pool.host_rows, pool.item_bytes)):
+            out = staging[off:off + n * item].reshape(n, item)
+            if rows is None:  # a device pool: gathered on its device
+                out[...] = self.rows_of(i, src_slots)
+            elif run is not None:  # numpy alone: no torch op in a sending thread
+                out[...] = rows[run]
+            else:
+                np.take(rows, idx, axis=0, out=out)
+            off += n * item
+        return [memoryview(staging[:total])]

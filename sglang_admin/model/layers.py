@@ -60,9 +60,10 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, linear: Callable[..., torch.Tensor] | None = None
                 ) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; ``linear``: the matmul in place of ``F.linear``
-        (model/llama.py's ``Linear``), where the weights are fused and there is no LoRA."""
+        (model/llama.py's ``Linear``), where the weights are fused and there is no LoRA or
+        the weights are kept quantized (model/quant/)."""
         if self.lora is not None:
-            return self._forward_lora(x)
+            return self._forward_lora(x, linear)
         if linear is not None and self.gate_up_weight is not None:
             gate_up = linear(x, self.gate_up_weight, self.gate_up_bias)
             if self.kernels is not None:
@@ -79,11 +80,19 @@ class MLP(nn.Module):
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
-    def _forward_lora(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward_lora(self, x: torch.Tensor,
+                      linear: Callable[..., torch.Tensor] | None) -> torch.Tensor:
+        """The forward with each projection's LoRA delta added to its base output; a base
+        weight kept quantized (a meta placeholder) is multiplied through ``linear``."""
         if self.gate_up_weight is None:
             gate_up = torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)
+        elif linear is not None and self.gate_up_weight.is_meta:
+            gate_up = linear(x, self.gate_up_weight, self.gate_up_bias)
         else:
             gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)
         gate, up = self.lora.delta("gate_up", x, gate_up).chunk(2, dim=-1)
         h = F.silu(gate) * up
-        return self.lora.delta("down", h, self.down_proj(h))
+        down = self.down_proj
+        base = (linear(h, down.weight, down.bias) if linear is not None and down.weight.is_meta
+                else down(h))
+        return self.lora.delta("down", h, base)

@@ -83,10 +83,13 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; writes the new K/V into the pool first. ``linear``:
         what computes the projections in place of ``F.linear`` (the runner's, cut among
-        threads), where there is no LoRA."""
+        threads), where there is no LoRA or the weight is kept quantized."""
         n_tok = x.shape[0]
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        if linear is not None and self.lora is None and self.qkv_weight is not None:
+        if self.qkv_weight is not None and linear is not None and (
+                self.lora is None or self.qkv_weight.is_meta):
+            # with LoRA only a weight kept quantized (model/quant/: a meta placeholder) goes
+            # through ``linear``, the store's matmul; the delta is added below either way
             qkv = linear(x, self.qkv_weight, self.qkv_bias)
         elif self.qkv_weight is not None:
             qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
@@ -112,7 +115,9 @@ class Attention(nn.Module):
         out = paged_attention(q, k, v, meta, k_cache, v_cache, self.scale, self.sliding_window,
                               self.kernels)
         if self.lora is not None:
-            return self.lora.delta("o", out, self.o_proj(out))
+            base = (linear(out, self.o_proj.weight, self.o_proj.bias)
+                    if linear is not None and self.o_proj.weight.is_meta else self.o_proj(out))
+            return self.lora.delta("o", out, base)
         if linear is not None:
             return linear(out, self.o_proj.weight, self.o_proj.bias)
         return self.o_proj(out)

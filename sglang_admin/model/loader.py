@@ -305,8 +305,7 @@ def load_model(
     if quantization:
         from sglang_admin.model.quant.attach import attach
 
-        kept = attach(model, model_path, quantization, dtype, device, spec.is_generation,
-                      tensor_parallel)
+        kept = attach(model, model_path, quantization, dtype, device, spec.is_generation)
     try:
         loaded = load_weights(model, iter_checkpoint(model_path, kept)) | kept
     except WeightMismatch as exc:

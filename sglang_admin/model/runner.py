@@ -125,9 +125,8 @@ class ModelRunner(RunnerMemory, RunnerLanes, RunnerOutputs):
         self.max_running_requests = max_running_requests
         # LoRA adapter slots (count, max rank), allocated before the KV pool is sized
         self.lora: LoraBuffers | None = None
-        if lora_slots is not None and getattr(self.model, "quant", None) is not None:
-            raise ModelLoadError("LoRA is not yet served on quantized weights (model/quant/); "
-                                 "serve with --gguf-dequantize (or without --torchao-config)")
+        # weights kept quantized (model/quant/): the base matmuls go through the store, the
+        # adapters' deltas are added to their outputs as on dense weights
         if lora_slots is not None:
             self.lora = LoraBuffers(self.model, *lora_slots, self.dtype, self.device)
         cfg = self.model.config

@@ -195,7 +195,9 @@ def _refit_quantized(model: LlamaForCausalLM, model_path: str) -> None:
                          "takes a GGUF file (or serve with --gguf-dequantize)")
     dtype = model.model.norm.weight.dtype
     try:
-        store, kept = attach_gguf(model, gguf_file, dtype)
+        spec = getattr(model, "spec", None)  # an embedding model keeps its head as loaded
+        store, kept = attach_gguf(model, gguf_file, dtype,
+                                  head=spec is None or spec.is_generation)
     except GgufError as exc:  # raised while reading, before any weight changed
         raise RefitError(str(exc)) from None
     model.quant = store

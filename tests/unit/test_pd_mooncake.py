@@ -56,6 +56,12 @@ for line in sys.stdin:
         for t in b._buffers:
             t.zero_()
         print("{}", flush=True)
+    elif cmd["op"] == "expect":  # as decode: the room's descriptor for the handshake
+        b.expect(cmd["room"], cmd["slots"])
+        print(json.dumps(b.descriptor(cmd["room"]).to_wire()), flush=True)
+    elif cmd["op"] in ("land", "release"):
+        getattr(b, cmd["op"])(cmd["room"])
+        print("{}", flush=True)
     elif cmd["op"] == "realloc":
         b.register_buffers(pool())
         print(json.dumps(b.descriptor().to_wire()), flush=True)
@@ -88,6 +94,16 @@ class Peer:
 
     def zero(self) -> None:
         self._ask(op="zero")
+
+    def expect(self, room: int, slots: list[int]) -> PeerDescriptor:
+        return PeerDescriptor.from_wire(json.loads(self._ask(op="expect", room=room,
+                                                             slots=slots)))
+
+    def land(self, room: int) -> None:
+        self._ask(op="land", room=room)
+
+    def release(self, room: int) -> None:
+        self._ask(op="release", room=room)
 
     def realloc(self) -> PeerDescriptor:
         self.proc.stdin.write(json.dumps({"op": "realloc"}) + "\n")
@@ -362,3 +378,98 @@ def test_rdma_without_a_nic_says_so_and_still_moves_bytes(caplog: pytest.LogCapt
     finally:
         a.close()
         b.close()
+
+
+def test_a_small_room_is_staged_written_as_one_block_and_lands_at_land(
+        peer: Peer, sender: MooncakeBackend) -> None:
+    """A room the receiver expects gets a staging region in its descriptor; the sender
+    writes every buffer's rows there as one block (a few write entries, not one per buffer
+    and run), and they reach the room's slots when decode lands the room."""
+    src = [5, 6, 7, 20, 3, 40]
+    dst = [10, 11, 12, 0, 63, 30]
+    desc = peer.expect(7, dst)
+    assert desc.staging is not None and desc.staging[1] == len(dst) * 64 * 2 * LAYERS
+    res = sender.send(7, desc, src, dst, 10.0)
+    assert res.ok, res.error
+    assert res.extra["staged"] and res.extra["entries"] <= 4
+    assert not any(peer.read(dst))  # in the staging region until landed
+    peer.land(7)
+    assert peer.read(dst) == sender.read_slots(src)
+    assert not any(peer.read([s for s in range(NUM_SLOTS) if s not in dst]))
+    peer.release(7)
+    # released: the region is free for the next room, which lands its own rows
+    desc = peer.expect(8, [1, 2])
+    assert sender.send(8, desc, [9, 8], [1, 2], 10.0).ok
+    peer.land(8)
+    assert peer.read([1, 2]) == sender.read_slots([9, 8])
+    peer.release(8)
+
+
+def test_a_sender_without_a_free_staging_region_writes_into_the_peers(
+        peer: Peer, sender: MooncakeBackend) -> None:
+    from sglang_admin.disaggregation.staging import StagingArea
+
+    sender._tx = StagingArea(64)  # too small for the room: one entry per buffer and run
+    desc = peer.expect(9, [4, 5, 6])
+    res = sender.send(9, desc, [1, 3, 2], [4, 5, 6], 10.0)
+    assert res.ok and res.extra["staged"] and res.extra["entries"] == 3 * 2 * LAYERS
+    peer.land(9)
+    assert peer.read([4, 5, 6]) == sender.read_slots([1, 3, 2])
+    peer.release(9)
+
+
+def test_a_lying_staging_region_fails_the_room_cleanly(peer: Peer,
+                                                       sender: MooncakeBackend) -> None:
+    desc = peer.expect(11, [4, 5])
+    assert desc.staging is not None
+    ptr, size = desc.staging
+    for bad, why in (((ptr, size + 64), "staging region holds"),
+                     ((ptr, size // 2), "staging region holds"),
+                     ((ptr + (1 << 40), size), "kv transfer failed")):
+        res = sender.send(11, PeerDescriptor(desc.endpoint, desc.buffers, bad), [1, 2],
+                          [4, 5], 10.0)
+        assert not res.ok and "kv transfer failed" in res.error and why in res.error
+    # (prefill reports the failure; decode never lands a failed room, it releases it)
+    assert not any(peer.read(list(range(NUM_SLOTS))))
+    peer.release(11)
+    # the connection survives the refused writes: the next room lands
+    results = [sender.send(12 + i, peer.expect(12 + i, [3]), [2], [3], 10.0)
+               for i in range(3)]
+    assert results[-1].ok, results
+    peer.land(14)
+    assert peer.read([3]) == sender.read_slots([2])
+    for room in (12, 13, 14):
+        peer.release(room)
+    for bad in ({"endpoint": "h:1", "buffers": [], "staging": [1]},
+                {"endpoint": "h:1", "buffers": [], "staging": [0, 5]},
+                {"endpoint": "h:1", "buffers": [], "staging": "x"}):
+        with pytest.raises(KVTransferError, match="peer descriptor"):
+            PeerDescriptor.from_wire(bad)
+
+
+def test_a_large_room_is_not_staged(sender: MooncakeBackend) -> None:
+    from sglang_admin.disaggregation import mooncake_backend
+
+    rx = MooncakeBackend("127.0.0.1")
+    rx.register_buffers([torch.zeros(NUM_SLOTS, *ROW) for _ in range(2 * LAYERS)])
+    rx.start()
+    try:
+        room_bytes = 8 * 64 * 2 * LAYERS
+        old = mooncake_backend.STAGE_MAX_BYTES
+        mooncake_backend.STAGE_MAX_BYTES = room_bytes - 1
+        try:
+            rx.expect(1, list(range(8)))
+        finally:
+            mooncake_backend.STAGE_MAX_BYTES = old
+        desc = rx.descriptor(1)
+        assert desc.staging is None and rx.descriptor().staging is None
+        res = sender.send(1, desc, list(range(8)), list(range(8)), 10.0)
+        assert res.ok and not res.extra["staged"]
+        rx.land(1)  # nothing staged: nothing to do
+        assert rx.read_slots(list(range(8))) == sender.read_slots(list(range(8)))
+        rx.expect(2, [1])
+        assert rx.descriptor(2).staging is not None
+        rx.release(2)
+        assert rx.descriptor(2).staging is None
+    finally:
+        rx.close()

@@ -179,3 +179,58 @@ def test_decode_names_the_tp_rank_whose_shard_differs() -> None:
     finally:
         follower.close()
         rooms.close()
+
+
+def test_mooncake_at_tp2_stages_each_shard_and_lands_it_before_the_checksums() -> None:
+    """The mooncake backend on every side: decode's TP ranks each set a staging region
+    aside for the room (rank 0's and the follower's descriptors carry one), prefill's TP
+    ranks each write their shard there, and decode's checksum of every TP rank lands the
+    shard first: the checksums match and the rows are in the slots."""
+    pytest.importorskip("mooncake")
+    from sglang_admin.disaggregation.mooncake_backend import MooncakeBackend
+
+    p0, d0 = MooncakeBackend(), MooncakeBackend()
+    p0.register_buffers(shard(True))
+    d0.register_buffers(shard(False))
+    p1_pool, d1_pool = shard(True), shard(False)
+    for b in (p0, d0):
+        b.start()
+    p_follower = FollowerShards(MooncakeBackend(), lambda: p1_pool, 1)
+    d_follower = FollowerShards(MooncakeBackend(), lambda: d1_pool, 1)
+    state = SimpleNamespace(memory=Memory(), pending_outputs=[])
+    control = ControlSocket("127.0.0.1", "127.0.0.1")
+    rooms = PrefillRooms(state, p0, control)
+    rooms.shards = LeaderShards(InProcessGroup([p_follower]))
+    rooms.transfer_timeout = 10.0
+    decode = DecodeRooms(SimpleNamespace(), d0, None)
+    decode.shards = LeaderShards(InProcessGroup([d_follower]))
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.PULL)
+    notify = f"127.0.0.1:{inbox.bind_to_random_port('tcp://127.0.0.1')}"
+    s = SimpleNamespace(rooms=rooms, state=state, inbox=inbox, notify=notify)
+    try:
+        slots = [4, 9, 5, 17]
+        d0.expect(6, slots)
+        peers = [d0.descriptor(6).to_wire(), *decode.shards.expect(6, slots)]
+        assert all("staging" in p for p in peers), peers
+        out, done = run_room(s, 6, peers, slots)
+        assert out.error is None and done["ok"] is True, done
+        assert not any(d_follower.backend.read_slots(slots))  # staged, not landed yet
+        d0.land(6)
+        assert d0.checksum(slots) == done["checksums"][0]
+        assert decode._shard_checksums(6, done["checksums"], slots) == ""
+        assert d0.read_slots(slots) == p0.read_slots(slots)
+        assert d_follower.backend.read_slots(slots) == p_follower.backend.read_slots(slots)
+        decode.shards.release(6)
+        d0.release(6)
+        assert d0.descriptor(6).staging is None
+    finally:
+        rooms.close()
+        decode.close()
+        for f in (p_follower, d_follower):
+            f.close()
+        control.close()
+        for b in (p0, d0):
+            b.close()
+        inbox.close(linger=0)
+        ctx.term()

@@ -225,3 +225,33 @@ def test_slot_run_is_one_run_of_consecutive_slots_only() -> None:
     assert slot_run([7]) == slice(7, 8)
     for slots in ([], [3, 5, 4], [3, 4, 4, 6], [5, 4], [-1, 0, 1], [2, 4, 6]):
         assert slot_run(slots) is None, slots
+
+
+def test_a_large_room_goes_one_frame_per_buffer(pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over GATHER_MAX_BYTES a room goes as one frame per buffer (views of the pool); below,
+    as one gathered frame: the same bytes land either way."""
+    from sglang_admin.disaggregation import zmq_backend
+
+    sender, receiver = pair
+    src, dst = [9, 3, 4, 5], [1, 2, 40, 41]
+    assert len(sender._data_frames(src)) == 1
+    monkeypatch.setattr(zmq_backend, "GATHER_MAX_BYTES", 0)
+    assert len(sender._data_frames(src)) == 2 * LAYERS
+    receiver.expect(4, dst)
+    assert sender.send(4, receiver.descriptor(), src, dst, 10).ok
+    assert receiver.read_slots(dst) == sender.read_slots(src)
+
+
+def test_staging_area_regions() -> None:
+    from sglang_admin.disaggregation.staging import ALIGN, StagingArea
+
+    area = StagingArea(4 * ALIGN)
+    assert area.take("a", ALIGN + 1) == 0
+    assert area.take("a", 10) is None  # one region per key
+    assert area.take("b", ALIGN) == 2 * ALIGN  # aligned after a's end
+    assert area.take("c", 2 * ALIGN) is None  # no room left
+    assert area.take("d", 0) is None and area.take("e", 5 * ALIGN) is None
+    area.give("a")
+    area.give("a")  # idempotent
+    assert area.take("c", 2 * ALIGN) == 0  # first fit in the freed space
+    assert area.region("c") == (0, 2 * ALIGN) and area.region("a") is None

@@ -18,14 +18,16 @@ QUANTIZATIONS = (QUANTIZATION_GGUF, *TORCHAO_CONFIGS)
 
 
 def attach(model: Any, model_path: str, quantization: str, dtype: torch.dtype,
-           device: torch.device, is_generation: bool, tensor_parallel: Any) -> set[str]:
+           device: torch.device, is_generation: bool) -> set[str]:
     """Keep ``model``'s projections quantized as ``quantization`` says; the names loaded.
 
     Refused (model/loader.py's ModelLoadError, one line) where it does not apply: not a
-    directory converted from a GGUF file, not the CPU, tensor parallelism, an embedding
-    model, a dtype the kernels do not take.
+    directory converted from a GGUF file, not the CPU, a dtype the kernels do not take. An embedding model (``is_generation``
+    false) keeps its decoder's projections quantized; its LM head, which it never
+    multiplies with, stays as loaded. At --tp-size > 1 (``model.tensor_parallel``) each
+    rank keeps its shard (model/quant/shard.py).
     """
-    check_applies(quantization, device, is_generation, tensor_parallel, dtype)
+    check_applies(quantization, device, dtype)
     if quantization != QUANTIZATION_GGUF:
         return set()  # quantized after the dense load: quantize_after_load
     gguf_file = gguf_source(model_path)
@@ -33,7 +35,7 @@ def attach(model: Any, model_path: str, quantization: str, dtype: torch.dtype,
         raise ModelLoadError(f"{model_path}: quantization gguf needs a GGUF file "
                              "(--model-path FILE.gguf)")
     try:
-        store, loaded = attach_gguf(model, gguf_file, dtype)
+        store, loaded = attach_gguf(model, gguf_file, dtype, head=is_generation)
     except GgufError as exc:
         raise ModelLoadError(str(exc)) from None
     model.quant = store
@@ -41,8 +43,7 @@ def attach(model: Any, model_path: str, quantization: str, dtype: torch.dtype,
     return loaded
 
 
-def check_applies(quantization: str, device: torch.device, is_generation: bool,
-                  tensor_parallel: Any, dtype: torch.dtype) -> None:
+def check_applies(quantization: str, device: torch.device, dtype: torch.dtype) -> None:
     """ModelLoadError (one line) where weights cannot be served quantized."""
     if quantization not in QUANTIZATIONS:
         raise ModelLoadError(f"quantization {quantization!r} is not supported "
@@ -54,10 +55,6 @@ def check_applies(quantization: str, device: torch.device, is_generation: bool,
     if device.type != "cpu":
         raise ModelLoadError(f"{what}: CPU only (torch's int4/int8 CPU kernels); on "
                              f"{device.type} {dense}")
-    if tensor_parallel is not None:
-        raise ModelLoadError(f"{what}: not yet with --tp-size > 1; {dense}")
-    if not is_generation:
-        raise ModelLoadError(f"{what}: generation models only; {dense}")
     if dtype not in (torch.bfloat16, torch.float32):
         raise ModelLoadError(f"{what}: bfloat16 or float32 activations, not {dtype}")
 
@@ -66,5 +63,7 @@ def quantize_after_load(model: Any, quantization: str, dtype: torch.dtype) -> No
     """A --torchao-config model: its projections quantized now that they are loaded."""
     if quantization == QUANTIZATION_GGUF:
         return
-    model.quant = quantize_loaded(model, quantization, dtype)
+    spec = getattr(model, "spec", None)  # model/embedding_model.py's: not a generator
+    model.quant = quantize_loaded(model, quantization, dtype,
+                                  head=spec is None or spec.is_generation)
     logger.warning("%s", model.quant.summary)

@@ -33,9 +33,9 @@ from sglang_admin.model.quant.gguf_blocks import (
 )
 from sglang_admin.model.quant.linear import ConcatLinear, Projection, QuantLinear, QuantStore
 from sglang_admin.model.quant.prepared import Prepared, prepared_once
+from sglang_admin.model.quant.shard import Kept, shard_kept, sum_row_parallel
 
 QUANTIZATION_GGUF = "gguf"
-Kept = Int4Groups | Int8Blocks | Int8Rows | np.ndarray  # one tensor as read
 __all__ = ["QUANTIZATION_GGUF", "attach_gguf", "finish_tied_head", "gguf_source"]
 _PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -107,22 +107,28 @@ def projection_groups(layer: Any) -> tuple[tuple[Any, str | None, list[Any], lis
     )
 
 
-def attach_gguf(model: Any, gguf_file: str, dtype: torch.dtype, *,
-                dense_copy: bool = True) -> tuple[QuantStore, set[str]]:
+def attach_gguf(model: Any, gguf_file: str, dtype: torch.dtype, *, dense_copy: bool = True,
+                head: bool = True) -> tuple[QuantStore, set[str]]:
     """Load ``gguf_file``'s kept projections into ``model`` (a LlamaForCausalLM already
     allocated and fused); (the store, the Hugging Face names it loaded). The caller loads
-    every other name dense and then calls :func:`finish_tied_head`.
+    every other name dense and then calls :func:`finish_tied_head`. ``head`` false (an
+    embedding model, which never computes logits): the LM head is not kept quantized.
 
     The projections come prepared from the file's converted directory when an earlier start
     saved them there (model/quant/prepared.py), else they are read and repacked from the
-    file and saved for the next start."""
+    file and saved for the next start. At --tp-size > 1 (``model.tensor_parallel``) each
+    rank reads the file and keeps its shard (model/quant/shard.py; nothing is saved), and
+    the row-parallel projections' outputs are summed over the ranks
+    (``QuantStore.reduce_outputs``)."""
     from sglang_admin.model.gguf import converted_dir
 
+    tensor_parallel = getattr(model, "tensor_parallel", None)
     try:
         model_dir: str | None = converted_dir(gguf_file)
     except OSError:
         model_dir = None
-    if model_dir is not None and os.path.isdir(model_dir) and dense_copy:
+    if (model_dir is not None and os.path.isdir(model_dir) and dense_copy
+            and tensor_parallel is None):
         prepared = prepared_once(model_dir, dtype, lambda: read_projections(
             model, gguf_file, dtype, dense_copy))
     else:
@@ -138,14 +144,15 @@ def attach_gguf(model: Any, gguf_file: str, dtype: torch.dtype, *,
                 if projection is not None:
                     install(store, owner, fused_attr, modules, names, projection, dtype)
                     loaded.update(names)
-        head = prepared.projections.get(("lm_head.weight",))
-        if head is not None and not model.config.tie_word_embeddings:
-            install(store, model, None, [model.lm_head], ["lm_head.weight"], head, dtype)
+        lm_head = prepared.projections.get(("lm_head.weight",)) if head else None
+        if lm_head is not None and not model.config.tie_word_embeddings:
+            install(store, model, None, [model.lm_head], ["lm_head.weight"], lm_head, dtype)
             loaded.add("lm_head.weight")
-        if prepared.tied_head is not None:
+        if prepared.tied_head is not None and head:
             # tied: the embedding stays dense for lookups, the LM head reads it quantized
             store.add(model.model.embed_tokens.weight, prepared.tied_head)
             store.tied_head = prepared.tied_head
+    sum_row_parallel(store, model)
     return store, loaded
 
 
@@ -173,7 +180,8 @@ def read_projections(model: Any, gguf_file: str, dtype: torch.dtype,
         types[f"{type_name}->{plan}"] += 1
         if plan == "dense" and not is_proj:
             continue
-        values[target] = _read(g, tensor, target, heads, kv_heads)
+        values[target] = shard_kept(_read(g, tensor, target, heads, kv_heads), target,
+                                    getattr(model, "tensor_parallel", None))
     prepared = Prepared()
     with torch.no_grad():
         for i, layer in enumerate(model.model.layers):

@@ -283,6 +283,17 @@ class QuantStore:
         self.by_name: dict[str, tuple[Projection, int, int]] = {}
         # a tied LM head: the embedding's quantized copy (the lookup table stays dense)
         self.tied_head: QuantLinear | None = None
+        # --tp-size > 1: the row-parallel weights (by id) whose outputs ``linear_with``
+        # sums over the ranks, kept or dense (the modules' all-reduce hooks do not run
+        # when a matmul goes through ``linear_with``)
+        self._reduced: dict[int, torch.Tensor] = {}
+        self._reduce: Callable[[torch.Tensor], None] | None = None
+
+    def reduce_outputs(self, reduce: Callable[[torch.Tensor], None],
+                       weights: list[torch.Tensor]) -> None:
+        """Sum the outputs of ``weights``' matmuls with ``reduce`` (in place)."""
+        self._reduce = reduce
+        self._reduced = {id(w): w for w in weights}
 
     def add(self, placeholder: torch.Tensor, projection: Projection) -> None:
         """Serve ``placeholder``'s matmuls with ``projection``."""
@@ -301,9 +312,10 @@ class QuantStore:
         def linear(x: torch.Tensor, weight: torch.Tensor,
                    bias: torch.Tensor | None) -> torch.Tensor:
             projection = self.find(weight)
-            if projection is None:
-                return fallback(x, weight, bias)
-            return projection(x, bias)
+            out = fallback(x, weight, bias) if projection is None else projection(x, bias)
+            if self._reduce is not None and self._reduced.get(id(weight)) is weight:
+                self._reduce(out)
+            return out
 
         return linear
 

@@ -59,11 +59,28 @@ def load_draft_runner(draft_path: str, target: ModelRunner, rows: int, capacity:
                       attention_backend: str = "auto") -> ModelRunner:
     """The draft model on the target's device and dtype, with ``rows`` table rows, the
     target's context length and a pool of ``capacity`` KV slots. DraftModelError when its
-    vocabulary differs from the target's."""
+    vocabulary differs from the target's. A GGUF draft keeps its projections quantized
+    (model/quant/) when the target keeps its own (a GGUF target served kept, on CPU);
+    otherwise it is loaded dense, as the target."""
     problem = draft_mismatch(load_model_info(draft_path), target.info)
     if problem is not None:
         raise DraftModelError(problem)
     return ModelRunner(
         draft_path, device=str(target.device), dtype=dtype_name(target.dtype),
         max_total_tokens=capacity, max_running_requests=rows,
-        context_length=target.context_length, attention_backend=attention_backend)
+        context_length=target.context_length, attention_backend=attention_backend,
+        quantization=draft_quantization(draft_path, target))
+
+
+def draft_quantization(draft_path: str, target: ModelRunner) -> str:
+    """"gguf" where the draft at ``draft_path`` (a directory converted from a GGUF file)
+    keeps its quantized projections: the target keeps its own GGUF weights quantized;
+    else "" (dense: a dense or --gguf-dequantize target, --torchao-config, a draft that is
+    not a GGUF file)."""
+    from sglang_admin.model.quant.flags import gguf_source
+    from sglang_admin.model.quant.gguf_load import QUANTIZATION_GGUF
+
+    quant = getattr(target.model, "quant", None)
+    if quant is None or quant.scheme != QUANTIZATION_GGUF or gguf_source(draft_path) is None:
+        return ""
+    return QUANTIZATION_GGUF

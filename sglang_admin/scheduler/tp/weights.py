@@ -159,6 +159,10 @@ def local_part(model: torch.nn.Module, tp: TensorParallel, name: str) -> torch.T
     found = resolve(model, name)
     if found.param is None or not tp.is_split(found.param_name or name):
         return None
+    quant = getattr(model, "quant", None)
+    if found.param.is_meta and quant is not None and found.param_name is not None:
+        # kept quantized (model/quant/): this rank's shard, dequantized
+        return quant.dequantized(found.param_name).clone()
     return found.param.detach().to("cpu").clone()
 
 
