@@ -20,6 +20,10 @@ from tests.conftest import ServerProc, greedy, run_generate, start_server
 ALREADY_RUNNING = "Profiling is already in progress. Call /stop_profile first."
 NOT_RUNNING = "Profiling is not in progress. Call /start_profile first."
 TIMEOUT = 120
+# profiles whose checks read neither Python stacks nor shapes ask for neither (both default
+# on: stack tracing records every call on every rank and makes the export dearer); the
+# concurrent-download test keeps them (a bigger merge: the race it guards had more room)
+LEAN = dict(with_stack=False, record_shapes=False)
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +72,7 @@ def events(path: Path) -> list[str]:
 
 
 def test_start_generate_stop_writes_a_trace_per_rank(stub, root: Path) -> None:
-    start = stub.StartProfile(pb.StartProfileRequest(output_dir="run1"), timeout=TIMEOUT)
+    start = stub.StartProfile(pb.StartProfileRequest(output_dir="run1", **LEAN), timeout=TIMEOUT)
     assert start.success, start.message
     assert start.profile_id
     assert "GPU activity left out" in start.message  # CPU-only test machine
@@ -91,14 +95,15 @@ def test_error_strings(stub) -> None:
     stop = stub.StopProfile(pb.StopProfileRequest(), timeout=TIMEOUT)
     assert not stop.success and stop.message == NOT_RUNNING
     assert [r.message for r in stop.rank_results] == [NOT_RUNNING, NOT_RUNNING]
-    assert stub.StartProfile(pb.StartProfileRequest(output_dir="errs"), timeout=TIMEOUT).success
+    assert stub.StartProfile(pb.StartProfileRequest(output_dir="errs", **LEAN),
+                             timeout=TIMEOUT).success
     again = stub.StartProfile(pb.StartProfileRequest(output_dir="errs"), timeout=TIMEOUT)
     assert not again.success and again.message == ALREADY_RUNNING
 
 
 def test_num_steps_stops_by_itself_and_download_matches(stub, root: Path) -> None:
     start = stub.StartProfile(
-        pb.StartProfileRequest(output_dir="auto", num_steps=2, merge_profiles=False),
+        pb.StartProfileRequest(output_dir="auto", num_steps=2, merge_profiles=False, **LEAN),
         timeout=TIMEOUT,
     )
     assert start.success, start.message
@@ -134,7 +139,8 @@ def test_num_steps_stops_by_itself_and_download_matches(stub, root: Path) -> Non
 
 def test_by_stage_traces(stub, root: Path) -> None:
     start = stub.StartProfile(
-        pb.StartProfileRequest(output_dir="stages", num_steps=1, profile_by_stage=True),
+        pb.StartProfileRequest(output_dir="stages", num_steps=1, profile_by_stage=True,
+                               **LEAN),
         timeout=TIMEOUT,
     )
     assert start.success, start.message
@@ -181,7 +187,8 @@ def test_invalid_arguments(stub) -> None:
 
 def test_merge_profiles_and_start_step(stub, root: Path) -> None:
     start = stub.StartProfile(
-        pb.StartProfileRequest(output_dir="merge", merge_profiles=True, profile_prefix="m"),
+        pb.StartProfileRequest(output_dir="merge", merge_profiles=True, profile_prefix="m",
+                               **LEAN),
         timeout=TIMEOUT,
     )
     assert start.success, start.message
@@ -192,7 +199,7 @@ def test_merge_profiles_and_start_step(stub, root: Path) -> None:
     assert merged.name == f"m-{start.profile_id}-merged.trace.json.gz"
     assert len(events(merged)) == sum(len(events(Path(f))) for f in stop.files[:-1])
 
-    armed = stub.StartProfile(pb.StartProfileRequest(start_step=10**9), timeout=TIMEOUT)
+    armed = stub.StartProfile(pb.StartProfileRequest(start_step=10**9, **LEAN), timeout=TIMEOUT)
     assert armed.success and "armed" in armed.message
     info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
     assert [s.profiler_state for s in info.rank_states] == ["armed", "armed"]
@@ -284,7 +291,7 @@ def test_a_profile_left_running_stops_at_its_step_cap(capped) -> None:
     serving, and the next StopProfile says why it ended."""
     server, _ = capped
     stub = server.stub()
-    start = stub.StartProfile(pb.StartProfileRequest(), timeout=TIMEOUT)
+    start = stub.StartProfile(pb.StartProfileRequest(**LEAN), timeout=TIMEOUT)
     assert start.success, start.message
     for i in range(4):  # more forward steps than the cap
         tokens, _ = run_generate(stub, greedy([40 + i, 41, 42], 3), timeout=60)
