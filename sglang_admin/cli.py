@@ -373,13 +373,13 @@ def run_serve(ns: argparse.Namespace) -> int:
                            ns.speculative_ngram_max_match_window_size,
                            ns.speculative_draft_model_path)
     if refusal is None and ns.speculative_draft_model_path:
-        from sglang_admin.scheduler.speculative.draft_model import check_draft_model
-
         try:
             draft_path = draft_model_dir(ns.speculative_draft_model_path)
         except ValueError as exc:
-            refusal = str(exc)
+            refusal = str(exc)  # refused before the check's import of torch (~2 s of CPU)
         else:
+            from sglang_admin.scheduler.speculative.draft_model import check_draft_model
+
             fields["speculative_draft_model_path"] = draft_path
             refusal = check_draft_model(draft_path, fields["model_path"])
     if refusal is None:

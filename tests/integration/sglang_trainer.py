@@ -8,6 +8,10 @@ Modes (argv[1]):
           train more and push through shared memory.
   die     join with SGLang's helper, start an update of every parameter, broadcast half of
           them, print "half", then SIGKILL itself on "next".
+  sglang-then-die
+          sglang's three pushes; then, once its helper's group is destroyed, print "done"
+          and, on "die" from stdin, go on as die (a group of its own, argv[7] its port):
+          one trainer process (torch and transformers imported once) for both.
 
 After each push it saves the trained model to OUT/<phase> (the test compares the worker with
 transformers on it) and prints "pushed <phase>".
@@ -154,9 +158,7 @@ def main() -> None:
     world = 3  # the trainer and a dp 2 worker
     train(model, 3, seed=1)
     if mode == "die":
-        pg = sglang_join(stub, port, world, "die-group")
-        half = len(list(model.parameters())) // 2
-        sglang_push(stub, model, pg, "die-group", "never", kill_after=half)
+        die(stub, model, port, world)
         return
     pg = sglang_join(stub, port, world, "sglang-group")
     sglang_push(stub, model, pg, "sglang-group", "sglang-1")
@@ -181,6 +183,18 @@ def main() -> None:
     pusher.push_shared(model.named_parameters(), weight_version="shm-3")
     save(model, out, "shm")
     pusher.destroy()
+    if mode == "sglang-then-die":
+        print("done", flush=True)
+        if sys.stdin.readline().strip() == "die":
+            die(stub, model, int(sys.argv[7]), world)
+
+
+def die(stub: pb_grpc.SglangSchedulerStub, model: Any, port: int, world: int) -> None:
+    """Join "die-group", start an update of every parameter and broadcast half of them;
+    print "half", then SIGKILL this process on "next"."""
+    pg = sglang_join(stub, port, world, "die-group")
+    half = len(list(model.parameters())) // 2
+    sglang_push(stub, model, pg, "die-group", "never", kill_after=half)
 
 
 if __name__ == "__main__":

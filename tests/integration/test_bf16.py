@@ -22,7 +22,7 @@ import pytest
 
 from sglang_admin.model.cpu_dtype import cpu_has_native_bf16
 from sglang_admin.pb import common_pb2 as pb
-from tests.conftest import ServerProc, greedy, run_generate, start_server, wait_started
+from tests.conftest import ServerProc, greedy, run_generate, start_server
 from tests.lora_models import build_adapter, build_base, peft_model
 
 torch = pytest.importorskip("torch")
@@ -127,13 +127,14 @@ def test_greedy_bfloat16_matches_transformers_bfloat16(bf16_worker) -> None:
     srv, base = bf16_worker
     assert server_dtype(srv) == "bfloat16"
     ours = served(srv.stub(), PROMPTS, NEW_TOKENS)
-    equal = compare(ours, hf_model(base), PROMPTS, NEW_TOKENS, "greedy")
+    model = hf_model(base)
+    equal = compare(ours, model, PROMPTS, NEW_TOKENS, "greedy")
     # most token-equal (which ones depends on how the batch was cut: bfloat16 GEMMs round by
     # batch shape); compare() has already asserted that every other one is a near tie
     assert equal > len(PROMPTS) // 2, f"only {equal}/{len(PROMPTS)} token-equal"
     # one at a time (no batching): the same tokens as in the batch but at near ties
     alone = [run_generate(srv.stub(), greedy(p, NEW_TOKENS), timeout=120)[0] for p in PROMPTS[:4]]
-    assert compare(alone, hf_model(base), PROMPTS[:4], NEW_TOKENS, "alone") >= 3
+    assert compare(alone, model, PROMPTS[:4], NEW_TOKENS, "alone") >= 3
 
 
 def test_bfloat16_sampling_and_logprobs_are_float32_sane(bf16_worker) -> None:
@@ -278,23 +279,21 @@ def _push(stub: Any, path: Path, dtype: torch.dtype) -> None:
 
 
 def test_auto_serves_a_bfloat16_checkpoint_in_bfloat16_where_the_cpu_has_it(
-        checkpoints, tmp_path) -> None:
+        checkpoints, tmp_path, server: ServerProc) -> None:
     expected = "bfloat16" if cpu_has_native_bf16() else "float32"
-    # both workers start side by side
-    half = start_server(tmp_path, "--model-path", str(checkpoints["B16"]), wait=False)
-    full = start_server(tmp_path, "--model-path", str(checkpoints["A"]), wait=False)
+    half = start_server(tmp_path, "--model-path", str(checkpoints["B16"]))
     try:
-        for srv in (half, full):
-            wait_started(srv)
         assert server_dtype(half) == expected
         ours = served(half.stub(), PROMPTS[:4], NEW_TOKENS)
         if expected == "bfloat16":
             assert compare(ours, hf_model(checkpoints["B16"]), PROMPTS[:4], NEW_TOKENS,
                            "auto") >= 2
-        assert server_dtype(full) == "float32"  # a float32 checkpoint stays float32
     finally:
         half.stop()
-        full.stop()
+    # a float32 checkpoint stays float32: the session's worker, the embedded model (its
+    # config says float32) started without --dtype
+    assert "--dtype" not in server.extra_args
+    assert server_dtype(server) == "float32"
 
 
 # ---------------------------------------------------------------- fuzzing

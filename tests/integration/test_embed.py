@@ -7,6 +7,7 @@ tensor and process group, weight reads, memory release) holds for these models."
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import json
 import time
 from collections.abc import Iterator
@@ -55,6 +56,22 @@ def assert_close(served: list[float], expected: list[float], what: str) -> None:
     assert diff <= TOLERANCE, f"{what}: max difference {diff:.2e}"
 
 
+# kinds whose worker the tests of one model below share (qwen3: the admin surface; the
+# reward model: its refits): started with their flags, kept to the module's end
+SHARED_FLAGS: dict[str, list[str]] = {
+    "qwen3": ["--context-length", "256", "--enable-metrics", "--log-requests"],
+    "qwen2-reward": [],
+}
+# the kinds in the order their workers start: the shared ones last, next to their tests
+ORDER = [kind for kind in KINDS if kind not in SHARED_FLAGS] + list(SHARED_FLAGS)
+
+
+@functools.cache
+def reference_of(kind: str, path: Path) -> Reference:
+    """transformers' model of one checkpoint, loaded once."""
+    return Reference(kind, path)
+
+
 @pytest.fixture(scope="module")
 def kinds_ahead(tmp_path_factory) -> tuple[Prestart, dict[str, Path]]:
     """Each kind's checkpoint and worker, the next kind's started while one's tests run."""
@@ -62,25 +79,50 @@ def kinds_ahead(tmp_path_factory) -> tuple[Prestart, dict[str, Path]]:
 
     def start(kind: str) -> ServerProc:
         paths[kind] = build(kind, tmp_path_factory.mktemp(kind))
+        extra = list(SHARED_FLAGS.get(kind, []))
+        if kind == "qwen3":
+            extra += ["--metrics-port", str(free_port()), "--profile-dir",
+                      str(tmp_path_factory.mktemp("qwen3-profiles"))]
+        # the reward model prefills in chunks of 32 tokens (its refits under load)
+        prefill = "32" if kind == "qwen2-reward" else "64"
         return start_server(tmp_path_factory.mktemp(f"{kind}-srv"), "--model-path",
                             str(paths[kind]), "--dtype", "float32", "--max-prefill-tokens",
-                            "64", *server_flags(kind), wait=False)
+                            prefill, *server_flags(kind), *extra, wait=False)
 
-    return Prestart(list(KINDS), start), paths
+    return Prestart(ORDER, start), paths
 
 
-@pytest.fixture(scope="module", params=list(KINDS))
-def served(request, kinds_ahead) -> Iterator[tuple[str, Path, ServerProc]]:
+@pytest.fixture(scope="module")
+def kept() -> Iterator[dict[str, ServerProc]]:
+    """The workers of SHARED_FLAGS' kinds once taken, stopped at the module's end."""
+    workers: dict[str, ServerProc] = {}
+    yield workers
+    for srv in workers.values():
+        srv.stop()
+
+
+def take(kinds_ahead, kept: dict[str, ServerProc], kind: str) -> ServerProc:
+    """``kind``'s worker: the one kept, or the Prestart's (kept when SHARED_FLAGS has it)."""
+    if kind not in kept:
+        srv = kinds_ahead[0].take(kind)
+        if kind not in SHARED_FLAGS:
+            return srv
+        kept[kind] = srv
+    return kept[kind]
+
+
+@pytest.fixture(scope="module", params=ORDER)
+def served(request, kinds_ahead, kept) -> Iterator[tuple[str, Path, ServerProc]]:
     kind = request.param
-    prestart, paths = kinds_ahead
-    srv = prestart.take(kind)
-    yield kind, paths[kind], srv
-    srv.stop()
+    srv = take(kinds_ahead, kept, kind)
+    yield kind, kinds_ahead[1][kind], srv
+    if kind not in SHARED_FLAGS:
+        srv.stop()
 
 
 def test_vectors_equal_transformers_for_a_mixed_batch(served) -> None:
     kind, path, srv = served
-    reference = Reference(kind, path)
+    reference = reference_of(kind, path)
     for ids, out in zip(PROMPTS, embed_all(srv, PROMPTS)):
         expected = reference(ids)
         assert out.embedding_dim == len(expected) == len(out.embedding)
@@ -144,16 +186,11 @@ def test_embed_on_a_generation_model_is_refused_naming_the_flag(server: ServerPr
 
 
 @pytest.fixture(scope="module")
-def qwen3(tmp_path_factory) -> Iterator[tuple[Path, ServerProc]]:
-    """Qwen3Model (LAST pooling, normalized) with metrics, context 256."""
-    path = build("qwen3", tmp_path_factory.mktemp("qwen3-admin"))
-    srv = start_server(tmp_path_factory.mktemp("qwen3-admin-srv"), "--model-path", str(path),
-                       "--dtype", "float32", "--context-length", "256", "--enable-metrics",
-                       "--log-requests",
-                       "--metrics-port", str(free_port()), "--profile-dir",
-                       str(tmp_path_factory.mktemp("qwen3-profiles")))
-    yield path, srv
-    srv.stop()
+def qwen3(kinds_ahead, kept) -> tuple[Path, ServerProc]:
+    """Qwen3Model (LAST pooling, normalized) with metrics, requests logged, context 256:
+    the qwen3 kind's worker."""
+    srv = take(kinds_ahead, kept, "qwen3")
+    return kinds_ahead[1]["qwen3"], srv
 
 
 @pytest.mark.parametrize("ids, words", [
@@ -173,7 +210,7 @@ def test_bad_input_fails_alone_and_the_worker_keeps_serving(qwen3, ids, words) -
         answers = [f.result() for f in ok]
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert words in err.value.details()
-    reference = Reference("qwen3", path)
+    reference = reference_of("qwen3", path)
     for p, out in zip(good, answers):
         assert_close(list(out.embedding), reference(p), "beside a bad request")
 
@@ -220,7 +257,8 @@ def test_metrics_health_flush_and_profile(qwen3) -> None:
     flush = stub.FlushCache(pb.FlushCacheRequest(), timeout=60)
     assert flush.success, flush.message
     profiles = Path(srv.extra_args[srv.extra_args.index("--profile-dir") + 1])
-    start = stub.StartProfile(pb.StartProfileRequest(), timeout=60)
+    start = stub.StartProfile(pb.StartProfileRequest(with_stack=False, record_shapes=False),
+                              timeout=60)  # a trace is what it checks
     assert start.success, start.message
     embed_all(srv, PROMPTS[:2])
     stop = stub.StopProfile(pb.StopProfileRequest(), timeout=120)
@@ -232,7 +270,7 @@ def test_refit_weight_reads_and_memory_release(qwen3, tmp_path: Path) -> None:
     path, srv = qwen3
     stub = srv.stub()
     other = build("qwen3", fresh(tmp_path, "b"), seed=1)
-    ref_a, ref_b = Reference("qwen3", path), Reference("qwen3", other)
+    ref_a, ref_b = reference_of("qwen3", path), reference_of("qwen3", other)
     prompt = [9, 8, 7, 6, 5]
     name = "layers.0.mlp.up_proj.weight"  # as the checkpoint names it (no "model." prefix)
 
@@ -275,7 +313,7 @@ def test_client_and_cli(qwen3) -> None:
     from tests.conftest import ROOT
 
     path, srv = qwen3
-    expected = Reference("qwen3", path)([1, 2, 3, 4])
+    expected = reference_of("qwen3", path)([1, 2, 3, 4])
     with Client(srv.target, timeout=60) as client:
         out = client.embed([1, 2, 3, 4])
     assert_close(list(out.embedding), expected, "Client.embed")
@@ -320,23 +358,23 @@ def test_grpcurl_example_of_the_docs(qwen3) -> None:
     assert out.returncode == 0, out.stderr
     answer = json.loads(out.stdout)
     assert answer["embedding_dim"] == 64 and answer["prompt_tokens"] == 5
-    assert_close(answer["embedding"], Reference("qwen3", path)([9, 70, 11, 87, 0]), "grpcurl")
+    assert_close(answer["embedding"], reference_of("qwen3", path)([9, 70, 11, 87, 0]), "grpcurl")
 
 
 # ---------------------------------------------------------------- a reward model, refit
 
 
 @pytest.fixture(scope="module")
-def reward(tmp_path_factory) -> Iterator[tuple[dict[str, Path], ServerProc]]:
-    """A reward model (Qwen2ForSequenceClassification, one label) served from checkpoint A,
-    with B and C (other seeds) beside it to refit to; prefill in chunks of 32 tokens."""
+def reward(kinds_ahead, kept, tmp_path_factory) -> tuple[dict[str, Path], ServerProc]:
+    """A reward model (Qwen2ForSequenceClassification, one label) served from checkpoint A
+    (the qwen2-reward kind's worker), with B and C (other seeds) beside it to refit to;
+    prefill in chunks of 32 tokens."""
+    srv = take(kinds_ahead, kept, "qwen2-reward")
     root = tmp_path_factory.mktemp("reward")
-    paths = {name: build("qwen2-reward", fresh(root, name), seed=seed)
-             for seed, name in enumerate("abc")}
-    srv = start_server(fresh(root, "srv"), "--model-path", str(paths["a"]), "--dtype",
-                       "float32", "--max-prefill-tokens", "32")
-    yield paths, srv
-    srv.stop()
+    paths = {"a": kinds_ahead[1]["qwen2-reward"]}
+    paths.update({name: build("qwen2-reward", fresh(root, name), seed=seed)
+                  for seed, name in enumerate("bc", start=1)})
+    return paths, srv
 
 
 def serve_a(paths: dict[str, Path], srv: ServerProc) -> None:
@@ -356,7 +394,7 @@ def test_reward_model_refit_from_tensor_and_process_group(reward) -> None:
     stub = srv.stub()
     prompt = [4, 40, 44, 4]
     pusher = WeightPusher([srv.target], timeout_s=120)
-    ref_b, ref_c = Reference("qwen2-reward", paths["b"]), Reference("qwen2-reward", paths["c"])
+    ref_b, ref_c = reference_of("qwen2-reward", paths["b"]), reference_of("qwen2-reward", paths["c"])
     pusher.push_shared(ref_b.model.named_parameters(), weight_version="b")
     out = stub.Embed(embed_request(prompt), timeout=60)
     assert_close(list(out.embedding), ref_b(prompt), "after UpdateWeightsFromTensor")
@@ -381,7 +419,7 @@ def test_reward_model_refit_under_load_never_mixes_weights(reward) -> None:
     a, b = paths["a"], paths["b"]
     serve_a(paths, srv)
     prompts = [list(range(i, i + 3 + 7 * (i % 6))) for i in range(1, 25)]
-    ref = {name: [Reference("qwen2-reward", p)(ids) for ids in prompts]
+    ref = {name: [reference_of("qwen2-reward", p)(ids) for ids in prompts]
            for name, p in (("a", a), ("b", b))}
     stub = srv.stub()
     stop = threading.Event()

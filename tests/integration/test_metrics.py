@@ -34,6 +34,8 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 # (prompt length, new tokens, stream, rank): a handful of requests on both ranks
 WORKLOAD = [(5, 4, False, 0), (9, 7, True, 0), (3, 1, True, 1), (12, 6, False, 1),
             (7, 5, True, 1)]
+# the watched rank's --watchdog-probe-timeout (a 4k prefill's step is far longer)
+PROBE_S = 0.3
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -195,9 +197,69 @@ def test_a_real_prometheus_scrapes_the_exporter(
     assert all(r["metric"]["job"] == "sglang-admin" for r in result)
 
 
-def test_a_stopped_rank_turns_health_not_serving_and_the_server_exits(tmp_path: Path) -> None:
-    probe = 2.0
-    srv = start_server(tmp_path, "--watchdog-probe-timeout", str(probe))
+class Watched:
+    """The module's worker whose server declares a rank dead after 0.3 s of silence, with
+    room for a 4k prefill: the long-prefill test reads it, then the stopped-rank test ends it
+    (one boot for both). ``get()`` starts it on first use, and again if it has exited (the
+    long-prefill test failed: the stopped-rank test still gets a live one)."""
+
+    def __init__(self, factory: pytest.TempPathFactory) -> None:
+        self.factory = factory
+        self.srv: ServerProc | None = None
+
+    def get(self) -> ServerProc:
+        if self.srv is not None and self.srv.proc.poll() is not None:
+            self.srv.stop(signal.SIGKILL)
+            self.srv = None
+        if self.srv is None:
+            self.srv = start_server(self.factory.mktemp("watched"), "--watchdog-probe-timeout",
+                                    str(PROBE_S), "--max-prefill-tokens", "4096",
+                                    "--context-length", "8192")
+        return self.srv
+
+
+@pytest.fixture(scope="module")
+def watched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Watched]:
+    workers = Watched(tmp_path_factory)
+    yield workers
+    if workers.srv is not None:
+        workers.srv.stop(signal.SIGKILL)
+
+
+def test_a_long_prefill_is_never_flagged(watched: Watched) -> None:
+    """A 4k-token prefill is one step of seconds here; with a probe timeout far shorter
+    than the step, the rank's heartbeat keeps it alive and its state age shows the step."""
+    srv = watched.get()
+    stub = srv.stub()
+    ages: list[float] = []
+    done = threading.Event()
+
+    def poll_ages() -> None:
+        while not done.is_set():
+            ages.append(stub.GetLoads(pb.GetLoadsRequest(), timeout=10).loads[0].state_age_s)
+            time.sleep(0.05)
+
+    poller = threading.Thread(target=poll_ages, daemon=True)
+    poller.start()
+    ids = [(i * 7) % 250 + 1 for i in range(4096)]
+    tokens, _ = run_generate(stub, greedy(ids, 2), timeout=120)
+    done.set()
+    poller.join(30)
+    assert len(tokens) == 2
+    assert srv.proc.poll() is None
+    health = health_pb2_grpc.HealthStub(srv.channel()).Check(
+        health_pb2.HealthCheckRequest(service=""), timeout=10)
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    assert "stopped answering" not in srv.log()
+    if max(ages) <= PROBE_S:
+        pytest.skip(f"the 4k prefill step took under the 0.3 s probe timeout here: {ages}")
+
+
+def test_a_stopped_rank_turns_health_not_serving_and_the_server_exits(
+        watched: Watched) -> None:
+    """Runs after the long-prefill test: it ends their worker."""
+    probe = PROBE_S
+    srv = watched.get()
     stopped_pid = 0
     try:
         children = srv.children()
@@ -236,39 +298,6 @@ def test_a_stopped_rank_turns_health_not_serving_and_the_server_exits(tmp_path: 
         if stopped_pid:
             os.kill(stopped_pid, signal.SIGKILL)
         srv.stop(signal.SIGKILL)
-
-
-def test_a_long_prefill_is_never_flagged(tmp_path: Path) -> None:
-    """A 4k-token prefill is one step of seconds here; with a probe timeout far shorter
-    than the step, the rank's heartbeat keeps it alive and its state age shows the step."""
-    srv = start_server(tmp_path, "--watchdog-probe-timeout", "0.3",
-                       "--max-prefill-tokens", "4096", "--context-length", "8192")
-    try:
-        stub = srv.stub()
-        ages: list[float] = []
-        done = threading.Event()
-
-        def poll_ages() -> None:
-            while not done.is_set():
-                ages.append(stub.GetLoads(pb.GetLoadsRequest(), timeout=10).loads[0].state_age_s)
-                time.sleep(0.05)
-
-        poller = threading.Thread(target=poll_ages, daemon=True)
-        poller.start()
-        ids = [(i * 7) % 250 + 1 for i in range(4096)]
-        tokens, _ = run_generate(stub, greedy(ids, 2), timeout=120)
-        done.set()
-        poller.join(30)
-        assert len(tokens) == 2
-        assert srv.proc.poll() is None
-        health = health_pb2_grpc.HealthStub(srv.channel()).Check(
-            health_pb2.HealthCheckRequest(service=""), timeout=10)
-        assert health.status == health_pb2.HealthCheckResponse.SERVING
-        assert "stopped answering" not in srv.log()
-        if max(ages) <= 0.3:
-            pytest.skip(f"the 4k prefill step took under the 0.3 s probe timeout here: {ages}")
-    finally:
-        srv.stop()
 
 
 def test_the_exporter_and_get_metrics_honour_the_api_key(tmp_path: Path) -> None:

@@ -20,6 +20,10 @@ from tests.conftest import ServerProc, greedy, run_generate, start_server
 ALREADY_RUNNING = "Profiling is already in progress. Call /stop_profile first."
 NOT_RUNNING = "Profiling is not in progress. Call /start_profile first."
 TIMEOUT = 120
+# profiles whose checks read neither Python stacks nor shapes ask for neither (both default
+# on: stack tracing records every call on every rank and makes the export dearer); the
+# concurrent-download test keeps them (a bigger merge: the race it guards had more room)
+LEAN = dict(with_stack=False, record_shapes=False)
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +72,7 @@ def events(path: Path) -> list[str]:
 
 
 def test_start_generate_stop_writes_a_trace_per_rank(stub, root: Path) -> None:
-    start = stub.StartProfile(pb.StartProfileRequest(output_dir="run1"), timeout=TIMEOUT)
+    start = stub.StartProfile(pb.StartProfileRequest(output_dir="run1", **LEAN), timeout=TIMEOUT)
     assert start.success, start.message
     assert start.profile_id
     assert "GPU activity left out" in start.message  # CPU-only test machine
@@ -91,14 +95,15 @@ def test_error_strings(stub) -> None:
     stop = stub.StopProfile(pb.StopProfileRequest(), timeout=TIMEOUT)
     assert not stop.success and stop.message == NOT_RUNNING
     assert [r.message for r in stop.rank_results] == [NOT_RUNNING, NOT_RUNNING]
-    assert stub.StartProfile(pb.StartProfileRequest(output_dir="errs"), timeout=TIMEOUT).success
+    assert stub.StartProfile(pb.StartProfileRequest(output_dir="errs", **LEAN),
+                             timeout=TIMEOUT).success
     again = stub.StartProfile(pb.StartProfileRequest(output_dir="errs"), timeout=TIMEOUT)
     assert not again.success and again.message == ALREADY_RUNNING
 
 
 def test_num_steps_stops_by_itself_and_download_matches(stub, root: Path) -> None:
     start = stub.StartProfile(
-        pb.StartProfileRequest(output_dir="auto", num_steps=2, merge_profiles=False),
+        pb.StartProfileRequest(output_dir="auto", num_steps=2, merge_profiles=False, **LEAN),
         timeout=TIMEOUT,
     )
     assert start.success, start.message
@@ -134,7 +139,8 @@ def test_num_steps_stops_by_itself_and_download_matches(stub, root: Path) -> Non
 
 def test_by_stage_traces(stub, root: Path) -> None:
     start = stub.StartProfile(
-        pb.StartProfileRequest(output_dir="stages", num_steps=1, profile_by_stage=True),
+        pb.StartProfileRequest(output_dir="stages", num_steps=1, profile_by_stage=True,
+                               **LEAN),
         timeout=TIMEOUT,
     )
     assert start.success, start.message
@@ -181,7 +187,8 @@ def test_invalid_arguments(stub) -> None:
 
 def test_merge_profiles_and_start_step(stub, root: Path) -> None:
     start = stub.StartProfile(
-        pb.StartProfileRequest(output_dir="merge", merge_profiles=True, profile_prefix="m"),
+        pb.StartProfileRequest(output_dir="merge", merge_profiles=True, profile_prefix="m",
+                               **LEAN),
         timeout=TIMEOUT,
     )
     assert start.success, start.message
@@ -192,7 +199,7 @@ def test_merge_profiles_and_start_step(stub, root: Path) -> None:
     assert merged.name == f"m-{start.profile_id}-merged.trace.json.gz"
     assert len(events(merged)) == sum(len(events(Path(f))) for f in stop.files[:-1])
 
-    armed = stub.StartProfile(pb.StartProfileRequest(start_step=10**9), timeout=TIMEOUT)
+    armed = stub.StartProfile(pb.StartProfileRequest(start_step=10**9, **LEAN), timeout=TIMEOUT)
     assert armed.success and "armed" in armed.message
     info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
     assert [s.profiler_state for s in info.rank_states] == ["armed", "armed"]
@@ -245,48 +252,54 @@ def test_concurrent_downloads_of_a_merged_profile(
     assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]
 
 
-def test_a_profile_left_running_stops_at_its_step_cap(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def capped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProc, Path]]:
+    """A dp 1 worker of its own, --profile-max-steps 3: the late-imports test takes it first,
+    right after READY (its late imports not done yet), then the step-cap test; (worker,
+    its profile root)."""
+    profiles = tmp_path_factory.mktemp("capped-profiles")
+    srv = start_server(tmp_path_factory.mktemp("capped"), "--model-path", "toy",
+                       "--profile-dir", str(profiles), "--profile-max-steps", "3")
+    yield srv, profiles
+    srv.stop()
+
+
+def test_a_profile_started_before_the_late_imports_waits_off_the_loop(capped) -> None:
+    """Right after READY a rank has not imported what torch.profiler needs yet
+    (scheduler/late_imports.py): StartProfile is answered once it has, and meanwhile the
+    loop serves (a request sent after it is answered before it) and health stays good.
+    The first test of its worker."""
+    srv, profiles = capped
+    stub = srv.stub()
+    start = stub.StartProfile.future(
+        pb.StartProfileRequest(output_dir="early", activities=["CPU"]), timeout=120)
+    time.sleep(0.2)  # the StartProfile reached the rank first
+    assert not start.done()
+    run_generate(stub, greedy([5, 6, 7], 4), timeout=60)
+    assert not start.done()  # the loop answered the request while the start waited
+    assert stub.HealthCheck(pb.HealthCheckRequest(), timeout=10).healthy
+    assert start.result().success, start.result().message
+    run_generate(stub, greedy([5, 6, 7], 2), timeout=60)  # 2 steps: under the cap of 3
+    stopped = stub.StopProfile(pb.StopProfileRequest(), timeout=120)
+    assert stopped.success, stopped.message
+    assert list((profiles / "early").rglob("*.trace.json.gz"))
+
+
+def test_a_profile_left_running_stops_at_its_step_cap(capped) -> None:
     """A profile nobody stops (issue 17, finding 5: it grew each rank without end) stops by
     itself after --profile-max-steps forward steps; its trace is kept, the rank goes on
     serving, and the next StopProfile says why it ended."""
-    server = start_server(tmp_path, "--profile-dir", str(tmp_path / "profiles"),
-                          "--profile-max-steps", "3")
-    try:
-        stub = server.stub()
-        start = stub.StartProfile(pb.StartProfileRequest(), timeout=TIMEOUT)
-        assert start.success, start.message
-        for i in range(4):  # more forward steps than the cap
-            tokens, _ = run_generate(stub, greedy([40 + i, 41, 42], 3), timeout=60)
-            assert len(tokens) == 3
-        wait_idle(stub)
-        stop = stub.StopProfile(pb.StopProfileRequest(), timeout=TIMEOUT)
-        assert stop.success, stop.message
-        assert "cap of 3 forward steps" in stop.message and "--profile-max-steps" in stop.message
-        assert len(stop.files) == 1 and Path(stop.files[0]).stat().st_size > 0
-        assert len(events(Path(stop.files[0]))) == 3
-        assert stub.StopProfile(pb.StopProfileRequest(), timeout=TIMEOUT).message == NOT_RUNNING
-    finally:
-        server.stop()
-
-
-def test_a_profile_started_before_the_late_imports_waits_off_the_loop(tmp_path: Path) -> None:
-    """Right after READY a rank has not imported what torch.profiler needs yet
-    (scheduler/late_imports.py): StartProfile is answered once it has, and meanwhile the
-    loop serves (a request sent after it is answered before it) and health stays good."""
-    srv = start_server(tmp_path, "--model-path", "toy", "--profile-dir", str(tmp_path))
-    try:
-        stub = srv.stub()
-        start = stub.StartProfile.future(
-            pb.StartProfileRequest(output_dir="early", activities=["CPU"]), timeout=120)
-        time.sleep(0.2)  # the StartProfile reached the rank first
-        assert not start.done()
-        run_generate(stub, greedy([5, 6, 7], 4), timeout=60)
-        assert not start.done()  # the loop answered the request while the start waited
-        assert stub.HealthCheck(pb.HealthCheckRequest(), timeout=10).healthy
-        assert start.result().success, start.result().message
-        run_generate(stub, greedy([5, 6, 7], 4), timeout=60)
-        stopped = stub.StopProfile(pb.StopProfileRequest(), timeout=120)
-        assert stopped.success, stopped.message
-        assert list((tmp_path / "early").rglob("*.trace.json.gz"))
-    finally:
-        srv.stop()
+    server, _ = capped
+    stub = server.stub()
+    start = stub.StartProfile(pb.StartProfileRequest(**LEAN), timeout=TIMEOUT)
+    assert start.success, start.message
+    for i in range(4):  # more forward steps than the cap
+        tokens, _ = run_generate(stub, greedy([40 + i, 41, 42], 3), timeout=60)
+        assert len(tokens) == 3
+    wait_idle(stub)
+    stop = stub.StopProfile(pb.StopProfileRequest(), timeout=TIMEOUT)
+    assert stop.success, stop.message
+    assert "cap of 3 forward steps" in stop.message and "--profile-max-steps" in stop.message
+    assert len(stop.files) == 1 and Path(stop.files[0]).stat().st_size > 0
+    assert len(events(Path(stop.files[0]))) == 3
+    assert stub.StopProfile(pb.StopProfileRequest(), timeout=TIMEOUT).message == NOT_RUNNING

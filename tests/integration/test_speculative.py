@@ -1,11 +1,13 @@
 """Speculative decoding served (issue 47): a ``--speculative-algorithm NGRAM --dp-size 2``
 worker on the embedded model against the plain session worker (greedy outputs, stop
 strings and streams equal; accept figures in GenerateComplete, GetLoads, GetServerInfo and
-the metrics; the KV figures exact afterwards; admin ops), the refusals of bad settings, and
-a tiny Llama with a LoRA adapter against peft."""
+the metrics; the KV figures exact afterwards; admin ops), the refusals of bad settings,
+STANDALONE with a draft model, and a tiny Llama at tp 2 with a LoRA adapter against peft
+(one worker: base and adapter requests)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -14,7 +16,7 @@ from collections.abc import Iterator
 import pytest
 
 from sglang_admin.pb import common_pb2 as pb
-from tests.conftest import ROOT, ServerProc, start_server
+from tests.conftest import ROOT, ServerProc, start_server, wait_started
 
 # prompts on which the embedded model's greedy output loops (drafts get accepted)
 LOOPING = [[132] * 20, [220] * 20, [72] * 20, [116] * 20, [12] * 20]
@@ -160,58 +162,40 @@ def stub_loads(stub) -> list[pb.SchedulerLoad]:
     return list(stub.GetLoads(pb.GetLoadsRequest(include=["core"]), timeout=10).loads)
 
 
+# `python -m sglang_admin serve ARGS` for each ARGS (a JSON list) in one interpreter (one
+# start instead of four): its exit status and stderr, one JSON line each
+_SERVE_EACH = """
+import contextlib, io, json, sys
+from sglang_admin.cli import main
+
+for args in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            code = main(["serve", *args])
+        except SystemExit as exc:  # argparse's refusals
+            code = exc.code
+    print(json.dumps([code, err.getvalue()]), flush=True)
+"""
+
+
 def test_bad_settings_are_refused_at_start() -> None:
-    for args, why in [
+    cases = [
         (["--speculative-algorithm", "EAGLE"], "is not one of"),
         (["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "0"],
          "out of range"),
         (["--speculative-algorithm", "STANDALONE"], "needs --speculative-draft-model-path"),
         (["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "/x"],
          "/x: no such file or directory"),
-    ]:
-        proc = subprocess.run([sys.executable, "-m", "sglang_admin", "serve", *args],
-                              capture_output=True, text=True, timeout=60, cwd=ROOT)
-        assert proc.returncode == 2 and why in proc.stderr, (args, proc.stderr)
-
-
-def test_lora_requests_verify_with_their_adapter(tmp_path_factory) -> None:
-    """A tiny random Llama with a LoRA adapter, NGRAM on: base and adapter requests in one
-    batch give peft's greedy tokens, drafts accepted."""
-    pytest.importorskip("peft")
-    import concurrent.futures as cf
-
-    from tests.lora_models import build_adapter, build_base, peft_model, reference
-
-    root = tmp_path_factory.mktemp("spec-lora")
-    base = build_base("llama", root / "base")
-    adapter = build_adapter(base, "attn", root / "attn", seed=1)
-    srv = start_server(root, "--model-path", str(base), "--dtype", "float32",
-                       "--enable-lora", "--max-loaded-loras", "2", "--max-lora-rank", "8",
-                       "--lora-paths", f"attn={adapter}", "--speculative-algorithm", "NGRAM",
-                       "--speculative-num-draft-tokens", "4")
-    try:
-        stub = srv.stub()
-        model = peft_model(base, {"attn": adapter})
-        cases = [(lora, [(5 * i + 3 * j) % 300 + 2 for j in range(6)] * 4)
-                 for i in range(6) for lora in (None, "attn")]
-
-        def served(case: tuple[str | None, list[int]]) -> pb.GenerateComplete:
-            lora, ids = case
-            req = pb.GenerateRequest(tokenized=pb.TokenizedInput(input_ids=ids),
-                                     lora_id=lora or "",
-                                     sampling_params=pb.SamplingParams(
-                                         max_new_tokens=24, min_new_tokens=24,
-                                         ignore_eos=True))  # EOS masked, as peft's reference
-            return [r.complete for r in stub.Generate(req, timeout=120)][-1]
-
-        with cf.ThreadPoolExecutor(len(cases)) as pool:
-            got = list(pool.map(served, cases))
-        for (lora, ids), complete in zip(cases, got):
-            want, _ = reference(model, lora, ids, 24)
-            assert list(complete.output_ids) == want, (lora, ids)
-        assert sum(c.spec_accepted_tokens for c in got) > 0
-    finally:
-        srv.stop()
+    ]
+    proc = subprocess.run([sys.executable, "-c", _SERVE_EACH,
+                           json.dumps([args for args, _ in cases])],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    answers = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert len(answers) == len(cases), (proc.stdout, proc.stderr)
+    for (args, why), (code, stderr) in zip(cases, answers):
+        assert code == 2 and why in stderr, (args, stderr)
 
 
 def test_standalone_draft_model_served(tmp_path_factory) -> None:
@@ -285,29 +269,73 @@ def test_standalone_draft_model_served(tmp_path_factory) -> None:
         proc.stderr
 
 
-def test_ngram_at_tp2_equals_transformers(tmp_path_factory) -> None:
-    """NGRAM with --tp-size 2 (the tiny random Llama, gloo on CPU): greedy outputs of a
-    batch of repeating prompts are transformers', drafts accepted."""
-    pytest.importorskip("transformers")
-    import concurrent.futures as cf
+@pytest.fixture(scope="module")
+def tp2_lora(tmp_path_factory) -> Iterator[tuple[ServerProc, object]]:
+    """The tiny random Llama at --tp-size 2 (gloo on CPU) with a LoRA adapter loaded, NGRAM
+    on, and peft's model of it (the adapter and, disabled, the base): one worker for the
+    LoRA and the TP checks (each boot of a tp 2 worker costs three processes' start)."""
+    pytest.importorskip("peft")
+    from tests.lora_models import build_adapter, build_base, peft_model
 
-    from tests.draft_models import hf_greedy
-    from tests.lora_models import build_base
-
-    root = tmp_path_factory.mktemp("spec-tp2")
-    path = build_base("llama", root / "llama")
-    prompts = [[(5 * i + 3 * j) % 300 + 2 for j in range(6)] * 4 for i in range(4)]
-    want = hf_greedy(path, prompts, 40)
-    srv = start_server(root, "--model-path", str(path), "--dtype", "float32", "--tp-size", "2",
-                       "--max-total-tokens", "2048", "--speculative-algorithm", "NGRAM",
-                       "--speculative-num-draft-tokens", "5")
+    root = tmp_path_factory.mktemp("spec-tp2-lora")
+    base = build_base("llama", root / "base")
+    adapter = build_adapter(base, "attn", root / "attn", seed=1)
+    srv = start_server(root, "--model-path", str(base), "--dtype", "float32", "--tp-size", "2",
+                       "--max-total-tokens", "2048", "--enable-lora", "--max-loaded-loras",
+                       "2", "--max-lora-rank", "8", "--lora-paths", f"attn={adapter}",
+                       "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens",
+                       "4", wait=False)
     try:
-        stub = srv.stub()
-        with cf.ThreadPoolExecutor(len(prompts)) as pool:
-            got = list(pool.map(lambda ids: generate(stub, ids, max_new_tokens=40,
-                                                     min_new_tokens=40, ignore_eos=True),
-                                prompts))
-        assert [out for out, _, _ in got] == want
-        assert sum(done[0].spec_accepted_tokens for _, done, _ in got) > 0
+        model = peft_model(base, {"attn": adapter})  # while the worker boots
+        wait_started(srv)
+        yield srv, model
     finally:
         srv.stop()
+
+
+def test_lora_requests_verify_with_their_adapter(tp2_lora) -> None:
+    """A tiny random Llama with a LoRA adapter, NGRAM on: base and adapter requests in one
+    batch give peft's greedy tokens, drafts accepted."""
+    import concurrent.futures as cf
+
+    from tests.lora_models import reference
+
+    srv, model = tp2_lora
+    stub = srv.stub()
+    cases = [(lora, [(5 * i + 3 * j) % 300 + 2 for j in range(6)] * 4)
+             for i in range(6) for lora in (None, "attn")]
+
+    def served(case: tuple[str | None, list[int]]) -> pb.GenerateComplete:
+        lora, ids = case
+        req = pb.GenerateRequest(tokenized=pb.TokenizedInput(input_ids=ids),
+                                 lora_id=lora or "",
+                                 sampling_params=pb.SamplingParams(
+                                     max_new_tokens=24, min_new_tokens=24,
+                                     ignore_eos=True))  # EOS masked, as peft's reference
+        return [r.complete for r in stub.Generate(req, timeout=120)][-1]
+
+    with cf.ThreadPoolExecutor(len(cases)) as pool:
+        got = list(pool.map(served, cases))
+    for (lora, ids), complete in zip(cases, got):
+        want, _ = reference(model, lora, ids, 24)
+        assert list(complete.output_ids) == want, (lora, ids)
+    assert sum(c.spec_accepted_tokens for c in got) > 0
+
+
+def test_ngram_at_tp2_equals_transformers(tp2_lora) -> None:
+    """NGRAM with --tp-size 2 (the tiny random Llama, gloo on CPU): greedy outputs of a
+    batch of repeating prompts (no adapter) are transformers', drafts accepted."""
+    import concurrent.futures as cf
+
+    from tests.lora_models import reference
+
+    srv, model = tp2_lora
+    prompts = [[(5 * i + 3 * j) % 300 + 2 for j in range(6)] * 4 for i in range(4)]
+    want = [reference(model, None, ids, 40)[0] for ids in prompts]  # the base, adapter off
+    stub = srv.stub()
+    with cf.ThreadPoolExecutor(len(prompts)) as pool:
+        got = list(pool.map(lambda ids: generate(stub, ids, max_new_tokens=40,
+                                                 min_new_tokens=40, ignore_eos=True),
+                            prompts))
+    assert [out for out, _, _ in got] == want
+    assert sum(done[0].spec_accepted_tokens for _, done, _ in got) > 0

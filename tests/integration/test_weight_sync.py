@@ -9,6 +9,7 @@ worker's greedy outputs must equal transformers' on that saved model token for t
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -53,7 +54,9 @@ def worker_outputs(stub: pb_grpc.SglangSchedulerStub) -> list[list[int]]:
     return [run_generate(stub, greedy(p, CHECK_TOKENS), timeout=120)[0] for p in PROMPTS]
 
 
+@functools.cache
 def reference(path: Path) -> list[list[int]]:
+    """transformers' greedy outputs of the checkpoint at ``path`` (each computed once)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     return [hf_greedy(model, p, CHECK_TOKENS) for p in PROMPTS]
 
@@ -71,7 +74,7 @@ class Trainer:
         with open(self.log, "w") as log:  # the child keeps its own descriptor
             self.proc = subprocess.Popen(
                 [*TRAINER, mode, worker.target, str(ckpt), str(out), str(free_port()),
-                 str(free_port())],
+                 str(free_port()), str(free_port())],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
                 text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
             )
@@ -86,9 +89,9 @@ class Trainer:
             if got.strip() == line:
                 return
 
-    def next(self) -> None:
+    def next(self, word: str = "next") -> None:
         assert self.proc.stdin is not None
-        self.proc.stdin.write("next\n")
+        self.proc.stdin.write(f"{word}\n")
         self.proc.stdin.flush()
 
     def close(self) -> None:
@@ -97,13 +100,23 @@ class Trainer:
         self.proc.wait(60)
 
 
+@pytest.fixture(scope="module")
+def handed_over() -> Iterator[list[Trainer]]:
+    """The first test's trainer, once its pushes are done, for the killed-trainer test (one
+    trainer process, torch and transformers imported once, for both)."""
+    trainers: list[Trainer] = []
+    yield trainers
+    for trainer in trainers:
+        trainer.close()
+
+
 def test_trainer_pushes_through_sglang_helper_our_helper_and_shared_memory(
-    worker: ServerProc, ckpt: Path, tmp_path: Path
+    worker: ServerProc, ckpt: Path, tmp_path: Path, handed_over: list[Trainer]
 ) -> None:
     stub = worker.stub()
     before = worker_outputs(stub)
     assert before == reference(ckpt)
-    trainer = Trainer("sglang", worker, ckpt, tmp_path)
+    trainer = Trainer("sglang-then-die", worker, ckpt, tmp_path)
     try:
         # 1. SGLang's init_custom_process_group + one broadcast per parameter.
         trainer.expect("pushed sglang")
@@ -130,15 +143,24 @@ def test_trainer_pushes_through_sglang_helper_our_helper_and_shared_memory(
         trainer.expect("pushed shm")
         assert worker_outputs(stub) == reference(tmp_path / "shm")
         assert version(stub) == "shm-3"
-        assert trainer.proc.wait(120) == 0, trainer.log.read_text()[-4000:]
+        trainer.expect("done")  # its helper's group destroyed without an error
+        assert trainer.proc.poll() is None
+        handed_over.append(trainer)
     finally:
-        trainer.close()
+        if trainer not in handed_over:
+            trainer.close()
     assert stub.HealthCheck(pb.HealthCheckRequest(), timeout=30).healthy
 
 
-def test_trainer_killed_mid_broadcast(worker: ServerProc, ckpt: Path, tmp_path: Path) -> None:
+def test_trainer_killed_mid_broadcast(worker: ServerProc, ckpt: Path, tmp_path: Path,
+                                      handed_over: list[Trainer]) -> None:
+    """A trainer killed mid-broadcast (the first test's, still running, or one of its own)."""
     stub = worker.stub()
-    trainer = Trainer("die", worker, ckpt, tmp_path)
+    if handed_over:
+        trainer = handed_over.pop()
+        trainer.next("die")
+    else:
+        trainer = Trainer("die", worker, ckpt, tmp_path)
     late: dict[str, grpc.RpcError] = {}
 
     def generate_during_receive() -> None:
