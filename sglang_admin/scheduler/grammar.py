@@ -134,7 +134,7 @@ class XGrammarBackend:
             if self._compiler is None:
                 # in a compile thread: xgrammar is imported by the rank's late-imports
                 # thread (an import here while the loop ran torch ops froze a rank)
-                late_imports.wait_until_imported()
+                late_imports.wait_for_grammar()
                 import xgrammar as xgr
 
                 if self.tokenizer is None:

@@ -14,9 +14,10 @@ test suite's, a short benchmark's) never pays for them; one that does pays the s
 CPU, off its loop, once. A StartProfile that comes first is answered once they are done,
 the loop serving meanwhile (scheduler/profiling/control.py); the first constrained request
 waits ~2 s for them in its compile thread. A TP follower starts them at READY (it is driven
-by rank 0: its loop must not wait), and so does a PD leg (a router gives up on a prefill
-leg that stays silent for 3 s, which a first grammar waiting for them was on a loaded
-machine).
+by rank 0: its loop must not wait). A PD leg imports the grammar's modules (xgrammar, ~0.6 s
+of CPU) at READY and the profiler's after the delay (a router gives up on a prefill leg
+that stays silent for 3 s, which a first grammar waiting for both was on a loaded
+machine); its compiles wait for the grammar's alone (:func:`wait_for_grammar`).
 
 Why not simply import them where they are used: on the rank's loop the import takes
 seconds where the loop must answer (HealthCheck wants every rank within 3 s), and inside
@@ -52,11 +53,13 @@ MIN_PROBE_TIMEOUT_S = 5.0
 # seconds from READY to the thread's start, unless the profiler or a compile asks first
 DELAY_S = 30.0
 
-_done = threading.Event()
+_done = threading.Event()  # every scheduled module imported
+_grammar_done = threading.Event()  # the grammar's modules imported (or not scheduled)
+_go = threading.Event()  # the delay is over, or a waiter asked
 _lock = threading.Lock()
 _started = False  # the imports are scheduled (or done before READY)
-_thread: threading.Thread | None = None  # the late-imports thread, once it started
-_timer: threading.Timer | None = None
+_thread: threading.Thread | None = None  # the late-imports thread, once scheduled
+_grammar_first = False  # the grammar's modules are imported before the delay
 
 
 def _import_all(names: tuple[str, ...]) -> None:
@@ -68,11 +71,19 @@ def _import_all(names: tuple[str, ...]) -> None:
             logger.exception("importing %s failed", name)
 
 
-def _run(names: tuple[str, ...]) -> None:
+def _run(first: tuple[str, ...], later: tuple[str, ...], delay_s: float) -> None:
+    """The late-imports thread: ``first`` at once, ``later`` once the delay is over or a
+    waiter asks (one thread imports everything, in turn: two importing that graph at once
+    break it)."""
     started = time.process_time()
     try:
-        _import_all(names)
+        _import_all(first)
+        if set(GRAMMAR_MODULES) <= set(first):
+            _grammar_done.set()
+        _go.wait(delay_s)
+        _import_all(later)
     finally:
+        _grammar_done.set()
         _done.set()
     logger.debug("late imports done: %.2f s of CPU", time.process_time() - started)
 
@@ -87,26 +98,34 @@ def import_before_ready(probe_timeout_s: float, grammar: bool = True) -> None:
         if _started:
             return
         _started = True
-    _run(PROFILER_MODULES + (GRAMMAR_MODULES if grammar else ()))
+    _go.set()
+    _run(GRAMMAR_MODULES if grammar else (), PROFILER_MODULES, 0.0)
 
 
-def start_in_background(grammar: bool = True, delay_s: float | None = None) -> None:
+def start_in_background(grammar: bool = True, delay_s: float | None = None,
+                        grammar_at_once: bool = False) -> None:
     """Start the imports in a daemon thread :data:`DELAY_S` from now, or when
     :func:`wait_until_imported` asks first (once per process; later calls do nothing);
     ``delay_s``: another delay (0: now).
     ``grammar=False``: a process that never compiles a grammar (a TP follower) imports
-    only what the profiler needs."""
-    global _started, _thread, _timer
+    only what the profiler needs. ``grammar_at_once``: the grammar's modules at once, the
+    profiler's after the delay (a PD leg: a router gives up on a leg that stays silent for
+    3 s, which a first grammar waiting for its imports was on a loaded machine)."""
+    global _started, _thread, _grammar_first
     with _lock:
         if _started:
             return
         _started = True
-        names = PROFILER_MODULES + (GRAMMAR_MODULES if grammar else ())
-        _thread = threading.Thread(target=_run, args=(names,), name="late-imports",
-                                   daemon=True)
-        _timer = threading.Timer(DELAY_S if delay_s is None else delay_s, _start_thread)
-        _timer.daemon = True
-        _timer.start()
+        _grammar_first = grammar and grammar_at_once
+        grammar_names = GRAMMAR_MODULES if grammar else ()
+        first = grammar_names if grammar_at_once else ()
+        later = PROFILER_MODULES + (() if grammar_at_once else grammar_names)
+        if not grammar:
+            _grammar_done.set()
+        _thread = threading.Thread(
+            target=_run, args=(first, later, DELAY_S if delay_s is None else delay_s),
+            name="late-imports", daemon=True)
+        _thread.start()
 
 
 def pending() -> bool:
@@ -115,19 +134,9 @@ def pending() -> bool:
 
 
 def start_now() -> None:
-    """Start the scheduled imports now without waiting for them (a profile's start, which
-    then waits off the loop for :func:`imported`)."""
-    _start_thread()
-
-
-def _start_thread() -> None:
-    """Start the late-imports thread now (once; the timer's start and a waiter's race)."""
-    with _lock:
-        if _thread is None or _thread.ident is not None:
-            return
-        if _timer is not None:
-            _timer.cancel()
-        _thread.start()
+    """Cut the delay short: the scheduled imports start now; nothing waits for them (a
+    profile's start, which then waits off the loop for :func:`imported`)."""
+    _go.set()
 
 
 def imported() -> bool:
@@ -136,11 +145,21 @@ def imported() -> bool:
 
 
 def wait_until_imported() -> None:
-    """Block until the late-imports thread is done, starting it now if its delay has not
-    run out. In a process that never scheduled it (a tool, a unit test building a Profiler
-    by hand) the modules are imported here, on this thread."""
+    """Block until the late-imports thread is done, cutting its delay short. In a process
+    that never scheduled it (a tool, a unit test building a Profiler by hand) the modules
+    are imported here, on this thread."""
     if not _started:
         _import_all(PROFILER_MODULES + GRAMMAR_MODULES)
         return
-    _start_thread()
+    _go.set()
     _done.wait()
+
+
+def wait_for_grammar() -> None:
+    """Block until the grammar's modules are imported (a compile): where they were imported
+    first (``grammar_at_once``) the profiler's are not waited for; otherwise as
+    :func:`wait_until_imported`."""
+    if _started and _grammar_first:
+        _grammar_done.wait()
+        return
+    wait_until_imported()

@@ -99,11 +99,15 @@ from sglang_admin.scheduler import late_imports
 late_imports.PROFILER_MODULES, late_imports.GRAMMAR_MODULES = ("colorsys",), ("wave",)
 assert "colorsys" not in sys.modules and "wave" not in sys.modules and "torch" not in sys.modules
 late_imports.DELAY_S = float(sys.argv[1])
-late_imports.start_in_background()
+late_imports.start_in_background(grammar_at_once=sys.argv[2] == "grammar-first")
 time.sleep(0.3)
 print(late_imports.imported(), "colorsys" in sys.modules, "wave" in sys.modules)
 if sys.argv[2] == "ask":
     late_imports.wait_until_imported()  # as a profile's start: the thread starts now
+elif sys.argv[2] == "grammar-first":  # a PD leg: a compile waits for the grammar's alone
+    late_imports.wait_for_grammar()
+    print(late_imports.imported(), "colorsys" in sys.modules, "wave" in sys.modules)
+    late_imports.wait_until_imported()  # then a profile's start: the rest now
 else:
     deadline = time.monotonic() + 60
     while not late_imports.imported():  # the delay runs out: it starts by itself
@@ -113,14 +117,19 @@ print(late_imports.imported(), "colorsys" in sys.modules, "wave" in sys.modules)
 """
 
 
-@pytest.mark.parametrize("how", ["ask", "delay"])
+@pytest.mark.parametrize("how", ["ask", "delay", "grammar-first"])
 def test_the_late_imports_wait_for_their_delay_or_the_first_that_needs_them(how: str) -> None:
     """Scheduled at READY, the imports do not run before their delay unless a profile's
-    start or a compile asks (a short-lived worker never pays for them). Stand-in modules
-    (the probe above checks the real ones, and that only the late-imports thread imports
-    them)."""
-    delay = "600" if how == "ask" else "1"
+    start or a compile asks (a short-lived worker never pays for them). A PD leg's grammar
+    modules come at once, the profiler's after the delay, and a compile waits for the
+    grammar's alone. Stand-in modules (the probe above checks the real ones, and that only
+    the late-imports thread imports them)."""
+    delay = "1" if how == "delay" else "600"
     done = subprocess.run([sys.executable, "-c", _DELAY_PROBE, delay, how], capture_output=True,
                           text=True, timeout=120, cwd=Path(__file__).resolve().parents[2])
     assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines()[-2:] == ["False False False", "True True True"]
+    if how == "grammar-first":
+        assert done.stdout.splitlines()[-3:] == ["False False True", "False False True",
+                                                 "True True True"]
+    else:
+        assert done.stdout.splitlines()[-2:] == ["False False False", "True True True"]

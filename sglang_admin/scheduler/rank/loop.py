@@ -127,10 +127,10 @@ class Rank:
         # too short for the GIL they hold (scheduler/late_imports.py)
         late_imports.import_before_ready(args.watchdog_probe_timeout_s)
         self.send(ReadyMsg(rank, os.getpid(), info, self.last_state))
-        # a PD leg imports at once: a router gives up on a leg silent for 3 s, which a first
-        # grammar waiting for the imports can be on a loaded machine
+        # a PD leg imports the grammar's at once: a router gives up on a leg silent for 3 s,
+        # which a first grammar waiting for its imports can be on a loaded machine
         late_imports.start_in_background(
-            delay_s=0 if args.disaggregation_mode != "null" else None)
+            grammar_at_once=args.disaggregation_mode != "null")
         logger.info(
             "rank %d ready: %s on %s, %d KV tokens",
             rank, info.model_path, self.runner.device, self.runner.token_capacity,
