@@ -233,10 +233,10 @@ def test_nine_heads_over_three_nodes_equal_transformers(tmp_path: Path) -> None:
     over three nodes, each holding one TP rank: greedy tokens and logprobs equal to
     transformers' (a 100-token prompt prefills in 64-token chunks); then node 0's stop
     ends all three cleanly."""
-    from tests.integration.test_tensor_parallel import reference
-
     import torch
     import transformers
+
+    from tests.integration.test_tensor_parallel import reference
 
     path = build_nine_heads(tmp_path / "nine-heads")
     common = ("--model-path", str(path), "--dtype", "float32", "--max-prefill-tokens", "64")
