@@ -261,3 +261,36 @@ def test_nine_heads_over_three_nodes_equal_transformers(tmp_path: Path) -> None:
     assert nodes[0].proc.returncode == 0
     assert [node.proc.wait(60) for node in nodes[1:]] == [0, 0]
     assert_gone(pids)
+
+
+def test_smollm2_over_three_nodes_equals_tp1(tmp_path: Path) -> None:
+    """SmolLM2-135M itself (9 heads, 3 KV heads: tp 2 cannot split it) at tp 3 over three
+    nodes, each holding one TP rank: greedy tokens and logprobs equal to a tp 1 worker's
+    (dense float32: the precision both share). One prompt: the model's head and shape cuts
+    are what this adds to the test above, which checks chunked prefill and the stop."""
+    from sglang_admin.cli import served_model_path
+    from tests.conftest import start_server, wait_started
+
+    try:
+        model = served_model_path("smollm2")
+    except ValueError as exc:
+        pytest.skip(f"SmolLM2 is not available here: {exc}")
+    common = ("--model-path", str(model), "--dtype", "float32", "--gguf-dequantize")
+    port = init_port()
+    nodes = [start_node(tmp_path, k, port, *common, nnodes=3, tp=3) for k in range(3)]
+    ref = start_server(tmp_path, *common, "--max-total-tokens", "2048", wait=False)
+    try:
+        wait_both(nodes)
+        wait_started(ref)
+        stub = pb_grpc.SglangSchedulerStub(grpc.insecure_channel(nodes[0].target))
+        request = greedy(PROMPTS[0], 6, return_logprob=True)
+        ours, complete = run_generate(stub, request, timeout=300)
+        theirs, ref_complete = run_generate(ref.stub(), request, timeout=300)
+        assert ours == theirs
+        a = list(complete.output_logprobs.token_logprobs)
+        b = list(ref_complete.output_logprobs.token_logprobs)
+        assert len(a) == 6 and max(abs(x - y) for x, y in zip(a, b)) < 1e-4
+    finally:
+        for node in nodes:
+            node.stop()
+        ref.stop()
