@@ -10,8 +10,10 @@ threads, side by side in one run.
   ``llama_cpp`` and numpy, ``--llama-python``, e.g. a venv of its own), ``n_threads`` =
   ``--threads``; the batched rows put every sequence in one ``llama_batch``, as
   llama-server's slots do;
-- **vLLM-CPU**: ``vllm`` offline on the same file when it imports (optional; skipped
-  otherwise, with a line saying so).
+- **vLLM-CPU**: ``vllm`` offline, bfloat16, on the same file's Hugging Face conversion (the
+  directory our dequantizing load reads: vLLM 0.32 takes no GGUF path on its own), when a
+  Python with it is given (``--vllm-python``; optional, skipped otherwise with a line
+  saying so).
 
 Workloads (greedy, ignore EOS): batch 1 (a 32-token prompt, 128 new tokens: time to first
 token and decode tok/s), chat 32 x 64 (32 prompts of 40-100 tokens at once, 64 new tokens
@@ -264,7 +266,8 @@ def _child(mode: str, *args: str, python: str = sys.executable) -> dict:
                          capture_output=True, text=True, cwd=ROOT, timeout=3600)
     if out.returncode != 0:
         raise RuntimeError(f"{mode} failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    # the last JSON line (vLLM logs its shutdown to stdout after it)
+    return json.loads([line for line in out.stdout.splitlines() if line.startswith("{")][-1])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -313,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"vLLM-CPU: {ns.vllm_python} does not import vllm, skipped")
     from sglang_admin.client.testing import start_server
+    from sglang_admin.model.gguf import ensure_converted
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-peers-"))
     srv = start_server(tmp, "--model-path", path, "--torch-threads", str(ns.threads),
@@ -325,8 +329,8 @@ def main(argv: list[str] | None = None) -> int:
                                                    str(int(ns.llama_extra_bufts)),
                                                    python=ns.llama_python))
             if "vllm" in engines:
-                engines["vllm"].append(_child("vllm", path, str(ns.threads), str(vocab),
-                                              python=ns.vllm_python))
+                engines["vllm"].append(_child("vllm", ensure_converted(path), str(ns.threads),
+                                              str(vocab), python=ns.vllm_python))
             print(f"round {r + 1}: " + "; ".join(
                 f"{name} " + ", ".join(f"{k} {v:.1f}" for k, v in runs[-1].items())
                 for name, runs in engines.items()), flush=True)
@@ -338,8 +342,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, runs in engines.items():
         best[name] = {k: (min if k.endswith("_ms") else max)(run[k] for run in runs)
                       for k in runs[0] if not k.startswith("mem_")}
-        memory[name] = {k[4:]: max(run[k] for run in runs) for k in runs[0]
-                        if k.startswith("mem_")}
+        if any(k.startswith("mem_") for k in runs[0]):  # vLLM's child reports none
+            memory[name] = {k[4:]: max(run[k] for run in runs) for k in runs[0]
+                            if k.startswith("mem_")}
     keys = list(best["ours"])
     print(f"\n{'(best of ' + str(ns.rounds) + ')':<22}" + "".join(f"{k:>18}" for k in keys))
     for name, figures in best.items():
