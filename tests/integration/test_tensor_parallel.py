@@ -149,7 +149,9 @@ def assert_equal_to_transformers(srv: ServerProc, model, dp: int) -> None:
         assert max(abs(a - b) for a, b in zip(ours, ref_logprobs)) < 1e-4
 
 
-TP_WORKERS = ["llama-tp2-dp1", "qwen2-tp2-dp2"]
+# each architecture at dp 1 and dp 2 (a head cut inside one replica's group, and requests
+# spread over two groups, each with the architecture's own biases and LM head)
+TP_WORKERS = ["llama-tp2-dp1", "qwen2-tp2-dp1", "llama-tp2-dp2", "qwen2-tp2-dp2"]
 # the first TP worker is also the weight-sync, refit, memory and LoRA tests' (sync_worker):
 # test_lora.py's flags, its "attn" adapter given at start; requests without an adapter are
 # served as by the base model (test_lora.py's mixed batch compares them with transformers)
