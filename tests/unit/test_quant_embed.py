@@ -18,12 +18,7 @@ from sglang_admin.model.step_io import SeqInput  # noqa: E402
 from sglang_admin.model.weights import weight_values  # noqa: E402
 from sglang_admin.scheduler.embedding import EmbedProgress  # noqa: E402
 from tests.gguf_models import write_gguf  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("SGLANG_ADMIN_CACHE_DIR", str(tmp_path / "cache"))
-    return tmp_path / "cache"
+from tests.unit.test_quant import cache_dir  # noqa: E402, F401 - autouse: a private cache
 
 
 def _runner(path: str, dtype: str, quantized: bool) -> ModelRunner:

@@ -18,15 +18,10 @@ from sglang_admin.model.runner import ModelRunner  # noqa: E402
 from sglang_admin.model.step_io import SeqInput  # noqa: E402
 from tests.gguf_models import write_gguf  # noqa: E402
 from tests.unit.test_model_runner import Req, simulate  # noqa: E402
+from tests.unit.test_quant import cache_dir  # noqa: E402, F401 - autouse: a private cache
 
 RANK = 4
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-@pytest.fixture(autouse=True)
-def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("SGLANG_ADMIN_CACHE_DIR", str(tmp_path / "cache"))
-    return tmp_path / "cache"
 
 
 def _runner(path: str, dtype: str, quantized: bool) -> ModelRunner:
