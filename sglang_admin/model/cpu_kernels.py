@@ -21,6 +21,7 @@ once); model/cpu_kernels_build.py builds, checks and loads the library.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,16 +39,31 @@ _PTR = ctypes.c_void_p
 EXTEND_MAX_TOKENS = 1024
 
 
-def extend_kernel_takes(dtype: torch.dtype, prefix: int, n: int) -> bool:
+def extend_kernel_takes(dtype: torch.dtype, prefix: int, n: int,
+                        tile_matmul: bool | None = None) -> bool:
     """Whether a prefill chunk of ``n`` new tokens after ``prefix`` cached ones goes through
     :meth:`CpuKernels.extend_attend` rather than torch's SDPA (where the build has the
-    kernel): float32 chunks up to ``EXTEND_MAX_TOKENS``; bfloat16 chunks of any length (the
-    flash kernel measured faster than torch's bfloat16 SDPA from 1 to 2048 new tokens, with
-    and without a cached prefix, at the SmolLM2-135M and Qwen2.5-0.5B shapes: 2-3.5x from 16
-    tokens up, docs/cpu-performance.md)."""
+    kernel): float32 chunks up to ``EXTEND_MAX_TOKENS``; bfloat16 chunks of any length where
+    the CPU has no AMX tiles (the flash kernel measured faster than torch's bfloat16 SDPA from
+    1 to 2048 new tokens, with and without a cached prefix, at the SmolLM2-135M and
+    Qwen2.5-0.5B shapes: 2-3.5x from 16 tokens up on AVX512_BF16), and none where it has them
+    (torch's flash attention multiplies its blocks on the tiles: 1.6-2.9x the kernel from 64
+    new tokens up, a whole 2048-token SmolLM2 prefill 1.9x; docs/cpu-performance.md).
+    ``tile_matmul``: whether the CPU has AMX-BF16 (default: this machine)."""
     if dtype == torch.bfloat16:
-        return n > 0
+        if tile_matmul is None:
+            tile_matmul = cpu_has_tile_matmul()
+        return n > 0 and not tile_matmul
     return n <= EXTEND_MAX_TOKENS
+
+
+@functools.cache
+def cpu_has_tile_matmul() -> bool:
+    """True when the CPU has AMX-BF16 tiles, which torch's bfloat16 flash attention and
+    oneDNN's GEMMs use (read once from /proc/cpuinfo)."""
+    from sglang_admin.model.cpu_dtype import cpu_flags
+
+    return "amx_bf16" in cpu_flags()
 
 
 class CpuKernels:

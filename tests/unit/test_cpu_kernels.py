@@ -10,6 +10,7 @@ from sglang_admin.messages import SamplingParams
 from sglang_admin.model import cpu_kernels, cpu_kernels_build
 from sglang_admin.model.attention import AttentionMetadata
 from sglang_admin.model.config import LlamaConfig
+from sglang_admin.model.cpu_dtype import cpu_flags
 from sglang_admin.model.cpu_kernels import DecodeBatch
 from sglang_admin.model.cpu_kernels_build import load_cpu_kernels, reference_attend
 from sglang_admin.model.llama import DecoderLayer
@@ -316,6 +317,20 @@ def test_runner_decodes_the_same_with_and_without_the_kernel() -> None:
 
 
 @needs_kernel
+def test_bfloat16_prefill_attention_takes_torchs_flash_attention_where_the_cpu_has_amx() -> None:
+    """bfloat16 chunks: the flash kernel without AMX tiles, torch's SDPA with them; float32
+    chunks up to EXTEND_MAX_TOKENS go to the kernel either way."""
+    limit = cpu_kernels.EXTEND_MAX_TOKENS
+    for n in (1, 64, 2048):
+        assert cpu_kernels.extend_kernel_takes(BF16, 0, n, tile_matmul=False)
+        assert not cpu_kernels.extend_kernel_takes(BF16, 512, n, tile_matmul=True)
+    assert not cpu_kernels.extend_kernel_takes(BF16, 0, 0, tile_matmul=False)
+    for tiles in (False, True):
+        assert cpu_kernels.extend_kernel_takes(torch.float32, 0, limit, tile_matmul=tiles)
+        assert not cpu_kernels.extend_kernel_takes(torch.float32, 0, limit + 1, tile_matmul=tiles)
+    assert cpu_kernels.cpu_has_tile_matmul() == ("amx_bf16" in cpu_flags())
+
+
 def _spy_extend_attend(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
     """Record (new tokens, prefix) of every ``CpuKernels.extend_attend`` call from now on."""
     calls: list[tuple[int, int]] = []
@@ -660,9 +675,11 @@ def test_runner_in_bf16_uses_the_kernels_and_decodes_as_torchs_ops(
     assert all(a[:4] == b[:4] for a, b in zip(ours, theirs))
     assert {"rope_attend", "rope_store", "add_rms_norm", "silu_mul", "argmax"} <= set(calls)
     assert not {"decode_layer", "linear"} & set(calls)
-    # prefill attention: the flash kernel where the build has it (AVX512_BF16)
+    # prefill attention: the flash kernel where the build has it (AVX512_BF16) and the CPU
+    # has no AMX tiles (torch's flash attention runs on them)
     head_dim = fast.model.config.head_dim
-    assert ("extend_attend" in calls) == fast.cpu_kernels.extend_applies(head_dim, BF16)
+    assert ("extend_attend" in calls) == (fast.cpu_kernels.extend_applies(head_dim, BF16)
+                                          and not cpu_kernels.cpu_has_tile_matmul())
 
 
 @needs_kernel
@@ -881,10 +898,12 @@ def test_bf16_prefill_kernel_refuses_what_it_does_not_cover() -> None:
 @needs_bf16_prefill
 def test_runner_in_bf16_sends_every_prefill_chunk_to_the_flash_kernel(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """bfloat16: every chunk goes through the flash kernel, on two torch threads, past
-    EXTEND_MAX_TOKENS, after a cached prefix; the tokens are those of torch's SDPA path."""
+    """bfloat16 on a CPU without AMX tiles: every chunk goes through the flash kernel, on two
+    torch threads, past EXTEND_MAX_TOKENS, after a cached prefix; the tokens are those of
+    torch's SDPA path, which a CPU with AMX tiles takes for every chunk."""
     from sglang_admin.model import batch as batch_module
 
+    monkeypatch.setattr(cpu_kernels, "cpu_has_tile_matmul", lambda: False)
     calls = _spy_extend_attend(monkeypatch)
     runner = ModelRunner(None, device="cpu", dtype="bfloat16", max_total_tokens=4096,
                          max_running_requests=4)
@@ -912,6 +931,9 @@ def test_runner_in_bf16_sends_every_prefill_chunk_to_the_flash_kernel(
         calls.clear()
         monkeypatch.setattr(batch_module, "extend_kernel_takes",
                             lambda dtype, prefix, n: dtype == torch.float32)
+        assert run(with_long=False) == ours and calls == []
+        monkeypatch.setattr(batch_module, "extend_kernel_takes", cpu_kernels.extend_kernel_takes)
+        monkeypatch.setattr(cpu_kernels, "cpu_has_tile_matmul", lambda: True)
         assert run(with_long=False) == ours and calls == []
     finally:
         torch.set_num_threads(before)
