@@ -64,7 +64,7 @@ def workloads(vocab: int) -> dict[str, list[list[int]]]:
 # ------------------------------------------------------------------ ours: the client process
 
 
-async def _ours(target: str, vocab: int) -> dict[str, float]:
+async def _ours(target: str, vocab: int, which: set[str]) -> dict[str, float]:
     import grpc.aio
 
     from sglang_admin.pb import common_pb2 as pb
@@ -97,24 +97,29 @@ async def _ours(target: str, vocab: int) -> dict[str, float]:
             await stub.FlushCache(pb.FlushCacheRequest(timeout_s=60), timeout=120)
 
         await one(-1, work["b1"][0][:8], 4)  # warm
-        await flush()
-        first, last, got = await one(0, work["b1"][0], B1_NEW)
-        out = {"b1_ttft_ms": first * 1e3, "b1_decode_tok_s": (got - 1) / (last - first)}
-        await flush()
-        t0 = time.perf_counter()
-        res = await asyncio.gather(*(one(i, p, CHAT_NEW) for i, p in enumerate(work["chat"])))
-        out["chat_tok_s"] = sum(r[2] for r in res) / (time.perf_counter() - t0)
-        await flush()
-        first, _, _ = await one(1, work["long"][0], 1)
-        out["long_ttft_ms"] = first * 1e3
+        out: dict[str, float] = {}
+        if "b1" in which:
+            await flush()
+            first, last, got = await one(0, work["b1"][0], B1_NEW)
+            out.update(b1_ttft_ms=first * 1e3, b1_decode_tok_s=(got - 1) / (last - first))
+        if "chat" in which:
+            await flush()
+            t0 = time.perf_counter()
+            res = await asyncio.gather(*(one(i, p, CHAT_NEW)
+                                         for i, p in enumerate(work["chat"])))
+            out["chat_tok_s"] = sum(r[2] for r in res) / (time.perf_counter() - t0)
+        if "long" in which:
+            await flush()
+            first, _, _ = await one(1, work["long"][0], 1)
+            out["long_ttft_ms"] = first * 1e3
     return out
 
 
 # ------------------------------------------------------------------ llama.cpp's process
 
 
-def _llama_cpp(model_path: str, threads: int, vocab: int, extra_bufts: bool
-               ) -> dict[str, float]:
+def _llama_cpp(model_path: str, threads: int, vocab: int, extra_bufts: bool,
+               which: set[str]) -> dict[str, float]:
     import llama_cpp as L
     import numpy as np
 
@@ -177,13 +182,17 @@ def _llama_cpp(model_path: str, threads: int, vocab: int, extra_bufts: bool
 
     work = workloads(vocab)
     generate([work["b1"][0][:8]], 4)  # warm
-    first, last, got = generate(work["b1"], B1_NEW)
-    out = {"b1_ttft_ms": first * 1e3, "b1_decode_tok_s": (got - 1) / (last - first)}
-    t0 = time.perf_counter()
-    _, _, got = generate(work["chat"], CHAT_NEW)
-    out["chat_tok_s"] = got / (time.perf_counter() - t0)
-    first, _, _ = generate(work["long"], 1)
-    out["long_ttft_ms"] = first * 1e3
+    out: dict[str, float] = {}
+    if "b1" in which:
+        first, last, got = generate(work["b1"], B1_NEW)
+        out.update(b1_ttft_ms=first * 1e3, b1_decode_tok_s=(got - 1) / (last - first))
+    if "chat" in which:
+        t0 = time.perf_counter()
+        _, _, got = generate(work["chat"], CHAT_NEW)
+        out["chat_tok_s"] = got / (time.perf_counter() - t0)
+    if "long" in which:
+        first, _, _ = generate(work["long"], 1)
+        out["long_ttft_ms"] = first * 1e3
     import resource
 
     out["mem_peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -194,7 +203,7 @@ def _llama_cpp(model_path: str, threads: int, vocab: int, extra_bufts: bool
 # ------------------------------------------------------------------ vLLM (optional)
 
 
-def _vllm(model_path: str, threads: int, vocab: int) -> dict[str, float]:
+def _vllm(model_path: str, threads: int, vocab: int, which: set[str]) -> dict[str, float]:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")
     from vllm import LLM, SamplingParams, TokensPrompt
 
@@ -209,11 +218,16 @@ def _vllm(model_path: str, threads: int, vocab: int) -> dict[str, float]:
         return time.perf_counter() - t0
 
     run([work["b1"][0][:8]], 4)
-    ttft = run(work["b1"], 1)
-    total = run(work["b1"], B1_NEW)
-    return {"b1_ttft_ms": ttft * 1e3, "b1_decode_tok_s": (B1_NEW - 1) / (total - ttft),
-            "chat_tok_s": CHAT_N * CHAT_NEW / run(work["chat"], CHAT_NEW),
-            "long_ttft_ms": run(work["long"], 1) * 1e3}
+    out: dict[str, float] = {}
+    if "b1" in which:
+        ttft = run(work["b1"], 1)
+        total = run(work["b1"], B1_NEW)
+        out.update(b1_ttft_ms=ttft * 1e3, b1_decode_tok_s=(B1_NEW - 1) / (total - ttft))
+    if "chat" in which:
+        out["chat_tok_s"] = CHAT_N * CHAT_NEW / run(work["chat"], CHAT_NEW)
+    if "long" in which:
+        out["long_ttft_ms"] = run(work["long"], 1) * 1e3
+    return out
 
 
 # ------------------------------------------------------------------ the driver
@@ -283,18 +297,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama-extra-bufts", action="store_true",
                     help="llama.cpp's AMX / repacked weight buffers (off: its AMX matmul "
                     "crashed on this VM)")
+    ap.add_argument("--workloads", default="b1,chat,long",
+                    help="comma-separated: b1, chat, long (default: all three)")
+    ap.add_argument("--engines", default="ours,llama.cpp,vllm",
+                    help="comma-separated: ours, llama.cpp, vllm (ours always runs)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     ns = ap.parse_args(argv)
     if ns.child:
         mode, *rest = ns.child
+        which = set(ns.workloads.split(","))
         if mode == "ours":
-            print(json.dumps(asyncio.run(_ours(rest[0], int(rest[1])))))
+            print(json.dumps(asyncio.run(_ours(rest[0], int(rest[1]), which))))
         elif mode == "llama":
-            print(json.dumps(_llama_cpp(rest[0], int(rest[1]), int(rest[2]), rest[3] == "1")))
+            print(json.dumps(_llama_cpp(rest[0], int(rest[1]), int(rest[2]), rest[3] == "1",
+                                        which)))
         elif mode == "vllm":
-            print(json.dumps(_vllm(rest[0], int(rest[1]), int(rest[2]))))
+            print(json.dumps(_vllm(rest[0], int(rest[1]), int(rest[2]), which)))
         return 0
+    which = set(ns.workloads.split(","))
+    unknown = which - {"b1", "chat", "long"}
+    if unknown:
+        ap.error(f"--workloads: unknown {sorted(unknown)} (b1, chat, long)")
+    wanted = set(ns.engines.split(",")) | {"ours"}
     from sglang_admin.model.gguf import open_gguf, packaged_model
 
     path = ns.model_path or packaged_model("smollm2")
@@ -302,7 +327,10 @@ def main(argv: list[str] | None = None) -> int:
     engines: dict[str, list[dict[str, float]]] = {"ours": [], "llama.cpp": []}
     probe = subprocess.run([ns.llama_python, "-c", "import llama_cpp, numpy; "
                             "print(llama_cpp.__version__)"], capture_output=True, text=True)
-    if probe.returncode != 0:
+    if "llama.cpp" not in wanted:
+        print("llama.cpp: not asked for (--engines)")
+        engines.pop("llama.cpp")
+    elif probe.returncode != 0:
         print(f"llama.cpp: {ns.llama_python} does not import llama_cpp "
               f"({probe.stderr.strip().splitlines()[-1:]}); pip install '.[bench]'")
         engines.pop("llama.cpp")
@@ -310,7 +338,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"llama.cpp: llama-cpp-python {probe.stdout.strip()} ({ns.llama_python})")
     probe = subprocess.run([ns.vllm_python, "-c", "import vllm; print(vllm.__version__)"],
                            capture_output=True, text=True)
-    if probe.returncode == 0:
+    if "vllm" not in wanted:
+        print("vLLM-CPU: not asked for (--engines)")
+    elif probe.returncode == 0:
         engines["vllm"] = []
         print(f"vLLM-CPU: vllm {probe.stdout.strip().splitlines()[-1]} ({ns.vllm_python})")
     else:
@@ -323,14 +353,15 @@ def main(argv: list[str] | None = None) -> int:
                        "--cpu-lanes", "1", *ns.server_arg)
     try:
         for r in range(ns.rounds):
-            engines["ours"].append(_child("ours", srv.target, str(vocab)))
+            wl = ("--workloads", ns.workloads)
+            engines["ours"].append(_child("ours", srv.target, str(vocab), *wl))
             if "llama.cpp" in engines:
                 engines["llama.cpp"].append(_child("llama", path, str(ns.threads), str(vocab),
-                                                   str(int(ns.llama_extra_bufts)),
+                                                   str(int(ns.llama_extra_bufts)), *wl,
                                                    python=ns.llama_python))
             if "vllm" in engines:
                 engines["vllm"].append(_child("vllm", ensure_converted(path), str(ns.threads),
-                                              str(vocab), python=ns.vllm_python))
+                                              str(vocab), *wl, python=ns.vllm_python))
             print(f"round {r + 1}: " + "; ".join(
                 f"{name} " + ", ".join(f"{k} {v:.1f}" for k, v in runs[-1].items())
                 for name, runs in engines.items()), flush=True)
@@ -361,6 +392,10 @@ def main(argv: list[str] | None = None) -> int:
     print("\nmemory: " + "; ".join(f"{name} peak resident {m['peak_rss_mib']:.0f} MiB, "
                                     f"weights {m['weights_mib']:.1f} MiB"
                                     for name, m in memory.items()))
+    if "b1" not in which:
+        if ns.json:
+            print(json.dumps({"best": best, "memory": memory, "threads": ns.threads}))
+        return 0
     floor = bandwidth * 1e9 / nbytes
     print(f"\nbatch-1 floor: {nbytes / 1e6:.1f} MB of weights a token / {bandwidth:.1f} GB/s "
           f"read = {floor:.0f} tok/s; ours at {best['ours']['b1_decode_tok_s']:.1f} "
