@@ -930,14 +930,25 @@ static void rms_row_bf16(const uint16_t *xt, const uint16_t *w, int64_t D, float
     for (; d < D; d++) ot[d] = f32_bf16(bf16_f32(w[d]) * bf16_round(bf16_f32(xt[d]) * rstd));
 }
 
+/* rows spread over the calling thread's OpenMP team from ROWS_PARALLEL_MIN elements up (a
+ * prefill's rows; a decode step's few rows stay on one thread: a parallel region costs more
+ * than they do). Each row is computed as on one thread: the results are the same bits. */
+#define ROWS_PARALLEL_MIN 65536
+
 void rms_norm_bf16(const uint16_t *x, const uint16_t *w, int64_t T, int64_t D, float eps,
                    uint16_t *out) {
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) if (T > 1 && T * D >= ROWS_PARALLEL_MIN)
+#endif
     for (int64_t t = 0; t < T; t++) rms_row_bf16(x + t * D, w, D, eps, out + t * D);
 }
 
 /* x[t] = x[t] + delta[t] rounded (in place), then out[t] = rms_norm(x[t], w) */
 void add_rms_norm_bf16(uint16_t *x, const uint16_t *delta, const uint16_t *w, int64_t T,
                        int64_t D, float eps, uint16_t *out) {
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) if (T > 1 && T * D >= ROWS_PARALLEL_MIN)
+#endif
     for (int64_t t = 0; t < T; t++) {
         uint16_t *xt = x + t * D;
         const uint16_t *dt = delta + t * D;
@@ -993,6 +1004,9 @@ void rope_store_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *cos_t,
                      uint16_t *out, uint16_t *k_cache, uint16_t *v_cache,
                      const int64_t *slots) {
     const int64_t half = D / 2;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) if (T > 1 && T * R * D >= ROWS_PARALLEL_MIN)
+#endif
     for (int64_t t = 0; t < T; t++) {
         const uint16_t *c = cos_t + t * D, *s = sin_t + t * D;
         for (int64_t h = 0; h < R; h++) {
