@@ -153,6 +153,40 @@ class DecoderLayer(nn.Module):
         x = x + attn
         return x + self.mlp(norm(x), linear)
 
+    def forward_deferred(
+        self,
+        x: torch.Tensor,
+        delta: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        linear: Linear | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`forward` with the residual adds left to the norms after them: ``delta``,
+        the previous layer's MLP output not yet added to x (None: none), is added by this
+        layer's input norm in the same pass (the CPU kernels' ``add_rms_norm``, x updated in
+        place), and this layer's MLP output is handed back unadded. Returns (x, delta): the
+        layer's output is x + delta (delta None: x). The same arithmetic as :meth:`forward`
+        (one bfloat16 rounding per add either way), one pass over the activations less per
+        layer."""
+        norm = self.input_layernorm
+        if delta is None:
+            h = norm(x)
+        elif norm.kernels is not None and x.is_contiguous() and delta.is_contiguous():
+            h = norm.kernels.add_rms_norm(x, delta, norm.weight, norm.eps)
+        else:
+            x = x.add_(delta)
+            h = norm(x)
+        attn = self.self_attn(h, cos, sin, meta, k_cache, v_cache, linear)
+        norm = self.post_attention_layernorm
+        if norm.kernels is not None and x.is_contiguous() and attn.is_contiguous():
+            h = norm.kernels.add_rms_norm(x, attn, norm.weight, norm.eps)
+            return x, self.mlp(h, linear)
+        x = x + attn
+        return x + self.mlp(norm(x), linear), None
+
     def decodes_in_bf16_kernels(self) -> bool:
         """Whether a bfloat16 decode step can run this layer through
         :meth:`LlamaForCausalLM.decode_bf16` (the CPU kernels, fused weights, no LoRA, no
@@ -312,9 +346,11 @@ class LlamaForCausalLM(nn.Module):
                     batch.kernel.decode_layer(x, weights, cos, sin, k_caches[i], v_caches[i],
                                               meta.out_slots, batch)
                 return x
+        delta: torch.Tensor | None = None
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, meta, k_caches[i], v_caches[i], linear)
-        return x
+            x, delta = layer.forward_deferred(x, delta, cos, sin, meta, k_caches[i],
+                                              v_caches[i], linear)
+        return x if delta is None else x.add_(delta)
 
     def decode_bf16(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                     meta: AttentionMetadata, k_caches: list[torch.Tensor],
