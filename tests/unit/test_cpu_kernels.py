@@ -758,6 +758,44 @@ def test_bf16_silu_mul_spread_over_threads_is_bit_equal_to_one_thread() -> None:
         torch.set_num_threads(before)
 
 
+@needs_kernel
+def test_bf16_prefill_rows_spread_over_threads_are_bit_equal_to_one_thread() -> None:
+    """A prefill's RMSNorm, add + RMSNorm and RoPE + K/V store rows (past the size where
+    they spread over the team) give the same bits on 2 threads as on 1, and as row by row."""
+    gen = torch.Generator().manual_seed(6)
+    T, D, H, KV, HD = 300, 576, 9, 3, 64
+    x = (torch.randn(T, D, generator=gen) * 3).to(BF16)
+    delta = torch.randn(T, D, generator=gen).to(BF16)
+    w = (torch.rand(D, generator=gen) + 0.5).to(BF16)
+    qkv = torch.randn(T, H + 2 * KV, HD, generator=gen).to(BF16)
+    angles = torch.rand(T, 1, HD // 2, generator=gen) * 6
+    cos = torch.cat([angles.cos()] * 2, -1).to(BF16)
+    sin = torch.cat([-angles.sin(), angles.sin()], -1).to(BF16)
+    slots = torch.randperm(T + 17, generator=gen)[:T]
+
+    def run() -> list[torch.Tensor]:
+        k_cache = torch.zeros(T + 17, KV, HD, dtype=BF16)
+        v_cache = torch.zeros(T + 17, KV, HD, dtype=BF16)
+        added = x.clone()
+        normed = kernel.add_rms_norm(added, delta, w, 1e-5)
+        rotated = kernel.rope_store(qkv, cos, sin, H, k_cache, v_cache, slots)
+        return [kernel.rms_norm(x, w, 1e-5), added, normed, rotated, k_cache, v_cache]
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run()
+        torch.set_num_threads(2)
+        two = run()
+    finally:
+        torch.set_num_threads(before)
+    for a, b in zip(one, two):
+        assert torch.equal(a, b)
+    by_row = torch.cat([kernel.rms_norm(x[t : t + 1], w, 1e-5) for t in range(T)])
+    assert torch.equal(by_row, one[0])
+    assert torch.equal(one[1], x + delta)  # the residual add rounded as torch's
+
+
 def flash_bf16_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          slots: torch.Tensor, prefix: int, scale: float, window: int | None,
                          block: int = 64) -> torch.Tensor:
