@@ -16,7 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from sglang_admin.config import ServerArgs
-from sglang_admin.constants import rank_openmp_environment
+from sglang_admin.constants import rank_memory_environment, rank_openmp_environment
 from sglang_admin.pb import common_pb2, common_pb2_grpc
 from sglang_admin.scheduler.rank.entry import run_rank, run_tp_follower
 from sglang_admin.server import admission, ipc_dir
@@ -144,6 +144,7 @@ class Server:
     def _start_ranks(self) -> None:
         # read by the OpenMP runtime when a rank imports torch, so set before they start
         os.environ.update(rank_openmp_environment(dict(os.environ)))
+        os.environ.update(rank_memory_environment(dict(os.environ)))
         ctx = mp.get_context("spawn")
         for rank in range(self.args.dp_size):
             proc = ctx.Process(

@@ -27,7 +27,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from sglang_admin import __version__
 from sglang_admin.config import ServerArgs
-from sglang_admin.constants import rank_openmp_environment
+from sglang_admin.constants import rank_memory_environment, rank_openmp_environment
 from sglang_admin.messages import Heartbeat, decode
 from sglang_admin.multinode.link import LinkError, NodeLink
 from sglang_admin.multinode.node_http import start_node_http
@@ -91,6 +91,7 @@ class NodeServer:
 
     def _start_ranks(self) -> None:
         os.environ.update(rank_openmp_environment(dict(os.environ)))
+        os.environ.update(rank_memory_environment(dict(os.environ)))
         ctx = mp.get_context("spawn")
         for dp_rank in range(self.args.dp_size):
             for tp_rank in local_tp_ranks(self.args):

@@ -17,3 +17,16 @@ def test_a_user_setting_either_variable_keeps_all_of_it() -> None:
     assert rank_openmp_environment({"OMP_WAIT_POLICY": "PASSIVE"}) == {
         "OMP_WAIT_POLICY": "PASSIVE"}
     assert rank_openmp_environment({"GOMP_SPINCOUNT": "0"}) == {"GOMP_SPINCOUNT": "0"}
+
+
+def test_ranks_ask_glibc_for_huge_pages_unless_the_user_chose() -> None:
+    from sglang_admin.constants import rank_memory_environment
+
+    assert rank_memory_environment({"PATH": "/bin"}) == {
+        "PATH": "/bin", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+    # the user's other tunables kept, the huge-page one appended
+    assert rank_memory_environment({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}) == {
+        "GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"}
+    # the user's own hugetlb setting wins
+    assert rank_memory_environment({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}) == {
+        "GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}
