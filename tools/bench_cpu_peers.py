@@ -26,6 +26,9 @@ peak resident set and model size.
 
 Usage: python tools/bench_cpu_peers.py [--model-path FILE] [--threads 2] [--rounds 2]
        [--llama-python /venv/bin/python] [--server-arg=--flag ...] [--json]
+       [--workloads b1,chat,long] [--engines ours,llama.cpp,vllm]
+(``--workloads chat,long --engines ours,vllm``: the batched comparison alone; the batch-1
+floor lines need ``b1``.)
 """
 
 from __future__ import annotations
