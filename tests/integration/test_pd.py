@@ -452,10 +452,10 @@ def test_sglangs_own_bench_serving_profiles_each_leg(pair: Pair) -> None:
         assert len(traces) == 2, traces  # one per data-parallel rank
         steps = {s for t in traces for s in forward_steps(t)}
         if leg == "prefill":
-            # its prompts' prefills (bench_serving's warm-up prompt comes again in the run:
-            # found in the prefix cache, its last token runs as a 1-token step, which the
-            # trace labels forward_decode, as it labels any step of 1-token rows on a prefix)
-            assert "forward_extend" in steps, steps
+            # its prompts' prefills only (bench_serving's warm-up prompt comes again in the
+            # run: found in the prefix cache, its last token runs as a 1-token step, a
+            # prefill still)
+            assert steps == {"forward_extend"}, steps
         else:  # decode joins its requests without a prefill forward
             assert steps == {"forward_decode"}, steps
         assert traces_of(other) == before, f"the {other} worker was profiled too"
