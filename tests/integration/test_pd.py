@@ -41,7 +41,7 @@ pytest.importorskip("smg", reason="the SMG gateway (pip package `smg`) is not in
 
 from sglang_admin.pb import common_pb2 as pb  # noqa: E402
 from tests.conftest import ROOT, ServerProc, free_port, greedy, start_server, wait_started  # noqa: E402
-from tests.integration.pd_peers import FakePrefill  # noqa: E402
+from tests.integration.pd_peers import FakePrefill, StalledReceiver  # noqa: E402
 from tests.integration.test_smg_router import http, sse, stop_router, wait_for  # noqa: E402
 
 # shortened so the failure cases end in seconds (SGLang's defaults are 300 s)
@@ -573,10 +573,15 @@ def _fail_after(call: Any) -> tuple[grpc.RpcError, float]:
     return err.value, time.monotonic() - t0
 
 
-def test_prefill_dies_mid_transfer_decode_fails_on_its_own(pair: Pair) -> None:
+@pytest.mark.parametrize("sent", ["no pages", "part of the pages"])
+def test_prefill_dies_mid_transfer_decode_fails_on_its_own(pair: Pair, sent: str) -> None:
+    """A prefill that dies after decode's handshake: before any page went, or with part of
+    the room's pages sent (the first chunk of a chunked room: decode's receiver holds the
+    room half-written). Decode fails the room on its own (its heartbeat finds the prefill's
+    bootstrap server gone), frees the KV and keeps serving."""
     fake = FakePrefill()
     try:
-        room = 4242
+        room = 4242 if sent == "no pages" else 4243
         result: dict[str, Any] = {}
 
         def run() -> None:
@@ -588,7 +593,9 @@ def test_prefill_dies_mid_transfer_decode_fails_on_its_own(pair: Pair) -> None:
         hs = fake.handshake()
         assert hs["kind"] == "handshake" and hs["room"] == room
         assert len(hs["dst_slots"]) == len(PROMPTS[2])
-        assert used_tokens(pair.decode) >= len(PROMPTS[2]) or True  # held while waiting
+        wait_for(lambda: used_tokens(pair.decode) >= len(PROMPTS[2]), 10, "decode's KV held")
+        if sent != "no pages":
+            fake.send_chunk(hs, room, 0, 3)  # 3 of the 8 layer buffers' rows
         fake.alive = False  # the prefill's bootstrap stops answering: it died
         t.join(60)
         err = result["err"]
@@ -601,11 +608,11 @@ def test_prefill_dies_mid_transfer_decode_fails_on_its_own(pair: Pair) -> None:
     assert_serving(pair)
 
 
-@pytest.mark.parametrize("how", ["corrupt", "short", "failed"])
+@pytest.mark.parametrize("how", ["corrupt", "short", "part of the chunks", "failed"])
 def test_a_corrupt_short_or_failed_transfer_fails_the_request(pair: Pair, how: str) -> None:
     fake = FakePrefill()
     try:
-        room = {"corrupt": 501, "short": 502, "failed": 503}[how]
+        room = {"corrupt": 501, "short": 502, "failed": 503, "part of the chunks": 504}[how]
         result: dict[str, Any] = {}
 
         def run() -> None:
@@ -627,6 +634,13 @@ def test_a_corrupt_short_or_failed_transfer_fails_the_request(pair: Pair, how: s
             fake.notify(hs["notify"], {"kind": "done", "room": room, "ok": True, "weight_version": "default",
                                        "first_token": 7, "checksum": sender.checksum(src),
                                        "nbytes": 0, "seconds": 0.0})
+        elif how == "part of the chunks":  # 2 of 8 buffers' rows, then "done" as if all
+            fake.send_chunk(hs, room, 0, 2)
+            time.sleep(0.3)
+            fake.notify(hs["notify"], {"kind": "done", "room": room, "ok": True,
+                                       "weight_version": "default", "first_token": 7,
+                                       "checksum": sender.checksum(src), "nbytes": 0,
+                                       "seconds": 0.0})
         elif how == "corrupt":  # sent, then claimed to be other bytes
             assert sender.send(room, peer, src, dst, 5).ok
             fake.notify(hs["notify"], {"kind": "done", "room": room, "ok": True, "weight_version": "default",
@@ -639,7 +653,7 @@ def test_a_corrupt_short_or_failed_transfer_fails_the_request(pair: Pair, how: s
         err = result["err"]
         assert err.code() == grpc.StatusCode.UNAVAILABLE
         assert "kv transfer failed" in err.details()
-        if how in ("corrupt", "short"):
+        if how != "failed":
             assert "checksum mismatch" in err.details()
         else:
             assert "disk on fire" in err.details()
@@ -789,16 +803,30 @@ def _prefill_control(pair: Pair, room: int) -> str:
     return table["ranks"][str(room % table["dp_size"])]
 
 
-def test_decode_dies_mid_transfer_prefill_fails_and_frees(pair: Pair) -> None:
-    """A handshake from a decode whose pool stops answering: prefill's send times out."""
+def _prefill_layout() -> Any:
+    """A KV receiver's descriptor with the module prefill's pool layout (4 layers x K,V;
+    2 KV heads x 32 dims float32 a token), at no address: for stand-in decode receivers."""
+    from sglang_admin.disaggregation.transfer import BufferInfo, PeerDescriptor
+
+    return PeerDescriptor("127.0.0.1:1", tuple(BufferInfo(4096, 200 * 256, 256)
+                                               for _ in range(8)))
+
+
+@pytest.mark.parametrize("when", ["before its pages", "with its pages in flight"])
+def test_decode_dies_mid_transfer_prefill_fails_and_frees(pair: Pair, when: str) -> None:
+    """A handshake from a decode that dies: before prefill sends (its receiver already
+    gone), or once the room's pages reached its receiver and before it answered. Prefill's
+    send gets no answer: the room fails within the transfer timeout with "kv transfer
+    failed", decode's notify address is told, the KV is freed and prefill keeps serving."""
     import torch
 
     from sglang_admin.disaggregation.zmq_backend import ZmqBackend
 
     fake = FakePrefill()  # reused for its control socket and PUSH helper
     gone = ZmqBackend()
+    stalled = StalledReceiver(_prefill_layout()) if when != "before its pages" else None
     try:
-        room = 88001
+        room = 88001 if stalled is None else 88003
         result: dict[str, Any] = {}
 
         def run() -> None:
@@ -807,15 +835,22 @@ def test_decode_dies_mid_transfer_prefill_fails_and_frees(pair: Pair) -> None:
 
         t = threading.Thread(target=run)
         t.start()
-        # a pool of the prefill's layout (4 layers x K,V; 2 KV heads x 32 dims float32)
-        gone.register_buffers([torch.zeros(200, 2 * 32 * 4, dtype=torch.uint8)
-                               for _ in range(8)])
-        gone.start()
-        desc = gone.descriptor().to_wire()
-        gone.close()  # the decode died after its handshake
+        if stalled is None:
+            # a pool of the prefill's layout (4 layers x K,V; 2 KV heads x 32 dims float32)
+            gone.register_buffers([torch.zeros(200, 2 * 32 * 4, dtype=torch.uint8)
+                                   for _ in range(8)])
+            gone.start()
+            desc = gone.descriptor().to_wire()
+            gone.close()  # the decode died after its handshake
+        else:
+            desc = stalled.descriptor
         fake.notify(_prefill_control(pair, room), {
             "kind": "handshake", "room": room, "rid": "x", "peer": desc,
             "dst_slots": list(range(1, len(PROMPTS[3]) + 1)), "notify": fake.control})
+        if stalled is not None:
+            assert stalled.take(room) == len(PROMPTS[3]) * 256 * 8  # every page is there
+            stalled.die()  # and the decode dies before it answers
+            stalled = None
         t.join(60)
         err = result["err"]
         assert err.code() == grpc.StatusCode.UNAVAILABLE and "kv transfer failed" in err.details()
@@ -823,8 +858,63 @@ def test_decode_dies_mid_transfer_prefill_fails_and_frees(pair: Pair) -> None:
         told = fake.next_message(5)  # decode's notify address hears of the failure
         assert told is not None and told["ok"] is False
     finally:
+        if stalled is not None:
+            stalled.die()
         fake.close()
     assert_freed(pair.prefill)
+    assert_serving(pair)
+
+
+def test_a_client_that_disconnects_during_the_transfer_frees_both(pair: Pair) -> None:
+    """The prefill leg cancelled (the router's abort on a dropped client) while its send
+    is in flight: the room's pages reached decode's receiver, which has not answered. The
+    send runs out (the receiver answers), decode is told the room failed ("aborted"), and
+    prefill frees the KV at once. (The decode leg cancelled past its handshake:
+    test_a_client_that_disconnects_while_waiting_frees_the_kv.)"""
+    fake = FakePrefill()
+    stalled = StalledReceiver(_prefill_layout())
+    try:
+        room = 88005
+        call = pair.prefill.stub().Generate(
+            pd_request(PROMPTS[3], 4, "127.0.0.1", pair.bootstrap_port, room), timeout=60)
+        fake.notify(_prefill_control(pair, room), {
+            "kind": "handshake", "room": room, "rid": "x", "peer": stalled.descriptor,
+            "dst_slots": list(range(1, len(PROMPTS[3]) + 1)), "notify": fake.control})
+        stalled.take(room)  # the pages are on their way
+        wait_for(lambda: used_tokens(pair.prefill) >= len(PROMPTS[3]), 10, "prefill's KV held")
+        t0 = time.monotonic()
+        call.cancel()
+        time.sleep(0.3)
+        stalled.answer(room)  # the bytes are in: the send returns ok
+        told = fake.next_message(5)
+        assert told is not None and told["room"] == room and told["ok"] is False, told
+        assert "aborted" in told["error"], told
+        assert_freed(pair.prefill, timeout=5)
+        assert time.monotonic() - t0 < 6
+    finally:
+        stalled.die()
+        fake.close()
+    assert_serving(pair)
+
+
+def test_a_client_that_disconnects_while_decode_bootstraps_frees_the_kv(pair: Pair) -> None:
+    """The decode leg cancelled while its bootstrap lookup is still out (the prefill's
+    bootstrap server answers late): its reserved KV goes at once, no handshake is sent."""
+    fake = FakePrefill()
+    fake.stall_s = 8.0
+    try:
+        ids = PROMPTS[3]
+        call = pair.decode.stub().Generate(pd_request(ids, 4, "127.0.0.1", fake.port, 66100),
+                                           timeout=60)
+        wait_for(lambda: used_tokens(pair.decode) >= len(ids), 10, "decode's KV reserved")
+        assert decode_queue(pair.decode) == 0  # not past a handshake
+        t0 = time.monotonic()
+        call.cancel()
+        assert_freed(pair.decode, timeout=5)
+        assert time.monotonic() - t0 < 5
+        assert fake.next_message(1) is None  # no handshake went
+    finally:
+        fake.close()
     assert_serving(pair)
 
 
