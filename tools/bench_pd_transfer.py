@@ -27,9 +27,14 @@ Every method's bytes are also checked once per size by this tool's own zlib CRC-
 receiver's rows against the sender's. Rounds alternate the methods; each figure is the
 median GB/s of its rounds (the machine may be shared and noisy), the ratio to raw beside
 it. Target: >= 0.7x. The 1-minute load average before and after the run is printed.
+With ``--clock cpu`` each round counts instead the CPU seconds both processes spent on it
+(every thread: the backends' I/O and engine threads too; ``time.process_time``), so the
+figures are GB per CPU-second: what a transfer costs a worker, and far steadier than wall
+time on a machine others share.
 
 Usage: python tools/bench_pd_transfer.py [--tokens 256 2048] [--layers 30] [--row-bytes 768]
-       [--rounds 5] [--backends mooncake zmq] [--protocol tcp|rdma] [--json FILE]
+       [--rounds 5] [--backends mooncake zmq] [--protocol tcp|rdma] [--clock wall|cpu]
+       [--json FILE]
 Defaults are SmolLM2-135M's float32 KV: 30 layers x (3 KV heads x 64 dims x 4 bytes).
 """
 
@@ -140,7 +145,8 @@ def serve(args: argparse.Namespace) -> None:
         if cmd["op"] == "expect":
             b = backends[cmd["backend"]]
             b.expect(cmd["room"], cmd["slots"])
-            print(json.dumps({"descriptor": b.descriptor(cmd["room"]).to_wire()}), flush=True)
+            out = {"descriptor": b.descriptor(cmd["room"]).to_wire()}
+            print(json.dumps({**out, "cpu": time.process_time()}), flush=True)
         elif cmd["op"] == "verify":  # decode's work on prefill's "done"
             t0 = time.perf_counter()
             b = backends[cmd["backend"]]
@@ -149,12 +155,15 @@ def serve(args: argparse.Namespace) -> None:
             else:  # a tree from before received_checksum: what its decode ran
                 b.land(cmd["room"])
                 crc = b.checksum(cmd["slots"])
-            print(json.dumps({"seconds": time.perf_counter() - t0, "crc": crc}), flush=True)
+            print(json.dumps({"seconds": time.perf_counter() - t0, "crc": crc,
+                              "cpu": time.process_time()}), flush=True)
         elif cmd["op"] == "release":
             backends[cmd["backend"]].release(cmd["room"])
             print("{}", flush=True)
         elif cmd["op"] == "crc":
             print(json.dumps({"crc": _crc(pool, cmd["slots"])}), flush=True)
+        elif cmd["op"] == "cpu":  # this process's CPU seconds so far, every thread's
+            print(json.dumps({"cpu": time.process_time()}), flush=True)
         elif cmd["op"] == "zero":
             for t in pool:
                 t.zero_()
@@ -195,6 +204,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--backends", nargs="+", default=["mooncake", "zmq"])
     ap.add_argument("--protocol", default="tcp", choices=["tcp", "rdma"])
+    ap.add_argument("--clock", default="wall", choices=["wall", "cpu"],
+                    help="wall: seconds to move a request's KV; cpu: CPU seconds both "
+                         "processes spent moving it (all threads; steadier on a shared "
+                         "machine, and what a transfer takes from a busy worker)")
     ap.add_argument("--json", type=Path, help="write the figures here as well")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--slots", type=int, default=0, help=argparse.SUPPRESS)
@@ -215,21 +228,27 @@ def main() -> None:
     room = 1
 
     def once(method: str, n: int) -> float:
+        """One transfer of ``n`` slots' rows: its wall seconds, or with ``--clock cpu``
+        the CPU seconds both processes spent on it (every thread of each)."""
         nonlocal room
         room += 1
         slots = list(range(n))
+        cpu = args.clock == "cpu"
         if method == "raw":
-            t0 = time.perf_counter()
+            rx_cpu = rx.ask(op="cpu")["cpu"] if cpu else 0.0
+            t0, c0 = time.perf_counter(), time.process_time()
             _send_all(raw, [memoryview(struct.pack("!Q", n)),
                             *(memoryview(t.numpy()[:n]).cast("B") for t in pool)])
             if raw.recv(1) != b"\x01":
                 raise SystemExit("raw receiver failed")
+            if cpu:
+                return time.process_time() - c0 + rx.ask(op="cpu")["cpu"] - rx_cpu
             return time.perf_counter() - t0
-        desc = PeerDescriptor.from_wire(rx.ask(op="expect", backend=method, room=room,
-                                               slots=slots)["descriptor"])
-        t0 = time.perf_counter()
+        ready = rx.ask(op="expect", backend=method, room=room, slots=slots)
+        desc = PeerDescriptor.from_wire(ready["descriptor"])
+        t0, c0 = time.perf_counter(), time.process_time()
         res = _send_checked(senders[method], room, desc, slots)
-        took = time.perf_counter() - t0
+        took, spent = time.perf_counter() - t0, time.process_time() - c0
         if not res.ok:
             raise SystemExit(f"{method}: {res.error}")
         got = rx.ask(op="verify", backend=method, room=room, slots=slots)
@@ -237,13 +256,15 @@ def main() -> None:
         if got["crc"] != res.checksum:
             raise SystemExit(f"{method}: room {room}'s checksums differ (sent "
                              f"{res.checksum}, landed {got['crc']})")
+        if cpu:
+            return spent + got["cpu"] - ready["cpu"]
         return took + got["seconds"]
 
     results: dict[str, Any] = {"args": {k: v for k, v in vars(args).items()
                                         if k not in ("json", "serve")}, "sizes": {}}
     load0 = os.getloadavg()[0]
     print(f"# {args.layers} layers x K,V x {args.row_bytes} B/token, methods "
-          f"{', '.join(methods)}, {args.rounds} rounds, loopback {HOST}, "
+          f"{', '.join(methods)}, {args.rounds} rounds, loopback {HOST}, {args.clock} clock, "
           f"load {load0:.2f}")
     for n in args.tokens:
         nbytes = n * args.row_bytes * 2 * args.layers
@@ -264,10 +285,11 @@ def main() -> None:
                for m in methods}
         results["sizes"][str(n)] = {"bytes": nbytes, "methods": row}
         print(f"\n{n} tokens = {nbytes / 1e6:.1f} MB per request")
-        print(f"  {'method':<10}{'GB/s':>8}{'x raw':>8}{'median ms':>11}{'best ms':>9}  bytes")
+        unit = ("GB/s", "median ms") if args.clock == "wall" else ("GB/cpu-s", "cpu ms")
+        print(f"  {'method':<10}{unit[0]:>9}{'x raw':>8}{unit[1]:>11}{'best ms':>9}  bytes")
         for m in methods:
             r = row[m]
-            print(f"  {m:<10}{r['gb_s']:>8.2f}{r['ratio']:>7.2f}x{r['median_ms']:>11.2f}"
+            print(f"  {m:<10}{r['gb_s']:>9.2f}{r['ratio']:>7.2f}x{r['median_ms']:>11.2f}"
                   f"{r['best_ms']:>9.2f}  {'ok' if r['bytes_checked'] else 'MISMATCH'}")
     results["load"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
     print(f"\n# 1-min load average {load0:.2f} before, {os.getloadavg()[0]:.2f} after")

@@ -4,7 +4,7 @@ The receiver (decode) binds a ROUTER socket; a sender (prefill) keeps one DEALER
 in each sending thread (a room's transfer is one request and its answer, so a connection
 serves the next room once answered; any failure or timeout closes it, and the next room
 connects anew) and sends a room as multipart messages: a msgpack header ``{room,
-dst_slots, nbuf[, first]}`` then rows of the source slots, buffer-major (every row of buffer
+dst_slots, nbuf[, first]}`` (the slots in a room's first message only) then rows of the source slots, buffer-major (every row of buffer
 0, then of buffer 1, ..). A room of up to ``GATHER_MAX_BYTES`` goes as ONE message of ONE data
 frame, gathered into the sending thread's staging buffer (a frame costs pyzmq and libzmq a
 fixed amount on both sides: 60 layer buffers' frames cost a small room more than its
@@ -26,6 +26,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -56,6 +57,18 @@ SOCK_BUF = 8 << 20
 #: receiver writes and sums one while the next arrives
 CHUNK_BYTES = 8 << 20
 MAX_PARTIAL_ROOMS = 1024  # chunked rooms part-received at once (a dead sender's are dropped)
+
+
+@dataclass(eq=False)
+class _Chunked:
+    """A chunked room part-received: its slots (from its first chunk), the buffer its next
+    chunk must start at, the CRC-32 of the rows written so far, the first refusal."""
+
+    dst: list[int]
+    next: int = 0
+    crc: int | None = 0
+    error: str | None = None
+    where: Any = None  # the slots as a slice (one run) or an index array, once computed
 
 
 class ZmqBackend(KVTransferBackend):
@@ -163,8 +176,9 @@ class ZmqBackend(KVTransferBackend):
         try:
             header = msgpack.unpackb(frames[0].bytes, raw=False)
             room = int(header["room"])
-            dst = [int(s) for s in header["dst_slots"]]
             first = int(header.get("first", 0))
+            # the slots come with a room's first (or only) message
+            dst = [int(s) for s in header["dst_slots"]] if first == 0 else []
         except Exception:  # noqa: BLE001 - network input
             return None, "kv transfer failed: malformed header", True
         data = frames[1:]
@@ -175,25 +189,25 @@ class ZmqBackend(KVTransferBackend):
         with self._lock:
             state = self._partial.pop(room, None)
             if first == 0:
-                state = [0, 0, None]  # [next buffer, CRC-32 so far, error]
-            elif state is None or state[0] != first:
-                state = [first, 0, f"kv transfer failed: room {room} chunk at buffer {first} "
-                                   "came out of order (short transfer)"]
-        if state[2] is None:
-            state[2] = self._write_rows(room, dst, data, first, state)
-        state[0] = first + len(data)
+                state = _Chunked(dst)
+            elif state is None or state.next != first:
+                state = _Chunked([], error=f"kv transfer failed: room {room} chunk at buffer "
+                                           f"{first} came out of order (short transfer)")
+        if state.error is None:
+            state.error = self._write_rows(room, state.dst, data, first, state)
+        state.next = first + len(data)
         if not last:
             with self._lock:
                 if len(self._partial) >= MAX_PARTIAL_ROOMS:  # senders that died mid-room
                     self._partial.pop(next(iter(self._partial)))
                 self._partial[room] = state
-        return room, state[2], last
+        return room, state.error, last
 
     def _write_rows(self, room: int, dst: list[int], data: list[Any], first: int = 0,
-                    chunk: list[Any] | None = None) -> str | None:
+                    chunk: _Chunked | None = None) -> str | None:
         """Write the rows of ``room`` into slots ``dst``: the whole room, or with ``chunk``
-        (its [next buffer, CRC-32 so far, error]) buffers ``first``.. of a chunked one; None
-        when done, else why refused."""
+        (the room's state so far) buffers ``first``.. of a chunked one; None when done,
+        else why refused."""
         import torch
 
         pool = self._pool
@@ -231,22 +245,26 @@ class ZmqBackend(KVTransferBackend):
             if dst != want:
                 return f"kv transfer failed: room {room} slots differ from those reserved"
             self._landed.pop(room, None)
-            run = slot_run(dst)  # a run of slots: one block copy, not a scatter
-            idx = np.asarray(dst, dtype=np.int64)
-            crc: int | None = 0 if chunk is None else chunk[1]
+            where = None if chunk is None else chunk.where
+            if where is None:  # a run of slots: one block copy, not a scatter
+                run = slot_run(dst)
+                where = np.asarray(dst, dtype=np.int64) if run is None else run
+                if chunk is not None:
+                    chunk.where = where
+            crc: int | None = 0 if chunk is None else chunk.crc
             for part, t, rows in zip(parts, pool.tensors[first:], pool.host_rows[first:]):
                 src = part.reshape(len(dst), -1)
                 if rows is not None:  # numpy alone: no torch op in this thread
-                    where = idx if run is None else run
                     rows[where] = src
                     if crc is not None:  # what landed, read back from the pool
                         crc = crc32(memoryview(rows[where]), crc)
                 else:
+                    idx = np.asarray(dst, dtype=np.int64)
                     byte_rows(t).index_copy_(0, torch.as_tensor(idx, device=t.device),
                                              torch.from_numpy(src.copy()).to(t.device))
                     crc = None  # a device pool: summed on decode's "done" instead
             if chunk is not None:
-                chunk[1] = crc
+                chunk.crc = crc
                 if first + len(parts) < len(items):
                     return None  # more chunks to come: nothing landed for the room yet
             if crc is not None:
@@ -287,7 +305,9 @@ class ZmqBackend(KVTransferBackend):
                                              <= CHUNK_BYTES):
                     size += len(frames[end])
                     end += 1
-                messages.append([msgpack.packb({**head, "first": first}), *frames[first:end]])
+                chunk_head = {**head, "first": first} if first == 0 else {
+                    "room": room, "nbuf": head["nbuf"], "first": first}
+                messages.append([msgpack.packb(chunk_head), *frames[first:end]])
                 first = end
         kept: dict[str, zmq.Socket] = self._local.__dict__.setdefault("socks", {})
         sock = kept.pop(peer.endpoint, None)  # back in the dict only once answered
@@ -339,8 +359,7 @@ class ZmqBackend(KVTransferBackend):
         n = len(src_slots)
         total = n * sum(pool.item_bytes)
         if total > GATHER_MAX_BYTES or len(pool.tensors) == 1:
-            return [memoryview(self.rows_of(i, src_slots)).cast("B")
-                    for i in range(len(pool.tensors))]
+            return [memoryview(rows).cast("B") for rows in self.each_rows(src_slots)]
         staging = getattr(self._local, "staging", None)
         if staging is None or staging.nbytes < total:
             staging = self._local.staging = np.empty(max(total, 1 << 20), dtype=np.uint8)
