@@ -1365,14 +1365,16 @@ def _legs(prefill: ServerProc, decode: ServerProc, bport: int, room: int, ids: l
 
 def test_tp2_pair_equals_a_plain_worker_and_refuses_another_tp_size(pair: Pair,
                                                                     tmp_path: Path) -> None:
-    """A --tp-size 2 prefill and a --tp-size 2 decode: each TP rank moves its own KV heads'
-    shard, so greedy tokens and logprobs equal the plain tp 1 worker's (one by one and 8
-    rooms at once) and the KV is freed on both; a leg of another TP size (this module's tp 1
-    pair) is refused with "bootstrap" in the status, on either side, and frees its KV."""
+    """A --tp-size 2 --dp-size 2 prefill and a --tp-size 2 decode: each TP rank moves its
+    own KV heads' shard from the prefill's data-parallel rank that holds the room (room % 2),
+    so greedy tokens and logprobs equal the plain tp 1 worker's (one by one and 8 rooms at
+    once) and the KV is freed on both; a leg of another TP size (this module's tp 1 pair) is
+    refused with "bootstrap" in the status, on either side, and frees its KV."""
     bport = free_port()
     common = ["--disaggregation-transfer-backend", "zmq", "--tp-size", "2"]
     prefill = start_server(tmp_path, *common, "--disaggregation-mode", "prefill",
-                           "--disaggregation-bootstrap-port", str(bport), env=PD_ENV, wait=False)
+                           "--dp-size", "2", "--disaggregation-bootstrap-port", str(bport),
+                           env=PD_ENV, wait=False)
     decode = start_server(tmp_path, *common, "--disaggregation-mode", "decode", env=PD_ENV,
                           wait=False)
     try:
@@ -1423,7 +1425,7 @@ def test_tp2_pair_equals_a_plain_worker_and_refuses_another_tp_size(pair: Pair,
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{bport}/route", timeout=5) as r:
                 table = json.loads(r.read())
-            assert table["tp_size"] == 2
+            assert table["tp_size"] == 2 and table["dp_size"] == 2
             # a shard of the embedded model's pool: 4 layers x K,V; 1 of 2 KV heads x 32 fp32
             for backend in (live, refusing, gone):
                 backend.register_buffers([torch.zeros(200, 32 * 4, dtype=torch.uint8)
@@ -1447,7 +1449,7 @@ def test_tp2_pair_equals_a_plain_worker_and_refuses_another_tp_size(pair: Pair,
 
                 t = threading.Thread(target=run)
                 t.start()
-                fake.notify(table["ranks"]["0"], {
+                fake.notify(table["ranks"][str(room % 2)], {
                     "kind": "handshake", "room": room, "rid": "x", "peer": dead, "peers": peers,
                     "tp_size": 2, "dst_slots": dst, "notify": fake.control})
                 t.join(60)
