@@ -190,6 +190,9 @@ class ZmqBackend(KVTransferBackend):
             state = self._partial.pop(room, None)
             if first == 0:
                 state = _Chunked(dst)
+            elif room not in self._expected:  # never expected, or released meanwhile
+                state = _Chunked([], error=f"kv transfer failed: unknown room {room} (not "
+                                           "expected by decode)")
             elif state is None or state.next != first:
                 state = _Chunked([], error=f"kv transfer failed: room {room} chunk at buffer "
                                            f"{first} came out of order (short transfer)")

@@ -308,6 +308,7 @@ def test_chunks_out_of_order_short_or_for_an_unknown_room_are_refused(pair) -> N
             (43, True, [[head(43, 0, [7]), row[:-1], *[row] * (nbuf - 1)]], "buffer 0 of"),
             (44, False, [[head(44, 0, [8]), *[row] * 3], [head(44, 3, [8]), *[row] * 3]],
              "unknown room"),
+            (45, False, [[head(45, 3, [9]), *[row] * 3]], "unknown room"),  # no first chunk
         ]
         for room, expected, messages, words in cases:
             dst = [5 + room - 41]
@@ -320,6 +321,16 @@ def test_chunks_out_of_order_short_or_for_an_unknown_room_are_refused(pair) -> N
             assert reply["room"] == room and reply["ok"] is False, reply
             assert "kv transfer failed" in reply["error"] and words in reply["error"], reply
             assert not sock.poll(200)  # one answer per room
+            if room == 41:  # the room released while its chunks come: refused from then on
+                receiver.release(41)
+                receiver.expect(46, [10])
+                sock.send_multipart([head(46, 0, [10]), row])
+                receiver.release(46)
+                sock.send_multipart([head(46, 1, [10]), *[row] * (nbuf - 1)])
+                assert sock.poll(5000)
+                reply = msgpack.unpackb(sock.recv())
+                assert reply["room"] == 46 and not reply["ok"], reply
+                assert "unknown room" in reply["error"], reply
             if room in (42, 43):
                 assert set(receiver.read_slots(dst)) == {0}
             assert receiver.received_checksum(room, dst) == receiver.checksum(dst)
