@@ -1089,27 +1089,6 @@ def _decode_leg_waiting(decode: ServerProc, bport: int, room: int, ids: list[int
     return t, result
 
 
-def kill_prefill_while_decode_waits(prefill: ServerProc, decode: ServerProc, bport: int,
-                                    room: int) -> None:
-    """The prefill worker SIGKILLed while decode waits for its KV: decode fails on its own
-    (UNAVAILABLE, the words the router sorts by) within the heartbeat's bound (1 s x 2
-    misses, not the 12 s waiting timeout), its KV is freed and it keeps serving."""
-    ids = list(range(60, 100))
-    t, result = _decode_leg_waiting(decode, bport, room, ids)
-    killed_at = time.monotonic()
-    assert prefill.stop(signal.SIGKILL) == -signal.SIGKILL
-    t.join(60)
-    assert not t.is_alive() and "err" in result, result
-    err, took = result["err"], result["at"] - killed_at
-    assert err.code() == grpc.StatusCode.UNAVAILABLE, err
-    assert "kv transfer failed" in err.details() and "might be dead" in err.details(), err
-    assert took < 11, took  # before the waiting timeout (12 s) could have ended it
-    assert_freed(decode)
-    plain = greedy(ids, 4)
-    plain.disaggregated_params.bootstrap_host = "2.2.2.2"  # SGLang's fake host: no transfer
-    assert len(list(decode.stub().Generate(plain, timeout=60))[-1].complete.output_ids) == 4
-
-
 def kill_decode_after_its_handshake(prefill: ServerProc, decode: ServerProc, bport: int,
                                     room: int) -> None:
     """The decode worker SIGKILLed after its handshake for a room, before the KV went: the
@@ -1476,8 +1455,52 @@ def test_tp2_pair_equals_a_plain_worker_and_refuses_another_tp_size(pair: Pair,
 # ------------------------------------------------ the module's pair: its last act, last
 
 
-def test_prefill_killed_while_decode_waits_decode_fails_alone(pair: Pair) -> None:
-    """The module pair's prefill worker (two ranks) SIGKILLed while decode waits for a
-    room's KV: decode fails the room on its own within the heartbeat's bound, frees its
-    KV and keeps serving. The last test of the module: the pair is not used after it."""
-    kill_prefill_while_decode_waits(pair.prefill, pair.decode, pair.bootstrap_port, room=13)
+def test_prefill_killed_mid_transfer_decode_fails_alone(pair: Pair) -> None:
+    """The module pair's prefill worker (two ranks) SIGKILLed with a room's send in flight,
+    after decode's handshake: decode fails the room on its own within the heartbeat's bound,
+    frees its KV and keeps serving. The last test of the module: the pair is not used after
+    it.
+
+    To hold the send in flight, the room's handshake that the prefill rank takes names a
+    stand-in receiver that takes the pages and never answers: the test's handshake, sent
+    after decode's while the prefill rank has no request of the room yet (a later one
+    replaces an earlier one then), so the prefill rank sends there and decode's real
+    handshake is the one left unserved."""
+    ids = list(range(60, 100))
+    room = 13
+    fake = FakePrefill()  # for its control socket
+    stalled = StalledReceiver(_prefill_layout())
+    prefill_leg: dict[str, Any] = {}
+    try:
+        t, result = _decode_leg_waiting(pair.decode, pair.bootstrap_port, room, ids)
+        time.sleep(0.5)  # decode's handshake, sent before its queue said so, reaches prefill
+        fake.notify(_prefill_control(pair, room), {
+            "kind": "handshake", "room": room, "rid": "x", "peer": stalled.descriptor,
+            "dst_slots": list(range(1, len(ids) + 1)), "notify": fake.control})
+        time.sleep(0.5)  # it reaches the prefill rank before the request does
+
+        def run() -> None:
+            try:
+                prefill_leg["out"] = list(pair.prefill.stub().Generate(
+                    pd_request(ids, 4, "127.0.0.1", pair.bootstrap_port, room), timeout=60))
+            except grpc.RpcError as exc:
+                prefill_leg["err"] = exc
+
+        threading.Thread(target=run, daemon=True).start()
+        assert stalled.take(room) == len(ids) * 256 * 8  # the pages are out, unanswered
+        killed_at = time.monotonic()
+        assert pair.prefill.stop(signal.SIGKILL) == -signal.SIGKILL
+        t.join(60)
+        assert not t.is_alive() and "err" in result, result
+        err, took = result["err"], result["at"] - killed_at
+        assert err.code() == grpc.StatusCode.UNAVAILABLE, err
+        assert "kv transfer failed" in err.details() and "might be dead" in err.details(), err
+        assert took < 11, took  # before the waiting timeout (12 s) could have ended it
+        assert "out" not in prefill_leg  # the prefill leg never answered: its worker died
+    finally:
+        stalled.die()
+        fake.close()
+    assert_freed(pair.decode)
+    plain = greedy(ids, 4)
+    plain.disaggregated_params.bootstrap_host = "2.2.2.2"  # SGLang's fake host: no transfer
+    assert len(list(pair.decode.stub().Generate(plain, timeout=60))[-1].complete.output_ids) == 4
