@@ -1344,13 +1344,21 @@ def _legs(prefill: ServerProc, decode: ServerProc, bport: int, room: int, ids: l
 
 def test_tp2_pair_equals_a_plain_worker_and_refuses_another_tp_size(pair: Pair,
                                                                     tmp_path: Path) -> None:
-    """A --tp-size 2 --dp-size 2 prefill and a --tp-size 2 decode: each TP rank moves its
-    own KV heads' shard from the prefill's data-parallel rank that holds the room (room % 2),
-    so greedy tokens and logprobs equal the plain tp 1 worker's (one by one and 8 rooms at
-    once) and the KV is freed on both; a leg of another TP size (this module's tp 1 pair) is
-    refused with "bootstrap" in the status, on either side, and frees its KV."""
+    """A --tp-size 2 --dp-size 2 prefill and a --tp-size 2 decode, their KV over mooncake
+    (zmq where the pd extra is not installed; zmq at tp 2: tests/unit/test_pd_tp_shards.py,
+    real backends, the TP commands through an in-process group): each TP rank moves its own KV
+    heads' shard from the prefill's data-parallel rank that holds the room (room % 2), so
+    greedy tokens and logprobs equal the plain tp 1 worker's (one by one and 8 rooms at
+    once) and the KV is freed on both; a leg of another TP size (this module's tp 1 pair,
+    zmq: refused before any byte moves) is refused with "bootstrap" in the status, on
+    either side, and frees its KV."""
+    import importlib.util
+
+    from sglang_admin.disaggregation.backends import make_backend
+
+    backend = "mooncake" if importlib.util.find_spec("mooncake") else "zmq"
     bport = free_port()
-    common = ["--disaggregation-transfer-backend", "zmq", "--tp-size", "2"]
+    common = ["--disaggregation-transfer-backend", backend, "--tp-size", "2"]
     prefill = start_server(tmp_path, *common, "--disaggregation-mode", "prefill",
                            "--dp-size", "2", "--disaggregation-bootstrap-port", str(bport),
                            env=PD_ENV, wait=False)
@@ -1392,15 +1400,14 @@ def test_tp2_pair_equals_a_plain_worker_and_refuses_another_tp_size(pair: Pair,
 
         # handshakes a tp 2 decode would not send, at the tp 2 prefill: one descriptor (a
         # tp 1 decode of an older kind), three, no list; and a TP rank 0 that expects the
-        # room beside a TP rank 1 that refuses it, so that only the follower's send fails
-        # (a dead follower peer: tests/unit/test_pd_tp_shards.py). Each fails its room with
-        # a clear status, decode's notify address is told, and the KV is freed.
+        # room beside a TP rank 1 that refuses it (zmq) or is gone (mooncake: one-sided
+        # writes are not refused by room), so that only the follower's send fails. Each
+        # fails its room with a clear status, decode's notify address is told, and the KV
+        # is freed.
         import torch
 
-        from sglang_admin.disaggregation.zmq_backend import ZmqBackend
-
         fake = FakePrefill()  # for its control socket and PUSH helper
-        live, refusing, gone = ZmqBackend(), ZmqBackend(), ZmqBackend()
+        live, refusing, gone = (make_backend(backend, "127.0.0.1") for _ in range(3))
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{bport}/route", timeout=5) as r:
                 table = json.loads(r.read())
@@ -1416,7 +1423,8 @@ def test_tp2_pair_equals_a_plain_worker_and_refuses_another_tp_size(pair: Pair,
             cases = [([dead], "bootstrap failed: the handshake for room", "--tp-size 1"),
                      ([dead] * 3, "bootstrap failed: the handshake for room", "--tp-size 3"),
                      ("x", "kv transfer failed: bad handshake", "descriptor"),
-                     ([live.descriptor().to_wire(), refusing.descriptor().to_wire()],
+                     ([live.descriptor().to_wire(),
+                       refusing.descriptor().to_wire() if backend == "zmq" else dead],
                       "kv transfer failed", "(TP rank 1)")]
             for room, (peers, head, words) in enumerate(cases, start=9400):
                 live.expect(room, dst)
