@@ -30,6 +30,7 @@ class FakePrefill:
         port = self.inbox.bind_to_random_port("tcp://127.0.0.1")
         self.control = f"127.0.0.1:{port}"
         self.alive = True
+        self.closed = False
         self.stall_s = 0.0  # the bootstrap server answers this late (decode stuck in bootstrap)
         fake = self
 
@@ -37,6 +38,9 @@ class FakePrefill:
             def do_GET(self) -> None:  # noqa: N802 - http.server's name
                 if fake.stall_s:
                     time.sleep(fake.stall_s)
+                    if fake.closed:  # the test is over; so, likely, is the asker
+                        self.close_connection = True
+                        return
                 if not fake.alive:
                     self.send_response(503)
                     self.end_headers()
@@ -106,6 +110,7 @@ class FakePrefill:
         sock.send(msgpack.packb(msg))
 
     def close(self) -> None:
+        self.closed = True
         self.http.shutdown()
         self.http.server_close()
         if self.backend is not None:
