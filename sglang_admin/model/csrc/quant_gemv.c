@@ -9,10 +9,9 @@
  * per group of 32 inputs: one vector holds the 16 rows' scales.
  *
  * - int4 (GGUF Q4_0 / Q4_1 / Q4_K): w = (q - 8) * scale + zero, per group of 32 inputs,
- *   scale and zero in bfloat16 (the values torch's int4 kernel multiplies with). The
- *   table holds q - 8; a group's sum is scale * sum((q - 8) x) + zero * sum(x), the sums of
- *   x per group computed once per call. One 32-byte chunk holds two pairs (low nibbles:
- *   inputs 4c, 4c+1; high nibbles: 4c+2, 4c+3) of 16 rows.
+ *   scale and zero in bfloat16 (the values torch's int4 kernel multiplies with). No table:
+ *   a code placed in a bfloat16 mantissa is 1 + q / 16 (q4_gemv_bf16), the sums of x per
+ *   group computed once per call. One 64-byte chunk holds four pairs of 16 rows.
  * - int8 in blocks of 32 (GGUF Q8_0): w = q * d, d the block's float16 scale as stored.
  *   The code u = q + 128 = 16 h + l splits into two 4-bit halves: q = 16 (h - 8) + l, two
  *   tables (16 (h - 8) and l, exact in bfloat16). One 32-byte chunk holds one pair of
@@ -41,6 +40,9 @@ int lut_gemv_applies(void) {
 
 #ifdef LUT_GEMV
 
+/* blocks x inputs below which one thread computes it all (a team's start costs more) */
+#define PARALLEL_MIN (16 * 1024)
+
 static inline __m512 bf16x16_f32(const uint16_t *p) {
     return _mm512_castsi512_ps(
         _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
@@ -64,59 +66,67 @@ static inline __mmask16 valid_lanes(int64_t valid) {
 
 #endif
 
-/* x: bfloat16 [M, K] (row stride xs elements); w: uint8 [N16 / 16, K / 4, 32]; sz: bfloat16
- * [N16 / 16, K / 32, 2, 16] (scales, then zeros); out: bfloat16 [M, N] (row stride os). */
-void q4_gemv_bf16(const uint16_t *x, int64_t M, int64_t xs, int64_t K, const uint8_t *w,
+/* x: bfloat16 [M, K] (row stride xs elements); w: uint16 [N16 / 16, K / 8, 32]; sz: bfloat16
+ * [N16 / 16, K / 32, 2, 16] (scales, then zeros); out: bfloat16 [M, N] (row stride os).
+ * Word 2j + e of chunk c holds row j's codes of inputs 8c + 2t + e in bits 4t..4t+3. A
+ * code moved to the mantissa's bits 3..6 under the exponent of 1.0 is the bfloat16 value
+ * 1 + q / 16 (a shift and one vpternlogd, no table): with S = sum((1 + q / 16) x) and
+ * sx = sum(x) over a group, sum(((q - 8) scale + zero) x) = 16 scale S + (zero - 24 scale) sx. */
+void q4_gemv_bf16(const uint16_t *x, int64_t M, int64_t xs, int64_t K, const uint16_t *w,
                   const uint16_t *sz, int64_t N, uint16_t *out, int64_t os) {
 #ifdef LUT_GEMV
     const int64_t G = K / 32, NB = (N + 15) / 16;
-    float *sx = (float *)malloc(sizeof(float) * (size_t)(M * G));
+    float sx_stack[1024];
+    float *sx = M * G <= 1024 ? sx_stack : (float *)malloc(sizeof(float) * (size_t)(M * G));
     for (int64_t m = 0; m < M; ++m)
         for (int64_t g = 0; g < G; ++g) {
             __m512 a = _mm512_add_ps(bf16x16_f32(x + m * xs + 32 * g),
                                      bf16x16_f32(x + m * xs + 32 * g + 16));
             sx[m * G + g] = _mm512_reduce_add_ps(a);
         }
-    int16_t vals[16];
-    for (int i = 0; i < 16; ++i) vals[i] = (int16_t)bf16_bits((float)(i - 8));
-    const __m512i lut = lut16(vals);
-    const __m512i low = _mm512_set1_epi16(0x0F);
-#pragma omp parallel for schedule(static)
+    const __m512i field = _mm512_set1_epi16(0x0078), one = _mm512_set1_epi16(0x3F80);
+    const __m512 sixteen = _mm512_set1_ps(16.0f), m24 = _mm512_set1_ps(-24.0f);
+#pragma omp parallel for schedule(static) if (NB * K >= PARALLEL_MIN)
     for (int64_t b = 0; b < NB; ++b) {
-        const uint8_t *wb = w + b * (K / 4) * 32;
+        const uint16_t *wb = w + b * (K / 8) * 32;
         const uint16_t *sb = sz + b * G * 32;
         for (int64_t m = 0; m < M; ++m) {
             const uint16_t *xm = x + m * xs;
             __m512 acc = _mm512_setzero_ps(), zacc = _mm512_setzero_ps();
             for (int64_t g = 0; g < G; ++g) {
                 __m512 t0 = _mm512_setzero_ps(), t1 = _mm512_setzero_ps();
-                const uint8_t *wg = wb + g * 8 * 32;
+                __m512 t2 = _mm512_setzero_ps(), t3 = _mm512_setzero_ps();
+                const uint16_t *wg = wb + g * 4 * 32;
                 const uint16_t *xg = xm + 32 * g;
-                _mm_prefetch((const char *)(wg + 2048), _MM_HINT_T0);
-                _mm_prefetch((const char *)(wg + 2048 + 64), _MM_HINT_T0);
-                _mm_prefetch((const char *)(wg + 2048 + 128), _MM_HINT_T0);
-                _mm_prefetch((const char *)(wg + 2048 + 192), _MM_HINT_T0);
-#pragma GCC unroll 8
-                for (int c = 0; c < 8; ++c) {
-                    __m512i v = _mm512_cvtepu8_epi16(
-                        _mm256_loadu_si256((const __m256i *)(wg + 32 * c)));
-                    __m512i lo = _mm512_permutexvar_epi16(_mm512_and_si512(v, low), lut);
-                    __m512i hi = _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), lut);
-                    uint32_t p0, p1;
-                    memcpy(&p0, xg + 4 * c, 4);
-                    memcpy(&p1, xg + 4 * c + 2, 4);
-                    t0 = _mm512_dpbf16_ps(t0, (__m512bh)lo, (__m512bh)_mm512_set1_epi32((int)p0));
-                    t1 = _mm512_dpbf16_ps(t1, (__m512bh)hi, (__m512bh)_mm512_set1_epi32((int)p1));
+                _mm_prefetch((const char *)(wg + 1024), _MM_HINT_T0);
+                _mm_prefetch((const char *)(wg + 1024 + 32), _MM_HINT_T0);
+                _mm_prefetch((const char *)(wg + 1024 + 64), _MM_HINT_T0);
+                _mm_prefetch((const char *)(wg + 1024 + 96), _MM_HINT_T0);
+#pragma GCC unroll 4
+                for (int c = 0; c < 4; ++c) {
+                    __m512i v = _mm512_loadu_si512((const void *)(wg + 32 * c));
+                    __m512i q0 = _mm512_ternarylogic_epi32(_mm512_slli_epi16(v, 3), field, one, 0xEA);
+                    __m512i q1 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 1), field, one, 0xEA);
+                    __m512i q2 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 5), field, one, 0xEA);
+                    __m512i q3 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 9), field, one, 0xEA);
+                    uint32_t p[4];
+                    memcpy(p, xg + 8 * c, 16);
+                    t0 = _mm512_dpbf16_ps(t0, (__m512bh)q0, (__m512bh)_mm512_set1_epi32((int)p[0]));
+                    t1 = _mm512_dpbf16_ps(t1, (__m512bh)q1, (__m512bh)_mm512_set1_epi32((int)p[1]));
+                    t2 = _mm512_dpbf16_ps(t2, (__m512bh)q2, (__m512bh)_mm512_set1_epi32((int)p[2]));
+                    t3 = _mm512_dpbf16_ps(t3, (__m512bh)q3, (__m512bh)_mm512_set1_epi32((int)p[3]));
                 }
-                acc = _mm512_fmadd_ps(_mm512_add_ps(t0, t1), bf16x16_f32(sb + g * 32), acc);
-                zacc = _mm512_fmadd_ps(bf16x16_f32(sb + g * 32 + 16),
-                                       _mm512_set1_ps(sx[m * G + g]), zacc);
+                __m512 scale = bf16x16_f32(sb + g * 32);
+                __m512 t = _mm512_add_ps(_mm512_add_ps(t0, t1), _mm512_add_ps(t2, t3));
+                acc = _mm512_fmadd_ps(t, _mm512_mul_ps(scale, sixteen), acc);
+                __m512 zs = _mm512_fmadd_ps(scale, m24, bf16x16_f32(sb + g * 32 + 16));
+                zacc = _mm512_fmadd_ps(zs, _mm512_set1_ps(sx[m * G + g]), zacc);
             }
             _mm256_mask_storeu_epi16(out + m * os + 16 * b, valid_lanes(N - 16 * b),
                                      (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc, zacc)));
         }
     }
-    free(sx);
+    if (sx != sx_stack) free(sx);
 #else
     (void)x; (void)M; (void)xs; (void)K; (void)w; (void)sz; (void)N; (void)out; (void)os;
 #endif
@@ -135,7 +145,7 @@ void q8_gemv_bf16(const uint16_t *x, int64_t M, int64_t xs, int64_t K, const uin
     }
     const __m512i lut_h = lut16(hv), lut_l = lut16(lv);
     const __m512i low = _mm512_set1_epi16(0x0F);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (NB * K >= PARALLEL_MIN)
     for (int64_t b = 0; b < NB; ++b) {
         const uint8_t *wb = w + b * (K / 2) * 32;
         const uint16_t *db = d + b * G * 16;

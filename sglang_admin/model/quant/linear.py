@@ -184,13 +184,25 @@ class QuantLinear:
                                                          self.scales_zeros)
         return out[:, : self.shape[0]] if self.pad else out
 
+    @property
+    def _lut_call(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """The table kernel bound to this weight's layout (None: not kept in it)."""
+        bound = self.__dict__.get("_lut_bound")
+        if bound is not None and bound.keep[0] is self.lut_w and bound.keep[1] is self.lut_s:
+            return bound
+        if self.lut_w is None or self.lut_s is None:
+            return None
+        kernel = lut.loaded()  # the layouts exist only where it loaded
+        assert kernel is not None
+        bound = kernel.bind(self.kind, self.lut_w, self.lut_s, self.shape[0])
+        self.__dict__["_lut_bound"] = bound
+        return bound
+
     def _lut(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] -> [M, N] through the table kernel: bfloat16 (int4), float32 (int8x32)."""
-        kernel = lut.loaded()  # the layouts exist only where it loaded
-        assert kernel is not None and self.lut_w is not None and self.lut_s is not None
-        if self.kind == "int4":
-            return kernel.q4(x, self.lut_w, self.lut_s, self.shape[0])
-        return kernel.q8(x, self.lut_w, self.lut_s, self.shape[0])
+        call = self._lut_call
+        assert call is not None
+        return call(x)
 
     def exact_logits(self, x: torch.Tensor) -> torch.Tensor | None:
         """float32 logits [M, N] of bfloat16 rows ``x`` computed from the int8 blocks as
@@ -243,6 +255,9 @@ class QuantLinear:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K] -> [M, N] (+ bias)."""
+        if (self._lut_call is not None and bias is None and x.shape[0] <= LUT_MAX_ROWS
+                and x.dtype == self.dtype and self.kind == "int4" and x.is_contiguous()):
+            return self._lut_call(x)  # batch 1's path, with as few checks as it needs
         x = x.contiguous()
         if x.dtype != self.dtype:
             raise TypeError(f"activations are {x.dtype}, the quantized weight serves {self.dtype}")
