@@ -28,8 +28,10 @@ def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def test_the_detector_reads_the_flags() -> None:
-    assert lut.cpu_has_lut_gemv(frozenset({"avx512f", "avx512bw", "avx512_bf16", "avx2"}))
-    assert not lut.cpu_has_lut_gemv(frozenset({"avx512f", "avx512bw", "avx2", "fma"}))
+    assert lut.cpu_has_lut_gemv(frozenset({"avx512f", "avx512bw", "avx512_bf16", "avx512_vnni",
+                                           "avx2"}))
+    assert not lut.cpu_has_lut_gemv(frozenset({"avx512f", "avx512bw", "avx512_vnni", "avx2"}))
+    assert not lut.cpu_has_lut_gemv(frozenset({"avx512f", "avx512bw", "avx512_bf16"}))
     assert not lut.cpu_has_lut_gemv(frozenset())
 
 
@@ -42,14 +44,13 @@ def test_layouts_put_each_code_where_the_kernel_reads_it() -> None:
     scale = torch.rand(n, k // 32).to(torch.bfloat16).float()
     zero = torch.randn(n, k // 32).to(torch.bfloat16).float()
     w, sz = lut.pack_int4(q, scale, zero)
-    assert tuple(w.shape) == (2, k // 8, 32) and tuple(sz.shape) == (2, k // 32, 2, 16)
-    words = w.numpy().view(np.uint16)
+    assert tuple(w.shape) == (2, k // 8, 64) and tuple(sz.shape) == (2, k // 32, 2, 16)
     for row in (0, 5, 15, 16, 20):
         b, j = divmod(row, 16)
-        for kk in (0, 1, 7, 8, 33, 63):
+        for kk in (0, 1, 3, 4, 7, 8, 33, 63):
             c, r = divmod(kk, 8)
-            t, e = divmod(r, 2)
-            assert (words[b, c, 2 * j + e] >> (4 * t)) & 15 == q[row, kk], (row, kk)
+            half, i = divmod(r, 4)
+            assert (int(w[b, c, 4 * j + i]) >> (4 * half)) & 15 == q[row, kk], (row, kk)
         assert sz[b, 1, 0, j].float() == scale[row, 1]
         assert sz[b, 1, 1, j].float() == zero[row, 1]
     assert torch.all(sz[1, :, :, 5:] == 0)  # rows 21..31: padding
@@ -58,11 +59,11 @@ def test_layouts_put_each_code_where_the_kernel_reads_it() -> None:
     packed = lut.pack_int8(q8, d)
     assert packed is not None
     w8, d8 = packed
-    assert tuple(w8.shape) == (2, k // 2, 32) and d8.dtype == torch.float16
+    assert tuple(w8.shape) == (2, k // 4, 64) and d8.dtype == torch.float16
     for row, kk in ((0, 0), (3, 9), (17, 40), (20, 63)):
         b, j = divmod(row, 16)
-        p, e = divmod(kk, 2)
-        assert int(w8[b, p, 2 * j + e]) - 128 == q8[row, kk]
+        c, i = divmod(kk, 4)
+        assert int(w8[b, c, 4 * j + i]) - 128 == q8[row, kk]
         assert float(d8[b, kk // 32, j]) == d[row, kk // 32]
     d[2, 1] = 1e-9  # not a float16 value: no layout (torch's kernel serves that weight)
     assert lut.pack_int8(q8, d) is None

@@ -9,13 +9,11 @@
  * per group of 32 inputs: one vector holds the 16 rows' scales.
  *
  * - int4 (GGUF Q4_0 / Q4_1 / Q4_K): w = (q - 8) * scale + zero, per group of 32 inputs,
- *   scale and zero in bfloat16 (the values torch's int4 kernel multiplies with). No table:
- *   a code placed in a bfloat16 mantissa is 1 + q / 16 (q4_gemv_bf16), the sums of x per
- *   group computed once per call. One 64-byte chunk holds four pairs of 16 rows.
- * - int8 in blocks of 32 (GGUF Q8_0): w = q * d, d the block's float16 scale as stored.
- *   The code u = q + 128 = 16 h + l splits into two 4-bit halves: q = 16 (h - 8) + l, two
- *   tables (16 (h - 8) and l, exact in bfloat16). One 32-byte chunk holds one pair of
- *   16 rows. Output float32 (the LM head's logits).
+ *   scale and zero in bfloat16 (the values torch's int4 kernel multiplies with), through
+ *   AVX512_VNNI's vpdpbusd: the codes times the activations in 24-bit fixed point per
+ *   group (three int8 parts, split_row), exact integer sums; see q4_gemv_bf16.
+ * - int8 in blocks of 32 (GGUF Q8_0): w = q * d, d the block's float16 scale as stored,
+ *   through vpdpbusd as well (q + 128 unsigned); output float32 (the LM head's logits).
  *
  * Rows of the activations (M, a few) are computed from the same weights while they are in
  * the L1 cache; row blocks are spread over the OpenMP team (torch's: the library binds
@@ -25,7 +23,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && \
+    defined(__AVX512VNNI__)
 #define LUT_GEMV 1
 #include <immintrin.h>
 #endif
@@ -66,126 +65,193 @@ static inline __mmask16 valid_lanes(int64_t valid) {
 
 #endif
 
-/* x: bfloat16 [M, K] (row stride xs elements); w: uint16 [N16 / 16, K / 8, 32]; sz: bfloat16
+/* The activations of one row as three int8 parts per 32-input group g: x ~= dx[g] (65536 h
+ * + 256 m + l), |X| <= 127 * 65536 (24-bit fixed point per group: an error of at most
+ * 2^-24 of the group's largest |x|, float32's own); sx[g]: the exact sum of the bfloat16 x
+ * over the group (float32). */
+static void split_row(const uint16_t *x, int64_t K, int8_t *parts, float *dx, float *sx,
+                      int32_t *psum) {
+    const __m512i c128 = _mm512_set1_epi32(128), c255 = _mm512_set1_epi32(255);
+    for (int64_t g = 0; g < K / 32; ++g) {
+        __m512 a = bf16x16_f32(x + 32 * g), b = bf16x16_f32(x + 32 * g + 16);
+        sx[g] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+        float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+        float d = amax > 0.0f ? amax / 8323072.0f : 1.0f;
+        dx[g] = d;
+        if (psum) psum[3 * g] = psum[3 * g + 1] = psum[3 * g + 2] = 0;
+        __m512 inv = _mm512_set1_ps(1.0f / d);
+        __m512 h[2] = {a, b};
+        for (int t = 0; t < 2; ++t) {
+            __m512i X = _mm512_cvtps_epi32(_mm512_mul_ps(h[t], inv));
+            X = _mm512_max_epi32(_mm512_min_epi32(X, _mm512_set1_epi32(8323072)),
+                                 _mm512_set1_epi32(-8323072));
+            /* l = X mod 256 in -128..127, then m likewise of (X - l) / 256, h the rest */
+            __m512i L = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(X, c128), c255), c128);
+            __m512i Y = _mm512_srai_epi32(_mm512_sub_epi32(X, L), 8);
+            __m512i Mi = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(Y, c128), c255), c128);
+            __m512i H = _mm512_srai_epi32(_mm512_sub_epi32(Y, Mi), 8);
+            _mm_storeu_si128((__m128i *)(parts + 32 * g + 16 * t), _mm512_cvtepi32_epi8(H));
+            _mm_storeu_si128((__m128i *)(parts + K + 32 * g + 16 * t), _mm512_cvtepi32_epi8(Mi));
+            _mm_storeu_si128((__m128i *)(parts + 2 * K + 32 * g + 16 * t),
+                             _mm512_cvtepi32_epi8(L));
+            if (psum) {
+                psum[3 * g] += _mm512_reduce_add_epi32(H);
+                psum[3 * g + 1] += _mm512_reduce_add_epi32(Mi);
+                psum[3 * g + 2] += _mm512_reduce_add_epi32(L);
+            }
+        }
+    }
+}
+
+/* x: bfloat16 [M, K] (row stride xs elements); w: uint8 [N16 / 16, K / 8, 64]; sz: bfloat16
  * [N16 / 16, K / 32, 2, 16] (scales, then zeros); out: bfloat16 [M, N] (row stride os).
- * Word 2j + e of chunk c holds row j's codes of inputs 8c + 2t + e in bits 4t..4t+3. A
- * code moved to the mantissa's bits 3..6 under the exponent of 1.0 is the bfloat16 value
- * 1 + q / 16 (a shift and one vpternlogd, no table): with S = sum((1 + q / 16) x) and
- * sx = sum(x) over a group, sum(((q - 8) scale + zero) x) = 16 scale S + (zero - 24 scale) sx. */
-void q4_gemv_bf16(const uint16_t *x, int64_t M, int64_t xs, int64_t K, const uint16_t *w,
+ * Bytes 4j..4j+3 of chunk c hold row j's codes of inputs 8c..8c+3 (low nibbles) and
+ * 8c+4..8c+7 (high nibbles): vpdpbusd multiplies 4 codes (unsigned) by 4 int8 activations
+ * a lane, 64 products an instruction, exact in int32; a group's sum of q x is
+ * dx (65536 sum(q h) + 256 sum(q m) + sum(q l)), and sum(((q - 8) scale + zero) x) = scale sum(q x) +
+ * (zero - 8 scale) sx. */
+void q4_gemv_bf16(const uint16_t *x, int64_t M, int64_t xs, int64_t K, const uint8_t *w,
                   const uint16_t *sz, int64_t N, uint16_t *out, int64_t os) {
 #ifdef LUT_GEMV
     const int64_t G = K / 32, NB = (N + 15) / 16;
-    float sx_stack[1024];
-    float *sx = M * G <= 1024 ? sx_stack : (float *)malloc(sizeof(float) * (size_t)(M * G));
+    enum { STACK = 8192 };
+    int8_t stack_b[3 * STACK];
+    float stack_f[2 * STACK / 32];
+    int big = M * K > STACK;
+    int8_t *parts = big ? (int8_t *)malloc((size_t)(3 * M * K)) : stack_b;
+    float *dx = big ? (float *)malloc(sizeof(float) * (size_t)(2 * M * G)) : stack_f;
+    float *sx = dx + M * G;
     for (int64_t m = 0; m < M; ++m)
-        for (int64_t g = 0; g < G; ++g) {
-            __m512 a = _mm512_add_ps(bf16x16_f32(x + m * xs + 32 * g),
-                                     bf16x16_f32(x + m * xs + 32 * g + 16));
-            sx[m * G + g] = _mm512_reduce_add_ps(a);
-        }
-    const __m512i field = _mm512_set1_epi16(0x0078), one = _mm512_set1_epi16(0x3F80);
-    const __m512 sixteen = _mm512_set1_ps(16.0f), m24 = _mm512_set1_ps(-24.0f);
+        split_row(x + m * xs, K, parts + 3 * m * K, dx + m * G, sx + m * G, NULL);
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    const __m512 m8 = _mm512_set1_ps(-8.0f), c65536 = _mm512_set1_ps(65536.0f);
 #pragma omp parallel for schedule(static) if (NB * K >= PARALLEL_MIN)
     for (int64_t b = 0; b < NB; ++b) {
-        const uint16_t *wb = w + b * (K / 8) * 32;
+        const uint8_t *wb = w + b * (K / 8) * 64;
         const uint16_t *sb = sz + b * G * 32;
         for (int64_t m = 0; m < M; ++m) {
-            const uint16_t *xm = x + m * xs;
+            const int8_t *ph = parts + 3 * m * K, *pm = ph + K, *pl = ph + 2 * K;
             __m512 acc = _mm512_setzero_ps(), zacc = _mm512_setzero_ps();
             for (int64_t g = 0; g < G; ++g) {
-                __m512 t0 = _mm512_setzero_ps(), t1 = _mm512_setzero_ps();
-                __m512 t2 = _mm512_setzero_ps(), t3 = _mm512_setzero_ps();
-                const uint16_t *wg = wb + g * 4 * 32;
-                const uint16_t *xg = xm + 32 * g;
-                _mm_prefetch((const char *)(wg + 1024), _MM_HINT_T0);
-                _mm_prefetch((const char *)(wg + 1024 + 32), _MM_HINT_T0);
-                _mm_prefetch((const char *)(wg + 1024 + 64), _MM_HINT_T0);
-                _mm_prefetch((const char *)(wg + 1024 + 96), _MM_HINT_T0);
+                __m512i h0 = _mm512_setzero_si512(), h1 = _mm512_setzero_si512();
+                __m512i m0 = _mm512_setzero_si512(), m1 = _mm512_setzero_si512();
+                __m512i l0 = _mm512_setzero_si512(), l1 = _mm512_setzero_si512();
+                const uint8_t *wg = wb + g * 4 * 64;
+                _mm_prefetch((const char *)(wg + 2048), _MM_HINT_T0);
+                _mm_prefetch((const char *)(wg + 2048 + 64), _MM_HINT_T0);
+                _mm_prefetch((const char *)(wg + 2048 + 128), _MM_HINT_T0);
+                _mm_prefetch((const char *)(wg + 2048 + 192), _MM_HINT_T0);
 #pragma GCC unroll 4
                 for (int c = 0; c < 4; ++c) {
-                    __m512i v = _mm512_loadu_si512((const void *)(wg + 32 * c));
-                    __m512i q0 = _mm512_ternarylogic_epi32(_mm512_slli_epi16(v, 3), field, one, 0xEA);
-                    __m512i q1 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 1), field, one, 0xEA);
-                    __m512i q2 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 5), field, one, 0xEA);
-                    __m512i q3 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 9), field, one, 0xEA);
-                    uint32_t p[4];
-                    memcpy(p, xg + 8 * c, 16);
-                    t0 = _mm512_dpbf16_ps(t0, (__m512bh)q0, (__m512bh)_mm512_set1_epi32((int)p[0]));
-                    t1 = _mm512_dpbf16_ps(t1, (__m512bh)q1, (__m512bh)_mm512_set1_epi32((int)p[1]));
-                    t2 = _mm512_dpbf16_ps(t2, (__m512bh)q2, (__m512bh)_mm512_set1_epi32((int)p[2]));
-                    t3 = _mm512_dpbf16_ps(t3, (__m512bh)q3, (__m512bh)_mm512_set1_epi32((int)p[3]));
+                    __m512i v = _mm512_loadu_si512((const void *)(wg + 64 * c));
+                    __m512i qa = _mm512_and_si512(v, low);
+                    __m512i qb = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                    int64_t k0 = 32 * g + 8 * c;
+                    int32_t xa[3], xb[3];
+                    memcpy(&xa[0], ph + k0, 4);
+                    memcpy(&xb[0], ph + k0 + 4, 4);
+                    memcpy(&xa[1], pm + k0, 4);
+                    memcpy(&xb[1], pm + k0 + 4, 4);
+                    memcpy(&xa[2], pl + k0, 4);
+                    memcpy(&xb[2], pl + k0 + 4, 4);
+                    h0 = _mm512_dpbusd_epi32(h0, qa, _mm512_set1_epi32(xa[0]));
+                    h1 = _mm512_dpbusd_epi32(h1, qb, _mm512_set1_epi32(xb[0]));
+                    m0 = _mm512_dpbusd_epi32(m0, qa, _mm512_set1_epi32(xa[1]));
+                    m1 = _mm512_dpbusd_epi32(m1, qb, _mm512_set1_epi32(xb[1]));
+                    l0 = _mm512_dpbusd_epi32(l0, qa, _mm512_set1_epi32(xa[2]));
+                    l1 = _mm512_dpbusd_epi32(l1, qb, _mm512_set1_epi32(xb[2]));
                 }
+                /* 256 sum(q m) + sum(q l) < 2^24: exact in int32 and in float32 */
+                __m512i ml = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(m0, m1), 8),
+                                              _mm512_add_epi32(l0, l1));
+                __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(h0, h1)), c65536,
+                                           _mm512_cvtepi32_ps(ml));
                 __m512 scale = bf16x16_f32(sb + g * 32);
-                __m512 t = _mm512_add_ps(_mm512_add_ps(t0, t1), _mm512_add_ps(t2, t3));
-                acc = _mm512_fmadd_ps(t, _mm512_mul_ps(scale, sixteen), acc);
-                __m512 zs = _mm512_fmadd_ps(scale, m24, bf16x16_f32(sb + g * 32 + 16));
+                acc = _mm512_fmadd_ps(t, _mm512_mul_ps(scale, _mm512_set1_ps(dx[m * G + g])),
+                                      acc);
+                __m512 zs = _mm512_fmadd_ps(scale, m8, bf16x16_f32(sb + g * 32 + 16));
                 zacc = _mm512_fmadd_ps(zs, _mm512_set1_ps(sx[m * G + g]), zacc);
             }
             _mm256_mask_storeu_epi16(out + m * os + 16 * b, valid_lanes(N - 16 * b),
                                      (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc, zacc)));
         }
     }
-    if (sx != sx_stack) free(sx);
+    if (big) {
+        free(parts);
+        free(dx);
+    }
 #else
     (void)x; (void)M; (void)xs; (void)K; (void)w; (void)sz; (void)N; (void)out; (void)os;
 #endif
 }
 
-/* x: bfloat16 [M, K] (row stride xs); w: uint8 [N16 / 16, K / 2, 32] (q + 128); d: float16
- * bits [N16 / 16, K / 32, 16]; out: float32 [M, N] (row stride os). */
+/* x: bfloat16 [M, K] (row stride xs); w: uint8 [N16 / 16, K / 4, 64] (q + 128; bytes
+ * 4j..4j+3 of chunk c: row j's inputs 4c..4c+3); d: float16 bits [N16 / 16, K / 32, 16];
+ * out: float32 [M, N] (row stride os). vpdpbusd on u = q + 128 and each int8 part p of the
+ * activations (split_row): sum(q p) = sum(u p) - 128 sum(p), exact in int32. */
 void q8_gemv_bf16(const uint16_t *x, int64_t M, int64_t xs, int64_t K, const uint8_t *w,
                   const uint16_t *d, int64_t N, float *out, int64_t os) {
 #ifdef LUT_GEMV
     const int64_t G = K / 32, NB = (N + 15) / 16;
-    int16_t hv[16], lv[16];
-    for (int i = 0; i < 16; ++i) {
-        hv[i] = (int16_t)bf16_bits((float)(16 * (i - 8)));
-        lv[i] = (int16_t)bf16_bits((float)i);
-    }
-    const __m512i lut_h = lut16(hv), lut_l = lut16(lv);
-    const __m512i low = _mm512_set1_epi16(0x0F);
+    int8_t *parts = (int8_t *)malloc((size_t)(3 * M * K));
+    float *dx = (float *)malloc(sizeof(float) * (size_t)(2 * M * G));
+    int32_t *psum = (int32_t *)malloc(sizeof(int32_t) * (size_t)(3 * M * G));
+    float *sx = dx + M * G;
+    for (int64_t m = 0; m < M; ++m)
+        split_row(x + m * xs, K, parts + 3 * m * K, dx + m * G, sx + m * G, psum + 3 * m * G);
+    const __m512 c256 = _mm512_set1_ps(256.0f), c65536 = _mm512_set1_ps(65536.0f);
 #pragma omp parallel for schedule(static) if (NB * K >= PARALLEL_MIN)
     for (int64_t b = 0; b < NB; ++b) {
-        const uint8_t *wb = w + b * (K / 2) * 32;
+        const uint8_t *wb = w + b * (K / 4) * 64;
         const uint16_t *db = d + b * G * 16;
         for (int64_t m = 0; m < M; ++m) {
-            const uint16_t *xm = x + m * xs;
+            const int8_t *ph = parts + 3 * m * K, *pm = ph + K, *pl = ph + 2 * K;
+            const int32_t *ps = psum + 3 * m * G;
             __m512 acc = _mm512_setzero_ps();
             for (int64_t g = 0; g < G; ++g) {
-                __m512 h0 = _mm512_setzero_ps(), h1 = _mm512_setzero_ps();
-                __m512 l0 = _mm512_setzero_ps(), l1 = _mm512_setzero_ps();
-                const uint8_t *wg = wb + g * 16 * 32;
-                const uint16_t *xg = xm + 32 * g;
+                __m512i h0 = _mm512_setzero_si512(), h1 = _mm512_setzero_si512();
+                __m512i m0 = _mm512_setzero_si512(), m1 = _mm512_setzero_si512();
+                __m512i l0 = _mm512_setzero_si512(), l1 = _mm512_setzero_si512();
+                const uint8_t *wg = wb + g * 8 * 64;
                 for (int pf = 0; pf < 512; pf += 64)
                     _mm_prefetch((const char *)(wg + 4096 + pf), _MM_HINT_T0);
-#pragma GCC unroll 8
-                for (int p = 0; p < 16; p += 2) {
-                    __m512i v0 = _mm512_cvtepu8_epi16(
-                        _mm256_loadu_si256((const __m256i *)(wg + 32 * p)));
-                    __m512i v1 = _mm512_cvtepu8_epi16(
-                        _mm256_loadu_si256((const __m256i *)(wg + 32 * p + 32)));
-                    uint32_t p0, p1;
-                    memcpy(&p0, xg + 2 * p, 4);
-                    memcpy(&p1, xg + 2 * p + 2, 4);
-                    __m512bh x0 = (__m512bh)_mm512_set1_epi32((int)p0);
-                    __m512bh x1 = (__m512bh)_mm512_set1_epi32((int)p1);
-                    h0 = _mm512_dpbf16_ps(h0, (__m512bh)_mm512_permutexvar_epi16(
-                        _mm512_srli_epi16(v0, 4), lut_h), x0);
-                    l0 = _mm512_dpbf16_ps(l0, (__m512bh)_mm512_permutexvar_epi16(
-                        _mm512_and_si512(v0, low), lut_l), x0);
-                    h1 = _mm512_dpbf16_ps(h1, (__m512bh)_mm512_permutexvar_epi16(
-                        _mm512_srli_epi16(v1, 4), lut_h), x1);
-                    l1 = _mm512_dpbf16_ps(l1, (__m512bh)_mm512_permutexvar_epi16(
-                        _mm512_and_si512(v1, low), lut_l), x1);
+#pragma GCC unroll 4
+                for (int c = 0; c < 8; c += 2) {
+                    __m512i v0 = _mm512_loadu_si512((const void *)(wg + 64 * c));
+                    __m512i v1 = _mm512_loadu_si512((const void *)(wg + 64 * c + 64));
+                    int64_t k0 = 32 * g + 4 * c;
+                    int32_t a[3], bb[3];
+                    memcpy(&a[0], ph + k0, 4);
+                    memcpy(&bb[0], ph + k0 + 4, 4);
+                    memcpy(&a[1], pm + k0, 4);
+                    memcpy(&bb[1], pm + k0 + 4, 4);
+                    memcpy(&a[2], pl + k0, 4);
+                    memcpy(&bb[2], pl + k0 + 4, 4);
+                    h0 = _mm512_dpbusd_epi32(h0, v0, _mm512_set1_epi32(a[0]));
+                    h1 = _mm512_dpbusd_epi32(h1, v1, _mm512_set1_epi32(bb[0]));
+                    m0 = _mm512_dpbusd_epi32(m0, v0, _mm512_set1_epi32(a[1]));
+                    m1 = _mm512_dpbusd_epi32(m1, v1, _mm512_set1_epi32(bb[1]));
+                    l0 = _mm512_dpbusd_epi32(l0, v0, _mm512_set1_epi32(a[2]));
+                    l1 = _mm512_dpbusd_epi32(l1, v1, _mm512_set1_epi32(bb[2]));
                 }
+                __m512i th = _mm512_sub_epi32(_mm512_add_epi32(h0, h1),
+                                              _mm512_set1_epi32(128 * ps[3 * g]));
+                __m512i tm = _mm512_sub_epi32(_mm512_add_epi32(m0, m1),
+                                              _mm512_set1_epi32(128 * ps[3 * g + 1]));
+                __m512i tl = _mm512_sub_epi32(_mm512_add_epi32(l0, l1),
+                                              _mm512_set1_epi32(128 * ps[3 * g + 2]));
+                __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(th), c65536,
+                                           _mm512_fmadd_ps(_mm512_cvtepi32_ps(tm), c256,
+                                                           _mm512_cvtepi32_ps(tl)));
                 __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(db + g * 16)));
-                acc = _mm512_fmadd_ps(_mm512_add_ps(_mm512_add_ps(h0, h1),
-                                                    _mm512_add_ps(l0, l1)), s, acc);
+                acc = _mm512_fmadd_ps(t, _mm512_mul_ps(s, _mm512_set1_ps(dx[m * G + g])), acc);
             }
             _mm512_mask_storeu_ps(out + m * os + 16 * b, valid_lanes(N - 16 * b), acc);
         }
     }
+    free(parts);
+    free(dx);
+    free(psum);
 #else
     (void)x; (void)M; (void)xs; (void)K; (void)w; (void)d; (void)N; (void)out; (void)os;
 #endif

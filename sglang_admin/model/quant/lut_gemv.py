@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parents[1] / "csrc" / "quant_gemv.c"
 # what the kernel's instructions need (the /proc/cpuinfo names)
-LUT_FLAGS = frozenset({"avx512f", "avx512bw", "avx512_bf16"})
+LUT_FLAGS = frozenset({"avx512f", "avx512bw", "avx512_bf16", "avx512_vnni"})
 BLOCK_ROWS = 16  # output rows side by side in the layouts
 GROUP = 32  # inputs per scale
 
@@ -112,28 +112,29 @@ def pack_int4(q: np.ndarray, scale: torch.Tensor, zero: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's layout of 4-bit codes ``q`` (uint8 [N, K], 0..15) with per-32-input
     ``scale`` and ``zero`` (float [N, K / 32], rounded to bfloat16 here):
-    (uint16 [N16 / 16, K / 8, 32], bfloat16 [N16 / 16, K / 32, 2, 16]). Word 2j + e of
-    chunk c holds row j's codes of inputs 8c + 2t + e in bits 4t..4t+3."""
+    (uint8 [N16 / 16, K / 8, 64], bfloat16 [N16 / 16, K / 32, 2, 16]). Byte 4j + i of
+    chunk c holds row j's codes of inputs 8c + i (low nibble) and 8c + 4 + i (high)."""
     n, k = q.shape
     nb = _blocks(n)
     pad = nb * BLOCK_ROWS - n
-    codes = np.asarray(q, dtype=np.uint16)
+    codes = np.asarray(q, dtype=np.uint8)
     if pad:  # q = 8, scale = zero = 0: rows of zeros, never stored
-        codes = np.concatenate([codes, np.full((pad, k), 8, np.uint16)])
-    c = codes.reshape(nb, BLOCK_ROWS, k // 8, 4, 2).transpose(0, 2, 1, 4, 3)
-    words = c[..., 0] | (c[..., 1] << 4) | (c[..., 2] << 8) | (c[..., 3] << 12)
-    packed = np.ascontiguousarray(words.reshape(nb, k // 8, 2 * BLOCK_ROWS)).view(np.int16)
+        codes = np.concatenate([codes, np.full((pad, k), 8, np.uint8)])
+    c = codes.reshape(nb, BLOCK_ROWS, k // 8, 2, 4).transpose(0, 2, 1, 4, 3)
+    packed = (c[..., 0] | (c[..., 1] << 4)).reshape(nb, k // 8, 4 * BLOCK_ROWS)
     sz = torch.stack([scale.float(), zero.float()])  # [2, N, G]
     if pad:
         sz = torch.cat([sz, torch.zeros(2, pad, k // GROUP)], 1)
     sz = sz.view(2, nb, BLOCK_ROWS, k // GROUP).permute(1, 3, 0, 2)
-    return torch.from_numpy(packed), sz.to(torch.bfloat16).contiguous()
+    return (torch.from_numpy(np.ascontiguousarray(packed)),
+            sz.to(torch.bfloat16).contiguous())
 
 
 def pack_int8(q: np.ndarray, d: np.ndarray) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The kernel's layout of int8 values ``q`` [N, K] with per-32-input scales ``d``
-    [N, K / 32]: (uint8 [N16 / 16, K / 2, 32] holding q + 128, float16 [N16 / 16, K / 32,
-    16]); None where a scale is not exact in float16 (GGUF's Q8_0 scales are)."""
+    [N, K / 32]: (uint8 [N16 / 16, K / 4, 64] holding q + 128, byte 4j + i of chunk c
+    row j's input 4c + i; float16 [N16 / 16, K / 32, 16]); None where a scale is not exact
+    in float16 (GGUF's Q8_0 scales are)."""
     n, k = q.shape
     d16 = np.asarray(d, dtype=np.float16)
     if not np.array_equal(d16.astype(np.float32), np.asarray(d, dtype=np.float32)):
@@ -144,9 +145,9 @@ def pack_int8(q: np.ndarray, d: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]
     if pad:
         codes = np.concatenate([codes, np.full((pad, k), 128, np.uint8)])
         d16 = np.concatenate([d16, np.zeros((pad, k // GROUP), np.float16)])
-    packed = codes.reshape(nb, BLOCK_ROWS, k // 2, 2).transpose(0, 2, 1, 3)
+    packed = codes.reshape(nb, BLOCK_ROWS, k // 4, 4).transpose(0, 2, 1, 3)
     scales = d16.reshape(nb, BLOCK_ROWS, k // GROUP).transpose(0, 2, 1)
-    return (torch.from_numpy(np.ascontiguousarray(packed).reshape(nb, k // 2, 2 * BLOCK_ROWS)),
+    return (torch.from_numpy(np.ascontiguousarray(packed).reshape(nb, k // 4, 4 * BLOCK_ROWS)),
             torch.from_numpy(np.ascontiguousarray(scales)))
 
 
