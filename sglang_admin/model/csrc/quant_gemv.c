@@ -1,23 +1,24 @@
-/* Few-row projections on weights kept quantized, bfloat16 activations (AVX512_BF16).
+/* Few-row projections on weights kept quantized, bfloat16 activations in, on AVX512_VNNI
+ * (and AVX512_BF16 for the bfloat16 output).
  *
- * The weights are laid out for the instruction (sglang_admin/model/quant/lut_gemv.py packs
- * them): 16 output rows side by side, so that each of a vector's 16 float32 lanes sums one
- * row. For two inputs k, k+1 (a "pair"), a 32-byte load holds the 16 rows' codes of the
- * pair; the codes (4 bits each) index a 16-entry table of bfloat16 values with vpermw, and
- * vdpbf16ps multiplies the table's values with the input pair broadcast to every lane
- * (bfloat16 products are exact in float32; the sums are float32). The scales apply once
- * per group of 32 inputs: one vector holds the 16 rows' scales.
+ * The weights are laid out for the instruction (sglang_admin/model/quant/gemv.py packs
+ * them): 16 output rows side by side, so that each of a vector's 16 int32 lanes sums one
+ * row; vpdpbusd multiplies 4 unsigned weight bytes by 4 signed activation bytes a lane (64
+ * products an instruction, exact in int32). The activations become 24-bit fixed point per
+ * group of 32 inputs, as three int8 parts (split_row: an error of at most 2^-24 of the
+ * group's largest |x|, float32's own rounding), so the sums are those of float32 arithmetic
+ * to its rounding; the scales apply once per group (one vector holds the 16 rows').
  *
  * - int4 (GGUF Q4_0 / Q4_1 / Q4_K): w = (q - 8) * scale + zero, per group of 32 inputs,
- *   scale and zero in bfloat16 (the values torch's int4 kernel multiplies with), through
- *   AVX512_VNNI's vpdpbusd: the codes times the activations in 24-bit fixed point per
- *   group (three int8 parts, split_row), exact integer sums; see q4_gemv_bf16.
+ *   scale and zero in bfloat16 (the values torch's int4 kernel multiplies with); bfloat16
+ *   out. One 64-byte chunk: 16 rows x 8 inputs, the codes as nibbles (q4_gemv_bf16).
  * - int8 in blocks of 32 (GGUF Q8_0): w = q * d, d the block's float16 scale as stored,
- *   through vpdpbusd as well (q + 128 unsigned); output float32 (the LM head's logits).
+ *   q + 128 as the unsigned bytes; float32 out (the LM head's logits). One 64-byte chunk:
+ *   16 rows x 4 inputs (q8_gemv_bf16).
  *
  * Rows of the activations (M, a few) are computed from the same weights while they are in
  * the L1 cache; row blocks are spread over the OpenMP team (torch's: the library binds
- * to the libgomp torch has loaded).
+ * to the libgomp torch has loaded), small matrices on the calling thread alone.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -25,19 +26,19 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && \
     defined(__AVX512VNNI__)
-#define LUT_GEMV 1
+#define GEMV_KERNEL 1
 #include <immintrin.h>
 #endif
 
-int lut_gemv_applies(void) {
-#ifdef LUT_GEMV
+int gemv_applies(void) {
+#ifdef GEMV_KERNEL
     return 1;
 #else
     return 0;
 #endif
 }
 
-#ifdef LUT_GEMV
+#ifdef GEMV_KERNEL
 
 /* blocks x inputs below which one thread computes it all (a team's start costs more) */
 #define PARALLEL_MIN (16 * 1024)
@@ -45,18 +46,6 @@ int lut_gemv_applies(void) {
 static inline __m512 bf16x16_f32(const uint16_t *p) {
     return _mm512_castsi512_ps(
         _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-
-static inline __m512i lut16(const int16_t *bf16_bits) {
-    /* a 32-entry vpermw table whose first 16 entries are the given bfloat16 values */
-    return _mm512_inserti64x4(_mm512_castsi256_si512(
-        _mm256_loadu_si256((const __m256i *)bf16_bits)), _mm256_setzero_si256(), 1);
-}
-
-static inline uint16_t bf16_bits(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return (uint16_t)(u >> 16); /* the table's values are exact in bfloat16 */
 }
 
 static inline __mmask16 valid_lanes(int64_t valid) {
@@ -112,7 +101,7 @@ static void split_row(const uint16_t *x, int64_t K, int8_t *parts, float *dx, fl
  * (zero - 8 scale) sx. */
 void q4_gemv_bf16(const uint16_t *x, int64_t M, int64_t xs, int64_t K, const uint8_t *w,
                   const uint16_t *sz, int64_t N, uint16_t *out, int64_t os) {
-#ifdef LUT_GEMV
+#ifdef GEMV_KERNEL
     const int64_t G = K / 32, NB = (N + 15) / 16;
     enum { STACK = 8192 };
     int8_t stack_b[3 * STACK];
@@ -191,7 +180,7 @@ void q4_gemv_bf16(const uint16_t *x, int64_t M, int64_t xs, int64_t K, const uin
  * activations (split_row): sum(q p) = sum(u p) - 128 sum(p), exact in int32. */
 void q8_gemv_bf16(const uint16_t *x, int64_t M, int64_t xs, int64_t K, const uint8_t *w,
                   const uint16_t *d, int64_t N, float *out, int64_t os) {
-#ifdef LUT_GEMV
+#ifdef GEMV_KERNEL
     const int64_t G = K / 32, NB = (N + 15) / 16;
     int8_t *parts = (int8_t *)malloc((size_t)(3 * M * K));
     float *dx = (float *)malloc(sizeof(float) * (size_t)(2 * M * G));

@@ -1,4 +1,4 @@
-"""The few-row kernel on kept int4 / int8-block weights (model/quant/lut_gemv.py,
+"""The few-row kernel on kept int4 / int8-block weights (model/quant/gemv.py,
 csrc/quant_gemv.c): its layouts hold the codes where the kernel reads them, it computes
 what torch's int4 kernel and the dequantized weights compute (bfloat16 rows), the LM head's
 logits come out in float32 as stored, and a CPU without its instructions keeps torch's
@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import torch
 
+from sglang_admin.model.quant import gemv
 from sglang_admin.model.quant import linear as linear_mod
-from sglang_admin.model.quant import lut_gemv as lut
 from sglang_admin.model.quant.gguf_blocks import Int4Groups, Int8Blocks
 from sglang_admin.model.quant.linear import QuantLinear, QuantStore, refined_logits
 
-needs_kernel = pytest.mark.skipif(lut.lut_gemv() is None,
-                                  reason="this CPU or compiler has no AVX512_BF16 kernel")
+needs_kernel = pytest.mark.skipif(gemv.gemv_kernel() is None,
+                                  reason="no AVX512_VNNI + AVX512_BF16 kernel on this CPU")
 
 
 @pytest.fixture(autouse=True)
@@ -28,11 +28,11 @@ def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def test_the_detector_reads_the_flags() -> None:
-    assert lut.cpu_has_lut_gemv(frozenset({"avx512f", "avx512bw", "avx512_bf16", "avx512_vnni",
+    assert gemv.cpu_has_gemv_kernel(frozenset({"avx512f", "avx512bw", "avx512_bf16", "avx512_vnni",
                                            "avx2"}))
-    assert not lut.cpu_has_lut_gemv(frozenset({"avx512f", "avx512bw", "avx512_vnni", "avx2"}))
-    assert not lut.cpu_has_lut_gemv(frozenset({"avx512f", "avx512bw", "avx512_bf16"}))
-    assert not lut.cpu_has_lut_gemv(frozenset())
+    assert not gemv.cpu_has_gemv_kernel(frozenset({"avx512f", "avx512bw", "avx512_vnni", "avx2"}))
+    assert not gemv.cpu_has_gemv_kernel(frozenset({"avx512f", "avx512bw", "avx512_bf16"}))
+    assert not gemv.cpu_has_gemv_kernel(frozenset())
 
 
 def test_layouts_put_each_code_where_the_kernel_reads_it() -> None:
@@ -43,7 +43,7 @@ def test_layouts_put_each_code_where_the_kernel_reads_it() -> None:
     q = rng.integers(0, 16, (n, k)).astype(np.uint8)
     scale = torch.rand(n, k // 32).to(torch.bfloat16).float()
     zero = torch.randn(n, k // 32).to(torch.bfloat16).float()
-    w, sz = lut.pack_int4(q, scale, zero)
+    w, sz = gemv.pack_int4(q, scale, zero)
     assert tuple(w.shape) == (2, k // 8, 64) and tuple(sz.shape) == (2, k // 32, 2, 16)
     for row in (0, 5, 15, 16, 20):
         b, j = divmod(row, 16)
@@ -56,7 +56,7 @@ def test_layouts_put_each_code_where_the_kernel_reads_it() -> None:
     assert torch.all(sz[1, :, :, 5:] == 0)  # rows 21..31: padding
     q8 = rng.integers(-128, 128, (n, k)).astype(np.int8)
     d = rng.uniform(1e-3, 1e-2, (n, k // 32)).astype(np.float16).astype(np.float32)
-    packed = lut.pack_int8(q8, d)
+    packed = gemv.pack_int8(q8, d)
     assert packed is not None
     w8, d8 = packed
     assert tuple(w8.shape) == (2, k // 4, 64) and d8.dtype == torch.float16
@@ -66,7 +66,7 @@ def test_layouts_put_each_code_where_the_kernel_reads_it() -> None:
         assert int(w8[b, c, 4 * j + i]) - 128 == q8[row, kk]
         assert float(d8[b, kk // 32, j]) == d[row, kk // 32]
     d[2, 1] = 1e-9  # not a float16 value: no layout (torch's kernel serves that weight)
-    assert lut.pack_int8(q8, d) is None
+    assert gemv.pack_int8(q8, d) is None
 
 
 @needs_kernel
@@ -80,7 +80,7 @@ def test_the_kernel_computes_what_torchs_int4_kernel_computes(seed: int) -> None
                         rng.uniform(0.001, 0.1, (n, k // 32)).astype(np.float32),
                         rng.uniform(-0.1, 0.1, (n, k // 32)).astype(np.float32))
     layer = QuantLinear(weight, torch.bfloat16, dense_copy=False)
-    assert layer.lut_w is not None
+    assert layer.gemv_w is not None
     x = (torch.randn(1, k) * float(rng.uniform(0.1, 10))).to(torch.bfloat16)
     got = layer(x)
     assert got.dtype == torch.bfloat16 and tuple(got.shape) == (1, n)
@@ -112,8 +112,8 @@ def test_an_int8_head_gives_float32_logits_as_stored(seed: int) -> None:
     placeholder = torch.empty(n, k)
     store.add(placeholder, head)
     assert torch.equal(store.logits(x, placeholder, None), exact)  # type: ignore[arg-type]
-    # two rows: torch's halves, refined
-    x2 = torch.cat([x, x])
+    # more rows than the kernel takes: torch's halves, refined
+    x2 = torch.cat([x] * (linear_mod.GEMV_MAX_ROWS + 1))
     served = store.logits(x2, placeholder, None)  # type: ignore[arg-type]
     assert torch.equal(served, refined_logits(head, x2, head._int4(x2)))
     assert served[0].argmax() == exact[0].argmax()
@@ -121,20 +121,20 @@ def test_an_int8_head_gives_float32_logits_as_stored(seed: int) -> None:
 
 def test_a_cpu_without_the_instructions_keeps_torchs_kernels(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(lut, "cpu_has_lut_gemv", lambda flags=None: False)
-    assert lut.lut_gemv() is None
+    monkeypatch.setattr(gemv, "cpu_has_gemv_kernel", lambda flags=None: False)
+    assert gemv.gemv_kernel() is None
     rng = np.random.default_rng(4)
     weight = Int4Groups(rng.integers(0, 16, (40, 64)).astype(np.uint8),
                         rng.uniform(0.001, 0.1, (40, 2)).astype(np.float32),
                         rng.uniform(-0.1, 0.1, (40, 2)).astype(np.float32))
     layer = QuantLinear(weight, torch.bfloat16, dense_copy=False)
-    assert layer.lut_w is None and layer._lut_call is None
+    assert layer.gemv_w is None and layer._gemv_call is None
     x = torch.randn(1, 64).to(torch.bfloat16)
     assert torch.equal(layer(x), layer._int4(x))
     head = QuantLinear(Int8Blocks(rng.integers(-128, 128, (40, 64)).astype(np.int8),
                                   np.full((40, 2), 0.01, np.float32)),
                        torch.bfloat16, dense_copy=False, keep_rows=True)
-    assert head.lut_w is None and head.exact_logits(x) is None
+    assert head.gemv_w is None and head.exact_logits(x) is None
     assert layer.quantized_bytes() == (layer.packed.numel()  # type: ignore[union-attr]
                                        + 2 * layer.scales_zeros.numel())  # type: ignore[union-attr]
 
@@ -145,12 +145,12 @@ def test_float32_weights_and_wide_batches_never_take_the_kernel() -> None:
     weight = Int4Groups(rng.integers(0, 16, (24, 64)).astype(np.uint8),
                         rng.uniform(0.001, 0.1, (24, 2)).astype(np.float32),
                         rng.uniform(-0.1, 0.1, (24, 2)).astype(np.float32))
-    assert QuantLinear(weight, torch.float32, dense_copy=False).lut_w is None
+    assert QuantLinear(weight, torch.float32, dense_copy=False).gemv_w is None
     layer = QuantLinear(weight, torch.bfloat16, dense_copy=False)
-    x = torch.randn(linear_mod.LUT_MAX_ROWS + 1, 64).to(torch.bfloat16)
-    assert torch.equal(layer(x), layer._int4(x))  # torch's kernel above LUT_MAX_ROWS
-    assert lut.shape_applies(64, 32) and not lut.shape_applies(64, 64)
-    assert not lut.shape_applies(48, 32)
+    x = torch.randn(linear_mod.GEMV_MAX_ROWS + 1, 64).to(torch.bfloat16)
+    assert torch.equal(layer(x), layer._int4(x))  # torch's kernel above GEMV_MAX_ROWS
+    assert gemv.shape_applies(64, 32) and not gemv.shape_applies(64, 64)
+    assert not gemv.shape_applies(48, 32)
 
 
 @needs_kernel
@@ -175,13 +175,13 @@ def test_a_prepared_file_follows_whether_the_kernel_serves(
 
     first = runner()
     assert Path(prepared_path(out, torch.bfloat16)).is_file()
-    assert any(getattr(p, "lut_w", None) is not None for p in first.model.quant.projections())
+    assert any(getattr(p, "gemv_w", None) is not None for p in first.model.quant.projections())
     want = [r.out for r in simulate(first, [Req(list(range(5, 12)))], 5)]
     with monkeypatch.context() as m:
-        m.setattr(lut, "cpu_has_lut_gemv", lambda flags=None: False)
+        m.setattr(gemv, "cpu_has_gemv_kernel", lambda flags=None: False)
         assert load_prepared(out, torch.bfloat16) is None  # holds the layouts: not for it
         other = runner()
-        assert all(getattr(p, "lut_w", None) is None for p in other.model.quant.projections())
+        assert all(getattr(p, "gemv_w", None) is None for p in other.model.quant.projections())
         got = [r.out for r in simulate(other, [Req(list(range(5, 12)))], 5)]
         assert sum(a == b for a, b in zip(got[0], want[0])) >= 4  # near-ties aside
         assert load_prepared(out, torch.bfloat16) is not None  # written for this CPU

@@ -1,25 +1,28 @@
 """Few-row projections on kept int4 and int8-block weights through a C kernel of our own
-(``csrc/quant_gemv.c``) where the CPU has AVX512_BF16: the 4-bit codes index a table of
-bfloat16 values (``vpermw``) and ``vdpbf16ps`` multiplies them with the activations, 16
-output rows per vector. Layouts (:func:`pack_int4`, :func:`pack_int8`) put 16 rows side
-by side, so the weights stream once, in order, and each group's scales apply once.
+(``csrc/quant_gemv.c``) where the CPU has AVX512_VNNI and AVX512_BF16: ``vpdpbusd``
+multiplies the weights' bytes (4-bit codes, or int8 values + 128) with the activations in
+24-bit fixed point per group of 32 inputs (three int8 parts), 16 output rows per vector.
+The layouts (:func:`pack_int4`, :func:`pack_int8`) put 16 rows side by side, so the
+weights stream once, in order, and each group's scales apply once.
 
-Why (measured, docs/cpu-performance.md): at batch 1 torch's ``_weight_int4pack_mm_for_cpu``
-runs at about 12 GB/s of weights on one core with its weights in the L1/L2 caches, as fast
-as this machine's memory: its arithmetic, not the memory, is its bound; and the int8 LM
-head went through it as two 4-bit halves (35 MB a token where the values are 30 MB).
-This kernel computes a 32-input group of 16 rows in about 16 instructions on the vector
-port, so a token's weights are read at the memory's speed on each thread.
+Why (measured, docs/cpu-performance.md): at batch 1, torch's ``_weight_int4pack_mm_for_cpu``
+reads about 12-16 GB/s of weights on one core even with them in the L1/L2 caches: its
+arithmetic (float32 FMAs after dequantizing each weight), not the memory, bounds it; and the
+int8 LM head went through it as two 4-bit halves (35 MB a token where the values are 30 MB).
+This kernel reads 26-30 GB/s of cached weights on one core, 2.2x torch's, so a token's
+weights stream at the memory's speed.
 
 Arithmetic: int4 as torch's kernel (``(q - 8) * scale + zero``, the same bfloat16 scales
-and zeros), summed as ``scale * sum((q - 8) x) + zero * sum(x)`` per group (bfloat16
-products are exact in float32; float32 sums in another order: outputs within a bfloat16
-rounding of torch's). int8 blocks exactly as stored (``q * d``, d the block's float16
-scale), float32 logits out: the LM head needs no float32 refinement of its top logits.
+and zeros), summed as ``scale * sum(q x) + (zero - 8 scale) * sum(x)`` per group: the
+integer sums are exact, the activations' fixed point errs by at most 2^-24 of a group's
+largest value, so the outputs are float32 arithmetic's to its rounding (then rounded to
+bfloat16: 99.9% of outputs equal torch's kernel's). int8 blocks as stored (``q * d``, d
+the block's float16 scale): float32 logits, so the LM head needs no float32 refinement of
+its top logits.
 
-:func:`lut_gemv` is None where the CPU lacks the instructions (checked from /proc/cpuinfo,
-:func:`cpu_has_lut_gemv`), the compiler cannot build it, or it disagrees with torch on
-small cases: the projections then keep torch's kernels.
+:func:`gemv_kernel` is None where the CPU lacks the instructions (checked from
+/proc/cpuinfo, :func:`cpu_has_gemv_kernel`), the compiler cannot build it, or it disagrees
+with torch on small cases: the projections then keep torch's kernels.
 """
 
 from __future__ import annotations
@@ -39,29 +42,29 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parents[1] / "csrc" / "quant_gemv.c"
 # what the kernel's instructions need (the /proc/cpuinfo names)
-LUT_FLAGS = frozenset({"avx512f", "avx512bw", "avx512_bf16", "avx512_vnni"})
+GEMV_FLAGS = frozenset({"avx512f", "avx512bw", "avx512_bf16", "avx512_vnni"})
 BLOCK_ROWS = 16  # output rows side by side in the layouts
 GROUP = 32  # inputs per scale
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 
-def cpu_has_lut_gemv(flags: frozenset[str] | None = None) -> bool:
-    """Whether this CPU has the instructions the kernel uses (AVX-512 BW and BF16)."""
+def cpu_has_gemv_kernel(flags: frozenset[str] | None = None) -> bool:
+    """Whether this CPU has the instructions the kernel uses (AVX-512 BW, VNNI and BF16)."""
     if flags is None:
         from sglang_admin.model.cpu_dtype import cpu_flags
 
         flags = cpu_flags()
-    return LUT_FLAGS <= flags
+    return flags >= GEMV_FLAGS
 
 
-class LutGemv:
+class GemvKernel:
     """The built kernel library: :meth:`q4` and :meth:`q8`."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         lib = ctypes.CDLL(path)
-        self.applies = bool(lib.lut_gemv_applies())
+        self.applies = bool(lib.gemv_applies())
         self._q4 = lib.q4_gemv_bf16
         self._q8 = lib.q8_gemv_bf16
         for fn in (self._q4, self._q8):
@@ -156,7 +159,7 @@ def shape_applies(k: int, group: int) -> bool:
     return group == GROUP and k % GROUP == 0 and k > 0
 
 
-def _agrees(kernel: LutGemv) -> bool:
+def _agrees(kernel: GemvKernel) -> bool:
     """Small cases against the dequantized weights in float32 (rows off the block of 16)."""
     gen = torch.Generator().manual_seed(7)
     n, k = 37, 96
@@ -179,17 +182,17 @@ def _agrees(kernel: LutGemv) -> bool:
 
 
 @functools.cache
-def _load() -> LutGemv | None:
+def _load() -> GemvKernel | None:
     from sglang_admin.model.cpu_kernels_build import _FLAG_SETS, _compile
 
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
-        logger.info("quantized few-row kernel: no C compiler; torch's int4 kernel serves")
+        logger.info("quantized few-row kernel: no C compiler; torch's kernels serve")
         return None
     cflags, libs = _FLAG_SETS[0]  # -march=native with OpenMP, or nothing
     try:
         path = _compile(cc, cflags, libs, source=SOURCE)
-        kernel = LutGemv(path) if path is not None else None
+        kernel = GemvKernel(path) if path is not None else None
     except OSError as exc:
         logger.warning("quantized few-row kernel: could not load it: %s", exc)
         return None
@@ -204,14 +207,14 @@ def _load() -> LutGemv | None:
     return kernel
 
 
-def loaded() -> LutGemv | None:
+def loaded() -> GemvKernel | None:
     """The kernel if it was built and loaded in this process (no check of the CPU: what
-    holds the layouts of :func:`pack_int4` / :func:`pack_int8` asked :func:`lut_gemv`)."""
+    holds the layouts of :func:`pack_int4` / :func:`pack_int8` asked :func:`gemv_kernel`)."""
     return _load()
 
 
-def lut_gemv() -> LutGemv | None:
+def gemv_kernel() -> GemvKernel | None:
     """The kernel where this CPU has its instructions and it builds and checks; else None."""
-    if not cpu_has_lut_gemv():
+    if not cpu_has_gemv_kernel():
         return None
     return _load()
