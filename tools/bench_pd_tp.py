@@ -4,7 +4,7 @@ in one run, on CPU over loopback with the zmq backend.
 
 tp 1: this process holds a prefill pool and a decode pool of the whole KV (every KV head)
 and runs, per room, what the two legs' rank 0 run: decode's ``expect``, prefill's ``send``
-and checksum, decode's checksum and ``release``.
+and checksum (``send_checked``), decode's ``received_checksum`` and ``release``.
 
 tp 2: this process is TP rank 0 and a spawned process TP rank 1 of one gloo group (the TP
 group's real wire, disaggregation/tp_shards.py's real commands); each holds a prefill and a
@@ -102,10 +102,9 @@ def _room_tp1(p: ZmqBackend, d: ZmqBackend, room: int, src: list[int], dst: list
               ) -> tuple[float, float]:
     t0 = time.perf_counter()
     d.expect(room, dst)
-    result = p.send(room, d.descriptor(), src, dst, 30)
-    sent = p.checksum(src)
-    d.land(room)
-    got = d.checksum(dst)
+    result = p.send_checked(room, d.descriptor(), src, dst, 30)  # as prefill's send thread
+    sent = result.checksum
+    got = d.received_checksum(room, dst)  # as decode on prefill's "done"
     d.release(room)
     took = time.perf_counter() - t0
     assert result.ok and sent == got, result.error or "checksum"
@@ -123,8 +122,8 @@ def _room_tp2(p: ZmqBackend, d: ZmqBackend, shards: LeaderShards, room: int, src
     peers = [d.descriptor().to_wire(), *followers]
     shards.send(room, peers, src, dst, 30.0)
     tp_time += time.perf_counter() - c
-    result = p.send(room, d.descriptor(), src, dst, 30)
-    sent = p.checksum(src)
+    result = p.send_checked(room, d.descriptor(), src, dst, 30)
+    sent = result.checksum
     outcome = None
     while True:  # as PrefillRooms asks: again after SHARD_QUERY_INTERVAL_S
         c = time.perf_counter()
@@ -133,8 +132,7 @@ def _room_tp2(p: ZmqBackend, d: ZmqBackend, shards: LeaderShards, room: int, src
         if outcome is not None:
             break
         time.sleep(SHARD_QUERY_INTERVAL_S)
-    d.land(room)
-    got = d.checksum(dst)
+    got = d.received_checksum(room, dst)
     c = time.perf_counter()
     theirs = shards.checksums(dst, room)
     shards.release(room)

@@ -10,21 +10,31 @@ prompt length, moves one request's KV (the first N slots of every buffer into th
 receiver's slots, in the same order) with each method in turn:
 
 - a backend: the receiver is told `expect(room, dst)` first and hands over the room's
-  descriptor, as decode does at its handshake; then `send(room, descriptor, src, dst)` as the
-  prefill worker calls it, timed to its return, plus the receiver's `land(room)` (where a
-  backend staged the room, e.g. mooncake's small rooms: the scatter into the pool that decode
-  runs before its checksum), timed in the receiver;
+  descriptor, as decode does at its handshake; then `send_checked(room, descriptor, src,
+  dst)` as the prefill worker calls it (the send and the CRC-32 of the source rows that
+  prefill tells decode), timed to its return, plus the receiver's
+  `received_checksum(room, dst)` (what decode runs on prefill's "done": the scatter of a
+  staged room into the pool, e.g. mooncake's small rooms, and the sum of the rows that
+  landed), timed in the receiver. That is a served transfer's work on both sides, less the
+  control messages; each round's two sums must agree (else the run fails);
 - raw: the rows of every buffer (views, no copies) gathered by `sendmsg` over one
   connected TCP socket (8 MiB socket buffers, no Nagle); the receiver `recv_into`s them
   straight into its pool's rows and answers one byte; timed to that byte. One stream on one
-  thread per side: what a plain socket moves for these bytes on this link.
+  thread per side: what a plain socket moves for these bytes on this link, with no check of
+  them (so the backends' integrity check counts against them).
 
-Every method's bytes are checked once per size (the receiver's CRC32 of its rows against
-the sender's). Rounds alternate the methods; each figure is the median GB/s of its rounds
-(the machine may be shared and noisy), the ratio to raw beside it. Target: >= 0.7x.
+Every method's bytes are also checked once per size by this tool's own zlib CRC-32 of the
+receiver's rows against the sender's. Rounds alternate the methods; each figure is the
+median GB/s of its rounds (the machine may be shared and noisy), the ratio to raw beside
+it. Target: >= 0.7x. The 1-minute load average before and after the run is printed.
+With ``--clock cpu`` each round counts instead the CPU seconds both processes spent on it
+(every thread: the backends' I/O and engine threads too; ``time.process_time``), so the
+figures are GB per CPU-second: what a transfer costs a worker, and far steadier than wall
+time on a machine others share.
 
 Usage: python tools/bench_pd_transfer.py [--tokens 256 2048] [--layers 30] [--row-bytes 768]
-       [--rounds 5] [--backends mooncake zmq] [--protocol tcp|rdma] [--json FILE]
+       [--rounds 5] [--backends mooncake zmq] [--protocol tcp|rdma] [--clock wall|cpu]
+       [--json FILE]
 Defaults are SmolLM2-135M's float32 KV: 30 layers x (3 KV heads x 64 dims x 4 bytes).
 """
 
@@ -32,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import statistics
 import struct
@@ -134,16 +145,25 @@ def serve(args: argparse.Namespace) -> None:
         if cmd["op"] == "expect":
             b = backends[cmd["backend"]]
             b.expect(cmd["room"], cmd["slots"])
-            print(json.dumps({"descriptor": b.descriptor(cmd["room"]).to_wire()}), flush=True)
-        elif cmd["op"] == "land":
+            out = {"descriptor": b.descriptor(cmd["room"]).to_wire()}
+            print(json.dumps({**out, "cpu": time.process_time()}), flush=True)
+        elif cmd["op"] == "verify":  # decode's work on prefill's "done"
             t0 = time.perf_counter()
-            backends[cmd["backend"]].land(cmd["room"])
-            print(json.dumps({"seconds": time.perf_counter() - t0}), flush=True)
+            b = backends[cmd["backend"]]
+            if hasattr(b, "received_checksum"):
+                crc = b.received_checksum(cmd["room"], cmd["slots"])
+            else:  # a tree from before received_checksum: what its decode ran
+                b.land(cmd["room"])
+                crc = b.checksum(cmd["slots"])
+            print(json.dumps({"seconds": time.perf_counter() - t0, "crc": crc,
+                              "cpu": time.process_time()}), flush=True)
         elif cmd["op"] == "release":
             backends[cmd["backend"]].release(cmd["room"])
             print("{}", flush=True)
         elif cmd["op"] == "crc":
             print(json.dumps({"crc": _crc(pool, cmd["slots"])}), flush=True)
+        elif cmd["op"] == "cpu":  # this process's CPU seconds so far, every thread's
+            print(json.dumps({"cpu": time.process_time()}), flush=True)
         elif cmd["op"] == "zero":
             for t in pool:
                 t.zero_()
@@ -184,6 +204,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--backends", nargs="+", default=["mooncake", "zmq"])
     ap.add_argument("--protocol", default="tcp", choices=["tcp", "rdma"])
+    ap.add_argument("--clock", default="wall", choices=["wall", "cpu"],
+                    help="wall: seconds to move a request's KV; cpu: CPU seconds both "
+                         "processes spent moving it (all threads; steadier on a shared "
+                         "machine, and what a transfer takes from a busy worker)")
     ap.add_argument("--json", type=Path, help="write the figures here as well")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--slots", type=int, default=0, help=argparse.SUPPRESS)
@@ -204,31 +228,44 @@ def main() -> None:
     room = 1
 
     def once(method: str, n: int) -> float:
+        """One transfer of ``n`` slots' rows: its wall seconds, or with ``--clock cpu``
+        the CPU seconds both processes spent on it (every thread of each)."""
         nonlocal room
         room += 1
         slots = list(range(n))
+        cpu = args.clock == "cpu"
         if method == "raw":
-            t0 = time.perf_counter()
+            rx_cpu = rx.ask(op="cpu")["cpu"] if cpu else 0.0
+            t0, c0 = time.perf_counter(), time.process_time()
             _send_all(raw, [memoryview(struct.pack("!Q", n)),
                             *(memoryview(t.numpy()[:n]).cast("B") for t in pool)])
             if raw.recv(1) != b"\x01":
                 raise SystemExit("raw receiver failed")
+            if cpu:
+                return time.process_time() - c0 + rx.ask(op="cpu")["cpu"] - rx_cpu
             return time.perf_counter() - t0
-        desc = PeerDescriptor.from_wire(rx.ask(op="expect", backend=method, room=room,
-                                               slots=slots)["descriptor"])
-        t0 = time.perf_counter()
-        res = senders[method].send(room, desc, slots, slots, 120.0)
-        took = time.perf_counter() - t0
+        ready = rx.ask(op="expect", backend=method, room=room, slots=slots)
+        desc = PeerDescriptor.from_wire(ready["descriptor"])
+        t0, c0 = time.perf_counter(), time.process_time()
+        res = _send_checked(senders[method], room, desc, slots)
+        took, spent = time.perf_counter() - t0, time.process_time() - c0
         if not res.ok:
             raise SystemExit(f"{method}: {res.error}")
-        took += rx.ask(op="land", backend=method, room=room)["seconds"]
+        got = rx.ask(op="verify", backend=method, room=room, slots=slots)
         rx.ask(op="release", backend=method, room=room)
-        return took
+        if got["crc"] != res.checksum:
+            raise SystemExit(f"{method}: room {room}'s checksums differ (sent "
+                             f"{res.checksum}, landed {got['crc']})")
+        if cpu:
+            return spent + got["cpu"] - ready["cpu"]
+        return took + got["seconds"]
 
     results: dict[str, Any] = {"args": {k: v for k, v in vars(args).items()
                                         if k not in ("json", "serve")}, "sizes": {}}
+    load0 = os.getloadavg()[0]
     print(f"# {args.layers} layers x K,V x {args.row_bytes} B/token, methods "
-          f"{', '.join(methods)}, {args.rounds} rounds, loopback {HOST}")
+          f"{', '.join(methods)}, {args.rounds} rounds, loopback {HOST}, {args.clock} clock, "
+          f"load {load0:.2f}")
     for n in args.tokens:
         nbytes = n * args.row_bytes * 2 * args.layers
         checked = {}
@@ -248,11 +285,14 @@ def main() -> None:
                for m in methods}
         results["sizes"][str(n)] = {"bytes": nbytes, "methods": row}
         print(f"\n{n} tokens = {nbytes / 1e6:.1f} MB per request")
-        print(f"  {'method':<10}{'GB/s':>8}{'x raw':>8}{'median ms':>11}{'best ms':>9}  bytes")
+        unit = ("GB/s", "median ms") if args.clock == "wall" else ("GB/cpu-s", "cpu ms")
+        print(f"  {'method':<10}{unit[0]:>9}{'x raw':>8}{unit[1]:>11}{'best ms':>9}  bytes")
         for m in methods:
             r = row[m]
-            print(f"  {m:<10}{r['gb_s']:>8.2f}{r['ratio']:>7.2f}x{r['median_ms']:>11.2f}"
+            print(f"  {m:<10}{r['gb_s']:>9.2f}{r['ratio']:>7.2f}x{r['median_ms']:>11.2f}"
                   f"{r['best_ms']:>9.2f}  {'ok' if r['bytes_checked'] else 'MISMATCH'}")
+    results["load"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
+    print(f"\n# 1-min load average {load0:.2f} before, {os.getloadavg()[0]:.2f} after")
     raw.close()
     rx.close()
     for b in senders.values():
@@ -262,6 +302,17 @@ def main() -> None:
     if not all(r["bytes_checked"] for s in results["sizes"].values()
                for r in s["methods"].values()):
         raise SystemExit("a transfer's bytes differ from the source")
+
+
+def _send_checked(backend: Any, room: int, desc: PeerDescriptor, slots: list[int]) -> Any:
+    """What prefill's send thread runs for a room: ``send_checked``, or, in a tree from
+    before it, ``send`` then ``checksum`` (so one tool times both)."""
+    if hasattr(backend, "send_checked"):
+        return backend.send_checked(room, desc, slots, slots, 120.0)
+    res = backend.send(room, desc, slots, slots, 120.0)
+    if res.ok:
+        res.checksum = backend.checksum(slots)
+    return res
 
 
 def _start(name: str, protocol: str, pool: list[torch.Tensor]) -> Any:

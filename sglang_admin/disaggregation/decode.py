@@ -277,8 +277,7 @@ class DecodeRooms:
                              f"the KV with {theirs!r}, decode runs {ours!r}): refit both "
                              "legs to the same version", "UNAVAILABLE")
             return
-        self.backend.land(room_id)  # a staged room's rows into its slots first
-        got = self.backend.checksum(req.slots)
+        got = self.backend.received_checksum(room_id, req.slots)  # landed first
         if got != checksum:
             self.transfers_failed += 1
             self._end(droom, f"kv transfer failed: checksum mismatch for room {room_id} "

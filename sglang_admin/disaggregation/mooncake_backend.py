@@ -300,6 +300,15 @@ class MooncakeBackend(KVTransferBackend):
              dst_slots: Sequence[int], timeout_s: float) -> TransferResult:
         """Write `src_slots` of every buffer into the peer's `dst_slots`; wait up to
         `timeout_s`. A failure comes back as TransferResult(ok=False), never raised."""
+        return self._send(room, peer, src_slots, dst_slots, timeout_s, False)
+
+    def send_checked(self, room: int, peer: PeerDescriptor, src_slots: Sequence[int],
+                     dst_slots: Sequence[int], timeout_s: float) -> TransferResult:
+        """`send`, the source rows summed while the engine's writer thread writes them."""
+        return self._send(room, peer, src_slots, dst_slots, timeout_s, True)
+
+    def _send(self, room: int, peer: PeerDescriptor, src_slots: Sequence[int],
+              dst_slots: Sequence[int], timeout_s: float, with_sum: bool) -> TransferResult:
         t0 = time.perf_counter()
 
         def fail(msg: str) -> TransferResult:
@@ -343,11 +352,16 @@ class MooncakeBackend(KVTransferBackend):
             srcs, dsts, lens, runs = self._entries(local, peer, src_slots,
                                                    list(range(len(src_slots))))
         nbytes = sum(lens)
+        summed: list[int] = []
+        sum_rows = ((lambda: summed.append(self.checksum(src_slots))) if with_sum
+                    else (lambda: None))
         if nbytes == 0:
-            return TransferResult(True, nbytes=0, seconds=time.perf_counter() - t0)
+            sum_rows()
+            return TransferResult(True, nbytes=0, seconds=time.perf_counter() - t0,
+                                  checksum=summed[0] if summed else None)
         rc = self._bounded(lambda: engine.batch_transfer_sync_write(peer.endpoint, srcs,
                                                                     dsts, lens),
-                           max(0.0, timeout_s))
+                           max(0.0, timeout_s - (time.perf_counter() - t0)), sum_rows)
         secs = time.perf_counter() - t0
         if key is not None and rc is not None:  # a write given up on may still read it
             self._tx.give(key)
@@ -361,7 +375,8 @@ class MooncakeBackend(KVTransferBackend):
         return TransferResult(True, nbytes=nbytes, seconds=secs,
                               extra={"runs": runs, "entries": len(lens),
                                      "staged": peer.staging is not None,
-                                     "protocol": self.protocol})
+                                     "protocol": self.protocol},
+                              checksum=summed[0] if summed else None)
 
     @staticmethod
     def _entries(local: tuple[BufferInfo, ...], peer: PeerDescriptor, src_slots: list[int],
@@ -383,8 +398,10 @@ class MooncakeBackend(KVTransferBackend):
         return srcs, dsts, lens, len(runs)
 
     @staticmethod
-    def _bounded(call: Callable[[], int], timeout_s: float) -> int | None:
-        """`call()` on a writer thread, its result, or None after `timeout_s`.
+    def _bounded(call: Callable[[], int], timeout_s: float,
+                 meanwhile: Callable[[], None] = lambda: None) -> int | None:
+        """`call()` on a writer thread, its result, or None after `timeout_s`; this thread
+        runs ``meanwhile()`` while it waits (the clock runs through it).
 
         The engine's sync write waits for its own limits (a stalled peer's handshake up to a
         minute, a write up to MC_TRANSFER_TIMEOUT, 30 s by default); `send` keeps the
@@ -401,8 +418,10 @@ class MooncakeBackend(KVTransferBackend):
                 box.append(-1)
             done.set()
 
+        t0 = time.monotonic()
         _WRITERS.submit(run)
-        done.wait(timeout_s)
+        meanwhile()
+        done.wait(max(0.0, timeout_s - (time.monotonic() - t0)))
         return box[0] if box else None
 
     @staticmethod

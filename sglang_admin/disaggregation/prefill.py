@@ -261,9 +261,11 @@ class PrefillRooms:
 
     def _send(self, room: int, peer: PeerDescriptor, src: list[int],
               dst: list[int]) -> tuple[TransferResult, int]:
-        result = self.backend.send(room, peer, src, dst, self.transfer_timeout)
-        checksum = self.backend.checksum(src) if result.ok else 0
-        return result, checksum
+        result = self.backend.send_checked(room, peer, src, dst, self.transfer_timeout)
+        if not result.ok:
+            return result, 0
+        return result, (result.checksum if result.checksum is not None
+                        else self.backend.checksum(src))
 
     def _finish_send(self, room: PrefillRoom, fut: Future) -> None:
         try:

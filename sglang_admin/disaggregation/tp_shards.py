@@ -56,10 +56,11 @@ def shard_outcome(result: TransferResult, checksum: int) -> list[Any]:
 
 def send_and_sum(backend: KVTransferBackend, room: int, peer: PeerDescriptor,
                  src: list[int], dst: list[int], timeout_s: float) -> list[Any]:
-    """Send ``src`` into the peer's ``dst``, then checksum the source rows: the outcome."""
+    """Send ``src`` into the peer's ``dst`` and checksum the source rows: the outcome."""
     try:
-        result = backend.send(room, peer, src, dst, timeout_s)
-        checksum = backend.checksum(src) if result.ok else 0
+        result = backend.send_checked(room, peer, src, dst, timeout_s)
+        checksum = 0 if not result.ok else (result.checksum if result.checksum is not None
+                                            else backend.checksum(src))
     except Exception as exc:  # noqa: BLE001 - a backend bug fails the room, not the rank
         result, checksum = TransferResult(False, f"kv transfer failed: {exc}"), 0
     return shard_outcome(result, checksum)
@@ -176,8 +177,7 @@ class FollowerShards:
     def _checksum(self, slots: list[int], room: int) -> int:
         try:
             self.refresh()
-            self.backend.land(room)
-            return self.backend.checksum(slots)
+            return self.backend.received_checksum(room, slots)
         except Exception as exc:  # noqa: BLE001 - -1 never equals a CRC32: the room fails
             logger.warning("PD checksum on this TP rank failed: %s", exc)
             return -1

@@ -284,7 +284,9 @@ class ModelRunner(RunnerMemory, RunnerLanes, RunnerOutputs):
         with torch.inference_mode():
             if not torch._C._autograd._profiler_enabled():  # the label costs ~10 us a step
                 return self._forward_step(seqs, decode, extend)
-            is_decode = not extend and all(s.prefix_len > 0 for s in decode)
+            # a 1-token row is a decode when its token is an output (a prompt's last token
+            # after a cached prefix is a prefill)
+            is_decode = not extend and all(s.prefix_len >= len(s.prompt_ids) for s in decode)
             label = f"forward_{'decode' if is_decode else 'extend'}_bs{len(seqs)}"
             with torch.profiler.record_function(label):  # a profile's step names
                 return self._forward_step(seqs, decode, extend)

@@ -41,7 +41,7 @@ pytest.importorskip("smg", reason="the SMG gateway (pip package `smg`) is not in
 
 from sglang_admin.pb import common_pb2 as pb  # noqa: E402
 from tests.conftest import ROOT, ServerProc, free_port, greedy, start_server, wait_started  # noqa: E402
-from tests.integration.pd_peers import FakePrefill  # noqa: E402
+from tests.integration.pd_peers import FakePrefill, StalledReceiver  # noqa: E402
 from tests.integration.test_smg_router import http, sse, stop_router, wait_for  # noqa: E402
 
 # shortened so the failure cases end in seconds (SGLang's defaults are 300 s)
@@ -452,10 +452,10 @@ def test_sglangs_own_bench_serving_profiles_each_leg(pair: Pair) -> None:
         assert len(traces) == 2, traces  # one per data-parallel rank
         steps = {s for t in traces for s in forward_steps(t)}
         if leg == "prefill":
-            # its prompts' prefills (bench_serving's warm-up prompt comes again in the run:
-            # found in the prefix cache, its last token runs as a 1-token step, which the
-            # trace labels forward_decode, as it labels any step of 1-token rows on a prefix)
-            assert "forward_extend" in steps, steps
+            # its prompts' prefills only (bench_serving's warm-up prompt comes again in the
+            # run: found in the prefix cache, its last token runs as a 1-token step, a
+            # prefill still)
+            assert steps == {"forward_extend"}, steps
         else:  # decode joins its requests without a prefill forward
             assert steps == {"forward_decode"}, steps
         assert traces_of(other) == before, f"the {other} worker was profiled too"
@@ -573,10 +573,15 @@ def _fail_after(call: Any) -> tuple[grpc.RpcError, float]:
     return err.value, time.monotonic() - t0
 
 
-def test_prefill_dies_mid_transfer_decode_fails_on_its_own(pair: Pair) -> None:
+@pytest.mark.parametrize("sent", ["no pages", "part of the pages"])
+def test_prefill_dies_mid_transfer_decode_fails_on_its_own(pair: Pair, sent: str) -> None:
+    """A prefill that dies after decode's handshake: before any page went, or with part of
+    the room's pages sent (the first chunk of a chunked room: decode's receiver holds the
+    room half-written). Decode fails the room on its own (its heartbeat finds the prefill's
+    bootstrap server gone), frees the KV and keeps serving."""
     fake = FakePrefill()
     try:
-        room = 4242
+        room = 4242 if sent == "no pages" else 4243
         result: dict[str, Any] = {}
 
         def run() -> None:
@@ -588,7 +593,9 @@ def test_prefill_dies_mid_transfer_decode_fails_on_its_own(pair: Pair) -> None:
         hs = fake.handshake()
         assert hs["kind"] == "handshake" and hs["room"] == room
         assert len(hs["dst_slots"]) == len(PROMPTS[2])
-        assert used_tokens(pair.decode) >= len(PROMPTS[2]) or True  # held while waiting
+        wait_for(lambda: used_tokens(pair.decode) >= len(PROMPTS[2]), 10, "decode's KV held")
+        if sent != "no pages":
+            fake.send_chunk(hs, room, 0, 3)  # 3 of the 8 layer buffers' rows
         fake.alive = False  # the prefill's bootstrap stops answering: it died
         t.join(60)
         err = result["err"]
@@ -601,11 +608,11 @@ def test_prefill_dies_mid_transfer_decode_fails_on_its_own(pair: Pair) -> None:
     assert_serving(pair)
 
 
-@pytest.mark.parametrize("how", ["corrupt", "short", "failed"])
+@pytest.mark.parametrize("how", ["corrupt", "short", "part of the chunks", "failed"])
 def test_a_corrupt_short_or_failed_transfer_fails_the_request(pair: Pair, how: str) -> None:
     fake = FakePrefill()
     try:
-        room = {"corrupt": 501, "short": 502, "failed": 503}[how]
+        room = {"corrupt": 501, "short": 502, "failed": 503, "part of the chunks": 504}[how]
         result: dict[str, Any] = {}
 
         def run() -> None:
@@ -627,6 +634,13 @@ def test_a_corrupt_short_or_failed_transfer_fails_the_request(pair: Pair, how: s
             fake.notify(hs["notify"], {"kind": "done", "room": room, "ok": True, "weight_version": "default",
                                        "first_token": 7, "checksum": sender.checksum(src),
                                        "nbytes": 0, "seconds": 0.0})
+        elif how == "part of the chunks":  # 2 of 8 buffers' rows, then "done" as if all
+            fake.send_chunk(hs, room, 0, 2)
+            time.sleep(0.3)
+            fake.notify(hs["notify"], {"kind": "done", "room": room, "ok": True,
+                                       "weight_version": "default", "first_token": 7,
+                                       "checksum": sender.checksum(src), "nbytes": 0,
+                                       "seconds": 0.0})
         elif how == "corrupt":  # sent, then claimed to be other bytes
             assert sender.send(room, peer, src, dst, 5).ok
             fake.notify(hs["notify"], {"kind": "done", "room": room, "ok": True, "weight_version": "default",
@@ -639,7 +653,7 @@ def test_a_corrupt_short_or_failed_transfer_fails_the_request(pair: Pair, how: s
         err = result["err"]
         assert err.code() == grpc.StatusCode.UNAVAILABLE
         assert "kv transfer failed" in err.details()
-        if how in ("corrupt", "short"):
+        if how != "failed":
             assert "checksum mismatch" in err.details()
         else:
             assert "disk on fire" in err.details()
@@ -789,16 +803,30 @@ def _prefill_control(pair: Pair, room: int) -> str:
     return table["ranks"][str(room % table["dp_size"])]
 
 
-def test_decode_dies_mid_transfer_prefill_fails_and_frees(pair: Pair) -> None:
-    """A handshake from a decode whose pool stops answering: prefill's send times out."""
+def _prefill_layout() -> Any:
+    """A KV receiver's descriptor with the module prefill's pool layout (4 layers x K,V;
+    2 KV heads x 32 dims float32 a token), at no address: for stand-in decode receivers."""
+    from sglang_admin.disaggregation.transfer import BufferInfo, PeerDescriptor
+
+    return PeerDescriptor("127.0.0.1:1", tuple(BufferInfo(4096, 200 * 256, 256)
+                                               for _ in range(8)))
+
+
+@pytest.mark.parametrize("when", ["before its pages", "with its pages in flight"])
+def test_decode_dies_mid_transfer_prefill_fails_and_frees(pair: Pair, when: str) -> None:
+    """A handshake from a decode that dies: before prefill sends (its receiver already
+    gone), or once the room's pages reached its receiver and before it answered. Prefill's
+    send gets no answer: the room fails within the transfer timeout with "kv transfer
+    failed", decode's notify address is told, the KV is freed and prefill keeps serving."""
     import torch
 
     from sglang_admin.disaggregation.zmq_backend import ZmqBackend
 
     fake = FakePrefill()  # reused for its control socket and PUSH helper
     gone = ZmqBackend()
+    stalled = StalledReceiver(_prefill_layout()) if when != "before its pages" else None
     try:
-        room = 88001
+        room = 88001 if stalled is None else 88003
         result: dict[str, Any] = {}
 
         def run() -> None:
@@ -807,15 +835,22 @@ def test_decode_dies_mid_transfer_prefill_fails_and_frees(pair: Pair) -> None:
 
         t = threading.Thread(target=run)
         t.start()
-        # a pool of the prefill's layout (4 layers x K,V; 2 KV heads x 32 dims float32)
-        gone.register_buffers([torch.zeros(200, 2 * 32 * 4, dtype=torch.uint8)
-                               for _ in range(8)])
-        gone.start()
-        desc = gone.descriptor().to_wire()
-        gone.close()  # the decode died after its handshake
+        if stalled is None:
+            # a pool of the prefill's layout (4 layers x K,V; 2 KV heads x 32 dims float32)
+            gone.register_buffers([torch.zeros(200, 2 * 32 * 4, dtype=torch.uint8)
+                                   for _ in range(8)])
+            gone.start()
+            desc = gone.descriptor().to_wire()
+            gone.close()  # the decode died after its handshake
+        else:
+            desc = stalled.descriptor
         fake.notify(_prefill_control(pair, room), {
             "kind": "handshake", "room": room, "rid": "x", "peer": desc,
             "dst_slots": list(range(1, len(PROMPTS[3]) + 1)), "notify": fake.control})
+        if stalled is not None:
+            assert stalled.take(room) == len(PROMPTS[3]) * 256 * 8  # every page is there
+            stalled.die()  # and the decode dies before it answers
+            stalled = None
         t.join(60)
         err = result["err"]
         assert err.code() == grpc.StatusCode.UNAVAILABLE and "kv transfer failed" in err.details()
@@ -823,8 +858,63 @@ def test_decode_dies_mid_transfer_prefill_fails_and_frees(pair: Pair) -> None:
         told = fake.next_message(5)  # decode's notify address hears of the failure
         assert told is not None and told["ok"] is False
     finally:
+        if stalled is not None:
+            stalled.die()
         fake.close()
     assert_freed(pair.prefill)
+    assert_serving(pair)
+
+
+def test_a_client_that_disconnects_during_the_transfer_frees_both(pair: Pair) -> None:
+    """The prefill leg cancelled (the router's abort on a dropped client) while its send
+    is in flight: the room's pages reached decode's receiver, which has not answered. The
+    send runs out (the receiver answers), decode is told the room failed ("aborted"), and
+    prefill frees the KV at once. (The decode leg cancelled past its handshake:
+    test_a_client_that_disconnects_while_waiting_frees_the_kv.)"""
+    fake = FakePrefill()
+    stalled = StalledReceiver(_prefill_layout())
+    try:
+        room = 88005
+        call = pair.prefill.stub().Generate(
+            pd_request(PROMPTS[3], 4, "127.0.0.1", pair.bootstrap_port, room), timeout=60)
+        fake.notify(_prefill_control(pair, room), {
+            "kind": "handshake", "room": room, "rid": "x", "peer": stalled.descriptor,
+            "dst_slots": list(range(1, len(PROMPTS[3]) + 1)), "notify": fake.control})
+        stalled.take(room)  # the pages are on their way
+        wait_for(lambda: used_tokens(pair.prefill) >= len(PROMPTS[3]), 10, "prefill's KV held")
+        t0 = time.monotonic()
+        call.cancel()
+        time.sleep(0.3)
+        stalled.answer(room)  # the bytes are in: the send returns ok
+        told = fake.next_message(5)
+        assert told is not None and told["room"] == room and told["ok"] is False, told
+        assert "aborted" in told["error"], told
+        assert_freed(pair.prefill, timeout=5)
+        assert time.monotonic() - t0 < 6
+    finally:
+        stalled.die()
+        fake.close()
+    assert_serving(pair)
+
+
+def test_a_client_that_disconnects_while_decode_bootstraps_frees_the_kv(pair: Pair) -> None:
+    """The decode leg cancelled while its bootstrap lookup is still out (the prefill's
+    bootstrap server answers late): its reserved KV goes at once, no handshake is sent."""
+    fake = FakePrefill()
+    fake.stall_s = 8.0
+    try:
+        ids = PROMPTS[3]
+        call = pair.decode.stub().Generate(pd_request(ids, 4, "127.0.0.1", fake.port, 66100),
+                                           timeout=60)
+        wait_for(lambda: used_tokens(pair.decode) >= len(ids), 10, "decode's KV reserved")
+        assert decode_queue(pair.decode) == 0  # not past a handshake
+        t0 = time.monotonic()
+        call.cancel()
+        assert_freed(pair.decode, timeout=5)
+        assert time.monotonic() - t0 < 5
+        assert fake.next_message(1) is None  # no handshake went
+    finally:
+        fake.close()
     assert_serving(pair)
 
 
@@ -997,27 +1087,6 @@ def _decode_leg_waiting(decode: ServerProc, bport: int, room: int, ids: list[int
     wait_for(lambda: decode_queue(decode) == 1, 30, "decode's handshake (transfer queue 1)")
     wait_for(lambda: used_tokens(decode) >= len(ids), 10, "decode's KV reserved")
     return t, result
-
-
-def kill_prefill_while_decode_waits(prefill: ServerProc, decode: ServerProc, bport: int,
-                                    room: int) -> None:
-    """The prefill worker SIGKILLed while decode waits for its KV: decode fails on its own
-    (UNAVAILABLE, the words the router sorts by) within the heartbeat's bound (1 s x 2
-    misses, not the 12 s waiting timeout), its KV is freed and it keeps serving."""
-    ids = list(range(60, 100))
-    t, result = _decode_leg_waiting(decode, bport, room, ids)
-    killed_at = time.monotonic()
-    assert prefill.stop(signal.SIGKILL) == -signal.SIGKILL
-    t.join(60)
-    assert not t.is_alive() and "err" in result, result
-    err, took = result["err"], result["at"] - killed_at
-    assert err.code() == grpc.StatusCode.UNAVAILABLE, err
-    assert "kv transfer failed" in err.details() and "might be dead" in err.details(), err
-    assert took < 11, took  # before the waiting timeout (12 s) could have ended it
-    assert_freed(decode)
-    plain = greedy(ids, 4)
-    plain.disaggregated_params.bootstrap_host = "2.2.2.2"  # SGLang's fake host: no transfer
-    assert len(list(decode.stub().Generate(plain, timeout=60))[-1].complete.output_ids) == 4
 
 
 def kill_decode_after_its_handshake(prefill: ServerProc, decode: ServerProc, bport: int,
@@ -1275,14 +1344,24 @@ def _legs(prefill: ServerProc, decode: ServerProc, bport: int, room: int, ids: l
 
 def test_tp2_pair_equals_a_plain_worker_and_refuses_another_tp_size(pair: Pair,
                                                                     tmp_path: Path) -> None:
-    """A --tp-size 2 prefill and a --tp-size 2 decode: each TP rank moves its own KV heads'
-    shard, so greedy tokens and logprobs equal the plain tp 1 worker's (one by one and 8
-    rooms at once) and the KV is freed on both; a leg of another TP size (this module's tp 1
-    pair) is refused with "bootstrap" in the status, on either side, and frees its KV."""
+    """A --tp-size 2 --dp-size 2 prefill and a --tp-size 2 decode, their KV over mooncake
+    (zmq where the pd extra is not installed; zmq at tp 2: tests/unit/test_pd_tp_shards.py,
+    real backends, the TP commands through an in-process group): each TP rank moves its own KV
+    heads' shard from the prefill's data-parallel rank that holds the room (room % 2), so
+    greedy tokens and logprobs equal the plain tp 1 worker's (one by one and 8 rooms at
+    once) and the KV is freed on both; a leg of another TP size (this module's tp 1 pair,
+    zmq: refused before any byte moves) is refused with "bootstrap" in the status, on
+    either side, and frees its KV."""
+    import importlib.util
+
+    from sglang_admin.disaggregation.backends import make_backend
+
+    backend = "mooncake" if importlib.util.find_spec("mooncake") else "zmq"
     bport = free_port()
-    common = ["--disaggregation-transfer-backend", "zmq", "--tp-size", "2"]
+    common = ["--disaggregation-transfer-backend", backend, "--tp-size", "2"]
     prefill = start_server(tmp_path, *common, "--disaggregation-mode", "prefill",
-                           "--disaggregation-bootstrap-port", str(bport), env=PD_ENV, wait=False)
+                           "--dp-size", "2", "--disaggregation-bootstrap-port", str(bport),
+                           env=PD_ENV, wait=False)
     decode = start_server(tmp_path, *common, "--disaggregation-mode", "decode", env=PD_ENV,
                           wait=False)
     try:
@@ -1321,19 +1400,18 @@ def test_tp2_pair_equals_a_plain_worker_and_refuses_another_tp_size(pair: Pair,
 
         # handshakes a tp 2 decode would not send, at the tp 2 prefill: one descriptor (a
         # tp 1 decode of an older kind), three, no list; and a TP rank 0 that expects the
-        # room beside a TP rank 1 that refuses it, so that only the follower's send fails
-        # (a dead follower peer: tests/unit/test_pd_tp_shards.py). Each fails its room with
-        # a clear status, decode's notify address is told, and the KV is freed.
+        # room beside a TP rank 1 that refuses it (zmq) or is gone (mooncake: one-sided
+        # writes are not refused by room), so that only the follower's send fails. Each
+        # fails its room with a clear status, decode's notify address is told, and the KV
+        # is freed.
         import torch
 
-        from sglang_admin.disaggregation.zmq_backend import ZmqBackend
-
         fake = FakePrefill()  # for its control socket and PUSH helper
-        live, refusing, gone = ZmqBackend(), ZmqBackend(), ZmqBackend()
+        live, refusing, gone = (make_backend(backend, "127.0.0.1") for _ in range(3))
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{bport}/route", timeout=5) as r:
                 table = json.loads(r.read())
-            assert table["tp_size"] == 2
+            assert table["tp_size"] == 2 and table["dp_size"] == 2
             # a shard of the embedded model's pool: 4 layers x K,V; 1 of 2 KV heads x 32 fp32
             for backend in (live, refusing, gone):
                 backend.register_buffers([torch.zeros(200, 32 * 4, dtype=torch.uint8)
@@ -1345,7 +1423,8 @@ def test_tp2_pair_equals_a_plain_worker_and_refuses_another_tp_size(pair: Pair,
             cases = [([dead], "bootstrap failed: the handshake for room", "--tp-size 1"),
                      ([dead] * 3, "bootstrap failed: the handshake for room", "--tp-size 3"),
                      ("x", "kv transfer failed: bad handshake", "descriptor"),
-                     ([live.descriptor().to_wire(), refusing.descriptor().to_wire()],
+                     ([live.descriptor().to_wire(),
+                       refusing.descriptor().to_wire() if backend == "zmq" else dead],
                       "kv transfer failed", "(TP rank 1)")]
             for room, (peers, head, words) in enumerate(cases, start=9400):
                 live.expect(room, dst)
@@ -1357,7 +1436,7 @@ def test_tp2_pair_equals_a_plain_worker_and_refuses_another_tp_size(pair: Pair,
 
                 t = threading.Thread(target=run)
                 t.start()
-                fake.notify(table["ranks"]["0"], {
+                fake.notify(table["ranks"][str(room % 2)], {
                     "kind": "handshake", "room": room, "rid": "x", "peer": dead, "peers": peers,
                     "tp_size": 2, "dst_slots": dst, "notify": fake.control})
                 t.join(60)
@@ -1384,8 +1463,52 @@ def test_tp2_pair_equals_a_plain_worker_and_refuses_another_tp_size(pair: Pair,
 # ------------------------------------------------ the module's pair: its last act, last
 
 
-def test_prefill_killed_while_decode_waits_decode_fails_alone(pair: Pair) -> None:
-    """The module pair's prefill worker (two ranks) SIGKILLed while decode waits for a
-    room's KV: decode fails the room on its own within the heartbeat's bound, frees its
-    KV and keeps serving. The last test of the module: the pair is not used after it."""
-    kill_prefill_while_decode_waits(pair.prefill, pair.decode, pair.bootstrap_port, room=13)
+def test_prefill_killed_mid_transfer_decode_fails_alone(pair: Pair) -> None:
+    """The module pair's prefill worker (two ranks) SIGKILLed with a room's send in flight,
+    after decode's handshake: decode fails the room on its own within the heartbeat's bound,
+    frees its KV and keeps serving. The last test of the module: the pair is not used after
+    it.
+
+    To hold the send in flight, the room's handshake that the prefill rank takes names a
+    stand-in receiver that takes the pages and never answers: the test's handshake, sent
+    after decode's while the prefill rank has no request of the room yet (a later one
+    replaces an earlier one then), so the prefill rank sends there and decode's real
+    handshake is the one left unserved."""
+    ids = list(range(60, 100))
+    room = 13
+    fake = FakePrefill()  # for its control socket
+    stalled = StalledReceiver(_prefill_layout())
+    prefill_leg: dict[str, Any] = {}
+    try:
+        t, result = _decode_leg_waiting(pair.decode, pair.bootstrap_port, room, ids)
+        time.sleep(0.5)  # decode's handshake, sent before its queue said so, reaches prefill
+        fake.notify(_prefill_control(pair, room), {
+            "kind": "handshake", "room": room, "rid": "x", "peer": stalled.descriptor,
+            "dst_slots": list(range(1, len(ids) + 1)), "notify": fake.control})
+        time.sleep(0.5)  # it reaches the prefill rank before the request does
+
+        def run() -> None:
+            try:
+                prefill_leg["out"] = list(pair.prefill.stub().Generate(
+                    pd_request(ids, 4, "127.0.0.1", pair.bootstrap_port, room), timeout=60))
+            except grpc.RpcError as exc:
+                prefill_leg["err"] = exc
+
+        threading.Thread(target=run, daemon=True).start()
+        assert stalled.take(room) == len(ids) * 256 * 8  # the pages are out, unanswered
+        killed_at = time.monotonic()
+        assert pair.prefill.stop(signal.SIGKILL) == -signal.SIGKILL
+        t.join(60)
+        assert not t.is_alive() and "err" in result, result
+        err, took = result["err"], result["at"] - killed_at
+        assert err.code() == grpc.StatusCode.UNAVAILABLE, err
+        assert "kv transfer failed" in err.details() and "might be dead" in err.details(), err
+        assert took < 11, took  # before the waiting timeout (12 s) could have ended it
+        assert "out" not in prefill_leg  # the prefill leg never answered: its worker died
+    finally:
+        stalled.die()
+        fake.close()
+    assert_freed(pair.decode)
+    plain = greedy(ids, 4)
+    plain.disaggregated_params.bootstrap_host = "2.2.2.2"  # SGLang's fake host: no transfer
+    assert len(list(pair.decode.stub().Generate(plain, timeout=60))[-1].complete.output_ids) == 4

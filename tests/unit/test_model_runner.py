@@ -471,6 +471,24 @@ def test_runner_attributes_and_reset(model_dirs: dict[str, str]) -> None:
     assert runner.req_to_token.abs().sum() == 0
 
 
+def test_profiled_steps_are_named_by_what_they_run(model_dirs: dict[str, str]) -> None:
+    """A profile names each step forward_extend or forward_decode: a prompt's last token
+    after a cached prefix is a prefill (extend) though it is a 1-token row; a row whose
+    token is an output is a decode."""
+    runner = _runner(model_dirs["llama"], context_length=32)
+    greedy = SamplingParams(temperature=0.0)
+    prompt = [5, 6, 7, 8]
+    cached_prompt = SeqInput(1, 3, prompt[3:], 0, [1, 2, 3, 4], greedy, prompt, [])
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        first = runner.forward_step([SeqInput(0, 0, prompt, 0, [5, 6, 7, 8], greedy, prompt,
+                                              [])])[0]
+        runner.forward_step([cached_prompt])
+        token = first.token_id
+        runner.forward_step([SeqInput(0, 4, [token], 4, [9], greedy, prompt, [token])])
+    names = [e.name for e in prof.events() if e.name.startswith("forward_")]
+    assert names == ["forward_extend_bs1", "forward_extend_bs1", "forward_decode_bs1"]
+
+
 def test_runner_rejects_bad_input(model_dirs: dict[str, str]) -> None:
     runner = _runner(model_dirs["llama"], context_length=32)
     params = SamplingParams()
