@@ -11,9 +11,12 @@ plus the LM head, at batch 1 and batch 32 rows, bfloat16 activations, for:
 - ``int4-g32``: torch's ``_weight_int4pack_mm_for_cpu`` (4-bit, a scale and a zero per 32
   inputs: Q4_0 / Q4_1 / Q4_K's sub-blocks exactly);
 - ``int8-ch``: torch's ``_weight_int8pack_mm`` (8-bit, one scale per output row);
-- ``int8x32``: int8 with a scale per 32 inputs (GGUF's Q8_0 as stored) the way the server
-  runs it: ``_weight_int4pack_mm_for_cpu`` on two 4-bit halves of each value over the input
-  repeated (model/quant/linear.py's ``QuantLinear``);
+- ``int8x32``: int8 with a scale per 32 inputs (GGUF's Q8_0 as stored) through
+  ``_weight_int4pack_mm_for_cpu`` on two 4-bit halves of each value over the input
+  repeated (model/quant/linear.py's ``QuantLinear`` above its few-row kernel's rows);
+- ``gemv-int4`` / ``gemv-int8x32``: the few-row kernel of model/quant/gemv.py (AVX512_VNNI,
+  our C) on the same two kinds, at any row count (the server takes it up to
+  ``GEMV_MAX_ROWS`` rows), where the CPU has it;
 - ``deq-int4``: the 4-bit weight dequantized to bfloat16 at each call, then the GEMM
   (dequantize-and-GEMM in torch ops);
 - ``torchao-int8``: torchao's ``Int8WeightOnlyConfig`` on ``nn.Linear``s, where torchao
@@ -22,7 +25,13 @@ plus the LM head, at batch 1 and batch 32 rows, bfloat16 activations, for:
 
 Ratios in brackets: ``bf16``'s time over the method's (above 1: faster).
 
+``--model-path FILE.gguf``: instead, the in-process batch-1 decode step of that file kept
+quantized (bfloat16; the real runner and scheduler, bench_decode.py's ``time_decode``),
+with the few-row kernel on and off (torch's kernels), rounds alternating: each round's
+median step (wall) and the process's CPU time a step (what a busy machine's cores give).
+
 Usage: python tools/bench_quant_kernels.py [--shape smollm2-135m] [--threads 2] [--rounds 5]
+       [--model-path FILE.gguf [--steps 48]]
 """
 
 from __future__ import annotations
@@ -96,7 +105,25 @@ def build(method: str, n: int, k: int):  # noqa: ANN201 - a closure x -> y
         rng = np.random.default_rng(n * 7 + k)
         blocks = Int8Blocks(rng.integers(-127, 128, (n, k), dtype=np.int8),
                             rng.uniform(1e-4, 1e-2, (n, k // 32)).astype(np.float32))
-        return QuantLinear(blocks, torch.bfloat16, dense_copy=False)
+        return QuantLinear(blocks, torch.bfloat16, dense_copy=False)._int4
+    if method in ("gemv-int4", "gemv-int8x32"):
+        import numpy as np
+
+        from sglang_admin.model.quant import gemv
+
+        kernel = gemv.gemv_kernel()
+        if kernel is None:
+            raise RuntimeError("no AVX512_VNNI + AVX512_BF16 kernel on this CPU")
+        rng = np.random.default_rng(n * 7 + k)
+        if method == "gemv-int4":
+            q = rng.integers(0, 16, (n, k), dtype=np.uint8)
+            scale = torch.rand(n, k // 32) * 0.01 + 0.001
+            w, s = gemv.pack_int4(q, scale, torch.randn(n, k // 32) * 0.01)
+            return kernel.bind("int4", w, s, n)
+        packed = gemv.pack_int8(rng.integers(-127, 128, (n, k), dtype=np.int8),
+                                rng.uniform(1e-4, 1e-2, (n, k // 32)).astype(np.float16))
+        assert packed is not None
+        return kernel.bind("int8x32", *packed, n)
     if method == "deq-int4":
         q = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
         _, sz = int4_weight(n, k)
@@ -127,16 +154,51 @@ def sweep(fns: list, rows: int, k_of: list[int], rounds: int) -> float:
     return best * 1e3
 
 
+def decode_step_ab(model_path: str, rounds: int, steps: int) -> None:
+    """The batch-1 decode step of a kept GGUF model, few-row kernel on / off alternating."""
+    import statistics
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_decode import time_decode
+
+    from sglang_admin.model.gguf import ensure_converted
+    from sglang_admin.model.quant import gemv, linear
+    from sglang_admin.model.runner import ModelRunner
+
+    runner = ModelRunner(ensure_converted(model_path), device="cpu", dtype="bfloat16",
+                         max_total_tokens=1024, max_running_requests=2, quantization="gguf")
+    on = linear.GEMV_MAX_ROWS
+    print(f"{model_path}: {runner.model.quant.quantized_bytes() / 1e6:.1f} MB of weights a "
+          f"token; few-row kernel {'built' if gemv.gemv_kernel() else 'not available'}; "
+          f"{torch.get_num_threads()} threads, {steps} steps a round")
+    for r in range(rounds):
+        for label, rows in (("torch's kernels", 0), ("few-row kernel", on)):
+            linear.GEMV_MAX_ROWS = rows
+            cpu0 = time.process_time()
+            times = time_decode(runner, 1, 32, steps)
+            cpu = (time.process_time() - cpu0) / (steps + 5)  # + warm-up and prefill steps
+            runner.reset()
+            print(f"round {r + 1} {label:<16} step median {statistics.median(times) * 1e3:6.2f}"
+                  f" ms, min {min(times) * 1e3:6.2f} ms; CPU a step {cpu * 1e3:6.2f} ms",
+                  flush=True)
+    linear.GEMV_MAX_ROWS = on
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--rows", default="1,4,8,16,32", help="row counts (batch sizes)")
-    ap.add_argument("--methods", default="bf16,bf16-packed,int4-g32,int8-ch,deq-int4,"
-                    "torchao-int8")
+    ap.add_argument("--methods", default="bf16,bf16-packed,int4-g32,gemv-int4,int8-ch,"
+                    "int8x32,gemv-int8x32,deq-int4,torchao-int8")
+    ap.add_argument("--model-path", default="", help="a GGUF file: its decode step instead")
+    ap.add_argument("--steps", type=int, default=48)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.model_path:
+        decode_step_ab(args.model_path, args.rounds, args.steps)
+        return
     per_layer, head, layers = layer_shapes(args.shape)
     print(f"{args.shape}: {layers} layers x {per_layer} (N, K) + LM head {head}; "
           f"{args.threads} threads, best of {args.rounds}, bfloat16 activations")

@@ -88,18 +88,20 @@ def _cpu_signature() -> str:
     return platform.processor()
 
 
-def _compile(cc: str, cflags: list[str], libs: list[str]) -> str | None:
-    """The kernel built with these flags (cached); None when the compiler refuses."""
+def _compile(cc: str, cflags: list[str], libs: list[str], source: Path = SOURCE
+             ) -> str | None:
+    """The kernel (``source``) built with these flags (cached); None when the compiler
+    refuses."""
     key = hashlib.sha256(b"\0".join(
-        [SOURCE.read_bytes(), " ".join(cflags + libs).encode(), platform.machine().encode(),
+        [source.read_bytes(), " ".join(cflags + libs).encode(), platform.machine().encode(),
          _cpu_signature().encode(), cc.encode()])).hexdigest()[:16]
-    target = _cache_dir() / f"cpu_kernels-{key}.so"
+    target = _cache_dir() / f"{source.stem}-{key}.so"
     if target.exists():
         return str(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
-    cmd = [cc, *cflags, "-shared", "-fPIC", str(SOURCE), "-o", tmp, *libs]
+    cmd = [cc, *cflags, "-shared", "-fPIC", str(source), "-o", tmp, *libs]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     except (OSError, subprocess.TimeoutExpired) as exc:

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from sglang_admin.model.gguf import _PERMUTED_QK, GgufError, hf_name, open_gguf, unpermute_rows
+from sglang_admin.model.quant import gemv, linear
 from sglang_admin.model.quant.flags import gguf_source
 from sglang_admin.model.quant.gguf_blocks import (
     Int4Groups,
@@ -203,6 +204,9 @@ def read_projections(model: Any, gguf_file: str, dtype: torch.dtype,
     kept = ", ".join(f"{n} x{c}" for n, c in sorted(types.items()))
     if dtype == torch.float32:
         kept += " (float32 activations: every step through the dense copy, see linear.py)"
+    elif gemv.gemv_kernel() is not None:
+        kept += (f"; steps of up to {linear.GEMV_MAX_ROWS} rows of int4 and int8x32 through "
+                 "the few-row AVX512_VNNI kernel (model/quant/gemv.py)")
     prepared.summary = (f"GGUF weights kept quantized ({os.path.basename(gguf_file)}): {kept}; "
                         "int4: torch's _weight_int4pack_mm_for_cpu (groups of 32), int8x32: "
                         "the same kernel on two 4-bit halves (the blocks' scales as stored), "

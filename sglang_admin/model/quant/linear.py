@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from sglang_admin.model.packed_linear import packing_available
+from sglang_admin.model.quant import gemv
 from sglang_admin.model.quant.gguf_blocks import (
     GROUP,
     Int4Groups,
@@ -39,6 +40,10 @@ _INNER_K_TILES = 2
 _N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu's rows
 # an int8 LM head's largest logits per row recomputed in float32 (refined_logits)
 REFINE_TOP = 8
+# rows up to which the few-row kernel (model/quant/gemv.py) serves where it applies
+# (its cost grows with the rows as torch's int4 kernel's does: measured 1.5-2x faster at 1-2
+# rows, about even at 4)
+GEMV_MAX_ROWS = 2
 
 
 class QuantLinear:
@@ -63,9 +68,19 @@ class QuantLinear:
         self.q4: torch.Tensor | None = None  # int4 with keep_rows: uint8 [N, K], 0..15
         self.group_scale_f32: torch.Tensor | None = None
         self.group_zero_f32: torch.Tensor | None = None
+        # the few-row kernel's layout (model/quant/gemv.py) where it serves this weight
+        self.gemv_w: torch.Tensor | None = None
+        self.gemv_s: torch.Tensor | None = None
         n, k = weight.q.shape
+        use_gemv = (dtype == torch.bfloat16 and not isinstance(weight, Int8Rows)
+                   and gemv.shape_applies(k, getattr(weight, "group", GROUP))
+                   and gemv.gemv_kernel() is not None)
         if isinstance(weight, Int8Blocks):
             self.kind, self.group, self.repeat = "int8x32", GROUP, 2
+            if use_gemv:
+                packed = gemv.pack_int8(weight.q, weight.scale)
+                if packed is not None:
+                    self.gemv_w, self.gemv_s = packed
             if keep_rows:
                 self.q8 = torch.from_numpy(weight.q.copy())
                 self.block_scale_f32 = torch.from_numpy(weight.scale.astype("float32"))
@@ -76,7 +91,7 @@ class QuantLinear:
                 self.q4 = torch.from_numpy(weight.q.copy())
                 self.group_scale_f32 = torch.from_numpy(weight.scale.astype("float32"))
                 self.group_zero_f32 = torch.from_numpy(weight.zero.astype("float32"))
-            self._pack_int4(weight, dtype, None)
+            self._pack_int4(weight, dtype, None, use_gemv)
         else:
             self.kind = "int8"
             self.q8 = torch.from_numpy(weight.q).contiguous()
@@ -91,9 +106,10 @@ class QuantLinear:
             self.set_dense(self.dequantized())
 
     def _pack_int4(self, weight: Int4Groups, dtype: torch.dtype,
-                   blocks: Int8Blocks | None) -> None:
+                   blocks: Int8Blocks | None, use_gemv: bool = False) -> None:
         """``weight`` packed for ``_weight_int4pack_mm_for_cpu``, its scales and zeros in
-        ``dtype`` (``blocks``: the int8 blocks ``weight`` holds the halves of)."""
+        ``dtype`` (``blocks``: the int8 blocks ``weight`` holds the halves of); ``use_gemv``:
+        and for the few-row kernel, with the same scales and zeros."""
         n, k = weight.q.shape
         self.pad = -n % _N_MULTIPLE
         q = torch.from_numpy(weight.q.astype("int32"))
@@ -114,6 +130,8 @@ class QuantLinear:
                 mean_q = torch.from_numpy(blocks.q).float().view(n, g, GROUP).mean(-1)
                 zero[:, :g] = mean_q * (d - d.to(dtype).float())
             scale = rounded
+        if use_gemv:
+            self.gemv_w, self.gemv_s = gemv.pack_int4(weight.q, scale, zero)
         if self.pad:  # q = 8, scale = zero = 0: rows of zeros, cut from the output
             q = torch.cat([q, torch.full((self.pad, k), 8, dtype=torch.int32)])
             scale = torch.cat([scale, torch.zeros(self.pad, k // self.group)])
@@ -168,6 +186,35 @@ class QuantLinear:
                                                          self.scales_zeros)
         return out[:, : self.shape[0]] if self.pad else out
 
+    @property
+    def _gemv_call(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """The table kernel bound to this weight's layout (None: not kept in it)."""
+        bound = self.__dict__.get("_gemv_bound")
+        if bound is not None and bound.keep[0] is self.gemv_w and bound.keep[1] is self.gemv_s:
+            return bound
+        if self.gemv_w is None or self.gemv_s is None:
+            return None
+        kernel = gemv.loaded()  # the layouts exist only where it loaded
+        assert kernel is not None
+        bound = kernel.bind(self.kind, self.gemv_w, self.gemv_s, self.shape[0])
+        self.__dict__["_gemv_bound"] = bound
+        return bound
+
+    def _gemv(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] -> [M, N] through the few-row kernel: bfloat16 (int4), float32 (int8x32)."""
+        call = self._gemv_call
+        assert call is not None
+        return call(x)
+
+    def exact_logits(self, x: torch.Tensor) -> torch.Tensor | None:
+        """float32 logits [M, N] of bfloat16 rows ``x`` computed from the int8 blocks as
+        stored (float32 products and sums: nothing left for :func:`refined_logits` to
+        refine), where the few-row kernel serves this weight and these rows; else None."""
+        if (self.kind != "int8x32" or self.gemv_w is None or x.dtype != self.dtype
+                or x.shape[0] > GEMV_MAX_ROWS):
+            return None
+        return self._gemv(x.contiguous())
+
     def rows_float(self, idx: torch.Tensor) -> torch.Tensor | None:
         """float32 rows ``idx`` [M, j] -> [M, j, K] of the stored int8 values times their
         scales; None where they are not kept (int4 and int8x32 without ``keep_rows``)."""
@@ -194,11 +241,14 @@ class QuantLinear:
         """Bytes held: the quantized weight, its scales, and the dense copy if any."""
         held = [self.dense, self._dense_packed, self.packed, self.scales_zeros, self.q8,
                 self.row_scale, self.block_scale_f32, self.q4, self.group_scale_f32,
-                self.group_zero_f32]
+                self.group_zero_f32, self.gemv_w, self.gemv_s]
         return sum(t.numel() * t.element_size() for t in held if t is not None)
 
     def quantized_bytes(self) -> int:
         """Bytes of the quantized weight and its scales alone (what batch 1 reads)."""
+        if self.gemv_w is not None and self.gemv_s is not None:
+            return (self.gemv_w.numel() * self.gemv_w.element_size()
+                    + self.gemv_s.numel() * self.gemv_s.element_size())
         if self.packed is not None and self.scales_zeros is not None:
             return (self.packed.numel() * self.packed.element_size()
                     + self.scales_zeros.numel() * self.scales_zeros.element_size())
@@ -207,6 +257,9 @@ class QuantLinear:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K] -> [M, N] (+ bias)."""
+        if (self._gemv_call is not None and bias is None and x.shape[0] <= GEMV_MAX_ROWS
+                and x.dtype == self.dtype and self.kind == "int4" and x.is_contiguous()):
+            return self._gemv_call(x)  # batch 1's path, with as few checks as it needs
         x = x.contiguous()
         if x.dtype != self.dtype:
             raise TypeError(f"activations are {x.dtype}, the quantized weight serves {self.dtype}")
@@ -215,7 +268,10 @@ class QuantLinear:
             return torch.ops.mkldnn._linear_pointwise(x, self._dense_packed, bias, "none", [], "")
         if rows > self.kernel_rows and self.dense is not None:
             return F.linear(x, self.dense, bias)
-        if self.kind != "int8":
+        if rows <= GEMV_MAX_ROWS and self.gemv_w is not None:
+            out = self._gemv(x)
+            out = out if out.dtype == self.dtype else out.to(self.dtype)
+        elif self.kind != "int8":
             out = self._int4(x)
         else:
             out = torch.ops.aten._weight_int8pack_mm(x, self.q8, self.row_scale)
@@ -326,7 +382,8 @@ class QuantStore:
         head = self.find(weight)
         if head is None:
             return fallback(x, weight, None)
-        return refined_logits(head, x, head(x))
+        exact = head.exact_logits(x) if isinstance(head, QuantLinear) else None
+        return exact if exact is not None else refined_logits(head, x, head(x))
 
     def projections(self) -> list[Projection]:
         """Each projection once."""

@@ -31,15 +31,16 @@ from typing import Any
 import torch
 
 from sglang_admin.model.gguf import cache_lock
+from sglang_admin.model.quant import gemv
 from sglang_admin.model.quant.linear import ConcatLinear, Projection, QuantLinear
 
 logger = logging.getLogger(__name__)
 
 # bump whenever what QuantLinear holds, or how it is packed, changes
-FORMAT = "1"
+FORMAT = "2"
 # QuantLinear's tensors, saved under "<entry>.<name>" when set
 _TENSORS = ("packed", "scales_zeros", "q8", "row_scale", "row_scale_f32", "block_scale_f32",
-            "q4", "group_scale_f32", "group_zero_f32")
+            "q4", "group_scale_f32", "group_zero_f32", "gemv_w", "gemv_s")
 _SCALARS = ("kind", "pad", "repeat", "group", "kernel_rows")
 
 
@@ -56,6 +57,12 @@ class Prepared:
 def prepared_path(model_dir: str, dtype: torch.dtype) -> str:
     """Where the prepared projections of a converted directory live, per served dtype."""
     return os.path.join(model_dir, f"kept-{str(dtype).removeprefix('torch.')}.safetensors")
+
+
+def _gemv_mark() -> str:
+    """Whether the projections hold the few-row kernel's layouts (model/quant/gemv.py):
+    a file prepared on a CPU with the kernel is prepared again on one without, and back."""
+    return "1" if gemv.gemv_kernel() is not None else "0"
 
 
 def _quant_spec(p: QuantLinear, key: str, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -94,6 +101,7 @@ def save_prepared(prepared: Prepared, model_dir: str, dtype: torch.dtype) -> Non
     tied = None if prepared.tied_head is None else _quant_spec(prepared.tied_head, "tied",
                                                                tensors)
     meta = {"format": FORMAT, "torch": torch.__version__, "summary": prepared.summary,
+            "gemv": _gemv_mark(),
             "entries": json.dumps(entries), "tied_head": json.dumps(tied)}
     target = prepared_path(model_dir, dtype)
     tmp = ""
@@ -152,7 +160,8 @@ def load_prepared(model_dir: str, dtype: torch.dtype) -> Prepared | None:
 
         with safe_open(path, framework="pt") as f:
             meta = f.metadata() or {}
-            if meta.get("format") != FORMAT or meta.get("torch") != torch.__version__:
+            if (meta.get("format") != FORMAT or meta.get("torch") != torch.__version__
+                    or meta.get("gemv") != _gemv_mark()):
                 return None
             tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
         entries = json.loads(meta["entries"])
