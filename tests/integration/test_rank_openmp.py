@@ -5,8 +5,11 @@ from __future__ import annotations
 import os
 
 from sglang_admin.client.testing import ServerProc
-from sglang_admin.constants import (RANK_OPENMP_DEFAULTS, rank_memory_environment,
-                                    rank_openmp_environment)
+from sglang_admin.constants import (
+    RANK_OPENMP_DEFAULTS,
+    rank_memory_environment,
+    rank_openmp_environment,
+)
 from sglang_admin.pb import common_pb2 as pb
 
 
