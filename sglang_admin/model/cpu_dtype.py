@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sglang_admin.model.cpu_features import cpu_flags
 from sglang_admin.model.gguf import GGUF_WEIGHT_TYPE_KEY
 from sglang_admin.model.loader import dtype_from_name, read_hf_config
 
@@ -27,19 +28,6 @@ class DtypeChoice:
 
     dtype: torch.dtype
     reason: str
-
-
-def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
-    """The CPU's feature flags (the first ``flags`` line of /proc/cpuinfo); empty where that
-    file does not exist or has none (not Linux, not x86)."""
-    try:
-        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.partition(":")[2].split())
-    except OSError:
-        pass
-    return frozenset()
 
 
 def cpu_has_native_bf16(flags: frozenset[str] | None = None) -> bool:

@@ -21,12 +21,13 @@ once); model/cpu_kernels_build.py builds, checks and loads the library.
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
+from sglang_admin.model.cpu_features import cpu_has_tile_matmul
 
 logger = logging.getLogger(__name__)
 
@@ -55,15 +56,6 @@ def extend_kernel_takes(dtype: torch.dtype, prefix: int, n: int,
             tile_matmul = cpu_has_tile_matmul()
         return n > 0 and not tile_matmul
     return n <= EXTEND_MAX_TOKENS
-
-
-@functools.cache
-def cpu_has_tile_matmul() -> bool:
-    """True when the CPU has AMX-BF16 tiles, which torch's bfloat16 flash attention and
-    oneDNN's GEMMs use (read once from /proc/cpuinfo)."""
-    from sglang_admin.model.cpu_dtype import cpu_flags
-
-    return "amx_bf16" in cpu_flags()
 
 
 class CpuKernels:

@@ -10,7 +10,7 @@ from sglang_admin.messages import SamplingParams
 from sglang_admin.model import cpu_kernels, cpu_kernels_build
 from sglang_admin.model.attention import AttentionMetadata
 from sglang_admin.model.config import LlamaConfig
-from sglang_admin.model.cpu_dtype import cpu_flags
+from sglang_admin.model.cpu_features import cpu_flags
 from sglang_admin.model.cpu_kernels import DecodeBatch
 from sglang_admin.model.cpu_kernels_build import load_cpu_kernels, reference_attend
 from sglang_admin.model.llama import DecoderLayer

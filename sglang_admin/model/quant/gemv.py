@@ -52,7 +52,7 @@ _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 def cpu_has_gemv_kernel(flags: frozenset[str] | None = None) -> bool:
     """Whether this CPU has the instructions the kernel uses (AVX-512 BW, VNNI and BF16)."""
     if flags is None:
-        from sglang_admin.model.cpu_dtype import cpu_flags
+        from sglang_admin.model.cpu_features import cpu_flags
 
         flags = cpu_flags()
     return flags >= GEMV_FLAGS
