@@ -53,6 +53,10 @@ def worker_blocks(worker: ServerProc) -> dict[int, int]:
     return blocks
 
 
+# long: run alone (make test-long), not beside the parallel suite. Beside it the gateway,
+# health-probing every 2 s, sometimes subscribed afresh from 0 between the test's count and
+# its cut (two of three fresh-clone runs of the full suite on 2026-12-05; alone, never)
+@pytest.mark.long
 def test_a_dropped_stream_resumes_without_clearing_the_index(tmp_path: Path) -> None:
     from sglang_admin.model.default_model import ensure_default_model
 
