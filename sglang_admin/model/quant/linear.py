@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from sglang_admin.model.packed_linear import packing_available
-from sglang_admin.model.quant import gemv
+from sglang_admin.model.quant import amx, gemv
 from sglang_admin.model.quant.gguf_blocks import (
     GROUP,
     Int4Groups,
@@ -71,6 +71,11 @@ class QuantLinear:
         # the few-row kernel's layout (model/quant/gemv.py) where it serves this weight
         self.gemv_w: torch.Tensor | None = None
         self.gemv_s: torch.Tensor | None = None
+        # the AMX kernel's layout (model/quant/amx.py) where it serves this weight's
+        # batched steps (MIN_ROWS..MAX_ROWS rows) in place of the dense copy
+        self.amx_codes: torch.Tensor | None = None
+        self.amx_sz: torch.Tensor | None = None
+        self._amx: amx.AmxKernel | None = None
         n, k = weight.q.shape
         use_gemv = (dtype == torch.bfloat16 and not isinstance(weight, Int8Rows)
                    and gemv.shape_applies(k, getattr(weight, "group", GROUP))
@@ -132,6 +137,10 @@ class QuantLinear:
             scale = rounded
         if use_gemv:
             self.gemv_w, self.gemv_s = gemv.pack_int4(weight.q, scale, zero)
+        if (blocks is None and dtype == torch.bfloat16 and amx.shape_applies(n, k, self.group)
+                and amx.amx_kernel() is not None):
+            self._amx = amx.amx_kernel()
+            self.amx_codes, self.amx_sz = amx.pack_int4(weight.q, scale, zero)
         if self.pad:  # q = 8, scale = zero = 0: rows of zeros, cut from the output
             q = torch.cat([q, torch.full((self.pad, k), 8, dtype=torch.int32)])
             scale = torch.cat([scale, torch.zeros(self.pad, k // self.group)])
@@ -241,7 +250,7 @@ class QuantLinear:
         """Bytes held: the quantized weight, its scales, and the dense copy if any."""
         held = [self.dense, self._dense_packed, self.packed, self.scales_zeros, self.q8,
                 self.row_scale, self.block_scale_f32, self.q4, self.group_scale_f32,
-                self.group_zero_f32, self.gemv_w, self.gemv_s]
+                self.group_zero_f32, self.gemv_w, self.gemv_s, self.amx_codes, self.amx_sz]
         return sum(t.numel() * t.element_size() for t in held if t is not None)
 
     def quantized_bytes(self) -> int:
@@ -264,6 +273,10 @@ class QuantLinear:
         if x.dtype != self.dtype:
             raise TypeError(f"activations are {x.dtype}, the quantized weight serves {self.dtype}")
         rows = x.shape[0]
+        if self._amx is not None and amx.MIN_ROWS <= rows <= amx.MAX_ROWS:
+            assert self.amx_codes is not None and self.amx_sz is not None
+            out = self._amx.q4(x, self.amx_codes, self.amx_sz, self.shape[0])
+            return out if bias is None else out + bias
         if rows > self.kernel_rows and self._dense_packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._dense_packed, bias, "none", [], "")
         if rows > self.kernel_rows and self.dense is not None:

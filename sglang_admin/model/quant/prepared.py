@@ -31,16 +31,16 @@ from typing import Any
 import torch
 
 from sglang_admin.model.gguf import cache_lock
-from sglang_admin.model.quant import gemv
+from sglang_admin.model.quant import amx, gemv
 from sglang_admin.model.quant.linear import ConcatLinear, Projection, QuantLinear
 
 logger = logging.getLogger(__name__)
 
 # bump whenever what QuantLinear holds, or how it is packed, changes
-FORMAT = "2"
+FORMAT = "3"
 # QuantLinear's tensors, saved under "<entry>.<name>" when set
 _TENSORS = ("packed", "scales_zeros", "q8", "row_scale", "row_scale_f32", "block_scale_f32",
-            "q4", "group_scale_f32", "group_zero_f32", "gemv_w", "gemv_s")
+            "q4", "group_scale_f32", "group_zero_f32", "gemv_w", "gemv_s", "amx_codes", "amx_sz")
 _SCALARS = ("kind", "pad", "repeat", "group", "kernel_rows")
 
 
@@ -63,6 +63,12 @@ def _gemv_mark() -> str:
     """Whether the projections hold the few-row kernel's layouts (model/quant/gemv.py):
     a file prepared on a CPU with the kernel is prepared again on one without, and back."""
     return "1" if gemv.gemv_kernel() is not None else "0"
+
+
+def _amx_mark() -> str:
+    """Whether the projections hold the AMX kernel's layouts (model/quant/amx.py), as
+    :func:`_gemv_mark` for the few-row kernel."""
+    return "1" if amx.amx_kernel() is not None else "0"
 
 
 def _quant_spec(p: QuantLinear, key: str, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -101,7 +107,7 @@ def save_prepared(prepared: Prepared, model_dir: str, dtype: torch.dtype) -> Non
     tied = None if prepared.tied_head is None else _quant_spec(prepared.tied_head, "tied",
                                                                tensors)
     meta = {"format": FORMAT, "torch": torch.__version__, "summary": prepared.summary,
-            "gemv": _gemv_mark(),
+            "gemv": _gemv_mark(), "amx": _amx_mark(),
             "entries": json.dumps(entries), "tied_head": json.dumps(tied)}
     target = prepared_path(model_dir, dtype)
     tmp = ""
@@ -135,6 +141,7 @@ def _restore_quant(spec: dict[str, Any], tensors: dict[str, torch.Tensor],
     key = spec["key"]
     for name in _TENSORS:
         setattr(p, name, tensors.get(f"{key}.{name}"))
+    p._amx = amx.amx_kernel() if p.amx_codes is not None else None
     p.dense, p._dense_packed = None, None
     if spec["dense"]:
         p.set_dense(tensors[f"{key}.dense"])
@@ -161,7 +168,7 @@ def load_prepared(model_dir: str, dtype: torch.dtype) -> Prepared | None:
         with safe_open(path, framework="pt") as f:
             meta = f.metadata() or {}
             if (meta.get("format") != FORMAT or meta.get("torch") != torch.__version__
-                    or meta.get("gemv") != _gemv_mark()):
+                    or meta.get("gemv") != _gemv_mark() or meta.get("amx") != _amx_mark()):
                 return None
             tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
         entries = json.loads(meta["entries"])
