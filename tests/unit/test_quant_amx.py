@@ -1,8 +1,9 @@
-"""The AMX kernel for batched steps on kept int4 weights (model/quant/amx.py,
-csrc/quant_amx.c): its layout holds each code where the kernel reads it, it multiplies
-exactly the dense bfloat16 copy's weights and computes what the dense GEMM computes at the
-rows it serves, other rows keep their paths, and a CPU without AMX keeps the dense copy
-(the detector monkeypatched)."""
+"""The AMX kernel for batched steps on kept int4 weights and int8-block LM heads
+(model/quant/amx.py, csrc/quant_amx.c): its layout holds each code where the kernel reads
+it, it multiplies exactly the dense bfloat16 copy's weights and computes what the dense GEMM
+computes at the rows it serves, an int8 head's logits come out in float32 as stored, other
+rows keep their paths, and a CPU without AMX keeps the dense copy (the detector
+monkeypatched)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ import pytest
 import torch
 
 from sglang_admin.model.quant import amx
-from sglang_admin.model.quant.gguf_blocks import Int4Groups
-from sglang_admin.model.quant.linear import QuantLinear
+from sglang_admin.model.quant import linear as linear_mod
+from sglang_admin.model.quant.gguf_blocks import Int4Groups, Int8Blocks
+from sglang_admin.model.quant.linear import QuantLinear, QuantStore, refined_logits
 
 needs_kernel = pytest.mark.skipif(amx.amx_kernel() is None,
                                   reason="no AMX-BF16 kernel on this CPU")
@@ -69,6 +71,16 @@ def test_the_layout_puts_each_code_where_the_kernel_reads_it() -> None:
             assert (byte >> (4 * (lane // 16))) & 15 == q[row, kk], (row, kk)
         assert sz[b, 2, 0, j].float() == scale[row, 2]
         assert sz[b, 2, 1, j].float() == zero[row, 2]
+    q8 = rng.integers(-128, 128, (n, k)).astype(np.int8)
+    d = rng.uniform(1e-3, 1e-2, (n, k // 32)).astype(np.float32)
+    codes8, d8 = amx.pack_int8(q8, d)
+    assert tuple(codes8.shape) == (2, 3, 16, 32) and tuple(d8.shape) == (2, 3, 16)
+    for row, kk in ((0, 0), (3, 9), (17, 40), (31, 95)):
+        b, j = divmod(row, 16)
+        g, within = divmod(kk, 32)
+        r, odd = divmod(within, 2)
+        assert int(codes8[b, g, r, 2 * j + odd]) == q8[row, kk]
+        assert float(d8[b, g, j]) == d[row, g]
 
 
 @needs_kernel
@@ -99,6 +111,41 @@ def test_the_kernel_multiplies_the_dense_copys_weights(seed: int) -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize("seed", range(4))
+def test_an_int8_head_gives_float32_logits_as_stored(seed: int) -> None:
+    """Q8_0 blocks at the kernel's rows: float32 logits of the stored values to float32
+    rounding, so the store does not refine them (and the greedy token is the exact one);
+    fewer rows keep torch's halves, refined."""
+    rng = np.random.default_rng(seed)
+    n, k = int(rng.integers(1, 20)) * 16, int(rng.integers(1, 10)) * 32
+    q = rng.integers(-128, 128, (n, k)).astype(np.int8)
+    d = rng.uniform(1e-4, 0.05, (n, k // 32)).astype(np.float16).astype(np.float32)
+    head = QuantLinear(Int8Blocks(q, d), torch.bfloat16, keep_rows=True)
+    assert head._amx is not None and head.amx_codes is not None
+    w = (torch.from_numpy(q).double().view(n, -1, 32)
+         * torch.from_numpy(d).double()[..., None]).view(n, k)
+    store = QuantStore("test")
+    placeholder = torch.empty(n, k)
+    store.add(placeholder, head)
+    for rows in (amx.MIN_ROWS, int(rng.integers(amx.MIN_ROWS, amx.MAX_ROWS + 1)),
+                 amx.MAX_ROWS):
+        x = (torch.randn(rows, k) * 3).to(torch.bfloat16)
+        ref = x.double() @ w.t()
+        exact = head.exact_logits(x)
+        assert exact is not None and exact.dtype == torch.float32
+        assert (exact.double() - ref).abs().max().item() <= 1e-5 * (ref.abs().max().item() + 1)
+        assert torch.equal(store.logits(x, placeholder, None), exact)  # type: ignore[arg-type]
+        assert torch.equal(exact.argmax(1), ref.argmax(1))
+    x = torch.randn(amx.MIN_ROWS - 1, k).to(torch.bfloat16)
+    assert amx.MIN_ROWS - 1 > linear_mod.GEMV_MAX_ROWS and head.exact_logits(x) is None
+    served = store.logits(x, placeholder, None)  # type: ignore[arg-type]
+    assert torch.equal(served, refined_logits(head, x, head._int4(x)))
+    # the head's bfloat16 matmul (not its logits) keeps the dense copy at the kernel's rows
+    x = torch.randn(amx.MIN_ROWS, k).to(torch.bfloat16)
+    assert torch.equal(head(x), _dense(head, x))
+
+
+@needs_kernel
 def test_rows_outside_its_range_keep_their_paths() -> None:
     rng = np.random.default_rng(3)
     layer = QuantLinear(_weight(rng, 48, 64), torch.bfloat16)
@@ -121,6 +168,10 @@ def test_a_cpu_without_amx_keeps_the_dense_copy(monkeypatch: pytest.MonkeyPatch)
     assert layer._amx is None and layer.amx_codes is None
     x = torch.randn(32, 64).to(torch.bfloat16)
     assert torch.equal(layer(x), _dense(layer, x))
+    head = QuantLinear(Int8Blocks(rng.integers(-128, 128, (48, 64)).astype(np.int8),
+                                  np.full((48, 2), 0.01, np.float32)),
+                       torch.bfloat16, keep_rows=True)
+    assert head._amx is None and head.exact_logits(x) is None  # refined as before
 
 
 @needs_kernel

@@ -144,7 +144,82 @@ static void block_rows(const uint16_t *x, int64_t rows, int64_t ldx, int64_t k,
     }
 }
 
+/* int8 blocks (GGUF Q8_0): output rows [16 nb, 16 nb + 16) of float32 logits for
+ * activation rows [0, rows), rows <= 48. Each group's B tile holds the int8 values
+ * themselves (exact in bfloat16), its sums go through cbuf and are scaled there by the
+ * group's scales into acc (float32 [rows, 16]). */
+static void block_rows_q8(const uint16_t *x, int64_t rows, int64_t ldx, int64_t k,
+                          const int8_t *codes, const float *d, int64_t nb, float *out,
+                          int64_t ldo, uint16_t *bt, float *cbuf, float *acc) {
+    const int64_t groups = k / 32;
+    const int blocks = (int)((rows + 15) / 16);
+    const int8_t *c = codes + nb * groups * 512;
+    const float *s = d + nb * groups * 16;
+    memset(acc, 0, (size_t)rows * 16 * sizeof(float));
+    for (int64_t g = 0; g < groups; g++) {
+        const int8_t *cg = c + 512 * g;
+        for (int r = 0; r < 16; r++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(cg + 32 * r));
+            __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v)));
+            __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)));
+            _mm512_store_si512((__m512i *)(bt + 32 * r), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+        _tile_loadd(6, bt, 64);
+        const uint16_t *xa = x + 32 * g;
+        _tile_zero(0);
+        _tile_loadd(3, xa, ldx * 2);
+        _tile_dpbf16ps(0, 3, 6);
+        _tile_stored(0, cbuf, 64);
+        if (blocks > 1) {
+            _tile_zero(1);
+            _tile_loadd(4, xa + 16 * ldx, ldx * 2);
+            _tile_dpbf16ps(1, 4, 6);
+            _tile_stored(1, cbuf + 256, 64);
+        }
+        if (blocks > 2) {
+            _tile_zero(2);
+            _tile_loadd(5, xa + 32 * ldx, ldx * 2);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_stored(2, cbuf + 512, 64);
+        }
+        const __m512 scale = _mm512_loadu_ps(s + 16 * g);
+        for (int64_t r = 0; r < rows; r++)
+            _mm512_store_ps(acc + 16 * r, _mm512_fmadd_ps(_mm512_load_ps(cbuf + 16 * r), scale,
+                                                          _mm512_load_ps(acc + 16 * r)));
+    }
+    for (int64_t r = 0; r < rows; r++)
+        _mm512_storeu_ps(out + r * ldo + 16 * nb, _mm512_load_ps(acc + 16 * r));
+}
+
 #endif
+
+/* bfloat16 x [m, k] (row stride ldx) times the packed int8-block weight of n rows
+ * (n % 16 == 0, k % 32 == 0): float32 out [m, n] (row stride ldo), the blocks' values as
+ * stored (codes int8 [n / 16, k / 32, 16, 32] in the int4 layout's lane order, scales
+ * float32 [n / 16, k / 32, 16]). */
+void q8_amx_f32(const uint16_t *x, int64_t m, int64_t ldx, int64_t k, const int8_t *codes,
+                const float *d, int64_t n, float *out, int64_t ldo) {
+#ifdef AMX_KERNEL
+    const int64_t nblocks = n / 16;
+    for (int64_t r0 = 0; r0 < m; r0 += 16 * MAX_BLOCKS) {
+        int64_t rows = m - r0 < 16 * MAX_BLOCKS ? m - r0 : 16 * MAX_BLOCKS;
+#pragma omp parallel if (nblocks * k >= PARALLEL_MIN)
+        {
+            uint16_t bt[512] __attribute__((aligned(64)));
+            float cbuf[768] __attribute__((aligned(64)));
+            float acc[768] __attribute__((aligned(64)));
+            configure(rows);
+#pragma omp for schedule(static)
+            for (int64_t nb = 0; nb < nblocks; nb++)
+                block_rows_q8(x + r0 * ldx, rows, ldx, k, codes, d, nb, out + r0 * ldo, ldo, bt,
+                              cbuf, acc);
+            _tile_release();
+        }
+    }
+#else
+    (void)x; (void)m; (void)ldx; (void)k; (void)codes; (void)d; (void)n; (void)out; (void)ldo;
+#endif
+}
 
 /* bfloat16 x [m, k] (row stride ldx) times the packed int4 weight of n rows (n % 16 == 0,
  * k % 32 == 0): bfloat16 out [m, n] (row stride ldo). */

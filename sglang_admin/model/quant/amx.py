@@ -58,8 +58,10 @@ class AmxKernel:
         lib = ctypes.CDLL(path)
         self.applies = bool(lib.amx_applies()) and lib.amx_init() == 0
         self._q4 = lib.q4_amx_bf16
-        self._q4.restype = None
-        self._q4.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _I64]
+        self._q8 = lib.q8_amx_f32
+        for fn in (self._q4, self._q8):
+            fn.restype = None
+            fn.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _I64]
 
     def q4(self, x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor, n: int,
            out: torch.Tensor | None = None) -> torch.Tensor:
@@ -70,6 +72,15 @@ class AmxKernel:
             out = torch.empty(m, n, dtype=torch.bfloat16)
         self._q4(x.data_ptr(), m, x.stride(0), k, codes.data_ptr(), sz.data_ptr(), n,
                  out.data_ptr(), out.stride(0))
+        return out
+
+    def q8(self, x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, n: int) -> torch.Tensor:
+        """bfloat16 x [M, K] (rows contiguous) times an int8-block weight of ``n`` rows
+        packed by :func:`pack_int8`: float32 [M, n], the blocks' values as stored."""
+        m, k = x.shape
+        out = torch.empty(m, n, dtype=torch.float32)
+        self._q8(x.data_ptr(), m, x.stride(0), k, codes.data_ptr(), d.data_ptr(), n,
+                 out.data_ptr(), n)
         return out
 
 
@@ -95,6 +106,19 @@ def pack_int4(q: np.ndarray, scale: torch.Tensor, zero: torch.Tensor
     return (torch.from_numpy(np.ascontiguousarray(packed)), sz.to(torch.bfloat16).contiguous())
 
 
+def pack_int8(q: np.ndarray, d: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's layout of int8 values ``q`` [N, K] (N % 16 == 0) with per-32-input
+    scales ``d`` [N, K / 32]: (int8 [N / 16, K / 32, 16, 32], float32 [N / 16, K / 32, 16]);
+    tile row r holds inputs 2r and 2r + 1, byte L output row L // 2, input 2r + L % 2."""
+    n, k = q.shape
+    nb, g = n // BLOCK_ROWS, k // GROUP
+    codes = np.asarray(q, dtype=np.int8).reshape(nb, BLOCK_ROWS, g, 16, 2)
+    packed = codes.transpose(0, 2, 3, 1, 4).reshape(nb, g, 16, 32)
+    scales = np.asarray(d, dtype=np.float32).reshape(nb, BLOCK_ROWS, g).transpose(0, 2, 1)
+    return (torch.from_numpy(np.ascontiguousarray(packed)),
+            torch.from_numpy(np.ascontiguousarray(scales)))
+
+
 def dequantized(q: np.ndarray, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     """The bfloat16 weights [N, K] the kernel multiplies with (its arithmetic, in torch)."""
     n, k = q.shape
@@ -117,6 +141,14 @@ def _agrees(kernel: AmxKernel) -> bool:
         x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
         got = kernel.q4(x, *packed, n).float()
         if not torch.allclose(got, x.float() @ w.t(), atol=2e-2, rtol=1e-2):
+            return False
+        q8 = torch.randint(-128, 128, (n, k), generator=gen).to(torch.int8).numpy()
+        d = (torch.rand(n, k // GROUP, generator=gen) * 0.01).half().float().numpy()
+        w8 = (torch.from_numpy(q8).double().view(n, -1, GROUP)
+              * torch.from_numpy(d).double()[..., None]).view(n, k)
+        ref = x.double() @ w8.t()
+        got8 = kernel.q8(x, *pack_int8(q8, d), n).double()
+        if not torch.allclose(got8, ref, atol=1e-5, rtol=1e-5):
             return False
     return True
 

@@ -89,6 +89,10 @@ class QuantLinear:
             if keep_rows:
                 self.q8 = torch.from_numpy(weight.q.copy())
                 self.block_scale_f32 = torch.from_numpy(weight.scale.astype("float32"))
+                if (dtype == torch.bfloat16 and amx.shape_applies(n, k, GROUP)
+                        and amx.amx_kernel() is not None):  # an LM head's exact logits
+                    self._amx = amx.amx_kernel()
+                    self.amx_codes, self.amx_sz = amx.pack_int8(weight.q, weight.scale)
             self._pack_int4(nibble_halves(weight), dtype, weight)
         elif isinstance(weight, Int4Groups):
             self.kind, self.group = "int4", weight.group
@@ -218,11 +222,17 @@ class QuantLinear:
     def exact_logits(self, x: torch.Tensor) -> torch.Tensor | None:
         """float32 logits [M, N] of bfloat16 rows ``x`` computed from the int8 blocks as
         stored (float32 products and sums: nothing left for :func:`refined_logits` to
-        refine), where the few-row kernel serves this weight and these rows; else None."""
-        if (self.kind != "int8x32" or self.gemv_w is None or x.dtype != self.dtype
-                or x.shape[0] > GEMV_MAX_ROWS):
+        refine), where the few-row kernel (1-2 rows) or the AMX kernel (model/quant/amx.py,
+        its rows) serves this weight; else None."""
+        if self.kind != "int8x32" or x.dtype != self.dtype:
             return None
-        return self._gemv(x.contiguous())
+        rows = x.shape[0]
+        if self.gemv_w is not None and rows <= GEMV_MAX_ROWS:
+            return self._gemv(x.contiguous())
+        if self._amx is not None and amx.MIN_ROWS <= rows <= amx.MAX_ROWS:
+            assert self.amx_codes is not None and self.amx_sz is not None
+            return self._amx.q8(x.contiguous(), self.amx_codes, self.amx_sz, self.shape[0])
+        return None
 
     def rows_float(self, idx: torch.Tensor) -> torch.Tensor | None:
         """float32 rows ``idx`` [M, j] -> [M, j, K] of the stored int8 values times their
@@ -273,7 +283,8 @@ class QuantLinear:
         if x.dtype != self.dtype:
             raise TypeError(f"activations are {x.dtype}, the quantized weight serves {self.dtype}")
         rows = x.shape[0]
-        if self._amx is not None and amx.MIN_ROWS <= rows <= amx.MAX_ROWS:
+        if (self._amx is not None and self.kind == "int4"
+                and amx.MIN_ROWS <= rows <= amx.MAX_ROWS):
             assert self.amx_codes is not None and self.amx_sz is not None
             out = self._amx.q4(x, self.amx_codes, self.amx_sz, self.shape[0])
             return out if bias is None else out + bias

@@ -37,7 +37,7 @@ from sglang_admin.model.quant.linear import ConcatLinear, Projection, QuantLinea
 logger = logging.getLogger(__name__)
 
 # bump whenever what QuantLinear holds, or how it is packed, changes
-FORMAT = "3"
+FORMAT = "4"
 # QuantLinear's tensors, saved under "<entry>.<name>" when set
 _TENSORS = ("packed", "scales_zeros", "q8", "row_scale", "row_scale_f32", "block_scale_f32",
             "q4", "group_scale_f32", "group_zero_f32", "gemv_w", "gemv_s", "amx_codes", "amx_sz")
