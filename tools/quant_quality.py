@@ -138,13 +138,16 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256, help="positions of the held text")
     ap.add_argument("--paths", default="chunks,prefill",
                     help="decode: a step a position; chunks: 8 positions a step (the same "
-                    "kernels, 8x fewer steps); prefill: the whole text in one step")
+                    "kernels, 8x fewer steps); batched: 32 positions a step (a batched decode "
+                    "step's rows: the AMX kernels where the CPU has them, model/quant/amx.py); "
+                    "prefill: the whole text in one step")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "quant-quality"))
     args = ap.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
     print(f"{'file':<6}{'path':<9}{'candidate':<22}{'top-1 agree':>12}{'ppl ref':>9}"
           f"{'ppl cand':>10}{'ratio':>8}", flush=True)
-    fns = {"decode": teacher_forced, "chunks": chunk_forced, "prefill": prefill_forced}
+    fns = {"decode": teacher_forced, "chunks": chunk_forced, "prefill": prefill_forced,
+           "batched": lambda runner, ids: chunk_forced(runner, ids, 32)}
     for type_name in args.types.split(","):
         directory = ensure_converted(gguf_of(type_name, args.workdir))
         t0 = time.perf_counter()
