@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from sglang_admin.model.gguf import _PERMUTED_QK, GgufError, hf_name, open_gguf, unpermute_rows
-from sglang_admin.model.quant import gemv, linear
+from sglang_admin.model.quant import amx, gemv, linear
 from sglang_admin.model.quant.flags import gguf_source
 from sglang_admin.model.quant.gguf_blocks import (
     Int4Groups,
@@ -207,6 +207,9 @@ def read_projections(model: Any, gguf_file: str, dtype: torch.dtype,
     elif gemv.gemv_kernel() is not None:
         kept += (f"; steps of up to {linear.GEMV_MAX_ROWS} rows of int4 and int8x32 through "
                  "the few-row AVX512_VNNI kernel (model/quant/gemv.py)")
+    if dtype == torch.bfloat16 and amx.amx_kernel() is not None:
+        kept += (f"; steps of {amx.MIN_ROWS}-{amx.MAX_ROWS} rows of int4 (and an int8x32 LM "
+                 "head's logits) through the AMX kernel (model/quant/amx.py)")
     prepared.summary = (f"GGUF weights kept quantized ({os.path.basename(gguf_file)}): {kept}; "
                         "int4: torch's _weight_int4pack_mm_for_cpu (groups of 32), int8x32: "
                         "the same kernel on two 4-bit halves (the blocks' scales as stored), "
