@@ -140,8 +140,10 @@ def test_an_int8_head_gives_float32_logits_as_stored(seed: int) -> None:
     assert amx.MIN_ROWS - 1 > linear_mod.GEMV_MAX_ROWS and head.exact_logits(x) is None
     served = store.logits(x, placeholder, None)  # type: ignore[arg-type]
     assert torch.equal(served, refined_logits(head, x, head._int4(x)))
-    # the head's bfloat16 matmul (not its logits) keeps the dense copy at the kernel's rows
+    # the head's bfloat16 matmul (not its logits) keeps its paths at the kernel's rows
     x = torch.randn(amx.MIN_ROWS, k).to(torch.bfloat16)
+    assert torch.equal(head(x), head._int4(x))
+    x = torch.randn(linear_mod.KERNEL_MAX_ROWS + 1, k).to(torch.bfloat16)
     assert torch.equal(head(x), _dense(head, x))
 
 

@@ -32,10 +32,12 @@ SOURCE = Path(__file__).resolve().parents[1] / "csrc" / "quant_amx.c"
 AMX_FLAGS = frozenset({"avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16"})
 BLOCK_ROWS = 16  # output rows of a tile
 GROUP = 32  # inputs per scale (a tile's depth)
-# rows from which a step takes this kernel instead of torch's int4 one (measured: below
-# that, torch's int4 kernel or the few-row kernel is faster), and up to which it takes it
-# instead of the dense copy (past that, prefill's GEMMs are compute-bound: oneDNN's)
-MIN_ROWS = 9
+# rows from which a step takes this kernel instead of torch's int4 one (measured over
+# SmolLM2's layers, one core: torch's 11.8 / 15.1 / 22.5 / 26.4 ms at 3 / 4 / 6 / 8 rows,
+# this kernel 15.8-16.5 ms at any of them: its cost is the dequantization), and up to which
+# it takes it instead of the dense copy (past that, prefill's GEMMs are compute-bound:
+# oneDNN's, reading the dense copy once for many rows)
+MIN_ROWS = 5
 MAX_ROWS = 64
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
