@@ -255,12 +255,26 @@ class MooncakeBackend(KVTransferBackend):
 
     def land(self, room: int) -> None:
         """A staged room's block, scattered into its slots."""
+        self._land(room)
+
+    def _land(self, room: int) -> int | None:
+        """`land`: the CRC-32 of the slots' rows as the scatter left them, None when the
+        room was not staged."""
         slots = self._staged.get(room)
         region = self._rx.region(room) if slots is not None else None
         if slots is not None and region is not None:
             pool = self._pool
             if region[1] == len(slots) * sum(pool.item_bytes) and host_only(pool):
-                scatter(pool, slots, self._rx.view(*region))
+                return scatter(pool, slots, self._rx.view(*region))
+        return None
+
+    def received_checksum(self, room: int, slots: Sequence[int]) -> int:
+        """A staged room: the scatter's sum of the rows it wrote (into the slots reserved
+        for the room: these, else the pool's rows are summed); else the pool's rows'."""
+        crc = self._land(room)
+        if crc is not None and self._staged.get(room) == [int(s) for s in slots]:
+            return crc
+        return self.checksum(slots)
 
     def release(self, room: int) -> None:
         """The room's staging region is free again."""
@@ -313,10 +327,13 @@ class MooncakeBackend(KVTransferBackend):
             return fail(f"kv transfer failed: the peer's staging region holds "
                         f"{peer.staging[1]} bytes, the room's rows are {total}")
         key: object | None = None
+        summed: list[int] = []  # the source rows' CRC-32, when asked for
         if peer.staging is None:  # pool to pool: one entry per buffer and run of slots
             srcs, dsts, lens, runs = self._entries(local, peer, src_slots, dst_slots)
         elif host_only(pool) and (off := self._tx.take(key := object(), total)) is not None:
-            gather(pool, src_slots, self._tx.view(off, total))  # one block
+            crc = gather(pool, src_slots, self._tx.view(off, total))  # one block, summed
+            if with_sum:
+                summed.append(crc)
             srcs, dsts, lens = _split(self._tx.ptr + off, peer.staging[0], total)
             runs = 1
         else:  # no local staging free: the rows straight into the peer's staging region
@@ -324,16 +341,15 @@ class MooncakeBackend(KVTransferBackend):
             srcs, dsts, lens, runs = self._entries(local, peer, src_slots,
                                                    list(range(len(src_slots))))
         nbytes = sum(lens)
-        summed: list[int] = []
         sum_rows = ((lambda: summed.append(self.checksum(src_slots))) if with_sum
-                    else (lambda: None))
+                    and not summed else (lambda: None))
         if nbytes == 0:
             sum_rows()
             return TransferResult(True, nbytes=0, seconds=time.perf_counter() - t0,
                                   checksum=summed[0] if summed else None)
         left = max(0.0, timeout_s - (time.perf_counter() - t0))
         rc = bounded(lambda: write_entries(engine, peer.endpoint, srcs, dsts, lens, left),
-                           left, sum_rows)
+                     left, sum_rows)
         secs = time.perf_counter() - t0
         if key is not None and rc is not None:  # a write given up on may still read it
             self._tx.give(key)
