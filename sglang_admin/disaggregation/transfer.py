@@ -130,6 +130,7 @@ class KVTransferBackend(abc.ABC):
             if not t.is_contiguous():
                 raise KVTransferError("kv transfer: a registered KV buffer is not contiguous")
         self._pool = RegisteredPool.of(buffers)  # one swap: a sending thread sees either
+        self._pool.kernel()  # built (once per machine) and checked now, not on a first room
 
     def buffer_infos(self) -> tuple[BufferInfo, ...]:
         """The registered buffers as (ptr, nbytes, item_bytes)."""
