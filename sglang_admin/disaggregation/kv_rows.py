@@ -2,14 +2,15 @@
 (``csrc/kv_rows.c``, built with the machine's compiler at first use like the model's
 kernels, loaded through ctypes, which releases the GIL while it runs).
 
-A small room's transfer is mostly fixed costs: through numpy, gathering the rows of 60
-layer buffers into one block, summing them, and on the receiver scattering them back and
-summing what landed cost a Python round trip per buffer each (~60 x 4 slices, reshapes and
-calls: ~0.4 ms of a 1.5 MB room whose bytes a socket moves in ~0.5 ms). The kernel does each
+Through numpy a room's copies and sums are a few calls per layer buffer (60 for
+SmolLM2-135M) on each side, each taking the GIL of a worker whose scheduler thread runs the
+model meanwhile. The kernel does each
 side's copy and CRC-32 in one pass, the CRC of each piece right after it was copied (still
 in cache), with ISA-L's CRC-32 (the `isal` package's, zlib's polynomial: the same value as
 the Python path's). Where there is no compiler or no ISA-L, :func:`kernel` is None and the
-backends keep their numpy path.
+backends keep their numpy path. Measured on this 2-vCPU VM the kernel runs at numpy's speed
+(0.19 vs 0.17 ms for a 1.5 MB room's scatter and sum, 24 vs 27 ms for 94 MB: memory-bound);
+what it changes is one GIL-free call per side instead of 60-240 short ones.
 """
 
 from __future__ import annotations
