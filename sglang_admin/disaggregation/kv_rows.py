@@ -4,9 +4,8 @@ kernels, loaded through ctypes, which releases the GIL while it runs).
 
 Through numpy a room's copies and sums are a few calls per layer buffer (60 for
 SmolLM2-135M) on each side, each taking the GIL of a worker whose scheduler thread runs the
-model meanwhile. The kernel does each
-side's copy and CRC-32 in one pass, the CRC of each piece right after it was copied (still
-in cache), with ISA-L's CRC-32 (the `isal` package's, zlib's polynomial: the same value as
+model meanwhile. The kernel does each side's copy and CRC-32 in one pass, the CRC of each
+piece right after it was copied (still in cache), with ISA-L's CRC-32 (the `isal` package's, zlib's polynomial: the same value as
 the Python path's). Where there is no compiler or no ISA-L, :func:`kernel` is None and the
 backends keep their numpy path. Measured on this 2-vCPU VM the kernel runs at numpy's speed
 (0.19 vs 0.17 ms for a 1.5 MB room's scatter and sum, 24 vs 27 ms for 94 MB: memory-bound);
