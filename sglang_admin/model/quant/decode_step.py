@@ -11,7 +11,7 @@ values, so the hidden states are the same bits as that loop's.
 It serves a step where every layer's four projections are kept in the few-row kernel's
 layouts (int4 groups of 32 or Q8_0 blocks, no bias, no tensor-parallel sum), the layer has
 no LoRA and no per-head q/k norms (``DecoderLayer.decodes_in_bf16_kernels``), and the step
-has at most ``GEMV_MAX_ROWS`` rows. Anywhere else (a CPU without AVX512_VNNI/AVX512_BF16,
+has at most ``GEMV_MAX_ROWS`` rows (model/quant/linear.py). Anywhere else (a CPU without AVX512_VNNI/AVX512_BF16,
 where the few-row kernel has no layouts; a compiler that cannot build it) :func:`run`
 returns None and the caller's loop serves.
 """
@@ -32,7 +32,8 @@ from typing import Any
 import torch
 
 from sglang_admin.model.quant import gemv
-from sglang_admin.model.quant.linear import GEMV_MAX_ROWS, QuantLinear
+from sglang_admin.model.quant import linear as quant_linear
+from sglang_admin.model.quant.linear import QuantLinear
 
 logger = logging.getLogger(__name__)
 
@@ -208,19 +209,19 @@ def run(model: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta:
     returned), or None (nothing done) where the C step does not serve it."""
     rows = x.shape[0]
     batch = meta.decode_batch
-    if rows > GEMV_MAX_ROWS or batch is None or not x.is_contiguous():
-        return None
-    kernel = load()
-    if kernel is None:
+    if rows > quant_linear.GEMV_MAX_ROWS or batch is None or not x.is_contiguous():
         return None
     cached = model.__dict__.get("_quant_step_plan")
     if cached is None or cached[0] is not model.quant or (
             cached[1] is not None and not cached[1].current()):
-        cached = (model.quant, build_plan(model))  # None: the layers do not fit it
+        # None: the layers do not fit it, or the library is not built
+        cached = (model.quant, build_plan(model) if load() is not None else None)
         model.__dict__["_quant_step_plan"] = cached
     step: StepPlan | None = cached[1]
     if step is None:
         return None
+    kernel = _load()  # built: load() said so when the plan was made (cached since)
+    assert kernel is not None
     h, kv, d = step.heads, step.kv_heads, step.head_dim
     if not (cos.dtype == sin.dtype == torch.bfloat16 and cos.is_contiguous()
             and sin.is_contiguous() and cos.numel() == rows * d == sin.numel()
