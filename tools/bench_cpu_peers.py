@@ -13,7 +13,10 @@ threads, side by side in one run.
 - **vLLM-CPU**: ``vllm`` offline, bfloat16, on the same file's Hugging Face conversion (the
   directory our dequantizing load reads: vLLM 0.32 takes no GGUF path on its own), when a
   Python with it is given (``--vllm-python``; optional, skipped otherwise with a line
-  saying so).
+  saying so);
+- **ngram** (``--engines ...,ngram``): ours again, a second worker started with
+  ``--speculative-algorithm NGRAM`` (its other flags as ours), on the batch-1 workload only:
+  the batch-1 rows with speculative decoding on, beside the rows with it off.
 
 Workloads (greedy, ignore EOS): batch 1 (a 32-token prompt, 128 new tokens: time to first
 token and decode tok/s), chat 32 x 64 (32 prompts of 40-100 tokens at once, 64 new tokens
@@ -27,7 +30,7 @@ peak resident set and model size.
 
 Usage: python tools/bench_cpu_peers.py [--model-path FILE] [--threads 2] [--rounds 2]
        [--llama-python /venv/bin/python] [--server-arg=--flag ...] [--json]
-       [--workloads b1,chat,long] [--engines ours,llama.cpp,vllm]
+       [--workloads b1,chat,long] [--engines ours,llama.cpp,vllm,ngram]
 (``--workloads chat,long --engines ours,vllm``: the batched comparison alone; the batch-1
 floor lines need ``b1``.)
 """
@@ -305,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", default="b1,chat,long",
                     help="comma-separated: b1, chat, long (default: all three)")
     ap.add_argument("--engines", default="ours,llama.cpp,vllm",
-                    help="comma-separated: ours, llama.cpp, vllm (ours always runs)")
+                    help="comma-separated: ours, llama.cpp, vllm, ngram (ours always runs; "
+                    "ngram: ours with --speculative-algorithm NGRAM, batch 1 only)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     ns = ap.parse_args(argv)
@@ -325,6 +329,11 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"--workloads: unknown {sorted(unknown)} (b1, chat, long)")
     wanted = set(ns.engines.split(",")) | {"ours"}
+    unknown = wanted - {"ours", "llama.cpp", "vllm", "ngram"}
+    if unknown:
+        ap.error(f"--engines: unknown {sorted(unknown)} (ours, llama.cpp, vllm, ngram)")
+    if "ngram" in wanted and "b1" not in which:
+        ap.error("--engines ngram runs the batch-1 workload: add b1 to --workloads")
     from sglang_admin.model.gguf import open_gguf, packaged_model
 
     path = ns.model_path or packaged_model("smollm2")
@@ -356,10 +365,19 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="bench-peers-"))
     srv = start_server(tmp, "--model-path", path, "--torch-threads", str(ns.threads),
                        "--cpu-lanes", "1", *ns.server_arg)
+    ngram = None
+    if "ngram" in wanted:
+        engines["ngram"] = []
+        ngram = start_server(tmp, "--model-path", path, "--torch-threads",
+                             str(ns.threads), "--cpu-lanes", "1", *ns.server_arg,
+                             "--speculative-algorithm", "NGRAM")
     try:
         for r in range(ns.rounds):
             wl = ("--workloads", ns.workloads)
             engines["ours"].append(_child("ours", srv.target, str(vocab), *wl))
+            if ngram is not None:
+                engines["ngram"].append(_child("ours", ngram.target, str(vocab),
+                                               "--workloads", "b1"))
             if "llama.cpp" in engines:
                 engines["llama.cpp"].append(_child("llama", path, str(ns.threads), str(vocab),
                                                    str(int(ns.llama_extra_bufts)), *wl,
@@ -373,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
         ours_rss = peak_rss_mib([srv.proc.pid, *srv.children()])
     finally:
         srv.stop()
+        if ngram is not None:
+            ngram.stop()
     best: dict[str, dict[str, float]] = {}
     memory: dict[str, dict[str, float]] = {}
     for name, runs in engines.items():
@@ -383,14 +403,29 @@ def main(argv: list[str] | None = None) -> int:
                             if k.startswith("mem_")}
     keys = list(best["ours"])
     print(f"\n{'(best of ' + str(ns.rounds) + ')':<22}" + "".join(f"{k:>18}" for k in keys))
+    def row(name: str, figures: dict[str, float]) -> str:
+        return f"{name:<22}" + "".join(f"{figures[k]:>18.1f}" if k in figures
+                                       else f"{'':>18}" for k in keys)
+
     for name, figures in best.items():
-        print(f"{name:<22}" + "".join(f"{figures[k]:>18.1f}" for k in keys))
+        print(row(name, figures))
     for name in best:
-        if name == "ours":
+        if name in ("ours", "ngram"):
             continue
         ratios = [best[name][k] / best["ours"][k] if k.endswith("_ms")
                   else best["ours"][k] / best[name][k] for k in keys]
         print(f"{'ours / ' + name:<22}" + "".join(f"{x:>17.2f}x" for x in ratios))
+        if "ngram" in best:  # the batch-1 figures with speculative decoding on
+            ratios_ngram = {k: best[name][k] / v if k.endswith("_ms") else v / best[name][k]
+                            for k, v in best["ngram"].items()}
+            print(f"{'ngram / ' + name:<22}" + "".join(
+                f"{ratios_ngram[k]:>17.2f}x" if k in ratios_ngram else f"{'':>18}"
+                for k in keys))
+    if "ngram" in best:
+        print(f"{'ngram / ours':<22}" + "".join(
+            (f"{best['ours'][k] / best['ngram'][k]:>17.2f}x" if k.endswith("_ms")
+             else f"{best['ngram'][k] / best['ours'][k]:>17.2f}x") if k in best["ngram"]
+            else f"{'':>18}" for k in keys))
     nbytes, held = decode_bytes(path)
     # an array of the weights' size read again and again, as decode reads them (what of it
     # the caches hold, they hold of the weights too); and one 4x that, past the caches
