@@ -81,12 +81,26 @@ class RunnerMemory:
                 raise ResumeOutOfMemory("kv_cache", self.kv_cache_bytes, exc) from None
 
     def release_weights(self) -> int:
-        """Free every parameter (shapes kept); bytes released. Load weights after resuming."""
+        """Free every parameter (shapes kept; GGUF projections kept quantized too); bytes
+        released. Load weights after resuming (model/weights.py's ``reload_weights``)."""
         if self.weights_released:
             return 0
-        if getattr(self.model, "quant", None) is not None:
-            raise ModelLoadError("quantized weights (model/quant/) cannot be released and "
-                                 "reloaded yet; serve with --gguf-dequantize for that")
+        quant = getattr(self.model, "quant", None)
+        if quant is not None:
+            if quant.scheme != "gguf":
+                raise ModelLoadError(f"weights quantized at load (--torchao-config "
+                                     f"{quant.scheme}) cannot be released and reloaded yet; "
+                                     "serve without it for that")
+            if getattr(self.model, "tensor_parallel", None) is not None:
+                raise ModelLoadError("GGUF weights kept quantized at --tp-size > 1 cannot be "
+                                     "released and reloaded yet; serve with --gguf-dequantize "
+                                     "for that")
+            # an empty store of the same scheme: the kept projections are freed with the old
+            # one, and the reload after resume (model/weights.py's reload_weights) reads them
+            # from the GGUF file again
+            from sglang_admin.model.quant.linear import QuantStore
+
+            self.model.quant = QuantStore("released: reloaded from the GGUF file on resume")
         if self.packed is not None:
             self.packed.clear()
         if self.graphs is not None:  # they point at the weights: captured again after resume

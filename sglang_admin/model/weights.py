@@ -133,6 +133,16 @@ def refit_from_disk(model: LlamaForCausalLM, model_path: str, restore_from: str 
         raise RefitError(f"{reason}; the previous weights were restored") from None
 
 
+def reload_weights(model: LlamaForCausalLM, model_path: str) -> None:
+    """Load ``model_path``, the checkpoint the weights came from, into a model whose storage
+    was just allocated again (ResumeMemoryOccupation); projections kept quantized are read
+    from its GGUF file again, as at start. Raises what the load raised."""
+    if getattr(model, "quant", None) is not None:
+        _refit_quantized(model, model_path)
+        return
+    load_weights(model, iter_checkpoint(model_path))
+
+
 def weights_digest(model: LlamaForCausalLM) -> str:
     """SHA-256 over every parameter's name, dtype, shape and bytes, in name order."""
     digest = hashlib.sha256()

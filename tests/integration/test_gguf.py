@@ -33,7 +33,14 @@ from tests.conftest import (  # noqa: E402
     wait_started,
 )
 from tests.gguf_models import write_gguf  # noqa: E402
-from tests.integration.test_refit import Stream, model_info, start_streams, update  # noqa: E402
+from tests.integration.test_refit import (  # noqa: E402
+    Stream,
+    model_info,
+    rss_bytes,
+    server_info,
+    start_streams,
+    update,
+)
 
 N = 8
 
@@ -308,7 +315,8 @@ def test_smollm2_chat_through_the_smg_router(smollm2, tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_smollm2_kept_quantized_answers_read_sensibly(tmp_path: Path) -> None:
     """``make serve``'s default: the packaged Q4_1 file with its weights kept quantized
-    (bfloat16 activations); greedy chat answers still say what the questions ask."""
+    (bfloat16 activations); greedy chat answers still say what the questions ask, and again
+    after the weights were released (the rank's memory falls) and resumed."""
     from sglang_admin.model.gguf import resolve_model_path
 
     path = smollm2_file()
@@ -329,5 +337,21 @@ def test_smollm2_kept_quantized_answers_read_sensibly(tmp_path: Path) -> None:
         assert "paris" in answers[0], answers
         assert sum(c in answers[1] for c in ("red", "blue", "yellow", "green")) >= 2, answers
         assert any(w in answers[2] for w in ("sea", "ocean", "wave", "water")), answers
+        # an RL framework's release and resume around a training step: the kept weights go
+        # and come back from the GGUF file, answering as before (both answers computed
+        # from an empty prefix cache: a cached prompt's last token runs another kernel)
+        assert stub.FlushCache(pb.FlushCacheRequest(), timeout=30).success
+        first, _ = run_generate(stub, greedy(ids, 16))
+        pid = server_info(stub).rank_states[0].pid
+        held = rss_bytes(pid)
+        released = stub.ReleaseMemoryOccupation(pb.ReleaseMemoryOccupationRequest(),
+                                                timeout=120)
+        assert released.success, released.message
+        drop = held - rss_bytes(pid)
+        assert drop > 300 << 20, f"the rank's RSS fell by {drop >> 20} MiB only"
+        resumed = stub.ResumeMemoryOccupation(pb.ResumeMemoryOccupationRequest(), timeout=120)
+        assert resumed.success, resumed.message
+        assert "weights reloaded" in resumed.rank_results[0].message, resumed
+        assert run_generate(stub, greedy(ids, 16))[0] == first
     finally:
         srv.stop(signal.SIGTERM, timeout=30)

@@ -213,8 +213,42 @@ def test_weights_by_name_give_the_dequantized_view_and_writes_are_refused(
     with pytest.raises(WeightMismatch, match="kept quantized"):
         load_weights(kept.model, [("model.layers.0.mlp.up_proj.weight",
                                    torch.zeros(128, 64))])
-    with pytest.raises(ModelLoadError, match="cannot be released"):
-        kept.release_weights()
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_kept_weights_are_released_and_reloaded_from_the_gguf_file(tmp_path: Path,
+                                                                   tied: bool) -> None:
+    """ReleaseMemoryOccupation of weights kept quantized frees the kept projections too (no
+    reference to them is left), and the reload after resume computes what it computed."""
+    import gc
+    import weakref
+
+    from sglang_admin.model.weights import reload_weights
+
+    path = resolve_model_path(str(write_gguf(tmp_path / "m.gguf", qtype="Q4_1", seed=6,
+                                             tied=tied)))
+    kept = _runner(path, "float32", quantized=True)
+    ids = list(range(5, 25))
+    before = _logprobs(kept, ids, True)
+    projections = kept.model.quant.projections()
+    assert projections
+    alive = [weakref.ref(p) for p in projections]
+    del projections
+    assert kept.release_weights() == kept.weight_bytes
+    gc.collect()
+    assert kept.weights_released
+    assert [r for r in alive if r() is not None] == [], "a kept projection outlived the release"
+    kept.resume_weights()
+    reload_weights(kept.model, path)
+    assert kept.model.quant.projections()
+    assert (_logprobs(kept, ids, True) - before).abs().max().item() < 1e-6
+    # weights quantized at load are still refused, with the way out named
+    online = ModelRunner(resolve_model_path(str(write_gguf(tmp_path / "o.gguf", qtype="F32",
+                                                           seed=6))),
+                         device="cpu", dtype="float32", max_total_tokens=1024,
+                         max_running_requests=8, quantization="int8wo")
+    with pytest.raises(ModelLoadError, match="--torchao-config int8wo"):
+        online.release_weights()
 
 
 def test_refit_from_another_gguf_file_and_refusals(tmp_path: Path) -> None:

@@ -37,12 +37,12 @@ from sglang_admin.messages import (
     WeightsResult,
     WeightValues,
 )
-from sglang_admin.model.loader import iter_checkpoint, load_weights
 from sglang_admin.model.runner import ResumeOutOfMemory
 from sglang_admin.model.weight_names import UnknownWeightName
 from sglang_admin.model.weights import (
     RefitError,
     refit_from_disk,
+    reload_weights,
     truncated,
     weight_values,
     weights_digest,
@@ -257,7 +257,7 @@ def on_resume_memory(rank: Rank, msg: ResumeMemoryReq) -> None:
             try:
                 followers = followers_of(runner)
                 if followers is None:
-                    load_weights(runner.model, iter_checkpoint(source))
+                    reload_weights(runner.model, source)
                 else:  # every TP rank reloads its shard
                     followers.load(runner.model, source)
                 if expected is not None and served_digest(rank) != expected:
