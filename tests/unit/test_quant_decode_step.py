@@ -25,15 +25,19 @@ def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path / "cache"
 
 
-def _runner(tmp_path: Path, qtype: str, hidden: int):  # noqa: ANN202 - a ModelRunner
+def _model_path(tmp_path: Path, qtype: str, hidden: int) -> str:
     from sglang_admin.model.gguf import resolve_model_path
-    from sglang_admin.model.runner import ModelRunner
     from tests.gguf_models import write_gguf
 
-    path = resolve_model_path(str(write_gguf(tmp_path / f"m-{qtype}.gguf", arch="llama",
+    return resolve_model_path(str(write_gguf(tmp_path / f"m-{qtype}.gguf", arch="llama",
                                              qtype=qtype, tied=True, seed=3, hidden=hidden)))
-    return ModelRunner(path, device="cpu", dtype="bfloat16", max_total_tokens=256,
-                       max_running_requests=2, quantization="gguf")
+
+
+def _runner(tmp_path: Path, qtype: str, hidden: int):  # noqa: ANN202 - a ModelRunner
+    from sglang_admin.model.runner import ModelRunner
+
+    return ModelRunner(_model_path(tmp_path, qtype, hidden), device="cpu", dtype="bfloat16",
+                       max_total_tokens=256, max_running_requests=2, quantization="gguf")
 
 
 def _serve(runner, prompts: list[list[int]], steps: int):  # noqa: ANN001, ANN202
@@ -88,9 +92,9 @@ def test_a_replaced_weight_is_seen(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     model = runner.model
     plan = model.__dict__["_quant_step_plan"][1]
     assert plan is not None and plan.current()
-    proj = plan.projections[0]
+    proj = plan.projections[0]()
     proj.gemv_w = proj.gemv_w.clone()
-    norm = plan.norm_modules[1]
+    norm = plan.norm_modules[1]()
     norm.weight = torch.nn.Parameter(norm.weight.detach().clone(), requires_grad=False)
     assert not plan.current()
     served = _counting(monkeypatch)
@@ -128,3 +132,28 @@ def test_a_model_that_does_not_fit_keeps_the_loop(
     out = _serve(runner, [list(range(5, 14))], 3)
     assert not served and len(out[0][0]) == 3
     assert decode_step.build_plan(runner.model) is None
+
+
+@needs_kernel
+def test_released_weights_are_freed_and_the_reload_is_planned_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plan holds its weights weakly: ReleaseMemoryOccupation frees the kept projections
+    (none outlives it), and the reload after resume is planned again, the same tokens."""
+    import gc
+    import weakref
+
+    from sglang_admin.model.weights import reload_weights
+
+    runner = _runner(tmp_path, "Q4_1", 64)
+    prompts = [list(range(5, 14))]
+    first = _serve(runner, prompts, 4)
+    assert runner.model.__dict__["_quant_step_plan"][1] is not None
+    alive = [weakref.ref(p) for p in runner.model.quant.projections()]
+    runner.release_weights()
+    gc.collect()
+    assert [r for r in alive if r() is not None] == [], "a kept projection outlived the release"
+    runner.resume_weights()
+    reload_weights(runner.model, _model_path(tmp_path, "Q4_1", 64))
+    served = _counting(monkeypatch)
+    assert _serve(runner, prompts, 4) == first
+    assert served

@@ -25,6 +25,7 @@ import logging
 import os
 import shutil
 import tempfile
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -72,10 +73,13 @@ class DecodeStepKernel:
 class StepPlan:
     """A model's layers as the C step reads them, built once (:func:`plan_for`)."""
 
-    projections: list[QuantLinear]  # 4 a layer: their layouts are what ``ptrs`` points at
-    layouts: list[torch.Tensor]  # each projection's gemv_w at build (a change: build again)
-    norms: list[torch.Tensor]  # 2 a layer
-    norm_modules: list[Any]  # their RMSNorm modules (a replaced weight: build again)
+    # weak references, so that a plan keeps no weight alive (a release of the weights frees
+    # them): 4 projections a layer, whose layouts ``ptrs`` points at; each one's gemv_w at
+    # build (a change: build again); the 2 norms' weights a layer and their modules
+    projections: list[weakref.ref]
+    layouts: list[weakref.ref]
+    norms: list[weakref.ref]
+    norm_modules: list[weakref.ref]
     kinds: torch.Tensor  # int32 [L, 4]
     windows: torch.Tensor  # int64 [L]
     ptrs: torch.Tensor  # int64 [L, PTRS] (K / V pools filled per step)
@@ -93,8 +97,13 @@ class StepPlan:
     def current(self) -> bool:
         """Whether the projections and norms still hold the tensors the pointers were taken
         from."""
-        return (all(p.gemv_w is w for p, w in zip(self.projections, self.layouts))
-                and all(m.weight is w for m, w in zip(self.norm_modules, self.norms)))
+        for owner, held, attr in ((self.projections, self.layouts, "gemv_w"),
+                                  (self.norm_modules, self.norms, "weight")):
+            for o, t in zip(owner, held):
+                obj, tensor = o(), t()
+                if obj is None or tensor is None or getattr(obj, attr) is not tensor:
+                    return False
+        return True
 
 
 def _combined_source() -> Path:
@@ -197,7 +206,9 @@ def build_plan(model: Any) -> StepPlan | None:
             o.gemv_w.data_ptr(), o.gemv_s.data_ptr(), norms[2 * i + 1].data_ptr(),
             gu.gemv_w.data_ptr(), gu.gemv_s.data_ptr(), down.gemv_w.data_ptr(),
             down.gemv_s.data_ptr()])
-    return StepPlan(projections, [p.gemv_w for p in projections], norms, modules,
+    refs = [[weakref.ref(o) for o in objs]
+            for objs in (projections, [p.gemv_w for p in projections], norms, modules)]
+    return StepPlan(*refs,
                     torch.tensor(kinds, dtype=torch.int32), torch.tensor(windows),
                     ptrs, hidden, inter, h, kv, d, eps, first.scale,
                     max(p.shape[0] for p in projections), any(any(k) for k in kinds))
@@ -211,11 +222,11 @@ def run(model: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta:
     batch = meta.decode_batch
     if rows > quant_linear.GEMV_MAX_ROWS or batch is None or not x.is_contiguous():
         return None
-    cached = model.__dict__.get("_quant_step_plan")
-    if cached is None or cached[0] is not model.quant or (
+    cached = model.__dict__.get("_quant_step_plan")  # (weakref to the store, plan)
+    if cached is None or cached[0]() is not model.quant or (
             cached[1] is not None and not cached[1].current()):
         # None: the layers do not fit it, or the library is not built
-        cached = (model.quant, build_plan(model) if load() is not None else None)
+        cached = (weakref.ref(model.quant), build_plan(model) if load() is not None else None)
         model.__dict__["_quant_step_plan"] = cached
     step: StepPlan | None = cached[1]
     if step is None:
