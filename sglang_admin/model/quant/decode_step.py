@@ -71,7 +71,7 @@ class DecodeStepKernel:
 
 @dataclass
 class StepPlan:
-    """A model's layers as the C step reads them, built once (:func:`plan_for`)."""
+    """A model's layers as the C step reads them, built once (:func:`build_plan`)."""
 
     # weak references, so that a plan keeps no weight alive (a release of the weights frees
     # them): 4 projections a layer, whose layouts ``ptrs`` points at; each one's gemv_w at
