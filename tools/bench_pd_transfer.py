@@ -263,9 +263,15 @@ def main() -> None:
     results: dict[str, Any] = {"args": {k: v for k, v in vars(args).items()
                                         if k not in ("json", "serve")}, "sizes": {}}
     load0 = os.getloadavg()[0]
+    try:  # the rows' copies and sums in one C call per side (a tree that has it)
+        from sglang_admin.disaggregation.kv_rows import kernel
+        copies = "kv_rows kernel" if kernel() is not None else "numpy (kv_rows not built)"
+    except ImportError:
+        copies = "numpy"
+    results["copies"] = copies
     print(f"# {args.layers} layers x K,V x {args.row_bytes} B/token, methods "
           f"{', '.join(methods)}, {args.rounds} rounds, loopback {HOST}, {args.clock} clock, "
-          f"load {load0:.2f}")
+          f"load {load0:.2f}, rows copied and summed by {copies}")
     for n in args.tokens:
         nbytes = n * args.row_bytes * 2 * args.layers
         checked = {}

@@ -1,13 +1,15 @@
 """The `mooncake` KV transfer backend: one-sided writes with the Mooncake transfer engine.
 
 The prefill side writes a room's KV rows straight into the decode worker's registered pool
-(`batch_transfer_sync_write`), the way SGLang's mooncake connector does; the decode side
-only registers its pool and advertises its session id ("host:rpc_port"). Engines find each
-other without a metadata server ("P2PHANDSHAKE"): the first write to a session opens it with
-a handshake on that rpc port, and the engine caches the connection. (The engine's
-asynchronous batch status, `transfer_check_status`, reported batches complete before all of
-their bytes had landed in about one run in four here, so writes are synchronous, each on its
-own thread to keep the caller's deadline.)
+(the engine's batch writes, as SGLang's mooncake connector does); the decode side only
+registers its pool and advertises its session id ("host:rpc_port"). Engines find each other
+without a metadata server ("P2PHANDSHAKE"): the first write to a session opens it with a
+handshake on that rpc port, and the engine caches the connection. Each write entry goes as
+its own asynchronous batch, polled with short sleeps (disaggregation/mooncake_writes.py): the binding's synchronous
+batch write polls in a loop that never sleeps, which on a small machine took a core from the
+engine's I/O threads for the whole write, and its one-batch status check reads a batch's
+first entry only (so one entry per batch). The writes run on a writer thread, to keep the
+caller's deadline through a peer's first handshake.
 
 Protocol: "tcp" (any machine; needs the system library libibverbs.so.1 all the same, since
 the engine loads it) or "rdma" (an InfiniBand/RoCE cluster; the NIC from `ib_device`, or
@@ -38,12 +40,12 @@ import json
 import logging
 import operator
 import os
-import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
+from sglang_admin.disaggregation.mooncake_writes import bounded, write_entries
 from sglang_admin.disaggregation.staging import StagingArea, gather, host_only, scatter
 from sglang_admin.disaggregation.transfer import (
     BufferInfo,
@@ -131,36 +133,6 @@ def _check_slots(slots: Sequence[int], num_slots: int, side: str) -> str | None:
         return (f"kv transfer failed: {side} slot {bad} is outside its pool of "
                 f"{num_slots} slots")
     return None
-
-
-class _Writers:
-    """Daemon threads that run the engine's blocking writes: an idle one takes the next
-    write, a new one starts when none is idle (a stalled write holds its thread until the
-    engine gives up). A thread started per write cost a loaded machine a scheduling round
-    trip of its own (the start waits for the new thread to run)."""
-
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._idle = 0
-
-    def submit(self, job: Callable[[], None]) -> None:
-        with self._lock:
-            if self._idle:
-                self._idle -= 1  # that thread takes this job
-            else:
-                threading.Thread(target=self._work, name="mooncake-write",
-                                 daemon=True).start()
-        self._jobs.put(job)
-
-    def _work(self) -> None:
-        while True:
-            self._jobs.get()()
-            with self._lock:
-                self._idle += 1
-
-
-_WRITERS = _Writers()
 
 
 class MooncakeBackend(KVTransferBackend):
@@ -283,12 +255,26 @@ class MooncakeBackend(KVTransferBackend):
 
     def land(self, room: int) -> None:
         """A staged room's block, scattered into its slots."""
+        self._land(room)
+
+    def _land(self, room: int) -> int | None:
+        """`land`: the CRC-32 of the slots' rows as the scatter left them, None when the
+        room was not staged."""
         slots = self._staged.get(room)
         region = self._rx.region(room) if slots is not None else None
         if slots is not None and region is not None:
             pool = self._pool
             if region[1] == len(slots) * sum(pool.item_bytes) and host_only(pool):
-                scatter(pool, slots, self._rx.view(*region))
+                return scatter(pool, slots, self._rx.view(*region))
+        return None
+
+    def received_checksum(self, room: int, slots: Sequence[int]) -> int:
+        """A staged room: the scatter's sum of the rows it wrote (into the slots reserved
+        for the room: these, else the pool's rows are summed); else the pool's rows'."""
+        crc = self._land(room)
+        if crc is not None and self._staged.get(room) == [int(s) for s in slots]:
+            return crc
+        return self.checksum(slots)
 
     def release(self, room: int) -> None:
         """The room's staging region is free again."""
@@ -341,10 +327,13 @@ class MooncakeBackend(KVTransferBackend):
             return fail(f"kv transfer failed: the peer's staging region holds "
                         f"{peer.staging[1]} bytes, the room's rows are {total}")
         key: object | None = None
+        summed: list[int] = []  # the source rows' CRC-32, when asked for
         if peer.staging is None:  # pool to pool: one entry per buffer and run of slots
             srcs, dsts, lens, runs = self._entries(local, peer, src_slots, dst_slots)
         elif host_only(pool) and (off := self._tx.take(key := object(), total)) is not None:
-            gather(pool, src_slots, self._tx.view(off, total))  # one block
+            crc = gather(pool, src_slots, self._tx.view(off, total))  # one block, summed
+            if with_sum:
+                summed.append(crc)
             srcs, dsts, lens = _split(self._tx.ptr + off, peer.staging[0], total)
             runs = 1
         else:  # no local staging free: the rows straight into the peer's staging region
@@ -352,16 +341,15 @@ class MooncakeBackend(KVTransferBackend):
             srcs, dsts, lens, runs = self._entries(local, peer, src_slots,
                                                    list(range(len(src_slots))))
         nbytes = sum(lens)
-        summed: list[int] = []
         sum_rows = ((lambda: summed.append(self.checksum(src_slots))) if with_sum
-                    else (lambda: None))
+                    and not summed else (lambda: None))
         if nbytes == 0:
             sum_rows()
             return TransferResult(True, nbytes=0, seconds=time.perf_counter() - t0,
                                   checksum=summed[0] if summed else None)
-        rc = self._bounded(lambda: engine.batch_transfer_sync_write(peer.endpoint, srcs,
-                                                                    dsts, lens),
-                           max(0.0, timeout_s - (time.perf_counter() - t0)), sum_rows)
+        left = max(0.0, timeout_s - (time.perf_counter() - t0))
+        rc = bounded(lambda: write_entries(engine, peer.endpoint, srcs, dsts, lens, left),
+                     left, sum_rows)
         secs = time.perf_counter() - t0
         if key is not None and rc is not None:  # a write given up on may still read it
             self._tx.give(key)
@@ -396,33 +384,6 @@ class MooncakeBackend(KVTransferBackend):
                 lens.append(n * item)
             block += len(src_slots) * item
         return srcs, dsts, lens, len(runs)
-
-    @staticmethod
-    def _bounded(call: Callable[[], int], timeout_s: float,
-                 meanwhile: Callable[[], None] = lambda: None) -> int | None:
-        """`call()` on a writer thread, its result, or None after `timeout_s`; this thread
-        runs ``meanwhile()`` while it waits (the clock runs through it).
-
-        The engine's sync write waits for its own limits (a stalled peer's handshake up to a
-        minute, a write up to MC_TRANSFER_TIMEOUT, 30 s by default); `send` keeps the
-        caller's deadline instead. A write given up on still runs to the engine's limit, so
-        its rows may yet land: the caller frees the destination slots only once the
-        receiver has been told the room failed (the control plane's rule)."""
-        box: list[int] = []
-        done = threading.Event()
-
-        def run() -> None:
-            try:
-                box.append(int(call()))
-            except Exception:  # the binding raising is a failed write, like rc -1
-                box.append(-1)
-            done.set()
-
-        t0 = time.monotonic()
-        _WRITERS.submit(run)
-        meanwhile()
-        done.wait(max(0.0, timeout_s - (time.monotonic() - t0)))
-        return box[0] if box else None
 
     @staticmethod
     def _check_ranges(local: tuple[BufferInfo, ...], remote: tuple[BufferInfo, ...],

@@ -6,8 +6,9 @@ backend that stages gathers the rows into one region (``gather``), moves that as
 and the receiver scatters the block into its pool (``scatter``). The block is buffer-major:
 every row of buffer 0 in slot order, then buffer 1's, and so on.
 
-Host pools only: the copies are numpy (no torch op: torch's OpenMP threads, called from a
-transfer thread beside the rank's forward, spin against it).
+Host pools only: the copies and their CRC-32 are one call of the kv_rows kernel
+(disaggregation/kv_rows.py), or numpy where it is not built (no torch op: torch's OpenMP
+threads, called from a transfer thread beside the rank's forward, spin against it).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from sglang_admin.disaggregation.transfer import RegisteredPool, slot_run
+from sglang_admin.disaggregation.transfer import RegisteredPool, crc32, slot_run
 
 ALIGN = 4096  # regions start on a page
 
@@ -71,9 +72,19 @@ def host_only(pool: RegisteredPool) -> bool:
     return bool(pool.tensors) and all(r is not None for r in pool.host_rows)
 
 
-def gather(pool: RegisteredPool, slots: Sequence[int], out: Any) -> None:
-    """Every buffer's rows ``slots`` into ``out`` (uint8, exactly their bytes), buffer-major."""
+def _blocks(pool: RegisteredPool, n: int, block: Any) -> Any:
+    """Where each buffer's ``n`` rows lie in a buffer-major ``block`` (uint64 addresses)."""
+    offs = np.zeros(len(pool.item_bytes), dtype=np.uint64)
+    np.cumsum(pool.items[:-1] * n, out=offs[1:])
+    return offs + np.uint64(block.ctypes.data)
+
+
+def gather(pool: RegisteredPool, slots: Sequence[int], out: Any) -> int:
+    """Every buffer's rows ``slots`` into ``out`` (uint8, exactly their bytes), buffer-major;
+    the CRC-32 of those bytes (the kv_rows kernel takes it as it copies)."""
     n = len(slots)
+    if n and (crc := pool.rows_crc(slots, _blocks(pool, n, out), 1)) is not None:
+        return crc
     run = slot_run(slots)
     idx = None if run is not None else np.asarray(slots, dtype=np.int64)
     off = 0
@@ -84,14 +95,21 @@ def gather(pool: RegisteredPool, slots: Sequence[int], out: Any) -> None:
         else:
             np.take(rows, idx, axis=0, out=dst)
         off += n * item
+    return crc32(memoryview(out))
 
 
-def scatter(pool: RegisteredPool, slots: Sequence[int], block: Any) -> None:
-    """The inverse of :func:`gather`: ``block``'s rows into every buffer's ``slots``."""
+def scatter(pool: RegisteredPool, slots: Sequence[int], block: Any) -> int:
+    """The inverse of :func:`gather`: ``block``'s rows into every buffer's ``slots``; the
+    CRC-32 of the rows as they now are in the pool."""
     n = len(slots)
+    if n and (crc := pool.rows_crc(slots, _blocks(pool, n, block), 0)) is not None:
+        return crc
     run = slot_run(slots)
     where: Any = run if run is not None else np.asarray(slots, dtype=np.int64)
     off = 0
+    crc = 0
     for rows, item in zip(pool.host_rows, pool.item_bytes):
         rows[where] = block[off:off + n * item].reshape(n, item)
+        crc = crc32(memoryview(np.ascontiguousarray(rows[where])), crc)
         off += n * item
+    return crc

@@ -130,6 +130,7 @@ class KVTransferBackend(abc.ABC):
             if not t.is_contiguous():
                 raise KVTransferError("kv transfer: a registered KV buffer is not contiguous")
         self._pool = RegisteredPool.of(buffers)  # one swap: a sending thread sees either
+        self._pool.kernel()  # built (once per machine) and checked now, not on a first room
 
     def buffer_infos(self) -> tuple[BufferInfo, ...]:
         """The registered buffers as (ptr, nbytes, item_bytes)."""
@@ -239,6 +240,9 @@ class KVTransferBackend(abc.ABC):
 
     def checksum(self, slots: Sequence[int]) -> int:
         """CRC-32 of `read_slots(slots)`: sender and receiver compare it after a transfer."""
+        crc = self._pool.rows_crc(slots)
+        if crc is not None:  # one kernel call (a host pool)
+            return crc
         crc = 0
         for rows in self.each_rows(slots):
             crc = crc32(memoryview(rows), crc)
@@ -263,16 +267,50 @@ class RegisteredPool:
     infos: tuple[BufferInfo, ...]
     host_rows: list[Any]  # per buffer: numpy uint8 rows [num_slots, item] (host), or None
     item_bytes: tuple[int, ...]
+    #: for the kv_rows kernel (a host pool only, else None): the buffers' addresses (uint64),
+    #: their row sizes (int64), and the rows every buffer has
+    bases: Any = None
+    items: Any = None
+    num_slots: int = 0
 
     @staticmethod
     def of(buffers: Sequence[Any]) -> RegisteredPool:
+        import numpy as np
+
         tensors = list(buffers)
         infos, host = [], []
         for t in tensors:
             nbytes = t.numel() * t.element_size()
             infos.append(BufferInfo(t.data_ptr(), nbytes, nbytes // max(1, t.shape[0])))
             host.append(byte_rows(t).numpy() if t.device.type == "cpu" else None)
-        return RegisteredPool(tensors, tuple(infos), host, tuple(i.item_bytes for i in infos))
+        items = tuple(i.item_bytes for i in infos)
+        if not tensors or any(h is None for h in host):
+            return RegisteredPool(tensors, tuple(infos), host, items)
+        return RegisteredPool(tensors, tuple(infos), host, items,
+                              np.array([i.ptr for i in infos], dtype=np.uint64),
+                              np.array(items, dtype=np.int64),
+                              min(int(t.shape[0]) for t in tensors))
+
+    def kernel(self) -> Any:
+        """The kv_rows kernel where this pool may use it (a host pool), else None."""
+        if self.bases is None:
+            return None
+        from sglang_admin.disaggregation.kv_rows import kernel
+
+        return kernel()
+
+    def rows_crc(self, slots: Sequence[int], blocks: Any = None, mode: int = 2,
+                 acc: int = 0, start: int = 0, stop: int | None = None) -> int | None:
+        """Buffers ``start``..``stop``'s rows ``slots`` through the kv_rows kernel
+        (``mode``: 1 gather into ``blocks``, 0 scatter from them, 2 sum only), their CRC-32
+        continued from ``acc``; None where the kernel is not available."""
+        k = self.kernel()
+        if k is None:
+            return None
+        run = slot_run(slots)
+        return k.rows(self.bases[start:stop], self.items[start:stop], slots,
+                      None if run is None else run.start, blocks, mode, acc=acc,
+                      num_slots=self.num_slots)
 
 
 def slot_run(slots: Sequence[int]) -> slice | None:

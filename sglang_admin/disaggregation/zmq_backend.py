@@ -33,6 +33,7 @@ import msgpack
 import numpy as np
 import zmq
 
+from sglang_admin.disaggregation.staging import gather, host_only
 from sglang_admin.disaggregation.transfer import (
     KVTransferBackend,
     KVTransferError,
@@ -255,6 +256,10 @@ class ZmqBackend(KVTransferBackend):
                 if chunk is not None:
                     chunk.where = where
             crc: int | None = 0 if chunk is None else chunk.crc
+            if crc is not None and pool.kernel() is not None:  # one call: copies and sum
+                blocks = np.array([p.ctypes.data for p in parts], dtype=np.uint64)
+                crc = pool.rows_crc(dst, blocks, 0, crc, first, first + len(parts))
+                parts = []
             for part, t, rows in zip(parts, pool.tensors[first:], pool.host_rows[first:]):
                 src = part.reshape(len(dst), -1)
                 if rows is not None:  # numpy alone: no torch op in this thread
@@ -296,7 +301,9 @@ class ZmqBackend(KVTransferBackend):
         if why is not None:
             return TransferResult(False, why.replace("kv transfer:", "kv transfer failed:"))
         head = {"room": room, "dst_slots": list(dst_slots), "nbuf": len(self._buffers)}
+        self._local.crc = None
         frames = self._data_frames(src_slots)
+        checksum: int | None = self._local.crc  # a gathered frame's, taken as it was copied
         nbytes = sum(len(f) for f in frames)
         if len(frames) == 1:
             messages = [[msgpack.packb(head), *frames]]
@@ -324,7 +331,8 @@ class ZmqBackend(KVTransferBackend):
                 sock.connect(f"tcp://{peer.endpoint}")
             for parts in messages:
                 sock.send_multipart(parts, flags=zmq.NOBLOCK, copy=False)  # never waits
-            checksum = self.checksum(src_slots) if with_sum else None  # while it goes
+            if with_sum and checksum is None:
+                checksum = self.checksum(src_slots)  # while it goes
             left = timeout_s - (time.perf_counter() - t0)
             if not sock.poll(max(1, int(left * 1000))):
                 return TransferResult(False, f"kv transfer failed: no answer from decode at "
@@ -350,7 +358,8 @@ class ZmqBackend(KVTransferBackend):
         if not reply.get("ok"):
             return TransferResult(False, str(reply.get("error")) or "kv transfer failed",
                                   nbytes, time.perf_counter() - t0)
-        return TransferResult(True, "", nbytes, time.perf_counter() - t0, checksum=checksum)
+        return TransferResult(True, "", nbytes, time.perf_counter() - t0,
+                              checksum=checksum if with_sum else None)
 
     def _data_frames(self, src_slots: Sequence[int]) -> list[memoryview]:
         """The rows of ``src_slots`` as the message's data frames (see the module doc).
@@ -366,6 +375,9 @@ class ZmqBackend(KVTransferBackend):
         staging = getattr(self._local, "staging", None)
         if staging is None or staging.nbytes < total:
             staging = self._local.staging = np.empty(max(total, 1 << 20), dtype=np.uint8)
+        if host_only(pool):  # one copy, summed as it goes (the kv_rows kernel)
+            self._local.crc = gather(pool, src_slots, staging[:total])
+            return [memoryview(staging[:total])]
         run = slot_run(src_slots)
         idx = None if run is not None else np.asarray(src_slots, dtype=np.int64)
         off = 0
