@@ -27,7 +27,8 @@ Ratios in brackets: ``bf16``'s time over the method's (above 1: faster).
 
 ``--model-path FILE.gguf``: instead, the in-process batch-1 decode step of that file kept
 quantized (bfloat16; the real runner and scheduler, bench_decode.py's ``time_decode``),
-with the few-row kernel on and off (torch's kernels), rounds alternating: each round's
+with torch's kernels, the few-row kernel through the layer loop, and every layer in one C
+call (model/quant/decode_step.py), rounds alternating: each round's
 median step (wall) and the process's CPU time a step (what a busy machine's cores give).
 
 Usage: python tools/bench_quant_kernels.py [--shape smollm2-135m] [--threads 2] [--rounds 5]
@@ -155,14 +156,16 @@ def sweep(fns: list, rows: int, k_of: list[int], rounds: int) -> float:
 
 
 def decode_step_ab(model_path: str, rounds: int, steps: int) -> None:
-    """The batch-1 decode step of a kept GGUF model, few-row kernel on / off alternating."""
+    """The batch-1 decode step of a kept GGUF model, alternating: torch's kernels, the
+    few-row kernel through decode_bf16's layer loop, and every layer in one C call
+    (model/quant/decode_step.py)."""
     import statistics
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_decode import time_decode
 
     from sglang_admin.model.gguf import ensure_converted
-    from sglang_admin.model.quant import gemv, linear
+    from sglang_admin.model.quant import decode_step, gemv, linear
     from sglang_admin.model.runner import ModelRunner
 
     runner = ModelRunner(ensure_converted(model_path), device="cpu", dtype="bfloat16",
@@ -171,9 +174,13 @@ def decode_step_ab(model_path: str, rounds: int, steps: int) -> None:
     print(f"{model_path}: {runner.model.quant.quantized_bytes() / 1e6:.1f} MB of weights a "
           f"token; few-row kernel {'built' if gemv.gemv_kernel() else 'not available'}; "
           f"{torch.get_num_threads()} threads, {steps} steps a round")
+    real_step = decode_step.run
+    modes = (("torch's kernels", 0, False), ("few-row kernel", on, False),
+             ("+ C step", on, True))
     for r in range(rounds):
-        for label, rows in (("torch's kernels", 0), ("few-row kernel", on)):
+        for label, rows, c_step in modes:
             linear.GEMV_MAX_ROWS = rows
+            decode_step.run = real_step if c_step else (lambda *a: None)
             cpu0 = time.process_time()
             times = time_decode(runner, 1, 32, steps)
             cpu = (time.process_time() - cpu0) / (steps + 5)  # + warm-up and prefill steps
@@ -182,6 +189,7 @@ def decode_step_ab(model_path: str, rounds: int, steps: int) -> None:
                   f" ms, min {min(times) * 1e3:6.2f} ms; CPU a step {cpu * 1e3:6.2f} ms",
                   flush=True)
     linear.GEMV_MAX_ROWS = on
+    decode_step.run = real_step
 
 
 def main() -> None:

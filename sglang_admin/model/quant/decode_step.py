@@ -1,0 +1,267 @@
+"""A bfloat16 decode step of a few rows (batch 1 and 2) whose projections are kept quantized,
+all its decoder layers in one C call (``csrc/quant_decode.c``).
+
+What it replaces: :meth:`LlamaForCausalLM.decode_bf16` with the projections through the
+few-row kernel (model/quant/gemv.py), a Python loop of about nine ctypes calls and a few
+tensors a layer: about 2 ms of CPU a token of SmolLM2-135M's ~10 (docs/cpu-performance.md).
+The C function calls the same kernels (csrc/cpu_kernels.c's bfloat16 norms, RoPE + K/V
+write + attention and SwiGLU; csrc/quant_gemv.c's projections) in the same order on the same
+values, so the hidden states are the same bits as that loop's.
+
+It serves a step where every layer's four projections are kept in the few-row kernel's
+layouts (int4 groups of 32 or Q8_0 blocks, no bias, no tensor-parallel sum), the layer has
+no LoRA and no per-head q/k norms (``DecoderLayer.decodes_in_bf16_kernels``), and the step
+has at most ``GEMV_MAX_ROWS`` rows (model/quant/linear.py). Anywhere else (a CPU without AVX512_VNNI/AVX512_BF16,
+where the few-row kernel has no layouts; a compiler that cannot build it) :func:`run`
+returns None and the caller's loop serves.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sglang_admin.model.quant import gemv
+from sglang_admin.model.quant import linear as quant_linear
+from sglang_admin.model.quant.linear import QuantLinear
+
+logger = logging.getLogger(__name__)
+
+CSRC = Path(__file__).resolve().parents[1] / "csrc"
+# joined in this order into one translation unit (quant_decode.c calls the others' functions)
+SOURCES = ("cpu_kernels.c", "quant_gemv.c", "quant_decode.c")
+KINDS = {"int4": 0, "int8x32": 1}
+PTRS = 12  # pointers a layer (quant_decode.c's DL_PTRS)
+
+_I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+
+
+class DecodeStepKernel:
+    """The built library: :meth:`run` of a prepared :class:`StepPlan`."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        lib = ctypes.CDLL(path)
+        self.applies = bool(lib.q4_decode_applies())
+        self._scratch = lib.q4_decode_scratch
+        self._scratch.restype = _I64
+        self._scratch.argtypes = [_I64] * 6
+        self._layers = lib.q4_decode_layers
+        self._layers.restype = None
+        self._layers.argtypes = [_PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _F32,
+                                 _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR,
+                                 _PTR, _I64, _PTR, _PTR]
+
+    def scratch_elements(self, rows: int, hidden: int, inter: int, heads: int, kv_heads: int,
+                         head_dim: int) -> int:
+        """bfloat16 scratch elements a step of ``rows`` needs."""
+        return int(self._scratch(rows, hidden, inter, heads, kv_heads, head_dim))
+
+
+@dataclass
+class StepPlan:
+    """A model's layers as the C step reads them, built once (:func:`build_plan`)."""
+
+    # weak references, so that a plan keeps no weight alive (a release of the weights frees
+    # them): 4 projections a layer, whose layouts ``ptrs`` points at; each one's gemv_w at
+    # build (a change: build again); the 2 norms' weights a layer and their modules
+    projections: list[weakref.ref]
+    layouts: list[weakref.ref]
+    norms: list[weakref.ref]
+    norm_modules: list[weakref.ref]
+    kinds: torch.Tensor  # int32 [L, 4]
+    windows: torch.Tensor  # int64 [L]
+    ptrs: torch.Tensor  # int64 [L, PTRS] (K / V pools filled per step)
+    hidden: int
+    inter: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+    scale: float
+    widest: int  # the largest projection's N (Q8_0's float32 scratch)
+    any_q8: bool
+    pools: list[int] | None = None  # the K / V pools' addresses ``ptrs`` holds
+
+    def current(self) -> bool:
+        """Whether the projections and norms still hold the tensors the pointers were taken
+        from."""
+        for owner, held, attr in ((self.projections, self.layouts, "gemv_w"),
+                                  (self.norm_modules, self.norms, "weight")):
+            for o, t in zip(owner, held):
+                obj, tensor = o(), t()
+                if obj is None or tensor is None or getattr(obj, attr) is not tensor:
+                    return False
+        return True
+
+
+def _combined_source() -> Path:
+    """The three sources joined into one file named by their content (built once)."""
+    text = "".join(f'#line 1 "{name}"\n' + (CSRC / name).read_text() + "\n" for name in SOURCES)
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    from sglang_admin.model.cpu_kernels_build import _cache_dir
+
+    target = _cache_dir() / f"quant_decode_src-{digest}.c"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".c", dir=target.parent)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        os.replace(tmp, target)  # atomic: ranks writing at once each land a whole file
+    return target
+
+
+def load() -> DecodeStepKernel | None:
+    """The library where the few-row kernel serves (AVX512_VNNI + AVX512_BF16) and it builds;
+    else None (logged)."""
+    if gemv.gemv_kernel() is None:
+        return None
+    return _load()
+
+
+@functools.cache
+def _load() -> DecodeStepKernel | None:
+    from sglang_admin.model.cpu_kernels_build import _FLAG_SETS, _compile
+
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return None
+    cflags, libs = _FLAG_SETS[0]
+    try:
+        path = _compile(cc, cflags, libs, source=_combined_source())
+        kernel = DecodeStepKernel(path) if path is not None else None
+    except OSError as exc:
+        logger.warning("quantized decode step: could not load it: %s", exc)
+        return None
+    if kernel is None or not kernel.applies:
+        logger.info("quantized decode step: not built for this CPU; the layer loop serves")
+        return None
+    return kernel
+
+
+def _projection(quant: Any, weight: torch.Tensor | None, bias: torch.Tensor | None
+                ) -> QuantLinear | None:
+    if weight is None or bias is not None:
+        return None
+    p = quant.find(weight)
+    if (not isinstance(p, QuantLinear) or p.kind not in KINDS or p.gemv_w is None
+            or p.gemv_s is None or p.dtype != torch.bfloat16):
+        return None
+    return p
+
+
+def build_plan(model: Any) -> StepPlan | None:
+    """``model``'s layers for the C step, or None where one of them does not fit it."""
+    quant, layers = model.quant, model.model.layers
+    if quant is None or quant._reduce is not None or not len(layers):
+        return None
+    first = layers[0].self_attn
+    h, kv, d = first.num_heads, first.num_kv_heads, first.head_dim
+    hidden = model.config.hidden_size
+    inter = layers[0].mlp.down_proj.in_features
+    eps = layers[0].input_layernorm.eps
+    projections, norms, modules, kinds, windows = [], [], [], [], []
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if not layer.decodes_in_bf16_kernels():
+            return None
+        if ((attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale)
+                != (h, kv, d, first.scale) or mlp.down_proj.in_features != inter
+                or layer.input_layernorm.eps != eps
+                or layer.post_attention_layernorm.eps != eps):
+            return None
+        parts = [_projection(quant, attn.qkv_weight, attn.qkv_bias),
+                 _projection(quant, attn.o_proj.weight, attn.o_proj.bias),
+                 _projection(quant, mlp.gate_up_weight, mlp.gate_up_bias),
+                 _projection(quant, mlp.down_proj.weight, mlp.down_proj.bias)]
+        shapes = [((h + 2 * kv) * d, hidden), (hidden, h * d), (2 * inter, hidden),
+                  (hidden, inter)]
+        if any(p is None or p.shape != s for p, s in zip(parts, shapes)):
+            return None
+        ln = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+        if any(w.dtype != torch.bfloat16 or not w.is_contiguous() or w.numel() != hidden
+               for w in ln):
+            return None
+        projections += parts
+        norms += ln
+        modules += [layer.input_layernorm, layer.post_attention_layernorm]
+        kinds.append([KINDS[p.kind] for p in parts])
+        windows.append(attn.sliding_window or 0)
+    ptrs = torch.zeros(len(layers), PTRS, dtype=torch.int64)
+    for i in range(len(layers)):
+        q, o, gu, down = projections[4 * i: 4 * i + 4]
+        ptrs[i, :10] = torch.tensor([
+            norms[2 * i].data_ptr(), q.gemv_w.data_ptr(), q.gemv_s.data_ptr(),
+            o.gemv_w.data_ptr(), o.gemv_s.data_ptr(), norms[2 * i + 1].data_ptr(),
+            gu.gemv_w.data_ptr(), gu.gemv_s.data_ptr(), down.gemv_w.data_ptr(),
+            down.gemv_s.data_ptr()])
+    refs = [[weakref.ref(o) for o in objs]
+            for objs in (projections, [p.gemv_w for p in projections], norms, modules)]
+    return StepPlan(*refs,
+                    torch.tensor(kinds, dtype=torch.int32), torch.tensor(windows),
+                    ptrs, hidden, inter, h, kv, d, eps, first.scale,
+                    max(p.shape[0] for p in projections), any(any(k) for k in kinds))
+
+
+def run(model: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: Any,
+        k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> torch.Tensor | None:
+    """The decode step's layers on ``x`` [rows, hidden] (bfloat16, updated in place and
+    returned), or None (nothing done) where the C step does not serve it."""
+    rows = x.shape[0]
+    batch = meta.decode_batch
+    if rows > quant_linear.GEMV_MAX_ROWS or batch is None or not x.is_contiguous():
+        return None
+    cached = model.__dict__.get("_quant_step_plan")  # (weakref to the store, plan)
+    if cached is None or cached[0]() is not model.quant or (
+            cached[1] is not None and not cached[1].current()):
+        # None: the layers do not fit it, or the library is not built
+        cached = (weakref.ref(model.quant), build_plan(model) if load() is not None else None)
+        model.__dict__["_quant_step_plan"] = cached
+    step: StepPlan | None = cached[1]
+    if step is None:
+        return None
+    kernel = _load()  # built: load() said so when the plan was made (cached since)
+    assert kernel is not None
+    h, kv, d = step.heads, step.kv_heads, step.head_dim
+    if not (cos.dtype == sin.dtype == torch.bfloat16 and cos.is_contiguous()
+            and sin.is_contiguous() and cos.numel() == rows * d == sin.numel()
+            and meta.out_slots.dtype == torch.int64 and meta.out_slots.is_contiguous()
+            and meta.out_slots.numel() == rows and batch.rows.numel() == rows
+            and batch.table.dtype == batch.rows.dtype == batch.lens.dtype == torch.int64
+            and batch.table.is_contiguous() and batch.rows.is_contiguous()
+            and batch.lens.is_contiguous() and len(k_caches) == len(v_caches) == len(
+                step.windows)
+            and batch.scores.numel() >= (h // kv) * batch.longest):
+        return None
+    pools = [c.data_ptr() for c in k_caches] + [c.data_ptr() for c in v_caches]
+    if step.pools != pools:
+        for c in (*k_caches, *v_caches):
+            if not (c.dtype == torch.bfloat16 and c.is_contiguous() and c.dim() == 3
+                    and c.shape[1:] == (kv, d)):
+                return None
+        step.ptrs[:, 10] = torch.tensor(pools[: len(k_caches)])
+        step.ptrs[:, 11] = torch.tensor(pools[len(k_caches):])
+        step.pools = pools
+    scratch = batch.buffer("quant_step", 1, kernel.scratch_elements(
+        rows, step.hidden, step.inter, h, kv, d), torch.bfloat16)
+    f32 = (batch.buffer("quant_step_f32", rows, step.widest, torch.float32)
+           if step.any_q8 else None)
+    kernel._layers(
+        x.data_ptr(), rows, len(step.windows), step.hidden, step.inter, h, kv, d, step.eps,
+        step.scale, step.ptrs.data_ptr(), step.kinds.data_ptr(), step.windows.data_ptr(),
+        cos.data_ptr(), sin.data_ptr(), meta.out_slots.data_ptr(), batch.table.data_ptr(),
+        batch.table.shape[1], batch.rows.data_ptr(), batch.lens.data_ptr(),
+        batch.scores.data_ptr(), batch.scores.numel(), scratch.data_ptr(),
+        None if f32 is None else f32.data_ptr())
+    return x
