@@ -2,10 +2,12 @@
 
 A group is ``(a, b, r0, r1)``: rows ``r0..r1`` of the room (positions in its slot list) of
 buffers ``a..b``. Small buffers' rows are grouped whole; a buffer whose rows alone are over
-the limit is cut into row ranges. The group size is what one side moves, then sums while
-the bytes are still in its core's cache: a group's rows and the socket's copy of them
-(``2 x GROUP_BYTES``) fit this machine's 2 MiB L2, so the CRC-32 reads them from there (at
-~60 GB/s; read back from L3 after a larger group, the sum cost as much as the copy).
+the limit is cut into row ranges (even cuts). The group size is what one side moves, then
+sums: on decode the rows a ``recv`` just wrote are still in the core's cache (summed at
+~55-60 GB/s here, against ~8-15 GB/s from memory), which a group's rows and the socket's
+copy of them (``2 x GROUP_BYTES``) must fit in (2 MiB of L2 here); larger groups also leave
+the sum of a room's last group after its last byte. 512 KiB measured best of 0.5 / 1 /
+2 MiB in `tools/bench_pd_transfer.py` (CPU clock, 32 / 256 / 2048 tokens).
 
 Each helper covers one group: the pool's own rows of a run of slots as byte views
 (``run_views``) and their sum (``sum_run``); rows gathered from, or scattered into, other

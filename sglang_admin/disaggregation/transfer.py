@@ -17,7 +17,7 @@ checks the descriptors before any send). Slot lists name rows in every buffer.
 
 Backends are picked by name (`--disaggregation-transfer-backend`) through `BACKENDS`
 in disaggregation/backends.py: "mooncake" (the mooncake transfer engine) and "zmq"
-(pyzmq over TCP).
+(a plain TCP connection per peer; the name is the flag's).
 """
 
 from __future__ import annotations
