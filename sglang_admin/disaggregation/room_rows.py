@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from sglang_admin.disaggregation.kv_rows import GATHER, SCATTER, SUM
+from sglang_admin.disaggregation.kv_rows import GATHER, SCATTER
 from sglang_admin.disaggregation.transfer import RegisteredPool, byte_rows, crc32
 
 #: bytes of rows moved, then summed, at a time (see the module doc)
@@ -68,16 +68,25 @@ def run_views(pool: RegisteredPool, run: slice, g: Group) -> list[memoryview]:
     return [f[lo * i:hi * i] for f, i in zip(pool.flat[a:b], pool.item_bytes[a:b])]
 
 
-def sum_run(pool: RegisteredPool, run: slice, g: Group, acc: int) -> int:
-    """CRC-32 of the group's rows of the run ``run``, continued from ``acc`` (host pool)."""
+def sum_run(pool: RegisteredPool, run: slice, g: Group, acc: int, kern: Any = None) -> int:
+    """CRC-32 of the group's rows of the run ``run``, continued from ``acc`` (host pool;
+    ``kern``: the pool's kernel, looked up once a room by the caller, or None; the run's
+    bounds are checked once a room by `check_run`)."""
     a, b, r0, r1 = g
-    k = pool.kernel()
-    if k is not None:
-        return k.rows(pool.bases[a:b], pool.items[a:b], range(r1 - r0), run.start + r0,
-                      None, SUM, acc=acc, num_slots=pool.num_slots)
+    if kern is not None:
+        bases_at, items_at = pool.addrs
+        return kern.sum_run(b - a, bases_at + 8 * a, items_at + 8 * a, r1 - r0,
+                            run.start + r0, acc)
     for view in run_views(pool, run, g):
         acc = crc32(view, acc)
     return acc
+
+
+def check_run(pool: RegisteredPool, run: slice) -> None:
+    """ValueError unless the run of slots lies in the pool (the kernel checks nothing)."""
+    if run.start < 0 or run.stop > pool.num_slots:
+        raise ValueError(f"slots {run.start}..{run.stop - 1} outside the pool's "
+                         f"{pool.num_slots}")
 
 
 def _offsets(pool: RegisteredPool, g: Group, block: np.ndarray) -> np.ndarray:

@@ -23,6 +23,7 @@ in disaggregation/backends.py: "mooncake" (the mooncake transfer engine) and "zm
 from __future__ import annotations
 
 import abc
+import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -299,6 +300,11 @@ class RegisteredPool:
         """Buffers ``first``..``stop``'s rows ``run`` as flat byte memoryviews (host pool)."""
         return [f[run.start * i:run.stop * i]
                 for f, i in zip(self.flat[first:stop], self.item_bytes[first:stop])]
+
+    @functools.cached_property
+    def addrs(self) -> tuple[int, int]:
+        """The addresses of ``bases`` and ``items`` (for the kernel's fast path)."""
+        return int(self.bases.ctypes.data), int(self.items.ctypes.data)
 
     def kernel(self) -> Any:
         """The kv_rows kernel where this pool may use it (a host pool), else None."""

@@ -214,6 +214,8 @@ class ZmqBackend(KVTransferBackend):
             elif nbytes != len(dst) * sum(items):
                 why = (f"room {room} sent {nbytes} bytes, expected {len(dst) * sum(items)} "
                        "(short transfer)")
+            elif dst and (min(dst) < 0 or max(dst) >= _slots(pool)):
+                why = f"room {room} slots lie outside this pool of {_slots(pool)}"
             elif room in self._receiving:
                 why = f"room {room} is already being received on another connection"
             else:
@@ -225,10 +227,11 @@ class ZmqBackend(KVTransferBackend):
         done = 0
         run = slot_run(want) if host_only(pool) else None
         guard = (self._lock, lambda: self._expected.get(room) is want)
+        kern = pool.kernel()
         try:
             crc: int | None = 0
             for g in groups(items, len(dst)):
-                crc = self._land_group(conn, pool, want, run, guard, g, crc)
+                crc = self._land_group(conn, pool, want, run, guard, g, crc, kern)
                 done += group_bytes(pool, g)
             with self._lock:
                 if self._expected.get(room) is not want:
@@ -245,13 +248,14 @@ class ZmqBackend(KVTransferBackend):
 
     def _land_group(self, conn: socket.socket, pool: RegisteredPool, want: list[int],
                     run: slice | None, guard: tuple[threading.Lock, Any], g: Group,
-                    crc: int | None) -> int | None:
+                    crc: int | None, kern: Any) -> int | None:
         """Group ``g`` of a room's rows into its slots ``want`` (``run``: the same slots as
         one run, in a host pool), while ``guard`` holds; the CRC-32 of the rows written,
-        continued from ``crc`` (None: a device pool, summed on "done")."""
+        continued from ``crc`` (None: a device pool, summed on "done"); ``kern``: the
+        pool's kv_rows kernel or None."""
         if run is not None:  # straight into the pool's rows
             kv_stream.fill(conn, room_rows.run_views(pool, run, g), guard)
-            return room_rows.sum_run(pool, run, g, crc or 0)
+            return room_rows.sum_run(pool, run, g, crc or 0, kern)
         size = group_bytes(pool, g)
         stage = self._scratch(size)[:size]
         kv_stream.fill(conn, [stage])
@@ -287,10 +291,13 @@ class ZmqBackend(KVTransferBackend):
         if len(src_slots) != len(dst_slots):
             return TransferResult(False, f"kv transfer failed: {len(src_slots)} source slots "
                                          f"for {len(dst_slots)} destination slots")
+        pool = self._pool
+        if len(src_slots) and (min(src_slots) < 0 or max(src_slots) >= _slots(pool)):
+            return TransferResult(False, "kv transfer failed: source slots lie outside this "
+                                         f"pool of {_slots(pool)}")
         why = check_compatible(self.buffer_infos(), peer)
         if why is not None:
             return TransferResult(False, why.replace("kv transfer:", "kv transfer failed:"))
-        pool = self._pool
         nbytes = len(src_slots) * sum(pool.item_bytes)
         head = kv_stream.room_header(room, list(map(int, dst_slots)), len(pool.item_bytes),
                                      nbytes)
@@ -357,11 +364,18 @@ class ZmqBackend(KVTransferBackend):
         idx = None if run is not None or not host else np.asarray(src, dtype=np.int64)
         pending = [memoryview(head)]
         crc = 0
+        kern = pool.kernel()
+        bound = 0.0  # the kernel's timeout on each send, re-set as the deadline nears
         for g in groups(pool.item_bytes, n):
-            kv_stream.set_timeout(sock, max(1e-3, deadline - time.perf_counter()))
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                raise TimeoutError
+            if left < 0.9 * bound or not bound:
+                bound = max(1e-3, left)
+                kv_stream.set_timeout(sock, bound)
             if host and run is not None:  # the pool's rows as they lie
                 kv_stream.send_views(sock, pending + room_rows.run_views(pool, run, g))
-                crc = room_rows.sum_run(pool, run, g, crc)
+                crc = room_rows.sum_run(pool, run, g, crc, kern)
             elif host:  # gathered (and summed as copied) into this thread's staging buffer
                 size = group_bytes(pool, g)
                 stage = self._scratch(size)[:size]
@@ -377,3 +391,10 @@ class ZmqBackend(KVTransferBackend):
         if pending:  # a room of no rows: its header alone
             kv_stream.send_views(sock, pending)
         return crc
+
+
+def _slots(pool: RegisteredPool) -> int:
+    """The rows every registered buffer has."""
+    if pool.num_slots:
+        return pool.num_slots
+    return min((int(t.shape[0]) for t in pool.tensors), default=0)

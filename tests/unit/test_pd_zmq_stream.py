@@ -305,3 +305,27 @@ def test_fuzzed_headers_and_rows_never_break_the_receiver(pair) -> None:
     receiver.expect(72, [9])
     assert sender.send_checked(72, receiver.descriptor(), [2], [9], 10).ok
     assert receiver.read_slots([9]) == sender.read_slots([2])
+
+
+def test_a_small_room_after_a_large_one_that_waited_is_not_held_back(pair) -> None:
+    """The receiver waits for the rest of a room's read as one wake-up (the socket's
+    receive low-water mark set to what is still to come): a room that made it wait, then a
+    room far smaller than that mark, on the same connection: the second lands at once."""
+    sender, receiver = pair
+    big = list(range(SLOTS))
+    rows = os.urandom(NBUF * SLOTS * ITEM)
+    receiver.expect(81, big)
+    receiver.expect(82, [1])
+    with connect(receiver) as sock:
+        sock.sendall(kv_stream.room_header(81, big, NBUF, len(rows)) + rows[:ITEM])
+        time.sleep(0.3)  # the receiver now waits for the rest of its first read
+        sock.sendall(rows[ITEM:])
+        assert answer(sock)["ok"] is True
+        assert receiver.read_slots(big) == rows
+        one = os.urandom(NBUF * ITEM)
+        time.sleep(0.3)  # the receiver now waits for the next room's header
+        t0 = time.monotonic()
+        room(sock, 82, [1], one)
+        assert answer(sock)["ok"] is True
+        assert time.monotonic() - t0 < 2
+    assert receiver.read_slots([1]) == one
