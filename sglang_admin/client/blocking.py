@@ -145,10 +145,14 @@ def _blocking_twin(name: str, method: Callable[..., Any]) -> Callable[..., Any] 
 
 def _mirrors(source: type) -> Callable[[C], C]:
     """Class decorator: give the class a blocking twin of every public coroutine or
-    async-generator method of ``source`` that it does not define itself."""
+    async-generator method of ``source`` (its bases' included) that it does not define
+    itself."""
 
     def derive(cls: C) -> C:
-        for name, member in vars(source).items():
+        members = {}
+        for base in reversed(source.__mro__[:-1]):  # its bases' methods too, overridden last
+            members.update(vars(base))
+        for name, member in members.items():
             if name.startswith("_") or name in vars(cls):
                 continue
             twin = _blocking_twin(name, member)

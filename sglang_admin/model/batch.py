@@ -15,7 +15,9 @@ from dataclasses import dataclass
 import torch
 
 from sglang_admin.model.attention import AttentionMetadata, DecodeGroup, ExtendSeq, PagedDecode
-from sglang_admin.model.cpu_kernels import CpuKernels, DecodeBatch, extend_kernel_takes
+from sglang_admin.model.attention.choice import extend_kernel_takes
+from sglang_admin.model.cpu_kernels import CpuKernels
+from sglang_admin.model.decode_batch import DecodeBatch
 from sglang_admin.model.host_index import StagingBuffer, host_table
 from sglang_admin.model.lanes import group_by_length, lane_cuts
 from sglang_admin.model.step_io import InvalidSequence, SeqInput

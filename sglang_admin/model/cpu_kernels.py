@@ -22,42 +22,17 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from sglang_admin.model.cpu_features import cpu_has_tile_matmul
+if TYPE_CHECKING:
+    from sglang_admin.model.decode_batch import DecodeBatch, DecodeLayerWeights
 
 logger = logging.getLogger(__name__)
 
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
-# The prefill kernel reads a query token's keys once per token, where torch's flash attention
-# reuses them across a block of queries: at 8 heads of 32 dims, one thread, it is 1.45x-1.5x
-# torch at 256-512 new tokens, 1.05x at 1024 and 0.87x at 1536 (one thread, in-process), so longer
-# chunks go to torch. It runs on one thread, so only where torch runs one thread too.
-EXTEND_MAX_TOKENS = 1024
-
-
-def extend_kernel_takes(dtype: torch.dtype, prefix: int, n: int,
-                        tile_matmul: bool | None = None) -> bool:
-    """Whether a prefill chunk of ``n`` new tokens after ``prefix`` cached ones goes through
-    :meth:`CpuKernels.extend_attend` rather than torch's SDPA (where the build has the
-    kernel): float32 chunks up to ``EXTEND_MAX_TOKENS``; bfloat16 chunks of any length where
-    the CPU has no AMX tiles (the flash kernel measured faster than torch's bfloat16 SDPA from
-    1 to 2048 new tokens, with and without a cached prefix, at the SmolLM2-135M and
-    Qwen2.5-0.5B shapes: 2-3.5x from 16 tokens up on AVX512_BF16), and none where it has them
-    (torch's flash attention multiplies its blocks on the tiles: 1.6-2.9x the kernel from 64
-    new tokens up, a whole 2048-token SmolLM2 prefill 1.9x; docs/cpu-performance.md).
-    ``tile_matmul``: whether the CPU has AMX-BF16 (default: this machine)."""
-    if dtype == torch.bfloat16:
-        if tile_matmul is None:
-            tile_matmul = cpu_has_tile_matmul()
-        return n > 0 and not tile_matmul
-    return n <= EXTEND_MAX_TOKENS
-
-
 class CpuKernels:
     """The built library: decode attention (``attend``), prefill attention
     (``extend_attend``), ``rms_norm``, ``rope``, ``silu_mul``, ``linear`` (small
@@ -332,7 +307,7 @@ class CpuKernels:
         [0, prefix + n), read from the pools [slots, KV, D] (the chunk's rows already written)
         at ``slots`` (int64, the sequence's table row) -> [n, H * D]; a sliding window keeps
         each query's last ``window`` keys. Where :meth:`extend_applies` (else ValueError);
-        when it is the faster path is the caller's to decide (:func:`extend_kernel_takes`).
+        when it is the faster path is the caller's to decide (model/attention/choice.py's :func:`extend_kernel_takes`).
 
         float32: one thread. bfloat16 (q and pools): a flash-attention kernel on AVX512_BF16
         spread over torch's threads, with the numerics of torch's CPU flash kernel in
@@ -463,84 +438,3 @@ def _packed_floats(rows: int, width: int) -> int:
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
-
-
-@dataclass
-class DecodeLayerWeights:
-    """What :meth:`CpuKernels.decode_layer` reads of one decoder layer: float32 CPU tensors,
-    contiguous (biases None when the model has none), and the layer's shape."""
-
-    ln1: torch.Tensor  # [hidden] input RMSNorm
-    w_qkv: torch.Tensor  # [(H + 2 KV) D, hidden], q rows first, then k, then v
-    b_qkv: torch.Tensor | None
-    w_o: torch.Tensor  # [hidden, H D]
-    b_o: torch.Tensor | None
-    ln2: torch.Tensor  # [hidden] post-attention RMSNorm
-    w_gate_up: torch.Tensor  # [2 I, hidden], gate rows first
-    b_gate_up: torch.Tensor | None
-    w_down: torch.Tensor  # [hidden, I]
-    b_down: torch.Tensor | None
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    eps: float
-    scale: float
-    window: int | None
-    lora_hooks: Callable[[], bool] = lambda: False  # whether LoRA hooks sit on the layer now
-
-
-@dataclass
-class DecodeBatch:
-    """One forward's decode sequences for the kernel, shared by every layer."""
-
-    kernel: CpuKernels
-    table: torch.Tensor  # [R, ctx] the runner's req_to_token
-    rows: torch.Tensor  # [n] int64 table row of each decode sequence
-    lens: torch.Tensor  # [n] int64 its length, the new token included
-    longest: int  # max(lens)
-    scores: torch.Tensor  # float32 scratch, heads * longest at least
-    scratch: torch.Tensor | None = None  # decode_layer's, shared by every layer
-    buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # see buffer()
-
-    def check_scores(self, heads: int) -> None:
-        """The kernel writes heads * longest scores: refuse a scratch that cannot hold them."""
-        if self.scores.numel() < heads * self.longest:
-            raise ValueError(f"decode kernel: scores scratch of {self.scores.numel()} floats "
-                             f"for {heads} heads x {self.longest} keys")
-
-    def layer_scratch(self, floats: int) -> torch.Tensor:
-        """A float32 scratch of at least ``floats``, allocated once per forward."""
-        if self.scratch is None or self.scratch.numel() < floats:
-            self.scratch = torch.empty(floats, dtype=torch.float32)
-        return self.scratch
-
-    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               scale: float, window: int | None) -> torch.Tensor:
-        """One layer: q [n, H, D] against its pool -> [n, H * D]."""
-        self.check_scores(q.shape[1])
-        return self.kernel.attend(q, k_cache, v_cache, self.table, self.rows, self.lens,
-                                  scale, window, self.scores)
-
-    def buffer(self, name: str, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
-        """A [rows, width] scratch tensor of this forward, the same one for every layer that
-        asks by ``name`` with this shape (each layer's use of it ends before the next's)."""
-        buf = self.buffers.get(name)
-        if buf is None or buf.shape != (rows, width) or buf.dtype != dtype:
-            buf = self.buffers[name] = torch.empty(rows, width, dtype=dtype)
-        return buf
-
-    def rope_attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
-                    k_cache: torch.Tensor, v_cache: torch.Tensor, out_slots: torch.Tensor,
-                    scale: float, window: int | None) -> torch.Tensor:
-        """One bfloat16 layer's :meth:`CpuKernels.rope_attend`: the fused qkv [n, H + 2 KV, D]
-        -> [n, H * D], into this forward's buffers (valid until the next layer's call)."""
-        n, width, dim = qkv.shape
-        rotated_heads = heads + (width - heads) // 2  # the q heads and the k heads
-        rotated = self.buffer("rotated", n, rotated_heads * dim, qkv.dtype)
-        out = self.buffer("attention", n, heads * dim, qkv.dtype)
-        return self.kernel.rope_attend(
-            qkv, cos, sin, heads, k_cache, v_cache, out_slots, self.table, self.rows, self.lens,
-            scale, window, self.scores, rotated.view(n, rotated_heads, dim), out, self.longest)
-
-

@@ -23,7 +23,7 @@ from torch import nn
 
 from sglang_admin.model.attention import AttentionMetadata, paged_attention
 from sglang_admin.model.config import LlamaConfig
-from sglang_admin.model.cpu_kernels import DecodeLayerWeights
+from sglang_admin.model.decode_batch import DecodeLayerWeights
 from sglang_admin.model.layers import MLP, RMSNorm
 from sglang_admin.model.rotary import RotaryEmbedding, apply_rope, rope_inv_freq
 

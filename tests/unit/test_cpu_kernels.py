@@ -8,11 +8,11 @@ import torch.nn.functional as F
 
 from sglang_admin.messages import SamplingParams
 from sglang_admin.model import cpu_kernels, cpu_kernels_build
-from sglang_admin.model.attention import AttentionMetadata
+from sglang_admin.model.attention import AttentionMetadata, choice
 from sglang_admin.model.config import LlamaConfig
 from sglang_admin.model.cpu_features import cpu_flags
-from sglang_admin.model.cpu_kernels import DecodeBatch
 from sglang_admin.model.cpu_kernels_build import load_cpu_kernels, reference_attend
+from sglang_admin.model.decode_batch import DecodeBatch
 from sglang_admin.model.llama import DecoderLayer
 from sglang_admin.model.loader import ModelLoadError
 from sglang_admin.model.rotary import RotaryEmbedding, apply_rope
@@ -320,15 +320,15 @@ def test_runner_decodes_the_same_with_and_without_the_kernel() -> None:
 def test_bfloat16_prefill_attention_takes_torchs_flash_attention_where_the_cpu_has_amx() -> None:
     """bfloat16 chunks: the flash kernel without AMX tiles, torch's SDPA with them; float32
     chunks up to EXTEND_MAX_TOKENS go to the kernel either way."""
-    limit = cpu_kernels.EXTEND_MAX_TOKENS
+    limit = choice.EXTEND_MAX_TOKENS
     for n in (1, 64, 2048):
-        assert cpu_kernels.extend_kernel_takes(BF16, 0, n, tile_matmul=False)
-        assert not cpu_kernels.extend_kernel_takes(BF16, 512, n, tile_matmul=True)
-    assert not cpu_kernels.extend_kernel_takes(BF16, 0, 0, tile_matmul=False)
+        assert choice.extend_kernel_takes(BF16, 0, n, tile_matmul=False)
+        assert not choice.extend_kernel_takes(BF16, 512, n, tile_matmul=True)
+    assert not choice.extend_kernel_takes(BF16, 0, 0, tile_matmul=False)
     for tiles in (False, True):
-        assert cpu_kernels.extend_kernel_takes(torch.float32, 0, limit, tile_matmul=tiles)
-        assert not cpu_kernels.extend_kernel_takes(torch.float32, 0, limit + 1, tile_matmul=tiles)
-    assert cpu_kernels.cpu_has_tile_matmul() == ("amx_bf16" in cpu_flags())
+        assert choice.extend_kernel_takes(torch.float32, 0, limit, tile_matmul=tiles)
+        assert not choice.extend_kernel_takes(torch.float32, 0, limit + 1, tile_matmul=tiles)
+    assert choice.cpu_has_tile_matmul() == ("amx_bf16" in cpu_flags())
 
 
 def _spy_extend_attend(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
@@ -354,7 +354,7 @@ def test_runner_sends_prefill_chunks_to_the_kernel_where_it_is_faster(
     runner = ModelRunner(None, device="cpu", dtype="float32", max_total_tokens=4096,
                          max_running_requests=4)
     layers = runner.model.config.num_layers
-    long = cpu_kernels.EXTEND_MAX_TOKENS + 1
+    long = choice.EXTEND_MAX_TOKENS + 1
     greedy = SamplingParams(temperature=0.0)
     before = torch.get_num_threads()
     try:
@@ -679,7 +679,7 @@ def test_runner_in_bf16_uses_the_kernels_and_decodes_as_torchs_ops(
     # has no AMX tiles (torch's flash attention runs on them)
     head_dim = fast.model.config.head_dim
     assert ("extend_attend" in calls) == (fast.cpu_kernels.extend_applies(head_dim, BF16)
-                                          and not cpu_kernels.cpu_has_tile_matmul())
+                                          and not choice.cpu_has_tile_matmul())
 
 
 @needs_kernel
@@ -941,12 +941,12 @@ def test_runner_in_bf16_sends_every_prefill_chunk_to_the_flash_kernel(
     torch's SDPA path, which a CPU with AMX tiles takes for every chunk."""
     from sglang_admin.model import batch as batch_module
 
-    monkeypatch.setattr(cpu_kernels, "cpu_has_tile_matmul", lambda: False)
+    monkeypatch.setattr(choice, "cpu_has_tile_matmul", lambda: False)
     calls = _spy_extend_attend(monkeypatch)
     runner = ModelRunner(None, device="cpu", dtype="bfloat16", max_total_tokens=4096,
                          max_running_requests=4)
     layers = runner.model.config.num_layers
-    long = cpu_kernels.EXTEND_MAX_TOKENS + 1
+    long = choice.EXTEND_MAX_TOKENS + 1
     greedy = SamplingParams(temperature=0.0)
     prompt = list(range(3, 11))
     long_prompt = [(7 * i) % (runner.info.vocab_size - 2) + 2 for i in range(long)]
@@ -970,8 +970,8 @@ def test_runner_in_bf16_sends_every_prefill_chunk_to_the_flash_kernel(
         monkeypatch.setattr(batch_module, "extend_kernel_takes",
                             lambda dtype, prefix, n: dtype == torch.float32)
         assert run(with_long=False) == ours and calls == []
-        monkeypatch.setattr(batch_module, "extend_kernel_takes", cpu_kernels.extend_kernel_takes)
-        monkeypatch.setattr(cpu_kernels, "cpu_has_tile_matmul", lambda: True)
+        monkeypatch.setattr(batch_module, "extend_kernel_takes", choice.extend_kernel_takes)
+        monkeypatch.setattr(choice, "cpu_has_tile_matmul", lambda: True)
         assert run(with_long=False) == ours and calls == []
     finally:
         torch.set_num_threads(before)

@@ -1,4 +1,5 @@
-"""Which attention path a rank runs on CUDA, decided in this one place.
+"""Which attention path a rank runs, decided in this one place: on CUDA, and on a CPU which
+prefill chunks go to the CPU kernel (:func:`extend_kernel_takes`).
 
 On CUDA (unless ``--attention-backend torch_native``) decode sequences attend through the
 Triton paged kernel (model/attention/triton_decode.py), which reads each key through the
@@ -20,7 +21,10 @@ import logging
 
 import torch
 
-__all__ = ["cuda_attention_applies", "kernel_problem", "triton_available"]
+from sglang_admin.model.cpu_features import cpu_has_tile_matmul
+
+__all__ = ["EXTEND_MAX_TOKENS", "cuda_attention_applies", "extend_kernel_takes", "kernel_problem",
+           "triton_available"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,3 +66,28 @@ def kernel_problem(device: torch.device, heads: int, kv_heads: int, head_dim: in
     from sglang_admin.model.attention.triton_decode import startup_check
 
     return startup_check(device, heads, kv_heads, head_dim, dtype)
+
+
+# The prefill kernel reads a query token's keys once per token, where torch's flash attention
+# reuses them across a block of queries: at 8 heads of 32 dims, one thread, it is 1.45x-1.5x
+# torch at 256-512 new tokens, 1.05x at 1024 and 0.87x at 1536 (one thread, in-process), so longer
+# chunks go to torch. It runs on one thread, so only where torch runs one thread too.
+EXTEND_MAX_TOKENS = 1024
+
+
+def extend_kernel_takes(dtype: torch.dtype, prefix: int, n: int,
+                        tile_matmul: bool | None = None) -> bool:
+    """Whether a prefill chunk of ``n`` new tokens after ``prefix`` cached ones goes through
+    :meth:`CpuKernels.extend_attend` rather than torch's SDPA (where the build has the
+    kernel): float32 chunks up to ``EXTEND_MAX_TOKENS``; bfloat16 chunks of any length where
+    the CPU has no AMX tiles (the flash kernel measured faster than torch's bfloat16 SDPA from
+    1 to 2048 new tokens, with and without a cached prefix, at the SmolLM2-135M and
+    Qwen2.5-0.5B shapes: 2-3.5x from 16 tokens up on AVX512_BF16), and none where it has them
+    (torch's flash attention multiplies its blocks on the tiles: 1.6-2.9x the kernel from 64
+    new tokens up, a whole 2048-token SmolLM2 prefill 1.9x; docs/cpu-performance.md).
+    ``tile_matmul``: whether the CPU has AMX-BF16 (default: this machine)."""
+    if dtype == torch.bfloat16:
+        if tile_matmul is None:
+            tile_matmul = cpu_has_tile_matmul()
+        return n > 0 and not tile_matmul
+    return n <= EXTEND_MAX_TOKENS
