@@ -27,10 +27,12 @@ header is answered and the connection closed. Rows for a run of slots are read s
 into the pool's rows (``recv`` into them, at most ``kv_stream.PIECE_BYTES`` a read, under
 the backend's lock and only while the room is still expected: `release` waits for at most
 one such read, never for the network, and nothing is written after it returns); other
-slots through a staging buffer and one kv_rows scatter per group. The rows of each group
-are summed (CRC-32) right after they landed, while in cache: decode's `received_checksum`
-takes that sum instead of reading the pool again. A sender that dies or stalls mid-room
-leaves the room unanswered and without a sum (decode's checksum then fails it).
+slots through a staging buffer and one kv_rows scatter per group. A read that has to wait
+sleeps until the rest of it has arrived (``SO_RCVLOWAT``), not once per packet. The rows
+of each group are summed (CRC-32) right after they landed, while in cache: decode's
+`received_checksum` takes that sum instead of reading the pool again. A sender that dies
+or stalls mid-room leaves the room unanswered and without a sum (decode's checksum then
+fails it).
 """
 
 from __future__ import annotations
