@@ -288,7 +288,8 @@ def test_fuzzed_headers_and_rows_never_break_the_receiver(pair) -> None:
             else:
                 fields = {"room": rng.choice([70, 71, "r", None]),
                           "dst_slots": rng.choice([[3, 4], [3], [], "x", [2**60], [-1]]),
-                          "nbuf": rng.choice(values), "nbytes": rng.choice([*values, 2 * NBUF * ITEM])}
+                          "nbuf": rng.choice(values),
+                          "nbytes": rng.choice([*values, 2 * NBUF * ITEM])}
                 body = msgpack.packb(fields)
                 rows = rng.randbytes(rng.choice([0, 1, 64, 2 * NBUF * ITEM]))
                 sock.sendall(kv_stream.MAGIC + len(body).to_bytes(4, "big") + body + rows)
@@ -329,3 +330,44 @@ def test_a_small_room_after_a_large_one_that_waited_is_not_held_back(pair) -> No
         assert answer(sock)["ok"] is True
         assert time.monotonic() - t0 < 2
     assert receiver.read_slots([1]) == one
+
+
+@pytest.mark.parametrize("layout", ["runs", "scattered"])
+def test_a_pool_the_host_cannot_address_goes_through_torch(monkeypatch, layout: str) -> None:
+    """A device pool's path (no host rows: gathered with torch, staged, landed with
+    ``index_copy_``, summed on "done"), taken here by CPU tensors registered as if they were
+    on a device: the bytes land and the sums agree."""
+    import dataclasses
+
+    from sglang_admin.disaggregation import transfer
+
+    real = transfer.RegisteredPool.of
+
+    def as_device(buffers):
+        got = real(buffers)
+        return dataclasses.replace(got, host_rows=[None] * len(got.tensors), bases=None,
+                                   items=None, num_slots=0, flat=())
+
+    monkeypatch.setattr(transfer.RegisteredPool, "of", staticmethod(as_device))
+    monkeypatch.setattr(room_rows, "GROUP_BYTES", 3 * ITEM)  # row cuts and whole buffers
+    sender, receiver = ZmqBackend(), ZmqBackend()
+    sender.register_buffers(pool(True))
+    receiver.register_buffers(pool(False))
+    sender.start()
+    receiver.start()
+    try:
+        assert sender._pool.kernel() is None and sender._pool.host_rows[0] is None
+        if layout == "runs":
+            src, dst = list(range(3, 13)), list(range(40, 50))
+        else:
+            src = random.Random(3).sample(range(SLOTS), 10)
+            dst = random.Random(4).sample(range(SLOTS), 10)
+        receiver.expect(91, dst)
+        res = sender.send_checked(91, receiver.descriptor(), src, dst, 10)
+        assert res.ok, res.error
+        assert receiver.read_slots(dst) == sender.read_slots(src)
+        assert receiver.received_checksum(91, dst) == res.checksum == zlib.crc32(
+            sender.read_slots(src))
+    finally:
+        sender.close()
+        receiver.close()
