@@ -134,14 +134,14 @@ def fill(sock: socket.socket, views: list[memoryview],
     left = sum(map(len, views))
     while views:
         if left <= PIECE_BYTES and len(views) <= _IOV_MAX:
-            batch = views  # the common case: the whole rest in one read
+            batch, asked = views, left  # the common case: the whole rest in one read
         else:
-            batch, size = [], 0
+            batch, asked = [], 0
             for v in views[:_IOV_MAX]:
-                if size >= PIECE_BYTES:
+                if asked >= PIECE_BYTES:
                     break
-                batch.append(v if size + len(v) <= PIECE_BYTES else v[:PIECE_BYTES - size])
-                size += len(batch[-1])
+                batch.append(v if asked + len(v) <= PIECE_BYTES else v[:PIECE_BYTES - asked])
+                asked += len(batch[-1])
         try:
             if guard is None:
                 n = sock.recvmsg_into(batch, 0, socket.MSG_DONTWAIT)[0]
@@ -151,6 +151,20 @@ def fill(sock: socket.socket, views: list[memoryview],
                         raise Released(got)
                     n = sock.recvmsg_into(batch, 0, socket.MSG_DONTWAIT)[0]
         except BlockingIOError:
+            n = -1
+        if n == 0:
+            raise StreamClosed("the sender closed the connection mid-room (short transfer)")
+        if n > 0:
+            got += n
+            left -= n
+            k = n
+            while k:
+                if k >= len(views[0]):
+                    k -= len(views.pop(0))
+                else:
+                    views[0] = views[0][k:]
+                    k = 0
+        if views and n < asked:  # less than asked had come: wait for the rest of it
             if poller is None:
                 poller = select.poll()
                 poller.register(sock, select.POLLIN)
@@ -163,17 +177,6 @@ def fill(sock: socket.socket, views: list[memoryview],
             if not poller.poll(stall_s * 1000):
                 raise StreamClosed(f"nothing came for {time.monotonic() - t0:.0f}s "
                                    "mid-room (sender stalled)") from None
-            continue
-        if n == 0:
-            raise StreamClosed("the sender closed the connection mid-room (short transfer)")
-        got += n
-        left -= n
-        while n:
-            if n >= len(views[0]):
-                n -= len(views.pop(0))
-            else:
-                views[0] = views[0][n:]
-                n = 0
 
 
 def next_room(sock: socket.socket) -> bytes | None:
