@@ -17,6 +17,7 @@ copied (the kv_rows kernel; numpy, or torch for a device pool, where it is not b
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,10 +32,15 @@ GROUP_BYTES = 512 << 10
 Group = tuple[int, int, int, int]
 
 
-def groups(items: Sequence[int], n: int, limit: int | None = None) -> list[Group]:
+def groups(items: Sequence[int], n: int, limit: int | None = None) -> tuple[Group, ...]:
     """The groups of ``n`` rows of buffers of ``items`` bytes a row, in stream order
-    (buffer-major: every row of buffer 0, then buffer 1's, ..)."""
-    limit = GROUP_BYTES if limit is None else limit
+    (buffer-major: every row of buffer 0, then buffer 1's, ..); kept for the shapes seen
+    last (a pool's rooms come in a few lengths)."""
+    return _groups(tuple(items), n, GROUP_BYTES if limit is None else limit)
+
+
+@functools.lru_cache(maxsize=256)
+def _groups(items: tuple[int, ...], n: int, limit: int) -> tuple[Group, ...]:
     out: list[Group] = []
     first, size = 0, 0
     for k, item in enumerate(items):
@@ -53,7 +59,7 @@ def groups(items: Sequence[int], n: int, limit: int | None = None) -> list[Group
         size += total
     if first < len(items):
         out.append((first, len(items), 0, n))
-    return out
+    return tuple(out)
 
 
 def group_bytes(pool: RegisteredPool, g: Group) -> int:

@@ -49,7 +49,6 @@ import numpy as np
 from sglang_admin.disaggregation import kv_stream, room_rows
 from sglang_admin.disaggregation.kv_stream import Released, StreamClosed
 from sglang_admin.disaggregation.room_rows import Group, group_bytes, groups
-from sglang_admin.disaggregation.staging import host_only
 from sglang_admin.disaggregation.transfer import (
     KVTransferBackend,
     KVTransferError,
@@ -227,7 +226,7 @@ class ZmqBackend(KVTransferBackend):
             kv_stream.drain(conn, nbytes, self._scratch(1 << 20))
             return f"kv transfer failed: {why}"
         done = 0
-        run = slot_run(want) if host_only(pool) else None
+        run = slot_run(want) if pool.bases is not None else None  # a host pool
         guard = (self._lock, lambda: self._expected.get(room) is want)
         kern = pool.kernel()
         try:
@@ -297,7 +296,10 @@ class ZmqBackend(KVTransferBackend):
         if len(src_slots) and (min(src_slots) < 0 or max(src_slots) >= _slots(pool)):
             return TransferResult(False, "kv transfer failed: source slots lie outside this "
                                          f"pool of {_slots(pool)}")
-        why = check_compatible(self.buffer_infos(), peer)
+        theirs = peer.buffers
+        why = None if (len(theirs) == len(pool.item_bytes) and tuple(
+            b.item_bytes for b in theirs) == pool.item_bytes) else check_compatible(
+            pool.infos, peer)
         if why is not None:
             return TransferResult(False, why.replace("kv transfer:", "kv transfer failed:"))
         nbytes = len(src_slots) * sum(pool.item_bytes)
@@ -362,7 +364,7 @@ class ZmqBackend(KVTransferBackend):
         """The room's header and rows, group by group; the CRC-32 of the source rows."""
         n = len(src)
         run = slot_run(src)
-        host = host_only(pool)
+        host = pool.bases is not None  # a host pool (every buffer)
         idx = None if run is not None or not host else np.asarray(src, dtype=np.int64)
         pending = [memoryview(head)]
         crc = 0
