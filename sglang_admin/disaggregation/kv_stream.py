@@ -93,15 +93,22 @@ def answer_bytes(room: int | None, error: str | None) -> bytes:
 def send_views(sock: socket.socket, views: list[memoryview]) -> None:
     """Every byte of ``views`` (gathered by sendmsg, as many as the kernel takes a call);
     the socket's `set_timeout` bounds each call (BlockingIOError out)."""
+    n = 0
+    if len(views) <= _IOV_MAX:
+        n = sock.sendmsg(views)
+        if n == sum(map(len, views)):
+            return  # the common case: a blocking socket takes all of it in one call
+    # else cut short (the send timeout, a signal) or too many views: the rest in turns
     views = [v for v in views if len(v)]
     while views:
-        n = sock.sendmsg(views[:_IOV_MAX])
         while n:
             if n >= len(views[0]):
                 n -= len(views.pop(0))
             else:
                 views[0] = views[0][n:]
                 n = 0
+        if views:
+            n = sock.sendmsg(views[:_IOV_MAX])
 
 
 def read_answer(sock: socket.socket) -> Any:

@@ -371,3 +371,26 @@ def test_a_pool_the_host_cannot_address_goes_through_torch(monkeypatch, layout: 
     finally:
         sender.close()
         receiver.close()
+
+
+def test_send_views_sends_every_byte_once_when_the_kernel_takes_part() -> None:
+    """A send the kernel cuts short (its timeout, a signal) goes on from where it stopped,
+    over more views than one call takes."""
+
+    class Partial:
+        def __init__(self, rng: random.Random) -> None:
+            self.out, self.rng = bytearray(), rng
+
+        def sendmsg(self, views: list[memoryview]) -> int:
+            assert len(views) <= 512
+            data = b"".join(bytes(v) for v in views)[:self.rng.randrange(1, 200)]
+            self.out += data
+            return len(data)
+
+    rng = random.Random(1)
+    for _ in range(200):
+        views = [memoryview(rng.randbytes(rng.randrange(0, 50)))
+                 for _ in range(rng.randrange(0, 700))]
+        sock = Partial(rng)
+        kv_stream.send_views(sock, list(views))
+        assert bytes(sock.out) == b"".join(bytes(v) for v in views)
