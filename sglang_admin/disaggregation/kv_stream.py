@@ -164,6 +164,8 @@ def fill(sock: socket.socket, views: list[memoryview],
         if n > 0:
             got += n
             left -= n
+            if not left:
+                return  # the common case: all of it in one read
             k = n
             while k:
                 if k >= len(views[0]):
