@@ -188,7 +188,7 @@ def fill(sock: socket.socket, views: list[memoryview],
                                    "mid-room (sender stalled)") from None
 
 
-def next_room(sock: socket.socket) -> bytes | None:
+def next_room(sock: socket.socket, max_header: int = MAX_HEADER_BYTES) -> bytes | None:
     """The next room's header msgpack, waiting as long as the connection is idle (a sender
     keeps it between rooms); None when the peer closed it between rooms. ValueError when the
     framing is wrong (the stream cannot be followed any further)."""
@@ -204,8 +204,9 @@ def next_room(sock: socket.socket) -> bytes | None:
     if head[:4] != MAGIC:
         raise ValueError("not a KV room header (bad magic)")
     size = _LEN.unpack_from(head, 4)[0]
-    if size > MAX_HEADER_BYTES:
-        raise ValueError(f"header of {size} bytes (over {MAX_HEADER_BYTES})")
+    if size > min(max_header, MAX_HEADER_BYTES):
+        raise ValueError(f"header of {size} bytes (over "
+                         f"{min(max_header, MAX_HEADER_BYTES)})")
     return read_exact(sock, size)
 
 

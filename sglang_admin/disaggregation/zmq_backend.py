@@ -177,7 +177,9 @@ class ZmqBackend(KVTransferBackend):
         try:
             while not self._closed:
                 try:
-                    raw = kv_stream.next_room(conn)
+                    # a header lists at most the pool's slots: its size is bounded by
+                    # them before any of it is read (a peer cannot make it allocate more)
+                    raw = kv_stream.next_room(conn, 1024 + 10 * _slots(self._pool))
                     if raw is None:
                         return  # the sender closed it between rooms
                     room, dst, nbuf, nbytes = kv_stream.parse_header(raw)

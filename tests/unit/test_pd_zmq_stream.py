@@ -221,6 +221,7 @@ def test_a_malformed_header_is_answered_and_ends_that_connection_only(pair) -> N
     receiver.expect(51, [5])
     bad = [b"GET / HTTP/1.1\r\n\r\n",  # not our magic
            kv_stream.MAGIC + (1 << 30).to_bytes(4, "big"),  # a header too large
+           kv_stream.MAGIC + (1 << 20).to_bytes(4, "big"),  # more than 64 slots could need
            kv_stream.MAGIC + b"\x00\x00\x00\x01\xc1",  # not msgpack
            kv_stream.MAGIC + b"\x00\x00\x00\x01\x90"]  # not a header map
     import msgpack
