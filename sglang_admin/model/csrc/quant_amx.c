@@ -52,9 +52,10 @@ int amx_init(void) {
 #ifdef AMX_KERNEL
 
 #define MAX_BLOCKS 3 /* 16-row activation blocks per pass over the weights */
+#define PREFETCH_BYTES 2048 /* of a block's int4 codes (its scales: a quarter of that) */
 /* blocks x inputs below which one thread computes it all: ~80 ns a 16 x 32 tile at 32 rows,
  * so every projection of a small model (576 x 576: 648 tiles) is worth a team */
-#define PARALLEL_MIN (4 * 1024)
+#define AMX_PARALLEL_MIN (4 * 1024)
 
 struct tile_config {
     uint8_t palette;
@@ -83,15 +84,17 @@ static void configure(int64_t rows) {
     _tile_loadconfig(&cfg);
 }
 
-/* One group's B tile (16 rows of 32 bfloat16) from its codes and the block's scales. */
+/* One group's B tile (16 rows of 32 bfloat16) from its codes and the block's scales; q - 8
+ * as float32 through a table (vpermps reads an index's low 4 bits: the low nibble needs no
+ * mask), the same values as a conversion and a subtraction, two instructions fewer a row. */
 static inline void dequant_tile(const uint8_t *codes, __m512 s_lo, __m512 z_lo, __m512 s_hi,
                                 __m512 z_hi, uint16_t *bt) {
-    const __m512i nib = _mm512_set1_epi32(15);
-    const __m512 eight = _mm512_set1_ps(8.0f);
+    const __m512 table = _mm512_setr_ps(-8.f, -7.f, -6.f, -5.f, -4.f, -3.f, -2.f, -1.f, 0.f, 1.f,
+                                        2.f, 3.f, 4.f, 5.f, 6.f, 7.f);
     for (int r = 0; r < 16; r++) {
         __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + 16 * r)));
-        __m512 lo = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, nib)), eight);
-        __m512 hi = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), eight);
+        __m512 lo = _mm512_permutexvar_ps(v, table);
+        __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
         lo = _mm512_fmadd_ps(lo, s_lo, z_lo);
         hi = _mm512_fmadd_ps(hi, s_hi, z_hi);
         _mm512_store_si512((__m512i *)(bt + 32 * r), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
@@ -118,6 +121,11 @@ static void block_rows(const uint16_t *x, int64_t rows, int64_t ldx, int64_t k,
     if (blocks > 1) _tile_zero(1);
     if (blocks > 2) _tile_zero(2);
     for (int64_t g = 0; g < groups; g++) {
+        /* the codes and scales stream from memory once a step: asked for PREFETCH_BYTES
+         * ahead (the hardware's prefetch alone left the loads waiting, ~20% of the time) */
+        for (int l = 0; l < 256; l += 64)
+            _mm_prefetch((const char *)(c + 256 * g + PREFETCH_BYTES + l), _MM_HINT_T0);
+        _mm_prefetch((const char *)(s + 32 * g + PREFETCH_BYTES / 4), _MM_HINT_T0);
         __m512 sc = bf16x16(s + 32 * g), ze = bf16x16(s + 32 * g + 16);
         dequant_tile(c + 256 * g, _mm512_permutexvar_ps(pair_lo, sc),
                      _mm512_permutexvar_ps(pair_lo, ze), _mm512_permutexvar_ps(pair_hi, sc),
@@ -205,7 +213,7 @@ void q8_amx_f32(const uint16_t *x, int64_t m, int64_t ldx, int64_t k, const int8
     const int64_t nblocks = n / 16;
     for (int64_t r0 = 0; r0 < m; r0 += 16 * MAX_BLOCKS) {
         int64_t rows = m - r0 < 16 * MAX_BLOCKS ? m - r0 : 16 * MAX_BLOCKS;
-#pragma omp parallel if (nblocks * k >= PARALLEL_MIN)
+#pragma omp parallel if (nblocks * k >= AMX_PARALLEL_MIN)
         {
             uint16_t bt[512] __attribute__((aligned(64)));
             float cbuf[768] __attribute__((aligned(64)));
@@ -231,7 +239,7 @@ void q4_amx_bf16(const uint16_t *x, int64_t m, int64_t ldx, int64_t k, const uin
     const int64_t nblocks = n / 16;
     for (int64_t r0 = 0; r0 < m; r0 += 16 * MAX_BLOCKS) {
         int64_t rows = m - r0 < 16 * MAX_BLOCKS ? m - r0 : 16 * MAX_BLOCKS;
-#pragma omp parallel if (nblocks * k >= PARALLEL_MIN)
+#pragma omp parallel if (nblocks * k >= AMX_PARALLEL_MIN)
         {
             uint16_t bt[512] __attribute__((aligned(64)));
             float cbuf[768] __attribute__((aligned(64)));
