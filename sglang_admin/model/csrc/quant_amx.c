@@ -17,6 +17,12 @@
  * i (low nibble) and lane 16 + i (high nibble), lane L being output row L / 2 of the block,
  * input 2r + L % 2; scales and zeros bfloat16 [N / 16, K / 32, 2, 16].
  *
+ * A tile load waits for the vector stores it reads to reach the cache (and a vector load for
+ * a tile store's), so each loop writes the next group's B tile (two buffers) before it
+ * loads the current one, and the Q8_0 loop scales the previous group's sums while the
+ * current group's are in flight; the codes are prefetched PREFETCH_BYTES ahead. Same
+ * arithmetic in the same order: the same bits.
+ *
  * Output row blocks are spread over the OpenMP team (torch's libgomp); each thread loads
  * its own tile configuration. amx_init asks Linux for the tile state (arch_prctl).
  */
@@ -106,6 +112,13 @@ static inline __m512 bf16x16(const uint16_t *p) {
         _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
+static inline void dequant_group(const uint8_t *c, const uint16_t *s, __m512i pair_lo,
+                                 __m512i pair_hi, uint16_t *bt) {
+    __m512 sc = bf16x16(s), ze = bf16x16(s + 16);
+    dequant_tile(c, _mm512_permutexvar_ps(pair_lo, sc), _mm512_permutexvar_ps(pair_lo, ze),
+                 _mm512_permutexvar_ps(pair_hi, sc), _mm512_permutexvar_ps(pair_hi, ze), bt);
+}
+
 /* Output rows [16 nb, 16 nb + 16) for activation rows [0, rows), rows <= 48. */
 static void block_rows(const uint16_t *x, int64_t rows, int64_t ldx, int64_t k,
                        const uint8_t *codes, const uint16_t *sz, int64_t nb, uint16_t *out,
@@ -120,17 +133,17 @@ static void block_rows(const uint16_t *x, int64_t rows, int64_t ldx, int64_t k,
     _tile_zero(0);
     if (blocks > 1) _tile_zero(1);
     if (blocks > 2) _tile_zero(2);
+    dequant_group(c, s, pair_lo, pair_hi, bt);
     for (int64_t g = 0; g < groups; g++) {
         /* the codes and scales stream from memory once a step: asked for PREFETCH_BYTES
          * ahead (the hardware's prefetch alone left the loads waiting, ~20% of the time) */
         for (int l = 0; l < 256; l += 64)
             _mm_prefetch((const char *)(c + 256 * g + PREFETCH_BYTES + l), _MM_HINT_T0);
         _mm_prefetch((const char *)(s + 32 * g + PREFETCH_BYTES / 4), _MM_HINT_T0);
-        __m512 sc = bf16x16(s + 32 * g), ze = bf16x16(s + 32 * g + 16);
-        dequant_tile(c + 256 * g, _mm512_permutexvar_ps(pair_lo, sc),
-                     _mm512_permutexvar_ps(pair_lo, ze), _mm512_permutexvar_ps(pair_hi, sc),
-                     _mm512_permutexvar_ps(pair_hi, ze), bt);
-        _tile_loadd(6, bt, 64);
+        if (g + 1 < groups)
+            dequant_group(c + 256 * (g + 1), s + 32 * (g + 1), pair_lo, pair_hi,
+                          bt + 512 * ((g + 1) & 1));
+        _tile_loadd(6, bt + 512 * (g & 1), 64);
         const uint16_t *xa = x + 32 * g;
         _tile_loadd(3, xa, ldx * 2);
         _tile_dpbf16ps(0, 3, 6);
@@ -154,10 +167,31 @@ static void block_rows(const uint16_t *x, int64_t rows, int64_t ldx, int64_t k,
     }
 }
 
+/* group g's int8 values into a B tile (exact in bfloat16) */
+static inline void q8_tile(const int8_t *cg, uint16_t *bt) {
+    for (int r = 0; r < 16; r++) {
+        __m256i v = _mm256_loadu_si256((const __m256i *)(cg + 32 * r));
+        __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v)));
+        __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)));
+        _mm512_store_si512((__m512i *)(bt + 32 * r), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+}
+
+/* acc [rows, 16] += the group's sums (cb) times its scales */
+static inline void q8_scale(float *acc, const float *cb, const float *scales, int64_t rows) {
+    const __m512 scale = _mm512_loadu_ps(scales);
+    for (int64_t r = 0; r < rows; r++)
+        _mm512_store_ps(acc + 16 * r, _mm512_fmadd_ps(_mm512_load_ps(cb + 16 * r), scale,
+                                                      _mm512_load_ps(acc + 16 * r)));
+}
+
 /* int8 blocks (GGUF Q8_0): output rows [16 nb, 16 nb + 16) of float32 logits for
  * activation rows [0, rows), rows <= 48. Each group's B tile holds the int8 values
  * themselves (exact in bfloat16), its sums go through cbuf and are scaled there by the
- * group's scales into acc (float32 [rows, 16]). */
+ * group's scales into acc (float32 [rows, 16]), in the groups' order. A tile load waits for
+ * the stores it reads to reach the cache, and so does a vector load of what a tile store
+ * wrote: group g + 1's B tile is written (bt, two of them) and group g - 1's sums scaled
+ * (cbuf, two) while group g's tiles are in flight. */
 static void block_rows_q8(const uint16_t *x, int64_t rows, int64_t ldx, int64_t k,
                           const int8_t *codes, const float *d, int64_t nb, float *out,
                           int64_t ldo, uint16_t *bt, float *cbuf, float *acc) {
@@ -166,37 +200,32 @@ static void block_rows_q8(const uint16_t *x, int64_t rows, int64_t ldx, int64_t 
     const int8_t *c = codes + nb * groups * 512;
     const float *s = d + nb * groups * 16;
     memset(acc, 0, (size_t)rows * 16 * sizeof(float));
+    q8_tile(c, bt);
     for (int64_t g = 0; g < groups; g++) {
-        const int8_t *cg = c + 512 * g;
-        for (int r = 0; r < 16; r++) {
-            __m256i v = _mm256_loadu_si256((const __m256i *)(cg + 32 * r));
-            __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v)));
-            __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)));
-            _mm512_store_si512((__m512i *)(bt + 32 * r), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-        }
-        _tile_loadd(6, bt, 64);
+        uint16_t *bg = bt + 512 * (g & 1);
+        float *cb = cbuf + 768 * (g & 1);
+        if (g + 1 < groups) q8_tile(c + 512 * (g + 1), bt + 512 * ((g + 1) & 1));
+        _tile_loadd(6, bg, 64);
         const uint16_t *xa = x + 32 * g;
         _tile_zero(0);
         _tile_loadd(3, xa, ldx * 2);
         _tile_dpbf16ps(0, 3, 6);
-        _tile_stored(0, cbuf, 64);
+        _tile_stored(0, cb, 64);
         if (blocks > 1) {
             _tile_zero(1);
             _tile_loadd(4, xa + 16 * ldx, ldx * 2);
             _tile_dpbf16ps(1, 4, 6);
-            _tile_stored(1, cbuf + 256, 64);
+            _tile_stored(1, cb + 256, 64);
         }
         if (blocks > 2) {
             _tile_zero(2);
             _tile_loadd(5, xa + 32 * ldx, ldx * 2);
             _tile_dpbf16ps(2, 5, 6);
-            _tile_stored(2, cbuf + 512, 64);
+            _tile_stored(2, cb + 512, 64);
         }
-        const __m512 scale = _mm512_loadu_ps(s + 16 * g);
-        for (int64_t r = 0; r < rows; r++)
-            _mm512_store_ps(acc + 16 * r, _mm512_fmadd_ps(_mm512_load_ps(cbuf + 16 * r), scale,
-                                                          _mm512_load_ps(acc + 16 * r)));
+        if (g > 0) q8_scale(acc, cbuf + 768 * ((g - 1) & 1), s + 16 * (g - 1), rows);
     }
+    q8_scale(acc, cbuf + 768 * ((groups - 1) & 1), s + 16 * (groups - 1), rows);
     for (int64_t r = 0; r < rows; r++)
         _mm512_storeu_ps(out + r * ldo + 16 * nb, _mm512_load_ps(acc + 16 * r));
 }
@@ -215,8 +244,8 @@ void q8_amx_f32(const uint16_t *x, int64_t m, int64_t ldx, int64_t k, const int8
         int64_t rows = m - r0 < 16 * MAX_BLOCKS ? m - r0 : 16 * MAX_BLOCKS;
 #pragma omp parallel if (nblocks * k >= AMX_PARALLEL_MIN)
         {
-            uint16_t bt[512] __attribute__((aligned(64)));
-            float cbuf[768] __attribute__((aligned(64)));
+            uint16_t bt[1024] __attribute__((aligned(64)));
+            float cbuf[1536] __attribute__((aligned(64)));
             float acc[768] __attribute__((aligned(64)));
             configure(rows);
 #pragma omp for schedule(static)
@@ -241,7 +270,7 @@ void q4_amx_bf16(const uint16_t *x, int64_t m, int64_t ldx, int64_t k, const uin
         int64_t rows = m - r0 < 16 * MAX_BLOCKS ? m - r0 : 16 * MAX_BLOCKS;
 #pragma omp parallel if (nblocks * k >= AMX_PARALLEL_MIN)
         {
-            uint16_t bt[512] __attribute__((aligned(64)));
+            uint16_t bt[1024] __attribute__((aligned(64)));
             float cbuf[768] __attribute__((aligned(64)));
             configure(rows);
 #pragma omp for schedule(static)
