@@ -70,6 +70,16 @@ class KVRows:
                             self._crc if summed else None, acc))
 
 
+    def sum_run(self, nbuf: int, bases_at: int, items_at: int, n: int, first: int,
+                acc: int) -> int:
+        """CRC-32 of rows ``first .. first + n`` of ``nbuf`` buffers, continued from
+        ``acc``: ``bases_at`` and ``items_at`` are the addresses of the buffers' uint64
+        addresses and int64 row sizes (no check of the slots: the caller's). The fast path
+        of a room's group: no numpy views or ctypes attributes made per call."""
+        return int(self._fn(nbuf, bases_at, items_at, n, None, first, None, SUM, self._crc,
+                            acc))
+
+
 def _isal_crc32() -> int | None:
     """The address of ISA-L's ``crc32_gzip_refl`` in the `isal` package's module, if any."""
     try:

@@ -1,11 +1,13 @@
 """Test-side stand-ins for one leg of a PD pair, driving a real worker's other leg through
-the real wire protocol (bootstrap HTTP, control messages, the zmq KV backend), so a test can
-make that leg die, send corrupt or short pages, or answer for a room nobody asked for; and a
-stand-in decode receiver (`StalledReceiver`) that takes a room's pages and holds its answer."""
+the real wire protocol (bootstrap HTTP, control messages, the zmq KV backend's data
+connection), so a test can make that leg die, send corrupt or short pages, or answer for a
+room nobody asked for; and a stand-in decode receiver (`StalledReceiver`) that takes a
+room's pages and holds its answer."""
 
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -15,6 +17,7 @@ import msgpack
 import torch
 import zmq
 
+from sglang_admin.disaggregation import kv_stream
 from sglang_admin.disaggregation.transfer import PeerDescriptor
 from sglang_admin.disaggregation.zmq_backend import ZmqBackend
 
@@ -86,20 +89,19 @@ class FakePrefill:
         return backend
 
     def send_chunk(self, hs: dict[str, Any], room: int, first: int, count: int) -> None:
-        """Buffers ``first``..``first + count`` of a chunked room (as the zmq backend sends a
-        large one) into decode's pool, random rows: part of a room, as a sender that dies
-        or stops midway leaves it. Sent from a socket of its own, then closed."""
+        """The room's header and random rows of its buffers ``0..first + count`` on the zmq
+        backend's data connection, then the connection closed: part of a room, as a sender
+        that dies or stops midway leaves it (decode's receiver wrote the rows of buffers
+        ``0..first + count``, the rest never came)."""
         peer = PeerDescriptor.from_wire(hs["peer"])
         dst = hs["dst_slots"]
-        head = msgpack.packb({"room": room, "dst_slots": dst, "nbuf": len(peer.buffers),
-                              "first": first})
+        nbytes = len(dst) * sum(b.item_bytes for b in peer.buffers)
         rows = [torch.randint(0, 255, (len(dst) * b.item_bytes,), dtype=torch.uint8)
-                .numpy().tobytes() for b in peer.buffers[first:first + count]]
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 2000)
-        sock.connect(f"tcp://{peer.endpoint}")
-        sock.send_multipart([head, *rows])
-        sock.close()  # lingers until the frames are out, like a process's last writes
+                .numpy().tobytes() for b in peer.buffers[:first + count]]
+        host, _, port = peer.endpoint.rpartition(":")
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(kv_stream.room_header(room, dst, len(peer.buffers), nbytes)
+                         + b"".join(rows))  # then closed: the rest of the room never comes
 
     def notify(self, addr: str, msg: dict[str, Any]) -> None:
         sock = self.out.get(addr)
@@ -122,33 +124,37 @@ class FakePrefill:
 
 
 class StalledReceiver:
-    """A decode worker's KV receiver (the zmq backend's wire) that takes a room's pages and
-    holds its answer: prefill's send is in flight until `answer` or `die`."""
+    """A decode worker's KV receiver (the zmq backend's wire: a TCP listener) that takes a
+    room's pages and holds its answer: prefill's send is in flight until `answer` or
+    `die`."""
 
     def __init__(self, like: PeerDescriptor) -> None:
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        port = self.listener.getsockname()[1]
         self.descriptor = PeerDescriptor(f"127.0.0.1:{port}", like.buffers).to_wire()
-        self.ident = b""
+        self.conn: socket.socket | None = None
 
     def take(self, room: int, timeout_s: float = 30) -> int:
-        """Wait for the messages of ``room``: their total data bytes."""
-        got = 0
-        while True:
-            assert self.sock.poll(int(timeout_s * 1000)), f"no pages of room {room} came"
-            frames = self.sock.recv_multipart()
-            self.ident, head = frames[0], msgpack.unpackb(frames[1], raw=False)
-            assert head["room"] == room, head
-            got += sum(len(f) for f in frames[2:])
-            if head.get("first", 0) + len(frames) - 2 >= head["nbuf"] or "first" not in head:
-                return got
+        """Wait for the header and every row of ``room``: their data bytes."""
+        self.listener.settimeout(timeout_s)
+        self.conn, _ = self.listener.accept()
+        self.conn.settimeout(timeout_s)
+        head = kv_stream.next_room(self.conn)
+        assert head is not None, f"no pages of room {room} came"
+        got_room, _dst, _nbuf, nbytes = kv_stream.parse_header(head)
+        assert got_room == room, got_room
+        left = nbytes
+        while left:
+            data = self.conn.recv(min(left, 1 << 20))
+            assert data, f"room {room}'s sender closed mid-room"
+            left -= len(data)
+        return nbytes
 
     def answer(self, room: int) -> None:
-        self.sock.send_multipart([self.ident, msgpack.packb({"room": room, "ok": True,
-                                                             "error": ""})])
+        assert self.conn is not None
+        self.conn.sendall(kv_stream.answer_bytes(room, None))
 
     def die(self) -> None:
-        self.sock.close(linger=0)
-        self.ctx.term()
+        if self.conn is not None:
+            self.conn.close()
+        self.listener.close()

@@ -1,5 +1,6 @@
 """The PD KV transfer backend (zmq) byte for byte, its refusals, the bootstrap server's
-input checks and the disaggregation flags' start-up check."""
+input checks and the disaggregation flags' start-up check. Its data connection's wire
+(groups, refusals on the stream, dead senders, fuzzed headers): test_pd_zmq_stream.py."""
 
 from __future__ import annotations
 
@@ -129,28 +130,6 @@ def test_a_pool_of_another_shape_is_refused_before_sending(pair) -> None:
     assert not result.ok and "KV buffers" in result.error
 
 
-def test_a_short_or_malformed_message_is_refused(pair) -> None:
-    import msgpack
-    import zmq
-
-    sender, receiver = pair
-    receiver.expect(3, [5, 6])
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    sock.connect(f"tcp://{receiver.endpoint()}")
-    try:
-        for parts in ([b"\xc1garbage"],
-                      [msgpack.packb({"room": 3, "dst_slots": [5, 6]}), b"x" * 10],
-                      [msgpack.packb({"room": 3, "dst_slots": [5, 6]})] + [b"x" * 3] * 6):
-            sock.send_multipart(parts)
-            assert sock.poll(5000)
-            reply = msgpack.unpackb(sock.recv())
-            assert reply["ok"] is False and "kv transfer failed" in reply["error"]
-    finally:
-        sock.close(linger=0)
-    assert set(receiver.read_slots([5, 6])) == {0}
-
-
 def test_peer_descriptor_from_the_wire_is_checked() -> None:
     for bad in (None, {}, {"endpoint": "", "buffers": []}, {"endpoint": "h:1", "buffers": [[1]]},
                 {"endpoint": 3, "buffers": []}, {"endpoint": "h:1", "buffers": "x"}):
@@ -225,21 +204,14 @@ def test_slot_run_is_one_run_of_consecutive_slots_only() -> None:
     assert slot_run([7]) == slice(7, 8)
     for slots in ([], [3, 5, 4], [3, 4, 4, 6], [5, 4], [-1, 0, 1], [2, 4, 6]):
         assert slot_run(slots) is None, slots
+    import numpy as np  # the other sequences a room's slots come as
 
-
-def test_a_large_room_goes_one_frame_per_buffer(pair, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Over GATHER_MAX_BYTES a room goes as one frame per buffer (views of the pool); below,
-    as one gathered frame: the same bytes land either way."""
-    from sglang_admin.disaggregation import zmq_backend
-
-    sender, receiver = pair
-    src, dst = [9, 3, 4, 5], [1, 2, 40, 41]
-    assert len(sender._data_frames(src)) == 1
-    monkeypatch.setattr(zmq_backend, "GATHER_MAX_BYTES", 0)
-    assert len(sender._data_frames(src)) == 2 * LAYERS
-    receiver.expect(4, dst)
-    assert sender.send(4, receiver.descriptor(), src, dst, 10).ok
-    assert receiver.read_slots(dst) == sender.read_slots(src)
+    assert slot_run(range(4, 9)) == slice(4, 9) and slot_run(range(4, 12, 2)) is None
+    assert slot_run(np.arange(2, 2050)) == slice(2, 2050)
+    assert slot_run(np.array([1, 3, 2, 4])) is None
+    assert slot_run([np.int64(5), np.int64(6)]) == slice(5, 7)
+    assert slot_run(list(range(10, 2058))) == slice(10, 2058)
+    assert slot_run([*range(10, 1000), 2000, *range(1001, 2058)]) is None
 
 
 def test_staging_area_regions() -> None:
@@ -255,115 +227,3 @@ def test_staging_area_regions() -> None:
     area.give("a")  # idempotent
     assert area.take("c", 2 * ALIGN) == 0  # first fit in the freed space
     assert area.region("c") == (0, 2 * ALIGN) and area.region("a") is None
-
-
-def test_a_chunked_room_lands_and_its_sums_agree(pair, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Past GATHER_MAX_BYTES a room goes in chunks of whole buffers (here one or two per
-    message): the bytes land, the receiver's sum of what it wrote equals the sender's sum of
-    its source rows (and zlib's CRC-32 of the same bytes), and one answer comes per room."""
-    import zlib
-
-    from sglang_admin.disaggregation import zmq_backend
-
-    sender, receiver = pair
-    monkeypatch.setattr(zmq_backend, "GATHER_MAX_BYTES", 0)
-    for room, chunk in ((21, 1), (22, 2 * 8 * 4 * 2 + 1), (23, 1 << 20)):
-        monkeypatch.setattr(zmq_backend, "CHUNK_BYTES", chunk)
-        src, dst = [9, 3, 4, 5], [1, 2, 40, room]
-        receiver.expect(room, dst)
-        res = sender.send_checked(room, receiver.descriptor(), src, dst, 10)
-        assert res.ok, res.error
-        assert receiver.read_slots(dst) == sender.read_slots(src)
-        assert res.checksum == zlib.crc32(sender.read_slots(src)) == receiver.checksum(dst)
-        assert receiver.received_checksum(room, dst) == res.checksum
-        receiver.release(room)
-    # the kept connection carries no stray answer into the next room
-    receiver.expect(30, [7])
-    assert sender.send(30, receiver.descriptor(), [1], [7], 10).ok
-
-
-def test_chunks_out_of_order_short_or_for_an_unknown_room_are_refused(pair) -> None:
-    """Chunk messages a sender would not send: a chunk that skips buffers, one past the last
-    buffer, one of the wrong size, chunks of a room not expected. Each room gets one
-    refusal (after its last chunk) naming the cause; nothing lands for a refused chunk, and
-    a room whose chunks were refused sums to what its slots hold, not to the sender's."""
-    import msgpack
-    import zmq
-
-    sender, receiver = pair
-    nbuf, item = 2 * LAYERS, 2 * 8 * 4
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    sock.connect(f"tcp://{receiver.endpoint()}")
-
-    def head(room: int, first: int, dst: list[int]) -> bytes:
-        return msgpack.packb({"room": room, "dst_slots": dst, "nbuf": nbuf, "first": first})
-
-    row = b"\x07" * item
-    try:
-        cases = [  # (room, expected?, messages, words in the refusal)
-            (41, True, [[head(41, 0, [5]), row], [head(41, 2, [5]), *[row] * (nbuf - 2)]],
-             "out of order"),
-            (42, True, [[head(42, 0, [6]), *[row] * (nbuf + 1)]], "short transfer"),
-            (43, True, [[head(43, 0, [7]), row[:-1], *[row] * (nbuf - 1)]], "buffer 0 of"),
-            (44, False, [[head(44, 0, [8]), *[row] * 3], [head(44, 3, [8]), *[row] * 3]],
-             "unknown room"),
-            (45, False, [[head(45, 3, [9]), *[row] * 3]], "unknown room"),  # no first chunk
-        ]
-        for room, expected, messages, words in cases:
-            dst = [5 + room - 41]
-            if expected:
-                receiver.expect(room, dst)
-            for parts in messages:
-                sock.send_multipart(parts)
-            assert sock.poll(5000)
-            reply = msgpack.unpackb(sock.recv())
-            assert reply["room"] == room and reply["ok"] is False, reply
-            assert "kv transfer failed" in reply["error"] and words in reply["error"], reply
-            assert not sock.poll(200)  # one answer per room
-            if room == 41:  # the room released while its chunks come: refused from then on
-                receiver.release(41)
-                receiver.expect(46, [10])
-                sock.send_multipart([head(46, 0, [10]), row])
-                receiver.release(46)
-                sock.send_multipart([head(46, 1, [10]), *[row] * (nbuf - 1)])
-                assert sock.poll(5000)
-                reply = msgpack.unpackb(sock.recv())
-                assert reply["room"] == 46 and not reply["ok"], reply
-                assert "unknown room" in reply["error"], reply
-            if room in (42, 43):
-                assert set(receiver.read_slots(dst)) == {0}
-            assert receiver.received_checksum(room, dst) == receiver.checksum(dst)
-            receiver.release(room)
-    finally:
-        sock.close(linger=0)
-
-
-def test_fuzzed_chunk_headers_never_break_the_receiver(pair) -> None:
-    """Random chunk headers and frames: every answered room is refused or lands exactly its
-    rows; the receiver still moves a real room afterwards."""
-    import msgpack
-    import zmq
-
-    sender, receiver = pair
-    rng = random.Random(5)
-    receiver.expect(50, [3, 4])
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.connect(f"tcp://{receiver.endpoint()}")
-    values = [0, 1, 5, -1, 2**40, "x", None, [1], 3.5]
-    try:
-        for _ in range(150):
-            head = {"room": rng.choice([50, 51, "r", None]),
-                    "dst_slots": rng.choice([[3, 4], [3], [], "x", [2**60], [-1]]),
-                    "first": rng.choice(values), "nbuf": rng.choice(values)}
-            frames = [rng.randbytes(rng.choice([0, 1, 64, 128])) for _ in range(rng.randrange(5))]
-            sock.send_multipart([msgpack.packb(head), *frames])
-        while sock.poll(500):
-            reply = msgpack.unpackb(sock.recv())
-            assert isinstance(reply, dict) and "ok" in reply
-    finally:
-        sock.close(linger=0)
-    receiver.release(50)
-    receiver.expect(52, [9])
-    assert sender.send_checked(52, receiver.descriptor(), [2], [9], 10).ok
-    assert receiver.read_slots([9]) == sender.read_slots([2])
