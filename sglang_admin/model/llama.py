@@ -360,7 +360,7 @@ class LlamaForCausalLM(nn.Module):
         is the next layer's input norm's), RoPE + the K/V write + attention in one call, and
         SwiGLU's product, all into buffers made once per step; the same arithmetic as
         :class:`DecoderLayer` with the kernels, without its modules and per-op dispatch."""
-        if self.quant is not None and x.shape[0] <= 2:  # every layer in one C call
+        if self.quant is not None:  # every layer in one C call (batch 1-2, and 5-64 rows)
             from sglang_admin.model.quant import decode_step
 
             if decode_step.run(self, x, cos, sin, meta, k_caches, v_caches) is not None:

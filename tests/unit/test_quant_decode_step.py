@@ -1,8 +1,9 @@
-"""A decode step of a few rows on projections kept quantized, every layer in one C call
+"""A decode step on projections kept quantized, every layer in one C call
 (model/quant/decode_step.py, csrc/quant_decode.c): it calls the same kernels in the same
 order as ``LlamaForCausalLM.decode_bf16``'s loop, so a served model's tokens and logprobs
-are the same bits with it and without it (batch 1 and 2, int4 and Q8_0 projections); a CPU
-without the few-row kernel, and steps it does not fit, keep the loop."""
+are the same bits with it and without it (batch 1 and 2 through the few-row kernel, int4 and
+Q8_0 projections; batched steps of 5-64 rows through the AMX kernel, int4); a CPU without
+the kernel, and steps it does not fit, keep the loop."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sglang_admin.model.quant import decode_step, gemv
+from sglang_admin.model.quant import amx, decode_step, gemv
 
 pytest.importorskip("gguf", reason="the gguf package is not installed")
 
@@ -33,18 +34,23 @@ def _model_path(tmp_path: Path, qtype: str, hidden: int) -> str:
                                              qtype=qtype, tied=True, seed=3, hidden=hidden)))
 
 
-def _runner(tmp_path: Path, qtype: str, hidden: int):  # noqa: ANN202 - a ModelRunner
+def _runner(tmp_path: Path, qtype: str, hidden: int, requests: int = 2
+            ):  # noqa: ANN202 - a ModelRunner
     from sglang_admin.model.runner import ModelRunner
 
     return ModelRunner(_model_path(tmp_path, qtype, hidden), device="cpu", dtype="bfloat16",
-                       max_total_tokens=256, max_running_requests=2, quantization="gguf")
+                       max_total_tokens=128 * requests, max_running_requests=requests,
+                       quantization="gguf")
 
 
-def _serve(runner, prompts: list[list[int]], steps: int):  # noqa: ANN001, ANN202
+def _serve(runner, prompts: list[list[int]], steps: int,  # noqa: ANN001, ANN202
+           stagger: bool = True):
+    """Greedy tokens and logprobs of each prompt; ``stagger``: prompt i admitted at step i
+    (else all at once: the steps after the first decode every one of them)."""
     from sglang_admin.model.sampling import SamplingParams
     from tests.unit.test_model_runner import Req, simulate
 
-    reqs = [Req(p, arrive=i, params=SamplingParams(temperature=0.0), return_logprob=True,
+    reqs = [Req(p, arrive=i if stagger else 0, params=SamplingParams(temperature=0.0), return_logprob=True,
                 top_logprobs_num=3) for i, p in enumerate(prompts)]
     simulate(runner, reqs, steps)
     return [(r.out, [(o.token_id, o.logprob, o.top_logprobs) for o in r.outputs])
@@ -157,3 +163,67 @@ def test_released_weights_are_freed_and_the_reload_is_planned_again(
     served = _counting(monkeypatch)
     assert _serve(runner, prompts, 4) == first
     assert served
+
+
+needs_amx = pytest.mark.skipif(decode_step.load(use_amx=True) is None,
+                               reason="no AMX kernel (or few-row kernel) on this CPU")
+
+
+def _batched_prompts(n: int) -> list[list[int]]:
+    return [list(range(5 + 7 * i, 5 + 7 * i + 4 + i % 5)) for i in range(n)]
+
+
+@needs_amx
+@pytest.mark.parametrize(("qtype", "hidden", "n"), [("Q4_1", 64, 6), ("Q4_0", 128, 17)])
+def test_the_c_step_gives_the_loops_tokens_on_batched_amx_rows_bit_for_bit(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, qtype: str, hidden: int,
+        n: int) -> None:
+    """Steps of 6 and 17 rows (one 16-row block, two with a partial one) through the AMX
+    kernel inside the C step: the loop's tokens and logprobs, the same bits."""
+    prompts = _batched_prompts(n)
+    with monkeypatch.context() as m:
+        served = _counting(m)
+        got = _serve(_runner(tmp_path, qtype, hidden, n), prompts, 5, stagger=False)
+    assert n in served  # the batched decode steps went through it
+    with monkeypatch.context() as m:
+        m.setattr(decode_step, "run", lambda *a: None)  # the layer loop alone
+        want = _serve(_runner(tmp_path, qtype, hidden, n), prompts, 5, stagger=False)
+    assert got == want
+
+
+@needs_amx
+def test_a_replaced_amx_layout_is_seen(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                       ) -> None:
+    runner = _runner(tmp_path, "Q4_1", 64, 6)
+    prompts = _batched_prompts(6)
+    first = _serve(runner, prompts, 3, stagger=False)
+    model = runner.model
+    plan = model.__dict__["_quant_step_plan_amx"][1]
+    assert plan is not None and plan.current() and plan.layout == "amx_codes"
+    proj = plan.projections[2]()
+    proj.amx_codes = proj.amx_codes.clone()
+    assert not plan.current()
+    served = _counting(monkeypatch)
+    again = _serve(runner, prompts, 3, stagger=False)
+    assert 6 in served and model.__dict__["_quant_step_plan_amx"][1] is not plan
+    assert [r[0] for r in again] == [r[0] for r in first]
+
+
+def test_a_cpu_without_amx_keeps_the_loop_on_batched_rows(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without AMX (the detector says so) the projections get no AMX layouts and a batched
+    step goes through the loop (torch's int4 kernel), the same tokens as the loop alone."""
+    monkeypatch.setattr(amx, "cpu_has_amx_kernel", lambda flags=None: False)
+    assert decode_step.load(use_amx=True) is None
+    runner = _runner(tmp_path, "Q4_1", 64, 6)
+    assert all(getattr(p, "amx_codes", None) is None for p in runner.model.quant.projections())
+    prompts = _batched_prompts(6)
+    with monkeypatch.context() as m:
+        served = _counting(m)
+        got = _serve(runner, prompts, 4, stagger=False)
+    assert 6 not in served and all(len(r[0]) == 4 for r in got)
+    assert decode_step.build_plan(runner.model, use_amx=True) is None
+    with monkeypatch.context() as m:
+        m.setattr(decode_step, "run", lambda *a: None)
+        want = _serve(_runner(tmp_path, "Q4_1", 64, 6), prompts, 4, stagger=False)
+    assert got == want

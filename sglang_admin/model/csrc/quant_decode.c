@@ -1,13 +1,13 @@
-/* A bfloat16 decode step's decoder layers, all of them in one call, for steps of a few rows
- * (batch 1 and 2) on projections kept quantized (int4 groups of 32, or GGUF Q8_0 blocks)
- * through the few-row kernel.
+/* A bfloat16 decode step's decoder layers, all of them in one call, on projections kept
+ * quantized: steps of a few rows (batch 1 and 2) through the few-row kernel (int4 groups of
+ * 32, or GGUF Q8_0 blocks), and steps of 5-64 rows through the AMX kernel (int4).
  *
- * Built as one translation unit after csrc/cpu_kernels.c and csrc/quant_gemv.c
- * (sglang_admin/model/quant/decode_step.py joins the three sources), so it calls their
- * functions directly: the same ones, in the same order, on the same buffers as
- * LlamaForCausalLM.decode_bf16 with the few-row kernel (model/llama.py), so its outputs are
+ * Built as one translation unit after csrc/cpu_kernels.c, csrc/quant_gemv.c and
+ * csrc/quant_amx.c (sglang_admin/model/quant/decode_step.py joins the four sources), so it
+ * calls their functions directly: the same ones, in the same order, on the same buffers as
+ * LlamaForCausalLM.decode_bf16 with those kernels (model/llama.py), so its outputs are
  * the same bits; what it saves is that loop's Python, its ctypes calls and its tensors
- * (about 9 calls a layer).
+ * (about 9 calls a layer), which run on one thread while the others of the OpenMP team wait.
  *
  * Per layer l, rows x [M, hidden] (bfloat16, updated in place):
  *   h = add_rms_norm(x, delta, ln1)      (the first layer: rms_norm(x, ln1))
@@ -40,9 +40,14 @@ int64_t q4_decode_scratch(int64_t M, int64_t hidden, int64_t inter, int64_t H, i
 }
 
 #if defined(GEMV_KERNEL) && defined(HAVE_AVX512BF16)
-/* one projection: kind 0 int4 (bfloat16 out), 1 Q8_0 (float32 out, rounded here) */
+/* one projection: kind 0 int4 (bfloat16 out), 1 Q8_0 (float32 out, rounded here), 2 int4
+ * in the AMX kernel's layout (bfloat16 out) */
 static void project(int kind, const uint16_t *x, int64_t M, int64_t K, const void *w,
                     const void *s, int64_t N, uint16_t *out, float *f32) {
+    if (kind == 2) {
+        q4_amx_bf16(x, M, K, K, (const uint8_t *)w, (const uint16_t *)s, N, out, N);
+        return;
+    }
     if (kind == 0) {
         q4_gemv_bf16(x, M, K, K, (const uint8_t *)w, (const uint16_t *)s, N, out, N);
         return;
@@ -55,8 +60,9 @@ static void project(int kind, const uint16_t *x, int64_t M, int64_t K, const voi
 /*
  * x        bfloat16 [M, hidden], the embeddings in, the last layer's output out
  * ptrs     [L][DL_PTRS]: per layer the two norms' weights, each projection's packed weight
- *          and scales (quant/gemv.py's layouts) and the layer's K and V pools [slots, KV, D]
- * kinds    [L][4]: the projections' kinds (qkv, o, gate_up, down): 0 int4, 1 Q8_0
+ *          and scales (in its kind's layout) and the layer's K and V pools [slots, KV, D]
+ * kinds    [L][4]: the projections' kinds (qkv, o, gate_up, down): 0 int4, 1 Q8_0 (their
+ *          few-row layouts, quant/gemv.py), 2 int4 in the AMX layout (quant/amx.py)
  * windows  [L]: each layer's sliding window (0: none)
  * cos_t, sin_t, out_slots, table, ctx, rows, lens, scores, scores_len: as rope_attend_bf16
  * scratch  bfloat16, q4_decode_scratch(...) elements; f32: float32, M * max(projection N)

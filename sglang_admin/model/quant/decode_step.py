@@ -1,19 +1,25 @@
-"""A bfloat16 decode step of a few rows (batch 1 and 2) whose projections are kept quantized,
-all its decoder layers in one C call (``csrc/quant_decode.c``).
+"""A bfloat16 decode step whose projections are kept quantized, all its decoder layers in one
+C call (``csrc/quant_decode.c``): steps of a few rows (batch 1 and 2) through the few-row
+kernel, and steps of ``amx.MIN_ROWS``-``amx.MAX_ROWS`` rows (batched decode) through the
+AMX kernel.
 
-What it replaces: :meth:`LlamaForCausalLM.decode_bf16` with the projections through the
-few-row kernel (model/quant/gemv.py), a Python loop of about nine ctypes calls and a few
-tensors a layer: about 2 ms of CPU a token of SmolLM2-135M's ~10 (docs/cpu-performance.md).
-The C function calls the same kernels (csrc/cpu_kernels.c's bfloat16 norms, RoPE + K/V
-write + attention and SwiGLU; csrc/quant_gemv.c's projections) in the same order on the same
-values, so the hidden states are the same bits as that loop's.
+What it replaces: :meth:`LlamaForCausalLM.decode_bf16` with the projections through those
+kernels (model/quant/gemv.py, model/quant/amx.py), a Python loop of about nine ctypes calls
+and a few tensors a layer: about 2 ms of CPU a token of SmolLM2-135M's ~10 at batch 1, and
+at 32 rows ~3 ms of a step that ran on one thread while the rest of the OpenMP team waited
+(docs/cpu-performance.md). The C function calls the same kernels (csrc/cpu_kernels.c's
+bfloat16 norms, RoPE + K/V write + attention and SwiGLU; csrc/quant_gemv.c's or
+csrc/quant_amx.c's projections) in the same order on the same values, so the hidden states
+are the same bits as that loop's.
 
-It serves a step where every layer's four projections are kept in the few-row kernel's
-layouts (int4 groups of 32 or Q8_0 blocks, no bias, no tensor-parallel sum), the layer has
-no LoRA and no per-head q/k norms (``DecoderLayer.decodes_in_bf16_kernels``), and the step
-has at most ``GEMV_MAX_ROWS`` rows (model/quant/linear.py). Anywhere else (a CPU without AVX512_VNNI/AVX512_BF16,
-where the few-row kernel has no layouts; a compiler that cannot build it) :func:`run`
-returns None and the caller's loop serves.
+It serves a step where every layer's four projections are kept in the kernel's layouts
+(few-row: int4 groups of 32 or Q8_0 blocks; AMX: int4 groups of 32; no bias, no
+tensor-parallel sum), the layer has no LoRA and no per-head q/k norms
+(``DecoderLayer.decodes_in_bf16_kernels``), and the step has at most ``GEMV_MAX_ROWS`` rows
+(model/quant/linear.py) or is in the AMX kernel's rows. Anywhere else (a CPU without
+AVX512_VNNI/AVX512_BF16 or without AMX, where the kernels have no layouts; a compiler that
+cannot build it; steps of 3-4 rows, torch's int4 kernel's) :func:`run` returns None and the
+caller's loop serves.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from typing import Any
 
 import torch
 
-from sglang_admin.model.quant import gemv
+from sglang_admin.model.quant import amx, gemv
 from sglang_admin.model.quant import linear as quant_linear
 from sglang_admin.model.quant.linear import QuantLinear
 
@@ -40,8 +46,9 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
 # joined in this order into one translation unit (quant_decode.c calls the others' functions)
-SOURCES = ("cpu_kernels.c", "quant_gemv.c", "quant_decode.c")
-KINDS = {"int4": 0, "int8x32": 1}
+SOURCES = ("cpu_kernels.c", "quant_gemv.c", "quant_amx.c", "quant_decode.c")
+KINDS = {"int4": 0, "int8x32": 1}  # the few-row kernel's layouts
+AMX_INT4 = 2  # int4 in the AMX kernel's layout
 PTRS = 12  # pointers a layer (quant_decode.c's DL_PTRS)
 
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
@@ -54,6 +61,8 @@ class DecodeStepKernel:
         self.path = path
         lib = ctypes.CDLL(path)
         self.applies = bool(lib.q4_decode_applies())
+        # the AMX projections: built for tiles, and Linux grants this process their state
+        self.amx = bool(lib.amx_applies()) and lib.amx_init() == 0
         self._scratch = lib.q4_decode_scratch
         self._scratch.restype = _I64
         self._scratch.argtypes = [_I64] * 6
@@ -93,11 +102,12 @@ class StepPlan:
     widest: int  # the largest projection's N (Q8_0's float32 scratch)
     any_q8: bool
     pools: list[int] | None = None  # the K / V pools' addresses ``ptrs`` holds
+    layout: str = "gemv_w"  # the projections' attribute ``layouts`` was taken from
 
     def current(self) -> bool:
         """Whether the projections and norms still hold the tensors the pointers were taken
         from."""
-        for owner, held, attr in ((self.projections, self.layouts, "gemv_w"),
+        for owner, held, attr in ((self.projections, self.layouts, self.layout),
                                   (self.norm_modules, self.norms, "weight")):
             for o, t in zip(owner, held):
                 obj, tensor = o(), t()
@@ -122,11 +132,14 @@ def _combined_source() -> Path:
     return target
 
 
-def load() -> DecodeStepKernel | None:
-    """The library where the few-row kernel serves (AVX512_VNNI + AVX512_BF16) and it builds;
-    else None (logged)."""
+def load(use_amx: bool = False) -> DecodeStepKernel | None:
+    """The library where the few-row kernel serves (AVX512_VNNI + AVX512_BF16) and it builds,
+    (``use_amx``) with the AMX kernel serving too; else None (logged)."""
     if gemv.gemv_kernel() is None:
         return None
+    if use_amx:
+        kernel = _load() if amx.amx_kernel() is not None else None
+        return kernel if kernel is not None and kernel.amx else None
     return _load()
 
 
@@ -150,19 +163,31 @@ def _load() -> DecodeStepKernel | None:
     return kernel
 
 
-def _projection(quant: Any, weight: torch.Tensor | None, bias: torch.Tensor | None
-                ) -> QuantLinear | None:
+def _projection(quant: Any, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                use_amx: bool = False) -> QuantLinear | None:
     if weight is None or bias is not None:
         return None
     p = quant.find(weight)
-    if (not isinstance(p, QuantLinear) or p.kind not in KINDS or p.gemv_w is None
-            or p.gemv_s is None or p.dtype != torch.bfloat16):
+    if not isinstance(p, QuantLinear) or p.dtype != torch.bfloat16:
         return None
-    return p
+    if use_amx:
+        has = p.kind == "int4" and p.amx_codes is not None and p.amx_sz is not None
+    else:
+        has = p.kind in KINDS and p.gemv_w is not None and p.gemv_s is not None
+    return p if has else None
 
 
-def build_plan(model: Any) -> StepPlan | None:
-    """``model``'s layers for the C step, or None where one of them does not fit it."""
+def _layouts(p: QuantLinear, use_amx: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The packed weight and its scales the C step reads."""
+    w, s = (p.amx_codes, p.amx_sz) if use_amx else (p.gemv_w, p.gemv_s)
+    assert w is not None and s is not None
+    return w, s
+
+
+def build_plan(model: Any, use_amx: bool = False) -> StepPlan | None:
+    """``model``'s layers for the C step (``use_amx``: its projections through the AMX
+    kernel's layouts, else the few-row kernel's), or None where one of them does not fit
+    it."""
     quant, layers = model.quant, model.model.layers
     if quant is None or quant._reduce is not None or not len(layers):
         return None
@@ -181,10 +206,10 @@ def build_plan(model: Any) -> StepPlan | None:
                 or layer.input_layernorm.eps != eps
                 or layer.post_attention_layernorm.eps != eps):
             return None
-        parts = [_projection(quant, attn.qkv_weight, attn.qkv_bias),
-                 _projection(quant, attn.o_proj.weight, attn.o_proj.bias),
-                 _projection(quant, mlp.gate_up_weight, mlp.gate_up_bias),
-                 _projection(quant, mlp.down_proj.weight, mlp.down_proj.bias)]
+        parts = [_projection(quant, attn.qkv_weight, attn.qkv_bias, use_amx),
+                 _projection(quant, attn.o_proj.weight, attn.o_proj.bias, use_amx),
+                 _projection(quant, mlp.gate_up_weight, mlp.gate_up_bias, use_amx),
+                 _projection(quant, mlp.down_proj.weight, mlp.down_proj.bias, use_amx)]
         shapes = [((h + 2 * kv) * d, hidden), (hidden, h * d), (2 * inter, hidden),
                   (hidden, inter)]
         if any(p is None or p.shape != s for p, s in zip(parts, shapes)):
@@ -196,22 +221,24 @@ def build_plan(model: Any) -> StepPlan | None:
         projections += parts
         norms += ln
         modules += [layer.input_layernorm, layer.post_attention_layernorm]
-        kinds.append([KINDS[p.kind] for p in parts])
+        kinds.append([AMX_INT4 if use_amx else KINDS[p.kind] for p in parts])
         windows.append(attn.sliding_window or 0)
     ptrs = torch.zeros(len(layers), PTRS, dtype=torch.int64)
     for i in range(len(layers)):
-        q, o, gu, down = projections[4 * i: 4 * i + 4]
+        q, o, gu, down = (_layouts(p, use_amx) for p in projections[4 * i: 4 * i + 4])
         ptrs[i, :10] = torch.tensor([
-            norms[2 * i].data_ptr(), q.gemv_w.data_ptr(), q.gemv_s.data_ptr(),
-            o.gemv_w.data_ptr(), o.gemv_s.data_ptr(), norms[2 * i + 1].data_ptr(),
-            gu.gemv_w.data_ptr(), gu.gemv_s.data_ptr(), down.gemv_w.data_ptr(),
-            down.gemv_s.data_ptr()])
+            norms[2 * i].data_ptr(), q[0].data_ptr(), q[1].data_ptr(), o[0].data_ptr(),
+            o[1].data_ptr(), norms[2 * i + 1].data_ptr(), gu[0].data_ptr(), gu[1].data_ptr(),
+            down[0].data_ptr(), down[1].data_ptr()])
+    layout = "amx_codes" if use_amx else "gemv_w"
     refs = [[weakref.ref(o) for o in objs]
-            for objs in (projections, [p.gemv_w for p in projections], norms, modules)]
+            for objs in (projections, [getattr(p, layout) for p in projections], norms,
+                         modules)]
     return StepPlan(*refs,
                     torch.tensor(kinds, dtype=torch.int32), torch.tensor(windows),
                     ptrs, hidden, inter, h, kv, d, eps, first.scale,
-                    max(p.shape[0] for p in projections), any(any(k) for k in kinds))
+                    max(p.shape[0] for p in projections),
+                    any(k == KINDS["int8x32"] for row in kinds for k in row), layout=layout)
 
 
 def run(model: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: Any,
@@ -220,14 +247,21 @@ def run(model: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta:
     returned), or None (nothing done) where the C step does not serve it."""
     rows = x.shape[0]
     batch = meta.decode_batch
-    if rows > quant_linear.GEMV_MAX_ROWS or batch is None or not x.is_contiguous():
+    if rows <= quant_linear.GEMV_MAX_ROWS:
+        use_amx, key = False, "_quant_step_plan"
+    elif amx.MIN_ROWS <= rows <= amx.MAX_ROWS:
+        use_amx, key = True, "_quant_step_plan_amx"
+    else:
         return None
-    cached = model.__dict__.get("_quant_step_plan")  # (weakref to the store, plan)
+    if batch is None or not x.is_contiguous():
+        return None
+    cached = model.__dict__.get(key)  # (weakref to the store, plan)
     if cached is None or cached[0]() is not model.quant or (
             cached[1] is not None and not cached[1].current()):
         # None: the layers do not fit it, or the library is not built
-        cached = (weakref.ref(model.quant), build_plan(model) if load() is not None else None)
-        model.__dict__["_quant_step_plan"] = cached
+        cached = (weakref.ref(model.quant),
+                  build_plan(model, use_amx) if load(use_amx) is not None else None)
+        model.__dict__[key] = cached
     step: StepPlan | None = cached[1]
     if step is None:
         return None
