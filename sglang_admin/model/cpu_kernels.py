@@ -22,12 +22,10 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from sglang_admin.model.decode_batch import DecodeBatch, DecodeLayerWeights
+from sglang_admin.model.decode_batch import DecodeBatch, DecodeLayerWeights
 
 logger = logging.getLogger(__name__)
 

@@ -7,12 +7,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from sglang_admin.model.cpu_kernels import CpuKernels
 
 
 @dataclass
@@ -44,7 +41,7 @@ class DecodeLayerWeights:
 class DecodeBatch:
     """One forward's decode sequences for the kernel, shared by every layer."""
 
-    kernel: CpuKernels
+    kernel: Any  # model/cpu_kernels.py's CpuKernels (which imports this module)
     table: torch.Tensor  # [R, ctx] the runner's req_to_token
     rows: torch.Tensor  # [n] int64 table row of each decode sequence
     lens: torch.Tensor  # [n] int64 its length, the new token included
