@@ -139,10 +139,17 @@ def test_pause_retract_mid_speculation_then_continue_gives_the_plain_output(
         got[i] = generate(spec, prompts[i], stream=True, max_new_tokens=300,
                           ignore_eos=True)[0]
 
+    # held while paused, the four start in one step after continue: all four are running
+    # together however late a thread starts (their 300 tokens take well under a second)
+    assert spec.PauseGeneration(pb.PauseGenerationRequest(mode="in_place"), timeout=30).success
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(prompts))]
     for t in threads:
         t.start()
     deadline = time.time() + 60
+    while sum(x.num_waiting_reqs for x in stub_loads(spec)) < len(prompts):
+        assert time.time() < deadline
+        time.sleep(0.01)
+    assert spec.ContinueGeneration(pb.ContinueGenerationRequest(), timeout=30).success
     while sum(x.num_running_reqs for x in stub_loads(spec)) < len(prompts):
         assert time.time() < deadline
         time.sleep(0.01)
