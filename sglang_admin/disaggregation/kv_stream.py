@@ -90,6 +90,16 @@ def answer_bytes(room: int | None, error: str | None) -> bytes:
     return _LEN.pack(len(body)) + body
 
 
+def _drop_front(views: list[memoryview], n: int) -> None:
+    """Drop the first ``n`` bytes of ``views`` in place (whole views, then a slice)."""
+    while n:
+        if n >= len(views[0]):
+            n -= len(views.pop(0))
+        else:
+            views[0] = views[0][n:]
+            n = 0
+
+
 def send_views(sock: socket.socket, views: list[memoryview]) -> None:
     """Every byte of ``views`` (gathered by sendmsg, as many as the kernel takes a call);
     the socket's `set_timeout` bounds each call (BlockingIOError out)."""
@@ -101,12 +111,7 @@ def send_views(sock: socket.socket, views: list[memoryview]) -> None:
     # else cut short (the send timeout, a signal) or too many views: the rest in turns
     views = [v for v in views if len(v)]
     while views:
-        while n:
-            if n >= len(views[0]):
-                n -= len(views.pop(0))
-            else:
-                views[0] = views[0][n:]
-                n = 0
+        _drop_front(views, n)
         if views:
             n = sock.sendmsg(views[:_IOV_MAX])
 
@@ -166,13 +171,7 @@ def fill(sock: socket.socket, views: list[memoryview],
             left -= n
             if not left:
                 return  # the common case: all of it in one read
-            k = n
-            while k:
-                if k >= len(views[0]):
-                    k -= len(views.pop(0))
-                else:
-                    views[0] = views[0][k:]
-                    k = 0
+            _drop_front(views, n)
         if views and n < asked:  # less than asked had come: wait for the rest of it
             if poller is None:
                 poller = select.poll()
