@@ -13,27 +13,13 @@ import torch
 from sglang_admin.disaggregation.settings import check_flags
 from sglang_admin.disaggregation.transfer import KVTransferError, PeerDescriptor
 from sglang_admin.disaggregation.zmq_backend import ZmqBackend
-
-LAYERS = 3
-
-
-def pool(fill: bool, slots: int = 64, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
-    kv = torch.zeros(LAYERS, 2, slots, 2, 8, dtype=dtype)
-    if fill:
-        kv.copy_(torch.randn(kv.shape).to(dtype))
-    return [kv[i, j] for i in range(LAYERS) for j in range(2)]
+from tests.zmq_pair import LAYERS, pool, started_pair
 
 
 @pytest.fixture()
 def pair():
-    sender, receiver = ZmqBackend(), ZmqBackend()
-    sender.register_buffers(pool(True))
-    receiver.register_buffers(pool(False))
-    sender.start()
-    receiver.start()
-    yield sender, receiver
-    sender.close()
-    receiver.close()
+    with started_pair() as both:
+        yield both
 
 
 @pytest.mark.parametrize("dtype, layout", [(torch.float32, "scattered"),

@@ -18,33 +18,20 @@ import zlib
 from pathlib import Path
 
 import pytest
-import torch
 
 from sglang_admin.disaggregation import kv_stream, room_rows
 from sglang_admin.disaggregation.zmq_backend import ZmqBackend
+from tests.zmq_pair import LAYERS, pool, started_pair
 
-LAYERS, SLOTS, ITEM = 3, 64, 2 * 8 * 4  # float32 rows of 2 heads x 8 dims
+SLOTS, ITEM = 64, 2 * 8 * 4  # float32 rows of 2 heads x 8 dims (the pair's pools)
 NBUF = 2 * LAYERS
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def pool(fill: bool) -> list[torch.Tensor]:
-    kv = torch.zeros(LAYERS, 2, SLOTS, 2, 8)
-    if fill:
-        kv.copy_(torch.randn(kv.shape))
-    return [kv[i, j] for i in range(LAYERS) for j in range(2)]
-
-
 @pytest.fixture()
 def pair():
-    sender, receiver = ZmqBackend(), ZmqBackend()
-    sender.register_buffers(pool(True))
-    receiver.register_buffers(pool(False))
-    sender.start()
-    receiver.start()
-    yield sender, receiver
-    sender.close()
-    receiver.close()
+    with started_pair() as both:
+        yield both
 
 
 def connect(backend: ZmqBackend) -> socket.socket:
