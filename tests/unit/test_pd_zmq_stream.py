@@ -21,7 +21,7 @@ import pytest
 
 from sglang_admin.disaggregation import kv_stream, room_rows
 from sglang_admin.disaggregation.zmq_backend import ZmqBackend
-from tests.zmq_pair import LAYERS, pool, started_pair
+from tests.zmq_pair import LAYERS, started_pair
 
 SLOTS, ITEM = 64, 2 * 8 * 4  # float32 rows of 2 heads x 8 dims (the pair's pools)
 NBUF = 2 * LAYERS
@@ -338,12 +338,7 @@ def test_a_pool_the_host_cannot_address_goes_through_torch(monkeypatch, layout: 
 
     monkeypatch.setattr(transfer.RegisteredPool, "of", staticmethod(as_device))
     monkeypatch.setattr(room_rows, "GROUP_BYTES", 3 * ITEM)  # row cuts and whole buffers
-    sender, receiver = ZmqBackend(), ZmqBackend()
-    sender.register_buffers(pool(True))
-    receiver.register_buffers(pool(False))
-    sender.start()
-    receiver.start()
-    try:
+    with started_pair() as (sender, receiver):
         assert sender._pool.kernel() is None and sender._pool.host_rows[0] is None
         if layout == "runs":
             src, dst = list(range(3, 13)), list(range(40, 50))
@@ -356,9 +351,6 @@ def test_a_pool_the_host_cannot_address_goes_through_torch(monkeypatch, layout: 
         assert receiver.read_slots(dst) == sender.read_slots(src)
         assert receiver.received_checksum(91, dst) == res.checksum == zlib.crc32(
             sender.read_slots(src))
-    finally:
-        sender.close()
-        receiver.close()
 
 
 def test_send_views_sends_every_byte_once_when_the_kernel_takes_part() -> None:
