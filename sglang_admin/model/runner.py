@@ -319,13 +319,18 @@ class ModelRunner(RunnerMemory, RunnerLanes, RunnerOutputs):
         if self.lora is not None:  # which adapter each token runs with
             self.lora.prepare([s.lora_slot for s in batch.ordered for _ in range(len(s.token_ids))])
         t_model = time.perf_counter()
+        one = batch.metas[0] if len(batch.lanes) == 1 else None
+        if one is not None:  # the decode step may compute the LM head in its call
+            one.want_logits = batch.every_row and self.device.type == "cpu"
         hidden = self._run_lanes(batch)
         sampled = batch.sampled
         if not sampled:
             self.last_times = ForwardTimes(model=time.perf_counter() - t_model)
             return self._with_extras({}, seqs, batch, hidden)
-        logits = self._compute_logits(
-            hidden if batch.every_row else hidden.index_select(0, batch.select))
+        logits = one.logits if one is not None and one.want_logits else None
+        if logits is None:
+            logits = self._compute_logits(
+                hidden if batch.every_row else hidden.index_select(0, batch.select))
         if self.device.type == "cuda":  # sampling reads the tokens back anyway: no loss
             torch.cuda.synchronize(self.device)
         t_sample = time.perf_counter()

@@ -57,15 +57,18 @@ def _serve(runner, prompts: list[list[int]], steps: int,  # noqa: ANN001, ANN202
             for r in reqs]
 
 
-def _counting(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Count the steps the C step served (rows of each)."""
+def _counting(monkeypatch: pytest.MonkeyPatch, heads: list[int] | None = None) -> list[int]:
+    """Count the steps the C step served (rows of each; ``heads``: the rows of those whose
+    call computed the LM head's logits too)."""
     served: list[int] = []
     real = decode_step.run
 
-    def run(model, x, *args):  # noqa: ANN001, ANN202
-        out = real(model, x, *args)
+    def run(model, x, cos, sin, meta, *args):  # noqa: ANN001, ANN202
+        out = real(model, x, cos, sin, meta, *args)
         if out is not None:
             served.append(x.shape[0])
+            if heads is not None and meta.logits is not None:
+                heads.append(x.shape[0])
         return out
 
     monkeypatch.setattr(decode_step, "run", run)
@@ -78,10 +81,14 @@ def test_the_c_step_gives_the_loops_tokens_and_logprobs_bit_for_bit(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, qtype: str, hidden: int) -> None:
     runner = _runner(tmp_path, qtype, hidden)
     prompts = [list(range(5, 14)), list(range(20, 26))]  # one row, then two
+    heads: list[int] = []
     with monkeypatch.context() as m:
-        served = _counting(m)
+        served = _counting(m, heads)
         got = _serve(runner, prompts, 6)
     assert 1 in served and 2 in served  # batch 1 and batch 2 steps went through it
+    # a Q8_0 head (the tied embedding in Q8_0) is computed in the same call, at both sizes;
+    # an int4 one after it, as before
+    assert sorted(set(heads)) == ([1, 2] if qtype == "Q8_0" else [])
     with monkeypatch.context() as m:
         m.setattr(decode_step, "run", lambda *a: None)  # the layer loop alone
         want = _serve(_runner(tmp_path, qtype, hidden), prompts, 6)

@@ -87,3 +87,8 @@ class AttentionMetadata:
     # layer: allocating megabytes per layer costs page faults on CPU
     gather_k: torch.Tensor | None = None
     gather_v: torch.Tensor | None = None
+    # set by the runner where every row of this forward samples: a decode step that computes
+    # the LM head in the same call (model/quant/decode_step.py) leaves the rows' float32
+    # logits (after the final norm) in ``logits``
+    want_logits: bool = False
+    logits: torch.Tensor | None = None

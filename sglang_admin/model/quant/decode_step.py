@@ -71,6 +71,13 @@ class DecodeStepKernel:
         self._layers.argtypes = [_PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _F32,
                                  _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR,
                                  _PTR, _I64, _PTR, _PTR]
+        self._team_scratch = lib.q4_decode_team_scratch
+        self._team_scratch.restype = _I64
+        self._team_scratch.argtypes = [_I64] * 7
+        self._team = lib.q4_decode_team
+        self._team.restype = None
+        self._team.argtypes = self._layers.argtypes[:-1] + [_I64, _PTR, _PTR, _PTR, _PTR,
+                                                            _I64, _PTR]
 
     def scratch_elements(self, rows: int, hidden: int, inter: int, heads: int, kv_heads: int,
                          head_dim: int) -> int:
@@ -103,6 +110,10 @@ class StepPlan:
     any_q8: bool
     pools: list[int] | None = None  # the K / V pools' addresses ``ptrs`` holds
     layout: str = "gemv_w"  # the projections' attribute ``layouts`` was taken from
+    # the final norm's weight and a Q8_0 LM head's layout and scales (few-row steps; their
+    # owners are the last entries of ``norm_modules`` / ``projections``), or None
+    head: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    vocab: int = 0  # the head's rows
 
     def current(self) -> bool:
         """Whether the projections and norms still hold the tensors the pointers were taken
@@ -231,6 +242,11 @@ def build_plan(model: Any, use_amx: bool = False) -> StepPlan | None:
             o[1].data_ptr(), norms[2 * i + 1].data_ptr(), gu[0].data_ptr(), gu[1].data_ptr(),
             down[0].data_ptr(), down[1].data_ptr()])
     layout = "amx_codes" if use_amx else "gemv_w"
+    head = None if use_amx else _head(model, eps)
+    if head is not None:  # tracked as the layers' are (current())
+        projections.append(head[0])
+        norms.append(head[1].weight)
+        modules.append(head[1])
     refs = [[weakref.ref(o) for o in objs]
             for objs in (projections, [getattr(p, layout) for p in projections], norms,
                          modules)]
@@ -238,7 +254,22 @@ def build_plan(model: Any, use_amx: bool = False) -> StepPlan | None:
                     torch.tensor(kinds, dtype=torch.int32), torch.tensor(windows),
                     ptrs, hidden, inter, h, kv, d, eps, first.scale,
                     max(p.shape[0] for p in projections),
-                    any(k == KINDS["int8x32"] for row in kinds for k in row), layout=layout)
+                    any(k == KINDS["int8x32"] for row in kinds for k in row), layout=layout,
+                    head=None if head is None else (head[1].weight, *_layouts(head[0], False)),
+                    vocab=0 if head is None else head[0].shape[0])
+
+
+def _head(model: Any, eps: float) -> tuple[QuantLinear, Any] | None:
+    """The LM head where the few-row step computes it too (a Q8_0 head kept in the few-row
+    layout, whose logits are exact: ``QuantLinear.exact_logits``; a final norm through the
+    CPU kernels with the layers' eps), and the final norm; else None."""
+    norm = model.model.norm
+    head = _projection(model.quant, model.output_weight(), None)
+    if (head is None or head.kind != "int8x32" or getattr(norm, "kernels", None) is None
+            or norm.eps != eps or norm.weight.dtype != torch.bfloat16
+            or not norm.weight.is_contiguous() or head.shape[1] != norm.weight.numel()):
+        return None
+    return head, norm
 
 
 def run(model: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: Any,
@@ -287,10 +318,30 @@ def run(model: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta:
         step.ptrs[:, 10] = torch.tensor(pools[: len(k_caches)])
         step.ptrs[:, 11] = torch.tensor(pools[len(k_caches):])
         step.pools = pools
-    scratch = batch.buffer("quant_step", 1, kernel.scratch_elements(
-        rows, step.hidden, step.inter, h, kv, d), torch.bfloat16)
     f32 = (batch.buffer("quant_step_f32", rows, step.widest, torch.float32)
            if step.any_q8 else None)
+    if not use_amx:  # every layer in one parallel region
+        threads = torch.get_num_threads()
+        scratch = batch.buffer("quant_step_team", 1, kernel._team_scratch(
+            rows, step.hidden, step.inter, h, kv, d, threads) + 64, torch.uint8)
+        base = scratch.data_ptr()
+        head = step.head if meta.want_logits else None
+        logits = None if head is None else torch.empty(rows, step.vocab, dtype=torch.float32)
+        kernel._team(
+            x.data_ptr(), rows, len(step.windows), step.hidden, step.inter, h, kv, d,
+            step.eps, step.scale, step.ptrs.data_ptr(), step.kinds.data_ptr(),
+            step.windows.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            meta.out_slots.data_ptr(), batch.table.data_ptr(), batch.table.shape[1],
+            batch.rows.data_ptr(), batch.lens.data_ptr(), batch.scores.data_ptr(),
+            batch.scores.numel(), base + (-base) % 64, threads,
+            None if f32 is None else f32.data_ptr(),
+            *((None, None, None, 0) if head is None else (
+                head[0].data_ptr(), head[1].data_ptr(), head[2].data_ptr(), step.vocab)),
+            None if logits is None else logits.data_ptr())
+        meta.logits = logits
+        return x
+    scratch = batch.buffer("quant_step", 1, kernel.scratch_elements(
+        rows, step.hidden, step.inter, h, kv, d), torch.bfloat16)
     kernel._layers(
         x.data_ptr(), rows, len(step.windows), step.hidden, step.inter, h, kv, d, step.eps,
         step.scale, step.ptrs.data_ptr(), step.kinds.data_ptr(), step.windows.data_ptr(),
