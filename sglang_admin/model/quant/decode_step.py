@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from sglang_admin.model.quant import amx, gemv
+from sglang_admin.model.quant import amx, gemv, hugepages
 from sglang_admin.model.quant import linear as quant_linear
 from sglang_admin.model.quant.linear import QuantLinear
 
@@ -234,6 +234,13 @@ def build_plan(model: Any, use_amx: bool = False) -> StepPlan | None:
         modules += [layer.input_layernorm, layer.post_attention_layernorm]
         kinds.append([AMX_INT4 if use_amx else KINDS[p.kind] for p in parts])
         windows.append(attn.sliding_window or 0)
+    head = None if use_amx else _head(model, eps)
+    if head is not None:  # tracked as the layers' are (current())
+        projections.append(head[0])
+        norms.append(head[1].weight)
+        modules.append(head[1])
+    if not use_amx:
+        _to_huge_pages(projections)
     ptrs = torch.zeros(len(layers), PTRS, dtype=torch.int64)
     for i in range(len(layers)):
         q, o, gu, down = (_layouts(p, use_amx) for p in projections[4 * i: 4 * i + 4])
@@ -242,21 +249,31 @@ def build_plan(model: Any, use_amx: bool = False) -> StepPlan | None:
             o[1].data_ptr(), norms[2 * i + 1].data_ptr(), gu[0].data_ptr(), gu[1].data_ptr(),
             down[0].data_ptr(), down[1].data_ptr()])
     layout = "amx_codes" if use_amx else "gemv_w"
-    head = None if use_amx else _head(model, eps)
-    if head is not None:  # tracked as the layers' are (current())
-        projections.append(head[0])
-        norms.append(head[1].weight)
-        modules.append(head[1])
     refs = [[weakref.ref(o) for o in objs]
             for objs in (projections, [getattr(p, layout) for p in projections], norms,
                          modules)]
     return StepPlan(*refs,
                     torch.tensor(kinds, dtype=torch.int32), torch.tensor(windows),
                     ptrs, hidden, inter, h, kv, d, eps, first.scale,
-                    max(p.shape[0] for p in projections),
+                    max(p.shape[0] for p in projections[: 4 * len(layers)]),
                     any(k == KINDS["int8x32"] for row in kinds for k in row), layout=layout,
                     head=None if head is None else (head[1].weight, *_layouts(head[0], False)),
                     vocab=0 if head is None else head[0].shape[0])
+
+
+def _to_huge_pages(projections: list[QuantLinear]) -> None:
+    """The projections' few-row layouts (the head's last) moved into one buffer on huge
+    pages in the order a step reads them (model/quant/hugepages.py), where the kernel
+    grants them and they are not there already."""
+    tensors = [t for p in projections for t in (p.gemv_w, p.gemv_s) if t is not None]
+    if len(tensors) != 2 * len(projections) or len(
+            {t.untyped_storage().data_ptr() for t in tensors}) == 1:
+        return
+    views = hugepages.on_huge_pages(tensors)
+    if views is None:
+        return
+    for i, p in enumerate(projections):
+        p.gemv_w, p.gemv_s = views[2 * i], views[2 * i + 1]
 
 
 def _head(model: Any, eps: float) -> tuple[QuantLinear, Any] | None:
