@@ -234,3 +234,49 @@ def test_a_cpu_without_amx_keeps_the_loop_on_batched_rows(
         m.setattr(decode_step, "run", lambda *a: None)
         want = _serve(_runner(tmp_path, "Q4_1", 64, 6), prompts, 4, stagger=False)
     assert got == want
+
+
+@needs_kernel
+def test_a_build_without_openmp_gives_the_same_bits(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Built without OpenMP (a compiler without it), the one-region step runs on the calling
+    thread alone: the same tokens and logprobs as the loop, the head in the call too."""
+    from sglang_admin.model import cpu_kernels_build
+
+    sets = cpu_kernels_build._FLAG_SETS
+    no_omp = [s for s in sets if "-fopenmp" not in s[0] and "-march=native" in s[0]]
+    assert no_omp
+    prompts = [list(range(5, 14)), list(range(20, 26))]
+    decode_step._load.cache_clear()
+    heads: list[int] = []
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(cpu_kernels_build, "_FLAG_SETS", (no_omp[0],))
+            assert decode_step._load() is not None
+            served = _counting(m, heads)
+            got = _serve(_runner(tmp_path, "Q8_0", 128), prompts, 6)
+    finally:
+        decode_step._load.cache_clear()
+    assert 1 in served and 2 in served and sorted(set(heads)) == [1, 2]
+    with monkeypatch.context() as m:
+        m.setattr(decode_step, "run", lambda *a: None)
+        want = _serve(_runner(tmp_path, "Q8_0", 128), prompts, 6)
+    assert got == want
+
+
+def test_the_plain_c_build_compiles_and_declines() -> None:
+    """The build for machines without AVX-512 (no intrinsics): the joined source compiles,
+    and says the step does not apply, so the loop serves."""
+    import ctypes
+    import shutil
+
+    from sglang_admin.model import cpu_kernels_build
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    path = cpu_kernels_build._compile(cc, *cpu_kernels_build._FLAG_SETS[-1],
+                                      source=decode_step._combined_source())
+    assert path is not None
+    lib = ctypes.CDLL(path)
+    assert lib.q4_decode_applies() == 0 and lib.gemv_applies() == 0
