@@ -63,7 +63,9 @@ static void project(int kind, const uint16_t *x, int64_t M, int64_t K, const voi
  * the dependent stages) and each thread keeps its own copy of the small per-row vectors (the
  * residual, the normed rows, the SwiGLU product and the activations' int8 parts), computed
  * alike from the same shared inputs, so no other barrier is needed; the attention (RoPE, the
- * K/V write, a few kv heads' tasks) runs on one thread of the team. Where a region starts
+ * K/V write, a few kv heads' tasks) runs on one thread of the team (`omp single`; its own
+ * parallel loop is then a nested region: one thread where nesting is off, libgomp's
+ * default, else a nested team, each thread its own scores as before). Where a region starts
  * costs more than the work in it (a qkv projection of SmolLM2-135M: ~6 us), ~150 of them a
  * token were a third of the layers' time. The same functions on the same values as the loop
  * (project, the norms, silu_mul_bf16): the same bits. */
