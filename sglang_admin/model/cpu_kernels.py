@@ -377,7 +377,9 @@ class CpuKernels:
         scores a float32 scratch of at least H * max(lens) -> [n, H * D]. q and the pools in
         float32, or all three in bfloat16 (computed in float32, the output rounded; each
         sequence x kv head a task, spread over torch's threads: as many as the scores scratch
-        holds G * max(lens) floats for, so the kv heads at least).
+        holds G * max(lens) floats for, so the kv heads at least; in bfloat16 with AVX512_BF16,
+        a batch of 4 sequences a thread or more goes a sequence a task, the scores in a
+        buffer of each thread's own, the same bits).
 
         The caller guarantees what C cannot check: CPU tensors, rows and slots in range, lens
         within the table's width (the runner validates every sequence first).

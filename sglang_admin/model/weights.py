@@ -147,9 +147,10 @@ def weights_digest(model: LlamaForCausalLM) -> str:
     """SHA-256 over every parameter's name, dtype, shape and bytes, in name order."""
     digest = hashlib.sha256()
     quant = getattr(model, "quant", None)
+    memo: dict[int, torch.Tensor] = {}  # a fused projection dequantized once for its parts
     for name, param in sorted(model_parameters(model).items()):
         if param.is_meta and quant is not None:  # kept quantized: its dequantized values
-            data = quant.dequantized(name).contiguous()
+            data = quant.dequantized(name, memo).contiguous()
         else:
             data = param.detach().to("cpu").contiguous()
         digest.update(f"{name}|{data.dtype}|{list(data.shape)}\n".encode())

@@ -31,7 +31,12 @@ from sglang_admin.model.quant.gguf_blocks import (  # noqa: E402
 from sglang_admin.model.quant.linear import KERNEL_MAX_ROWS, QuantLinear  # noqa: E402
 from sglang_admin.model.runner import ModelRunner  # noqa: E402
 from sglang_admin.model.step_io import SeqInput  # noqa: E402
-from sglang_admin.model.weights import RefitError, refit_from_disk, weight_values  # noqa: E402
+from sglang_admin.model.weights import (  # noqa: E402
+    RefitError,
+    refit_from_disk,
+    weight_values,
+    weights_digest,
+)
 from tests.gguf_models import random_q4_k, write_gguf  # noqa: E402
 from tests.unit.test_model_runner import Req, simulate  # noqa: E402
 
@@ -139,6 +144,9 @@ def test_quant_linear_matches_its_dequantized_weight_at_any_rows(seed: int) -> N
         # without a dense copy every step takes the kernel (float32 too, where a layer with
         # a copy does not: kernel_rows)
         bare = QuantLinear(weight, dtype, dense_copy=False)
+        # the values read back from the dense copy are the quantized ones, bit for bit
+        assert layer.dense_is_values and not bare.dense_is_values
+        assert torch.equal(layer.dequantized(), bare.dequantized())
         x = torch.randn(3, k, dtype=dtype)
         ref = x.float() @ dense.t()
         assert (bare(x).float() - ref).abs().max().item() <= tol * (ref.abs().max().item() + 1)
@@ -418,6 +426,10 @@ def test_a_second_start_reads_the_prepared_projections_and_computes_the_same(
         second = _runner(out, "bfloat16", quantized=True)
     assert second.model.quant.summary == first.model.quant.summary
     assert second.model.quant.nbytes == first.model.quant.nbytes
+    # the digest (a release's record of what resume must restore) reads the same values
+    assert weights_digest(second.model) == weights_digest(first.model)
+    head = second.model.quant.tied_head  # its dense copy is the embedding, not its values
+    assert head is None or not head.dense_is_values
     for decode, w in zip((True, False), want):
         assert torch.equal(_logprobs(second, ids, decode), w)
     saved.write_bytes(saved.read_bytes()[: saved.stat().st_size // 2])

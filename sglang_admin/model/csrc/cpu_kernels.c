@@ -28,6 +28,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -1191,15 +1192,18 @@ static void attend_group_bf16(const uint16_t *qi, const uint16_t *k, const uint1
 #ifdef HAVE_AVX512BF16
 /*
  * attend_group_bf16 on AVX512_BF16 (G <= 16 query heads, D a multiple of 32 up to 256), with
- * the same softmax and roundings:
+ * the same roundings (the float32 sums in another order):
  *   scores: 16 keys at a time, lane j holding key j. The 16 key rows (read in place through
  *   the slots) are transposed in registers 32 dims at a time, so that one vector holds dims
  *   2i, 2i+1 of the 16 keys (the pair layout vdpbf16ps wants), then multiplied with every
  *   query head's dims 2i, 2i+1 (bfloat16 products, float32 sums): each key row is read once
  *   for all G heads, and no sum is reduced across lanes (a gather of the pairs instead was
- *   1.5x slower: Zen 4's gathers);
- *   values: 32 dims of up to 8 heads summed in registers, two keys at a time (their rows
- *   interleaved into pairs, the two weights of each head as one pair: vdpbf16ps again).
+ *   1.5x slower: Zen 4's gathers). Each head sums even and odd pairs in two accumulators
+ *   (added at the end): one chain of 32 dependent vdpbf16ps a head was the scores' bound;
+ *   softmax: the exponentials 16 at a time (exp16), rounded to bfloat16 as they are summed;
+ *   values: up to 64 dims of up to 4 heads (32 of more) summed in registers in one pass over
+ *   the keys, two keys at a time (their rows interleaved into pairs, the two weights of each
+ *   head as one pair: vdpbf16ps again).
  */
 #define DEC_MAX_G 16
 
@@ -1227,49 +1231,82 @@ static inline __attribute__((always_inline)) void transpose16_epi32(__m512i r[16
     }
 }
 
+/* rows to prefetch while a block's scores go, one for each of the block's first n keys:
+ * `bytes` at k + slots[j] * row and at v + slots[j] * row */
+typedef struct {
+    const uint16_t *k, *v;
+    const int64_t *slots;
+    int64_t n, row, bytes;
+} RowsAhead;
+
+static const RowsAhead no_rows_ahead = {0, 0, 0, 0, 0, 0};
+
+static inline __attribute__((always_inline)) void prefetch_row_of(const RowsAhead *a,
+                                                                  int64_t j) {
+    const char *pk = (const char *)(a->k + a->slots[j] * a->row);
+    const char *pv = (const char *)(a->v + a->slots[j] * a->row);
+    for (int64_t b = 0; b < a->bytes; b += 64) {
+        __builtin_prefetch(pk + b);
+        __builtin_prefetch(pv + b);
+    }
+}
+
 /* the scores of n <= 16 keys (at `slots`, kv head base k) for G query heads (q32: their dims as
  * pairs): each 32 dims of the 16 key rows transposed in registers into 16 vectors, vector p
- * holding dims 2p, 2p+1 of every key (the pair layout vdpbf16ps wants, a key a lane) */
+ * holding dims 2p, 2p+1 of every key (the pair layout vdpbf16ps wants, a key a lane); even
+ * and odd p in two sums a head */
 static inline __attribute__((always_inline)) void scores16_bf16(
     const int32_t *q32, const uint16_t *k, const int64_t *slots, int64_t n, int64_t row,
-    int64_t D2, const int G, float scale, float *sc, int64_t L) {
-    __m512 acc[8];
-    for (int g = 0; g < G; g++) acc[g] = _mm512_setzero_ps();
+    int64_t D2, const int G, float scale, float *sc, int64_t L, const RowsAhead *ahead) {
+    __m512 acc[8], odd[8];
+    for (int g = 0; g < G; g++) acc[g] = odd[g] = _mm512_setzero_ps();
     for (int64_t c = 0; c < D2; c += 16) {
         __m512i r[16];
-        for (int64_t j = 0; j < 16; j++)
+        for (int64_t j = 0; j < 16; j++) {
             r[j] = j < n ? _mm512_loadu_si512(k + slots[j] * row + 2 * c) : _mm512_setzero_si512();
+            if (c == 0 && j < ahead->n) prefetch_row_of(ahead, j);
+        }
         transpose16_epi32(r);
-        for (int p = 0; p < 16; p++)
-            for (int g = 0; g < G; g++)
+        for (int p = 0; p < 16; p += 2)
+            for (int g = 0; g < G; g++) {
                 acc[g] = _mm512_dpbf16_ps(acc[g], (__m512bh)r[p],
                                           (__m512bh)_mm512_set1_epi32(q32[g * D2 + c + p]));
+                odd[g] = _mm512_dpbf16_ps(odd[g], (__m512bh)r[p + 1],
+                                          (__m512bh)_mm512_set1_epi32(q32[g * D2 + c + p + 1]));
+            }
     }
     const __m512 s = _mm512_set1_ps(scale);
     const __mmask16 m = (__mmask16)((1u << n) - 1);
-    for (int g = 0; g < G; g++) _mm512_mask_storeu_ps(sc + g * L, m, _mm512_mul_ps(acc[g], s));
+    for (int g = 0; g < G; g++)
+        _mm512_mask_storeu_ps(sc + g * L, m, _mm512_mul_ps(_mm512_add_ps(acc[g], odd[g]), s));
 }
 
-/* 32 dims of the weighted values of G <= 8 heads: two keys' rows at a time interleaved into
- * pairs (dim d of keys j, j+1 side by side), times each head's two weights (pw: the bfloat16
- * weights of head g at pw + g * Lp, keys as pairs, a zero past the last key) with vdpbf16ps;
- * the interleave leaves dims 0-3, 8-11, 16-19, 24-27 in lo and 4-7, ... in hi, put back in
- * order when stored (out = sum * inv[g], rounded) */
+/* NB x 32 dims of the weighted values of G heads (G * NB <= 8): two keys' rows at a time
+ * interleaved into pairs (dim d of keys j, j+1 side by side), times each head's two weights
+ * (pw: the bfloat16 weights of head g at pw + g * Lp, keys as pairs, a zero past the last
+ * key) with vdpbf16ps; the interleave leaves dims 0-3, 8-11, 16-19, 24-27 of each 32 in lo
+ * and 4-7, ... in hi, put back in order when stored (out = sum * inv[g], rounded) */
 static inline __attribute__((always_inline)) void values32_bf16(
     const int32_t *pw, int64_t Lp, const uint16_t *v, const int64_t *slots, int64_t L,
-    int64_t row, const int G, const float *inv, uint16_t *o, int64_t D) {
+    int64_t row, const int G, const int NB, const float *inv, uint16_t *o, int64_t D) {
     __m512 lo[8], hi[8];
-    for (int g = 0; g < G; g++) lo[g] = hi[g] = _mm512_setzero_ps();
+    for (int a = 0; a < G * NB; a++) lo[a] = hi[a] = _mm512_setzero_ps();
     for (int64_t j = 0; j < L; j += 2) {
-        const __m512i r0 = _mm512_loadu_si512(v + slots[j] * row);
-        const __m512i r1 = j + 1 < L ? _mm512_loadu_si512(v + slots[j + 1] * row)
-                                     : _mm512_setzero_si512();
-        const __m512bh a = (__m512bh)_mm512_unpacklo_epi16(r0, r1);
-        const __m512bh b = (__m512bh)_mm512_unpackhi_epi16(r0, r1);
+        const uint16_t *v0 = v + slots[j] * row;
+        const uint16_t *v1 = j + 1 < L ? v + slots[j + 1] * row : 0;
+        __m512bh a[2], b[2];
+        for (int x = 0; x < NB; x++) {
+            const __m512i r0 = _mm512_loadu_si512(v0 + 32 * x);
+            const __m512i r1 = v1 ? _mm512_loadu_si512(v1 + 32 * x) : _mm512_setzero_si512();
+            a[x] = (__m512bh)_mm512_unpacklo_epi16(r0, r1);
+            b[x] = (__m512bh)_mm512_unpackhi_epi16(r0, r1);
+        }
         for (int g = 0; g < G; g++) {
             const __m512bh w = (__m512bh)_mm512_set1_epi32(pw[g * Lp + j / 2]);
-            lo[g] = _mm512_dpbf16_ps(lo[g], a, w);
-            hi[g] = _mm512_dpbf16_ps(hi[g], b, w);
+            for (int x = 0; x < NB; x++) {
+                lo[g * NB + x] = _mm512_dpbf16_ps(lo[g * NB + x], a[x], w);
+                hi[g * NB + x] = _mm512_dpbf16_ps(hi[g * NB + x], b[x], w);
+            }
         }
     }
     const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
@@ -1277,76 +1314,223 @@ static inline __attribute__((always_inline)) void values32_bf16(
                                              30, 31);
     for (int g = 0; g < G; g++) {
         const __m512 s = _mm512_set1_ps(inv[g]);
-        store16_bf16(o + g * D, _mm512_mul_ps(_mm512_permutex2var_ps(lo[g], first, hi[g]), s));
-        store16_bf16(o + g * D + 16,
-                     _mm512_mul_ps(_mm512_permutex2var_ps(lo[g], second, hi[g]), s));
+        for (int x = 0; x < NB; x++) {
+            const __m512 l = lo[g * NB + x], h = hi[g * NB + x];
+            store16_bf16(o + g * D + 32 * x, _mm512_mul_ps(_mm512_permutex2var_ps(l, first, h), s));
+            store16_bf16(o + g * D + 32 * x + 16,
+                         _mm512_mul_ps(_mm512_permutex2var_ps(l, second, h), s));
+        }
     }
 }
 
 /* the scores of keys [j0, j0 + 16) for G heads, G a constant where it is small */
 static void scores_block_bf16(const int32_t *q32, const uint16_t *k, const int64_t *slots,
                               int64_t n, int64_t row, int64_t D2, int64_t G, float scale,
-                              float *sc, int64_t L) {
+                              float *sc, int64_t L, const RowsAhead *ahead) {
     switch (G) {
-#define SC_CASE(c) case c: scores16_bf16(q32, k, slots, n, row, D2, c, scale, sc, L); return;
+#define SC_CASE(c) case c: scores16_bf16(q32, k, slots, n, row, D2, c, scale, sc, L, ahead); return;
         SC_CASE(1) SC_CASE(2) SC_CASE(3) SC_CASE(4) SC_CASE(5) SC_CASE(6) SC_CASE(7)
         SC_CASE(8)
 #undef SC_CASE
         default:
             for (int64_t g0 = 0; g0 < G; g0 += 8) {
                 const int64_t m = G - g0 < 8 ? G - g0 : 8;
-                scores_block_bf16(q32 + g0 * D2, k, slots, n, row, D2, m, scale, sc + g0 * L, L);
+                scores_block_bf16(q32 + g0 * D2, k, slots, n, row, D2, m, scale, sc + g0 * L, L,
+                                  g0 ? &no_rows_ahead : ahead);
             }
     }
 }
 
+/* the weighted values of G heads, all D dims: 64 dims a pass over the keys for up to 4 heads
+ * a pass, 32 dims for up to 8 */
 static void values_block_bf16(const int32_t *pw, int64_t Lp, const uint16_t *v,
                               const int64_t *slots, int64_t L, int64_t row, int64_t G,
                               const float *inv, uint16_t *o, int64_t D) {
-    switch (G) {
-#define VA_CASE(c) case c: values32_bf16(pw, Lp, v, slots, L, row, c, inv, o, D); return;
-        VA_CASE(1) VA_CASE(2) VA_CASE(3) VA_CASE(4) VA_CASE(5) VA_CASE(6) VA_CASE(7)
-        VA_CASE(8)
-#undef VA_CASE
-        default:
-            for (int64_t g0 = 0; g0 < G; g0 += 8) {
-                const int64_t m = G - g0 < 8 ? G - g0 : 8;
-                values_block_bf16(pw + g0 * Lp, Lp, v, slots, L, row, m, inv + g0, o + g0 * D,
-                                  D);
+    for (int64_t g0 = 0; g0 < G; g0 += 8) {
+        const int64_t m = G - g0 < 8 ? G - g0 : 8;
+        const int32_t *pg = pw + g0 * Lp;
+        const float *ig = inv + g0;
+        uint16_t *og = o + g0 * D;
+        int64_t d0 = 0;
+        if (m <= 4)
+            for (; d0 + 64 <= D; d0 += 64) switch (m) {
+#define VA2(c) case c: values32_bf16(pg, Lp, v + d0, slots, L, row, c, 2, ig, og + d0, D); break;
+                VA2(1) VA2(2) VA2(3) VA2(4)
+#undef VA2
             }
+        for (; d0 < D; d0 += 32) switch (m) {
+#define VA1(c) case c: values32_bf16(pg, Lp, v + d0, slots, L, row, c, 1, ig, og + d0, D); break;
+            VA1(1) VA1(2) VA1(3) VA1(4) VA1(5) VA1(6) VA1(7) VA1(8)
+#undef VA1
+        }
     }
 }
 
-/* attend_group_bf16's task on AVX512_BF16 */
+/* softmax of one head's L scores in place as torch's flash attention in bfloat16 does it: the
+ * float32 exponentials summed, each written back rounded to bfloat16 over the float32 scores
+ * (pb = sg as uint16: behind what is still to read), a zero weight past an odd last key;
+ * returns 1 / the sum */
+static float softmax_bf16_weights(float *sg, int64_t L) {
+    uint16_t *pb = (uint16_t *)sg;
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    int64_t j = 0;
+    for (; j + 16 <= L; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sg + j));
+    const __mmask16 tail = (__mmask16)((1u << (L - j)) - 1);
+    if (tail) mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_maskz_loadu_ps(tail, sg + j));
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    __m512 sum = _mm512_setzero_ps();
+    for (j = 0; j + 16 <= L; j += 16) {
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + j), m));
+        sum = _mm512_add_ps(sum, e);
+        store16_bf16(pb + j, e);
+    }
+    if (tail) {
+        const __m512 e = _mm512_maskz_mov_ps(
+            tail, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, sg + j), m)));
+        sum = _mm512_add_ps(sum, e);
+        const __m512i r = _mm512_srli_epi32(round16_bits(e), 16);
+        _mm256_mask_storeu_epi16(pb + j, tail, _mm512_cvtepi32_epi16(r));
+    }
+    if (L % 2) pb[L] = 0;
+    return 1.f / _mm512_reduce_add_ps(sum);
+}
+
+/* the rows of keys [from, to) (`bytes` from each row start at `slots`) on their way to the cache */
+static inline __attribute__((always_inline)) void prefetch_keys(
+    const uint16_t *base, const int64_t *slots, int64_t from, int64_t to, int64_t row,
+    int64_t bytes) {
+    for (int64_t j = from; j < to; j++) {
+        const char *p = (const char *)(base + slots[j] * row);
+        for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b);
+    }
+}
+
+/* the softmax of G heads' scores (head g's L at scores + g * Lp floats) and their weighted
+ * values, into oi (G heads of D) */
+static void weigh_values_avx512bf16(const uint16_t *v, const int64_t *slots, int64_t L,
+                                    int64_t Lp, int64_t G, int64_t D, int64_t row,
+                                    float *scores, uint16_t *oi) {
+    float inv[DEC_MAX_G];
+    for (int64_t g = 0; g < G; g++) inv[g] = softmax_bf16_weights(scores + g * Lp, L);
+    values_block_bf16((const int32_t *)scores, Lp, v, slots, L, row, G, inv, oi, D);
+}
+
+/* attend_group_bf16's task on AVX512_BF16: the keys prefetched a block ahead, the values a
+ * block at a time as the scores go */
 static void attend_group_avx512bf16(const uint16_t *qi, const uint16_t *k, const uint16_t *v,
                                    const int64_t *slots, int64_t L, int64_t G, int64_t D,
                                    int64_t row, float scale, float *scores, uint16_t *oi) {
     const int64_t D2 = D / 2;
     const int32_t *q32 = (const int32_t *)qi;
-    for (int64_t j = 0; j < L && j < 16; j++) prefetch_bytes(k + slots[j] * row, 2 * D);
+    prefetch_keys(k, slots, 0, L < 16 ? L : 16, row, 2 * D);
     for (int64_t j0 = 0; j0 < L; j0 += 16) {
         const int64_t n = L - j0 < 16 ? L - j0 : 16;
-        /* the next block's keys, this block's values (for the values pass) */
-        for (int64_t j = j0 + 16; j < L && j < j0 + 32; j++) prefetch_bytes(k + slots[j] * row, 2 * D);
-        for (int64_t j = j0; j < j0 + n; j++) prefetch_bytes(v + slots[j] * row, 2 * D);
-        scores_block_bf16(q32, k, slots + j0, n, row, D2, G, scale, scores + j0, L);
+        prefetch_keys(k, slots, j0 + 16 < L ? j0 + 16 : L, j0 + 32 < L ? j0 + 32 : L, row, 2 * D);
+        prefetch_keys(v, slots, j0, j0 + n, row, 2 * D);
+        scores_block_bf16(q32, k, slots + j0, n, row, D2, G, scale, scores + j0, L,
+                          &no_rows_ahead);
     }
-    float inv[DEC_MAX_G];
-    /* as torch's flash attention in bfloat16: the sum of the float32 exponentials, the values
-     * weighted by the exponentials rounded to bfloat16; those are written as bfloat16 over the
-     * head's float32 scores (behind what is still to read), a zero weight past an odd last key,
-     * and read as pairs of keys: head g's at word g * L */
-    for (int64_t g = 0; g < G; g++) {
-        float *sg = scores + g * L;
-        inv[g] = softmax_row(sg, L);
-        uint16_t *pb = (uint16_t *)sg;
-        int64_t j = 0;
-        for (; j + 16 <= L; j += 16) store16_bf16(pb + j, _mm512_loadu_ps(sg + j));
-        for (; j < L; j++) pb[j] = f32_bf16(sg[j]);
-        if (L % 2) pb[L] = 0;
+    weigh_values_avx512bf16(v, slots, L, L, G, D, row, scores, oi);
+}
+
+/*
+ * decode_attention_bf16 for a batch of sequences: a task is a sequence, all its kv heads.
+ * Its keys go 16 at a time, each block's scores for every kv head in turn, so each K row
+ * is read whole (every kv head's 128 bytes at SmolLM2's shape) while the rows of the next
+ * block, K and V, are prefetched between the loads of this one's (kv head h's part of them
+ * while head h's scores go): the loads of a decode step's attention wait on the pool, not on
+ * the arithmetic, and scattered whole rows arrive at about twice the rate of one head's
+ * part. Each thread claims its next sequence before it starts the current one, so that the
+ * last block's prefetches fetch the next sequence's first rows. The softmax and values of
+ * each (sequence, kv head) are then attend_group_avx512bf16's (the same sums: the same
+ * bits), the V rows already in the cache. A sequence's scores (H of them per key) live in a
+ * buffer of its thread's own.
+ */
+static _Thread_local float *seq_scores;
+static _Thread_local int64_t seq_scores_len;
+
+/* the start and length of sequence i's keys */
+static inline int64_t seq_keys(const int64_t *lens, int64_t i, int64_t window, int64_t *start) {
+    const int64_t len = lens[i];
+    *start = (window > 0 && len > window) ? len - window : 0;
+    return len - *start;
+}
+
+/* sequence i's attention, the first rows of sequence `next` (if < n) prefetched at its end;
+ * `cold`: nothing of i's prefetched yet. 0 where its scores buffer could not be had (nothing
+ * written) */
+static int attend_sequence_avx512bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k,
+                                      const uint16_t *v, const int64_t *table, int64_t ctx,
+                                      const int64_t *rows, const int64_t *lens, int64_t i,
+                                      int64_t next, int64_t n, int64_t H, int64_t KV,
+                                      int64_t D, float scale, int64_t window, int cold,
+                                      uint16_t *out) {
+    const int64_t G = H / KV, row = KV * D, D2 = D / 2;
+    int64_t start;
+    const int64_t L = seq_keys(lens, i, window, &start), Lp = L + 1;
+    if (H * Lp > seq_scores_len) {
+        float *grown = (float *)realloc(seq_scores, (size_t)(H * Lp) * sizeof(float));
+        if (!grown) return 0;
+        seq_scores = grown;
+        seq_scores_len = H * Lp;
     }
-    for (int64_t d0 = 0; d0 < D; d0 += 32)
-        values_block_bf16((const int32_t *)scores, L, v + d0, slots, L, row, G, inv, oi + d0, D);
+    const int64_t *slots = table + rows[i] * ctx + start;
+    if (cold) {
+        prefetch_keys(k, slots, 0, L < 16 ? L : 16, row, 2 * row);
+        prefetch_keys(v, slots, 0, L < 16 ? L : 16, row, 2 * row);
+    }
+    for (int64_t p0 = 0; p0 < L; p0 += 16) {
+        const int64_t nk = L - p0 < 16 ? L - p0 : 16;
+        RowsAhead ahead = {k, v, slots + p0 + 16, L - p0 - 16 < 16 ? L - p0 - 16 : 16, row,
+                           2 * D};
+        if (ahead.n <= 0) { /* the next sequence's first block */
+            ahead.n = 0;
+            if (next < n) {
+                int64_t nstart;
+                const int64_t nL = seq_keys(lens, next, window, &nstart);
+                ahead.slots = table + rows[next] * ctx + nstart;
+                ahead.n = nL < 16 ? nL : 16;
+            }
+        }
+        for (int64_t h = 0; h < KV; h++) {
+            RowsAhead part = ahead;
+            part.k += h * D;
+            part.v += h * D;
+            scores_block_bf16((const int32_t *)(q + i * q_stride + h * G * D), k + h * D,
+                              slots + p0, nk, row, D2, G, scale, seq_scores + h * G * Lp + p0,
+                              Lp, &part);
+        }
+    }
+    for (int64_t h = 0; h < KV; h++)
+        weigh_values_avx512bf16(v + h * D, slots, L, Lp, G, D, row, seq_scores + h * G * Lp,
+                                out + (i * H + h * G) * D);
+    return 1;
+}
+
+/* decode_attention_bf16's batch path: sequences spread over the team, each thread claiming
+ * its next one ahead; 0 where a scores buffer could not be had */
+static int attend_sequences_avx512bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k,
+                                       const uint16_t *v, const int64_t *table, int64_t ctx,
+                                       const int64_t *rows, const int64_t *lens, int64_t n,
+                                       int64_t H, int64_t KV, int64_t D, float scale,
+                                       int64_t window, int64_t team, uint16_t *out) {
+    int64_t claimed = 0;
+    int ok = 1;
+#ifdef _OPENMP
+#pragma omp parallel num_threads((int)team) if (team > 1) reduction(& : ok)
+#endif
+    {
+        int64_t i = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
+        int cold = 1;
+        while (i < n) {
+            const int64_t next = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
+            ok &= attend_sequence_avx512bf16(q, q_stride, k, v, table, ctx, rows, lens, i, next,
+                                             n, H, KV, D, scale, window, cold, out);
+            cold = 0;
+            i = next;
+        }
+    }
+    return ok;
 }
 #endif
 
@@ -1379,6 +1563,13 @@ void decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *
 #endif
     team = team < tasks ? team : tasks;
     team = team > 1 ? team : 1;
+#ifdef HAVE_AVX512BF16
+    if (D % 32 == 0 && D <= 256 && G <= DEC_MAX_G &&
+        n >= 4 * team &&
+        attend_sequences_avx512bf16(q, q_stride, k, v, table, ctx, rows, lens, n, H, KV, D,
+                                    scale, window, team, out))
+        return;
+#endif
 #ifdef _OPENMP
 #pragma omp parallel for schedule(dynamic, 1) num_threads((int)team) if (team > 1)
 #endif

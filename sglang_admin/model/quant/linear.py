@@ -16,6 +16,7 @@ compute the same weights.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -44,6 +45,13 @@ REFINE_TOP = 8
 # (its cost grows with the rows as torch's int4 kernel's does: measured 1.5-2x faster at 1-2
 # rows, about even at 4)
 GEMV_MAX_ROWS = 2
+
+
+@functools.lru_cache(maxsize=4)
+def _identity(k: int, dtype: torch.dtype) -> torch.Tensor:
+    """The [k, k] identity matrix, read (never written) by :meth:`QuantLinear.dequantized`
+    (``torch.eye`` in bfloat16 takes milliseconds)."""
+    return torch.eye(k).to(dtype)
 
 
 class QuantLinear:
@@ -111,8 +119,9 @@ class QuantLinear:
         self.kernel_rows = KERNEL_MAX_ROWS if dtype != torch.float32 else 0
         self.dense: torch.Tensor | None = None
         self._dense_packed: torch.Tensor | None = None
+        self.dense_is_values = False  # whether the dense copy was made from these values
         if dense_copy:
-            self.set_dense(self.dequantized())
+            self.set_dense(self.dequantized(), from_values=True)
 
     def _pack_int4(self, weight: Int4Groups, dtype: torch.dtype,
                    blocks: Int8Blocks | None, use_gemv: bool = False) -> None:
@@ -153,9 +162,11 @@ class QuantLinear:
         sz = torch.stack([scale.t(), zero.t()], -1)
         self.scales_zeros = sz.to(dtype).contiguous()  # [K / group, N + pad, 2]
 
-    def set_dense(self, dense: torch.Tensor) -> None:
+    def set_dense(self, dense: torch.Tensor, from_values: bool = False) -> None:
         """The dense copy batched rows use (``dense`` [N, K] in the served dtype), packed for
-        oneDNN where this torch can."""
+        oneDNN where this torch can; ``from_values``: ``dense`` is :meth:`dequantized`'s
+        (a tied LM head's copy is the embedding instead), which it then reads back."""
+        self.dense_is_values = from_values
         if packing_available():
             self._dense_packed = torch.ops.mkldnn._reorder_linear_weight(dense.contiguous(), 32)
             self.dense = None
@@ -169,10 +180,18 @@ class QuantLinear:
         if self.kind == "int8":
             assert self.q8 is not None and self.row_scale is not None
             return (self.q8.float() * self.row_scale.float()[:, None]).to(self.dtype)
+        if self.dense_is_values and self.dense is not None:
+            return self.dense.clone()
+        if self.dense_is_values and self._dense_packed is not None:
+            # oneDNN on the identity: the copy's values exactly, in a fraction of the int4
+            # kernel's time on it (the release of SmolLM2's kept weights digests them all)
+            eye = _identity(k, self.dtype)
+            return torch.ops.mkldnn._linear_pointwise(eye, self._dense_packed, None, "none", [],
+                                                      "").t().contiguous()
         if self.dtype == torch.float32:  # exact scales: (q - 8) * scale + zero directly
             return self._unpacked_float32()
         # the kernel itself on the identity: exactly the weights it multiplies with
-        return self._int4(torch.eye(k, dtype=self.dtype)).t().contiguous()
+        return self._int4(_identity(k, self.dtype)).t().contiguous()
 
     def _unpacked_float32(self) -> torch.Tensor:
         """float32 [N, K] of the packed int4 weight, its float32 scales and zeros applied
@@ -425,12 +444,22 @@ class QuantStore:
         """Bytes a batch-1 step reads of them."""
         return sum(p.quantized_bytes() for p in self.projections())
 
-    def dequantized(self, name: str) -> torch.Tensor | None:
-        """A parameter's values, dequantized, by its Hugging Face name (None: not kept)."""
+    def dequantized(self, name: str, memo: dict[int, torch.Tensor] | None = None
+                    ) -> torch.Tensor | None:
+        """A parameter's values, dequantized, by its Hugging Face name (None: not kept);
+        ``memo``: the last two projections dequantized, kept across calls that pass the same
+        dict (q, k and v are rows of one, read in name order)."""
         entry = self.by_name.get(name)
         if entry is None and name == "lm_head.weight" and self.tied_head is not None:
             return self.tied_head.dequantized()
         if entry is None:
             return None
         projection, a, b = entry
-        return projection.dequantized()[a:b]
+        if memo is None:
+            return projection.dequantized()[a:b]
+        whole = memo.get(id(projection))
+        if whole is None:
+            while len(memo) >= 2:  # in name order a projection's parts are at most 2 apart
+                memo.pop(next(iter(memo)))
+            whole = memo[id(projection)] = projection.dequantized()
+        return whole[a:b]

@@ -37,7 +37,7 @@ from sglang_admin.model.quant.linear import ConcatLinear, Projection, QuantLinea
 logger = logging.getLogger(__name__)
 
 # bump whenever what QuantLinear holds, or how it is packed, changes
-FORMAT = "4"
+FORMAT = "5"
 # QuantLinear's tensors, saved under "<entry>.<name>" when set
 _TENSORS = ("packed", "scales_zeros", "q8", "row_scale", "row_scale_f32", "block_scale_f32",
             "q4", "group_scale_f32", "group_zero_f32", "gemv_w", "gemv_s", "amx_codes", "amx_sz")
@@ -82,6 +82,7 @@ def _quant_spec(p: QuantLinear, key: str, tensors: dict[str, torch.Tensor]) -> d
     if has_dense:  # the copy before oneDNN's packing (its layout is not portable)
         tensors[f"{key}.dense"] = p.dequantized().contiguous() if p.dense is None else p.dense
     spec["dense"] = has_dense
+    spec["dense_is_values"] = has_dense and p.dense_is_values
     return spec
 
 
@@ -142,9 +143,9 @@ def _restore_quant(spec: dict[str, Any], tensors: dict[str, torch.Tensor],
     for name in _TENSORS:
         setattr(p, name, tensors.get(f"{key}.{name}"))
     p._amx = amx.amx_kernel() if p.amx_codes is not None else None
-    p.dense, p._dense_packed = None, None
+    p.dense, p._dense_packed, p.dense_is_values = None, None, False
     if spec["dense"]:
-        p.set_dense(tensors[f"{key}.dense"])
+        p.set_dense(tensors[f"{key}.dense"], from_values=spec["dense_is_values"])
     return p
 
 
