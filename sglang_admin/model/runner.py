@@ -171,6 +171,10 @@ class ModelRunner(RunnerMemory, RunnerLanes, RunnerOutputs):
         # RoPE and SwiGLU in one pass each (model/cpu_kernels.py)
         self.cpu_kernels = self._cpu_kernels(attention_backend)
         self.model.use_cpu_kernels(self.cpu_kernels)
+        if self.cpu_kernels is not None and getattr(self.model, "quant", None) is not None:
+            from sglang_admin.model.quant import decode_step  # batch 1's plan, made at load
+
+            decode_step.plan_ahead(self.model)
         # whether prefill chunks may go through the kernel (this build, this head size)
         extend_kernel = (self.cpu_kernels is not None
                          and self.cpu_kernels.extend_applies(cfg.head_dim, self.dtype))
