@@ -99,7 +99,7 @@ class RunnerMemory:
             # an empty store of the same scheme: the kept projections are freed with the old
             # one, and the reload after resume (model/weights.py's reload_weights) reads them
             # from the GGUF file again
-            from sglang_admin.model.quant.linear import QuantStore
+            from sglang_admin.model.quant.store import QuantStore
 
             self.model.quant = QuantStore("released: reloaded from the GGUF file on resume")
         if self.packed is not None:

@@ -16,7 +16,8 @@ import torch
 from sglang_admin.model.quant import amx
 from sglang_admin.model.quant import linear as linear_mod
 from sglang_admin.model.quant.gguf_blocks import Int4Groups, Int8Blocks
-from sglang_admin.model.quant.linear import QuantLinear, QuantStore, refined_logits
+from sglang_admin.model.quant.linear import QuantLinear, refined_logits
+from sglang_admin.model.quant.store import QuantStore
 
 needs_kernel = pytest.mark.skipif(amx.amx_kernel() is None,
                                   reason="no AMX-BF16 kernel on this CPU")

@@ -32,9 +32,10 @@ from sglang_admin.model.quant.gguf_blocks import (
     int8_rows,
     plan_for,
 )
-from sglang_admin.model.quant.linear import ConcatLinear, Projection, QuantLinear, QuantStore
+from sglang_admin.model.quant.linear import ConcatLinear, Projection, QuantLinear
 from sglang_admin.model.quant.prepared import Prepared, prepared_once
 from sglang_admin.model.quant.shard import Kept, shard_kept, sum_row_parallel
+from sglang_admin.model.quant.store import QuantStore
 
 QUANTIZATION_GGUF = "gguf"
 __all__ = ["QUANTIZATION_GGUF", "attach_gguf", "finish_tied_head", "gguf_source"]

@@ -12,8 +12,9 @@ import torch
 
 from sglang_admin.model.quant.gguf_blocks import int4_quantize, int8_rows
 from sglang_admin.model.quant.gguf_load import install, projection_groups
-from sglang_admin.model.quant.linear import QuantLinear, QuantStore
+from sglang_admin.model.quant.linear import QuantLinear
 from sglang_admin.model.quant.shard import sum_row_parallel
+from sglang_admin.model.quant.store import QuantStore
 
 TORCHAO_CONFIGS = ("int8wo", "int4wo-32", "int4wo-64", "int4wo-128", "int4wo-256")
 
