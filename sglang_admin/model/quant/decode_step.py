@@ -281,6 +281,8 @@ def _to_huge_pages(projections: list[QuantLinear]) -> None:
         return
     for i, p in enumerate(projections):
         p.gemv_w, p.gemv_s = views[2 * i], views[2 * i + 1]
+    del tensors  # the layouts replaced: freed, and their memory handed back
+    hugepages.return_freed()
 
 
 def _head(model: Any, eps: float) -> tuple[QuantLinear, Any] | None:
