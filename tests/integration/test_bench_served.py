@@ -42,8 +42,9 @@ def idle(target: str) -> bool:
 def settled(target: str, at_least_steps: float = 0.0) -> dict[str, float]:
     """The decode phases once the ranks are idle and published their state after their last
     step: two reads 0.3 s apart agree and at least ``at_least_steps`` steps are counted (a
-    loaded rank may publish a step's figures later than 0.3 s; 20 s at most)."""
-    deadline = time.monotonic() + 20
+    loaded rank may publish a step's figures later than 0.3 s, and an earlier module's
+    dropped stream may decode on until its abort arrives: 60 s at most)."""
+    deadline = time.monotonic() + 60
     last = bench_served._step_timing(target)
     while True:
         time.sleep(0.3)

@@ -1482,10 +1482,14 @@ def test_prefill_killed_mid_transfer_decode_fails_alone(pair: Pair) -> None:
     try:
         t, result = _decode_leg_waiting(pair.decode, pair.bootstrap_port, room, ids)
         time.sleep(0.5)  # decode's handshake, sent before its queue said so, reaches prefill
-        fake.notify(_prefill_control(pair, room), {
-            "kind": "handshake", "room": room, "rid": "x", "peer": stalled.descriptor,
-            "dst_slots": list(range(1, len(ids) + 1)), "notify": fake.control})
-        time.sleep(0.5)  # it reaches the prefill rank before the request does
+        # sent twice: where the prefill rank had not read decode's handshake yet, its socket
+        # takes one message from each connection in turn, so the second one is read after it
+        # (a loaded machine once read them in the other order: the stand-in got nothing)
+        for _ in range(2):
+            fake.notify(_prefill_control(pair, room), {
+                "kind": "handshake", "room": room, "rid": "x", "peer": stalled.descriptor,
+                "dst_slots": list(range(1, len(ids) + 1)), "notify": fake.control})
+            time.sleep(0.5)  # it reaches the prefill rank before the request does
 
         def run() -> None:
             try:
