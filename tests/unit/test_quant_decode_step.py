@@ -177,24 +177,49 @@ needs_amx = pytest.mark.skipif(decode_step.load(use_amx=True) is None,
 
 
 def _batched_prompts(n: int) -> list[list[int]]:
-    return [list(range(5 + 7 * i, 5 + 7 * i + 4 + i % 5)) for i in range(n)]
+    # token ids within the tiny vocabulary's 259 (ids 5-250)
+    return [[5 + (7 * i + j) % 246 for j in range(4 + i % 5)] for i in range(n)]
+
+
+def _counting_team(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the batched steps the one-region C function served (rows of each)."""
+    kernel = decode_step._load()
+    assert kernel is not None and kernel.amx_team
+    real, served = kernel._amx_team, []
+
+    def team(x, rows, *args):  # noqa: ANN001, ANN202
+        served.append(rows)
+        return real(x, rows, *args)
+
+    monkeypatch.setattr(kernel, "_amx_team", team)
+    return served
 
 
 @needs_amx
-@pytest.mark.parametrize(("qtype", "hidden", "n"), [("Q4_1", 64, 6), ("Q4_0", 128, 17)])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("qtype", "hidden", "n"), [
+    ("Q4_1", 64, 6), ("Q4_0", 128, 17), ("Q4_1", 128, 32), ("Q4_0", 64, 50)])
 def test_the_c_step_gives_the_loops_tokens_on_batched_amx_rows_bit_for_bit(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, qtype: str, hidden: int,
-        n: int) -> None:
-    """Steps of 6 and 17 rows (one 16-row block, two with a partial one) through the AMX
-    kernel inside the C step: the loop's tokens and logprobs, the same bits."""
+        n: int, threads: int) -> None:
+    """Steps of 6, 17, 32 and 50 rows (one 16-row block; two with a partial one; two whole;
+    two passes over the weights) through the AMX kernel inside the C step's one parallel
+    region, on one thread and on a team of two (the projections' blocks, the sequences and
+    the SwiGLU split between them; head_dim 16 through the per-kv-head attention, 32 the
+    per-sequence one): the loop's tokens and logprobs, the same bits."""
     prompts = _batched_prompts(n)
-    with monkeypatch.context() as m:
-        served = _counting(m)
-        got = _serve(_runner(tmp_path, qtype, hidden, n), prompts, 5, stagger=False)
-    assert n in served  # the batched decode steps went through it
-    with monkeypatch.context() as m:
-        m.setattr(decode_step, "run", lambda *a: None)  # the layer loop alone
-        want = _serve(_runner(tmp_path, qtype, hidden, n), prompts, 5, stagger=False)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with monkeypatch.context() as m:
+            served, team = _counting(m), _counting_team(m)
+            got = _serve(_runner(tmp_path, qtype, hidden, n), prompts, 5, stagger=False)
+        assert n in served and n in team  # the batched steps went through the one region
+        with monkeypatch.context() as m:
+            m.setattr(decode_step, "run", lambda *a: None)  # the layer loop alone
+            want = _serve(_runner(tmp_path, qtype, hidden, n), prompts, 5, stagger=False)
+    finally:
+        torch.set_num_threads(before)
     assert got == want
 
 

@@ -944,22 +944,53 @@ void rms_norm_bf16(const uint16_t *x, const uint16_t *w, int64_t T, int64_t D, f
     for (int64_t t = 0; t < T; t++) rms_row_bf16(x + t * D, w, D, eps, out + t * D);
 }
 
+/* one row of add_rms_norm_bf16: xt += dt rounded (in place), then ot = rms_norm(xt, w) */
+static void add_rms_row_bf16(uint16_t *xt, const uint16_t *dt, const uint16_t *w, int64_t D,
+                             float eps, uint16_t *ot) {
+    int64_t d = 0;
+#ifdef HAVE_AVX2
+    for (; d + 8 <= D; d += 8)
+        store8_bf16(xt + d, _mm256_add_ps(load8_bf16(xt + d), load8_bf16(dt + d)));
+#endif
+    for (; d < D; d++) xt[d] = f32_bf16(bf16_f32(xt[d]) + bf16_f32(dt[d]));
+    rms_row_bf16(xt, w, D, eps, ot);
+}
+
 /* x[t] = x[t] + delta[t] rounded (in place), then out[t] = rms_norm(x[t], w) */
 void add_rms_norm_bf16(uint16_t *x, const uint16_t *delta, const uint16_t *w, int64_t T,
                        int64_t D, float eps, uint16_t *out) {
 #ifdef _OPENMP
 #pragma omp parallel for schedule(static) if (T > 1 && T * D >= ROWS_PARALLEL_MIN)
 #endif
-    for (int64_t t = 0; t < T; t++) {
-        uint16_t *xt = x + t * D;
-        const uint16_t *dt = delta + t * D;
-        int64_t d = 0;
-#ifdef HAVE_AVX2
-        for (; d + 8 <= D; d += 8)
-            store8_bf16(xt + d, _mm256_add_ps(load8_bf16(xt + d), load8_bf16(dt + d)));
+    for (int64_t t = 0; t < T; t++)
+        add_rms_row_bf16(x + t * D, delta + t * D, w, D, eps, out + t * D);
+}
+
+/* o[j] = silu(g[j]) * u[j] for j in [i, I), each rounded: 16 at a time (AVX-512), then 8, then
+ * one; a span starting at a multiple of 16 goes through the same paths as the whole row */
+static inline void silu_span_bf16(const uint16_t *g, const uint16_t *u, uint16_t *o, int64_t i,
+                                  int64_t I) {
+#ifdef HAVE_AVX512
+    const __m512 one16 = _mm512_set1_ps(1.f), zero16 = _mm512_setzero_ps();
+    for (; i + 16 <= I; i += 16) {
+        const __m512 g16 = load16_bf16(g + i);
+        const __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(zero16, g16));
+        const __m512 s = round16_bf16(_mm512_div_ps(g16, _mm512_add_ps(one16, e)));
+        store16_bf16(o + i, _mm512_mul_ps(s, load16_bf16(u + i)));
+    }
 #endif
-        for (; d < D; d++) xt[d] = f32_bf16(bf16_f32(xt[d]) + bf16_f32(dt[d]));
-        rms_row_bf16(xt, w, D, eps, out + t * D);
+#ifdef HAVE_AVX2
+    const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+    for (; i + 8 <= I; i += 8) {
+        const __m256 g8 = load8_bf16(g + i);
+        const __m256 e = _ZGVdN8v_expf(_mm256_sub_ps(zero, g8));
+        const __m256 s = round8_bf16(_mm256_div_ps(g8, _mm256_add_ps(one, e)));
+        store8_bf16(o + i, _mm256_mul_ps(s, load8_bf16(u + i)));
+    }
+#endif
+    for (; i < I; i++) {
+        const float gi = bf16_f32(g[i]);
+        o[i] = f32_bf16(bf16_round(gi / (1.f + expf(-gi))) * bf16_f32(u[i]));
     }
 }
 
@@ -970,32 +1001,44 @@ void silu_mul_bf16(const uint16_t *gu, int64_t T, int64_t I, uint16_t *out) {
 #ifdef _OPENMP
 #pragma omp parallel for schedule(static) if (T > 1 && T * I >= 32768)
 #endif
-    for (int64_t t = 0; t < T; t++) {
-        const uint16_t *g = gu + t * 2 * I, *u = g + I;
-        uint16_t *o = out + t * I;
+    for (int64_t t = 0; t < T; t++)
+        silu_span_bf16(gu + t * 2 * I, gu + t * 2 * I + I, out + t * I, 0, I);
+}
+
+/* rope_store_bf16 of one token: xt's R heads rotated into ot [R, D] (its cos c and sin s),
+ * where slot is not NULL the last KV of them (k) and the KV heads after them (v) written to
+ * the pools at *slot */
+static void rope_row_bf16(const uint16_t *xt, const uint16_t *c, const uint16_t *s, int64_t R,
+                          int64_t KV, int64_t D, uint16_t *ot, uint16_t *k_cache,
+                          uint16_t *v_cache, const int64_t *slot) {
+    const int64_t half = D / 2;
+    for (int64_t h = 0; h < R; h++) {
+        const uint16_t *xh = xt + h * D;
+        uint16_t *oh = ot + h * D;
         int64_t i = 0;
-#ifdef HAVE_AVX512
-        const __m512 one16 = _mm512_set1_ps(1.f), zero16 = _mm512_setzero_ps();
-        for (; i + 16 <= I; i += 16) {
-            const __m512 g16 = load16_bf16(g + i);
-            const __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(zero16, g16));
-            const __m512 s = round16_bf16(_mm512_div_ps(g16, _mm512_add_ps(one16, e)));
-            store16_bf16(o + i, _mm512_mul_ps(s, load16_bf16(u + i)));
-        }
-#endif
 #ifdef HAVE_AVX2
-        const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
-        for (; i + 8 <= I; i += 8) {
-            const __m256 g8 = load8_bf16(g + i);
-            const __m256 e = _ZGVdN8v_expf(_mm256_sub_ps(zero, g8));
-            const __m256 s = round8_bf16(_mm256_div_ps(g8, _mm256_add_ps(one, e)));
-            store8_bf16(o + i, _mm256_mul_ps(s, load8_bf16(u + i)));
+        for (; i + 8 <= half; i += 8) {
+            const __m256 lo = load8_bf16(xh + i), hi = load8_bf16(xh + half + i);
+            const __m256 a = round8_bf16(_mm256_mul_ps(lo, load8_bf16(c + i)));
+            const __m256 b = round8_bf16(_mm256_mul_ps(hi, load8_bf16(s + i)));
+            store8_bf16(oh + i, _mm256_add_ps(a, b));
+            const __m256 a2 = round8_bf16(_mm256_mul_ps(hi, load8_bf16(c + half + i)));
+            const __m256 b2 = round8_bf16(_mm256_mul_ps(lo, load8_bf16(s + half + i)));
+            store8_bf16(oh + half + i, _mm256_add_ps(a2, b2));
         }
 #endif
-        for (; i < I; i++) {
-            const float gi = bf16_f32(g[i]);
-            o[i] = f32_bf16(bf16_round(gi / (1.f + expf(-gi))) * bf16_f32(u[i]));
+        for (; i < half; i++) {
+            const float lo = bf16_f32(xh[i]), hi = bf16_f32(xh[half + i]);
+            oh[i] = f32_bf16(bf16_round(lo * bf16_f32(c[i])) +
+                             bf16_round(hi * bf16_f32(s[i])));
+            oh[half + i] = f32_bf16(bf16_round(hi * bf16_f32(c[half + i])) +
+                                    bf16_round(lo * bf16_f32(s[half + i])));
         }
+    }
+    if (slot) {
+        const size_t bytes = (size_t)(KV * D) * sizeof(uint16_t);
+        memcpy(k_cache + *slot * KV * D, ot + (R - KV) * D, bytes);
+        memcpy(v_cache + *slot * KV * D, xt + R * D, bytes);
     }
 }
 
@@ -1004,41 +1047,12 @@ void rope_store_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *cos_t,
                      const uint16_t *sin_t, int64_t T, int64_t R, int64_t KV, int64_t D,
                      uint16_t *out, uint16_t *k_cache, uint16_t *v_cache,
                      const int64_t *slots) {
-    const int64_t half = D / 2;
 #ifdef _OPENMP
 #pragma omp parallel for schedule(static) if (T > 1 && T * R * D >= ROWS_PARALLEL_MIN)
 #endif
-    for (int64_t t = 0; t < T; t++) {
-        const uint16_t *c = cos_t + t * D, *s = sin_t + t * D;
-        for (int64_t h = 0; h < R; h++) {
-            const uint16_t *xh = x + t * x_stride + h * D;
-            uint16_t *oh = out + (t * R + h) * D;
-            int64_t i = 0;
-#ifdef HAVE_AVX2
-            for (; i + 8 <= half; i += 8) {
-                const __m256 lo = load8_bf16(xh + i), hi = load8_bf16(xh + half + i);
-                const __m256 a = round8_bf16(_mm256_mul_ps(lo, load8_bf16(c + i)));
-                const __m256 b = round8_bf16(_mm256_mul_ps(hi, load8_bf16(s + i)));
-                store8_bf16(oh + i, _mm256_add_ps(a, b));
-                const __m256 a2 = round8_bf16(_mm256_mul_ps(hi, load8_bf16(c + half + i)));
-                const __m256 b2 = round8_bf16(_mm256_mul_ps(lo, load8_bf16(s + half + i)));
-                store8_bf16(oh + half + i, _mm256_add_ps(a2, b2));
-            }
-#endif
-            for (; i < half; i++) {
-                const float lo = bf16_f32(xh[i]), hi = bf16_f32(xh[half + i]);
-                oh[i] = f32_bf16(bf16_round(lo * bf16_f32(c[i])) +
-                                 bf16_round(hi * bf16_f32(s[i])));
-                oh[half + i] = f32_bf16(bf16_round(hi * bf16_f32(c[half + i])) +
-                                        bf16_round(lo * bf16_f32(s[half + i])));
-            }
-        }
-        if (slots) {
-            const size_t bytes = (size_t)(KV * D) * sizeof(uint16_t);
-            memcpy(k_cache + slots[t] * KV * D, out + (t * R + R - KV) * D, bytes);
-            memcpy(v_cache + slots[t] * KV * D, x + t * x_stride + R * D, bytes);
-        }
-    }
+    for (int64_t t = 0; t < T; t++)
+        rope_row_bf16(x + t * x_stride, cos_t + t * D, sin_t + t * D, R, KV, D,
+                      out + t * R * D, k_cache, v_cache, slots ? slots + t : NULL);
 }
 
 static inline void prefetch_bytes(const void *base, int64_t bytes) {

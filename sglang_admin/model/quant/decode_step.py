@@ -53,7 +53,8 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
 # joined in this order into one translation unit (quant_decode.c calls the others' functions)
-SOURCES = ("cpu_kernels.c", "quant_gemv.c", "quant_amx.c", "quant_decode.c")
+SOURCES = ("cpu_kernels.c", "quant_gemv.c", "quant_amx.c", "quant_decode.c",
+           "quant_decode_amx.c")
 KINDS = {"int4": 0, "int8x32": 1}  # the few-row kernel's layouts
 AMX_INT4 = 2  # int4 in the AMX kernel's layout
 PTRS = 12  # pointers a layer (quant_decode.c's DL_PTRS)
@@ -85,6 +86,15 @@ class DecodeStepKernel:
         self._team.restype = None
         self._team.argtypes = self._layers.argtypes[:-1] + [_I64, _PTR, _PTR, _PTR, _PTR,
                                                             _I64, _PTR]
+        self.amx_team = bool(lib.q4_decode_amx_team_applies())
+        self._amx_team_scratch = lib.q4_decode_amx_team_scratch
+        self._amx_team_scratch.restype = _I64
+        self._amx_team_scratch.argtypes = [_I64] * 8
+        self._amx_team = lib.q4_decode_amx_team
+        self._amx_team.restype = None
+        args = self._layers.argtypes
+        # as q4_decode_layers' but for kinds, scores_len and f32; scratch bytes, threads
+        self._amx_team.argtypes = args[:11] + args[12:21] + [_PTR, _I64]
 
     def scratch_elements(self, rows: int, hidden: int, inter: int, heads: int, kv_heads: int,
                          head_dim: int) -> int:
@@ -375,6 +385,19 @@ def run(model: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta:
                 head[0].data_ptr(), head[1].data_ptr(), head[2].data_ptr(), step.vocab)),
             None if logits is None else logits.data_ptr())
         meta.logits = logits
+        return x
+    if kernel.amx_team and step.inter % 16 == 0:  # every layer in one parallel region
+        threads = torch.get_num_threads()
+        scratch = batch.buffer("quant_step_amx_team", 1, kernel._amx_team_scratch(
+            rows, step.hidden, step.inter, h, kv, d, len(step.windows), threads) + 64,
+            torch.uint8)
+        base = scratch.data_ptr()
+        kernel._amx_team(
+            x.data_ptr(), rows, len(step.windows), step.hidden, step.inter, h, kv, d,
+            step.eps, step.scale, step.ptrs.data_ptr(), step.windows.data_ptr(),
+            cos.data_ptr(), sin.data_ptr(), meta.out_slots.data_ptr(), batch.table.data_ptr(),
+            batch.table.shape[1], batch.rows.data_ptr(), batch.lens.data_ptr(),
+            batch.scores.data_ptr(), base + (-base) % 64, threads)
         return x
     scratch = batch.buffer("quant_step", 1, kernel.scratch_elements(
         rows, step.hidden, step.inter, h, kv, d), torch.bfloat16)
