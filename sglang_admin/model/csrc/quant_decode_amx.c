@@ -13,9 +13,9 @@
  *                                          the residual and the normed rows (no barrier)
  *   qkv = h W_qkv                          16-column blocks, a static split: each thread
  *                                          the same contiguous weight columns every step
- *   RoPE + K/V write + attention           a sequence at a time, claimed from a counter
- *                                          (the longest first do not matter: each thread
- *                                          claims its next one ahead, to prefetch it)
+ *   RoPE + K/V write + attention           a sequence at a time, claimed from a shared
+ *                                          counter (each thread claims its next one ahead,
+ *                                          to prefetch its first keys)
  *   o = attn W_o                           blocks, static
  *   own: h = add_rms_norm(x, o, ln2)
  *   act = silu(h W_gate) * (h W_up)        gate block b and up block b together, the SwiGLU

@@ -12,7 +12,11 @@ bfloat16 norms, RoPE + K/V write + attention and SwiGLU; csrc/quant_gemv.c's or
 csrc/quant_amx.c's projections) in the same order on the same values, so the hidden states
 are the same bits as that loop's.
 
-Steps of a few rows run in one OpenMP parallel region (``q4_decode_team``: each projection's
+Batched steps on a team of threads run in one OpenMP parallel region too
+(``csrc/quant_decode_amx.c``: the projections' blocks, the sequences' attention and the
+SwiGLU split over the team, barriers between the phases; on one thread
+``q4_decode_layers``). Steps of a few rows run in one OpenMP parallel region
+(``q4_decode_team``: each projection's
 blocks split over the team, each thread its own copy of the small per-row vectors), and
 where every row samples (``meta.want_logits``) the final norm and a Q8_0 LM head's float32
 logits in the same call (``meta.logits``: what ``QuantLinear.exact_logits`` computes). Their
@@ -386,8 +390,8 @@ def run(model: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta:
             None if logits is None else logits.data_ptr())
         meta.logits = logits
         return x
-    if kernel.amx_team and step.inter % 16 == 0:  # every layer in one parallel region
-        threads = torch.get_num_threads()
+    threads = torch.get_num_threads()
+    if kernel.amx_team and threads > 1 and step.inter % 16 == 0:  # one parallel region
         scratch = batch.buffer("quant_step_amx_team", 1, kernel._amx_team_scratch(
             rows, step.hidden, step.inter, h, kv, d, len(step.windows), threads) + 64,
             torch.uint8)
