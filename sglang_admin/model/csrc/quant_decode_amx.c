@@ -18,16 +18,23 @@
  *                                          to prefetch its first keys)
  *   o = attn W_o                           blocks, static
  *   own: h = add_rms_norm(x, o, ln2)
- *   act = silu(h W_gate) * (h W_up)        gate block b and up block b together, the SwiGLU
- *                                          of their 16 columns right after (no gu pass)
+ *   act = silu(h W_gate) * (h W_up)        a thread's gate blocks, the same up blocks,
+ *                                          then the SwiGLU of those columns (no barrier
+ *                                          between)
  *   delta = act W_down                     blocks, static
  *
  * and at the end x += delta. Each thread loads its AMX tile configuration once for the
  * region (again only where a step of more than 48 rows goes in two passes). Every value is
  * computed by the same function on the same inputs as in q4_decode_layers (block_rows for a
  * 16-column block, rms_row_bf16 / add_rms_row_bf16 for a row, rope_row_bf16 for a token,
- * silu_span_bf16 for 16 columns of a row: the whole row's 16-wide path, attend_sequence /
- * attend_group for a sequence's heads): the same bits, whichever thread computes them.
+ * silu_span_bf16 for columns of a row from a multiple of 16: the whole row's 16-wide path,
+ * attend_sequence / attend_group for a sequence's heads): the same bits, whichever thread
+ * computes them.
+ *
+ * Measured at 2 threads (docs/cpu-performance.md): the norms split over the rows (a barrier
+ * each) were ~2% faster on a quiet machine and ~15% slower beside a busy neighbour (each
+ * barrier waits for a thread the hypervisor took away); the sequences split by their keys
+ * (a static share each) changed nothing measurable; both left out.
  *
  * A decode step has one row per sequence, and row i's new K/V goes to a slot no other
  * sequence of the step reads, so each sequence's RoPE and K/V write run just before its
@@ -72,30 +79,32 @@ static void amx_project_team(const uint16_t *x, int64_t M, int64_t K, const void
 #endif
 }
 
-/* act [M, I] = silu(x W_gate) * (x W_up), W_gate_up's [2 I, K] blocks b and I / 16 + b
- * computed together (into gu [M, 2 I], as the projection writes them) and their 16 columns'
- * SwiGLU right after, while they are in the cache; ends with the team's barrier */
+/* act [M, I] = silu(x W_gate) * (x W_up): the thread's static share of the gate blocks
+ * (contiguous: [p0, p1) of I / 16), then the same up blocks (I / 16 + [p0, p1)), into gu
+ * [M, 2 I] as the projection writes them, then the SwiGLU of those columns of every row:
+ * no other thread reads them, so no barrier between. (Gate and up block of a column
+ * alternating, the SwiGLU after each pair, was ~6% slower at 2 threads: two streams of
+ * codes, each block's prefetch ahead landing a block early.) Ends with the team's barrier. */
 static void amx_gate_up_team(const uint16_t *x, int64_t M, int64_t K, const void *w,
                              const void *s, int64_t I, uint16_t *gu, uint16_t *act,
                              int64_t *cfg, uint16_t *bt, float *cbuf) {
     const int64_t NB = I / 16;
+    int nt = 1, id = 0;
+#ifdef _OPENMP
+    nt = omp_get_num_threads();
+    id = omp_get_thread_num();
+#endif
+    const int64_t p0 = NB * id / nt, p1 = NB * (id + 1) / nt;
     for (int64_t r0 = 0; r0 < M; r0 += 16 * MAX_BLOCKS) {
         const int64_t rows = M - r0 < 16 * MAX_BLOCKS ? M - r0 : 16 * MAX_BLOCKS;
-        uint16_t *g = gu + r0 * 2 * I;
         amx_configured(cfg, rows);
-#ifdef _OPENMP
-#pragma omp for schedule(static) nowait
-#endif
-        for (int64_t nb = 0; nb < NB; nb++) {
-            block_rows(x + r0 * K, rows, K, K, (const uint8_t *)w, (const uint16_t *)s, nb, g,
-                       2 * I, bt, cbuf);
-            block_rows(x + r0 * K, rows, K, K, (const uint8_t *)w, (const uint16_t *)s,
-                       NB + nb, g, 2 * I, bt, cbuf);
-            for (int64_t r = 0; r < rows; r++)
-                silu_span_bf16(g + r * 2 * I + 16 * nb, g + r * 2 * I + I + 16 * nb,
-                               act + (r0 + r) * I + 16 * nb, 0, 16);
-        }
+        for (int64_t half = 0; half < 2; half++)
+            for (int64_t nb = p0; nb < p1; nb++)
+                block_rows(x + r0 * K, rows, K, K, (const uint8_t *)w, (const uint16_t *)s,
+                           half * NB + nb, gu + r0 * 2 * I, 2 * I, bt, cbuf);
     }
+    for (int64_t m = 0; m < M; m++)
+        silu_span_bf16(gu + m * 2 * I, gu + m * 2 * I + I, act + m * I, 16 * p0, 16 * p1);
 #ifdef _OPENMP
 #pragma omp barrier
 #endif
