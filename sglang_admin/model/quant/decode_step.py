@@ -12,15 +12,14 @@ bfloat16 norms, RoPE + K/V write + attention and SwiGLU; csrc/quant_gemv.c's or
 csrc/quant_amx.c's projections) in the same order on the same values, so the hidden states
 are the same bits as that loop's.
 
-Batched steps on a team of threads run in one OpenMP parallel region too
-(``csrc/quant_decode_amx.c``: the projections' blocks, the sequences' attention and the
-SwiGLU split over the team, barriers between the phases; on one thread
-``q4_decode_layers``). Steps of a few rows run in one OpenMP parallel region
-(``q4_decode_team``: each projection's
-blocks split over the team, each thread its own copy of the small per-row vectors), and
-where every row samples (``meta.want_logits``) the final norm and a Q8_0 LM head's float32
-logits in the same call (``meta.logits``: what ``QuantLinear.exact_logits`` computes). Their
-layouts are moved into one buffer on transparent huge pages when planned
+Steps of a few rows run in one OpenMP parallel region (``q4_decode_team``: each projection's
+blocks split over the team, each thread its own copy of the small per-row vectors), and so
+do batched steps on a team of threads (``q4_decode_amx_team``, csrc/quant_decode_amx.c: the
+projections' blocks, the sequences' attention and SwiGLU split over the team, barriers
+between the phases; on one thread ``q4_decode_layers``). A few-row step computes, where
+every row samples (``meta.want_logits``), the final norm and a Q8_0 LM head's float32
+logits in the same call (``meta.logits``: what ``QuantLinear.exact_logits`` computes); the
+few-row layouts are moved into one buffer on transparent huge pages when planned
 (model/quant/hugepages.py). docs/cpu-performance.md has the measurements.
 
 It serves a step where every layer's four projections are kept in the kernel's layouts
