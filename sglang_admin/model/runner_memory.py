@@ -99,9 +99,11 @@ class RunnerMemory:
             # an empty store of the same scheme: the kept projections are freed with the old
             # one, and the reload after resume (model/weights.py's reload_weights) reads them
             # from the GGUF file again
+            from sglang_admin.model.quant import decode_step
             from sglang_admin.model.quant.store import QuantStore
 
             self.model.quant = QuantStore("released: reloaded from the GGUF file on resume")
+            decode_step.forget_plans(self.model)
         if self.packed is not None:
             self.packed.clear()
         if self.graphs is not None:  # they point at the weights: captured again after resume

@@ -156,15 +156,15 @@ def test_starts_at_once_prepare_kept_projections_once(tmp_path: Path) -> None:
     from sglang_admin.model.quant.prepared import Prepared, prepared_once
 
     weight = int4_quantize(np.random.default_rng(0).standard_normal((32, 64)), 32)
-    builds: list[int] = []
+    builds: list[QuantLinear] = []
     lock = threading.Lock()
 
     def build() -> Prepared:
-        with lock:
-            builds.append(1)
-        time.sleep(0.3)  # the others arrive while it builds
         p = Prepared(summary="one projection")
         p.projections[("w",)] = QuantLinear(weight, torch.bfloat16)
+        with lock:
+            builds.append(p.projections[("w",)])
+        time.sleep(0.3)  # the others arrive while it builds
         return p
 
     with cf.ThreadPoolExecutor(3) as pool:
@@ -174,6 +174,10 @@ def test_starts_at_once_prepare_kept_projections_once(tmp_path: Path) -> None:
     x = torch.randn(2, 64, dtype=torch.bfloat16)
     outs = [p.projections[("w",)](x) for p in got]
     assert all(torch.equal(o, outs[0]) for o in outs)
+    assert torch.equal(outs[0], builds[0](x))
+    # the builder too serves what it saved, read from the file as the others do (the
+    # built tensors are heap memory that a weight release could not all hand back)
+    assert all(p.projections[("w",)] is not builds[0] for p in got)
     assert all(p.summary == "one projection" for p in got)
 
 

@@ -150,23 +150,28 @@ def test_a_model_that_does_not_fit_keeps_the_loop(
 @needs_kernel
 def test_released_weights_are_freed_and_the_reload_is_planned_again(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The plan holds its weights weakly: ReleaseMemoryOccupation frees the kept projections
-    (none outlives it), and the reload after resume is planned again, the same tokens."""
+    """ReleaseMemoryOccupation frees the kept projections and the step plan's layouts (none
+    outlives it), and the reload after resume is planned again, the same tokens."""
     import gc
     import weakref
 
     from sglang_admin.model.weights import reload_weights
 
-    runner = _runner(tmp_path, "Q4_1", 64)
+    runner = _runner(tmp_path, "Q8_0", 128)  # a Q8_0 head: the plan holds its layouts
     prompts = [list(range(5, 14))]
     first = _serve(runner, prompts, 4)
-    assert runner.model.__dict__["_quant_step_plan"][1] is not None
+    plan = runner.model.__dict__["_quant_step_plan"][1]
+    assert plan is not None and plan.head is not None
+    # the plan holds the head's layouts strongly (views of the huge-page buffer of every
+    # projection's): they must go with the release too
     alive = [weakref.ref(p) for p in runner.model.quant.projections()]
+    alive += [weakref.ref(t.untyped_storage()) for t in plan.head]
+    del plan
     runner.release_weights()
     gc.collect()
-    assert [r for r in alive if r() is not None] == [], "a kept projection outlived the release"
+    assert [r for r in alive if r() is not None] == [], "kept weights outlived the release"
     runner.resume_weights()
-    reload_weights(runner.model, _model_path(tmp_path, "Q4_1", 64))
+    reload_weights(runner.model, _model_path(tmp_path, "Q8_0", 128))
     served = _counting(monkeypatch)
     assert _serve(runner, prompts, 4) == first
     assert served

@@ -58,6 +58,8 @@ CSRC = Path(__file__).resolve().parents[1] / "csrc"
 # joined in this order into one translation unit (quant_decode.c calls the others' functions)
 SOURCES = ("cpu_kernels.c", "quant_gemv.c", "quant_amx.c", "quant_decode.c",
            "quant_decode_amx.c")
+# where a model keeps its plans, (weakref to the store, StepPlan | None): few rows, AMX rows
+PLAN_KEYS = ("_quant_step_plan", "_quant_step_plan_amx")
 KINDS = {"int4": 0, "int8x32": 1}  # the few-row kernel's layouts
 AMX_INT4 = 2  # int4 in the AMX kernel's layout
 PTRS = 12  # pointers a layer (quant_decode.c's DL_PTRS)
@@ -318,7 +320,15 @@ def plan_ahead(model: Any) -> None:
     if getattr(model, "quant", None) is not None and load() is not None:
         plan = build_plan(model)
         if plan is not None:  # else run() looks again at its first step, as before
-            model.__dict__["_quant_step_plan"] = (weakref.ref(model.quant), plan)
+            model.__dict__[PLAN_KEYS[0]] = (weakref.ref(model.quant), plan)
+
+
+def forget_plans(model: Any) -> None:
+    """Drop the model's step plans (made again at the next step): a plan holds the head's
+    layouts, and with them the huge-page buffer of every layer's, which must go with the
+    weights they were made from when those are released."""
+    for key in PLAN_KEYS:
+        model.__dict__.pop(key, None)
 
 
 def run(model: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: Any,
@@ -328,9 +338,9 @@ def run(model: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta:
     rows = x.shape[0]
     batch = meta.decode_batch
     if rows <= quant_linear.GEMV_MAX_ROWS:
-        use_amx, key = False, "_quant_step_plan"
+        use_amx, key = False, PLAN_KEYS[0]
     elif amx.MIN_ROWS <= rows <= amx.MAX_ROWS:
-        use_amx, key = True, "_quant_step_plan_amx"
+        use_amx, key = True, PLAN_KEYS[1]
     else:
         return None
     if batch is None or not x.is_contiguous():

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from sglang_admin.model.gguf import cache_lock
-from sglang_admin.model.quant import amx, gemv
+from sglang_admin.model.quant import amx, gemv, hugepages
 from sglang_admin.model.quant.linear import ConcatLinear, Projection, QuantLinear
 
 logger = logging.getLogger(__name__)
@@ -204,6 +204,13 @@ def prepared_once(model_dir: str, dtype: torch.dtype,
             return build()
         prepared = load_prepared(model_dir, dtype)  # saved by another rank meanwhile
         if prepared is None:
-            prepared = build()
-            save_prepared(prepared, model_dir, dtype)
+            built = build()
+            save_prepared(built, model_dir, dtype)
+            # served from the file, as every later start is: the built tensors are heap
+            # memory, which glibc could not all hand back when the weights are released
+            prepared = load_prepared(model_dir, dtype)
+            if prepared is None:  # not saved (logged)
+                return built
+            del built
+            hugepages.return_freed()
         return prepared
