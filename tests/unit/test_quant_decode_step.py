@@ -182,7 +182,7 @@ needs_amx = pytest.mark.skipif(decode_step.load(use_amx=True) is None,
 
 
 def _batched_prompts(n: int) -> list[list[int]]:
-    # token ids within the tiny vocabulary's 259 (ids 5-250)
+    # token ids within the tiny vocabulary's 269 (ids 5-250)
     return [[5 + (7 * i + j) % 246 for j in range(4 + i % 5)] for i in range(n)]
 
 
