@@ -203,16 +203,18 @@ def _counting_team(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 @needs_amx
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(("qtype", "hidden", "n"), [
-    ("Q4_1", 64, 6), ("Q4_0", 128, 17), ("Q4_1", 128, 32), ("Q4_0", 64, 50)])
+    ("Q4_1", 64, 6), ("Q4_1", 128, 5), ("Q4_0", 128, 17), ("Q4_1", 128, 32),
+    ("Q4_0", 64, 50)])
 def test_the_c_step_gives_the_loops_tokens_on_batched_amx_rows_bit_for_bit(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, qtype: str, hidden: int,
         n: int, threads: int) -> None:
-    """Steps of 6, 17, 32 and 50 rows (one 16-row block; two with a partial one; two whole;
-    two passes over the weights) through the AMX kernel inside the C step: on one thread
-    layer by layer (q4_decode_layers), on a team of two in one parallel region (the
+    """Steps of 5, 6, 17, 32 and 50 rows (one 16-row block; two with a partial one; two
+    whole; two passes over the weights) through the AMX kernel inside the C step: on one
+    thread layer by layer (q4_decode_layers), on a team of two in one parallel region (the
     projections' blocks, the sequences and the SwiGLU split between them; head_dim 16
-    through the per-kv-head attention, 32 the per-sequence one): the loop's tokens and
-    logprobs, the same bits."""
+    through the per-kv-head attention, 32 the per-sequence one, which the loop takes per kv
+    head below 4 sequences a thread: 5 rows): the loop's tokens and logprobs, the same
+    bits."""
     prompts = _batched_prompts(n)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
