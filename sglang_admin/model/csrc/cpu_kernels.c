@@ -1848,26 +1848,82 @@ static void extend_task_bf16(const uint16_t *q, int64_t q_stride, const uint32_t
 }
 #endif
 
-int extend_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k,
-                          const uint16_t *v, const int64_t *slots, int64_t p, int64_t n,
-                          int64_t H, int64_t KV, int64_t D, float scale, int64_t window,
-                          uint16_t *out) {
+/*
+ * Every prefill chunk of a step in one call: the tasks of all sequences (kv head x block of
+ * EXT_BQ query tokens, extend_task_bf16) share one OpenMP region, the costliest first, so a
+ * step of 32 short prompts is one fork and one pack instead of 32.
+ *   seqs   [nseq, 4] int64: (q_start, n, p, slot_off) of each sequence: its queries are
+ *          tokens q_start .. q_start + n - 1 of q (and of out), after p cached positions, its
+ *          slots slots[slot_off .. slot_off + p + n)
+ *   q_rows, slots_len: q's tokens and slots' length, for the bounds checks
+ * Returns 1; 0 where the kernel does not apply (nothing written) or a buffer could not be
+ * allocated (out incomplete); -1 where seqs is malformed (n < 1, p < 0, a range outside q or
+ * slots, or query ranges out of order or overlapping; nothing written).
+ */
 #ifdef HAVE_AVX512BF16
-    if (!extend_attention_bf16_applies(D) || KV <= 0 || H % KV != 0 || n <= 0) return 0;
-    const int64_t G = H / KV, blocks = (n + EXT_BQ - 1) / EXT_BQ, tasks = KV * blocks;
-    const int64_t bq = n < EXT_BQ ? n : EXT_BQ; /* query tokens of the largest task */
-    const int64_t L = p + n, kblocks = (L + EXT_BK - 1) / EXT_BK, words = EXT_BK * D / 2;
-    /* every kv head's keys and values packed once, shared by its query blocks */
-    uint32_t *kpk = aligned_alloc(64, (size_t)(2 * KV * kblocks * words) * sizeof(uint32_t));
-    if (kpk == NULL) return 0;
-    uint32_t *vpk = kpk + KV * kblocks * words;
+typedef struct { int64_t cost; int32_t s, b, h, pad; } ExtTask;
+
+static int ext_task_cmp(const void *a, const void *b) {
+    const int64_t ca = ((const ExtTask *)a)->cost, cb = ((const ExtTask *)b)->cost;
+    return ca < cb ? 1 : (ca > cb ? -1 : 0);
+}
+#endif
+
+int extend_attention_bf16_seqs(const uint16_t *q, int64_t q_stride, int64_t q_rows,
+                               const uint16_t *k, const uint16_t *v, const int64_t *slots,
+                               int64_t slots_len, const int64_t *seqs, int64_t nseq, int64_t H,
+                               int64_t KV, int64_t D, float scale, int64_t window,
+                               uint16_t *out) {
+    int64_t prev_end = 0;
+    for (int64_t s = 0; s < nseq; s++) {
+        const int64_t a = seqs[4 * s], n = seqs[4 * s + 1], p = seqs[4 * s + 2], off = seqs[4 * s + 3];
+        if (n < 1 || p < 0 || a < prev_end || a > q_rows - n || off < 0 || p > slots_len - n
+            || off > slots_len - p - n)
+            return -1;
+        prev_end = a + n;
+    }
+#ifdef HAVE_AVX512BF16
+    if (!extend_attention_bf16_applies(D) || KV <= 0 || H % KV != 0 || nseq <= 0) return 0;
+    const int64_t G = H / KV, words = EXT_BK * D / 2;
+    /* per sequence: its first packed block (kv head 0) and its first task */
+    int64_t *first = malloc((size_t)(2 * nseq + 2) * sizeof(int64_t));
+    if (first == NULL) return 0;
+    int64_t *first_task = first + nseq + 1;
+    int64_t blocks_all = 0, tasks = 0, bq = 1;
+    for (int64_t s = 0; s < nseq; s++) {
+        const int64_t n = seqs[4 * s + 1], L = seqs[4 * s + 2] + n;
+        first[s] = blocks_all;
+        first_task[s] = tasks;
+        blocks_all += KV * ((L + EXT_BK - 1) / EXT_BK);
+        tasks += KV * ((n + EXT_BQ - 1) / EXT_BQ);
+        bq = n < EXT_BQ ? (n > bq ? n : bq) : EXT_BQ;
+    }
+    first[nseq] = blocks_all;
+    first_task[nseq] = tasks;
+    uint32_t *kpk = aligned_alloc(64, (size_t)(2 * blocks_all * words) * sizeof(uint32_t));
+    ExtTask *order = malloc((size_t)tasks * sizeof(ExtTask));
+    if (kpk == NULL || order == NULL) {
+        free(kpk); free(order); free(first);
+        return 0;
+    }
+    uint32_t *vpk = kpk + blocks_all * words;
+    for (int64_t s = 0, t = 0; s < nseq; s++) {
+        const int64_t n = seqs[4 * s + 1], p = seqs[4 * s + 2];
+        for (int64_t b = 0; b * EXT_BQ < n; b++) {
+            const int64_t t0 = b * EXT_BQ, t1 = t0 + EXT_BQ < n ? t0 + EXT_BQ : n;
+            const int64_t lo = (window > 0 && p + t0 + 1 > window) ? p + t0 + 1 - window : 0;
+            for (int64_t h = 0; h < KV; h++, t++)
+                order[t] = (ExtTask){(t1 - t0) * (p + t1 - lo), (int32_t)s, (int32_t)b, (int32_t)h, 0};
+        }
+    }
+    qsort(order, (size_t)tasks, sizeof(ExtTask), ext_task_cmp); /* the longest first */
     const size_t bytes = (size_t)bq * G * (D + 2) * sizeof(float)
                          + (size_t)EXT_R * EXT_BK * (sizeof(float) + sizeof(uint16_t)) + 64;
     int failed = 0;
     int64_t team = 1;
 #ifdef _OPENMP
     team = omp_get_max_threads();
-    team = team < tasks + KV * kblocks ? team : tasks + KV * kblocks;
+    team = team < tasks + blocks_all ? team : tasks + blocks_all;
     team = team > 1 ? team : 1;
 #pragma omp parallel num_threads((int)team) if (team > 1)
 #endif
@@ -1879,30 +1935,52 @@ int extend_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k
 #endif
             failed = 1;
         }
+        int64_t s = 0;
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
-        for (int64_t blk = 0; blk < KV * kblocks; blk++)
-            pack_block_bf16(k, v, slots, (blk % kblocks) * EXT_BK, L, D, KV * D, blk / kblocks,
-                            kpk + blk * words, vpk + blk * words);
+        for (int64_t blk = 0; blk < blocks_all; blk++) {
+            while (first[s + 1] <= blk) s++;  /* ascending within a thread's chunk */
+            while (first[s] > blk) s--;
+            const int64_t kb = (first[s + 1] - first[s]) / KV;
+            const int64_t local = blk - first[s], L = seqs[4 * s + 2] + seqs[4 * s + 1];
+            pack_block_bf16(k, v, slots + seqs[4 * s + 3], (local % kb) * EXT_BK, L, D, KV * D,
+                            local / kb, kpk + blk * words, vpk + blk * words);
+        }
 #ifdef _OPENMP
 #pragma omp for schedule(dynamic, 1)
 #endif
-        for (int64_t task = 0; task < tasks; task++) {
-            /* the last query blocks (the most keys) first */
-            const int64_t b = blocks - 1 - task / KV, h = task % KV;
-            const int64_t t0 = b * EXT_BQ, t1 = t0 + EXT_BQ < n ? t0 + EXT_BQ : n;
+        for (int64_t i = 0; i < tasks; i++) {
+            const ExtTask t = order[i];
+            const int64_t *sq = seqs + 4 * t.s, n = sq[1], p = sq[2];
+            const int64_t kb = (first[t.s + 1] - first[t.s]) / KV;
+            const int64_t t0 = (int64_t)t.b * EXT_BQ, t1 = t0 + EXT_BQ < n ? t0 + EXT_BQ : n;
+            const int64_t pk = (first[t.s] + t.h * kb) * words;
             if (buf != NULL)
-                extend_task_bf16(q, q_stride, kpk + h * kblocks * words, vpk + h * kblocks * words,
-                                 p, t0, t1, H, KV, D, scale, window, h, buf, out);
+                extend_task_bf16(q + sq[0] * q_stride, q_stride, kpk + pk, vpk + pk, p, t0, t1,
+                                 H, KV, D, scale, window, t.h, buf, out + sq[0] * H * D);
         }
         free(buf);
     }
     free(kpk);
+    free(order);
+    free(first);
     return failed ? 0 : 1;
 #else
-    (void)q; (void)q_stride; (void)k; (void)v; (void)slots; (void)p; (void)n; (void)H;
-    (void)KV; (void)D; (void)scale; (void)window; (void)out;
+    (void)q; (void)q_stride; (void)k; (void)v; (void)slots; (void)H; (void)KV; (void)D;
+    (void)scale; (void)window; (void)out;
     return 0;
 #endif
+}
+
+/* one sequence (extend_attention_bf16_seqs of one row): slots [p + n], out [n, H, D] */
+int extend_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k,
+                          const uint16_t *v, const int64_t *slots, int64_t p, int64_t n,
+                          int64_t H, int64_t KV, int64_t D, float scale, int64_t window,
+                          uint16_t *out) {
+    const int64_t seq[4] = {0, n, p, 0};
+    if (n <= 0 || p < 0) return 0;
+    const int r = extend_attention_bf16_seqs(q, q_stride, n, k, v, slots, p + n, seq, 1, H, KV,
+                                             D, scale, window, out);
+    return r > 0 ? r : 0;
 }
