@@ -2,7 +2,7 @@
 """One layer's bfloat16 prefill attention of a whole step on CPU, side by side in one run:
 torch's SDPA once per sequence (the extend path's call), the flash kernel once per sequence
 (``CpuKernels.extend_attend``), and every sequence in one kernel call
-(model/extend_batch.py), at SmolLM2-135M's shape (9 query / 3 kv heads of 64).
+(model/extend_batch.py; where the CPU has AMX tiles, that call also with the tiles off), at SmolLM2-135M's shape (9 query / 3 kv heads of 64).
 
 Cases: the chat step (32 prompts of 40-100 tokens, tools/bench_cpu_peers.py's chat
 workload), one 512-token and one 2048-token prompt, and 8 chunks of 64 after 448 cached
@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from sglang_admin.model.cpu_kernels_build import load_cpu_kernels  # noqa: E402
-from sglang_admin.model.extend_batch import ExtendBatch  # noqa: E402
+from sglang_admin.model.extend_batch import ExtendBatch, tile_kernel  # noqa: E402
 
 HEADS, KV_HEADS, DIM = 9, 3, 64
 
@@ -60,7 +60,8 @@ def main() -> int:
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     bf = torch.bfloat16
     scale = DIM**-0.5
-    print(f"threads {args.threads}, {args.clock} clock, {HEADS} heads / {KV_HEADS} kv heads of {DIM}, "
+    tiles = tile_kernel(kernel)
+    print(f"threads {args.threads}, {args.clock} clock, AMX tiles {'on' if tiles else 'absent'}, {HEADS} heads / {KV_HEADS} kv heads of {DIM}, "
           f"median of {args.rounds} rounds x {args.iters}")
     for name, seqs in cases():
         gen = torch.Generator().manual_seed(0)
@@ -101,8 +102,17 @@ def main() -> int:
             return batch.attend(q, k_pool, v_pool, scale, None,
                                 torch.empty(tokens, HEADS * DIM, dtype=bf))
 
+        def batched_vector() -> torch.Tensor:
+            tile_kernel(kernel, False)
+            try:
+                return batched()
+            finally:
+                tile_kernel(kernel, True)
+
         paths = {"sdpa per sequence": sdpa, "kernel per sequence": per_seq,
                  "kernel, one call": batched}
+        if tiles:  # the same call on AVX512_BF16 alone
+            paths["one call, no tiles"] = batched_vector
         ref = sdpa().float()
         for label, fn in paths.items():
             diff = (fn().float() - ref).abs().max().item()

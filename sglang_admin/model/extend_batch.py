@@ -20,7 +20,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["ExtendBatch", "extend_attend_seqs"]
+__all__ = ["ExtendBatch", "extend_attend_seqs", "tile_kernel"]
+
+
+def tile_kernel(kernel: Any, use: bool | None = None) -> bool:
+    """Whether the bfloat16 prefill kernel multiplies on AMX tiles (the CPU has AMX-BF16 and
+    Linux granted this process the tiles); else it runs on AVX512_BF16. ``use=False`` turns
+    the tiles off for this process (``True``: back on where granted): how the tests and
+    tools/bench_prefill_batch.py compare the two."""
+    return bool(kernel._extend_bf16_amx(-1 if use is None else int(use)))
 
 
 @dataclass

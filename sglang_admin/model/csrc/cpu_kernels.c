@@ -1849,6 +1849,189 @@ static void extend_task_bf16(const uint16_t *q, int64_t q_stride, const uint32_t
 #endif
 
 /*
+ * The same task on AMX tiles where the CPU has them (TDPBF16PS: a 16 x 16 float32 tile of sums of
+ * 32 bfloat16 products a row, in one instruction): the rows go 16 at a time (their q copied
+ * once per task into a contiguous block, zero rows past the task's end), a key block of
+ * EXT_BK scores in four tiles (the packed keys above are B tiles as they lie), the softmax on
+ * AVX-512 as above (its probabilities rounded to bfloat16 into an A tile), P.V into D / 16
+ * tiles (the packed values are B tiles too), added to the running output in float32. The
+ * same arithmetic as the vector path but for the order of the float32 sums inside a dot
+ * product (the tiles' own).
+ * Tiles: 0-3 sums (scores, then P.V), 4 the A operand, 5 the B operand; all 16 x 64 bytes.
+ */
+#if defined(HAVE_AVX512BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define HAVE_EXT_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* whether Linux granted this process the tiles (-1: not asked yet); whether they are used */
+static int ext_amx_granted = -1, ext_amx_on = 1;
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} ExtTileConfig;
+
+static void ext_amx_configure(void) {
+    ExtTileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int i = 0; i < 6; i++) { cfg.rows[i] = 16; cfg.colsb[i] = 64; }
+    _tile_loadconfig(&cfg);
+}
+
+static void extend_task_amx(const uint16_t *q, int64_t q_stride, const uint32_t *kpk,
+                            const uint32_t *vpk, int64_t p, int64_t t0, int64_t t1, int64_t H,
+                            int64_t KV, int64_t D, float scale, int64_t window, int64_t h,
+                            void *buf, uint16_t *out) {
+    const int64_t G = H / KV, rows = (t1 - t0) * G, rows16 = (rows + 15) / 16 * 16;
+    const int64_t D2 = D / 2, DV = D / 16;
+    float *o = (float *)buf;                         /* rows16 * D */
+    float *m = o + rows16 * D, *l = m + rows16;      /* rows16 each */
+    float *s = l + rows16;                           /* 16 * EXT_BK */
+    float *pv = s + 16 * EXT_BK;                     /* 16 * D */
+    uint16_t *pb = (uint16_t *)(pv + 16 * D);        /* 16 * EXT_BK */
+    uint16_t *qb = pb + 16 * EXT_BK;                 /* rows16 * D */
+    for (int64_t r = 0; r < rows16; r++) {
+        m[r] = -INFINITY;
+        l[r] = 0.f;
+        uint16_t *dst = qb + r * D;
+        if (r < rows)
+            memcpy(dst, q + (t0 + r / G) * q_stride + (h * G + r % G) * D, (size_t)D * 2);
+        else
+            memset(dst, 0, (size_t)D * 2);
+    }
+    memset(o, 0, (size_t)(rows16 * D) * sizeof(float));
+    ext_amx_configure();
+    const __m512 sv = _mm512_set1_ps(scale);
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+        const int R = rows - r0 >= 16 ? 16 : (int)(rows - r0);
+        const int64_t t_first = t0 + r0 / G, t_last = t0 + (r0 + R - 1) / G;
+        const int64_t lo_first = (window > 0 && p + t_first + 1 > window) ? p + t_first + 1 - window : 0;
+        const int64_t hi = p + t_last + 1; /* keys [lo_first, hi) serve some row */
+        float alpha[16];
+        for (int64_t j0 = lo_first / EXT_BK * EXT_BK; j0 < hi; j0 += EXT_BK) {
+            const uint32_t *kp32 = kpk + (j0 / EXT_BK) * EXT_BK * D2;
+            const uint32_t *vp32 = vpk + (j0 / EXT_BK) * EXT_BK * D2;
+            const int64_t span = hi - j0 < EXT_BK ? hi - j0 : EXT_BK;
+            const int nk = (int)((span + 15) / 16); /* score tiles of 16 keys in use */
+            _tile_zero(0);
+            if (nk > 1) _tile_zero(1);
+            if (nk > 2) _tile_zero(2);
+            if (nk > 3) _tile_zero(3);
+            for (int64_t c = 0; c < D / 32; c++) {
+                _tile_loadd(4, qb + r0 * D + 32 * c, D * 2);
+                _tile_loadd(5, kp32 + (0 * D2 + 16 * c) * 16, 64);
+                _tile_dpbf16ps(0, 4, 5);
+                if (nk > 1) { _tile_loadd(5, kp32 + (1 * D2 + 16 * c) * 16, 64); _tile_dpbf16ps(1, 4, 5); }
+                if (nk > 2) { _tile_loadd(5, kp32 + (2 * D2 + 16 * c) * 16, 64); _tile_dpbf16ps(2, 4, 5); }
+                if (nk > 3) { _tile_loadd(5, kp32 + (3 * D2 + 16 * c) * 16, 64); _tile_dpbf16ps(3, 4, 5); }
+            }
+            _tile_stored(0, s, EXT_BK * 4);
+            if (nk > 1) _tile_stored(1, s + 16, EXT_BK * 4);
+            if (nk > 2) _tile_stored(2, s + 32, EXT_BK * 4);
+            if (nk > 3) _tile_stored(3, s + 48, EXT_BK * 4);
+            int64_t used = 0; /* keys of the block any row uses: [0, used) */
+            for (int r = 0; r < 16; r++) {
+                uint16_t *pp = pb + r * EXT_BK;
+                const int64_t rr = r0 + r, pos = p + t0 + rr / G;
+                const int64_t lo = (window > 0 && pos + 1 > window) ? pos + 1 - window : 0;
+                const int64_t a = lo > j0 ? lo - j0 : 0, b = pos + 1 - j0 < EXT_BK ? pos + 1 - j0 : EXT_BK;
+                if (r >= R || b <= a) { /* a padding row, or no key of this row here */
+                    alpha[r] = 1.f;
+                    memset(pp, 0, EXT_BK * sizeof(uint16_t));
+                    continue;
+                }
+                used = b > used ? b : used;
+                const float *sr = s + r * EXT_BK;
+                __m512 x[4];
+                __mmask16 keep[4];
+                __m512 mx = _mm512_set1_ps(-INFINITY);
+                for (int c = 0; c < 4; c++) {
+                    const __m512i jj = _mm512_add_epi32(lane, _mm512_set1_epi32(c * 16));
+                    keep[c] = _mm512_cmpge_epi32_mask(jj, _mm512_set1_epi32((int)a))
+                              & _mm512_cmplt_epi32_mask(jj, _mm512_set1_epi32((int)b));
+                    x[c] = _mm512_mul_ps(_mm512_maskz_loadu_ps(keep[c], sr + c * 16), sv);
+                    mx = _mm512_mask_max_ps(mx, keep[c], mx, x[c]);
+                }
+                const float bmax = _mm512_reduce_max_ps(mx);
+                const float mnew = bmax > m[rr] ? bmax : m[rr];
+                alpha[r] = expf(m[rr] - mnew); /* 0 at the row's first block */
+                const __m512 mv = _mm512_set1_ps(mnew);
+                __m512 sum = _mm512_setzero_ps();
+                for (int c = 0; c < 4; c++) {
+                    const __m512 e = _mm512_maskz_mov_ps(keep[c], exp16(_mm512_sub_ps(x[c], mv)));
+                    sum = _mm512_add_ps(sum, e);
+                    _mm256_storeu_si256((__m256i *)(pp + c * 16), (__m256i)_mm512_cvtneps_pbh(e));
+                }
+                l[rr] = l[rr] * alpha[r] + _mm512_reduce_add_ps(sum);
+                m[rr] = mnew;
+            }
+            const int np = (int)((used + 31) / 32); /* A tiles of 32 keys */
+            for (int64_t d0 = 0; d0 < D; d0 += 64) {
+                const int nt = D - d0 >= 64 ? 4 : 2; /* D is a multiple of 32 */
+                _tile_zero(0);
+                _tile_zero(1);
+                if (nt > 2) { _tile_zero(2); _tile_zero(3); }
+                for (int kc = 0; kc < np; kc++) {
+                    const uint32_t *vb = vp32 + (16 * kc * DV + d0 / 16) * 16;
+                    _tile_loadd(4, pb + 32 * kc, EXT_BK * 2);
+                    _tile_loadd(5, vb, DV * 64);
+                    _tile_dpbf16ps(0, 4, 5);
+                    _tile_loadd(5, vb + 16, DV * 64);
+                    _tile_dpbf16ps(1, 4, 5);
+                    if (nt > 2) {
+                        _tile_loadd(5, vb + 32, DV * 64);
+                        _tile_dpbf16ps(2, 4, 5);
+                        _tile_loadd(5, vb + 48, DV * 64);
+                        _tile_dpbf16ps(3, 4, 5);
+                    }
+                }
+                _tile_stored(0, pv + d0, D * 4);
+                _tile_stored(1, pv + d0 + 16, D * 4);
+                if (nt > 2) { _tile_stored(2, pv + d0 + 32, D * 4); _tile_stored(3, pv + d0 + 48, D * 4); }
+            }
+            for (int r = 0; r < R; r++) {
+                float *orow = o + (r0 + r) * D;
+                const float *prow = pv + r * D;
+                const __m512 al = _mm512_set1_ps(alpha[r]);
+                for (int64_t d = 0; d < D; d += 16)
+                    _mm512_storeu_ps(orow + d, _mm512_fmadd_ps(al, _mm512_loadu_ps(orow + d),
+                                                               _mm512_loadu_ps(prow + d)));
+            }
+        }
+    }
+    for (int64_t rr = 0; rr < rows; rr++) {
+        const int64_t t = t0 + rr / G;
+        uint16_t *dst = out + (t * H + h * G + rr % G) * D;
+        const __m512 inv = _mm512_set1_ps(1.f / l[rr]);
+        for (int64_t d = 0; d < D; d += 16)
+            _mm256_storeu_si256((__m256i *)(dst + d),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(o + rr * D + d), inv)));
+    }
+}
+#endif
+
+/* 1 where the prefill kernel multiplies on AMX tiles (the CPU has them and Linux granted them
+ * to this process); use < 0 asks, 0 turns them off, 1 back on where they are granted */
+int extend_attention_bf16_amx(int use) {
+#ifdef HAVE_EXT_AMX
+    int granted = __atomic_load_n(&ext_amx_granted, __ATOMIC_ACQUIRE);
+    if (granted < 0) { /* ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA: asking twice is harmless */
+        granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+        __atomic_store_n(&ext_amx_granted, granted, __ATOMIC_RELEASE);
+    }
+    if (use >= 0) __atomic_store_n(&ext_amx_on, use ? 1 : 0, __ATOMIC_RELEASE);
+    return granted && __atomic_load_n(&ext_amx_on, __ATOMIC_ACQUIRE);
+#else
+    (void)use;
+    return 0;
+#endif
+}
+
+/*
  * Every prefill chunk of a step in one call: the tasks of all sequences (kv head x block of
  * EXT_BQ query tokens, extend_task_bf16) share one OpenMP region, the costliest first, so a
  * step of 32 short prompts is one fork and one pack instead of 32.
@@ -1917,8 +2100,13 @@ int extend_attention_bf16_seqs(const uint16_t *q, int64_t q_stride, int64_t q_ro
         }
     }
     qsort(order, (size_t)tasks, sizeof(ExtTask), ext_task_cmp); /* the longest first */
-    const size_t bytes = (size_t)bq * G * (D + 2) * sizeof(float)
-                         + (size_t)EXT_R * EXT_BK * (sizeof(float) + sizeof(uint16_t)) + 64;
+    const int amx = extend_attention_bf16_amx(-1) == 1;
+    const int64_t rows16 = (bq * G + 15) / 16 * 16;
+    const size_t bytes = amx ? (size_t)rows16 * (D + 2) * sizeof(float)
+                                   + (size_t)16 * (EXT_BK + D) * sizeof(float)
+                                   + (size_t)(16 * EXT_BK + rows16 * D) * sizeof(uint16_t) + 64
+                             : (size_t)bq * G * (D + 2) * sizeof(float)
+                                   + (size_t)EXT_R * EXT_BK * (sizeof(float) + sizeof(uint16_t)) + 64;
     int failed = 0;
     int64_t team = 1;
 #ifdef _OPENMP
@@ -1956,10 +2144,20 @@ int extend_attention_bf16_seqs(const uint16_t *q, int64_t q_stride, int64_t q_ro
             const int64_t kb = (first[t.s + 1] - first[t.s]) / KV;
             const int64_t t0 = (int64_t)t.b * EXT_BQ, t1 = t0 + EXT_BQ < n ? t0 + EXT_BQ : n;
             const int64_t pk = (first[t.s] + t.h * kb) * words;
-            if (buf != NULL)
-                extend_task_bf16(q + sq[0] * q_stride, q_stride, kpk + pk, vpk + pk, p, t0, t1,
-                                 H, KV, D, scale, window, t.h, buf, out + sq[0] * H * D);
+            if (buf == NULL) continue;
+#ifdef HAVE_EXT_AMX
+            if (amx) {
+                extend_task_amx(q + sq[0] * q_stride, q_stride, kpk + pk, vpk + pk, p, t0, t1,
+                                H, KV, D, scale, window, t.h, buf, out + sq[0] * H * D);
+                continue;
+            }
+#endif
+            extend_task_bf16(q + sq[0] * q_stride, q_stride, kpk + pk, vpk + pk, p, t0, t1,
+                             H, KV, D, scale, window, t.h, buf, out + sq[0] * H * D);
         }
+#ifdef HAVE_EXT_AMX
+        if (amx) _tile_release();
+#endif
         free(buf);
     }
     free(kpk);
