@@ -43,6 +43,81 @@ def cases() -> list[tuple[str, list[tuple[int, int]]]]:
             ("8 x 64 after 448", [(448, 64)] * 8)]
 
 
+def run_case(kernel, name: str, seqs: list[tuple[int, int]], rounds: int, iters: int,  # noqa: ANN001
+             clock, tiles: bool) -> bool:  # noqa: ANN001
+    """Times one case's paths and prints their lines; False when a path's output is off."""
+    bf = torch.bfloat16
+    scale = DIM**-0.5
+    gen = torch.Generator().manual_seed(0)
+    total = sum(p + n for p, n in seqs)
+    tokens = sum(n for _, n in seqs)
+    k_pool = torch.randn(total + 7, KV_HEADS, DIM, generator=gen).to(bf)
+    v_pool = torch.randn(total + 7, KV_HEADS, DIM, generator=gen).to(bf)
+    order = torch.randperm(total + 7, generator=gen)[:total]  # slots scattered
+    q = torch.randn(tokens, HEADS, DIM, generator=gen).to(bf)
+    chunks, at, off = [], 0, 0
+    for p, n in seqs:
+        chunks.append((at, n, p, order[off:off + p + n]))
+        at, off = at + n, off + p + n
+    batch = ExtendBatch.of(kernel, chunks)
+
+    def sdpa() -> torch.Tensor:
+        outs = []
+        for a, n, p, slots in chunks:
+            qs = q[a:a + n].transpose(0, 1)[None]
+            ks = k_pool[slots].transpose(0, 1)[None]
+            vs = v_pool[slots].transpose(0, 1)[None]
+            if p:
+                keys = torch.arange(p + n)[None, :]
+                mask = (keys <= torch.arange(p, p + n)[:, None]).view(1, 1, n, p + n)
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
+                                                   enable_gqa=True)
+            else:
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
+                                                   enable_gqa=True)
+            outs.append(o[0].transpose(0, 1).reshape(n, -1))
+        return torch.cat(outs)
+
+    def per_seq() -> torch.Tensor:
+        return torch.cat([kernel.extend_attend(q[a:a + n], k_pool, v_pool, s, p, scale,
+                                               None) for a, n, p, s in chunks])
+
+    def batched() -> torch.Tensor:
+        return batch.attend(q, k_pool, v_pool, scale, None,
+                            torch.empty(tokens, HEADS * DIM, dtype=bf))
+
+    def batched_vector() -> torch.Tensor:
+        tile_kernel(kernel, False)
+        try:
+            return batched()
+        finally:
+            tile_kernel(kernel, True)
+
+    paths = {"sdpa per sequence": sdpa, "kernel per sequence": per_seq,
+             "kernel, one call": batched}
+    if tiles:  # the same call on AVX512_BF16 alone
+        paths["one call, no tiles"] = batched_vector
+    ref = sdpa().float()
+    for label, fn in paths.items():
+        diff = (fn().float() - ref).abs().max().item()
+        if diff > 0.05:
+            print(f"{name}: {label} differs from SDPA by {diff}")
+            return False
+    times: dict[str, list[float]] = {label: [] for label in paths}
+    for _ in range(rounds):
+        for label, fn in paths.items():
+            t = clock()
+            for _ in range(iters):
+                fn()
+            times[label].append((clock() - t) / iters * 1e3)
+    base = statistics.median(times["sdpa per sequence"])
+    for label in paths:
+        ms = statistics.median(times[label])
+        print(f"{name:18s} ({tokens:4d} tokens) {label:20s} {ms:7.2f} ms  "
+              f"{base / ms:5.2f}x sdpa")
+    return True
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=2)
@@ -58,79 +133,12 @@ def main() -> int:
         print("no bfloat16 prefill kernel on this CPU (AVX512_BF16)")
         return 1
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
-    bf = torch.bfloat16
-    scale = DIM**-0.5
     tiles = tile_kernel(kernel)
     print(f"threads {args.threads}, {args.clock} clock, AMX tiles {'on' if tiles else 'absent'}, {HEADS} heads / {KV_HEADS} kv heads of {DIM}, "
           f"median of {args.rounds} rounds x {args.iters}")
     for name, seqs in cases():
-        gen = torch.Generator().manual_seed(0)
-        total = sum(p + n for p, n in seqs)
-        tokens = sum(n for _, n in seqs)
-        k_pool = torch.randn(total + 7, KV_HEADS, DIM, generator=gen).to(bf)
-        v_pool = torch.randn(total + 7, KV_HEADS, DIM, generator=gen).to(bf)
-        order = torch.randperm(total + 7, generator=gen)[:total]  # slots scattered
-        q = torch.randn(tokens, HEADS, DIM, generator=gen).to(bf)
-        chunks, at, off = [], 0, 0
-        for p, n in seqs:
-            chunks.append((at, n, p, order[off:off + p + n]))
-            at, off = at + n, off + p + n
-        batch = ExtendBatch.of(kernel, chunks)
-
-        def sdpa() -> torch.Tensor:
-            outs = []
-            for a, n, p, slots in chunks:
-                qs = q[a:a + n].transpose(0, 1)[None]
-                ks = k_pool[slots].transpose(0, 1)[None]
-                vs = v_pool[slots].transpose(0, 1)[None]
-                if p:
-                    keys = torch.arange(p + n)[None, :]
-                    mask = (keys <= torch.arange(p, p + n)[:, None]).view(1, 1, n, p + n)
-                    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
-                                                       enable_gqa=True)
-                else:
-                    o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
-                                                       enable_gqa=True)
-                outs.append(o[0].transpose(0, 1).reshape(n, -1))
-            return torch.cat(outs)
-
-        def per_seq() -> torch.Tensor:
-            return torch.cat([kernel.extend_attend(q[a:a + n], k_pool, v_pool, s, p, scale,
-                                                   None) for a, n, p, s in chunks])
-
-        def batched() -> torch.Tensor:
-            return batch.attend(q, k_pool, v_pool, scale, None,
-                                torch.empty(tokens, HEADS * DIM, dtype=bf))
-
-        def batched_vector() -> torch.Tensor:
-            tile_kernel(kernel, False)
-            try:
-                return batched()
-            finally:
-                tile_kernel(kernel, True)
-
-        paths = {"sdpa per sequence": sdpa, "kernel per sequence": per_seq,
-                 "kernel, one call": batched}
-        if tiles:  # the same call on AVX512_BF16 alone
-            paths["one call, no tiles"] = batched_vector
-        ref = sdpa().float()
-        for label, fn in paths.items():
-            diff = (fn().float() - ref).abs().max().item()
-            if diff > 0.05:
-                print(f"{name}: {label} differs from SDPA by {diff}")
-                return 1
-        times: dict[str, list[float]] = {label: [] for label in paths}
-        for _ in range(args.rounds):
-            for label, fn in paths.items():
-                t = clock()
-                for _ in range(args.iters):
-                    fn()
-                times[label].append((clock() - t) / args.iters * 1e3)
-        base = statistics.median(times["sdpa per sequence"])
-        for label in paths:
-            ms = statistics.median(times[label])
-            print(f"{name:18s} ({tokens:4d} tokens) {label:20s} {ms:7.2f} ms  "
-                  f"{base / ms:5.2f}x sdpa")
+        if not run_case(kernel, name, seqs, args.rounds, args.iters, clock, tiles):
+            return 1
     return 0
 
 
