@@ -1849,14 +1849,17 @@ static void extend_task_bf16(const uint16_t *q, int64_t q_stride, const uint32_t
 #endif
 
 /*
- * The same task on AMX tiles where the CPU has them (TDPBF16PS: a 16 x 16 float32 tile of sums of
- * 32 bfloat16 products a row, in one instruction): the rows go 16 at a time (their q copied
- * once per task into a contiguous block, zero rows past the task's end), a key block of
- * EXT_BK scores in four tiles (the packed keys above are B tiles as they lie), the softmax on
- * AVX-512 as above (its probabilities rounded to bfloat16 into an A tile), P.V into D / 16
- * tiles (the packed values are B tiles too), added to the running output in float32. The
- * same arithmetic as the vector path but for the order of the float32 sums inside a dot
- * product (the tiles' own).
+ * The same task on AMX tiles where the CPU has them (TDPBF16PS: a 16 x 16 float32 tile of sums
+ * of 32 bfloat16 products each, one instruction), transposed: a task's rows go 16 at a time as
+ * the 16 lanes of a vector. The scores S^T = K.Q^T (keys as they lie in the A operand, the 16
+ * rows' q in the pair layout as B), so each key's scores for the 16 rows are one vector: the
+ * online softmax's max and sum run across keys lane by lane (no horizontal reductions), the
+ * 16 rescale factors are one exp16, the probabilities go to bfloat16 pairs (the B operand of
+ * O^T = V^T.P^T, the values packed transposed as A), and the running output is D vectors of
+ * 16 rows in float32, turned back to rows once at the end. The arithmetic of the vector path
+ * (float32 scores and softmax over the same blocks of EXT_BK keys, the probabilities rounded
+ * to bfloat16, the output rounded once) but the order of the float32 sums (the tiles' own)
+ * and the rescale factors' exp (exp16, not expf).
  * Tiles: 0-3 sums (scores, then P.V), 4 the A operand, 5 the B operand; all 16 x 64 bytes.
  */
 #if defined(HAVE_AVX512BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
@@ -1881,135 +1884,163 @@ static void ext_amx_configure(void) {
     _tile_loadconfig(&cfg);
 }
 
-static void extend_task_amx(const uint16_t *q, int64_t q_stride, const uint32_t *kpk,
-                            const uint32_t *vpk, int64_t p, int64_t t0, int64_t t1, int64_t H,
+/* keys [j0, j0 + EXT_BK) of kv head h for the tiles: kt [EXT_BK][D] as they are (the A operand
+ * of K.Q^T), vt [D][EXT_BK] transposed (the A operand of V^T.P^T); zeros at or past L */
+static void pack_block_amx(const uint16_t *k, const uint16_t *v, const int64_t *slots,
+                           int64_t j0, int64_t L, int64_t D, int64_t row, int64_t h,
+                           uint16_t *kt, uint16_t *vt) {
+    for (int64_t j = 0; j < EXT_BK; j++) {
+        if (j0 + j < L) {
+            const uint16_t *kr = k + slots[j0 + j] * row + h * D, *vr = v + slots[j0 + j] * row + h * D;
+            memcpy(kt + j * D, kr, (size_t)D * sizeof(uint16_t));
+            for (int64_t d = 0; d < D; d++) vt[d * EXT_BK + j] = vr[d];
+        } else {
+            memset(kt + j * D, 0, (size_t)D * sizeof(uint16_t));
+            for (int64_t d = 0; d < D; d++) vt[d * EXT_BK + j] = 0;
+        }
+    }
+}
+
+/* one task on the tiles, transposed: 16 rows are the 16 lanes of a vector, so a key's scores
+ * for all of them are one vector (S^T = K.Q^T), the softmax's max and sum run across keys
+ * lane by lane (no horizontal reductions, one exp16 for the 16 rescale factors), and the
+ * output is kept transposed too (O^T = V^T.P^T, D vectors of 16 rows), turned back at the end. */
+static void extend_task_amx(const uint16_t *q, int64_t q_stride, const uint16_t *ktk,
+                            const uint16_t *vtk, int64_t p, int64_t t0, int64_t t1, int64_t H,
                             int64_t KV, int64_t D, float scale, int64_t window, int64_t h,
                             void *buf, uint16_t *out) {
-    const int64_t G = H / KV, rows = (t1 - t0) * G, rows16 = (rows + 15) / 16 * 16;
-    const int64_t D2 = D / 2, DV = D / 16;
-    float *o = (float *)buf;                         /* rows16 * D */
-    float *m = o + rows16 * D, *l = m + rows16;      /* rows16 each */
-    float *s = l + rows16;                           /* 16 * EXT_BK */
-    float *pv = s + 16 * EXT_BK;                     /* 16 * D */
-    uint16_t *pb = (uint16_t *)(pv + 16 * D);        /* 16 * EXT_BK */
-    uint16_t *qb = pb + 16 * EXT_BK;                 /* rows16 * D */
-    for (int64_t r = 0; r < rows16; r++) {
-        m[r] = -INFINITY;
-        l[r] = 0.f;
-        uint16_t *dst = qb + r * D;
-        if (r < rows)
-            memcpy(dst, q + (t0 + r / G) * q_stride + (h * G + r % G) * D, (size_t)D * 2);
-        else
-            memset(dst, 0, (size_t)D * 2);
-    }
-    memset(o, 0, (size_t)(rows16 * D) * sizeof(float));
+    const int64_t G = H / KV, rows = (t1 - t0) * G;
+    const int64_t DC = D / 32;                       /* 32-dim chunks */
+    float *ot = (float *)buf;                        /* [D][16] per 16 rows */
+    float *s = ot + D * 16;                          /* [EXT_BK][16] */
+    float *pvt = s + EXT_BK * 16;                    /* [D][16] */
+    uint16_t *pt = (uint16_t *)(pvt + D * 16);       /* [EXT_BK / 2][16][2] */
+    uint32_t *qt = (uint32_t *)(pt + EXT_BK * 16);   /* [DC][16 pairs][16 rows] per 16 rows */
     ext_amx_configure();
-    const __m512 sv = _mm512_set1_ps(scale);
-    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 sv = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+    /* bfloat16 pairs (key 2i, key 2i + 1) of each row, from the two keys' 16 rows */
+    static const uint16_t zip_index[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                           8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i zip = _mm512_loadu_si512(zip_index);
     for (int64_t r0 = 0; r0 < rows; r0 += 16) {
         const int R = rows - r0 >= 16 ? 16 : (int)(rows - r0);
+        /* Q^T of the 16 rows in the pair layout (B operand): qt[(c * 16 + i) * 16 + r] holds
+         * dims 32 c + 2 i, +1 of row r; rows past R zeros */
+        int32_t posl[16], lol[16];
+        for (int r = 0; r < 16; r++) {
+            const int64_t rr = r0 + r;
+            if (r < R) {
+                const uint32_t *src = (const uint32_t *)(q + (t0 + rr / G) * q_stride + (h * G + rr % G) * D);
+                for (int64_t i = 0; i < D / 2; i++) qt[i * 16 + r] = src[i];
+                const int64_t pos = p + t0 + rr / G;
+                posl[r] = (int32_t)pos;
+                lol[r] = (int32_t)((window > 0 && pos + 1 > window) ? pos + 1 - window : 0);
+            } else {
+                for (int64_t i = 0; i < D / 2; i++) qt[i * 16 + r] = 0;
+                posl[r] = -1; /* sees no key */
+                lol[r] = 0;
+            }
+        }
         const int64_t t_first = t0 + r0 / G, t_last = t0 + (r0 + R - 1) / G;
-        const int64_t lo_first = (window > 0 && p + t_first + 1 > window) ? p + t_first + 1 - window : 0;
-        const int64_t hi = p + t_last + 1; /* keys [lo_first, hi) serve some row */
-        float alpha[16];
+        const int64_t lo_first = lol[0], lo_last = lol[R - 1];
+        const int64_t pos_first = p + t_first, hi = p + t_last + 1; /* keys [lo_first, hi) */
+        const __m512i posv = _mm512_loadu_si512(posl), lov = _mm512_loadu_si512(lol);
+        __m512 m = ninf, l = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; d++) _mm512_storeu_ps(ot + d * 16, _mm512_setzero_ps());
         for (int64_t j0 = lo_first / EXT_BK * EXT_BK; j0 < hi; j0 += EXT_BK) {
-            const uint32_t *kp32 = kpk + (j0 / EXT_BK) * EXT_BK * D2;
-            const uint32_t *vp32 = vpk + (j0 / EXT_BK) * EXT_BK * D2;
+            const uint16_t *kt = ktk + (j0 / EXT_BK) * EXT_BK * D;
+            const uint16_t *vt = vtk + (j0 / EXT_BK) * EXT_BK * D;
             const int64_t span = hi - j0 < EXT_BK ? hi - j0 : EXT_BK;
             const int nk = (int)((span + 15) / 16); /* score tiles of 16 keys in use */
             _tile_zero(0);
             if (nk > 1) _tile_zero(1);
             if (nk > 2) _tile_zero(2);
             if (nk > 3) _tile_zero(3);
-            for (int64_t c = 0; c < D / 32; c++) {
-                _tile_loadd(4, qb + r0 * D + 32 * c, D * 2);
-                _tile_loadd(5, kp32 + (0 * D2 + 16 * c) * 16, 64);
+            for (int64_t c = 0; c < DC; c++) {
+                _tile_loadd(5, qt + c * 256, 64);
+                _tile_loadd(4, kt + 0 * 16 * D + 32 * c, D * 2);
                 _tile_dpbf16ps(0, 4, 5);
-                if (nk > 1) { _tile_loadd(5, kp32 + (1 * D2 + 16 * c) * 16, 64); _tile_dpbf16ps(1, 4, 5); }
-                if (nk > 2) { _tile_loadd(5, kp32 + (2 * D2 + 16 * c) * 16, 64); _tile_dpbf16ps(2, 4, 5); }
-                if (nk > 3) { _tile_loadd(5, kp32 + (3 * D2 + 16 * c) * 16, 64); _tile_dpbf16ps(3, 4, 5); }
+                if (nk > 1) { _tile_loadd(4, kt + 1 * 16 * D + 32 * c, D * 2); _tile_dpbf16ps(1, 4, 5); }
+                if (nk > 2) { _tile_loadd(4, kt + 2 * 16 * D + 32 * c, D * 2); _tile_dpbf16ps(2, 4, 5); }
+                if (nk > 3) { _tile_loadd(4, kt + 3 * 16 * D + 32 * c, D * 2); _tile_dpbf16ps(3, 4, 5); }
             }
-            _tile_stored(0, s, EXT_BK * 4);
-            if (nk > 1) _tile_stored(1, s + 16, EXT_BK * 4);
-            if (nk > 2) _tile_stored(2, s + 32, EXT_BK * 4);
-            if (nk > 3) _tile_stored(3, s + 48, EXT_BK * 4);
-            int64_t used = 0; /* keys of the block any row uses: [0, used) */
-            for (int r = 0; r < 16; r++) {
-                uint16_t *pp = pb + r * EXT_BK;
-                const int64_t rr = r0 + r, pos = p + t0 + rr / G;
-                const int64_t lo = (window > 0 && pos + 1 > window) ? pos + 1 - window : 0;
-                const int64_t a = lo > j0 ? lo - j0 : 0, b = pos + 1 - j0 < EXT_BK ? pos + 1 - j0 : EXT_BK;
-                if (r >= R || b <= a) { /* a padding row, or no key of this row here */
-                    alpha[r] = 1.f;
-                    memset(pp, 0, EXT_BK * sizeof(uint16_t));
-                    continue;
+            _tile_stored(0, s, 64);
+            if (nk > 1) _tile_stored(1, s + 256, 64);
+            if (nk > 2) _tile_stored(2, s + 512, 64);
+            if (nk > 3) _tile_stored(3, s + 768, 64);
+            const int keys = nk * 16;
+            /* every row sees every key of the block: no masks */
+            const int full = R == 16 && lo_last <= j0 && pos_first >= j0 + EXT_BK - 1;
+            const __m512i pj = _mm512_sub_epi32(posv, _mm512_set1_epi32((int)j0));
+            const __m512i lj = _mm512_sub_epi32(lov, _mm512_set1_epi32((int)j0));
+            __m512 mx = m;
+            for (int j = 0; j < keys; j++) {
+                __m512 x = _mm512_mul_ps(_mm512_loadu_ps(s + j * 16), sv);
+                if (!full) {
+                    const __m512i jj = _mm512_set1_epi32(j);
+                    const __mmask16 keep = _mm512_cmple_epi32_mask(jj, pj) & _mm512_cmpge_epi32_mask(jj, lj);
+                    x = _mm512_mask_mov_ps(ninf, keep, x);
                 }
-                used = b > used ? b : used;
-                const float *sr = s + r * EXT_BK;
-                __m512 x[4];
-                __mmask16 keep[4];
-                __m512 mx = _mm512_set1_ps(-INFINITY);
-                for (int c = 0; c < 4; c++) {
-                    const __m512i jj = _mm512_add_epi32(lane, _mm512_set1_epi32(c * 16));
-                    keep[c] = _mm512_cmpge_epi32_mask(jj, _mm512_set1_epi32((int)a))
-                              & _mm512_cmplt_epi32_mask(jj, _mm512_set1_epi32((int)b));
-                    x[c] = _mm512_mul_ps(_mm512_maskz_loadu_ps(keep[c], sr + c * 16), sv);
-                    mx = _mm512_mask_max_ps(mx, keep[c], mx, x[c]);
-                }
-                const float bmax = _mm512_reduce_max_ps(mx);
-                const float mnew = bmax > m[rr] ? bmax : m[rr];
-                alpha[r] = expf(m[rr] - mnew); /* 0 at the row's first block */
-                const __m512 mv = _mm512_set1_ps(mnew);
-                __m512 sum = _mm512_setzero_ps();
-                for (int c = 0; c < 4; c++) {
-                    const __m512 e = _mm512_maskz_mov_ps(keep[c], exp16(_mm512_sub_ps(x[c], mv)));
-                    sum = _mm512_add_ps(sum, e);
-                    _mm256_storeu_si256((__m256i *)(pp + c * 16), (__m256i)_mm512_cvtneps_pbh(e));
-                }
-                l[rr] = l[rr] * alpha[r] + _mm512_reduce_add_ps(sum);
-                m[rr] = mnew;
+                _mm512_storeu_ps(s + j * 16, x);
+                mx = _mm512_max_ps(mx, x);
             }
-            const int np = (int)((used + 31) / 32); /* A tiles of 32 keys */
+            /* alpha = exp(m - mnew): 0 where the row had no key yet, 1 where it has none here */
+            const __m512 alpha = exp16(_mm512_sub_ps(m, mx));
+            m = mx;
+            __m512 sum = _mm512_setzero_ps();
+            for (int j = 0; j < keys; j += 2) {
+                const __m512 x0 = _mm512_loadu_ps(s + j * 16), x1 = _mm512_loadu_ps(s + (j + 1) * 16);
+                /* -inf - m, or NaN where the row has no key yet: exp16 gives ~0; zeroed */
+                const __m512 e0 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x0, ninf, _CMP_NEQ_OQ),
+                                                      exp16(_mm512_sub_ps(x0, mx)));
+                const __m512 e1 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x1, ninf, _CMP_NEQ_OQ),
+                                                      exp16(_mm512_sub_ps(x1, mx)));
+                sum = _mm512_add_ps(_mm512_add_ps(sum, e0), e1);
+                const __m512i pair = (__m512i)_mm512_cvtne2ps_pbh(e1, e0);
+                _mm512_storeu_si512(pt + j * 16, _mm512_permutexvar_epi16(zip, pair));
+            }
+            l = _mm512_fmadd_ps(l, alpha, sum);
+            if (keys % 32) /* the last 32-key chunk's unscored half: no weight */
+                memset(pt + keys * 16, 0, 16 * 16 * sizeof(uint16_t));
+            const int np = (keys + 31) / 32; /* key chunks of 32 (P^T tiles) */
             for (int64_t d0 = 0; d0 < D; d0 += 64) {
                 const int nt = D - d0 >= 64 ? 4 : 2; /* D is a multiple of 32 */
                 _tile_zero(0);
                 _tile_zero(1);
                 if (nt > 2) { _tile_zero(2); _tile_zero(3); }
                 for (int kc = 0; kc < np; kc++) {
-                    const uint32_t *vb = vp32 + (16 * kc * DV + d0 / 16) * 16;
-                    _tile_loadd(4, pb + 32 * kc, EXT_BK * 2);
-                    _tile_loadd(5, vb, DV * 64);
+                    const uint16_t *va = vt + d0 * EXT_BK + 32 * kc;
+                    _tile_loadd(5, pt + kc * 512, 64);
+                    _tile_loadd(4, va, EXT_BK * 2);
                     _tile_dpbf16ps(0, 4, 5);
-                    _tile_loadd(5, vb + 16, DV * 64);
+                    _tile_loadd(4, va + 16 * EXT_BK, EXT_BK * 2);
                     _tile_dpbf16ps(1, 4, 5);
                     if (nt > 2) {
-                        _tile_loadd(5, vb + 32, DV * 64);
+                        _tile_loadd(4, va + 32 * EXT_BK, EXT_BK * 2);
                         _tile_dpbf16ps(2, 4, 5);
-                        _tile_loadd(5, vb + 48, DV * 64);
+                        _tile_loadd(4, va + 48 * EXT_BK, EXT_BK * 2);
                         _tile_dpbf16ps(3, 4, 5);
                     }
                 }
-                _tile_stored(0, pv + d0, D * 4);
-                _tile_stored(1, pv + d0 + 16, D * 4);
-                if (nt > 2) { _tile_stored(2, pv + d0 + 32, D * 4); _tile_stored(3, pv + d0 + 48, D * 4); }
+                _tile_stored(0, pvt + d0 * 16, 64);
+                _tile_stored(1, pvt + (d0 + 16) * 16, 64);
+                if (nt > 2) { _tile_stored(2, pvt + (d0 + 32) * 16, 64); _tile_stored(3, pvt + (d0 + 48) * 16, 64); }
             }
-            for (int r = 0; r < R; r++) {
-                float *orow = o + (r0 + r) * D;
-                const float *prow = pv + r * D;
-                const __m512 al = _mm512_set1_ps(alpha[r]);
-                for (int64_t d = 0; d < D; d += 16)
-                    _mm512_storeu_ps(orow + d, _mm512_fmadd_ps(al, _mm512_loadu_ps(orow + d),
-                                                               _mm512_loadu_ps(prow + d)));
-            }
+            for (int64_t d = 0; d < D; d++)
+                _mm512_storeu_ps(ot + d * 16, _mm512_fmadd_ps(alpha, _mm512_loadu_ps(ot + d * 16),
+                                                              _mm512_loadu_ps(pvt + d * 16)));
         }
-    }
-    for (int64_t rr = 0; rr < rows; rr++) {
-        const int64_t t = t0 + rr / G;
-        uint16_t *dst = out + (t * H + h * G + rr % G) * D;
-        const __m512 inv = _mm512_set1_ps(1.f / l[rr]);
-        for (int64_t d = 0; d < D; d += 16)
-            _mm256_storeu_si256((__m256i *)(dst + d),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(o + rr * D + d), inv)));
+        /* O^T / l, rounded once, back to rows */
+        const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), l);
+        uint16_t *ob = (uint16_t *)pvt; /* [D][16] bfloat16 */
+        for (int64_t d = 0; d < D; d++)
+            _mm256_storeu_si256((__m256i *)(ob + d * 16),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(ot + d * 16), inv)));
+        for (int r = 0; r < R; r++) {
+            const int64_t rr = r0 + r, t = t0 + rr / G;
+            uint16_t *dst = out + (t * H + h * G + rr % G) * D;
+            for (int64_t d = 0; d < D; d++) dst[d] = ob[d * 16 + r];
+        }
     }
 }
 #endif
@@ -2101,10 +2132,8 @@ int extend_attention_bf16_seqs(const uint16_t *q, int64_t q_stride, int64_t q_ro
     }
     qsort(order, (size_t)tasks, sizeof(ExtTask), ext_task_cmp); /* the longest first */
     const int amx = extend_attention_bf16_amx(-1) == 1;
-    const int64_t rows16 = (bq * G + 15) / 16 * 16;
-    const size_t bytes = amx ? (size_t)rows16 * (D + 2) * sizeof(float)
-                                   + (size_t)16 * (EXT_BK + D) * sizeof(float)
-                                   + (size_t)(16 * EXT_BK + rows16 * D) * sizeof(uint16_t) + 64
+    const size_t bytes = amx ? (size_t)16 * (2 * D + EXT_BK) * sizeof(float)
+                                   + (size_t)16 * (EXT_BK + D) * sizeof(uint16_t) + 64
                              : (size_t)bq * G * (D + 2) * sizeof(float)
                                    + (size_t)EXT_R * EXT_BK * (sizeof(float) + sizeof(uint16_t)) + 64;
     int failed = 0;
@@ -2132,6 +2161,14 @@ int extend_attention_bf16_seqs(const uint16_t *q, int64_t q_stride, int64_t q_ro
             while (first[s] > blk) s--;
             const int64_t kb = (first[s + 1] - first[s]) / KV;
             const int64_t local = blk - first[s], L = seqs[4 * s + 2] + seqs[4 * s + 1];
+#ifdef HAVE_EXT_AMX
+            if (amx) {
+                pack_block_amx(k, v, slots + seqs[4 * s + 3], (local % kb) * EXT_BK, L, D, KV * D,
+                               local / kb, (uint16_t *)(kpk + blk * words),
+                               (uint16_t *)(vpk + blk * words));
+                continue;
+            }
+#endif
             pack_block_bf16(k, v, slots + seqs[4 * s + 3], (local % kb) * EXT_BK, L, D, KV * D,
                             local / kb, kpk + blk * words, vpk + blk * words);
         }
@@ -2147,7 +2184,8 @@ int extend_attention_bf16_seqs(const uint16_t *q, int64_t q_stride, int64_t q_ro
             if (buf == NULL) continue;
 #ifdef HAVE_EXT_AMX
             if (amx) {
-                extend_task_amx(q + sq[0] * q_stride, q_stride, kpk + pk, vpk + pk, p, t0, t1,
+                extend_task_amx(q + sq[0] * q_stride, q_stride, (const uint16_t *)(kpk + pk),
+                                (const uint16_t *)(vpk + pk), p, t0, t1,
                                 H, KV, D, scale, window, t.h, buf, out + sq[0] * H * D);
                 continue;
             }
