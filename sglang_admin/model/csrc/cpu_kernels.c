@@ -1885,20 +1885,35 @@ static void ext_amx_configure(void) {
 }
 
 /* keys [j0, j0 + EXT_BK) of kv head h for the tiles: kt [EXT_BK][D] as they are (the A operand
- * of K.Q^T), vt [D][EXT_BK] transposed (the A operand of V^T.P^T); zeros at or past L */
+ * of K.Q^T), vt [D][EXT_BK] transposed (the A operand of V^T.P^T: keys 2i, 2i+1 interleaved
+ * into 32-bit words, then 16 x 16 words transposed at a time); zeros at or past L */
 static void pack_block_amx(const uint16_t *k, const uint16_t *v, const int64_t *slots,
                            int64_t j0, int64_t L, int64_t D, int64_t row, int64_t h,
                            uint16_t *kt, uint16_t *vt) {
     for (int64_t j = 0; j < EXT_BK; j++) {
-        if (j0 + j < L) {
-            const uint16_t *kr = k + slots[j0 + j] * row + h * D, *vr = v + slots[j0 + j] * row + h * D;
-            memcpy(kt + j * D, kr, (size_t)D * sizeof(uint16_t));
-            for (int64_t d = 0; d < D; d++) vt[d * EXT_BK + j] = vr[d];
-        } else {
+        if (j0 + j < L)
+            memcpy(kt + j * D, k + slots[j0 + j] * row + h * D, (size_t)D * sizeof(uint16_t));
+        else
             memset(kt + j * D, 0, (size_t)D * sizeof(uint16_t));
-            for (int64_t d = 0; d < D; d++) vt[d * EXT_BK + j] = 0;
-        }
     }
+    uint32_t *vt32 = (uint32_t *)vt; /* [D][EXT_BK / 2] words */
+    for (int64_t ib = 0; ib < EXT_BK / 32; ib++)
+        for (int64_t dc = 0; dc < D / 16; dc++) {
+            __m512i r[16];
+            for (int i = 0; i < 16; i++) {
+                const int64_t ja = j0 + 2 * (16 * ib + i), jb = ja + 1;
+                const __m512i va = ja < L ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                                (const __m256i *)(v + slots[ja] * row + h * D + 16 * dc)))
+                                          : _mm512_setzero_si512();
+                const __m512i vb = jb < L ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                                (const __m256i *)(v + slots[jb] * row + h * D + 16 * dc)))
+                                          : _mm512_setzero_si512();
+                r[i] = _mm512_or_si512(va, _mm512_slli_epi32(vb, 16));
+            }
+            transpose16_epi32(r);
+            for (int dd = 0; dd < 16; dd++)
+                _mm512_storeu_si512(vt32 + (16 * dc + dd) * (EXT_BK / 2) + 16 * ib, r[dd]);
+        }
 }
 
 /* one task on the tiles, transposed: 16 rows are the 16 lanes of a vector, so a key's scores
@@ -1927,19 +1942,26 @@ static void extend_task_amx(const uint16_t *q, int64_t q_stride, const uint16_t 
         /* Q^T of the 16 rows in the pair layout (B operand): qt[(c * 16 + i) * 16 + r] holds
          * dims 32 c + 2 i, +1 of row r; rows past R zeros */
         int32_t posl[16], lol[16];
+        const uint16_t *qrow[16];
         for (int r = 0; r < 16; r++) {
             const int64_t rr = r0 + r;
             if (r < R) {
-                const uint32_t *src = (const uint32_t *)(q + (t0 + rr / G) * q_stride + (h * G + rr % G) * D);
-                for (int64_t i = 0; i < D / 2; i++) qt[i * 16 + r] = src[i];
+                qrow[r] = q + (t0 + rr / G) * q_stride + (h * G + rr % G) * D;
                 const int64_t pos = p + t0 + rr / G;
                 posl[r] = (int32_t)pos;
                 lol[r] = (int32_t)((window > 0 && pos + 1 > window) ? pos + 1 - window : 0);
             } else {
-                for (int64_t i = 0; i < D / 2; i++) qt[i * 16 + r] = 0;
+                qrow[r] = NULL;
                 posl[r] = -1; /* sees no key */
                 lol[r] = 0;
             }
+        }
+        for (int64_t c = 0; c < DC; c++) { /* 16 rows x 16 dim pairs, transposed */
+            __m512i w[16];
+            for (int r = 0; r < 16; r++)
+                w[r] = qrow[r] ? _mm512_loadu_si512(qrow[r] + 32 * c) : _mm512_setzero_si512();
+            transpose16_epi32(w);
+            for (int i = 0; i < 16; i++) _mm512_storeu_si512(qt + (c * 16 + i) * 16, w[i]);
         }
         const int64_t t_first = t0 + r0 / G, t_last = t0 + (r0 + R - 1) / G;
         const int64_t lo_first = lol[0], lo_last = lol[R - 1];
@@ -2032,14 +2054,16 @@ static void extend_task_amx(const uint16_t *q, int64_t q_stride, const uint16_t 
         }
         /* O^T / l, rounded once, back to rows */
         const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), l);
-        uint16_t *ob = (uint16_t *)pvt; /* [D][16] bfloat16 */
-        for (int64_t d = 0; d < D; d++)
-            _mm256_storeu_si256((__m256i *)(ob + d * 16),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(ot + d * 16), inv)));
-        for (int r = 0; r < R; r++) {
-            const int64_t rr = r0 + r, t = t0 + rr / G;
-            uint16_t *dst = out + (t * H + h * G + rr % G) * D;
-            for (int64_t d = 0; d < D; d++) dst[d] = ob[d * 16 + r];
+        for (int64_t dc = 0; dc < D / 16; dc++) { /* 16 dims x 16 rows, transposed */
+            __m512i w[16];
+            for (int i = 0; i < 16; i++)
+                w[i] = _mm512_castps_si512(_mm512_mul_ps(_mm512_loadu_ps(ot + (16 * dc + i) * 16), inv));
+            transpose16_epi32(w);
+            for (int r = 0; r < R; r++) {
+                const int64_t rr = r0 + r, t = t0 + rr / G;
+                _mm256_storeu_si256((__m256i *)(out + (t * H + h * G + rr % G) * D + 16 * dc),
+                                    (__m256i)_mm512_cvtneps_pbh(_mm512_castsi512_ps(w[r])));
+            }
         }
     }
 }
