@@ -68,8 +68,8 @@ def _prefill_step(path: str, tokens: int, rounds: int, clock) -> int:  # noqa: A
     info = runner.info
     rule = batch_module.extend_kernel_takes
 
-    def sdpa_rule(dtype: torch.dtype, prefix: int, n: int) -> bool:
-        return dtype != torch.bfloat16 and rule(dtype, prefix, n)
+    def sdpa_rule(dtype: torch.dtype, prefix: int, n: int, **kw: bool) -> bool:
+        return dtype != torch.bfloat16 and rule(dtype, prefix, n, **kw)
 
     def step(kernel: bool, seed: int) -> float:
         batch_module.extend_kernel_takes = rule if kernel else sdpa_rule
