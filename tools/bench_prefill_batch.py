@@ -61,12 +61,19 @@ def run_case(kernel, name: str, seqs: list[tuple[int, int]], rounds: int, iters:
         at, off = at + n, off + p + n
     batch = ExtendBatch.of(kernel, chunks)
 
+    # a chunk without a cached prefix attends to the layer's new k, v as they are (no gather)
+    new_kv = {a: (k_pool[slots].transpose(0, 1)[None], v_pool[slots].transpose(0, 1)[None])
+              for a, n, p, slots in chunks if not p}
+
     def sdpa() -> torch.Tensor:
         outs = []
         for a, n, p, slots in chunks:
             qs = q[a:a + n].transpose(0, 1)[None]
-            ks = k_pool[slots].transpose(0, 1)[None]
-            vs = v_pool[slots].transpose(0, 1)[None]
+            if p:  # the extend path gathers a cached prefix's rows and masks
+                ks = k_pool[slots].transpose(0, 1)[None]
+                vs = v_pool[slots].transpose(0, 1)[None]
+            else:
+                ks, vs = new_kv[a]
             if p:
                 keys = torch.arange(p + n)[None, :]
                 mask = (keys <= torch.arange(p, p + n)[:, None]).view(1, 1, n, p + n)

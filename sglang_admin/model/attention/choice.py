@@ -83,7 +83,7 @@ def extend_kernel_takes(dtype: torch.dtype, prefix: int, n: int,
     multiplies on AMX tiles (``kernel_tiles``: model/extend_batch.py's ``tile_kernel``;
     every bfloat16 chunk of a step in one call, 1.5-2.3x torch's flash attention per
     sequence from 16 to 2048 new tokens with and without a cached prefix, one thread, and
-    4x on a step of 32 short prompts; docs/cpu-performance.md), or where the CPU has no
+    3.3-4.3x on a step of 32 short prompts; docs/cpu-performance.md), or where the CPU has no
     AMX tiles (the flash kernel on AVX512_BF16: 2-3.5x torch's bfloat16 SDPA from 16 tokens
     up), and none where the CPU has tiles the kernel does not use (torch's flash attention
     multiplies its blocks on the tiles: 1.6-2.9x the AVX512_BF16 kernel from 64 new tokens
