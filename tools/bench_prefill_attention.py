@@ -1,6 +1,6 @@
 #!/usr/bin/env python
-"""bfloat16 prefill attention on CPU: the AVX512_BF16 kernel (``CpuKernels.extend_attend``)
-against torch's ``scaled_dot_product_attention`` as the extend path calls it, side by side in
+"""bfloat16 prefill attention on CPU: the flash kernel (``CpuKernels.extend_attend``; on AMX
+tiles where the CPU has them, else AVX512_BF16) against torch's ``scaled_dot_product_attention`` as the extend path calls it, side by side in
 one run, at real model shapes (SmolLM2-135M: 9 query / 3 kv heads; Qwen2.5-0.5B: 14 / 2;
 head_dim 64), one sequence of 1..2048 new tokens (no cached prefix) and a chunk after a
 cached prefix; the two alternate per round, the median counts.
@@ -68,8 +68,8 @@ def _prefill_step(path: str, tokens: int, rounds: int, clock) -> int:  # noqa: A
     info = runner.info
     rule = batch_module.extend_kernel_takes
 
-    def sdpa_rule(dtype: torch.dtype, prefix: int, n: int) -> bool:
-        return dtype != torch.bfloat16 and rule(dtype, prefix, n)
+    def sdpa_rule(dtype: torch.dtype, prefix: int, n: int, **kw: bool) -> bool:
+        return dtype != torch.bfloat16 and rule(dtype, prefix, n, **kw)
 
     def step(kernel: bool, seed: int) -> float:
         batch_module.extend_kernel_takes = rule if kernel else sdpa_rule

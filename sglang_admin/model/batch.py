@@ -18,6 +18,7 @@ from sglang_admin.model.attention import AttentionMetadata, DecodeGroup, ExtendS
 from sglang_admin.model.attention.choice import extend_kernel_takes
 from sglang_admin.model.cpu_kernels import CpuKernels
 from sglang_admin.model.decode_batch import DecodeBatch
+from sglang_admin.model.extend_batch import ExtendBatch, tile_kernel
 from sglang_admin.model.host_index import StagingBuffer, host_table
 from sglang_admin.model.lanes import group_by_length, lane_cuts
 from sglang_admin.model.step_io import InvalidSequence, SeqInput
@@ -72,6 +73,9 @@ class BatchBuilder:
         self.kv_width = kv_width  # num_kv_heads * head_dim: one pool row of one layer
         self.cpu_kernels = cpu_kernels
         self.extend_kernel = extend_kernel  # prefill chunks may go through the CPU kernel
+        # whether its bfloat16 prefill kernel multiplies on AMX tiles (attention/choice.py)
+        self.kernel_tiles = (cpu_kernels is not None and dtype == torch.bfloat16
+                             and extend_kernel and tile_kernel(cpu_kernels))
         self.lanes = lanes
         # CUDA (model/attention/choice.py): decode through the Triton kernel, a cached
         # prefix's extend without a mask; tests set it on CPU to check those paths' numerics
@@ -295,7 +299,8 @@ class BatchBuilder:
             seq = ExtendSeq(start, n)
             meta.extend_seqs.append(seq)
             start += n
-            if kernel_extend and extend_kernel_takes(self.dtype, p, n):  # no masks or gathers
+            if kernel_extend and extend_kernel_takes(self.dtype, p, n,  # no masks or gathers
+                                                     kernel_tiles=self.kernel_tiles):
                 seq.slots, seq.prefix = table[s.req_idx, : p + n], p
                 continue
             in_window = window is not None and p + n > window
@@ -313,6 +318,10 @@ class BatchBuilder:
                     gathered = max(gathered, p + n)
                 if in_window:
                     seq.swa_mask = (causal & (keys > qpos - window)).view(1, 1, n, p + n)
+        kernel_seqs = [seq for seq in meta.extend_seqs if seq.slots is not None]
+        if kernel_seqs and self.dtype == torch.bfloat16:  # one call per layer for them all
+            meta.extend_batch = ExtendBatch.of(
+                self.cpu_kernels, [(e.start, e.n, e.prefix, e.slots) for e in kernel_seqs])
         if self.device.type == "cpu" and gathered:
             meta.gather_k, meta.gather_v = self._gather_scratch(lane, gathered)
         return meta

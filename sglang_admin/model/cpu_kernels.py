@@ -71,6 +71,13 @@ class CpuKernels:
         self._extend_bf16.restype = ctypes.c_int
         self._extend_bf16.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64,
                                       ctypes.c_float, _I64, _PTR]
+        self._extend_bf16_seqs = lib.extend_attention_bf16_seqs  # model/extend_batch.py
+        self._extend_bf16_seqs.restype = ctypes.c_int
+        self._extend_bf16_seqs.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64,
+                                           _I64, _I64, _I64, ctypes.c_float, _I64, _PTR]
+        self._extend_bf16_amx = lib.extend_attention_bf16_amx  # model/extend_batch.py
+        self._extend_bf16_amx.restype = ctypes.c_int
+        self._extend_bf16_amx.argtypes = [ctypes.c_int]
         self._extend_bf16_applies = lib.extend_attention_bf16_applies
         self._extend_bf16_applies.restype = ctypes.c_int
         self._extend_bf16_applies.argtypes = [_I64]

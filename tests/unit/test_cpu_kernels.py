@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from sglang_admin.messages import SamplingParams
-from sglang_admin.model import cpu_kernels, cpu_kernels_build
+from sglang_admin.model import cpu_kernels, cpu_kernels_build, extend_batch
 from sglang_admin.model.attention import AttentionMetadata, choice
 from sglang_admin.model.config import LlamaConfig
 from sglang_admin.model.cpu_features import cpu_flags
@@ -318,13 +318,17 @@ def test_runner_decodes_the_same_with_and_without_the_kernel() -> None:
 
 @needs_kernel
 def test_bfloat16_prefill_attention_takes_torchs_flash_attention_where_the_cpu_has_amx() -> None:
-    """bfloat16 chunks: the flash kernel without AMX tiles, torch's SDPA with them; float32
-    chunks up to EXTEND_MAX_TOKENS go to the kernel either way."""
+    """bfloat16 chunks: the flash kernel without AMX tiles or where it runs on them, torch's
+    SDPA where only torch does; float32 chunks up to EXTEND_MAX_TOKENS go to the kernel
+    either way."""
     limit = choice.EXTEND_MAX_TOKENS
     for n in (1, 64, 2048):
         assert choice.extend_kernel_takes(BF16, 0, n, tile_matmul=False)
         assert not choice.extend_kernel_takes(BF16, 512, n, tile_matmul=True)
+        # the kernel on the tiles itself: every chunk
+        assert choice.extend_kernel_takes(BF16, 512, n, tile_matmul=True, kernel_tiles=True)
     assert not choice.extend_kernel_takes(BF16, 0, 0, tile_matmul=False)
+    assert not choice.extend_kernel_takes(BF16, 0, 0, tile_matmul=True, kernel_tiles=True)
     for tiles in (False, True):
         assert choice.extend_kernel_takes(torch.float32, 0, limit, tile_matmul=tiles)
         assert not choice.extend_kernel_takes(torch.float32, 0, limit + 1, tile_matmul=tiles)
@@ -332,7 +336,8 @@ def test_bfloat16_prefill_attention_takes_torchs_flash_attention_where_the_cpu_h
 
 
 def _spy_extend_attend(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
-    """Record (new tokens, prefix) of every ``CpuKernels.extend_attend`` call from now on."""
+    """Record (new tokens, prefix) of every ``CpuKernels.extend_attend`` call from now on, and
+    of each sequence of every bfloat16 batched call (model/extend_batch.py)."""
     calls: list[tuple[int, int]] = []
     real = cpu_kernels.CpuKernels.extend_attend
 
@@ -341,6 +346,13 @@ def _spy_extend_attend(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]
         return real(self, q, k_cache, v_cache, slots, prefix, scale, window)
 
     monkeypatch.setattr(cpu_kernels.CpuKernels, "extend_attend", spy)
+    real_batch = extend_batch.ExtendBatch.attend
+
+    def spy_batch(self, q, k_cache, v_cache, scale, window, out):  # noqa: ANN001, ANN202
+        calls.extend((int(n), int(p)) for _, n, p, _ in self.seqs.tolist())
+        return real_batch(self, q, k_cache, v_cache, scale, window, out)
+
+    monkeypatch.setattr(extend_batch.ExtendBatch, "attend", spy_batch)
     return calls
 
 
@@ -663,6 +675,13 @@ def test_runner_in_bf16_uses_the_kernels_and_decodes_as_torchs_ops(
             return _real(self, *args, **kwargs)
 
         monkeypatch.setattr(cpu_kernels.CpuKernels, name, spy)
+    real_batch = extend_batch.ExtendBatch.attend
+
+    def spy_batch(self, *args):  # noqa: ANN001, ANN202
+        calls.append("extend_batch")
+        return real_batch(self, *args)
+
+    monkeypatch.setattr(extend_batch.ExtendBatch, "attend", spy_batch)
     prompts = [[5, 9, 13, 200, 7], list(range(40, 90)), [1], list(range(100, 133))]
     fast = ModelRunner(None, device="cpu", dtype="bfloat16", max_total_tokens=1024,
                        max_running_requests=4)
@@ -675,11 +694,13 @@ def test_runner_in_bf16_uses_the_kernels_and_decodes_as_torchs_ops(
     assert all(a[:4] == b[:4] for a, b in zip(ours, theirs))
     assert {"rope_attend", "rope_store", "add_rms_norm", "silu_mul", "argmax"} <= set(calls)
     assert not {"decode_layer", "linear"} & set(calls)
-    # prefill attention: the flash kernel where the build has it (AVX512_BF16) and the CPU
-    # has no AMX tiles (torch's flash attention runs on them)
+    # prefill attention: every chunk of a step in one flash kernel call where the build has
+    # it (AVX512_BF16) and it runs on the CPU's AMX tiles or the CPU has none (else torch's
+    # flash attention, which runs on them)
     head_dim = fast.model.config.head_dim
-    assert ("extend_attend" in calls) == (fast.cpu_kernels.extend_applies(head_dim, BF16)
-                                          and not choice.cpu_has_tile_matmul())
+    assert "extend_attend" not in calls
+    assert ("extend_batch" in calls) == (fast.cpu_kernels.extend_applies(head_dim, BF16) and (
+        extend_batch.tile_kernel(fast.cpu_kernels) or not choice.cpu_has_tile_matmul()))
 
 
 @needs_kernel
@@ -968,10 +989,16 @@ def test_runner_in_bf16_sends_every_prefill_chunk_to_the_flash_kernel(
         ours = run(with_long=False)
         calls.clear()
         monkeypatch.setattr(batch_module, "extend_kernel_takes",
-                            lambda dtype, prefix, n: dtype == torch.float32)
+                            lambda dtype, prefix, n, **_: dtype == torch.float32)
         assert run(with_long=False) == ours and calls == []
         monkeypatch.setattr(batch_module, "extend_kernel_takes", choice.extend_kernel_takes)
         monkeypatch.setattr(choice, "cpu_has_tile_matmul", lambda: True)
+        tiles = runner.batches.kernel_tiles
+        runner.batches.kernel_tiles = False  # AMX tiles the kernel does not use: torch's
         assert run(with_long=False) == ours and calls == []
+        runner.batches.kernel_tiles = True  # the kernel on the tiles (where it has them)
+        if extend_batch.tile_kernel(runner.cpu_kernels):
+            assert run(with_long=False) == ours and calls == [(5, 0)] * layers + [(3, 5)] * layers
+        runner.batches.kernel_tiles = tiles
     finally:
         torch.set_num_threads(before)

@@ -76,18 +76,24 @@ EXTEND_MAX_TOKENS = 1024
 
 
 def extend_kernel_takes(dtype: torch.dtype, prefix: int, n: int,
-                        tile_matmul: bool | None = None) -> bool:
+                        tile_matmul: bool | None = None, kernel_tiles: bool = False) -> bool:
     """Whether a prefill chunk of ``n`` new tokens after ``prefix`` cached ones goes through
-    :meth:`CpuKernels.extend_attend` rather than torch's SDPA (where the build has the
-    kernel): float32 chunks up to ``EXTEND_MAX_TOKENS``; bfloat16 chunks of any length where
-    the CPU has no AMX tiles (the flash kernel measured faster than torch's bfloat16 SDPA from
-    1 to 2048 new tokens, with and without a cached prefix, at the SmolLM2-135M and
-    Qwen2.5-0.5B shapes: 2-3.5x from 16 tokens up on AVX512_BF16), and none where it has them
-    (torch's flash attention multiplies its blocks on the tiles: 1.6-2.9x the kernel from 64
-    new tokens up, a whole 2048-token SmolLM2 prefill 1.9x; docs/cpu-performance.md).
-    ``tile_matmul``: whether the CPU has AMX-BF16 (default: this machine)."""
+    the CPU prefill kernel rather than torch's SDPA (where the build has the kernel): float32
+    chunks up to ``EXTEND_MAX_TOKENS``; bfloat16 chunks of any length where the kernel
+    multiplies on AMX tiles (``kernel_tiles``: model/extend_batch.py's ``tile_kernel``;
+    every bfloat16 chunk of a step in one call, 1.5-2.3x torch's flash attention per
+    sequence from 16 to 2048 new tokens with and without a cached prefix, one thread, and
+    3.3-4.3x on a step of 32 short prompts; docs/cpu-performance.md), or where the CPU has no
+    AMX tiles (the flash kernel on AVX512_BF16: 2-3.5x torch's bfloat16 SDPA from 16 tokens
+    up), and none where the CPU has tiles the kernel does not use (torch's flash attention
+    multiplies its blocks on the tiles: 1.6-2.9x the AVX512_BF16 kernel from 64 new tokens
+    up). ``tile_matmul``: whether the CPU has AMX-BF16 (default: this machine)."""
     if dtype == torch.bfloat16:
+        if n <= 0:
+            return False
+        if kernel_tiles:
+            return True
         if tile_matmul is None:
             tile_matmul = cpu_has_tile_matmul()
-        return n > 0 and not tile_matmul
+        return not tile_matmul
     return n <= EXTEND_MAX_TOKENS

@@ -80,6 +80,9 @@ class AttentionMetadata:
     # CPU float32 (model/cpu_kernels.py): the decode sequences attend through the kernel,
     # in place in the pool, and decode_groups stay empty
     decode_batch: Any = None
+    # CPU bfloat16 (model/extend_batch.py): the extend sequences with ``slots`` set, all
+    # attended in one kernel call per layer
+    extend_batch: Any = None
     # CUDA (model/attention/choice.py): the decode sequences attend through the Triton
     # kernel, and decode_groups stay empty
     paged_decode: PagedDecode | None = None

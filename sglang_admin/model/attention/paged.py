@@ -90,13 +90,23 @@ def extend_attention(
 ) -> torch.Tensor:
     """Attention of the extend tokens q [Te, H, D] (k, v: their new keys and values), one
     sequence at a time (no padding to the longest one), through the CPU kernel where it
-    applies (keys and values read from the pool, a cached prefix's too). k_flat, v_flat: the
+    applies (keys and values read from the pool, a cached prefix's too; in bfloat16 every
+    such sequence in one call, ``meta.extend_batch``). k_flat, v_flat: the
     pool as [slots, kv * D]."""
     h, d = q.shape[1], q.shape[2]
     windowed = sliding_window is not None
+    batch = meta.extend_batch
+    if batch is not None:  # CPU bfloat16: the kernel's sequences in one call, into out
+        out = batch.attend(q, k_flat.view(-1, kv, d), v_flat.view(-1, kv, d), scale,
+                           sliding_window, torch.empty(q.shape[0], h * d, dtype=q.dtype))
+        if len(batch.seqs) == len(meta.extend_seqs):
+            return out
     outs = []
     for seq in meta.extend_seqs:
         end = seq.start + seq.n
+        if seq.slots is not None and batch is not None:
+            outs.append(out[seq.start : end])
+            continue
         if seq.slots is not None:  # the runner chose the CPU prefill kernel for it
             outs.append(kernels.extend_attend(
                 q[seq.start : end], k_flat.view(-1, kv, d), v_flat.view(-1, kv, d),

@@ -1862,26 +1862,323 @@ static void extend_task_bf16(const uint16_t *q, int64_t q_stride, const uint32_t
 }
 #endif
 
-int extend_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k,
-                          const uint16_t *v, const int64_t *slots, int64_t p, int64_t n,
-                          int64_t H, int64_t KV, int64_t D, float scale, int64_t window,
-                          uint16_t *out) {
+/*
+ * The same task on AMX tiles where the CPU has them (TDPBF16PS: a 16 x 16 float32 tile of sums
+ * of 32 bfloat16 products each, one instruction), transposed: a task's rows go 16 at a time as
+ * the 16 lanes of a vector. The scores S^T = K.Q^T (keys as they lie in the A operand, the 16
+ * rows' q in the pair layout as B), so each key's scores for the 16 rows are one vector: the
+ * online softmax's max and sum run across keys lane by lane (no horizontal reductions), the
+ * 16 rescale factors are one exp16, the probabilities go to bfloat16 pairs (the B operand of
+ * O^T = V^T.P^T, the values packed transposed as A), and the running output is D vectors of
+ * 16 rows in float32, turned back to rows once at the end. The arithmetic of the vector path
+ * (float32 scores and softmax over the same blocks of EXT_BK keys, the probabilities rounded
+ * to bfloat16, the output rounded once) but the order of the float32 sums (the tiles' own)
+ * and the rescale factors' exp (exp16, not expf).
+ * Tiles: 0-3 sums (scores, then P.V), 4 the A operand, 5 the B operand; all 16 x 64 bytes.
+ */
+#if defined(HAVE_AVX512BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define HAVE_EXT_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* whether Linux granted this process the tiles (-1: not asked yet); whether they are used */
+static int ext_amx_granted = -1, ext_amx_on = 1;
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} ExtTileConfig;
+
+static void ext_amx_configure(void) {
+    ExtTileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int i = 0; i < 6; i++) { cfg.rows[i] = 16; cfg.colsb[i] = 64; }
+    _tile_loadconfig(&cfg);
+}
+
+/* keys [j0, j0 + EXT_BK) of kv head h for the tiles: kt [EXT_BK][D] as they are (the A operand
+ * of K.Q^T), vt [D][EXT_BK] transposed (the A operand of V^T.P^T: keys 2i, 2i+1 interleaved
+ * into 32-bit words, then 16 x 16 words transposed at a time); zeros at or past L */
+static void pack_block_amx(const uint16_t *k, const uint16_t *v, const int64_t *slots,
+                           int64_t j0, int64_t L, int64_t D, int64_t row, int64_t h,
+                           uint16_t *kt, uint16_t *vt) {
+    for (int64_t j = 0; j < EXT_BK; j++) {
+        if (j0 + j < L)
+            memcpy(kt + j * D, k + slots[j0 + j] * row + h * D, (size_t)D * sizeof(uint16_t));
+        else
+            memset(kt + j * D, 0, (size_t)D * sizeof(uint16_t));
+    }
+    uint32_t *vt32 = (uint32_t *)vt; /* [D][EXT_BK / 2] words */
+    for (int64_t ib = 0; ib < EXT_BK / 32; ib++)
+        for (int64_t dc = 0; dc < D / 16; dc++) {
+            __m512i r[16];
+            for (int i = 0; i < 16; i++) {
+                const int64_t ja = j0 + 2 * (16 * ib + i), jb = ja + 1;
+                const __m512i va = ja < L ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                                (const __m256i *)(v + slots[ja] * row + h * D + 16 * dc)))
+                                          : _mm512_setzero_si512();
+                const __m512i vb = jb < L ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                                (const __m256i *)(v + slots[jb] * row + h * D + 16 * dc)))
+                                          : _mm512_setzero_si512();
+                r[i] = _mm512_or_si512(va, _mm512_slli_epi32(vb, 16));
+            }
+            transpose16_epi32(r);
+            for (int dd = 0; dd < 16; dd++)
+                _mm512_storeu_si512(vt32 + (16 * dc + dd) * (EXT_BK / 2) + 16 * ib, r[dd]);
+        }
+}
+
+/* one task on the tiles, transposed: 16 rows are the 16 lanes of a vector, so a key's scores
+ * for all of them are one vector (S^T = K.Q^T), the softmax's max and sum run across keys
+ * lane by lane (no horizontal reductions, one exp16 for the 16 rescale factors), and the
+ * output is kept transposed too (O^T = V^T.P^T, D vectors of 16 rows), turned back at the end. */
+static void extend_task_amx(const uint16_t *q, int64_t q_stride, const uint16_t *ktk,
+                            const uint16_t *vtk, int64_t p, int64_t t0, int64_t t1, int64_t H,
+                            int64_t KV, int64_t D, float scale, int64_t window, int64_t h,
+                            void *buf, uint16_t *out) {
+    const int64_t G = H / KV, rows = (t1 - t0) * G;
+    const int64_t DC = D / 32;                       /* 32-dim chunks */
+    float *ot = (float *)buf;                        /* [D][16] per 16 rows */
+    float *s = ot + D * 16;                          /* [EXT_BK][16] */
+    float *pvt = s + EXT_BK * 16;                    /* [D][16] */
+    uint16_t *pt = (uint16_t *)(pvt + D * 16);       /* [EXT_BK / 2][16][2] */
+    uint32_t *qt = (uint32_t *)(pt + EXT_BK * 16);   /* [DC][16 pairs][16 rows] per 16 rows */
+    ext_amx_configure();
+    const __m512 sv = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+    /* bfloat16 pairs (key 2i, key 2i + 1) of each row, from the two keys' 16 rows */
+    static const uint16_t zip_index[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                           8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i zip = _mm512_loadu_si512(zip_index);
+    for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+        const int R = rows - r0 >= 16 ? 16 : (int)(rows - r0);
+        /* Q^T of the 16 rows in the pair layout (B operand): qt[(c * 16 + i) * 16 + r] holds
+         * dims 32 c + 2 i, +1 of row r; rows past R zeros */
+        int32_t posl[16], lol[16];
+        const uint16_t *qrow[16];
+        for (int r = 0; r < 16; r++) {
+            const int64_t rr = r0 + r;
+            if (r < R) {
+                qrow[r] = q + (t0 + rr / G) * q_stride + (h * G + rr % G) * D;
+                const int64_t pos = p + t0 + rr / G;
+                posl[r] = (int32_t)pos;
+                lol[r] = (int32_t)((window > 0 && pos + 1 > window) ? pos + 1 - window : 0);
+            } else {
+                qrow[r] = NULL;
+                posl[r] = -1; /* sees no key */
+                lol[r] = 0;
+            }
+        }
+        for (int64_t c = 0; c < DC; c++) { /* 16 rows x 16 dim pairs, transposed */
+            __m512i w[16];
+            for (int r = 0; r < 16; r++)
+                w[r] = qrow[r] ? _mm512_loadu_si512(qrow[r] + 32 * c) : _mm512_setzero_si512();
+            transpose16_epi32(w);
+            for (int i = 0; i < 16; i++) _mm512_storeu_si512(qt + (c * 16 + i) * 16, w[i]);
+        }
+        const int64_t t_first = t0 + r0 / G, t_last = t0 + (r0 + R - 1) / G;
+        const int64_t lo_first = lol[0], lo_last = lol[R - 1];
+        const int64_t pos_first = p + t_first, hi = p + t_last + 1; /* keys [lo_first, hi) */
+        const __m512i posv = _mm512_loadu_si512(posl), lov = _mm512_loadu_si512(lol);
+        __m512 m = ninf, l = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; d++) _mm512_storeu_ps(ot + d * 16, _mm512_setzero_ps());
+        for (int64_t j0 = lo_first / EXT_BK * EXT_BK; j0 < hi; j0 += EXT_BK) {
+            const uint16_t *kt = ktk + (j0 / EXT_BK) * EXT_BK * D;
+            const uint16_t *vt = vtk + (j0 / EXT_BK) * EXT_BK * D;
+            const int64_t span = hi - j0 < EXT_BK ? hi - j0 : EXT_BK;
+            const int nk = (int)((span + 15) / 16); /* score tiles of 16 keys in use */
+            _tile_zero(0);
+            if (nk > 1) _tile_zero(1);
+            if (nk > 2) _tile_zero(2);
+            if (nk > 3) _tile_zero(3);
+            for (int64_t c = 0; c < DC; c++) {
+                _tile_loadd(5, qt + c * 256, 64);
+                _tile_loadd(4, kt + 0 * 16 * D + 32 * c, D * 2);
+                _tile_dpbf16ps(0, 4, 5);
+                if (nk > 1) { _tile_loadd(4, kt + 1 * 16 * D + 32 * c, D * 2); _tile_dpbf16ps(1, 4, 5); }
+                if (nk > 2) { _tile_loadd(4, kt + 2 * 16 * D + 32 * c, D * 2); _tile_dpbf16ps(2, 4, 5); }
+                if (nk > 3) { _tile_loadd(4, kt + 3 * 16 * D + 32 * c, D * 2); _tile_dpbf16ps(3, 4, 5); }
+            }
+            _tile_stored(0, s, 64);
+            if (nk > 1) _tile_stored(1, s + 256, 64);
+            if (nk > 2) _tile_stored(2, s + 512, 64);
+            if (nk > 3) _tile_stored(3, s + 768, 64);
+            const int keys = nk * 16;
+            /* every row sees every key of the block: no masks */
+            const int full = R == 16 && lo_last <= j0 && pos_first >= j0 + EXT_BK - 1;
+            const __m512i pj = _mm512_sub_epi32(posv, _mm512_set1_epi32((int)j0));
+            const __m512i lj = _mm512_sub_epi32(lov, _mm512_set1_epi32((int)j0));
+            __m512 mx = m;
+            for (int j = 0; j < keys; j++) {
+                __m512 x = _mm512_mul_ps(_mm512_loadu_ps(s + j * 16), sv);
+                if (!full) {
+                    const __m512i jj = _mm512_set1_epi32(j);
+                    const __mmask16 keep = _mm512_cmple_epi32_mask(jj, pj) & _mm512_cmpge_epi32_mask(jj, lj);
+                    x = _mm512_mask_mov_ps(ninf, keep, x);
+                }
+                _mm512_storeu_ps(s + j * 16, x);
+                mx = _mm512_max_ps(mx, x);
+            }
+            /* alpha = exp(m - mnew): 0 where the row had no key yet, 1 where it has none here */
+            const __m512 alpha = exp16(_mm512_sub_ps(m, mx));
+            m = mx;
+            __m512 sum = _mm512_setzero_ps();
+            for (int j = 0; j < keys; j += 2) {
+                const __m512 x0 = _mm512_loadu_ps(s + j * 16), x1 = _mm512_loadu_ps(s + (j + 1) * 16);
+                /* -inf - m, or NaN where the row has no key yet: exp16 gives ~0; zeroed */
+                const __m512 e0 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x0, ninf, _CMP_NEQ_OQ),
+                                                      exp16(_mm512_sub_ps(x0, mx)));
+                const __m512 e1 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x1, ninf, _CMP_NEQ_OQ),
+                                                      exp16(_mm512_sub_ps(x1, mx)));
+                sum = _mm512_add_ps(_mm512_add_ps(sum, e0), e1);
+                const __m512i pair = (__m512i)_mm512_cvtne2ps_pbh(e1, e0);
+                _mm512_storeu_si512(pt + j * 16, _mm512_permutexvar_epi16(zip, pair));
+            }
+            l = _mm512_fmadd_ps(l, alpha, sum);
+            if (keys % 32) /* the last 32-key chunk's unscored half: no weight */
+                memset(pt + keys * 16, 0, 16 * 16 * sizeof(uint16_t));
+            const int np = (keys + 31) / 32; /* key chunks of 32 (P^T tiles) */
+            for (int64_t d0 = 0; d0 < D; d0 += 64) {
+                const int nt = D - d0 >= 64 ? 4 : 2; /* D is a multiple of 32 */
+                _tile_zero(0);
+                _tile_zero(1);
+                if (nt > 2) { _tile_zero(2); _tile_zero(3); }
+                for (int kc = 0; kc < np; kc++) {
+                    const uint16_t *va = vt + d0 * EXT_BK + 32 * kc;
+                    _tile_loadd(5, pt + kc * 512, 64);
+                    _tile_loadd(4, va, EXT_BK * 2);
+                    _tile_dpbf16ps(0, 4, 5);
+                    _tile_loadd(4, va + 16 * EXT_BK, EXT_BK * 2);
+                    _tile_dpbf16ps(1, 4, 5);
+                    if (nt > 2) {
+                        _tile_loadd(4, va + 32 * EXT_BK, EXT_BK * 2);
+                        _tile_dpbf16ps(2, 4, 5);
+                        _tile_loadd(4, va + 48 * EXT_BK, EXT_BK * 2);
+                        _tile_dpbf16ps(3, 4, 5);
+                    }
+                }
+                _tile_stored(0, pvt + d0 * 16, 64);
+                _tile_stored(1, pvt + (d0 + 16) * 16, 64);
+                if (nt > 2) { _tile_stored(2, pvt + (d0 + 32) * 16, 64); _tile_stored(3, pvt + (d0 + 48) * 16, 64); }
+            }
+            for (int64_t d = 0; d < D; d++)
+                _mm512_storeu_ps(ot + d * 16, _mm512_fmadd_ps(alpha, _mm512_loadu_ps(ot + d * 16),
+                                                              _mm512_loadu_ps(pvt + d * 16)));
+        }
+        /* O^T / l, rounded once, back to rows */
+        const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), l);
+        for (int64_t dc = 0; dc < D / 16; dc++) { /* 16 dims x 16 rows, transposed */
+            __m512i w[16];
+            for (int i = 0; i < 16; i++)
+                w[i] = _mm512_castps_si512(_mm512_mul_ps(_mm512_loadu_ps(ot + (16 * dc + i) * 16), inv));
+            transpose16_epi32(w);
+            for (int r = 0; r < R; r++) {
+                const int64_t rr = r0 + r, t = t0 + rr / G;
+                _mm256_storeu_si256((__m256i *)(out + (t * H + h * G + rr % G) * D + 16 * dc),
+                                    (__m256i)_mm512_cvtneps_pbh(_mm512_castsi512_ps(w[r])));
+            }
+        }
+    }
+}
+#endif
+
+/* 1 where the prefill kernel multiplies on AMX tiles (the CPU has them and Linux granted them
+ * to this process); use < 0 asks, 0 turns them off, 1 back on where they are granted */
+int extend_attention_bf16_amx(int use) {
+#ifdef HAVE_EXT_AMX
+    int granted = __atomic_load_n(&ext_amx_granted, __ATOMIC_ACQUIRE);
+    if (granted < 0) { /* ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA: asking twice is harmless */
+        granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+        __atomic_store_n(&ext_amx_granted, granted, __ATOMIC_RELEASE);
+    }
+    if (use >= 0) __atomic_store_n(&ext_amx_on, use ? 1 : 0, __ATOMIC_RELEASE);
+    return granted && __atomic_load_n(&ext_amx_on, __ATOMIC_ACQUIRE);
+#else
+    (void)use;
+    return 0;
+#endif
+}
+
+/*
+ * Every prefill chunk of a step in one call: the tasks of all sequences (kv head x block of
+ * EXT_BQ query tokens, extend_task_bf16) share one OpenMP region, the costliest first, so a
+ * step of 32 short prompts is one fork and one pack instead of 32.
+ *   seqs   [nseq, 4] int64: (q_start, n, p, slot_off) of each sequence: its queries are
+ *          tokens q_start .. q_start + n - 1 of q (and of out), after p cached positions, its
+ *          slots slots[slot_off .. slot_off + p + n)
+ *   q_rows, slots_len: q's tokens and slots' length, for the bounds checks
+ * Returns 1; 0 where the kernel does not apply (nothing written) or a buffer could not be
+ * allocated (out incomplete); -1 where seqs is malformed (n < 1, p < 0, a range outside q or
+ * slots, or query ranges out of order or overlapping; nothing written).
+ */
 #ifdef HAVE_AVX512BF16
-    if (!extend_attention_bf16_applies(D) || KV <= 0 || H % KV != 0 || n <= 0) return 0;
-    const int64_t G = H / KV, blocks = (n + EXT_BQ - 1) / EXT_BQ, tasks = KV * blocks;
-    const int64_t bq = n < EXT_BQ ? n : EXT_BQ; /* query tokens of the largest task */
-    const int64_t L = p + n, kblocks = (L + EXT_BK - 1) / EXT_BK, words = EXT_BK * D / 2;
-    /* every kv head's keys and values packed once, shared by its query blocks */
-    uint32_t *kpk = aligned_alloc(64, (size_t)(2 * KV * kblocks * words) * sizeof(uint32_t));
-    if (kpk == NULL) return 0;
-    uint32_t *vpk = kpk + KV * kblocks * words;
-    const size_t bytes = (size_t)bq * G * (D + 2) * sizeof(float)
-                         + (size_t)EXT_R * EXT_BK * (sizeof(float) + sizeof(uint16_t)) + 64;
+typedef struct { int64_t cost; int32_t s, b, h, pad; } ExtTask;
+
+static int ext_task_cmp(const void *a, const void *b) {
+    const int64_t ca = ((const ExtTask *)a)->cost, cb = ((const ExtTask *)b)->cost;
+    return ca < cb ? 1 : (ca > cb ? -1 : 0);
+}
+#endif
+
+int extend_attention_bf16_seqs(const uint16_t *q, int64_t q_stride, int64_t q_rows,
+                               const uint16_t *k, const uint16_t *v, const int64_t *slots,
+                               int64_t slots_len, const int64_t *seqs, int64_t nseq, int64_t H,
+                               int64_t KV, int64_t D, float scale, int64_t window,
+                               uint16_t *out) {
+    int64_t prev_end = 0;
+    for (int64_t s = 0; s < nseq; s++) {
+        const int64_t a = seqs[4 * s], n = seqs[4 * s + 1], p = seqs[4 * s + 2], off = seqs[4 * s + 3];
+        if (n < 1 || p < 0 || a < prev_end || a > q_rows - n || off < 0 || p > slots_len - n
+            || off > slots_len - p - n)
+            return -1;
+        prev_end = a + n;
+    }
+#ifdef HAVE_AVX512BF16
+    if (!extend_attention_bf16_applies(D) || KV <= 0 || H % KV != 0 || nseq <= 0) return 0;
+    const int64_t G = H / KV, words = EXT_BK * D / 2;
+    /* per sequence: its first packed block (kv head 0) and its first task */
+    int64_t *first = malloc((size_t)(2 * nseq + 2) * sizeof(int64_t));
+    if (first == NULL) return 0;
+    int64_t *first_task = first + nseq + 1;
+    int64_t blocks_all = 0, tasks = 0, bq = 1;
+    for (int64_t s = 0; s < nseq; s++) {
+        const int64_t n = seqs[4 * s + 1], L = seqs[4 * s + 2] + n;
+        first[s] = blocks_all;
+        first_task[s] = tasks;
+        blocks_all += KV * ((L + EXT_BK - 1) / EXT_BK);
+        tasks += KV * ((n + EXT_BQ - 1) / EXT_BQ);
+        bq = n < EXT_BQ ? (n > bq ? n : bq) : EXT_BQ;
+    }
+    first[nseq] = blocks_all;
+    first_task[nseq] = tasks;
+    uint32_t *kpk = aligned_alloc(64, (size_t)(2 * blocks_all * words) * sizeof(uint32_t));
+    ExtTask *order = malloc((size_t)tasks * sizeof(ExtTask));
+    if (kpk == NULL || order == NULL) {
+        free(kpk); free(order); free(first);
+        return 0;
+    }
+    uint32_t *vpk = kpk + blocks_all * words;
+    for (int64_t s = 0, t = 0; s < nseq; s++) {
+        const int64_t n = seqs[4 * s + 1], p = seqs[4 * s + 2];
+        for (int64_t b = 0; b * EXT_BQ < n; b++) {
+            const int64_t t0 = b * EXT_BQ, t1 = t0 + EXT_BQ < n ? t0 + EXT_BQ : n;
+            const int64_t lo = (window > 0 && p + t0 + 1 > window) ? p + t0 + 1 - window : 0;
+            for (int64_t h = 0; h < KV; h++, t++)
+                order[t] = (ExtTask){(t1 - t0) * (p + t1 - lo), (int32_t)s, (int32_t)b, (int32_t)h, 0};
+        }
+    }
+    qsort(order, (size_t)tasks, sizeof(ExtTask), ext_task_cmp); /* the longest first */
+    const int amx = extend_attention_bf16_amx(-1) == 1;
+    const size_t bytes = amx ? (size_t)16 * (2 * D + EXT_BK) * sizeof(float)
+                                   + (size_t)16 * (EXT_BK + D) * sizeof(uint16_t) + 64
+                             : (size_t)bq * G * (D + 2) * sizeof(float)
+                                   + (size_t)EXT_R * EXT_BK * (sizeof(float) + sizeof(uint16_t)) + 64;
     int failed = 0;
     int64_t team = 1;
 #ifdef _OPENMP
     team = omp_get_max_threads();
-    team = team < tasks + KV * kblocks ? team : tasks + KV * kblocks;
+    team = team < tasks + blocks_all ? team : tasks + blocks_all;
     team = team > 1 ? team : 1;
 #pragma omp parallel num_threads((int)team) if (team > 1)
 #endif
@@ -1893,30 +2190,71 @@ int extend_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k
 #endif
             failed = 1;
         }
+        int64_t s = 0;
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
-        for (int64_t blk = 0; blk < KV * kblocks; blk++)
-            pack_block_bf16(k, v, slots, (blk % kblocks) * EXT_BK, L, D, KV * D, blk / kblocks,
-                            kpk + blk * words, vpk + blk * words);
+        for (int64_t blk = 0; blk < blocks_all; blk++) {
+            while (first[s + 1] <= blk) s++;  /* ascending within a thread's chunk */
+            while (first[s] > blk) s--;
+            const int64_t kb = (first[s + 1] - first[s]) / KV;
+            const int64_t local = blk - first[s], L = seqs[4 * s + 2] + seqs[4 * s + 1];
+#ifdef HAVE_EXT_AMX
+            if (amx) {
+                pack_block_amx(k, v, slots + seqs[4 * s + 3], (local % kb) * EXT_BK, L, D, KV * D,
+                               local / kb, (uint16_t *)(kpk + blk * words),
+                               (uint16_t *)(vpk + blk * words));
+                continue;
+            }
+#endif
+            pack_block_bf16(k, v, slots + seqs[4 * s + 3], (local % kb) * EXT_BK, L, D, KV * D,
+                            local / kb, kpk + blk * words, vpk + blk * words);
+        }
 #ifdef _OPENMP
 #pragma omp for schedule(dynamic, 1)
 #endif
-        for (int64_t task = 0; task < tasks; task++) {
-            /* the last query blocks (the most keys) first */
-            const int64_t b = blocks - 1 - task / KV, h = task % KV;
-            const int64_t t0 = b * EXT_BQ, t1 = t0 + EXT_BQ < n ? t0 + EXT_BQ : n;
-            if (buf != NULL)
-                extend_task_bf16(q, q_stride, kpk + h * kblocks * words, vpk + h * kblocks * words,
-                                 p, t0, t1, H, KV, D, scale, window, h, buf, out);
+        for (int64_t i = 0; i < tasks; i++) {
+            const ExtTask t = order[i];
+            const int64_t *sq = seqs + 4 * t.s, n = sq[1], p = sq[2];
+            const int64_t kb = (first[t.s + 1] - first[t.s]) / KV;
+            const int64_t t0 = (int64_t)t.b * EXT_BQ, t1 = t0 + EXT_BQ < n ? t0 + EXT_BQ : n;
+            const int64_t pk = (first[t.s] + t.h * kb) * words;
+            if (buf == NULL) continue;
+#ifdef HAVE_EXT_AMX
+            if (amx) {
+                extend_task_amx(q + sq[0] * q_stride, q_stride, (const uint16_t *)(kpk + pk),
+                                (const uint16_t *)(vpk + pk), p, t0, t1,
+                                H, KV, D, scale, window, t.h, buf, out + sq[0] * H * D);
+                continue;
+            }
+#endif
+            extend_task_bf16(q + sq[0] * q_stride, q_stride, kpk + pk, vpk + pk, p, t0, t1,
+                             H, KV, D, scale, window, t.h, buf, out + sq[0] * H * D);
         }
+#ifdef HAVE_EXT_AMX
+        if (amx) _tile_release();
+#endif
         free(buf);
     }
     free(kpk);
+    free(order);
+    free(first);
     return failed ? 0 : 1;
 #else
-    (void)q; (void)q_stride; (void)k; (void)v; (void)slots; (void)p; (void)n; (void)H;
-    (void)KV; (void)D; (void)scale; (void)window; (void)out;
+    (void)q; (void)q_stride; (void)k; (void)v; (void)slots; (void)H; (void)KV; (void)D;
+    (void)scale; (void)window; (void)out;
     return 0;
 #endif
+}
+
+/* one sequence (extend_attention_bf16_seqs of one row): slots [p + n], out [n, H, D] */
+int extend_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k,
+                          const uint16_t *v, const int64_t *slots, int64_t p, int64_t n,
+                          int64_t H, int64_t KV, int64_t D, float scale, int64_t window,
+                          uint16_t *out) {
+    const int64_t seq[4] = {0, n, p, 0};
+    if (n <= 0 || p < 0) return 0;
+    const int r = extend_attention_bf16_seqs(q, q_stride, n, k, v, slots, p + n, seq, 1, H, KV,
+                                             D, scale, window, out);
+    return r > 0 ? r : 0;
 }
