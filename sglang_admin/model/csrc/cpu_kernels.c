@@ -46,6 +46,19 @@ extern __m256 _ZGVdN8v_expf(__m256);
  * even, every NaN to 0x7fc0, as torch's c10::BFloat16 does, so a value rounded here is the
  * value torch's bfloat16 op would give for the same float32 result.
  */
+/* the threads a parallel region takes: OpenMP's team, at most `most` and at least one (one
+ * without OpenMP) */
+static inline int team_of(int64_t most) {
+#ifdef _OPENMP
+    int64_t team = omp_get_max_threads();
+    team = team < most ? team : most;
+    return team > 1 ? (int)team : 1;
+#else
+    (void)most;
+    return 1;
+#endif
+}
+
 static inline float bf16_f32(uint16_t h) {
     union { uint32_t u; float f; } c = {(uint32_t)h << 16};
     return c.f;
@@ -2175,12 +2188,9 @@ int extend_attention_bf16_seqs(const uint16_t *q, int64_t q_stride, int64_t q_ro
                              : (size_t)bq * G * (D + 2) * sizeof(float)
                                    + (size_t)EXT_R * EXT_BK * (sizeof(float) + sizeof(uint16_t)) + 64;
     int failed = 0;
-    int64_t team = 1;
+    const int team = team_of(tasks + blocks_all);
 #ifdef _OPENMP
-    team = omp_get_max_threads();
-    team = team < tasks + blocks_all ? team : tasks + blocks_all;
-    team = team > 1 ? team : 1;
-#pragma omp parallel num_threads((int)team) if (team > 1)
+#pragma omp parallel num_threads(team) if (team > 1)
 #endif
     {
         void *buf = aligned_alloc(64, (bytes + 63) / 64 * 64);

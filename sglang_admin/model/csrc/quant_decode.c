@@ -170,12 +170,9 @@ void q4_decode_team(uint16_t *x, int64_t M, int64_t L, int64_t hidden, int64_t i
     const int64_t shared = 2 * M * (nqkv + (H + KV) * D + H * D + 2 * hidden + 2 * inter);
     char *own_base = scratch + (shared + 63) / 64 * 64;
     const int64_t per = own_bytes(M, hidden, inter, kmax);
-    int team = 1;
+    const int team = team_of(threads);
     (void)team;
 #ifdef _OPENMP
-    team = omp_get_max_threads();
-    team = team < threads ? team : (int)threads;
-    team = team > 1 ? team : 1;
 #pragma omp parallel num_threads(team) if (team > 1)
 #endif
     {

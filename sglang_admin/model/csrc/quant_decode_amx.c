@@ -233,12 +233,9 @@ void q4_decode_amx_team(uint16_t *x, int64_t M, int64_t L, int64_t hidden, int64
     char *own_base = scratch + (shared + 63) / 64 * 64;
     const int64_t per = amx_own_bytes(M, hidden);
     memset(claims, 0, (size_t)(8 * L));
-    int team = 1;
+    const int team = team_of(threads);
     (void)team;
 #ifdef _OPENMP
-    team = omp_get_max_threads();
-    team = team < threads ? team : (int)threads;
-    team = team > 1 ? team : 1;
 #pragma omp parallel num_threads(team) if (team > 1)
 #endif
     {
