@@ -99,6 +99,19 @@ def _compile(cc: str, cflags: list[str], libs: list[str], source: Path = SOURCE
     if target.exists():
         return str(target)
     target.parent.mkdir(parents=True, exist_ok=True)
+    from sglang_admin.model.gguf import cache_lock
+
+    # processes that start at once (a worker's ranks, a test run's) take turns: one compiles,
+    # the others load what it built instead of compiling the same file beside it
+    with cache_lock(str(target.parent / f".{target.name}.lock")):
+        if target.exists():
+            return str(target)
+        return _compile_into(cc, cflags, libs, source, target)
+
+
+def _compile_into(cc: str, cflags: list[str], libs: list[str], source: Path, target: Path
+                  ) -> str | None:
+    """:func:`_compile`'s build, the library renamed into ``target`` once whole."""
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     cmd = [cc, *cflags, "-shared", "-fPIC", str(source), "-o", tmp, *libs]

@@ -259,6 +259,43 @@ def test_decode_layer_matches_the_torch_layer(window: int | None) -> None:
     _check_decode_layer(kernel, window)
 
 
+def test_processes_building_at_once_compile_once(tmp_path, monkeypatch: pytest.MonkeyPatch
+                                                 ) -> None:
+    """Builds of one library started at once (a worker's ranks, a test run's processes)
+    take turns: the compiler runs once and every caller gets the one file it built."""
+    import concurrent.futures as cf
+    import shutil
+    import subprocess
+    import threading
+    import time
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    source = tmp_path / "tiny.c"
+    source.write_text("int tiny(void) { return 7; }\n")
+    monkeypatch.setattr(cpu_kernels_build, "_cache_dir", lambda: tmp_path / "kernels")
+    runs: list[int] = []
+    lock = threading.Lock()
+    real_run = subprocess.run
+
+    def counted_run(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        with lock:
+            runs.append(1)
+        time.sleep(0.3)  # the others arrive while it compiles
+        return real_run(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_kernels_build.subprocess, "run", counted_run)
+    with cf.ThreadPoolExecutor(3) as pool:
+        paths = list(pool.map(lambda _: cpu_kernels_build._compile(cc, ["-O1"], [],
+                                                                    source=source), range(3)))
+    assert len(runs) == 1
+    assert paths[0] is not None and len(set(paths)) == 1
+    import ctypes
+
+    assert ctypes.CDLL(paths[0]).tiny() == 7
+
+
 def test_plain_c_build_matches_torch() -> None:
     """The build for machines without AVX2 (no intrinsics, no libmvec) computes the same."""
     import shutil
