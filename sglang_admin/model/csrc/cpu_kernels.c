@@ -59,6 +59,15 @@ static inline int team_of(int64_t most) {
 #endif
 }
 
+/* this thread's number in its parallel region (0 without OpenMP) */
+static inline int thread_id(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
 static inline float bf16_f32(uint16_t h) {
     union { uint32_t u; float f; } c = {(uint32_t)h << 16};
     return c.f;

@@ -176,10 +176,7 @@ void q4_decode_team(uint16_t *x, int64_t M, int64_t L, int64_t hidden, int64_t i
 #pragma omp parallel num_threads(team) if (team > 1)
 #endif
     {
-        int tid = 0;
-#ifdef _OPENMP
-        tid = omp_get_thread_num();
-#endif
+        const int tid = thread_id();
         const own_t me = own_at(own_base + tid * per, M, hidden, inter, kmax);
         memcpy(me.x, x, (size_t)(2 * M * hidden));
         for (int64_t l = 0; l < L; ++l) {

@@ -239,10 +239,7 @@ void q4_decode_amx_team(uint16_t *x, int64_t M, int64_t L, int64_t hidden, int64
 #pragma omp parallel num_threads(team) if (team > 1)
 #endif
     {
-        int tid = 0;
-#ifdef _OPENMP
-        tid = omp_get_thread_num();
-#endif
+        const int tid = thread_id();
         uint16_t bt[1024] __attribute__((aligned(64)));
         float cbuf[768] __attribute__((aligned(64)));
         int64_t cfg = -1;
